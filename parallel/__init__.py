@@ -1,0 +1,1 @@
+"""pipedsl.parallel"""

@@ -1,0 +1,37 @@
+"""pipedsl: pipeline-parallel schedules as data, compiled to validated per-rank programs."""
+
+from pipedsl.compiler import Schedule
+from pipedsl.errors import (
+    DeadlockError,
+    PipeDSLError,
+    PipeRuntimeError,
+    PipeSemanticError,
+    PipeSyntaxError,
+    ValidationError,
+)
+from pipedsl.ir import Instr, Op, Program
+from pipedsl.library import builtin_names, load
+from pipedsl.simulate import Cost, simulate
+from pipedsl.timeline import Event, Timeline
+from pipedsl.validate import validate
+
+__all__ = [
+    "Cost",
+    "DeadlockError",
+    "Event",
+    "Instr",
+    "Op",
+    "PipeDSLError",
+    "PipeRuntimeError",
+    "PipeSemanticError",
+    "PipeSyntaxError",
+    "Program",
+    "Schedule",
+    "Timeline",
+    "ValidationError",
+    "builtin_names",
+    "load",
+    "simulate",
+    "validate",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,490 @@
+"""`Schedule`: a parsed `.pipe` declaration that binds sizes and compiles to a `Program`.
+
+Compilation: bind parameters → evaluate `require`s and `let`s → placement (stage, replica
+→ rank) and routing (microbatch → replica) → each rank's compute order → lowering →
+validation.  The order comes from one fixed rule (DESIGN §3): sort the rank's forwards by
+the `order F` key and its backwards by the `order B` key (ties by microbatch, stage,
+replica); emit `warmup` forwards, then one forward and one backward alternately until the
+forwards run out, then the remaining backwards.  With `wlag` the backward is split into
+I (input gradient) and W (weight gradient), each W emitted `wlag` backwards after its I.
+A `compute` block replaces the rule by an explicit per-rank list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pipedsl import nodes as n
+from pipedsl.errors import PipeDSLError, PipeSemanticError, Span, ValidationError
+from pipedsl.expr import BOOL, INT, Env, compile_exprs, evaluate, free_context, type_of
+from pipedsl.ir import Op, Program
+from pipedsl.lowering import ComputeOp, ComputePlan, lower
+from pipedsl.parser import parse
+from pipedsl.validate import validate
+
+# Which context variables each declaration may use.
+CONTEXT: dict[str, tuple[str, ...]] = {
+    "stages": (),
+    "replicas": (),
+    "route": ("m",),
+    "place": ("s", "c"),
+    "order": ("m", "s", "v", "c", "r"),
+    "warmup": ("r",),
+    "wlag": ("r",),
+    "require": (),
+}
+ALL_CONTEXT = ("m", "s", "v", "c", "r")
+BUILTIN_PARAMS = ("P", "M")
+_OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    default: n.Expr | None
+
+
+class Schedule:
+    """A schedule declaration, checked once when loaded; `compile` binds sizes."""
+
+    def __init__(self, decl: n.ScheduleDecl, file: str = "<string>") -> None:
+        self.decl = decl
+        self.file = file
+        self.source = decl.source
+        try:
+            self._check()
+        except PipeDSLError as err:
+            raise err.with_source(self.source) from None
+
+    @classmethod
+    def from_text(cls, text: str, file: str = "<string>") -> Schedule:
+        return cls(parse(text, file), file)
+
+    @property
+    def name(self) -> str:
+        return self.decl.name
+
+    @property
+    def doc(self) -> str:
+        return next((s.text for s in self.decl.body if isinstance(s, n.Doc)), "")
+
+    @property
+    def parameters(self) -> list[Parameter]:
+        """Declared parameters beyond P and M, in order."""
+        return [Parameter(p.name, p.default) for p in self.decl.params if p.name not in BUILTIN_PARAMS]
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.name!r}, file={self.file!r})"
+
+    # ------------------------------------------------------------ static checks
+
+    def _check(self) -> None:
+        seen_params: dict[str, n.Param] = {}
+        env = Env()
+        for p in self.decl.params:
+            if p.name in seen_params:
+                raise PipeSemanticError(f"parameter {p.name!r} is declared twice", p.span)
+            if p.name in BUILTIN_PARAMS and p.default is not None:
+                raise PipeSemanticError(f"{p.name} is always given by the caller and takes no default", p.span)
+            if p.name in ALL_CONTEXT:
+                raise PipeSemanticError(f"{p.name!r} is a context variable (m, s, v, c, r) and cannot be a "
+                                        f"parameter", p.span)
+            if p.default is not None:
+                _require_type(p.default, env, (), INT, f"the default of {p.name}")
+            seen_params[p.name] = p
+            env.consts[p.name] = 0
+        for name in BUILTIN_PARAMS:
+            env.consts.setdefault(name, 0)
+        settings: dict[str, n.Stmt] = {}
+        for stmt in self.decl.body:
+            match stmt:
+                case n.Require(cond=cond):
+                    _require_type(cond, env, (), BOOL, "require")
+                case n.Let(name=name, value=value, span=span):
+                    if name in env.consts or name in env.macros or name in ALL_CONTEXT:
+                        raise PipeSemanticError(f"{name!r} is already defined", span)
+                    type_of(value, env, ALL_CONTEXT, f"let {name}")
+                    env.macros[name] = value
+                case n.Setting(keyword=kw, value=value):
+                    _once(settings, kw, stmt)
+                    _require_type(value, env, CONTEXT[kw], INT, kw)
+                case n.Order(kind=kind, keys=keys):
+                    _once(settings, f"order {kind}", stmt)
+                    for k in keys:
+                        _require_type(k, env, CONTEXT["order"], INT, f"order {kind}")
+                case n.Compute(body=body):
+                    _once(settings, "compute", stmt)
+                    _check_items(body, env, ("r",))
+                case n.Doc():
+                    _once(settings, "doc", stmt)
+        if "compute" in settings:
+            for kw in ("order F", "order B", "warmup", "wlag"):
+                if kw in settings:
+                    raise PipeSemanticError(f"'{kw}' has no effect next to an explicit 'compute' block; "
+                                            f"use one or the other", settings[kw].span)
+
+    # ------------------------------------------------------------ binding
+
+    def bind(self, P: int, M: int, **params: int) -> dict[str, int]:
+        """Parameter values (P, M, declared ones with defaults filled in), checked."""
+        values: dict[str, int] = {}
+        for name, v in (("P", P), ("M", M)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PipeSemanticError(f"{name} must be a positive integer, got {v!r}", self.decl.span)
+            values[name] = v
+        declared = {p.name: p for p in self.decl.params if p.name not in BUILTIN_PARAMS}
+        unknown = sorted(set(params) - set(declared))
+        if unknown:
+            takes = ", ".join(declared) or "no other parameters"
+            raise PipeSemanticError(f"schedule {self.name!r} has no parameter {unknown[0]!r} (it takes P, M"
+                                    f"{', ' + takes if declared else ''})", self.decl.span)
+        env = Env(consts=values)
+        for name, p in declared.items():
+            if name in params:
+                v = params[name]
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise PipeSemanticError(f"parameter {name} must be an integer, got {v!r}", p.span)
+                values[name] = v
+            elif p.default is not None:
+                values[name] = _eval_int(p.default, env, {})
+            else:
+                raise PipeSemanticError(f"parameter {name} has no default: give it (-p {name}=…)", p.span)
+        return values
+
+    def plan(self, P: int, M: int, **params: int) -> ComputePlan:
+        """Bind sizes and derive placement, routing and each rank's compute order."""
+        try:
+            return self._plan(P, M, params)
+        except PipeDSLError as err:
+            raise err.with_source(self.source) from None
+
+    def compile(self, P: int, M: int, **params: int) -> Program:
+        """Bind sizes, derive the per-rank orders, lower and validate them."""
+        plan = self.plan(P, M, **params)
+        program = lower(plan)
+        try:
+            return validate(program)
+        except ValidationError as err:
+            raise self._blame(plan, err).with_source(self.source) from None
+
+    def _plan(self, P: int, M: int, params: dict[str, int]) -> ComputePlan:
+        values = self.bind(P, M, **params)
+        env = Env(consts=dict(values))
+        decls: dict[str, tuple[n.Stmt, Env]] = {}
+        for stmt in self.decl.body:
+            match stmt:
+                case n.Require(cond=cond, message=message, span=span):
+                    if not evaluate(cond, env, {}):
+                        shown = ", ".join(f"{k}={v}" for k, v in values.items())
+                        raise PipeSemanticError(f"requirement failed: {message}", span, notes=(f"with {shown}",))
+                case n.Let(name=name, value=value):
+                    if free_context(value, env, ALL_CONTEXT):
+                        env.macros[name] = value
+                    else:
+                        env.consts[name] = _eval_int(value, env, {})
+                case n.Setting(keyword=kw):
+                    decls[kw] = (stmt, _snapshot(env))
+                case n.Order(kind=kind):
+                    decls[f"order {kind}"] = (stmt, _snapshot(env))
+                case n.Compute():
+                    decls["compute"] = (stmt, _snapshot(env))
+        b = _Binder(self, values, env, decls)
+        return b.plan()
+
+    # ------------------------------------------------------------ diagnosis
+
+    def _blame(self, plan: ComputePlan, err: ValidationError) -> PipeDSLError:
+        """Point a failed validation at the declaration responsible for it."""
+        sizes = ", ".join(f"{k}={v}" for k, v in plan.params.items())
+        if "compute" in plan.meta["decl_spans"]:
+            span, what = plan.meta["decl_spans"]["compute"], "the explicit compute order cannot run"
+        else:
+            stuck_f = _first_stall(plan, forward=True)
+            stuck_b = _first_stall(plan, forward=False) if stuck_f is None else None
+            key = "order F" if stuck_f else ("order B" if stuck_b else "warmup")
+            span = plan.meta["decl_spans"].get(key) or self.decl.span
+            detail = stuck_f or stuck_b
+            if key == "warmup":
+                what = ("the forwards and backwards are each in a feasible order, but the warmup interleaves them "
+                        "so that ranks wait on each other")
+            else:
+                what = f"'{key}' puts an op before one it depends on: {detail}"
+        return PipeSemanticError(f"schedule cannot make progress with {sizes}: {what}", span,
+                                 notes=(err.message,))
+
+
+class _Binder:
+    """Evaluates the declarations of one schedule for one set of sizes."""
+
+    def __init__(self, schedule: Schedule, values: dict[str, int], env: Env,
+                 decls: dict[str, tuple[n.Stmt, Env]]) -> None:
+        self.schedule = schedule
+        self.values = values
+        self.env = env
+        self.decls = decls
+        self.P, self.M = values["P"], values["M"]
+
+    def _setting(self, kw: str, default: int | None = None) -> int | None:
+        if kw not in self.decls:
+            return default
+        stmt, env = self.decls[kw]
+        return _eval_int(stmt.value, env, {})
+
+    def _compiled(self, kw: str):
+        stmt, env = self.decls[kw]
+        exprs = stmt.keys if isinstance(stmt, n.Order) else (stmt.value,)
+        context = CONTEXT["order" if isinstance(stmt, n.Order) else kw]
+        return compile_exprs(exprs, env, context, INT, kw, as_tuple=isinstance(stmt, n.Order)), stmt.span
+
+    def plan(self) -> ComputePlan:
+        P, M = self.P, self.M
+        head = self.schedule.decl.span
+        S = self._setting("stages", P)
+        C = self._setting("replicas", 1)
+        for kw, v in (("stages", S), ("replicas", C)):
+            if v < 1:
+                raise PipeSemanticError(f"{kw} must be at least 1, got {v}", self.decls[kw][0].span)
+
+        routes = [0] * M
+        if "route" in self.decls:
+            fn, span = self._compiled("route")
+            for m in range(M):
+                c = fn(m)
+                if not 0 <= c < C:
+                    raise PipeSemanticError(f"microbatch {m} is routed to replica {c}, but there "
+                                            f"{'is 1 replica' if C == 1 else f'are {C} replicas'}", span)
+                routes[m] = c
+        elif C > 1:
+            raise PipeSemanticError(f"{C} replicas need a 'route' saying which replica each microbatch m takes",
+                                    self.decls["replicas"][0].span)
+
+        placement: dict[tuple[int, int], int] = {}
+        place_span = self.decls["place"][0].span if "place" in self.decls else head
+        fn = self._compiled("place")[0].fn if "place" in self.decls else (lambda s, c: s % P)
+        for c in range(C):
+            for s in range(S):
+                try:
+                    r = fn(s, c)
+                except ArithmeticError:
+                    self._compiled("place")[0].explain(s, c)
+                    raise
+                if not 0 <= r < P:
+                    raise PipeSemanticError(f"stage {s}{f' of replica {c}' if C > 1 else ''} is placed on rank {r}, "
+                                            f"but the ranks are 0..{P - 1}", place_span)
+                placement[(c, s)] = r
+        held = [[(c, s) for c in range(C) for s in range(S) if placement[(c, s)] == r] for r in range(P)]
+        empty = [r for r in range(P) if not held[r]]
+        if empty:
+            raise PipeSemanticError(f"rank {empty[0]} holds no stage (P={P}, {S} stages"
+                                    f"{f', {C} replicas' if C > 1 else ''}); every rank needs work",
+                                    place_span, notes=("the default placement is 'place s % P'",))
+        chunk = {}
+        for r in range(P):
+            for c in range(C):
+                for v, s in enumerate(sorted(s for cc, s in held[r] if cc == c)):
+                    chunk[(c, s)] = v
+
+        spans = {kw: stmt.span for kw, (stmt, _) in self.decls.items()}
+        if "compute" in self.decls:
+            orders = self._explicit(S, C, routes, placement)
+        else:
+            orders = self._by_rule(S, C, routes, placement, held, chunk)
+        name = self.schedule.name
+        return ComputePlan(name, dict(self.values), S, C, placement, tuple(routes), orders,
+                           meta={"decl_spans": spans, "file": self.schedule.file})
+
+    # ------------------------------------------------------------ the ordering rule
+
+    def _by_rule(self, S, C, routes, placement, held, chunk) -> list[list[ComputeOp]]:
+        P = self.P
+        by_replica = [[m for m in range(self.M) if routes[m] == c] for c in range(C)]
+        keys = {}
+        for kind in ("F", "B"):
+            if f"order {kind}" in self.decls:
+                keys[kind] = self._compiled(f"order {kind}")[0]
+        warmup = self._compiled("warmup")[0] if "warmup" in self.decls else None
+        wlag = self._compiled("wlag")[0] if "wlag" in self.decls else None
+        split = wlag is not None
+        orders = []
+        for r in range(P):
+            ops = [(m, s, c) for c, s in held[r] for m in by_replica[c]]
+            fwd = _sorted(ops, keys.get("F"), chunk, r)
+            bwd = _sorted(ops, keys.get("B"), chunk, r)
+            w = len(fwd) if warmup is None else warmup(r)
+            if w < 0:
+                raise PipeSemanticError(f"warmup of rank {r} is {w}; it counts forwards and cannot be negative",
+                                        self.decls["warmup"][0].span)
+            lag = wlag(r) if split else 0
+            if lag < 0:
+                raise PipeSemanticError(f"wlag of rank {r} is {lag}; it cannot be negative", self.decls["wlag"][0].span)
+            orders.append(list(_interleave(fwd, bwd, min(w, len(fwd)), split, lag)))
+        return orders
+
+    # ------------------------------------------------------------ explicit lists
+
+    def _explicit(self, S, C, routes, placement) -> list[list[ComputeOp]]:
+        stmt, env = self.decls["compute"]
+        orders: list[list[ComputeOp]] = []
+        first: dict[tuple, Span] = {}
+        for r in range(self.P):
+            order: list[ComputeOp] = []
+            for item, kind, m, s, c in _run_items(stmt.body, env, {"r": r}):
+                label = f"{kind}({m}, {s}{f', {c}' if c is not None else ''})"
+                if not 0 <= m < self.M:
+                    raise PipeSemanticError(f"{label} on rank {r}: microbatch {m} does not exist (M={self.M})",
+                                            item.span)
+                if not 0 <= s < S:
+                    raise PipeSemanticError(f"{label} on rank {r}: stage {s} does not exist ({S} stages)", item.span)
+                c = routes[m] if c is None else c
+                if c != routes[m]:
+                    raise PipeSemanticError(f"{label} on rank {r}: microbatch {m} is routed to replica {routes[m]}",
+                                            item.span)
+                if placement[(c, s)] != r:
+                    raise PipeSemanticError(f"{label} is listed for rank {r}, but stage {s} is placed on rank "
+                                            f"{placement[(c, s)]}", item.span)
+                key = (kind, m, s, c)
+                if key in first:
+                    raise PipeSemanticError(f"{label} is listed twice for rank {r}", item.span,
+                                            notes=(f"first listed at {first[key]}",))
+                first[key] = item.span
+                order.append((_OPS[kind], m, s, c))
+            orders.append(order)
+        for m in range(self.M):
+            c = routes[m]
+            for s in range(S):
+                home = placement[(c, s)]
+                have = {k for k in ("F", "B", "I", "W") if (k, m, s, c) in first}
+                missing = ["F"] if "F" not in have else []
+                if not have & {"B", "I", "W"}:
+                    missing.append("B (or I and W)")
+                elif "B" not in have and not {"I", "W"} <= have:
+                    missing.append("W" if "I" in have else "I")
+                if missing:
+                    raise PipeSemanticError(f"the compute block never lists {' or '.join(missing)} for microbatch {m} "
+                                            f"stage {s} (rank {home})", stmt.span)
+        return orders
+
+
+def _snapshot(env: Env) -> Env:
+    return Env(dict(env.consts), dict(env.macros))
+
+
+def _once(settings: dict[str, n.Stmt], key: str, stmt: n.Stmt) -> None:
+    if key in settings:
+        raise PipeSemanticError(f"'{key}' is declared twice", stmt.span,
+                                notes=(f"first declared at {settings[key].span}",))
+    settings[key] = stmt
+
+
+def _require_type(expr: n.Expr, env: Env, context: tuple[str, ...], want: str, where: str) -> None:
+    got = type_of(expr, env, context, where)
+    if got != want:
+        raise PipeSemanticError(f"{where} needs a {want}, but this is a {got}", expr.span)
+
+
+def _eval_int(expr: n.Expr, env: Env, values: dict[str, int]) -> int:
+    v = evaluate(expr, env, values)
+    return int(v)
+
+
+def _sorted(ops: list[tuple[int, int, int]], key, chunk, r: int) -> list[ComputeOp]:
+    if key is None:
+        return sorted(ops)
+    fn = key.fn
+    try:
+        decorated = sorted((fn(m, s, chunk[(c, s)], c, r), m, s, c) for m, s, c in ops)
+    except ArithmeticError:
+        for m, s, c in ops:
+            key.explain(m, s, chunk[(c, s)], c, r)
+        raise
+    return [(m, s, c) for *_, m, s, c in decorated]
+
+
+def _interleave(fwd, bwd, warmup: int, split: bool, lag: int) -> Iterator[ComputeOp]:
+    """The one ordering rule: warmup forwards, then 1F1B, then the remaining backwards."""
+    F, back = Op.F, (Op.I if split else Op.B)
+    pending_w: list[tuple[int, int, int]] = []
+    for m, s, c in fwd[:warmup]:
+        yield (F, m, s, c)
+    nf = warmup
+    for m, s, c in bwd:
+        if nf < len(fwd):
+            fm, fs, fc = fwd[nf]
+            nf += 1
+            yield (F, fm, fs, fc)
+        yield (back, m, s, c)
+        if split:
+            pending_w.append((m, s, c))
+            if len(pending_w) > lag:
+                wm, ws, wc = pending_w.pop(0)
+                yield (Op.W, wm, ws, wc)
+    for m, s, c in pending_w:
+        yield (Op.W, m, s, c)
+
+
+def _check_items(items: tuple[n.Item, ...], env: Env, context: tuple[str, ...]) -> None:
+    for item in items:
+        match item:
+            case n.OpItem(mb=mb, stage=stage, replica=rep):
+                for e in (mb, stage) + ((rep,) if rep is not None else ()):
+                    _require_type(e, env, context, INT, "a compute op")
+            case n.ForItem(var=var, lo=lo, hi=hi, body=body):
+                _require_type(lo, env, context, INT, "for")
+                _require_type(hi, env, context, INT, "for")
+                _check_items(body, env, context + (var,))
+            case n.IfItem(cond=cond, then=then, orelse=orelse):
+                _require_type(cond, env, context, BOOL, "if")
+                _check_items(then, env, context)
+                _check_items(orelse, env, context)
+            case n.Let(name=name, value=value):
+                _require_type(value, env, context, INT, f"let {name}")
+                context = context + (name,)
+
+
+def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int]
+               ) -> Iterator[tuple[n.OpItem, str, int, int, int | None]]:
+    values = dict(values)
+    for item in items:
+        match item:
+            case n.OpItem(kind=kind, mb=mb, stage=stage, replica=rep):
+                yield (item, kind, _eval_int(mb, env, values), _eval_int(stage, env, values),
+                       None if rep is None else _eval_int(rep, env, values))
+            case n.ForItem(var=var, lo=lo, hi=hi, body=body):
+                for x in range(_eval_int(lo, env, values), _eval_int(hi, env, values)):
+                    yield from _run_items(body, env, {**values, var: x})
+            case n.IfItem(cond=cond, then=then, orelse=orelse):
+                yield from _run_items(then if evaluate(cond, env, values) else orelse, env, values)
+            case n.Let(name=name, value=value):
+                values[name] = _eval_int(value, env, values)
+
+
+def _first_stall(plan: ComputePlan, forward: bool) -> str | None:
+    """Run only the forwards (or only the backwards) of each rank's order, honouring data
+    dependencies across ranks; describe the first wait cycle, or None if all complete."""
+    S = plan.num_stages
+    kinds = (Op.F,) if forward else (Op.B, Op.I)
+    orders = [[op for op in order if op[0] in kinds] for order in plan.orders]
+    done: set[tuple[int, int, int]] = set()
+    pos = [0] * len(orders)
+    progress = True
+    while progress:
+        progress = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                _, m, s, c = order[pos[r]]
+                need = (m, s - 1, c) if forward else (m, s + 1, c)
+                if 0 <= need[1] < S and need not in done:
+                    break
+                done.add((m, s, c))
+                pos[r] += 1
+                progress = True
+    stuck = [r for r, order in enumerate(orders) if pos[r] < len(order)]
+    if not stuck:
+        return None
+    waits = []
+    for r in stuck[:4]:
+        k, m, s, c = orders[r][pos[r]]
+        dep = s - 1 if forward else s + 1
+        waits.append(f"rank {r} waits with {k.value}{m}.{s} for stage {dep} (rank {plan.placement[(c, dep)]})")
+    return "; ".join(waits)

@@ -1,0 +1,345 @@
+"""The intermediate representation (a contract): instructions and per-rank programs.
+
+An `Instr` is a tiny frozen record with a one-line text form that parses back
+(`F2.3` = forward of microbatch 2 through stage 3, `SEND_F2.3>1` = its activation sent to
+rank 1, `RECV_B2.3<4`, `F2.3r1` = on replica 1, `REDUCE_GRAD.3`, `OPTIMIZER_STEP`).
+A `Program` holds one instruction stream per rank plus the placement it was built for,
+and round-trips through text, JSON and CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pipedsl.errors import ValidationError
+
+
+class Op(StrEnum):
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the zero-bubble papers' name for the input-gradient backward
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    REDUCE_GRAD = "REDUCE_GRAD"
+    OPTIMIZER_STEP = "OPTIMIZER_STEP"
+
+
+COMPUTE = frozenset({Op.F, Op.B, Op.I, Op.W})
+SENDS = frozenset({Op.SEND_F, Op.SEND_B})
+RECVS = frozenset({Op.RECV_F, Op.RECV_B})
+COMMS = SENDS | RECVS
+BACKWARD_INPUT = frozenset({Op.B, Op.I})  # ops that produce the gradient for stage - 1
+RELEASES = frozenset({Op.B, Op.W})  # ops after which a stage's activation can be freed
+
+
+@dataclass(frozen=True, slots=True)
+class Instr:
+    """One instruction.  `stage` is global (0 … S-1); `peer` only on SEND/RECV."""
+
+    op: Op
+    mb: int | None = None
+    stage: int | None = None
+    peer: int | None = None
+    replica: int = 0
+
+    def __str__(self) -> str:
+        rep = f"r{self.replica}" if self.replica else ""
+        if self.op == Op.OPTIMIZER_STEP:
+            return "OPTIMIZER_STEP"
+        if self.op == Op.REDUCE_GRAD:
+            return f"REDUCE_GRAD.{self.stage}{rep}"
+        text = f"{self.op.value}{self.mb}.{self.stage}{rep}"
+        if self.op in SENDS:
+            return f"{text}>{self.peer}"
+        if self.op in RECVS:
+            return f"{text}<{self.peer}"
+        return text
+
+    @property
+    def key(self) -> tuple[int | None, int | None, int]:
+        """(mb, stage, replica): what a compute op or a message is about."""
+        return (self.mb, self.stage, self.replica)
+
+    def to_dict(self, with_replica: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": self.op.value}
+        if self.mb is not None:
+            d["mb"] = self.mb
+        if self.stage is not None:
+            d["stage"] = self.stage
+        if with_replica and self.op != Op.OPTIMIZER_STEP:
+            d["replica"] = self.replica
+        if self.peer is not None:
+            d["peer"] = self.peer
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Instr:
+        if not isinstance(d, dict) or "op" not in d:
+            raise ValueError(f"an instruction is an object with an 'op', got {d!r}")
+        op = _op(d["op"])
+        fields = {k: d.get(k) for k in ("mb", "stage", "peer")}
+        for k, v in fields.items():
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"'{k}' must be a non-negative integer, got {v!r}")
+        replica = d.get("replica", 0)
+        if not isinstance(replica, int) or isinstance(replica, bool) or replica < 0:
+            raise ValueError(f"'replica' must be a non-negative integer, got {replica!r}")
+        instr = cls(op, fields["mb"], fields["stage"], fields["peer"], replica)
+        instr.check_fields()
+        return instr
+
+    @classmethod
+    def parse(cls, text: str) -> Instr:
+        """Inverse of `str()`."""
+        m = _INSTR_RE.fullmatch(text.strip())
+        if not m:
+            raise ValueError(f"not an instruction: {text!r} (expected e.g. F0.1, SEND_F0.1>2, REDUCE_GRAD.1)")
+        if m["step"]:
+            return cls(Op.OPTIMIZER_STEP)
+        replica = int(m["rep"] or m["crep"] or 0)
+        if m["reduce"]:
+            return cls(Op.REDUCE_GRAD, stage=int(m["rstage"]), replica=replica)
+        op = _op(m["op"])
+        peer = int(m["peer"]) if m["peer"] else None
+        instr = cls(op, int(m["mb"]), int(m["stage"]), peer, replica)
+        if (op in SENDS and m["dir"] != ">") or (op in RECVS and m["dir"] != "<"):
+            raise ValueError(f"{text!r}: a send names its peer with '>', a receive with '<'")
+        instr.check_fields()
+        return instr
+
+    def check_fields(self) -> None:
+        """Raise ValueError when the fields present do not fit the op."""
+        need_mb = self.op not in (Op.REDUCE_GRAD, Op.OPTIMIZER_STEP)
+        need_stage = self.op != Op.OPTIMIZER_STEP
+        need_peer = self.op in COMMS
+        for name, needed in (("mb", need_mb), ("stage", need_stage), ("peer", need_peer)):
+            present = getattr(self, name) is not None
+            if needed and not present:
+                raise ValueError(f"{self.op.value} needs '{name}'")
+            if present and not needed:
+                raise ValueError(f"{self.op.value} takes no '{name}'")
+
+
+_INSTR_RE = re.compile(
+    r"(?P<step>OPTIMIZER_STEP)"
+    r"|(?P<reduce>REDUCE_GRAD)\.(?P<rstage>\d+)(?:r(?P<rep>\d+))?"
+    r"|(?P<op>SEND_F|SEND_B|RECV_F|RECV_B|F|B|I|W)(?P<mb>\d+)\.(?P<stage>\d+)(?:r(?P<crep>\d+))?"
+    r"(?:(?P<dir>[<>])(?P<peer>\d+))?"
+)
+
+
+def _op(value: object) -> Op:
+    try:
+        return Op(value)
+    except ValueError:
+        known = ", ".join(o.value for o in Op)
+        raise ValueError(f"unknown op {value!r} (known: {known})") from None
+
+
+@dataclass(frozen=True)
+class Program:
+    """One instruction stream per rank, with the placement and routing it was built for.
+
+    `placement[(replica, stage)]` is the rank holding that copy of the stage;
+    `microbatch_replica[m]` is the replica (pipeline direction) microbatch m goes through.
+    """
+
+    name: str
+    params: dict[str, int]
+    num_stages: int
+    num_replicas: int
+    placement: dict[tuple[int, int], int]
+    microbatch_replica: tuple[int, ...]
+    ranks: tuple[tuple[Instr, ...], ...]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatch_replica)
+
+    @property
+    def split_backward(self) -> bool:
+        return any(i.op == Op.I for stream in self.ranks for i in stream)
+
+    def stages_of(self, rank: int) -> list[tuple[int, int]]:
+        """(replica, stage) pairs held by `rank`, in stage order."""
+        return sorted((k for k, r in self.placement.items() if r == rank), key=lambda k: (k[1], k[0]))
+
+    def num_instructions(self) -> int:
+        return sum(len(s) for s in self.ranks)
+
+    def compute_orders(self) -> list[list[str]]:
+        """Per rank, the compute ops only, as text: what schedule papers draw."""
+        return [[str(i) for i in stream if i.op in COMPUTE] for stream in self.ranks]
+
+    # ------------------------------------------------------------ text
+
+    def to_text(self) -> str:
+        header = f"# {self.name} " + " ".join(f"{k}={v}" for k, v in self.params.items())
+        return "\n".join([header, *(f"r{r}: " + " ".join(map(str, s)) for r, s in enumerate(self.ranks))]) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str, name: str = "program") -> Program:
+        """Parse `to_text` output; placement and routing are read off the compute ops."""
+        streams: list[list[Instr]] = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if line.startswith("#") and not streams:
+                name = line[1:].split()[0] if line[1:].split() else name
+                continue
+            if not line or line.startswith("#"):
+                continue
+            head, sep, rest = line.partition(":")
+            if not sep or not re.fullmatch(r"r\d+", head.strip()) or int(head.strip()[1:]) != len(streams):
+                raise ValidationError(f"line {lineno}: expected 'r{len(streams)}: <instructions>', got {line[:40]!r}")
+            try:
+                streams.append([Instr.parse(tok) for tok in rest.split()])
+            except ValueError as err:
+                raise ValidationError(f"line {lineno}: {err}") from None
+        return cls.from_streams(streams, name)
+
+    @classmethod
+    def from_streams(cls, streams: Sequence[Iterable[Instr]], name: str = "program",
+                     params: dict[str, int] | None = None) -> Program:
+        """Build a program from bare streams, deriving placement and routing from compute ops."""
+        ranks = tuple(tuple(s) for s in streams)
+        placement: dict[tuple[int, int], int] = {}
+        routes: dict[int, int] = {}
+        where: dict[tuple[int, int], tuple[int, int]] = {}
+        for r, stream in enumerate(ranks):
+            for idx, i in enumerate(stream):
+                if i.op not in COMPUTE:
+                    continue
+                k = (i.replica, i.stage)
+                if placement.setdefault(k, r) != r:
+                    first = where[k]
+                    raise ValidationError(
+                        f"rank {r} instruction {idx} ({i}): stage {i.stage} replica {i.replica} also has ops on "
+                        f"rank {first[0]} (instruction {first[1]}); a stage lives on one rank")
+                where.setdefault(k, (r, idx))
+                if routes.setdefault(i.mb, i.replica) != i.replica:
+                    raise ValidationError(f"rank {r} instruction {idx} ({i}): microbatch {i.mb} runs on two replicas")
+        num_mb = max(routes, default=-1) + 1
+        missing = [m for m in range(num_mb) if m not in routes]
+        if missing:
+            raise ValidationError(f"microbatch {missing[0]} has no compute op on any rank")
+        num_stages = max((s for _, s in placement), default=-1) + 1
+        num_replicas = max((c for c, _ in placement), default=-1) + 1
+        params = params or {"P": len(ranks), "M": num_mb}
+        return cls(name, params, num_stages, num_replicas, placement,
+                   tuple(routes[m] for m in range(num_mb)), ranks)
+
+    # ------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        rep = self.num_replicas > 1
+        return {
+            "schedule": self.name,
+            "params": dict(self.params),
+            "num_stages": self.num_stages,
+            "num_replicas": self.num_replicas,
+            "placement": [{"replica": c, "stage": s, "rank": r} for (c, s), r in sorted(self.placement.items())],
+            "microbatch_replica": list(self.microbatch_replica),
+            "ranks": [[i.to_dict(rep) for i in stream] for stream in self.ranks],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Program:
+        """Inverse of `to_dict`; malformed input raises `ValidationError` saying what and where."""
+        if not isinstance(d, dict):
+            raise ValidationError("a program is a JSON object with 'ranks'")
+        if "ranks" not in d or not isinstance(d["ranks"], list):
+            raise ValidationError("a program needs 'ranks': a list of instruction lists, one per rank")
+        streams = []
+        for r, stream in enumerate(d["ranks"]):
+            if not isinstance(stream, list):
+                raise ValidationError(f"rank {r}: expected a list of instructions")
+            instrs = []
+            for idx, item in enumerate(stream):
+                try:
+                    instrs.append(Instr.from_dict(item))
+                except ValueError as err:
+                    raise ValidationError(f"rank {r} instruction {idx}: {err}") from None
+            streams.append(instrs)
+        derived = cls.from_streams(streams, str(d.get("schedule", "program")))
+        if "placement" not in d:
+            return derived
+        try:
+            placement = {(int(p.get("replica", 0)), int(p["stage"])): int(p["rank"]) for p in d["placement"]}
+            routes = tuple(int(c) for c in d.get("microbatch_replica", derived.microbatch_replica))
+            params = {str(k): int(v) for k, v in d.get("params", derived.params).items()}
+            num_stages = int(d.get("num_stages", derived.num_stages))
+            num_replicas = int(d.get("num_replicas", derived.num_replicas))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValidationError(f"malformed program header: {err!r}") from None
+        return cls(derived.name, params, num_stages, num_replicas, placement, routes, derived.ranks)
+
+    @classmethod
+    def from_json(cls, text: str) -> Program:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValidationError(f"not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------ CSV
+
+    CSV_COLUMNS = ("rank", "index", "op", "mb", "stage", "replica", "peer")
+
+    def to_csv(self) -> str:
+        out = io.StringIO()
+        w = csv.writer(out, lineterminator="\n")
+        w.writerow(self.CSV_COLUMNS)
+        for r, stream in enumerate(self.ranks):
+            for idx, i in enumerate(stream):
+                w.writerow([r, idx, i.op.value, _blank(i.mb), _blank(i.stage), i.replica, _blank(i.peer)])
+        return out.getvalue()
+
+    @classmethod
+    def from_csv(cls, text: str, name: str = "program") -> Program:
+        rows = list(csv.reader(io.StringIO(text)))
+        if not rows or tuple(c.strip() for c in rows[0]) != cls.CSV_COLUMNS:
+            raise ValidationError(f"CSV header must be {','.join(cls.CSV_COLUMNS)}")
+        streams: list[list[Instr]] = []
+        for lineno, row in enumerate(rows[1:], 2):
+            if not row:
+                continue
+            try:
+                if len(row) != len(cls.CSV_COLUMNS):
+                    raise ValueError(f"expected {len(cls.CSV_COLUMNS)} columns, got {len(row)}")
+                rank, index = int(row[0]), int(row[1])
+                d = {"op": row[2].strip(), "replica": int(row[5] or 0)}
+                for col, key in ((3, "mb"), (4, "stage"), (6, "peer")):
+                    if row[col].strip():
+                        d[key] = int(row[col])
+                instr = Instr.from_dict(d)
+            except ValueError as err:
+                raise ValidationError(f"CSV line {lineno}: {err}") from None
+            while len(streams) <= rank:
+                streams.append([])
+            if index != len(streams[rank]):
+                raise ValidationError(f"CSV line {lineno}: rank {rank} index {index} out of sequence "
+                                      f"(expected {len(streams[rank])})")
+            streams[rank].append(instr)
+        return cls.from_streams(streams, name)
+
+
+def _blank(v: int | None) -> str | int:
+    return "" if v is None else v

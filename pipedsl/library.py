@@ -1,0 +1,37 @@
+"""Finding schedules: a built-in name (`schedules/NAME.pipe`, shipped as package data) or a path."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from pipedsl.compiler import Schedule
+from pipedsl.errors import PipeDSLError
+
+
+def _builtin_dir():
+    return resources.files("pipedsl.schedules")
+
+
+def builtin_names() -> list[str]:
+    """Names of the shipped schedules, sorted."""
+    return sorted(p.name[:-5] for p in _builtin_dir().iterdir() if p.name.endswith(".pipe"))
+
+
+def load(name_or_path: str | Path) -> Schedule:
+    """A built-in schedule by name (`"1f1b"`), or a `.pipe` file by path."""
+    text_name = str(name_or_path)
+    path = Path(text_name)
+    if text_name in builtin_names():
+        res = _builtin_dir() / f"{text_name}.pipe"
+        return Schedule.from_text(res.read_text(encoding="utf-8"), f"schedules/{text_name}.pipe")
+    if path.suffix == ".pipe" or path.exists():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise PipeDSLError(f"cannot read {text_name}: {err.strerror}") from None
+        except UnicodeDecodeError:
+            raise PipeDSLError(f"{text_name} is not UTF-8 text") from None
+        return Schedule.from_text(text, text_name)
+    raise PipeDSLError(f"no schedule named {text_name!r} and no such file "
+                       f"(built-in: {', '.join(builtin_names())})")

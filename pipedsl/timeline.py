@@ -1,0 +1,123 @@
+"""`Timeline`: when each instruction ran on each rank — predicted or measured alike.
+
+The simulator and the runtime tracer both produce this one type, so the same metrics and
+renderers serve both and a prediction can be compared with a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from pipedsl.errors import ValidationError
+from pipedsl.ir import COMPUTE, Instr, Op
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One instruction's execution interval on its rank (seconds or cost units)."""
+
+    instr: Instr
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per-rank events in execution order, with the metrics schedules are judged by."""
+
+    name: str
+    params: dict[str, int]
+    ranks: tuple[tuple[Event, ...], ...]
+    kind: str = "simulated"  # or "measured"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @cached_property
+    def start(self) -> float:
+        return min((ev[0].start for ev in self.ranks if ev), default=0.0)
+
+    @cached_property
+    def makespan(self) -> float:
+        """Time from the first instruction's start to the last one's end, over all ranks."""
+        return max((ev[-1].end for ev in self.ranks if ev), default=self.start) - self.start
+
+    @cached_property
+    def busy(self) -> list[float]:
+        """Per rank, time spent in compute ops (F, B, I, W)."""
+        return [sum(e.end - e.start for e in events if e.instr.op in COMPUTE) for events in self.ranks]
+
+    @cached_property
+    def bubble_ratio(self) -> float:
+        """1 − Σ busy / (P · makespan): the idle fraction of the ranks' time."""
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.num_ranks * self.makespan)
+
+    @cached_property
+    def peak_activations(self) -> list[int]:
+        """Per rank, the most stage activations alive at once: from F until its B (or W when split)."""
+        peaks = []
+        for events in self.ranks:
+            live = peak = 0
+            for e in events:
+                op = e.instr.op
+                if op is Op.F:
+                    live += 1
+                    peak = max(peak, live)
+                elif op is Op.B or op is Op.W:
+                    live -= 1
+            peaks.append(peak)
+        return peaks
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "schedule": self.name,
+            "params": dict(self.params),
+            "kind": self.kind,
+            "makespan": self.makespan,
+            "bubble_ratio": self.bubble_ratio,
+            "busy": self.busy,
+            "peak_activations": self.peak_activations,
+        }
+
+    # ------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.summary(),
+            "meta": self.meta,
+            "ranks": [[{**e.instr.to_dict(with_replica=True), "start": e.start, "end": e.end} for e in events]
+                      for events in self.ranks],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Timeline:
+        try:
+            ranks = tuple(
+                tuple(Event(Instr.from_dict({k: v for k, v in e.items() if k not in ("start", "end")}),
+                            float(e["start"]), float(e["end"])) for e in events)
+                for events in d["ranks"])
+            return cls(str(d.get("schedule", "timeline")), dict(d.get("params", {})), ranks,
+                       str(d.get("kind", "measured")), dict(d.get("meta", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValidationError(f"not a pipedsl timeline: {err}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Timeline:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as err:
+            raise ValidationError(f"not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None

@@ -1,0 +1,1 @@
+"""The built-in schedules: one `.pipe` file each (package data, no code)."""
