@@ -59,7 +59,7 @@ def _check_header(p: Program) -> None:
 
 
 def _check_streams(p: Program) -> None:
-    """Ranges, exactly-once and local dependencies, in one pass per rank."""
+    """Ranges, placement, exactly-once and completeness; then local dependencies."""
     S, M, C, P = p.num_stages, p.num_microbatches, p.num_replicas, p.num_ranks
     rank_of = p.placement
     route = p.microbatch_replica
@@ -87,7 +87,7 @@ def _check_streams(p: Program) -> None:
                 raise ValidationError(f"{where}: microbatch {m} does not exist (M={M})")
             if route[m] != c:
                 raise ValidationError(f"{where}: microbatch {m} is routed to replica {route[m]}, not {c}")
-            if (op, None, s, c) in done:
+            if (Op.REDUCE_GRAD, None, s, c) in done:
                 raise ValidationError(f"{where}: comes after REDUCE_GRAD.{s} of its stage; "
                                       f"gradients must be complete before they are reduced")
             if op in COMPUTE:
@@ -95,7 +95,6 @@ def _check_streams(p: Program) -> None:
                     raise ValidationError(f"{where}: stage {s} (replica {c}) is placed on rank {rank_of[(c, s)]}, "
                                           f"not rank {r}")
                 _once(seen, (op, m, s, c), r, i, where)
-                _check_dependencies(p, r, i, ins, done)
                 done.add((op, m, s, c))
                 continue
             # messages: the only ones allowed are those the placement makes necessary
@@ -121,6 +120,12 @@ def _check_streams(p: Program) -> None:
             _once(seen, (op, m, s, c), r, i, where)
             done.add((op, m, s, c))
     _check_complete(p, seen)
+    for r, stream in enumerate(p.ranks):
+        done = set()
+        for i, ins in enumerate(stream):
+            if ins.op in COMPUTE:
+                _check_dependencies(p, r, i, ins, done)
+            done.add((ins.op, ins.mb, ins.stage, ins.replica))
 
 
 def _once(seen: dict, key: tuple, r: int, i: int, where: str) -> None:

@@ -1,0 +1,190 @@
+"""`pipedsl` command line: a thin layer over the Python API.
+
+Every failure the user can cause prints one clear message (with file:line:col and a caret
+for `.pipe` sources) and exits with status 2; nothing prints a Python traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipedsl.compiler import Schedule
+from pipedsl.errors import PipeDSLError, PipeSemanticError
+from pipedsl.library import builtin_names, load
+from pipedsl.simulate import Cost, simulate
+from pipedsl.timeline import Timeline
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: same shape as ours
+        self.print_usage(sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _add_sizes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("schedule", help="a built-in name (see `pipedsl list`) or a .pipe file")
+    p.add_argument("-P", "--ranks", type=_positive, required=True, help="pipeline ranks")
+    p.add_argument("-M", "--microbatches", type=_positive, required=True, help="microbatches per step")
+    p.add_argument("-V", "--chunks", type=_positive, help="shorthand for -p V=N (chunks per rank)")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="a schedule parameter (repeatable)")
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipedsl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    c = sub.add_parser("compile", help="print the per-rank instruction streams of a schedule")
+    _add_sizes(c)
+    c.add_argument("--format", choices=("text", "json", "csv"), default="text")
+    c.add_argument("-o", "--output", help="write to this file instead of stdout")
+
+    s = sub.add_parser("simulate", help="predict makespan, bubble and memory under a cost model")
+    _add_sizes(s)
+    s.add_argument("--cost", default="", help="e.g. F=1,B=2,I=1,W=1,comm=0 (per stage: F@3=1.5)")
+    s.add_argument("--format", choices=("text", "json"), default="text")
+
+    k = sub.add_parser("check", help="compile a schedule over a grid of sizes and report failures")
+    k.add_argument("schedule")
+    k.add_argument("--ranks", default="2,4,8", help="comma-separated P values (default 2,4,8)")
+    k.add_argument("--max-factor", type=_positive, default=4, help="M goes from 1 to this times P (default 4)")
+    k.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
+
+    sub.add_parser("list", help="the built-in schedules with their doc lines")
+    return parser
+
+
+def _params(args: argparse.Namespace) -> dict[str, int]:
+    params: dict[str, int] = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        try:
+            params[name.strip()] = int(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
+    if getattr(args, "chunks", None) is not None:
+        params["V"] = args.chunks
+    return params
+
+
+def _compile(args: argparse.Namespace):
+    schedule = load(args.schedule)
+    return schedule, schedule.compile(P=args.ranks, M=args.microbatches, **_params(args))
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    _, program = _compile(args)
+    text = {"text": program.to_text, "json": program.to_json, "csv": program.to_csv}[args.format]()
+    _write(text if text.endswith("\n") else text + "\n", args.output)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    _, program = _compile(args)
+    timeline = simulate(program, Cost.parse(args.cost))
+    if args.format == "json":
+        out = timeline.summary()
+        out["messages"] = sum(1 for s in program.ranks for i in s if i.op.value.startswith("SEND"))
+        print(json.dumps(out))
+    else:
+        print(format_summary(timeline))
+    return 0
+
+
+def format_summary(t: Timeline) -> str:
+    params = " ".join(f"{k}={v}" for k, v in t.params.items())
+    lines = [f"{t.name}  {params}",
+             f"makespan      {t.makespan:g}",
+             f"bubble ratio  {t.bubble_ratio:.4f}",
+             "rank  busy        peak activations"]
+    lines += [f"{r:>4}  {b:<10g}  {a}" for r, (b, a) in enumerate(zip(t.busy, t.peak_activations))]
+    return "\n".join(lines)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    schedule = load(args.schedule)
+    try:
+        ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    except ValueError:
+        raise PipeDSLError(f"--ranks {args.ranks!r}: expected comma-separated integers") from None
+    params = _params(args)
+    failures = 0
+    for P in ranks:
+        ok, skipped, failed = [], {}, []
+        for M in range(1, args.max_factor * P + 1):
+            try:
+                schedule.compile(P=P, M=M, **params)
+                ok.append(M)
+            except PipeSemanticError as err:
+                if err.message.startswith("requirement failed"):
+                    skipped.setdefault(err.message, []).append(M)
+                else:
+                    failed.append((M, err))
+            except PipeDSLError as err:
+                failed.append((M, err))
+        failures += len(failed)
+        print(f"P={P}: {len(ok)} ok, {sum(map(len, skipped.values()))} not applicable, {len(failed)} failed")
+        for message, ms in skipped.items():
+            print(f"  not applicable (M={_ranges(ms)}): {message}")
+        for M, err in failed[:5]:
+            print(f"  FAILED M={M}: " + err.render().replace("\n", "\n    "))
+    return 1 if failures else 0
+
+
+def _ranges(values: list[int]) -> str:
+    return ",".join(map(str, values)) if len(values) <= 6 else f"{values[0]}..{values[-1]} ({len(values)} values)"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for name in builtin_names():
+        schedule: Schedule = load(name)
+        extra = ", ".join(p.name for p in schedule.parameters)
+        print(f"{name:<14} {schedule.doc}" + (f"  [params: {extra}]" if extra else ""))
+    return 0
+
+
+def _write(text: str, output: str | None) -> None:
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        Path(output).write_text(text)
+    except OSError as err:
+        raise PipeDSLError(f"cannot write {output}: {err.strerror}") from None
+
+
+COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except PipeDSLError as err:
+        print(err.render(), file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `pipedsl compile … | head`
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
