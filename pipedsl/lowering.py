@@ -72,7 +72,7 @@ def lower(plan: ComputePlan) -> Program:
     ranks = []
     for r, order in enumerate(plan.orders):
         last_backward = {}
-        for i, (kind, m, s, c) in enumerate(order):
+        for i, (kind, _, s, c) in enumerate(order):
             if kind is B or kind is W:
                 last_backward[(c, s)] = i
         stream: list[Instr] = []
@@ -90,9 +90,8 @@ def lower(plan: ComputePlan) -> Program:
             if kind is F:
                 if s < S - 1 and stage_rank[s + 1] != r:
                     emit(Instr(Op.SEND_F, m, s, stage_rank[s + 1], c))
-            elif kind is B or kind is I:
-                if s > 0 and stage_rank[s - 1] != r:
-                    emit(Instr(Op.SEND_B, m, s, stage_rank[s - 1], c))
+            elif (kind is B or kind is I) and s > 0 and stage_rank[s - 1] != r:
+                emit(Instr(Op.SEND_B, m, s, stage_rank[s - 1], c))
             if last_backward.get((c, s)) == i:
                 emit(Instr(Op.REDUCE_GRAD, None, s, None, c))
         emit(Instr(Op.OPTIMIZER_STEP))

@@ -36,6 +36,10 @@ def _where(r: int, i: int, ins: Instr) -> str:
     return f"rank {r} instruction {i} ({ins})"
 
 
+class _Bad(Exception):  # noqa: N818 - internal: a check failed; the caller adds where
+    """Raised by per-instruction checks; the loop prefixes rank, index and op."""
+
+
 def _check_header(p: Program) -> None:
     if p.num_ranks < 1:
         raise ValidationError("a program needs at least one rank")
@@ -60,106 +64,127 @@ def _check_header(p: Program) -> None:
 
 def _check_streams(p: Program) -> None:
     """Ranges, placement, exactly-once and completeness; then local dependencies."""
-    S, M, C, P = p.num_stages, p.num_microbatches, p.num_replicas, p.num_ranks
-    rank_of = p.placement
-    route = p.microbatch_replica
     seen: dict[tuple, tuple[int, int]] = {}  # (op, mb, stage, replica) -> (rank, index)
-    F, B, I, W = Op.F, Op.B, Op.I, Op.W
     for r, stream in enumerate(p.ranks):
-        done: set[tuple] = set()
-        for i, ins in enumerate(stream):
-            op, m, s, c = ins.op, ins.mb, ins.stage, ins.replica
-            where = _where(r, i, ins)
-            if op is Op.OPTIMIZER_STEP:
-                if i != len(stream) - 1:
-                    raise ValidationError(f"{where}: OPTIMIZER_STEP must be the last instruction of the rank")
-                continue
-            if s is None or not 0 <= s < S or not 0 <= c < C:
-                raise ValidationError(f"{where}: stage {s} replica {c} does not exist "
-                                      f"({S} stages, {C} replica(s))")
-            if op is Op.REDUCE_GRAD:
-                _once(seen, (op, None, s, c), r, i, where)
-                if rank_of[(c, s)] != r:
-                    raise ValidationError(f"{where}: stage {s} is placed on rank {rank_of[(c, s)]}")
-                done.add((op, None, s, c))
-                continue
-            if m is None or not 0 <= m < M:
-                raise ValidationError(f"{where}: microbatch {m} does not exist (M={M})")
-            if route[m] != c:
-                raise ValidationError(f"{where}: microbatch {m} is routed to replica {route[m]}, not {c}")
-            if (Op.REDUCE_GRAD, None, s, c) in done:
-                raise ValidationError(f"{where}: comes after REDUCE_GRAD.{s} of its stage; "
-                                      f"gradients must be complete before they are reduced")
-            if op in COMPUTE:
-                if rank_of[(c, s)] != r:
-                    raise ValidationError(f"{where}: stage {s} (replica {c}) is placed on rank {rank_of[(c, s)]}, "
-                                          f"not rank {r}")
-                _once(seen, (op, m, s, c), r, i, where)
-                done.add((op, m, s, c))
-                continue
-            # messages: the only ones allowed are those the placement makes necessary
-            peer = ins.peer
-            if peer is None or not 0 <= peer < P or peer == r:
-                raise ValidationError(f"{where}: peer {peer} is not another rank (0..{P - 1})")
-            if op is Op.SEND_F or op is Op.SEND_B:
-                nxt = s + 1 if op is Op.SEND_F else s - 1
-                if rank_of[(c, s)] != r or not 0 <= nxt < S or rank_of[(c, nxt)] != peer:
-                    raise ValidationError(f"{where}: no such message: stage {s} on rank {rank_of[(c, s)]} "
-                                          f"does not send {'forward' if op is Op.SEND_F else 'backward'} to "
-                                          f"rank {peer}")
-                produced = (F, m, s, c) if op is Op.SEND_F else ((B, m, s, c) if (B, m, s, c) in done else (I, m, s, c))
-                if produced not in done:
-                    raise ValidationError(f"{where}: sends a tensor before the op that produces it "
-                                          f"({produced[0].value}{m}.{s}) ran on this rank")
-            else:
-                prev = s - 1 if op is Op.RECV_F else s + 1
-                if rank_of[(c, s)] != r or not 0 <= prev < S or rank_of[(c, prev)] != peer:
-                    raise ValidationError(f"{where}: no such message: stage {s} on rank {rank_of[(c, s)]} "
-                                          f"does not receive {'forward' if op is Op.RECV_F else 'backward'} "
-                                          f"from rank {peer}")
-            _once(seen, (op, m, s, c), r, i, where)
-            done.add((op, m, s, c))
+        _each(p, r, stream, _Placement(p, r, seen).check)
     _check_complete(p, seen)
     for r, stream in enumerate(p.ranks):
-        done = set()
+        _each(p, r, stream, _dependency_checker(p, r))
+
+
+def _each(p: Program, r: int, stream: tuple[Instr, ...], check) -> None:
+    """Run `check(i, ins)` over a stream; a `_Bad` becomes a ValidationError naming the spot."""
+    i = 0
+    try:
         for i, ins in enumerate(stream):
-            if ins.op in COMPUTE:
-                _check_dependencies(p, r, i, ins, done)
-            done.add((ins.op, ins.mb, ins.stage, ins.replica))
+            check(i, ins)
+    except _Bad as bad:
+        raise ValidationError(f"{_where(r, i, stream[i])}: {bad}") from None
 
 
-def _once(seen: dict, key: tuple, r: int, i: int, where: str) -> None:
-    first = seen.setdefault(key, (r, i))
-    if first != (r, i):
-        raise ValidationError(f"{where}: repeats rank {first[0]} instruction {first[1]}; each op runs exactly once")
+class _Placement:
+    """Per-instruction checks of one rank: ranges, placement, routing, exactly once."""
+
+    def __init__(self, p: Program, r: int, seen: dict[tuple, tuple[int, int]]) -> None:
+        self.p, self.r, self.seen = p, r, seen
+        self.done: set[tuple] = set()
+        self.last = len(p.ranks[r]) - 1
+
+    def check(self, i: int, ins: Instr) -> None:
+        p, r, done = self.p, self.r, self.done
+        S, C, rank_of = p.num_stages, p.num_replicas, p.placement
+        op, m, s, c = ins.op, ins.mb, ins.stage, ins.replica
+        if op is Op.OPTIMIZER_STEP:
+            if i != self.last:
+                raise _Bad("OPTIMIZER_STEP must be the last instruction of the rank")
+            return
+        if s is None or not 0 <= s < S or not 0 <= c < C:
+            raise _Bad(f"stage {s} replica {c} does not exist ({S} stages, {C} replica(s))")
+        if op is Op.REDUCE_GRAD:
+            if rank_of[(c, s)] != r:
+                raise _Bad(f"stage {s} is placed on rank {rank_of[(c, s)]}")
+            self._once((op, None, s, c), r, i)
+            return
+        if m is None or not 0 <= m < p.num_microbatches:
+            raise _Bad(f"microbatch {m} does not exist (M={p.num_microbatches})")
+        if p.microbatch_replica[m] != c:
+            raise _Bad(f"microbatch {m} is routed to replica {p.microbatch_replica[m]}, not {c}")
+        if (Op.REDUCE_GRAD, None, s, c) in done:
+            raise _Bad(f"comes after REDUCE_GRAD.{s} of its stage; gradients must be complete before they are reduced")
+        if op in COMPUTE:
+            if rank_of[(c, s)] != r:
+                raise _Bad(f"stage {s} (replica {c}) is placed on rank {rank_of[(c, s)]}, not rank {r}")
+        else:
+            self._check_message(ins)
+        self._once((op, m, s, c), r, i)
+
+    def _check_message(self, ins: Instr) -> None:
+        """The only messages allowed are those the placement makes necessary."""
+        p, r = self.p, self.r
+        op, m, s, c, peer = ins.op, ins.mb, ins.stage, ins.replica, ins.peer
+        S, rank_of = p.num_stages, p.placement
+        if peer is None or not 0 <= peer < p.num_ranks or peer == r:
+            raise _Bad(f"peer {peer} is not another rank (0..{p.num_ranks - 1})")
+        forward = op is Op.SEND_F or op is Op.RECV_F
+        if op is Op.SEND_F or op is Op.SEND_B:
+            other = s + 1 if forward else s - 1
+            if rank_of[(c, s)] != r or not 0 <= other < S or rank_of[(c, other)] != peer:
+                raise _Bad(f"no such message: stage {s} on rank {rank_of[(c, s)]} does not send "
+                           f"{'forward' if forward else 'backward'} to rank {peer}")
+            produced = [(Op.F, m, s, c)] if forward else [(Op.B, m, s, c), (Op.I, m, s, c)]
+            if not any(k in self.done for k in produced):
+                raise _Bad(f"sends a tensor before the op that produces it ({produced[0][0].value}{m}.{s}) "
+                           f"ran on this rank")
+        else:
+            other = s - 1 if forward else s + 1
+            if rank_of[(c, s)] != r or not 0 <= other < S or rank_of[(c, other)] != peer:
+                raise _Bad(f"no such message: stage {s} on rank {rank_of[(c, s)]} does not receive "
+                           f"{'forward' if forward else 'backward'} from rank {peer}")
+
+    def _once(self, key: tuple, r: int, i: int) -> None:
+        first = self.seen.setdefault(key, (r, i))
+        if first != (r, i):
+            raise _Bad(f"repeats rank {first[0]} instruction {first[1]}; each op runs exactly once")
+        self.done.add(key)
 
 
-def _check_dependencies(p: Program, r: int, i: int, ins: Instr, done: set[tuple]) -> None:
+def _dependency_checker(p: Program, r: int):
+    """Per-instruction dependency check of rank r, remembering what already ran."""
+    done: set[tuple] = set()
+
+    def check(i: int, ins: Instr) -> None:
+        if ins.op in COMPUTE:
+            _check_dependencies(p, r, ins, done)
+        done.add((ins.op, ins.mb, ins.stage, ins.replica))
+
+    return check
+
+
+def _check_dependencies(p: Program, r: int, ins: Instr, done: set[tuple]) -> None:
     op, m, s, c = ins.op, ins.mb, ins.stage, ins.replica
-    where = _where(r, i, ins)
     S = p.num_stages
     if op is Op.F:
         if s > 0:
             local = p.placement[(c, s - 1)] == r
             need = (Op.F, m, s - 1, c) if local else (Op.RECV_F, m, s, c)
             if need not in done:
-                raise ValidationError(f"{where}: runs before its input exists: "
+                raise _Bad("runs before its input exists: "
                                       + (f"F{m}.{s - 1} must run first on this rank" if local
                                          else f"RECV_F{m}.{s} must come first"))
         return
     if op is Op.W:
         if (Op.I, m, s, c) not in done:
-            raise ValidationError(f"{where}: the weight gradient needs I{m}.{s} first on this rank")
+            raise _Bad(f"the weight gradient needs I{m}.{s} first on this rank")
         return
     if (Op.F, m, s, c) not in done:
-        raise ValidationError(f"{where}: a backward needs its forward F{m}.{s} first on this rank")
+        raise _Bad(f"a backward needs its forward F{m}.{s} first on this rank")
     if s < S - 1:
         if p.placement[(c, s + 1)] == r:
             if (Op.B, m, s + 1, c) not in done and (Op.I, m, s + 1, c) not in done:
-                raise ValidationError(f"{where}: runs before its output gradient exists: "
+                raise _Bad(f"runs before its output gradient exists: "
                                       f"the backward of stage {s + 1} must run first on this rank")
         elif (Op.RECV_B, m, s, c) not in done:
-            raise ValidationError(f"{where}: runs before its output gradient arrives: RECV_B{m}.{s} must come first")
+            raise _Bad(f"runs before its output gradient arrives: RECV_B{m}.{s} must come first")
 
 
 def _check_complete(p: Program, seen: dict[tuple, tuple[int, int]]) -> None:
