@@ -5,9 +5,12 @@ Compilation: bind parameters → evaluate `require`s and `let`s → placement (s
 validation.  The order comes from one fixed rule (DESIGN §3): sort the rank's forwards by
 the `order F` key and its backwards by the `order B` key (ties by microbatch, stage,
 replica); emit `warmup` forwards, then one forward and one backward alternately until the
-forwards run out, then the remaining backwards.  With `wlag` the backward is split into
-I (input gradient) and W (weight gradient), each W emitted `wlag` backwards after its I.
-A `compute` block replaces the rule by an explicit per-rank list.
+forwards run out, then the remaining backwards.  With `merge` instead of `warmup`, the
+forwards and backwards form one sequence sorted by their keys (the F and B keys compared
+with each other, a forward first on ties): the keys are then ideal start times.  With
+`wlag` the backward is split into I (input gradient) and W (weight gradient), each W
+emitted `wlag` backwards after its I.  A `compute` block replaces the rule by an explicit
+per-rank list.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pipedsl.expr import BOOL, INT, Env, compile_exprs, evaluate, free_context, 
 from pipedsl.ir import Op, Program
 from pipedsl.lowering import ComputeOp, ComputePlan, lower
 from pipedsl.parser import parse
+from pipedsl.perf import no_gc
 from pipedsl.validate import validate
 
 # Which context variables each declaration may use.
@@ -116,10 +120,20 @@ class Schedule:
                 case n.Compute(body=body):
                     _once(settings, "compute", stmt)
                     _check_items(body, env, ("r",))
+                case n.Flag(keyword=kw):
+                    _once(settings, kw, stmt)
                 case n.Doc():
                     _once(settings, "doc", stmt)
+        if "merge" in settings:
+            if "warmup" in settings:
+                raise PipeSemanticError("'warmup' has no effect with 'merge' (the F and B keys alone decide the "
+                                        "order); use one or the other", settings["warmup"].span)
+            for kw in ("order F", "order B"):
+                if kw not in settings and "compute" not in settings:
+                    raise PipeSemanticError(f"'merge' compares the 'order F' and 'order B' keys with each other, "
+                                            f"so it needs both ('{kw}' is missing)", settings["merge"].span)
         if "compute" in settings:
-            for kw in ("order F", "order B", "warmup", "wlag"):
+            for kw in ("order F", "order B", "warmup", "merge", "wlag"):
                 if kw in settings:
                     raise PipeSemanticError(f"'{kw}' has no effect next to an explicit 'compute' block; "
                                             f"use one or the other", settings[kw].span)
@@ -161,12 +175,13 @@ class Schedule:
 
     def compile(self, P: int, M: int, **params: int) -> Program:
         """Bind sizes, derive the per-rank orders, lower and validate them."""
-        plan = self.plan(P, M, **params)
-        program = lower(plan)
-        try:
-            return validate(program)
-        except ValidationError as err:
-            raise self._blame(plan, err).with_source(self.source) from None
+        with no_gc():
+            plan = self.plan(P, M, **params)
+            program = lower(plan)
+            try:
+                return validate(program)
+            except ValidationError as err:
+                raise self._blame(plan, err).with_source(self.source) from None
 
     def _plan(self, P: int, M: int, params: dict[str, int]) -> ComputePlan:
         values = self.bind(P, M, **params)
@@ -183,7 +198,7 @@ class Schedule:
                         env.macros[name] = value
                     else:
                         env.consts[name] = _eval_int(value, env, {})
-                case n.Setting(keyword=kw):
+                case n.Setting(keyword=kw) | n.Flag(keyword=kw):
                     decls[kw] = (stmt, _snapshot(env))
                 case n.Order(kind=kind):
                     decls[f"order {kind}"] = (stmt, _snapshot(env))
@@ -202,12 +217,16 @@ class Schedule:
         else:
             stuck_f = _first_stall(plan, forward=True)
             stuck_b = _first_stall(plan, forward=False) if stuck_f is None else None
-            key = "order F" if stuck_f else ("order B" if stuck_b else "warmup")
+            mixer = "merge" if "merge" in plan.meta["decl_spans"] else "warmup"
+            key = "order F" if stuck_f else ("order B" if stuck_b else mixer)
             span = plan.meta["decl_spans"].get(key) or self.decl.span
             detail = stuck_f or stuck_b
             if key == "warmup":
                 what = ("the forwards and backwards are each in a feasible order, but the warmup interleaves them "
                         "so that ranks wait on each other")
+            elif key == "merge":
+                what = ("the forwards and backwards are each in a feasible order, but merging them by their keys "
+                        "puts a backward before its forward or makes ranks wait on each other")
             else:
                 what = f"'{key}' puts an op before one it depends on: {detail}"
         return PipeSemanticError(f"schedule cannot make progress with {sizes}: {what}", span,
@@ -305,20 +324,28 @@ class _Binder:
                 keys[kind] = self._compiled(f"order {kind}")[0]
         warmup = self._compiled("warmup")[0] if "warmup" in self.decls else None
         wlag = self._compiled("wlag")[0] if "wlag" in self.decls else None
+        merge = "merge" in self.decls
         split = wlag is not None
         orders = []
         for r in range(P):
             ops = [(m, s, c) for c, s in held[r] for m in by_replica[c]]
-            fwd = _sorted(ops, keys.get("F"), chunk, r)
-            bwd = _sorted(ops, keys.get("B"), chunk, r)
+            fwd = _keyed(ops, keys.get("F"), chunk, r)
+            bwd = _keyed(ops, keys.get("B"), chunk, r)
+            lag = wlag(r) if split else 0
+            if lag < 0:
+                raise PipeSemanticError(f"wlag of rank {r} is {lag}; it cannot be negative", self.decls["wlag"][0].span)
+            if merge:
+                seq = [(Op.F, *op) for op in fwd] + [(Op.B, *op) for op in bwd]
+                seq.sort(key=lambda x: (x[1], x[0] is Op.B, *x[2:]))  # by key; a forward first on ties
+                orders.append(list(_split_backward([(k, m, s, c) for k, _, m, s, c in seq], split, lag)))
+                continue
             w = len(fwd) if warmup is None else warmup(r)
             if w < 0:
                 raise PipeSemanticError(f"warmup of rank {r} is {w}; it counts forwards and cannot be negative",
                                         self.decls["warmup"][0].span)
-            lag = wlag(r) if split else 0
-            if lag < 0:
-                raise PipeSemanticError(f"wlag of rank {r} is {lag}; it cannot be negative", self.decls["wlag"][0].span)
-            orders.append(list(_interleave(fwd, bwd, min(w, len(fwd)), split, lag)))
+            fwd_ops = [op[1:] for op in fwd]
+            bwd_ops = [op[1:] for op in bwd]
+            orders.append(list(_split_backward(_interleave(fwd_ops, bwd_ops, min(w, len(fwd))), split, lag)))
         return orders
 
     # ------------------------------------------------------------ explicit lists
@@ -388,23 +415,22 @@ def _eval_int(expr: n.Expr, env: Env, values: dict[str, int]) -> int:
     return int(v)
 
 
-def _sorted(ops: list[tuple[int, int, int]], key, chunk, r: int) -> list[ComputeOp]:
+def _keyed(ops: list[tuple[int, int, int]], key, chunk, r: int) -> list[tuple[tuple, int, int, int]]:
+    """`(key, m, s, c)` for each op, sorted (ties by microbatch, stage, replica); key () if none."""
     if key is None:
-        return sorted(ops)
+        return [((), m, s, c) for m, s, c in sorted(ops)]
     fn = key.fn
     try:
-        decorated = sorted((fn(m, s, chunk[(c, s)], c, r), m, s, c) for m, s, c in ops)
+        return sorted((fn(m, s, chunk[(c, s)], c, r), m, s, c) for m, s, c in ops)
     except ArithmeticError:
         for m, s, c in ops:
             key.explain(m, s, chunk[(c, s)], c, r)
         raise
-    return [(m, s, c) for *_, m, s, c in decorated]
 
 
-def _interleave(fwd, bwd, warmup: int, split: bool, lag: int) -> Iterator[ComputeOp]:
+def _interleave(fwd, bwd, warmup: int) -> Iterator[ComputeOp]:
     """The one ordering rule: warmup forwards, then 1F1B, then the remaining backwards."""
-    F, back = Op.F, (Op.I if split else Op.B)
-    pending_w: list[tuple[int, int, int]] = []
+    F, B = Op.F, Op.B
     for m, s, c in fwd[:warmup]:
         yield (F, m, s, c)
     nf = warmup
@@ -413,12 +439,24 @@ def _interleave(fwd, bwd, warmup: int, split: bool, lag: int) -> Iterator[Comput
             fm, fs, fc = fwd[nf]
             nf += 1
             yield (F, fm, fs, fc)
-        yield (back, m, s, c)
-        if split:
-            pending_w.append((m, s, c))
-            if len(pending_w) > lag:
-                wm, ws, wc = pending_w.pop(0)
-                yield (Op.W, wm, ws, wc)
+        yield (B, m, s, c)
+
+
+def _split_backward(order, split: bool, lag: int) -> Iterator[ComputeOp]:
+    """With `wlag`: each B becomes I, and its W follows `lag` backwards later (or at the end)."""
+    if not split:
+        yield from order
+        return
+    pending_w: list[tuple[int, int, int]] = []
+    for kind, m, s, c in order:
+        if kind is not Op.B:
+            yield (kind, m, s, c)
+            continue
+        yield (Op.I, m, s, c)
+        pending_w.append((m, s, c))
+        if len(pending_w) > lag:
+            wm, ws, wc = pending_w.pop(0)
+            yield (Op.W, wm, ws, wc)
     for m, s, c in pending_w:
         yield (Op.W, m, s, c)
 

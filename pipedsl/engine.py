@@ -10,18 +10,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from pipedsl.errors import DeadlockError
-from pipedsl.ir import RECVS, SENDS, Instr, Program
+from pipedsl.errors import DeadlockError, ValidationError
+from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
 
 Duration = Callable[[Instr], float]
 
 
-def dry_run(program: Program, compute_time: Duration, message_time: Duration
+def dry_run(program: Program, compute_time: Duration, message_time: Duration, check_pairs: bool = False
             ) -> tuple[list[list[float]], list[list[float]]]:
     """Start and end time of every instruction; `DeadlockError` naming the wait cycle if stuck.
 
-    Assumes per-pair message order was checked: the k-th receive from a peer takes the
-    k-th message that peer sent.
+    The k-th receive on b from a takes the k-th message a sent to b, as NCCL and gloo
+    match them.  With `check_pairs`, a receive that expects another message than the one
+    it would get raises `ValidationError` naming both instructions.
     """
     P = program.num_ranks
     ranks = program.ranks
@@ -29,7 +30,7 @@ def dry_run(program: Program, compute_time: Duration, message_time: Duration
     ends = [[0.0] * len(s) for s in ranks]
     pc = [0] * P
     clock = [0.0] * P
-    channels: dict[tuple[int, int], deque[float]] = {}
+    channels: dict[tuple[int, int], deque[tuple[float, Instr, int]]] = {}
     blocked_on: dict[tuple[int, int], int] = {}  # (src, dst) -> dst, while dst waits on src
     ready = deque(range(P))
     while ready:
@@ -45,13 +46,18 @@ def dry_run(program: Program, compute_time: Duration, message_time: Duration
                     blocked_on[(ins.peer, r)] = r
                     break
                 st[i] = t
-                arrival = q.popleft()
+                arrival, sent, sent_at = q.popleft()
+                if check_pairs and not _matches(sent, ins):
+                    raise ValidationError(
+                        f"rank {r} instruction {i} ({ins}) receives from rank {ins.peer}, but the next message from "
+                        f"rank {ins.peer} is its instruction {sent_at} ({sent}): point-to-point messages match per "
+                        f"pair in order, so the receives on rank {r} must follow rank {ins.peer}'s send order")
                 if arrival > t:
                     t = arrival
             elif op in SENDS:
                 st[i] = t
                 key = (r, ins.peer)
-                channels.setdefault(key, deque()).append(t + message_time(ins))
+                channels.setdefault(key, deque()).append((t + message_time(ins), ins, i))
                 if blocked_on.pop(key, None) is not None:
                     ready.append(ins.peer)
             else:
@@ -81,3 +87,11 @@ def _describe_cycle(program: Program, pc: list[int], first: int) -> str:
     steps = [f"rank {q} waits at instruction {pc[q]} ({program.ranks[q][pc[q]]}) for rank "
              f"{program.ranks[q][pc[q]].peer}" for q in cycle]
     return "the ranks wait on each other in a cycle: " + "; ".join(steps)
+
+
+def _matches(send: Instr, recv: Instr) -> bool:
+    if send.mb != recv.mb or send.replica != recv.replica:
+        return False
+    if send.op is Op.SEND_F:
+        return recv.op is Op.RECV_F and recv.stage == send.stage + 1
+    return recv.op is Op.RECV_B and recv.stage == send.stage - 1

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipedsl.errors import ValidationError
 
@@ -42,9 +42,12 @@ BACKWARD_INPUT = frozenset({Op.B, Op.I})  # ops that produce the gradient for st
 RELEASES = frozenset({Op.B, Op.W})  # ops after which a stage's activation can be freed
 
 
-@dataclass(frozen=True, slots=True)
-class Instr:
-    """One instruction.  `stage` is global (0 … S-1); `peer` only on SEND/RECV."""
+class Instr(NamedTuple):
+    """One instruction.  `stage` is global (0 … S-1); `peer` only on SEND/RECV.
+
+    An immutable named tuple rather than a frozen dataclass: programs hold millions of
+    them and a tuple is built four times faster.
+    """
 
     op: Op
     mb: int | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pipedsl.engine import dry_run
 from pipedsl.errors import PipeDSLError
 from pipedsl.ir import Instr, Op, Program
+from pipedsl.perf import no_gc
 from pipedsl.timeline import Event, Timeline
 from pipedsl.validate import validate
 
@@ -83,7 +84,6 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
     if isinstance(cost, str):
         cost = Cost.parse(cost)
     cost = cost or Cost()
-    validate(program)
     table: dict[tuple[Op, int | None], float] = {}
 
     def compute_time(ins: Instr) -> float:
@@ -93,7 +93,9 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
             t = table[k] = cost.compute_time(ins)
         return t
 
-    starts, ends = dry_run(program, compute_time, cost.message_time)
-    ranks = tuple(tuple(map(Event, stream, st, en)) for stream, st, en in zip(program.ranks, starts, ends))
+    with no_gc():
+        validate(program)
+        starts, ends = dry_run(program, compute_time, cost.message_time)
+        ranks = tuple(tuple(map(Event, stream, st, en)) for stream, st, en in zip(program.ranks, starts, ends))
     return Timeline(program.name, dict(program.params), ranks, "simulated",
                     {"cost": {k: getattr(cost, k) for k in _NAMES}})

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipedsl.errors import ValidationError
 from pipedsl.ir import COMPUTE, Instr, Op
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """One instruction's execution interval on its rank (seconds or cost units)."""
 
     instr: Instr

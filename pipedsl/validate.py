@@ -7,27 +7,28 @@ Checks, in order, each failure naming rank, instruction index and op:
    last backward; OPTIMIZER_STEP last;
 3. dependencies within each rank (F after its input exists, B/I after its F and its output
    gradient, W after I, a send after the op producing it);
-4. per-pair message order: the k-th receive on b from a is the k-th send from a to b;
-5. no deadlock: a dry run of all ranks must reach the end of every stream.
+4. a dry run of all ranks with blocking receives: per-pair message order (the k-th receive
+   on b from a is the k-th send from a to b) and no deadlock (every stream reaches its end).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
 
 from pipedsl.engine import dry_run
 from pipedsl.errors import ValidationError
 from pipedsl.ir import COMPUTE, Instr, Op, Program
+from pipedsl.perf import no_gc
 
 
 def validate(program: Program) -> Program:
     """Raise `ValidationError` (or `DeadlockError`) if `program` is unsafe; return it otherwise."""
     if program.meta.get("validated"):
         return program
-    _check_header(program)
-    _check_streams(program)
-    _check_pair_order(program)
-    dry_run(program, lambda _: 1.0, lambda _: 0.0)
+    with no_gc():
+        _check_header(program)
+        _check_streams(program)
+        dry_run(program, lambda _: 1.0, lambda _: 0.0, check_pairs=True)
     program.meta["validated"] = True
     return program
 
@@ -37,7 +38,7 @@ def _where(r: int, i: int, ins: Instr) -> str:
 
 
 class _Bad(Exception):  # noqa: N818 - internal: a check failed; the caller adds where
-    """Raised by per-instruction checks; the loop prefixes rank, index and op."""
+    """`_Bad(index, message)`: a pass found a problem; `_located` names rank, index and op."""
 
 
 def _check_header(p: Program) -> None:
@@ -66,101 +67,91 @@ def _check_streams(p: Program) -> None:
     """Ranges, placement, exactly-once and completeness; then local dependencies."""
     seen: dict[tuple, tuple[int, int]] = {}  # (op, mb, stage, replica) -> (rank, index)
     for r, stream in enumerate(p.ranks):
-        _each(p, r, stream, _Placement(p, r, seen).check)
+        _located(r, stream, _placement_pass, p, r, stream, seen)
     _check_complete(p, seen)
     for r, stream in enumerate(p.ranks):
-        _each(p, r, stream, _dependency_checker(p, r))
+        _located(r, stream, _dependency_pass, p, r, stream)
 
 
-def _each(p: Program, r: int, stream: tuple[Instr, ...], check) -> None:
-    """Run `check(i, ins)` over a stream; a `_Bad` becomes a ValidationError naming the spot."""
-    i = 0
+def _located(r: int, stream: tuple[Instr, ...], check_pass, *args) -> None:
+    """Run a pass that reports failures as `_Bad(index, message)`; name rank, index and op."""
     try:
-        for i, ins in enumerate(stream):
-            check(i, ins)
+        check_pass(*args)
     except _Bad as bad:
-        raise ValidationError(f"{_where(r, i, stream[i])}: {bad}") from None
+        i, message = bad.args
+        raise ValidationError(f"{_where(r, i, stream[i])}: {message}") from None
 
 
-class _Placement:
-    """Per-instruction checks of one rank: ranges, placement, routing, exactly once."""
-
-    def __init__(self, p: Program, r: int, seen: dict[tuple, tuple[int, int]]) -> None:
-        self.p, self.r, self.seen = p, r, seen
-        self.done: set[tuple] = set()
-        self.last = len(p.ranks[r]) - 1
-
-    def check(self, i: int, ins: Instr) -> None:
-        p, r, done = self.p, self.r, self.done
-        S, C, rank_of = p.num_stages, p.num_replicas, p.placement
-        op, m, s, c = ins.op, ins.mb, ins.stage, ins.replica
-        if op is Op.OPTIMIZER_STEP:
-            if i != self.last:
-                raise _Bad("OPTIMIZER_STEP must be the last instruction of the rank")
-            return
-        if s is None or not 0 <= s < S or not 0 <= c < C:
-            raise _Bad(f"stage {s} replica {c} does not exist ({S} stages, {C} replica(s))")
-        if op is Op.REDUCE_GRAD:
-            if rank_of[(c, s)] != r:
-                raise _Bad(f"stage {s} is placed on rank {rank_of[(c, s)]}")
-            self._once((op, None, s, c), r, i)
-            return
-        if m is None or not 0 <= m < p.num_microbatches:
-            raise _Bad(f"microbatch {m} does not exist (M={p.num_microbatches})")
-        if p.microbatch_replica[m] != c:
-            raise _Bad(f"microbatch {m} is routed to replica {p.microbatch_replica[m]}, not {c}")
-        if (Op.REDUCE_GRAD, None, s, c) in done:
-            raise _Bad(f"comes after REDUCE_GRAD.{s} of its stage; gradients must be complete before they are reduced")
-        if op in COMPUTE:
-            if rank_of[(c, s)] != r:
-                raise _Bad(f"stage {s} (replica {c}) is placed on rank {rank_of[(c, s)]}, not rank {r}")
-        else:
-            self._check_message(ins)
-        self._once((op, m, s, c), r, i)
-
-    def _check_message(self, ins: Instr) -> None:
-        """The only messages allowed are those the placement makes necessary."""
-        p, r = self.p, self.r
-        op, m, s, c, peer = ins.op, ins.mb, ins.stage, ins.replica, ins.peer
-        S, rank_of = p.num_stages, p.placement
-        if peer is None or not 0 <= peer < p.num_ranks or peer == r:
-            raise _Bad(f"peer {peer} is not another rank (0..{p.num_ranks - 1})")
-        forward = op is Op.SEND_F or op is Op.RECV_F
-        if op is Op.SEND_F or op is Op.SEND_B:
-            other = s + 1 if forward else s - 1
-            if rank_of[(c, s)] != r or not 0 <= other < S or rank_of[(c, other)] != peer:
-                raise _Bad(f"no such message: stage {s} on rank {rank_of[(c, s)]} does not send "
-                           f"{'forward' if forward else 'backward'} to rank {peer}")
-            produced = [(Op.F, m, s, c)] if forward else [(Op.B, m, s, c), (Op.I, m, s, c)]
-            if not any(k in self.done for k in produced):
-                raise _Bad(f"sends a tensor before the op that produces it ({produced[0][0].value}{m}.{s}) "
-                           f"ran on this rank")
-        else:
-            other = s - 1 if forward else s + 1
-            if rank_of[(c, s)] != r or not 0 <= other < S or rank_of[(c, other)] != peer:
-                raise _Bad(f"no such message: stage {s} on rank {rank_of[(c, s)]} does not receive "
-                           f"{'forward' if forward else 'backward'} from rank {peer}")
-
-    def _once(self, key: tuple, r: int, i: int) -> None:
-        first = self.seen.setdefault(key, (r, i))
-        if first != (r, i):
-            raise _Bad(f"repeats rank {first[0]} instruction {first[1]}; each op runs exactly once")
-        self.done.add(key)
-
-
-def _dependency_checker(p: Program, r: int):
-    """Per-instruction dependency check of rank r, remembering what already ran."""
+def _placement_pass(p: Program, r: int, stream: tuple[Instr, ...], seen: dict[tuple, tuple[int, int]]) -> None:
+    """Per instruction: fields in range, on the placed rank, routed right, only once."""
+    S, C, M, P = p.num_stages, p.num_replicas, p.num_microbatches, p.num_ranks
+    rank_of, route = p.placement, p.microbatch_replica
     done: set[tuple] = set()
+    last = len(stream) - 1
+    COMPUTE_, STEP, REDUCE = COMPUTE, Op.OPTIMIZER_STEP, Op.REDUCE_GRAD
+    SEND_F, SEND_B, RECV_F = Op.SEND_F, Op.SEND_B, Op.RECV_F
+    for i, ins in enumerate(stream):
+        op, m, s, c = ins.op, ins.mb, ins.stage, ins.replica
+        if op is STEP:
+            if i != last:
+                raise _Bad(i, "OPTIMIZER_STEP must be the last instruction of the rank")
+            continue
+        if s is None or not 0 <= s < S or not 0 <= c < C:
+            raise _Bad(i, f"stage {s} replica {c} does not exist ({S} stages, {C} replica(s))")
+        home = rank_of[(c, s)]
+        if op is REDUCE:
+            if home != r:
+                raise _Bad(i, f"stage {s} is placed on rank {home}")
+            key = (op, None, s, c)
+        else:
+            if m is None or not 0 <= m < M:
+                raise _Bad(i, f"microbatch {m} does not exist (M={M})")
+            if route[m] != c:
+                raise _Bad(i, f"microbatch {m} is routed to replica {route[m]}, not {c}")
+            if (REDUCE, None, s, c) in done:
+                raise _Bad(i, f"comes after REDUCE_GRAD.{s} of its stage; "
+                              f"gradients must be complete before they are reduced")
+            if home != r:
+                raise _Bad(i, f"stage {s} (replica {c}) is placed on rank {home}, not rank {r}")
+            if op not in COMPUTE_:
+                # messages: the only ones allowed are those the placement makes necessary
+                peer = ins.peer
+                if peer is None or not 0 <= peer < P or peer == r:
+                    raise _Bad(i, f"peer {peer} is not another rank (0..{P - 1})")
+                forward = op is SEND_F or op is RECV_F
+                sending = op is SEND_F or op is SEND_B
+                other = s + 1 if forward == sending else s - 1
+                if not 0 <= other < S or rank_of[(c, other)] != peer:
+                    raise _Bad(i, f"no such message: stage {s} on rank {home} does not "
+                                  f"{'send' if sending else 'receive'} {'forward' if forward else 'backward'} "
+                                  f"{'to' if sending else 'from'} rank {peer}")
+                if sending:
+                    made = (Op.F, m, s, c) in done if forward else ((Op.B, m, s, c) in done or (Op.I, m, s, c) in done)
+                    if not made:
+                        raise _Bad(i, f"sends a tensor before the op that produces it "
+                                      f"({'F' if forward else 'B'}{m}.{s}) ran on this rank")
+            key = (op, m, s, c)
+        first = seen.setdefault(key, (r, i))
+        if first[1] != i or first[0] != r:
+            raise _Bad(i, f"repeats rank {first[0]} instruction {first[1]}; each op runs exactly once")
+        done.add(key)
 
-    def check(i: int, ins: Instr) -> None:
+
+def _dependency_pass(p: Program, r: int, stream: tuple[Instr, ...]) -> None:
+    """Per compute op: its inputs exist on this rank when it runs."""
+    done: set[tuple] = set()
+    add = done.add
+    for i, ins in enumerate(stream):
+        key = (ins.op, ins.mb, ins.stage, ins.replica)
         if ins.op in COMPUTE:
-            _check_dependencies(p, r, ins, done)
-        done.add((ins.op, ins.mb, ins.stage, ins.replica))
+            message = _missing_input(p, r, ins, done)
+            if message:
+                raise _Bad(i, message)
+        add(key)
 
-    return check
 
-
-def _check_dependencies(p: Program, r: int, ins: Instr, done: set[tuple]) -> None:
+def _missing_input(p: Program, r: int, ins: Instr, done: set[tuple]) -> str | None:
+    """Why a compute op cannot run yet on rank r, or None."""
     op, m, s, c = ins.op, ins.mb, ins.stage, ins.replica
     S = p.num_stages
     if op is Op.F:
@@ -168,27 +159,54 @@ def _check_dependencies(p: Program, r: int, ins: Instr, done: set[tuple]) -> Non
             local = p.placement[(c, s - 1)] == r
             need = (Op.F, m, s - 1, c) if local else (Op.RECV_F, m, s, c)
             if need not in done:
-                raise _Bad("runs before its input exists: "
+                return ("runs before its input exists: "
                                       + (f"F{m}.{s - 1} must run first on this rank" if local
                                          else f"RECV_F{m}.{s} must come first"))
-        return
+        return None
     if op is Op.W:
         if (Op.I, m, s, c) not in done:
-            raise _Bad(f"the weight gradient needs I{m}.{s} first on this rank")
-        return
+            return (f"the weight gradient needs I{m}.{s} first on this rank")
+        return None
     if (Op.F, m, s, c) not in done:
-        raise _Bad(f"a backward needs its forward F{m}.{s} first on this rank")
+        return (f"a backward needs its forward F{m}.{s} first on this rank")
     if s < S - 1:
         if p.placement[(c, s + 1)] == r:
             if (Op.B, m, s + 1, c) not in done and (Op.I, m, s + 1, c) not in done:
-                raise _Bad(f"runs before its output gradient exists: "
+                return (f"runs before its output gradient exists: "
                                       f"the backward of stage {s + 1} must run first on this rank")
         elif (Op.RECV_B, m, s, c) not in done:
-            raise _Bad(f"runs before its output gradient arrives: RECV_B{m}.{s} must come first")
+            return (f"runs before its output gradient arrives: RECV_B{m}.{s} must come first")
+    return None
 
 
 def _check_complete(p: Program, seen: dict[tuple, tuple[int, int]]) -> None:
-    S, P = p.num_stages, p.num_ranks
+    """Every required op and message is present.  `seen` holds only valid, unique keys,
+    so matching counts prove completeness; otherwise search for what is missing."""
+    counts = Counter(k[0] for k in seen)
+    S = p.num_stages
+    cuts = [sum(p.placement[(c, s)] != p.placement[(c, s + 1)] for s in range(S - 1))
+            for c in range(p.num_replicas)]
+    messages = sum(cuts[c] for c in p.microbatch_replica)
+    work = p.num_microbatches * S
+    split = counts[Op.I]
+    if (counts[Op.F] == work and counts[Op.B] + split == work and counts[Op.W] == split
+            and not (split and counts[Op.B])
+            and all(counts[op] == messages for op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B))
+            and counts[Op.REDUCE_GRAD] == len(p.placement)):
+        _check_step_last(p)
+        return
+    _find_missing(p, seen)
+    raise AssertionError("counts disagree but nothing is missing")  # pragma: no cover
+
+
+def _check_step_last(p: Program) -> None:
+    for r in range(p.num_ranks):
+        if not p.ranks[r] or p.ranks[r][-1].op is not Op.OPTIMIZER_STEP:
+            raise ValidationError(f"rank {r}: the stream must end with OPTIMIZER_STEP")
+
+
+def _find_missing(p: Program, seen: dict[tuple, tuple[int, int]]) -> None:
+    S = p.num_stages
     for m, c in enumerate(p.microbatch_replica):
         for s in range(S):
             home = p.placement[(c, s)]
@@ -217,36 +235,4 @@ def _check_complete(p: Program, seen: dict[tuple, tuple[int, int]]) -> None:
     for (c, s), home in p.placement.items():
         if (Op.REDUCE_GRAD, None, s, c) not in seen:
             raise ValidationError(f"REDUCE_GRAD.{s}{f'r{c}' if c else ''} is missing on rank {home}")
-    for r in range(P):
-        if not p.ranks[r] or p.ranks[r][-1].op is not Op.OPTIMIZER_STEP:
-            raise ValidationError(f"rank {r}: the stream must end with OPTIMIZER_STEP")
-
-
-def _check_pair_order(p: Program) -> None:
-    """The k-th receive on b from a must be the message a sends k-th to b."""
-    sends: dict[tuple[int, int], list[tuple[int, Instr]]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[tuple[int, Instr]]] = defaultdict(list)
-    for r, stream in enumerate(p.ranks):
-        for i, ins in enumerate(stream):
-            if ins.op is Op.SEND_F or ins.op is Op.SEND_B:
-                sends[(r, ins.peer)].append((i, ins))
-            elif ins.op is Op.RECV_F or ins.op is Op.RECV_B:
-                recvs[(ins.peer, r)].append((i, ins))
-    for (a, b), sent in sends.items():
-        got = recvs.get((a, b), [])
-        for k, ((si, s_ins), (ri, r_ins)) in enumerate(zip(sent, got)):
-            if not _matches(s_ins, r_ins):
-                raise ValidationError(
-                    f"rank {b} instruction {ri} ({r_ins}) is receive #{k} from rank {a}, but send #{k} from rank {a} "
-                    f"is instruction {si} ({s_ins}): point-to-point messages match per pair in order, "
-                    f"so the receives on rank {b} must follow rank {a}'s send order")
-        if len(got) != len(sent):  # pragma: no cover - exactly-once checks catch this first
-            raise ValidationError(f"rank {a} sends {len(sent)} messages to rank {b}, which receives {len(got)}")
-
-
-def _matches(send: Instr, recv: Instr) -> bool:
-    if send.mb != recv.mb or send.replica != recv.replica:
-        return False
-    if send.op is Op.SEND_F:
-        return recv.op is Op.RECV_F and recv.stage == send.stage + 1
-    return recv.op is Op.RECV_B and recv.stage == send.stage - 1
+    _check_step_last(p)
