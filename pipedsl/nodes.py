@@ -132,6 +132,14 @@ class Setting:
 
 
 @dataclass(frozen=True, slots=True)
+class Flag:
+    """A declaration without a value: `merge`."""
+
+    keyword: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class Order:
     """`order F by (k1, k2, …)`: the sort key of a rank's forwards (F) or backwards (B)."""
 
@@ -148,7 +156,7 @@ class Compute:
     span: Span
 
 
-Stmt = Doc | Require | Let | Setting | Order | Compute
+Stmt = Doc | Require | Let | Setting | Flag | Order | Compute
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,6 +147,10 @@ class _Builder(Transformer):
     wlag = _setting("wlag")
 
     @v_args(meta=True)
+    def merge(self, meta, children):
+        return n.Flag("merge", self._span(meta))
+
+    @v_args(meta=True)
     def order(self, meta, children):
         kind_tok, key = children
         kind = str(kind_tok)
