@@ -108,9 +108,6 @@ def _placement_pass(p: Program, r: int, stream: tuple[Instr, ...], seen: dict[tu
                 raise _Bad(i, f"microbatch {m} does not exist (M={M})")
             if route[m] != c:
                 raise _Bad(i, f"microbatch {m} is routed to replica {route[m]}, not {c}")
-            if (REDUCE, None, s, c) in done:
-                raise _Bad(i, f"comes after REDUCE_GRAD.{s} of its stage; "
-                              f"gradients must be complete before they are reduced")
             if home != r:
                 raise _Bad(i, f"stage {s} (replica {c}) is placed on rank {home}, not rank {r}")
             if op not in COMPUTE_:
@@ -138,16 +135,26 @@ def _placement_pass(p: Program, r: int, stream: tuple[Instr, ...], seen: dict[tu
 
 
 def _dependency_pass(p: Program, r: int, stream: tuple[Instr, ...]) -> None:
-    """Per compute op: its inputs exist on this rank when it runs."""
+    """Per compute op: its inputs exist on this rank when it runs; REDUCE_GRAD after every
+    backward of its stage (gradients must be complete before they are reduced)."""
     done: set[tuple] = set()
     add = done.add
+    finished: Counter[tuple[int, int]] = Counter()  # (stage, replica) -> backwards completed
+    per_replica = Counter(p.microbatch_replica)
     for i, ins in enumerate(stream):
-        key = (ins.op, ins.mb, ins.stage, ins.replica)
-        if ins.op in COMPUTE:
+        op = ins.op
+        if op in COMPUTE:
             message = _missing_input(p, r, ins, done)
             if message:
                 raise _Bad(i, message)
-        add(key)
+            if op is Op.B or op is Op.W:
+                finished[(ins.stage, ins.replica)] += 1
+        elif op is Op.REDUCE_GRAD:
+            have, need = finished[(ins.stage, ins.replica)], per_replica[ins.replica]
+            if have != need:
+                raise _Bad(i, f"reduces stage {ins.stage}'s gradients after {have} of its {need} backwards; "
+                              f"gradients must be complete before they are reduced")
+        add((op, ins.mb, ins.stage, ins.replica))
 
 
 def _missing_input(p: Program, r: int, ins: Instr, done: set[tuple]) -> str | None:
