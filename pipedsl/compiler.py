@@ -40,6 +40,7 @@ CONTEXT: dict[str, tuple[str, ...]] = {
 }
 ALL_CONTEXT = ("m", "s", "v", "c", "r")
 BUILTIN_PARAMS = ("P", "M")
+MAX_COMPUTE_OPS = 2_000_000  # forwards per step: ~8M instructions, ~40 s and a few GB to compile
 _OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
 
 
@@ -264,6 +265,11 @@ class _Binder:
         for kw, v in (("stages", S), ("replicas", C)):
             if v < 1:
                 raise PipeSemanticError(f"{kw} must be at least 1, got {v}", self.decls[kw][0].span)
+        if max(M, P) * S * C > MAX_COMPUTE_OPS:
+            span = self.decls["stages"][0].span if "stages" in self.decls else head
+            raise PipeSemanticError(f"{max(M, P)} {'microbatches' if M >= P else 'ranks'} × {S} stages × {C} "
+                                    f"replica(s) exceeds {MAX_COMPUTE_OPS:,}; pipedsl refuses programs that large",
+                                    span)
 
         routes = [0] * M
         if "route" in self.decls:
@@ -480,19 +486,26 @@ def _check_items(items: tuple[n.Item, ...], env: Env, context: tuple[str, ...]) 
                 context = context + (name,)
 
 
-def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int]
+def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int], budget: list[int] | None = None
                ) -> Iterator[tuple[n.OpItem, str, int, int, int | None]]:
+    """Interpret a compute block; `budget` bounds the loop iterations of the whole block."""
     values = dict(values)
+    budget = [MAX_COMPUTE_OPS] if budget is None else budget
     for item in items:
         match item:
             case n.OpItem(kind=kind, mb=mb, stage=stage, replica=rep):
                 yield (item, kind, _eval_int(mb, env, values), _eval_int(stage, env, values),
                        None if rep is None else _eval_int(rep, env, values))
-            case n.ForItem(var=var, lo=lo, hi=hi, body=body):
-                for x in range(_eval_int(lo, env, values), _eval_int(hi, env, values)):
-                    yield from _run_items(body, env, {**values, var: x})
+            case n.ForItem(var=var, lo=lo, hi=hi, body=body, span=span):
+                first, stop = _eval_int(lo, env, values), _eval_int(hi, env, values)
+                budget[0] -= max(0, stop - first)
+                if budget[0] < 0:
+                    raise PipeSemanticError(f"the compute block runs its loops more than {MAX_COMPUTE_OPS:,} "
+                                            f"times (this loop: {stop - first:,})", span)
+                for x in range(first, stop):
+                    yield from _run_items(body, env, {**values, var: x}, budget)
             case n.IfItem(cond=cond, then=then, orelse=orelse):
-                yield from _run_items(then if evaluate(cond, env, values) else orelse, env, values)
+                yield from _run_items(then if evaluate(cond, env, values) else orelse, env, values, budget)
             case n.Let(name=name, value=value):
                 values[name] = _eval_int(value, env, values)
 
