@@ -17,6 +17,7 @@ from pipedsl.errors import PipeDSLError, PipeSemanticError
 from pipedsl.library import builtin_names, load
 from pipedsl.simulate import Cost, simulate
 from pipedsl.timeline import Timeline
+from pipedsl.visualize import show
 
 EXIT_USAGE = 2
 
@@ -28,10 +29,11 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def _add_sizes(p: argparse.ArgumentParser) -> None:
-    p.add_argument("schedule", help="a built-in name (see `pipedsl list`) or a .pipe file")
-    p.add_argument("-P", "--ranks", type=_positive, required=True, help="pipeline ranks")
-    p.add_argument("-M", "--microbatches", type=_positive, required=True, help="microbatches per step")
+def _add_sizes(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """SCHEDULE -P -M [-V] [-p]; `many`: any number of schedules, sizes checked by the command (`show`)."""
+    p.add_argument("schedule", nargs="*" if many else None, help="a built-in name (see `pipedsl list`) or a .pipe file")
+    p.add_argument("-P", "--ranks", type=_positive, required=not many, help="pipeline ranks")
+    p.add_argument("-M", "--microbatches", type=_positive, required=not many, help="microbatches per step")
     p.add_argument("-V", "--chunks", type=_positive, help="shorthand for -p V=N (chunks per rank)")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
                    help="a schedule parameter (repeatable)")
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
 
     sub.add_parser("list", help="the built-in schedules with their doc lines")
+    show.add_parser(sub)
     return parser
 
 
@@ -172,7 +175,8 @@ def _write(text: str, output: str | None) -> None:
         raise PipeDSLError(f"cannot write {output}: {err.strerror}") from None
 
 
-COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list}
+COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list,
+            "show": show.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

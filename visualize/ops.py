@@ -1,0 +1,92 @@
+"""What an event *is* when drawn: its kind, chunk, label, and the words that describe a timeline.
+
+Shared by every renderer so the picture, the terminal grid and the trace agree on names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pipedsl.ir import COMMS, COMPUTE, Instr, Op
+from pipedsl.timeline import Event, Timeline
+
+KIND_NAMES = {
+    Op.F: "forward",
+    Op.B: "backward",
+    Op.I: "input grad",
+    Op.W: "weight grad",
+    Op.REDUCE_GRAD: "grad reduce",
+    Op.OPTIMIZER_STEP: "optimizer step",
+}
+COMPUTE_ORDER = (Op.F, Op.B, Op.I, Op.W)
+
+
+def is_compute(instr: Instr) -> bool:
+    return instr.op in COMPUTE
+
+
+def is_message(instr: Instr) -> bool:
+    return instr.op in COMMS
+
+
+def chunk_index(timeline: Timeline) -> dict[tuple[int, int, int], int]:
+    """(rank, replica, stage) → v, the stage's position among the stages its rank holds for that replica.
+
+    Derived from the events themselves, so it works for measured traces without a program.
+    """
+    chunks: dict[tuple[int, int, int], int] = {}
+    for rank, events in enumerate(timeline.ranks):
+        held = sorted({(e.instr.replica, e.instr.stage) for e in events if e.instr.op in COMPUTE})
+        position: dict[int, int] = {}
+        for replica, stage in held:
+            chunks[(rank, replica, stage)] = position.get(replica, 0)
+            position[replica] = position.get(replica, 0) + 1
+    return chunks
+
+
+def num_chunks(chunks: dict[tuple[int, int, int], int]) -> int:
+    return max(chunks.values(), default=-1) + 1
+
+
+def num_replicas(timelines: Iterable[Timeline]) -> int:
+    return 1 + max((e.instr.replica for t in timelines for ev in t.ranks for e in ev), default=0)
+
+
+def kinds_present(timelines: Iterable[Timeline]) -> list[Op]:
+    """Compute kinds that occur, in F, B, I, W order."""
+    seen = {e.instr.op for t in timelines for ev in t.ranks for e in ev}
+    return [op for op in COMPUTE_ORDER if op in seen]
+
+
+def label(instr: Instr) -> str:
+    """The short text drawn in a compute box: the microbatch number."""
+    return "" if instr.mb is None else str(instr.mb)
+
+
+def params_text(timeline: Timeline) -> str:
+    """`P=4 M=8 V=2`: P and M first, then the other parameters as given."""
+    first = [k for k in ("P", "M") if k in timeline.params]
+    rest = [k for k in timeline.params if k not in first]
+    return " ".join(f"{k}={timeline.params[k]}" for k in first + rest)
+
+
+def format_time(value: float, timeline: Timeline) -> str:
+    """A duration in the timeline's unit: seconds for measured runs (shown in ms/s), cost units otherwise."""
+    if timeline.kind == "measured":
+        return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+    return f"{value:g}"
+
+
+def time_axis_label(timeline: Timeline) -> str:
+    return "time (s)" if timeline.kind == "measured" else "time (cost units)"
+
+
+def headline(timeline: Timeline) -> str:
+    """`1F1B  P=4 M=8  bubble 27.3%  makespan 33`: what a figure's title or a grid's header says."""
+    return (f"{timeline.name}  {params_text(timeline)}  bubble {timeline.bubble_ratio:.1%}  "
+            f"makespan {format_time(timeline.makespan, timeline)}")
+
+
+def relative(event: Event, timeline: Timeline) -> tuple[float, float]:
+    """Start and end measured from the timeline's first instruction."""
+    return event.start - timeline.start, event.end - timeline.start

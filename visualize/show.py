@@ -1,0 +1,134 @@
+"""`pipedsl show`: look at a schedule — in the terminal, as a picture, a Chrome trace or a graph.
+
+    pipedsl show 1f1b -P 4 -M 8                         # coloured grid in the terminal
+    pipedsl show 1f1b -P 4 -M 8 -o 1f1b.svg             # picture (.svg, .png, .pdf)
+    pipedsl show gpipe 1f1b -P 4 -M 8 -o cmp.png        # stacked, one shared time axis
+    pipedsl show 1f1b -P 4 -M 8 -o 1f1b.json            # Chrome / Perfetto trace
+    pipedsl show 1f1b -P 2 -M 3 -o deps.dot             # dependency graph (--graph -o deps.svg renders it)
+    pipedsl show --trace measured.json [-o …]           # a runtime trace (Timeline JSON or our Chrome trace)
+    pipedsl show 1f1b -P 4 -M 8 --trace measured.json -o cmp.png   # predicted vs measured
+
+The renderers are imported only when used, so `pipedsl` starts fast for the other commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import VisualizeError
+
+PICTURES = (".png", ".svg", ".pdf")
+OUTPUTS = {".png": "picture", ".svg": "picture", ".pdf": "picture", ".json": "Chrome trace",
+           ".dot": "dependency graph", ".txt": "plain-text grid"}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pipedsl.cli import _add_sizes, _positive  # here: cli imports this module
+
+    p = subparsers.add_parser(
+        "show", help="draw schedules or traces: terminal grid, SVG/PNG, Chrome trace, dependency graph",
+        description=__doc__.split("\n\n")[0], epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_sizes(p, many=True)
+    p.add_argument("--cost", default="", help="cost model for the simulation, e.g. F=1,B=2,I=1,W=1,comm=0")
+    p.add_argument("--trace", action="append", default=[], metavar="FILE",
+                   help="a timeline to draw: Timeline JSON (runtime tracer) or a Chrome trace written by pipedsl; "
+                        "repeatable, drawn after the schedules")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="write " + ", ".join(f"{s} ({what})" for s, what in OUTPUTS.items())
+                        + " instead of printing to the terminal")
+    p.add_argument("--graph", action="store_true",
+                   help="with -o FILE.svg/.png/.pdf: render the dependency graph instead of the timeline "
+                        "(needs graphviz's dot program; the .dot is written regardless)")
+    p.add_argument("--width", type=_positive, help="terminal columns (default: the terminal's width)")
+    return p
+
+
+def _epilog() -> str:
+    return "examples:\n" + "\n".join(line for line in __doc__.splitlines() if line.startswith("    pipedsl"))
+
+
+def run(args: argparse.Namespace) -> int:
+    output = args.output
+    suffix = Path(output).suffix.lower() if output else None
+    if output is not None and suffix not in OUTPUTS:
+        raise VisualizeError(f"cannot write {output!r}: unknown extension {suffix or '(none)'!r} "
+                             f"(known: .png/.svg/.pdf picture, .json Chrome trace, .dot dependency graph, "
+                             f".txt plain text)")
+    if args.graph and suffix not in (*PICTURES, ".dot"):
+        raise VisualizeError("--graph draws the dependency graph: give -o FILE.svg, .png, .pdf or .dot")
+
+    sources = _inputs(args)
+    timelines = [t for t, _ in sources]
+    if output is None:
+        from .terminal import print_timelines
+        print_timelines(timelines, width=args.width)
+        return 0
+    if args.graph or suffix == ".dot":
+        from .graph import write_graph
+        _only_one(sources, "a dependency graph")
+        print(write_graph(sources[0][1](), output))
+        return 0
+    if suffix in PICTURES:
+        from .timeline_plot import plot_timelines
+        plot_timelines(timelines, output)
+    elif suffix == ".json":
+        from .chrome_trace import write_chrome_trace
+        _only_one(sources, "a Chrome trace")
+        write_chrome_trace(timelines[0], output)
+    else:
+        from .terminal import render_text
+        try:
+            Path(output).write_text(render_text(timelines, args.width or 120))
+        except OSError as err:
+            raise VisualizeError(f"cannot write {output}: {err.strerror or err}") from None
+    print(f"wrote {output}")
+    return 0
+
+
+def _inputs(args: argparse.Namespace) -> list:
+    """(timeline, program thunk) per input: each schedule simulated, then each --trace read."""
+    from pipedsl.cli import _params
+    from pipedsl.ir import Program
+    from pipedsl.library import load
+    from pipedsl.simulate import Cost, simulate
+
+    from .trace_file import read_timeline
+
+    if not args.schedule and not args.trace:
+        raise VisualizeError("show needs a SCHEDULE (with -P and -M) or --trace FILE")
+    if args.schedule and (args.ranks is None or args.microbatches is None):
+        missing = " and ".join(f for f, v in (("-P", args.ranks), ("-M", args.microbatches)) if v is None)
+        raise VisualizeError(f"show {' '.join(args.schedule)}: needs {missing} (ranks and microbatches)")
+    cost = Cost.parse(args.cost)
+    params = _params(args)
+    schedules = [load(name) for name in args.schedule]
+    sources = []
+    for schedule in schedules:
+        program = schedule.compile(P=args.ranks, M=args.microbatches, **_fitting(params, schedule, schedules))
+        sources.append((simulate(program, cost), lambda p=program: p))
+    for path in args.trace:
+        timeline = read_timeline(path)
+        sources.append((timeline, lambda t=timeline: Program.from_streams(
+            [[e.instr for e in events] for events in t.ranks], t.name, dict(t.params) or None)))
+    return sources
+
+
+def _fitting(params: dict[str, int], schedule, schedules: list) -> dict[str, int]:
+    """When comparing schedules, each gets the -p/-V parameters it declares (interleaved's V is not
+    GPipe's business); a parameter no schedule declares still goes to all, so the typo is reported."""
+    declared = {p.name for s in schedules for p in s.parameters}
+    own = {p.name for p in schedule.parameters}
+    return {k: v for k, v in params.items() if k in own or k not in declared}
+
+
+def _only_one(sources: list, what: str) -> None:
+    if len(sources) != 1:
+        raise VisualizeError(f"{what} shows one schedule or trace, got {len(sources)}; "
+                             f"compare several in a picture (-o FILE.png / .svg) or the terminal")
+
+
+if __name__ == "__main__":  # python -m pipedsl.visualize.show … == pipedsl show …
+    from pipedsl.cli import main
+    raise SystemExit(main(["show", *sys.argv[1:]]))
