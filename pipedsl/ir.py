@@ -317,7 +317,10 @@ class Program:
 
     @classmethod
     def from_csv(cls, text: str, name: str = "program") -> Program:
-        rows = list(csv.reader(io.StringIO(text)))
+        try:
+            rows = list(csv.reader(io.StringIO(text, newline="")))
+        except csv.Error as err:
+            raise ValidationError(f"not CSV: {err}") from None
         if not rows or tuple(c.strip() for c in rows[0]) != cls.CSV_COLUMNS:
             raise ValidationError(f"CSV header must be {','.join(cls.CSV_COLUMNS)}")
         streams: list[list[Instr]] = []
