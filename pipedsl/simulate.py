@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field, replace
 
 from pipedsl.engine import dry_run
@@ -12,14 +13,15 @@ from pipedsl.timeline import Event, Timeline
 from pipedsl.validate import validate
 
 _KINDS = ("F", "B", "I", "W")
+_COMPUTE_OPS = (Op.F, Op.B, Op.I, Op.W)
 
 
 @dataclass(frozen=True)
 class Cost:
     """Time per op kind (optionally per stage) and per message.
 
-    A message of a stage costs `comm + bytes / bandwidth`, where `bytes` is `message_bytes`
-    (or its per-stage override).  REDUCE_GRAD and OPTIMIZER_STEP cost `reduce` and `step`.
+    A message costs `comm + message_bytes / bandwidth`.  REDUCE_GRAD and OPTIMIZER_STEP
+    cost `reduce` and `step`.  `Cost.fit(timeline)` measures all of them from a trace.
     """
 
     F: float = 1.0
@@ -58,6 +60,43 @@ class Cost:
             else:
                 raise PipeDSLError(f"--cost: unknown cost {name!r} (names: {', '.join(_NAMES)})")
         return replace(cost, per_stage=per_stage) if per_stage else cost
+
+    @classmethod
+    def fit(cls, timeline: Timeline) -> Cost:
+        """The costs a (measured) timeline shows: the median duration of each compute kind
+        overall and per stage, of REDUCE_GRAD and OPTIMIZER_STEP, and as `comm` the median
+        delay from a send's start to the end of its receive when the receiver was already
+        waiting (so the delay is the message's own).  Kinds absent from the trace keep the
+        default ratios to F."""
+        durations: dict[tuple[str, int | None], list[float]] = {}
+        sends: dict[tuple, float] = {}
+        waits: list[tuple[tuple, float, float]] = []
+        for rank, events in enumerate(timeline.ranks):
+            for e in events:
+                op, ins = e.instr.op, e.instr
+                if op in _COMPUTE_OPS:
+                    durations.setdefault((op.value, None), []).append(e.end - e.start)
+                    durations.setdefault((op.value, ins.stage), []).append(e.end - e.start)
+                elif op is Op.REDUCE_GRAD or op is Op.OPTIMIZER_STEP:
+                    durations.setdefault((op.value, None), []).append(e.end - e.start)
+                elif op is Op.SEND_F or op is Op.SEND_B:
+                    sends[(op is Op.SEND_F, ins.mb, ins.stage + (1 if op is Op.SEND_F else -1), ins.replica,
+                           rank, ins.peer)] = e.start
+                else:
+                    waits.append(((op is Op.RECV_F, ins.mb, ins.stage, ins.replica, ins.peer, rank), e.start, e.end))
+        med = {k: statistics.median(v) for k, v in durations.items()}
+        f = med.get(("F", None), 1.0)
+        base = {"F": f, "B": med.get(("B", None), 2 * f)}
+        base["I"] = med.get(("I", None), base["B"] / 2)
+        base["W"] = med.get(("W", None), base["B"] / 2)
+        delays = [end - sends[key] for key, start, end in waits if key in sends and start <= sends[key]]
+        per_stage: dict[int, dict[str, float]] = {}
+        for (kind, stage), value in med.items():
+            if stage is not None:
+                per_stage.setdefault(stage, {})[kind] = value
+        return cls(**base, comm=statistics.median(delays) if delays else 0.0,
+                   reduce=med.get(("REDUCE_GRAD", None), 0.0), step=med.get(("OPTIMIZER_STEP", None), 0.0),
+                   per_stage=per_stage)
 
     def compute_time(self, ins: Instr) -> float:
         op = ins.op
