@@ -77,8 +77,12 @@ def format_time(value: float, timeline: Timeline) -> str:
     return f"{value:g}"
 
 
-def time_axis_label(timeline: Timeline) -> str:
-    return "time (s)" if timeline.kind == "measured" else "time (cost units)"
+def time_unit(timelines: Iterable[Timeline]) -> tuple[float, str]:
+    """(factor, unit) for a time axis: ms or s when a measured timeline is shown, else cost units."""
+    timelines = list(timelines)
+    if not any(t.kind == "measured" for t in timelines):
+        return 1.0, "cost units"
+    return (1e3, "ms") if max((t.makespan for t in timelines), default=0.0) < 1 else (1.0, "s")
 
 
 def headline(timeline: Timeline) -> str:

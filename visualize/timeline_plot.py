@@ -20,7 +20,7 @@ from pathlib import Path
 from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from pipedsl.ir import COMPUTE, Op
 from pipedsl.timeline import Timeline
@@ -61,7 +61,10 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path | None = None
     for panel, (ax, timeline) in enumerate(zip(axes, timelines)):
         title = titles[panel] if titles else None
         chunks_seen = max(chunks_seen, _draw(ax, timeline, panel, span, width, title, show_kind))
-    axes[-1].set_xlabel(ops.time_axis_label(timelines[0]), fontsize=8.5, color=style.TEXT)
+    factor, unit = ops.time_unit(timelines)
+    axes[-1].set_xlabel(f"time ({unit})", fontsize=8.5, color=style.TEXT)
+    if factor != 1.0:
+        axes[-1].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * factor:g}"))
     axes[-1].set_xlim(0, span * 1.005)
     _legend(fig, timelines, chunks_seen)
     if path is not None:

@@ -6,23 +6,11 @@ from __future__ import annotations
 import io
 
 import pytest
-from conftest import simulated
+from pipedsl.visualize.terminal import layout, print_timelines, render_text
+from vis_support import ONE_F_ONE_B_3_PER_UNIT, simulated
 
 from pipedsl.ir import Instr, Op
 from pipedsl.timeline import Event, Timeline
-from pipedsl.visualize.terminal import layout, print_timelines, render_text
-
-# 1F1B, P=2, M=2.  Rank 0: warmup 1 -> F0 F1 B0 B1; rank 1: warmup 0 -> F0 B0 F1 B1.
-# r0: F0 [0,1] F1 [1,2] (waits for r1's B0) B0 [4,6] (waits for r1's B1) B1 [7,9]
-# r1: F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]                makespan 9, busy 6 + 6 of 18.
-ONE_F_ONE_B_3_PER_UNIT = """\
-1F1B  P=2 M=2
-r0 |F0-F1-......B0----...B1----|
-r1 |...F0-B0----F1-B1----......|
-    0                         9
-makespan 9  bubble 33.3%  peak activations 2 1
-F forward  B backward  (number = microbatch)  . idle
-"""
 
 
 def test_1f1b_golden():
