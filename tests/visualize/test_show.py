@@ -165,3 +165,16 @@ def test_docs_render_script(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1f1b.png", "gpipe.png"]
     assert (tmp_path / "1f1b.png").read_bytes().startswith(b"\x89PNG")
     assert "bubble 27.3%" in capsys.readouterr().out
+
+
+def test_readme_visualise_commands_run(tmp_path, monkeypatch, capsys):
+    """Every command of the README's "Visualise" block works (a simulated trace stands in for measured.json)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("### Visualise", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].replace("[-o …]", "").split() for line in block.strip().splitlines()]
+    assert len(commands) >= 7 and all(c[:2] == ["pipedsl", "show"] for c in commands)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "measured.json").write_text(simulated("1f1b", 4, 8).to_json())
+    for command in commands:
+        assert main(command[1:]) == 0, command
+    assert {"1f1b.svg", "cmp.png", "1f1b.json", "deps.dot"} <= {p.name for p in tmp_path.iterdir()}
