@@ -21,10 +21,6 @@ KIND_NAMES = {
 COMPUTE_ORDER = (Op.F, Op.B, Op.I, Op.W)
 
 
-def is_compute(instr: Instr) -> bool:
-    return instr.op in COMPUTE
-
-
 def is_message(instr: Instr) -> bool:
     return instr.op in COMMS
 
@@ -83,12 +79,6 @@ def time_unit(timelines: Iterable[Timeline]) -> tuple[float, str]:
     if not any(t.kind == "measured" for t in timelines):
         return 1.0, "cost units"
     return (1e3, "ms") if max((t.makespan for t in timelines), default=0.0) < 1 else (1.0, "s")
-
-
-def headline(timeline: Timeline) -> str:
-    """`1F1B  P=4 M=8  bubble 27.3%  makespan 33`: what a figure's title or a grid's header says."""
-    return (f"{timeline.name}  {params_text(timeline)}  bubble {timeline.bubble_ratio:.1%}  "
-            f"makespan {format_time(timeline.makespan, timeline)}")
 
 
 def relative(event: Event, timeline: Timeline) -> tuple[float, float]:

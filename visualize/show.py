@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
+
+from pipedsl.ir import Program
+from pipedsl.timeline import Timeline
 
 from .errors import VisualizeError
 
@@ -60,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         raise VisualizeError("--graph draws the dependency graph: give -o FILE.svg, .png, .pdf or .dot")
 
     sources = _inputs(args)
-    timelines = [t for t, _ in sources]
+    timelines = [s.timeline for s in sources]
     if output is None:
         from .terminal import print_timelines
         print_timelines(timelines, width=args.width)
@@ -68,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.graph or suffix == ".dot":
         from .graph import write_graph
         _only_one(sources, "a dependency graph")
-        print(write_graph(sources[0][1](), output))
+        print(write_graph(sources[0].program(), output))
         return 0
     if suffix in PICTURES:
         from .timeline_plot import plot_timelines
@@ -87,10 +92,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inputs(args: argparse.Namespace) -> list:
-    """(timeline, program thunk) per input: each schedule simulated, then each --trace read."""
+class _Source(NamedTuple):
+    """One thing to draw: its timeline, and how to get its program (for the dependency graph)."""
+
+    timeline: Timeline
+    program: Callable[[], Program]
+
+
+def _inputs(args: argparse.Namespace) -> list[_Source]:
+    """Each schedule compiled and simulated, then each --trace read."""
     from pipedsl.cli import _params
-    from pipedsl.ir import Program
     from pipedsl.library import load
     from pipedsl.simulate import Cost, simulate
 
@@ -107,10 +118,10 @@ def _inputs(args: argparse.Namespace) -> list:
     sources = []
     for schedule in schedules:
         program = schedule.compile(P=args.ranks, M=args.microbatches, **_fitting(params, schedule, schedules))
-        sources.append((simulate(program, cost), lambda p=program: p))
+        sources.append(_Source(simulate(program, cost), lambda p=program: p))
     for path in args.trace:
         timeline = read_timeline(path)
-        sources.append((timeline, lambda t=timeline: Program.from_streams(
+        sources.append(_Source(timeline, lambda t=timeline: Program.from_streams(
             [[e.instr for e in events] for events in t.ranks], t.name, dict(t.params) or None)))
     return sources
 
@@ -123,7 +134,7 @@ def _fitting(params: dict[str, int], schedule, schedules: list) -> dict[str, int
     return {k: v for k, v in params.items() if k in own or k not in declared}
 
 
-def _only_one(sources: list, what: str) -> None:
+def _only_one(sources: list[_Source], what: str) -> None:
     if len(sources) != 1:
         raise VisualizeError(f"{what} shows one schedule or trace, got {len(sources)}; "
                              f"compare several in a picture (-o FILE.png / .svg) or the terminal")

@@ -173,7 +173,12 @@ def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80) -> Te
         face = style.BASE[op]
         out.append(f" {letter} ", style=f"{style.text_on(face)} on {face}")
         out.append(f" {ops.KIND_NAMES[op]}  ")
-    out.append("(number = microbatch; lighter = later chunk; underlined = replica 1)", style="dim")
+    extras = ["number = microbatch"]
+    if any(ops.num_chunks(ops.chunk_index(t)) > 1 for t in timelines):
+        extras.append("lighter = later chunk")
+    if ops.num_replicas(timelines) > 1:
+        extras.append("underlined = replica 1")
+    out.append(f"({'; '.join(extras)})", style="dim")
     return out
 
 
