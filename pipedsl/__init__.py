@@ -28,10 +28,22 @@ __all__ = [
     "Program",
     "Schedule",
     "Timeline",
+    "Pipeline",  # lazy (torch)
     "ValidationError",
     "builtin_names",
+    "launch",  # lazy (torch)
     "load",
     "simulate",
     "validate",
 ]
 __version__ = "0.1.0"
+
+_RUNTIME = ("Pipeline", "launch")  # imported on first use: `import pipedsl` and the CLI stay torch-free
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME:
+        import pipedsl.runtime as runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'pipedsl' has no attribute {name!r}")

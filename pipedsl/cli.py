@@ -15,6 +15,7 @@ from pathlib import Path
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeSemanticError
 from pipedsl.library import builtin_names, load
+from pipedsl.runtime import train_cli
 from pipedsl.simulate import Cost, simulate
 from pipedsl.timeline import Timeline
 from pipedsl.visualize import show
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list", help="the built-in schedules with their doc lines")
     show.add_parser(sub)
+    train_cli.add_parser(sub)
     return parser
 
 
@@ -176,7 +178,7 @@ def _write(text: str, output: str | None) -> None:
 
 
 COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list,
-            "show": show.run}
+            "show": show.run, "train": train_cli.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,247 @@
+"""The per-rank interpreter of one instruction stream (DESIGN §7).
+
+A dispatch table maps each op kind to a handler.  Receives are *posted* (`irecv`) ahead of
+their place in the stream, within a bounded look-ahead and in the stream's order per peer,
+and *waited* just before the compute op that consumes them; sends complete in the
+background and are waited at the step end.  Adjacent stages on one rank hand tensors over
+directly (the program has no messages for them).  An activation is released at the op the
+schedule names (B, or W when the backward is split), together with its receive buffers.
+
+With `strict_pair_order` (default on NCCL, where the sends and receives between two ranks
+share one stream and run in issue order) a receive is never posted ahead of an earlier send
+to the same peer, so every pair's operations are issued exactly in program order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
+
+from .errors import RankFailure
+from .p2p import Channels, Recv, TensorMeta, describe
+from .reduce import GradReducer
+from .stage import Activation, Stage
+
+Key = tuple[int, int, int]  # (mb, stage, replica)
+
+
+class Executor:
+    """Interprets `program.ranks[rank]` once per `run`."""
+
+    def __init__(self, program: Program, rank: int, stages: dict[tuple[int, int], Stage], channels: Channels,
+                 reducer: GradReducer, in_meta: dict[tuple[int, int], tuple[TensorMeta, ...]],
+                 out_meta: dict[tuple[int, int], tuple[TensorMeta, ...]], lookahead: int = 16,
+                 strict_pair_order: bool = False, check_finite: bool = True) -> None:
+        self.program = program
+        self.rank = rank
+        self.stream = program.ranks[rank]
+        self.stages = stages  # (replica, stage) -> Stage
+        self.channels = channels
+        self.reducer = reducer
+        self.in_meta, self.out_meta = in_meta, out_meta
+        self.grad_meta = {k: tuple(m for m in v if m.is_float) for k, v in out_meta.items()}
+        self.lookahead = max(0, lookahead)
+        self.strict = strict_pair_order
+        self.check_finite = check_finite
+        self.last = program.num_stages - 1
+        self.rank_of = program.placement
+        n = len(self.stream)
+        self.starts = [0.0] * n
+        self.ends = [0.0] * n
+        self.wait_time = 0.0
+        self.handlers: dict[Op, Callable[[Instr], None]] = {
+            Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input, Op.W: self._backward_weight,
+            Op.SEND_F: self._send, Op.SEND_B: self._send, Op.RECV_F: self._recv, Op.RECV_B: self._recv,
+            Op.REDUCE_GRAD: self._reduce_grad, Op.OPTIMIZER_STEP: self._step_end,
+        }
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self, inputs: list[list[torch.Tensor]], targets: list[Any]) -> torch.Tensor:
+        """One pass over the stream; returns the sum of this rank's (1/M-scaled) microbatch losses."""
+        self.mb_inputs, self.targets = inputs, targets
+        self.local: dict[tuple[Op, int, int, int], list[torch.Tensor]] = {}  # hand-over between local stages
+        self.outbox: dict[tuple[Op, int, int, int], list[torch.Tensor]] = {}  # tensors waiting for their SEND
+        self.posted: dict[tuple[Op, int, int, int], Recv] = {}
+        self.acts: dict[Key, Activation] = {}
+        self.grad_buffers: dict[Key, list[torch.Tensor]] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self._scan = 0
+        self._pending_sends: dict[int, int] = defaultdict(int)  # peer -> sends scanned but not issued
+        self._held: dict[int, deque[int]] = defaultdict(deque)  # peer -> receive indices not posted early
+        self.wait_time = 0.0
+        stream, handlers, starts, ends = self.stream, self.handlers, self.starts, self.ends
+        clock = time.perf_counter
+        self.index = 0
+        for i, ins in enumerate(stream):
+            self.index = i
+            if self._scan <= i + self.lookahead:
+                self._post_ahead(i)
+            starts[i] = clock()
+            try:
+                handlers[ins.op](ins)
+            except RankFailure:
+                raise
+            except Exception as err:  # noqa: BLE001 - every failure is reported with where it happened
+                raise RankFailure(f"rank {self.rank} instruction {i} ({ins}): {type(err).__name__}: {err}",
+                                  self.rank, i, ins) from err
+            ends[i] = clock()
+        return self.loss_sum
+
+    # ------------------------------------------------------------ receives
+
+    def _post_ahead(self, i: int) -> None:
+        """Post the receives of the next `lookahead` instructions, in stream order per peer."""
+        stream, end = self.stream, min(len(self.stream), i + self.lookahead + 1)
+        while self._scan < end:
+            j = self._scan
+            ins = stream[j]
+            op = ins.op
+            if op in RECVS:
+                key = (op, ins.mb, ins.stage, ins.replica)
+                if key not in self.posted:
+                    peer = ins.peer
+                    if self._held[peer] or (self.strict and self._pending_sends[peer]):
+                        self._held[peer].append(j)
+                    else:
+                        self._post(ins)
+            elif op in SENDS:
+                self._pending_sends[ins.peer] += 1
+            self._scan += 1
+
+    def _post(self, ins: Instr) -> None:
+        key = (ins.replica, ins.stage)
+        meta = self.in_meta[key] if ins.op is Op.RECV_F else self.grad_meta[key]
+        self.posted[(ins.op, ins.mb, ins.stage, ins.replica)] = self.channels.post_recv(ins.peer, meta)
+
+    def _recv(self, ins: Instr) -> None:
+        key = (ins.op, ins.mb, ins.stage, ins.replica)
+        if key in self.posted:
+            return
+        held = self._held[ins.peer]
+        if held and held[0] == self.index:
+            held.popleft()
+        self._post(ins)
+
+    def _take(self, op: Op, m: int, s: int, c: int) -> list[torch.Tensor]:
+        """The tensors of a received message, waiting for them now."""
+        recv = self.posted.pop((op, m, s, c))
+        t0 = time.perf_counter()
+        try:
+            out = recv.wait()
+        except Exception as err:  # noqa: BLE001
+            ins = self.stream[self.index]
+            raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): waiting for "
+                              f"{'the activation' if op is Op.RECV_F else 'the gradient'} of microbatch {m} "
+                              f"from rank {recv.peer} failed: {err}", self.rank, self.index, ins,
+                              peer=recv.peer, peer_failure=True) from err
+        t1 = time.perf_counter()
+        self.wait_time += t1 - t0
+        self.starts[self.index] = t1  # a compute op's event starts when its input is there: waiting is idle
+        return out
+
+    # ------------------------------------------------------------ compute
+
+    def _forward(self, ins: Instr) -> None:
+        m, s, c = ins.mb, ins.stage, ins.replica
+        stage = self.stages[(c, s)]
+        buffers: list[torch.Tensor] = []
+        if s == 0:
+            inputs = self.mb_inputs[m]
+        elif self.rank_of[(c, s - 1)] == self.rank:
+            inputs = self.local.pop((Op.F, m, s, c))
+        else:
+            inputs = buffers = self._take(Op.RECV_F, m, s, c)
+        act, outs = stage.forward(inputs, self.targets[m] if s == self.last else None, buffers)
+        self.acts[(m, s, c)] = act
+        if s == self.last:
+            loss = act.loss
+            if self.check_finite and not torch.isfinite(loss):
+                raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): the loss of microbatch {m} "
+                                  f"is {loss.item()} (not finite)", self.rank, self.index, ins)
+            self.loss_sum += loss.double().cpu() * stage.scale
+            return
+        self._check_meta(ins, outs, self.out_meta[(c, s)])
+        if self.rank_of[(c, s + 1)] == self.rank:
+            self.local[(Op.F, m, s + 1, c)] = outs
+        else:
+            self.outbox[(Op.F, m, s, c)] = outs
+        self.channels.reap_sends()
+
+    def _output_grads(self, m: int, s: int, c: int) -> list[torch.Tensor] | None:
+        if s == self.last:
+            return None
+        if self.rank_of[(c, s + 1)] == self.rank:
+            return self.local.pop((Op.B, m, s, c))
+        grads = self._take(Op.RECV_B, m, s, c)
+        self.grad_buffers[(m, s, c)] = grads
+        return grads
+
+    def _pass_back(self, m: int, s: int, c: int, grads: list[torch.Tensor]) -> None:
+        if s == 0:
+            return
+        if self.rank_of[(c, s - 1)] == self.rank:
+            self.local[(Op.B, m, s - 1, c)] = grads
+        else:
+            self.outbox[(Op.B, m, s, c)] = grads
+
+    def _release(self, key: Key) -> None:
+        act = self.acts.pop(key)
+        pool = self.channels.pool
+        for b in act.buffers:
+            pool.give(b)
+        for b in self.grad_buffers.pop(key, ()):
+            pool.give(b)
+
+    def _backward(self, ins: Instr) -> None:
+        m, s, c = ins.mb, ins.stage, ins.replica
+        grads = self._output_grads(m, s, c)
+        self._pass_back(m, s, c, self.stages[(c, s)].backward(self.acts[(m, s, c)], grads))
+        self._release((m, s, c))
+        self.channels.reap_sends()
+
+    def _backward_input(self, ins: Instr) -> None:
+        m, s, c = ins.mb, ins.stage, ins.replica
+        grads = self._output_grads(m, s, c)
+        self._pass_back(m, s, c, self.stages[(c, s)].backward_input(self.acts[(m, s, c)], grads))
+        self.channels.reap_sends()
+
+    def _backward_weight(self, ins: Instr) -> None:
+        m, s, c = ins.mb, ins.stage, ins.replica
+        self.stages[(c, s)].backward_weight(self.acts[(m, s, c)])
+        self._release((m, s, c))
+
+    def _check_meta(self, ins: Instr, outs: list[torch.Tensor], expected: tuple[TensorMeta, ...]) -> None:
+        got = tuple(TensorMeta.of(t) for t in outs)
+        if got != expected:
+            raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): stage {ins.stage} produced "
+                              f"{describe(got)} for microbatch {ins.mb}, but its shape handshake announced "
+                              f"{describe(expected)} to the next stage", self.rank, self.index, ins)
+
+    # ------------------------------------------------------------ messages, reduction, step end
+
+    def _send(self, ins: Instr) -> None:
+        kind = Op.F if ins.op is Op.SEND_F else Op.B
+        self.channels.send(ins.peer, self.outbox.pop((kind, ins.mb, ins.stage, ins.replica)))
+        self._pending_sends[ins.peer] -= 1
+
+    def _reduce_grad(self, ins: Instr) -> None:
+        self.reducer.on_reduce_grad(ins.stage, ins.replica)
+
+    def _step_end(self, ins: Instr) -> None:
+        try:
+            self.channels.wait_sends()
+            self.reducer.finish()
+        except Exception as err:  # noqa: BLE001
+            raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): completing this step's "
+                              f"sends and gradient reductions failed: {err}", self.rank, self.index, ins,
+                              peer_failure=True) from err
+        left = [k for d in (self.acts, self.local, self.outbox, self.posted) for k in d]
+        if left:  # pragma: no cover - the validator rules this out
+            raise RankFailure(f"rank {self.rank}: the step ended with state left over: {left[:4]}", self.rank)

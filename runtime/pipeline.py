@@ -1,0 +1,265 @@
+"""`Pipeline`: the public API of the runtime, one instance per rank.
+
+    pipe = pipedsl.Pipeline(stages, schedule="1f1b", microbatches=8, loss_fn=F.cross_entropy)
+    loss = pipe.step(inputs, targets)      # same batch on every rank; mean loss on every rank
+    optimizer.step(); optimizer.zero_grad()  # the optimizer is the user's
+
+`stages` is a list of `nn.Module` (one per global stage), or a callable `stage -> nn.Module`
+that builds only what this rank holds.  `local_stages()` maps each global stage index held
+here to its module.  With replicas (Chimera), the copies of a stage on *different* ranks are
+separate modules (all starting from replica 0's weights, broadcast at init) whose gradients
+are summed at REDUCE_GRAD; copies of a stage on the *same* rank share one module, so a
+stage index always names one module per rank (`local_copies()` gives (replica, stage) keys).
+Gradients accumulate into `.grad` (call `optimizer.zero_grad()` between steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipedsl.compiler import Schedule
+from pipedsl.errors import PipeDSLError, PipeRuntimeError
+from pipedsl.ir import Op, Program
+from pipedsl.library import load
+from pipedsl.timeline import Timeline
+from pipedsl.validate import validate
+
+from .errors import RankFailure, explain_peer_failure, record_failure
+from .executor import Executor
+from .p2p import Channels, TensorMeta, describe
+from .reduce import GradReducer, Hook
+from .stage import ActivationCounter, LossFn, Stage
+from .tracer import Tracer
+
+StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
+
+
+class Pipeline:
+    """Run a pipeline schedule over this rank's stages (see the module docstring)."""
+
+    def __init__(self, stages: StageSpec, schedule: str | Schedule | None = "1f1b",
+                 microbatches: int | None = None, loss_fn: LossFn | None = None, *,
+                 program: Program | None = None, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None, lookahead: int = 16,
+                 strict_pair_order: bool | None = None, check_finite: bool = True,
+                 **schedule_params: int) -> None:
+        if not dist.is_initialized():
+            raise PipeRuntimeError("torch.distributed is not initialised: start the ranks with "
+                                   "pipedsl.launch(fn, nprocs) or torchrun")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.program = self._program(schedule, program, microbatches, schedule_params)
+        self.num_microbatches = self.program.num_microbatches
+        backend = dist.get_backend(group)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+        self.loss_fn = loss_fn
+
+        prog, rank = self.program, self.rank
+        held = sorted({s for (c, s), r in prog.placement.items() if r == rank})
+        self._modules = {s: self._build(stages, s).to(self.device) for s in held}
+        self.counter = ActivationCounter()
+        self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter)
+                        for s, m in self._modules.items()}
+        self._copies = {(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
+        self.channels = Channels(group, self.device)
+        self.reducer = GradReducer(prog, rank, self._modules, group, self.channels.global_rank)
+        self.reducer.broadcast_replicas()
+        self.tracer = Tracer(group)
+        self.lookahead = lookahead
+        self.strict_pair_order = backend == "nccl" if strict_pair_order is None else strict_pair_order
+        self.check_finite = check_finite
+        self._executor: Executor | None = None
+        self._input_meta: tuple[TensorMeta, ...] | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------ construction
+
+    def _program(self, schedule: str | Schedule | None, program: Program | None, microbatches: int | None,
+                 params: dict[str, int]) -> Program:
+        if program is not None:
+            validate(program)
+            if microbatches is not None and microbatches != program.num_microbatches:
+                raise PipeRuntimeError(f"microbatches={microbatches}, but the program was compiled for "
+                                       f"M={program.num_microbatches}")
+        else:
+            if microbatches is None:
+                raise PipeRuntimeError("Pipeline needs microbatches=M (or a compiled program=)")
+            sched = schedule if isinstance(schedule, Schedule) else load(schedule or "1f1b")
+            program = sched.compile(P=self.size, M=microbatches, **params)
+        if program.num_ranks != self.size:
+            raise PipeRuntimeError(f"the program {program.name!r} has {program.num_ranks} ranks, but the process "
+                                   f"group has {self.size}")
+        return program
+
+    def _build(self, stages: StageSpec, s: int) -> nn.Module:
+        prog = self.program
+        if callable(stages) and not isinstance(stages, (nn.Module, Sequence)):
+            module = stages(s)
+        else:
+            if isinstance(stages, nn.Module) and not isinstance(stages, (nn.ModuleList, nn.Sequential)):
+                raise PipeRuntimeError("stages must be a list of modules (one per stage) or a callable "
+                                       "stage -> module; split a model with pipedsl.runtime.split")
+            if len(stages) != prog.num_stages:
+                raise PipeRuntimeError(
+                    f"rank {self.rank}: the model has {len(stages)} stage(s), but schedule {prog.name!r} with "
+                    f"{', '.join(f'{k}={v}' for k, v in prog.params.items())} has {prog.num_stages} stages")
+            module = stages[s]
+        if not isinstance(module, nn.Module):
+            raise PipeRuntimeError(f"rank {self.rank}: stage {s} is a {type(module).__name__}, not an nn.Module")
+        return module
+
+    # ------------------------------------------------------------ public
+
+    def local_stages(self) -> dict[int, nn.Module]:
+        """{global stage index: module} for the stages this rank holds (one module per stage index)."""
+        return dict(self._modules)
+
+    def local_copies(self) -> dict[tuple[int, int], nn.Module]:
+        """{(replica, stage): module} for every stage copy placed on this rank."""
+        return {k: st.module for k, st in self._copies.items()}
+
+    def parameters(self):
+        for m in self._modules.values():
+            yield from m.parameters()
+
+    def register_reduce_grad_hook(self, hook: Hook) -> None:
+        """`hook(stage, module)` after a stage's gradients are complete and reduced between replicas.
+
+        It may return a handle with `.wait()` (e.g. an async all-reduce over a data-parallel
+        group); handles are waited at the step end.
+        """
+        self.reducer.add_hook(hook)
+
+    @property
+    def peak_activations(self) -> int:
+        """Most microbatch-stage activations alive at once on this rank during the last step."""
+        return self.counter.peak
+
+    def step(self, inputs: Any, targets: Any = None) -> float:
+        """Run the schedule once over the batch; returns the mean loss (on every rank)."""
+        M = self.num_microbatches
+        try:
+            mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank) for t in _tensors(inputs)))]
+            tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank)]
+            mb_inputs = [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs]
+            meta = tuple(TensorMeta.of(t) for t in mb_inputs[0])
+            if meta != self._input_meta:
+                self._handshake(meta)
+            self.counter.reset()
+            self.reducer.start_step()
+            loss_sum = self._executor.run(mb_inputs, tgt)
+            total = loss_sum.to(self.device)
+            try:
+                dist.all_reduce(total, group=self.group)
+            except Exception as err:  # noqa: BLE001
+                raise RankFailure(f"rank {self.rank}: summing the loss over ranks failed: {err}", self.rank,
+                                  peer_failure=True) from err
+        except RankFailure as err:
+            if err.peer_failure:
+                raise explain_peer_failure(err) from err
+            record_failure(self.rank, err.message)
+            raise
+        except PipeDSLError as err:
+            record_failure(self.rank, err.message)
+            raise
+        self.steps += 1
+        return float(total.item())
+
+    def timeline(self) -> Timeline | None:
+        """The last step's measured timeline, on the group's first rank (collective: call on all ranks)."""
+        ex = self._executor
+        if ex is None:
+            raise PipeRuntimeError("no step has run yet")
+        meta = {"wait_s": ex.wait_time, "peak_activations": self.counter.peak,
+                "recv_buffers": self.channels.pool.allocated}
+        return self.tracer.gather(self.program, self.rank, ex.starts, ex.ends, meta)
+
+    # ------------------------------------------------------------ shapes
+
+    def _handshake(self, mb_meta: tuple[TensorMeta, ...]) -> None:
+        """Learn every stage's input and output shapes once (fake tensors; one metadata message per hop)."""
+        prog, rank = self.program, self.rank
+        S = prog.num_stages
+        in_meta: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
+        out_meta: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
+        for c in sorted(set(prog.microbatch_replica)):
+            meta = mb_meta
+            for s in range(S):
+                if prog.placement[(c, s)] != rank:
+                    continue
+                if s > 0 and prog.placement[(c, s - 1)] != rank:
+                    peer = prog.placement[(c, s - 1)]
+                    try:
+                        meta = self.channels.recv_meta(peer)
+                    except Exception as err:  # noqa: BLE001
+                        raise RankFailure(f"rank {rank}: shape handshake: receiving stage {s}'s input shapes "
+                                          f"from rank {peer} failed: {err}", rank, peer=peer,
+                                          peer_failure=True) from err
+                in_meta[(c, s)] = meta
+                if s == S - 1:
+                    continue
+                try:
+                    out = self._stages[s].infer_outputs(meta, self.device)
+                except Exception as err:  # noqa: BLE001
+                    i, ins = _first(prog, rank, Op.F, s, c)
+                    source = "the microbatch" if s == 0 else f"stage {s - 1}"
+                    raise RankFailure(f"rank {rank} instruction {i} ({ins}): stage {s} cannot take its input "
+                                      f"{describe(meta)} from {source}: {type(err).__name__}: {err}",
+                                      rank, i, ins) from err
+                out_meta[(c, s)] = out
+                if prog.placement[(c, s + 1)] != rank:
+                    self.channels.send_meta(prog.placement[(c, s + 1)], out)
+                meta = out
+        self._input_meta = mb_meta
+        self._executor = Executor(prog, rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
+                                  self.lookahead, self.strict_pair_order, self.check_finite)
+
+
+def _first(prog: Program, rank: int, op: Op, stage: int, replica: int):
+    for i, ins in enumerate(prog.ranks[rank]):
+        if ins.op is op and ins.stage == stage and ins.replica == replica:
+            return i, ins
+    return None, None  # pragma: no cover
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    items = list(x) if isinstance(x, (tuple, list)) else [x]
+    for k, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise PipeRuntimeError(f"inputs[{k}] is a {type(t).__name__}; pass a tensor or a tuple of tensors")
+    return items
+
+
+def _split(t: torch.Tensor, M: int, what: str, rank: int) -> list[torch.Tensor]:
+    if t.dim() == 0 or t.shape[0] % M:
+        n = t.shape[0] if t.dim() else "a scalar"
+        raise PipeRuntimeError(f"rank {rank}: {what} with batch size {n} (dim 0) do not split into "
+                               f"M={M} equal microbatches")
+    return list(t.chunk(M, dim=0))
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, tuple):
+        return tuple(_to(t, device) for t in x)
+    return x
+
+
+def _split_any(targets: Any, M: int, rank: int) -> list[Any]:
+    if targets is None:
+        return [None] * M
+    if isinstance(targets, torch.Tensor):
+        return _split(targets, M, "targets", rank)
+    if isinstance(targets, (tuple, list)):
+        parts = [_split(t, M, "targets", rank) for t in _tensors(targets)]
+        return [tuple(p[m] for p in parts) for m in range(M)]
+    raise PipeRuntimeError(f"targets is a {type(targets).__name__}; pass a tensor, a tuple of tensors or None")

@@ -1,0 +1,160 @@
+"""REDUCE_GRAD: gradient reduction between the replica copies of a stage, plus user hooks.
+
+With replicas (Chimera) every stage has copies on several ranks; each copy accumulates the
+gradients of the microbatches routed through it, and at the stage's REDUCE_GRAD the copies
+all-reduce (sum) so every copy holds the gradient of the whole batch.  Copies on one rank
+share one module, so only ranks need reducing, never copies.
+
+Groups are built once, at init, deterministically on every rank: one process group per set
+of ranks holding a stage.  Several stages may share a set (Chimera P=4: stages 0 and 3 both
+live on ranks {0, 3}); collectives on one group must be issued in the same order on all its
+members, so a set's stages are reduced in ascending stage order — each as soon as it and
+every lower stage of its set are ready — asynchronously, waited at the step end.
+
+`add_hook(fn)`: `fn(stage, module)` runs once per local stage module after its gradients are
+complete *and* reduced between replicas; it may return a handle with `.wait()` (e.g. an async
+data-parallel all-reduce), which is waited at OPTIMIZER_STEP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipedsl.ir import Program
+
+Hook = Callable[[int, nn.Module], object]
+
+
+class GradReducer:
+    def __init__(self, program: Program, rank: int, modules: dict[int, nn.Module],
+                 group: dist.ProcessGroup | None, global_rank: Callable[[int], int]) -> None:
+        self.rank = rank
+        self.modules = modules
+        self.hooks: list[Hook] = []
+        self._copies = {s: 0 for s in modules}
+        for (_, s), r in program.placement.items():
+            if r == rank:
+                self._copies[s] += 1
+        holders: dict[int, tuple[int, ...]] = {}
+        for s in range(program.num_stages):
+            ranks = tuple(sorted({program.placement[(c, s)] for c in range(program.num_replicas)}))
+            if len(ranks) > 1:
+                holders[s] = ranks
+        self.key_of = holders  # stage -> ranks holding its copies (only stages with copies on >1 rank)
+        self.stages_of: dict[tuple[int, ...], list[int]] = {}
+        for s, key in holders.items():
+            self.stages_of.setdefault(key, []).append(s)
+        whole = group is None or group is dist.group.WORLD
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for key in self.stages_of:  # first-appearance order: the same on every rank
+            members = [global_rank(r) for r in key]
+            if whole:
+                g = dist.new_group(members)
+            elif rank in key:
+                g = dist.new_group(members, use_local_synchronization=True)
+            else:
+                continue
+            if rank in key:
+                self.groups[key] = g
+        self._src = {s: global_rank(program.placement[(0, s)]) for s in holders}  # replica 0's copy
+        self._flat: dict[int, list[torch.Tensor]] = {}
+
+    def add_hook(self, hook: Hook) -> None:
+        self.hooks.append(hook)
+
+    def broadcast_replicas(self) -> None:
+        """Make every copy of a replicated stage start from the weights of replica 0's copy."""
+        for key, stages in self.stages_of.items():
+            if key not in self.groups:
+                continue
+            for s in stages:
+                for t in [*self.modules[s].parameters(), *self.modules[s].buffers()]:
+                    dist.broadcast(t.data, src=self._src[s], group=self.groups[key])
+
+    # ------------------------------------------------------------ per step
+
+    def start_step(self) -> None:
+        self._left = dict(self._copies)
+        self._ready: set[int] = set()
+        self._next = {key: 0 for key in self.groups}
+        self._inflight: list[tuple[int, object, list, list]] = []
+        self._handles: list[object] = []
+
+    def on_reduce_grad(self, stage: int, replica: int) -> None:
+        self._left[stage] -= 1
+        if self._left[stage]:
+            return
+        key = self.key_of.get(stage)
+        if key is None:
+            self._run_hooks(stage)
+            return
+        self._ready.add(stage)
+        order, k = self.stages_of[key], self._next[key]
+        while k < len(order) and order[k] in self._ready:
+            self._issue(order[k], self.groups[key])
+            k += 1
+        self._next[key] = k
+        self._poll()
+
+    def _grads(self, stage: int) -> list[torch.Tensor]:
+        grads = []
+        for p in self.modules[stage].parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:  # every copy must send the same layout
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        return grads
+
+    def _issue(self, stage: int, group: dist.ProcessGroup) -> None:
+        grads = self._grads(stage)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        flats = self._flat.get(stage)
+        if flats is None:
+            flats = self._flat[stage] = [torch.empty(sum(g.numel() for g in gs), dtype=dt, device=gs[0].device)
+                                         for dt, gs in by_dtype.items()]
+        works = []
+        for flat, gs in zip(flats, by_dtype.values()):
+            torch.cat([g.reshape(-1) for g in gs], out=flat)
+            works.append(dist.all_reduce(flat, group=group, async_op=True))
+        self._inflight.append((stage, works, flats, list(by_dtype.values())))
+
+    def _complete(self, item: tuple[int, object, list, list]) -> None:
+        stage, works, flats, groups = item
+        for w in works:
+            w.wait()
+        for flat, gs in zip(flats, groups):
+            o = 0
+            for g in gs:
+                n = g.numel()
+                g.copy_(flat[o:o + n].view_as(g))
+                o += n
+        self._run_hooks(stage)
+
+    def _poll(self) -> None:
+        while self._inflight and all(w.is_completed() for w in self._inflight[0][1]):
+            self._complete(self._inflight.pop(0))
+
+    def _run_hooks(self, stage: int) -> None:
+        for hook in self.hooks:
+            handle = hook(stage, self.modules[stage])
+            if handle is not None:
+                self._handles.append(handle)
+
+    def finish(self) -> None:
+        """At OPTIMIZER_STEP: every reduction and hook handle complete."""
+        for key, k in self._next.items():
+            if k != len(self.stages_of[key]):  # pragma: no cover - the validator rules this out
+                raise RuntimeError(f"stage {self.stages_of[key][k]} never reached REDUCE_GRAD")
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.wait()
+

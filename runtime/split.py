@@ -1,0 +1,88 @@
+"""Model splitting: cut a model into pipeline stages (one `nn.Module` per global stage).
+
+- `split_sequential(seq, n)`: an `nn.Sequential` into `n` contiguous stages, balanced by
+  layer count (`by="count"`), by parameter count (`by="params"`), or at explicit `points`
+  (the indices where stages 1 … n−1 begin).
+- `split_gpt(embed, blocks, head, n)`: a GPT-style model — an embedding, a list of blocks,
+  a head — into `n` stages: the embedding opens stage 0, the head closes the last stage,
+  the blocks are spread between them.  With interleaved schedules `n` is the number of
+  chunks (P·V), not ranks.
+
+Stages share the original modules (no copies): build the model the same way on every rank
+(same seed), or build only your stages with a `stage -> module` callable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from pipedsl.errors import PipeRuntimeError
+
+
+def split_sequential(seq: nn.Sequential, num_stages: int | None = None, *, by: str = "count",
+                     points: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """`seq`'s layers as `num_stages` consecutive `nn.Sequential` stages (see the module docstring)."""
+    layers = list(seq)
+    bounds = _bounds(layers, num_stages, by, points)
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def split_gpt(embed: nn.Module, blocks: Sequence[nn.Module], head: nn.Module, num_stages: int, *,
+              by: str = "count") -> list[nn.Sequential]:
+    """A GPT-style model as `num_stages` stages: [embed, blocks…] … [blocks…, head]."""
+    units = [embed, *blocks, head]
+    if num_stages > len(units):
+        raise PipeRuntimeError(f"cannot split an embedding, {len(blocks)} blocks and a head into {num_stages} "
+                               f"stages (at most {len(units)})")
+    bounds = _bounds(units, num_stages, by, None)
+    return [nn.Sequential(*units[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _bounds(layers: list[nn.Module], n: int | None, by: str, points: Sequence[int] | None) -> list[int]:
+    L = len(layers)
+    if points is not None:
+        pts = [0, *points, L]
+        if n is not None and len(pts) - 1 != n:
+            raise PipeRuntimeError(f"{len(points)} split points make {len(pts) - 1} stages, not {n}")
+        if any(a >= b for a, b in zip(pts, pts[1:])):
+            raise PipeRuntimeError(f"split points {list(points)} must be increasing and inside 1..{L - 1}")
+        return pts
+    if n is None or not 1 <= n <= L:
+        raise PipeRuntimeError(f"cannot split {L} layers into {n} non-empty stages")
+    if by == "count":
+        sizes = [L // n + (1 if i < L % n else 0) for i in range(n)]
+    elif by == "params":
+        sizes = _balanced([sum(p.numel() for p in m.parameters()) for m in layers], n)
+    else:
+        raise PipeRuntimeError(f"by={by!r}: expected 'count' or 'params'")
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out
+
+
+def _balanced(weights: list[int], n: int) -> list[int]:
+    """Sizes of `n` contiguous non-empty parts minimising the heaviest part (exact DP)."""
+    L = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    INF = float("inf")
+    # best[k][i]: the lightest possible heaviest part when the first i layers form k parts
+    best = [[INF] * (L + 1) for _ in range(n + 1)]
+    cut = [[0] * (L + 1) for _ in range(n + 1)]
+    best[0][0] = 0
+    for k in range(1, n + 1):
+        for i in range(k, L - (n - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    sizes, i = [], L
+    for k in range(n, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]

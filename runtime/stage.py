@@ -1,0 +1,376 @@
+"""The stage wrapper: one model stage's forward, backward and split backward (I / W).
+
+A forward creates an `Activation`: the stage's inputs (leaves that require grad, so the
+backward yields the gradient to hand to the previous stage) and its outputs with their
+autograd graph.  The last stage also computes the loss, scaled by 1/M so that gradients
+accumulated over the M microbatches equal the gradient of the mean loss.
+
+- `backward` (B): `autograd.backward` from the outputs; parameter gradients accumulate in
+  `.grad`, the input gradient is returned; the graph is freed.
+- `backward_input` (I): `autograd.grad` w.r.t. the inputs only.  Before running it, hooks are
+  put on the graph's *boundary* nodes — the nodes on the input path that also feed a
+  parameter — to capture the gradient flowing into them; the graph is retained.
+- `backward_weight` (W): `autograd.grad` from those boundary nodes (with the captured
+  gradients) to the parameters, so W repeats none of I's work; the graph is freed.
+
+Live activations are counted honestly: every tensor the forward's autograd graph saves is
+packed together with a token, and the token is also held by the `Activation`; an activation
+is live until the executor released it *and* autograd freed everything it saved.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+
+from .p2p import TensorMeta
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class ActivationCounter:
+    """Microbatch-stage activations alive on this rank now, and the peak since `reset`."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def token(self) -> object:
+        tok = _Token()
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tok, self._dead)
+        return tok
+
+    def _dead(self) -> None:
+        self.live -= 1
+
+    def reset(self) -> None:
+        self.peak = self.live
+
+
+class _Token:
+    __slots__ = ("__weakref__",)
+
+
+class Activation:
+    """What a forward leaves for its backward."""
+
+    __slots__ = ("inputs", "outputs", "grads", "token", "buffers", "boundary", "loss")
+
+    def __init__(self, inputs: list, outputs: list[torch.Tensor], token: object, buffers: list) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+        self.grads: list | None = None  # the output gradients, kept from I to W only if needed
+        self.token = token
+        self.buffers = buffers  # receive buffers to give back when released
+        self.boundary: list | None = None  # split backward: [(node, captured grads)]
+        self.loss: torch.Tensor | None = None
+
+
+def as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+class Stage:
+    """One global stage of the model on this rank (replica copies on one rank share it)."""
+
+    def __init__(self, module: nn.Module, index: int, num_stages: int, loss_fn: LossFn | None,
+                 num_microbatches: int, counter: ActivationCounter) -> None:
+        self.module = module
+        self.index = index
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.loss_fn = loss_fn
+        self.scale = 1.0 / num_microbatches
+        self.counter = counter
+        self._params: list[nn.Parameter] | None = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        if self._params is None:
+            self._params = [p for p in self.module.parameters() if p.requires_grad]
+        return self._params
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, inputs: list[torch.Tensor], target: Any = None, buffers: list | None = None
+                ) -> tuple[Activation, list[torch.Tensor]]:
+        """Run the stage; returns the activation record and the outputs (or `[loss]` on the last stage)."""
+        if not self.is_first:
+            inputs = [t.detach().requires_grad_() if _is_float(t) else t for t in inputs]
+        token = self.counter.token()
+
+        def pack(t: torch.Tensor) -> tuple[object, torch.Tensor]:
+            # detached: a saved *output* must not own its own grad_fn (a cycle autograd never frees)
+            return token, t.detach()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            out = self.module(*inputs)
+            if self.is_last:
+                loss = out if self.loss_fn is None else self.loss_fn(out, target)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                    raise TypeError(f"the loss must be a scalar tensor, got {what}")
+                scaled = loss.reshape(()) * self.scale
+        if self.is_last:
+            act = Activation(inputs, [scaled], token, buffers or [])
+            act.loss = loss.detach()
+            return act, [scaled]
+        outputs = as_list(out)
+        for k, t in enumerate(outputs):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
+                                f"or a tuple of tensors")
+        return Activation(inputs, outputs, token, buffers or []), outputs
+
+    # ------------------------------------------------------------ backward
+
+    def _roots(self, act: Activation, grads: list | None) -> tuple[list, list]:
+        if self.is_last:
+            return act.outputs, [None]
+        outs, gs = [], []
+        assert grads is not None
+        g_iter = iter(grads)
+        for t in act.outputs:
+            if not _is_float(t):
+                continue
+            g = next(g_iter)
+            if t.requires_grad:
+                outs.append(t)
+                gs.append(g)
+        return outs, gs
+
+    def _input_grads(self, act: Activation, got: list | None) -> list[torch.Tensor]:
+        """One gradient per floating-point input (zeros where the input was unused)."""
+        out = []
+        got_iter = iter(got or [])
+        for t in act.inputs:
+            if not _is_float(t):
+                continue
+            g = next(got_iter, None) if got is not None else t.grad
+            out.append(g if g is not None else torch.zeros_like(t))
+        return out
+
+    def backward(self, act: Activation, grads: list | None) -> list[torch.Tensor]:
+        """Full backward (B): parameter gradients accumulate; returns the input gradients."""
+        outs, gs = self._roots(act, grads)
+        if outs:
+            torch.autograd.backward(outs, gs)
+        if self.is_first:
+            return []
+        return self._input_grads(act, None)
+
+    def backward_input(self, act: Activation, grads: list | None) -> list[torch.Tensor]:
+        """I: gradient w.r.t. the stage inputs only; keeps what `backward_weight` needs."""
+        outs, gs = self._roots(act, grads)
+        want = [t for t in act.inputs if _is_float(t) and t.requires_grad]
+        if not outs or not want:  # nothing flows back (first stage): W does all the work
+            act.grads = gs
+            return self._input_grads(act, [None] * len(want)) if want else []
+        plan = _WeightPlan(outs, want, self.params)
+        captured: dict[Node, tuple] = {}
+        handles = [u.register_prehook(lambda g, u=u: captured.__setitem__(u, g)) for u in plan.nodes]
+        try:
+            got = torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        act.boundary = plan.groups(captured, outs, gs)
+        act.outputs = []  # what W needs lives on through the boundary nodes
+        return self._input_grads(act, list(got))
+
+    def backward_weight(self, act: Activation) -> None:
+        """W: parameter gradients from what `backward_input` kept; frees the graph."""
+        params = self.params
+        if act.boundary is None:  # no input path: W is the whole backward
+            outs = act.outputs
+            groups = [(outs, act.grads, list(range(len(params))), [])] if outs and params else []
+        else:
+            groups = act.boundary
+        act.boundary = act.grads = None
+        act.outputs = []
+        for roots, root_grads, pidx, clamps in groups:
+            # a boundary node reached again through another root of its group keeps I's gradient
+            handles = [u.register_prehook(lambda _g, saved=saved: saved) for u, saved in clamps]
+            try:
+                got = torch.autograd.grad(roots, [params[i] for i in pidx], root_grads,
+                                          retain_graph=True, allow_unused=True)
+            finally:
+                for h in handles:
+                    h.remove()
+            for i, g in zip(pidx, got):
+                if g is None:
+                    continue
+                p = params[i]
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+
+    # ------------------------------------------------------------ shapes
+
+    def infer_outputs(self, metas: tuple[TensorMeta, ...], device: torch.device) -> tuple[TensorMeta, ...]:
+        """Output shapes and dtypes for inputs of `metas`, without computing (fake tensors)."""
+        saved = [b.detach().clone() for b in self.module.buffers()]
+        try:
+            try:
+                from torch._subclasses.fake_tensor import FakeTensorMode
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+                    args = [mode.from_tensor(torch.zeros(m.shape, dtype=m.dtype, device=device)) for m in metas]
+                    out = self.module(*args)
+            except (ImportError, NotImplementedError, RuntimeError):  # a module fake tensors cannot run
+                with torch.random.fork_rng(devices=[]), torch.no_grad():
+                    out = self.module(*[torch.zeros(m.shape, dtype=m.dtype, device=device) for m in metas])
+        finally:
+            with torch.no_grad():
+                for b, s in zip(self.module.buffers(), saved):
+                    b.copy_(s)
+        outs = as_list(out)
+        for k, t in enumerate(outs):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
+                                f"or a tuple of tensors")
+        return tuple(TensorMeta(tuple(t.shape), t.dtype) for t in outs)
+
+
+def _unpack(packed: tuple[object, torch.Tensor]) -> torch.Tensor:
+    return packed[1]
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    """The node gradients of `t` flow into: its grad_fn, or (a leaf) its AccumulateGrad."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return t.view_as(t).grad_fn.next_functions[0][0]
+    return None
+
+
+class _WeightPlan:
+    """Where W restarts: nodes on the input path with a branch that leads only to parameters.
+
+    I runs every node on a path from the outputs to the inputs; W must run the rest — the
+    parameter branches hanging off that path (and outputs that never reach an input).  The
+    gradient entering each branching node is captured during I; W runs `autograd.grad` from
+    those nodes to the parameters below their branches, one call per group of nodes that
+    share parameters, so no node of I's path is recomputed (except between two nodes of one
+    group, where a pre-hook pins the deeper node's gradient to I's value: no double count).
+    """
+
+    def __init__(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], params: list[nn.Parameter]) -> None:
+        self.roots = [_grad_node(t) for t in outputs]
+        children: dict[Node, list[Node]] = {}
+        queue = deque(r for r in self.roots if r is not None)
+        seen = set(queue)
+        while queue:
+            node = queue.popleft()
+            nxt = [fn for fn, _ in node.next_functions if fn is not None]
+            children[node] = nxt
+            for fn in nxt:
+                if fn not in seen:
+                    seen.add(fn)
+                    queue.append(fn)
+        targets_in = {n for n in map(_grad_node, inputs) if n is not None}
+        param_of = {n: i for i, n in enumerate(map(_grad_node, params)) if n is not None}
+        on_path = _reaching(children, targets_in)
+        to_param = _reaching(children, set(param_of))
+
+        def params_below(starts: list[Node]) -> set[int]:
+            found, stack, visited = set(), list(starts), set(starts)
+            while stack:
+                node = stack.pop()
+                if node in param_of:
+                    found.add(param_of[node])
+                for c in children.get(node, ()):
+                    if c in to_param and c not in visited:
+                        visited.add(c)
+                        stack.append(c)
+            return found
+
+        self.entries: list[tuple[str, Any, set[int]]] = []
+        for u in children:
+            if u in on_path and u not in targets_in:
+                side = [c for c in children[u] if c in to_param and c not in on_path]
+                if side:
+                    self.entries.append(("node", u, params_below(side)))
+        for k, r in enumerate(self.roots):
+            if r is not None and r not in on_path and r in to_param:
+                self.entries.append(("root", k, params_below([r])))
+        self.nodes = [u for kind, u, _ in self.entries if kind == "node"]
+
+    def groups(self, captured: dict[Node, tuple], outs: list[torch.Tensor], gs: list) -> list[tuple]:
+        """Entries sharing parameters merged (union-find); each: (roots, grads, params, clamps)."""
+        parent = list(range(len(self.entries)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        owner: dict[int, int] = {}
+        for e, (_, _, ps) in enumerate(self.entries):
+            for p in ps:
+                if p in owner:
+                    parent[find(e)] = find(owner[p])
+                else:
+                    owner[p] = e
+        merged: dict[int, list[int]] = {}
+        for e in range(len(self.entries)):
+            merged.setdefault(find(e), []).append(e)
+        out = []
+        for members in merged.values():
+            roots, grads, pidx, clamps = [], [], set(), []
+            for e in members:
+                kind, anchor, ps = self.entries[e]
+                pidx |= ps
+                if kind == "root":
+                    roots.append(outs[anchor])
+                    grads.append(gs[anchor])
+                    continue
+                g = captured.get(anchor)
+                if g is None:
+                    continue
+                clamps.append((anchor, g))
+                for k, gk in enumerate(g):
+                    if gk is not None:
+                        roots.append(GradientEdge(anchor, k))
+                        grads.append(gk)
+            if roots and pidx:
+                out.append((roots, grads, sorted(pidx), clamps if len(clamps) > 1 else []))
+        return out
+
+
+def _reaching(children: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
+    """Nodes from which some target is reachable (targets included)."""
+    memo: dict[Node, bool] = {}
+    order: list[Node] = []
+    # iterative post-order DFS over the graph (graphs can be deep: no recursion)
+    for start in children:
+        if start in memo:
+            continue
+        stack = [(start, iter(children.get(start, ())))]
+        memo[start] = False
+        while stack:
+            node, it = stack[-1]
+            child = next(it, None)
+            if child is None:
+                stack.pop()
+                order.append(node)
+                memo[node] = node in targets or any(memo.get(c, False) for c in children.get(node, ()))
+                continue
+            if child not in memo:
+                memo[child] = False
+                stack.append((child, iter(children.get(child, ()))))
+    return {n for n, ok in memo.items() if ok}

@@ -1,0 +1,85 @@
+"""The stage wrapper alone (one process): split backward equals full backward, activations are counted."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipedsl.runtime.stage import ActivationCounter, Stage
+
+
+class Shared(nn.Module):
+    """One weight used twice, a branch that never sees the input, and two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(6, 6)
+        self.u = nn.Linear(6, 6)
+        self.bias_only = nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.w(x))
+        h = self.w(h) + self.u(x) * self.bias_only
+        return h, self.bias_only.exp().expand_as(h) * 1.0
+
+
+def _block() -> nn.Module:
+    return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+
+CASES = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6)), (3, 6)),
+    "shared": (Shared, (3, 6)),
+    "block": (_block, (2, 5, 8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("last", [False, True])
+def test_split_backward_equals_full(name: str, last: bool) -> None:
+    torch.manual_seed(0)
+    make, shape = CASES[name]
+    module = make()
+    twin = copy.deepcopy(module)
+    x = torch.randn(shape)
+
+    def loss_fn(out, target):
+        outs = out if isinstance(out, tuple) else (out,)
+        return sum((o * target).sum() for o in outs)
+
+    target = torch.randn(shape)
+    num = 2 if last else 3
+    full = Stage(module, 1, num, loss_fn, 2, ActivationCounter())
+    split = Stage(twin, 1, num, loss_fn, 2, ActivationCounter())
+    act_a, outs = full.forward([x], target)
+    act_b, _ = split.forward([x], target)
+    grads = None if last else [torch.randn_like(o) for o in outs if o.is_floating_point()]
+    ga = full.backward(act_a, grads)
+    gb = split.backward_input(act_b, grads)
+    assert all(p.grad is None for p in twin.parameters()), "I must not touch weight gradients"
+    split.backward_weight(act_b)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b)
+    for (n, p), q in zip(module.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_activation_lives_until_backward_frees_the_graph() -> None:
+    counter = ActivationCounter()
+    stage = Stage(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), 1, 3, None, 1, counter)
+    acts = [stage.forward([torch.randn(2, 4)]) for _ in range(3)]
+    assert counter.live == 3
+    act, outs = acts.pop(0)
+    stage.backward(act, [torch.ones_like(outs[0])])
+    del act, outs
+    assert counter.live == 2 and counter.peak == 3
+    act, outs = acts.pop(0)
+    stage.backward_input(act, [torch.ones_like(outs[0])])
+    del outs
+    assert counter.live == 2, "after I the graph W needs is still alive"
+    stage.backward_weight(act)
+    del act
+    assert counter.live == 1
