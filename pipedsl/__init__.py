@@ -38,12 +38,15 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_RUNTIME = ("Pipeline", "launch")  # imported on first use: `import pipedsl` and the CLI stay torch-free
 
-
+# Pipeline and launch are imported on first use: `import pipedsl` and the CLI stay torch-free.
 def __getattr__(name: str):
-    if name in _RUNTIME:
-        import pipedsl.runtime as runtime
+    if name == "Pipeline":
+        from pipedsl.runtime.pipeline import Pipeline
 
-        return getattr(runtime, name)
+        return Pipeline
+    if name == "launch":
+        from pipedsl.runtime.launcher import launch
+
+        return launch
     raise AttributeError(f"module 'pipedsl' has no attribute {name!r}")

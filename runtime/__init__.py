@@ -1,7 +1,7 @@
 """pipedsl.runtime: execute compiled programs on real processes (torch.distributed).
 
 - `Pipeline` (pipeline.py): the per-rank API — stages, `step(inputs, targets)`, timelines;
-- `launch` (launch.py): local processes with a process group, or torchrun's;
+- `launch` (launcher.py): local processes with a process group, or torchrun's;
 - `split_sequential`, `split_gpt` (split.py): cut a model into stages; `gpt.py`: a small GPT;
 - underneath: `Executor` (executor.py) interprets one rank's instruction stream, `Stage`
   (stage.py) runs forward / backward / split backward, `Channels` (p2p.py) moves tensors,
@@ -18,7 +18,7 @@ from typing import Any
 
 _EXPORTS = {
     "Pipeline": "pipeline",
-    "launch": "launch",
+    "launch": "launcher",
     "split_gpt": "split",
     "split_sequential": "split",
 }

@@ -6,9 +6,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from pipedsl.runtime.stage import ActivationCounter, Stage
+from torch import nn
 
 
 class Shared(nn.Module):

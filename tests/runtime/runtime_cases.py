@@ -1,0 +1,178 @@
+"""Checks that run on every rank of a process group (see conftest.Pool); module-level so they pickle.
+
+Each returns its findings instead of asserting, so one rank's mismatch never leaves the others
+waiting for it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from pipedsl.runtime import split_sequential
+from torch import nn
+
+import pipedsl
+from pipedsl.errors import PipeRuntimeError
+
+WIDTH = 16
+RTOL, ATOL = 1e-5, 1e-7
+
+
+class ResBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [mb, d]
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+def make_model(num_stages: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(ResBlock(WIDTH) for _ in range(num_stages)))
+
+
+def batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """rtol 1e-5 per element, plus an atol of 1e-5 of the tensor's largest entry (fp32 sums in another order)."""
+    return torch.allclose(a, b, rtol=RTOL, atol=max(ATOL, RTOL * b.abs().max().item()))
+
+
+def reference_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, M: int) -> float:
+    """The single-process run: M microbatches, loss scaled by 1/M, gradients accumulated."""
+    total = 0.0
+    for xm, ym in zip(x.chunk(M), y.chunk(M)):
+        loss = loss_fn(model(xm), ym) / M
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def equivalence(rank: int, program_json: str, steps: int = 3, options: dict[str, Any] | None = None) -> dict:
+    """Loss, every local gradient and every parameter after Adam equal a one-process run."""
+    program = pipedsl.Program.from_json(program_json)
+    S, M = program.num_stages, program.num_microbatches
+    model = make_model(S)
+    ref = copy.deepcopy(model)
+    pipe = pipedsl.Pipeline(split_sequential(model, S), program=program, loss_fn=F.mse_loss, **(options or {}))
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    problems, losses, peaks = [], [], []
+    for step in range(steps):
+        x, y = batch(step, 2 * M)
+        loss = pipe.step(x, y)
+        ref_loss = reference_step(ref, F.mse_loss, x, y, M)
+        losses.append((loss, ref_loss))
+        if abs(loss - ref_loss) > RTOL * abs(ref_loss):
+            problems.append(f"step {step}: loss {loss} != reference {ref_loss}")
+        for s, module in pipe.local_stages().items():
+            for (name, p), q in zip(module.named_parameters(), ref[s].parameters()):
+                if p.grad is None or not _close(p.grad, q.grad):
+                    err = "missing" if p.grad is None else f"max abs diff {(p.grad - q.grad).abs().max().item():.3g}"
+                    problems.append(f"step {step}: stage {s} {name}.grad: {err}")
+        peaks.append(pipe.peak_activations)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for s, module in pipe.local_stages().items():
+        for (name, p), q in zip(module.named_parameters(), ref[s].parameters()):
+            if not _close(p.detach(), q.detach()):
+                problems.append(f"after {steps} Adam steps: stage {s} {name} differs")
+    timeline = pipe.timeline()
+    if timeline is not None:
+        problems += timeline_problems(program, timeline)
+    return {"problems": problems, "losses": losses, "peaks": peaks,
+            "stages": sorted(pipe.local_stages()), "copies": sorted(pipe.local_copies())}
+
+
+def timeline_problems(program: pipedsl.Program, timeline: pipedsl.Timeline) -> list[str]:
+    """A measured timeline lists every instruction of every rank, in order, in non-overlapping intervals."""
+    out = []
+    if timeline.kind != "measured" or timeline.num_ranks != program.num_ranks:
+        out.append(f"timeline kind {timeline.kind!r} with {timeline.num_ranks} ranks")
+    for r, (events, stream) in enumerate(zip(timeline.ranks, program.ranks)):
+        if [e.instr for e in events] != list(stream):
+            out.append(f"rank {r}: the timeline's instructions are not the program's")
+            continue
+        for a, b in zip(events, events[1:]):
+            if not (a.start <= a.end <= b.start + 1e-9):
+                out.append(f"rank {r}: {a.instr} [{a.start}, {a.end}] overlaps {b.instr} [{b.start}, {b.end}]")
+                break
+        if events and events[0].start < -1e-3:
+            out.append(f"rank {r}: starts at {events[0].start} (before the aligned origin)")
+    return out
+
+
+def gpt_equivalence(rank: int, schedule: str, M: int, steps: int = 2) -> dict:
+    """The small GPT (token ids in, cross-entropy out), stages built by a callable, vs one process."""
+    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+
+    P = torch.distributed.get_world_size()
+    program = pipedsl.load(schedule).compile(P=P, M=M)
+    S = program.num_stages
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=max(S - 1, 1), n_head=2, n_embd=16)
+
+    def build(s: int) -> nn.Module:  # builds the model, keeps one stage (as a real script would)
+        torch.manual_seed(0)
+        return GPT(cfg).stages(S)[s]
+
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    pipe = pipedsl.Pipeline(build, program=program, loss_fn=gpt_loss)
+    problems = []
+    opt, ref_opt = torch.optim.Adam(pipe.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    ref_stages = ref.stages(S)
+    for step in range(steps):
+        x, y = synthetic_batch(2 * M, cfg.block_size, cfg.vocab_size, gen)
+        loss = pipe.step(x, y)
+        ref_loss = reference_step(ref, gpt_loss, x, y, M)
+        if abs(loss - ref_loss) > RTOL * abs(ref_loss):
+            problems.append(f"step {step}: loss {loss} != {ref_loss}")
+        for s, module in pipe.local_stages().items():
+            for (name, p), q in zip(module.named_parameters(), ref_stages[s].parameters()):
+                if not _close(p.grad, q.grad):
+                    problems.append(f"step {step}: stage {s} {name}.grad differs "
+                                    f"(max abs diff {(p.grad - q.grad).abs().max().item():.3g})")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return {"problems": problems}
+
+
+def uniform_errors(rank: int) -> dict[str, str]:
+    """Mistakes every rank makes alike: each is a clear PipeRuntimeError before any message."""
+    out = {}
+    P = torch.distributed.get_world_size()
+    try:
+        pipedsl.Pipeline(split_sequential(make_model(P + 1), P + 1), "1f1b", microbatches=4, loss_fn=F.mse_loss)
+    except PipeRuntimeError as err:
+        out["stage_count"] = err.message
+    pipe = pipedsl.Pipeline(split_sequential(make_model(P), P), "1f1b", microbatches=4, loss_fn=F.mse_loss)
+    try:
+        pipe.step(*batch(0, 6))
+    except PipeRuntimeError as err:
+        out["batch"] = err.message
+    try:
+        pipedsl.Pipeline(split_sequential(make_model(P), P), "gpipe", loss_fn=F.mse_loss)
+    except PipeRuntimeError as err:
+        out["no_m"] = err.message
+    pipe.step(*batch(0, 8))  # still usable after a refused batch
+    return out
+
+
+def lookahead_stats(rank: int, program_json: str, lookahead: int, strict: bool) -> dict:
+    """Run a step with a given look-ahead and report how many receive buffers were allocated."""
+    res = equivalence(rank, program_json, steps=2, options={"lookahead": lookahead, "strict_pair_order": strict})
+    return res

@@ -1,0 +1,78 @@
+"""Pipelines on real processes equal a one-process run: loss, gradients and Adam steps.
+
+Parametrized over every built-in schedule present when the tests run (new schedules are
+covered automatically) and over test schedules that exercise replicas, split backward,
+interleaving and local hand-over, at P = 2 and 4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import runtime_cases as cases
+
+import pipedsl
+from pipedsl.errors import PipeSemanticError
+
+HERE = Path(__file__).parent / "schedules"
+SCHEDULES = pipedsl.builtin_names() + sorted(str(p) for p in HERE.glob("*.pipe"))
+
+
+def _name(s: str) -> str:
+    return Path(s).stem if s.endswith(".pipe") else s
+
+
+def compile_for(schedule: str, P: int) -> pipedsl.Program:
+    """The schedule at P with the first M (2P, P, 4P, 3P) its `require`s accept."""
+    last = None
+    for M in (2 * P, P, 4 * P, 3 * P):
+        try:
+            return pipedsl.load(schedule).compile(P=P, M=M)
+        except PipeSemanticError as err:
+            last = err
+    pytest.fail(f"{schedule} compiles for no M at P={P}: {last}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=_name)
+def test_matches_single_process(schedule: str, P: int, pools) -> None:
+    program = compile_for(schedule, P)
+    results = pools[P].run(cases.equivalence, program.to_json())
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    assert not problems, "\n".join(problems[:20])
+    # peak live activations measured in the runtime = the simulator's prediction, every step
+    predicted = pipedsl.simulate(program).peak_activations
+    for r, res in enumerate(results):
+        assert res["peaks"] == [predicted[r]] * 3, f"rank {r}: measured {res['peaks']}, predicted {predicted[r]}"
+    # every stage copy is on the rank the placement names
+    for r, res in enumerate(results):
+        assert res["copies"] == sorted(k for k, rank in program.placement.items() if rank == r)
+        assert res["stages"] == sorted({s for (_, s), rank in program.placement.items() if rank == r})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lookahead,strict", [(0, False), (0, True), (64, True), (64, False)])
+@pytest.mark.parametrize("schedule", ["1f1b", str(HERE / "mixed.pipe")], ids=_name)
+def test_any_lookahead_and_pair_order(schedule: str, lookahead: int, strict: bool, pool2) -> None:
+    program = compile_for(schedule, 2)
+    results = pool2.run(cases.equivalence, program.to_json(), 2, {"lookahead": lookahead, "strict_pair_order": strict})
+    problems = [p for res in results for p in res["problems"]]
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", str(HERE / "zb1.pipe")], ids=_name)
+def test_gpt_matches_single_process(schedule: str, pool4) -> None:
+    results = pool4.run(cases.gpt_equivalence, schedule, 8)
+    problems = [p for res in results for p in res["problems"]]
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.slow
+def test_mistakes_every_rank_makes_are_clear_errors(pool2) -> None:
+    for out in pool2.run(cases.uniform_errors):
+        assert "the model has 3 stage(s)" in out["stage_count"] and "has 2 stages" in out["stage_count"]
+        assert "batch size 6" in out["batch"] and "M=4" in out["batch"]
+        assert "microbatches" in out["no_m"]
