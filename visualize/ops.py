@@ -19,6 +19,8 @@ KIND_NAMES = {
     Op.OPTIMIZER_STEP: "optimizer step",
 }
 COMPUTE_ORDER = (Op.F, Op.B, Op.I, Op.W)
+STEP_ORDER = (Op.REDUCE_GRAD, Op.OPTIMIZER_STEP)
+COST_UNITS = "cost units"
 
 
 def is_message(instr: Instr) -> bool:
@@ -66,18 +68,20 @@ def params_text(timeline: Timeline) -> str:
     return " ".join(f"{k}={timeline.params[k]}" for k in first + rest)
 
 
-def format_time(value: float, timeline: Timeline) -> str:
-    """A duration in the timeline's unit: seconds for measured runs (shown in ms/s), cost units otherwise."""
-    if timeline.kind == "measured":
-        return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
-    return f"{value:g}"
+def format_time(value: float, unit: tuple[float, str]) -> str:
+    """A duration in the (factor, unit) of `time_unit`: `33` in cost units, `40.2 ms`, `1.5 s`."""
+    factor, name = unit
+    if name == COST_UNITS:
+        return f"{value:g}"
+    return f"{value * factor:.3g} {name}"
 
 
 def time_unit(timelines: Iterable[Timeline]) -> tuple[float, str]:
-    """(factor, unit) for a time axis: ms or s when a measured timeline is shown, else cost units."""
+    """(factor, unit) shared by timelines drawn together: ms or s (seconds × factor) when one of them
+    is measured — a prediction drawn beside a measurement is then in seconds too — else cost units."""
     timelines = list(timelines)
     if not any(t.kind == "measured" for t in timelines):
-        return 1.0, "cost units"
+        return 1.0, COST_UNITS
     return (1e3, "ms") if max((t.makespan for t in timelines), default=0.0) < 1 else (1.0, "s")
 
 

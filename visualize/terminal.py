@@ -94,14 +94,14 @@ def _frame(timelines: Sequence[Timeline], width: int) -> tuple[int, int, float]:
     return label_w, columns, span
 
 
-def _axis(label_w: int, columns: int, span: float, timeline: Timeline) -> str:
-    end = ops.format_time(span, timeline)
+def _axis(label_w: int, columns: int, span: float, unit: tuple[float, str]) -> str:
+    end = ops.format_time(span, unit)
     return " " * (label_w + 2) + "0" + end.rjust(columns - 1)
 
 
-def _summary(timeline: Timeline) -> str:
+def _summary(timeline: Timeline, unit: tuple[float, str]) -> str:
     peaks = " ".join(map(str, timeline.peak_activations))
-    return (f"makespan {ops.format_time(timeline.makespan, timeline)}  bubble {timeline.bubble_ratio:.1%}  "
+    return (f"makespan {ops.format_time(timeline.makespan, unit)}  bubble {timeline.bubble_ratio:.1%}  "
             f"peak activations {peaks}")
 
 
@@ -113,7 +113,8 @@ def _header(timeline: Timeline, show_kind: bool) -> str:
 def _legend_items(timelines: Sequence[Timeline]) -> list[tuple[Op, str]]:
     """(op, letter) for every kind drawn: the compute kinds present, then timed reduce / step."""
     items = [(op, op.value) for op in ops.kinds_present(timelines)]
-    for op, letter in STEP_LETTERS.items():
+    for op in ops.STEP_ORDER:
+        letter = STEP_LETTERS[op]
         if any(e.instr.op is op and e.duration > 0 for t in timelines for ev in t.ranks for e in ev):
             items.append((op, letter))
     return items
@@ -124,6 +125,7 @@ def render_text(timelines: Timeline | Sequence[Timeline], width: int = 80) -> st
     timelines = [timelines] if isinstance(timelines, Timeline) else list(timelines)
     label_w, columns, span = _frame(timelines, width)
     show_kind = len({t.kind for t in timelines}) > 1
+    unit = ops.time_unit(timelines)
     lines: list[str] = []
     for timeline in timelines:
         lines.append(_header(timeline, show_kind))
@@ -132,8 +134,8 @@ def render_text(timelines: Timeline | Sequence[Timeline], width: int = 80) -> st
             for seg in segments:
                 row[seg.start:seg.end] = cell_text(seg)
             lines.append(f"r{r}".ljust(label_w) + " |" + "".join(row) + "|")
-        lines.append(_axis(label_w, columns, span, timeline))
-        lines.append(_summary(timeline))
+        lines.append(_axis(label_w, columns, span, unit))
+        lines.append(_summary(timeline, unit))
     legend = "  ".join(f"{letter} {ops.KIND_NAMES[op]}" for op, letter in _legend_items(timelines))
     n_chunks = max((ops.num_chunks(ops.chunk_index(t)) for t in timelines), default=1)
     extras = ["number = microbatch"]
@@ -150,6 +152,7 @@ def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80) -> Te
     timelines = [timelines] if isinstance(timelines, Timeline) else list(timelines)
     label_w, columns, span = _frame(timelines, width)
     show_kind = len({t.kind for t in timelines}) > 1
+    unit = ops.time_unit(timelines)
     out = Text()
     for timeline in timelines:
         n_chunks = ops.num_chunks(ops.chunk_index(timeline))
@@ -167,8 +170,8 @@ def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80) -> Te
                 out.append(cell_text(seg, fill=" "), style=look)
                 at = seg.end
             out.append(" " * (columns - at) + "│\n", style="dim")
-        out.append(_axis(label_w, columns, span, timeline) + "\n", style="dim")
-        out.append(_summary(timeline) + "\n")
+        out.append(_axis(label_w, columns, span, unit) + "\n", style="dim")
+        out.append(_summary(timeline, unit) + "\n")
     for op, letter in _legend_items(timelines):
         face = style.BASE[op]
         out.append(f" {letter} ", style=f"{style.text_on(face)} on {face}")

@@ -58,10 +58,10 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path | None = None
                         gridspec_kw={"height_ratios": heights, "hspace": 0.06})[:, 0]
     chunks_seen = 1
     show_kind = len({t.kind for t in timelines}) > 1  # predicted vs measured: say which is which
+    factor, unit = time_unit = ops.time_unit(timelines)
     for panel, (ax, timeline) in enumerate(zip(axes, timelines)):
         title = titles[panel] if titles else None
-        chunks_seen = max(chunks_seen, _draw(ax, timeline, panel, span, width, title, show_kind))
-    factor, unit = ops.time_unit(timelines)
+        chunks_seen = max(chunks_seen, _draw(ax, timeline, panel, span, width, title, show_kind, time_unit))
     axes[-1].set_xlabel(f"time ({unit})", fontsize=8.5, color=style.TEXT)
     if factor != 1.0:
         axes[-1].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * factor:g}"))
@@ -102,7 +102,7 @@ def _width_inches(timelines: Sequence[Timeline], span: float) -> float:
 
 
 def _draw(ax, timeline: Timeline, panel: int, span: float, width_in: float, title: str | None,
-          show_kind: bool) -> int:
+          show_kind: bool, time_unit: tuple[float, str]) -> int:
     chunks = ops.chunk_index(timeline)
     n_chunks = ops.num_chunks(chunks)
     P = max(timeline.num_ranks, 1)
@@ -154,7 +154,7 @@ def _draw(ax, timeline: Timeline, panel: int, span: float, width_in: float, titl
     name = title or (f"{timeline.name} ({timeline.kind})" if show_kind else timeline.name)
     ax.set_title(f"{name}   {ops.params_text(timeline)}", loc="left", fontsize=10, fontweight="bold",
                  color=style.TEXT, pad=4)
-    ax.set_title(f"bubble {timeline.bubble_ratio:.1%}    makespan {ops.format_time(timeline.makespan, timeline)}",
+    ax.set_title(f"bubble {timeline.bubble_ratio:.1%}    makespan {ops.format_time(timeline.makespan, time_unit)}",
                  loc="right", fontsize=9, color="#444444", pad=4)
     return n_chunks
 
@@ -179,8 +179,8 @@ def _legend(fig: Figure, timelines: Sequence[Timeline], n_chunks: int) -> None:
         handles.append(Patch(facecolor=face, edgecolor=style.edge(face), linewidth=0.5,
                              label=f"{op.value}  {ops.KIND_NAMES[op]}"))
     steps = {e.instr.op for t in timelines for ev in t.ranks for e in ev
-             if e.instr.op in (Op.REDUCE_GRAD, Op.OPTIMIZER_STEP) and e.duration > 0}
-    for op in sorted(steps):
+             if e.instr.op in ops.STEP_ORDER and e.duration > 0}
+    for op in (op for op in ops.STEP_ORDER if op in steps):
         handles.append(Patch(facecolor=style.BASE[op], label=ops.KIND_NAMES[op]))
     if n_chunks > 1:
         for v in range(n_chunks):

@@ -176,3 +176,14 @@ def test_measured_time_axis_is_in_milliseconds(tmp_path):
     texts = [t.strip() for t in _texts(tmp_path / "t.svg")]
     assert "time (ms)" in texts and "8" in texts  # a tick at 8 ms
     assert "bubble 33.3%    makespan 9 ms" in texts
+
+
+def test_prediction_beside_a_measurement_is_shown_in_the_same_unit(tmp_path):
+    # A prediction from measured op costs is in seconds: drawn beside the measurement, both read in ms.
+    base = simulated("1f1b", 2, 2)
+    seconds = tuple(tuple(e._replace(start=e.start / 1000, end=e.end / 1000) for e in ev) for ev in base.ranks)
+    predicted = Timeline("1F1B", base.params, seconds, "simulated")
+    measured = Timeline("1F1B", base.params, seconds, "measured")
+    plot_timelines([measured, predicted], tmp_path / "t.svg")
+    texts = [t.strip() for t in _texts(tmp_path / "t.svg")]
+    assert texts.count("bubble 33.3%    makespan 9 ms") == 2
