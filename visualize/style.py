@@ -21,6 +21,16 @@ BASE = {
     Op.RECV_F: "#c6d3e3",
     Op.RECV_B: "#cde2c9",
 }
+# The 16-colour terminal palette (rich names), used when the terminal has no 256 / true colour:
+# (chunk 0, later chunks).  Downsampled hex colours would make F and B the same grey there.
+ANSI = {
+    Op.F: ("blue", "bright_blue"),
+    Op.B: ("green", "bright_green"),
+    Op.I: ("cyan", "bright_cyan"),
+    Op.W: ("yellow", "bright_yellow"),
+    Op.REDUCE_GRAD: ("magenta", "bright_magenta"),
+    Op.OPTIMIZER_STEP: ("red", "bright_red"),
+}
 IDLE = "#f2f2f2"  # the empty band behind a rank's row
 GRID = "#d9d9d9"
 TEXT = "#222222"
@@ -62,6 +72,13 @@ def luminance(colour: str) -> float:
 def text_on(face: str) -> str:
     """Black or white, whichever reads better on `face`."""
     return "#1a1a1a" if luminance(face) > 0.56 else "#ffffff"
+
+
+def ansi(op: Op, chunk: int = 0) -> str:
+    """A rich style for a box in a 16-colour terminal: the op's colour, bright for later chunks."""
+    colour = ANSI[op][1 if chunk > 0 else 0]
+    text = "black" if colour.startswith("bright") or op in (Op.I, Op.W) else "white"
+    return f"{text} on {colour}"
 
 
 def hatch(replica: int) -> str:

@@ -147,8 +147,12 @@ def render_text(timelines: Timeline | Sequence[Timeline], width: int = 80) -> st
     return "\n".join(lines) + "\n"
 
 
-def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80) -> Text:
-    """The same grid as `render_text`, with boxes in the op colours (chunks lighter, replica 1 underlined)."""
+def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80, colours: int = 256) -> Text:
+    """The same grid as `render_text`, with boxes in the op colours (chunks lighter, replica 1 underlined).
+
+    `colours`: 256 or more uses the picture's palette (neighbouring boxes alternate in shade);
+    fewer uses the 16 standard terminal colours, where downsampled hues would look alike.
+    """
     timelines = [timelines] if isinstance(timelines, Timeline) else list(timelines)
     label_w, columns, span = _frame(timelines, width)
     show_kind = len({t.kind for t in timelines}) > 1
@@ -162,19 +166,14 @@ def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80) -> Te
             at = 0
             for k, seg in enumerate(segments):
                 out.append(" " * (seg.start - at))
-                face = (style.fill(seg.instr.op, seg.chunk, n_chunks) if seg.instr.op in COMPUTE
-                        else style.BASE[seg.instr.op])
-                if k % 2:  # neighbouring boxes of one kind stay distinguishable
-                    face = style.mix(face, "#000000", 0.14)
-                look = f"{style.text_on(face)} on {face}" + (" underline" if seg.instr.replica % 2 else "")
-                out.append(cell_text(seg, fill=" "), style=look)
+                look = _box_style(seg, n_chunks, k, colours)
+                out.append(cell_text(seg, fill=" "), style=look + (" underline" if seg.instr.replica % 2 else ""))
                 at = seg.end
             out.append(" " * (columns - at) + "│\n", style="dim")
         out.append(_axis(label_w, columns, span, unit) + "\n", style="dim")
         out.append(_summary(timeline, unit) + "\n")
     for op, letter in _legend_items(timelines):
-        face = style.BASE[op]
-        out.append(f" {letter} ", style=f"{style.text_on(face)} on {face}")
+        out.append(f" {letter} ", style=_box_style(Segment(0, 1, Instr(op), 0), 1, 0, colours))
         out.append(f" {ops.KIND_NAMES[op]}  ")
     extras = ["number = microbatch"]
     if any(ops.num_chunks(ops.chunk_index(t)) > 1 for t in timelines):
@@ -183,6 +182,16 @@ def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80) -> Te
         extras.append("underlined = replica 1")
     out.append(f"({'; '.join(extras)})", style="dim")
     return out
+
+
+def _box_style(seg: Segment, n_chunks: int, k: int, colours: int) -> str:
+    op = seg.instr.op
+    if colours < 256:
+        return style.ansi(op, seg.chunk)
+    face = style.fill(op, seg.chunk, n_chunks) if op in COMPUTE else style.BASE[op]
+    if k % 2:  # neighbouring boxes of one kind stay distinguishable
+        face = style.mix(face, "#000000", 0.14)
+    return f"{style.text_on(face)} on {face}"
 
 
 def use_colour(stream: TextIO) -> bool:
@@ -196,6 +205,8 @@ def print_timelines(timelines: Timeline | Sequence[Timeline], stream: TextIO | N
     stream = stream or sys.stdout
     width = width or shutil.get_terminal_size((100, 24)).columns
     if use_colour(stream):
-        Console(file=stream, width=width, highlight=False, soft_wrap=True).print(render_rich(timelines, width))
+        console = Console(file=stream, width=width, highlight=False, soft_wrap=True)
+        colours = 16 if console.color_system in ("standard", "windows") else 256
+        console.print(render_rich(timelines, width, colours))
     else:
         stream.write(render_text(timelines, width))

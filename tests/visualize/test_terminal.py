@@ -161,3 +161,15 @@ def test_no_color_gives_plain_text_on_a_terminal(monkeypatch, value):
     out = _Terminal()
     print_timelines(simulated("1f1b", 2, 2), stream=out, width=32)
     assert out.getvalue() == ONE_F_ONE_B_3_PER_UNIT
+
+
+def test_sixteen_colour_terminals_get_distinct_standard_colours(monkeypatch):
+    # Downsampled, the picture's blue and green would both turn grey: use named ANSI colours instead.
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv("COLORTERM", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    out = _Terminal()
+    print_timelines(simulated("gpipe", 2, 2), stream=out, width=32)
+    text = out.getvalue()
+    assert "\x1b[37;44mF0" in text and "\x1b[37;42mB0" in text  # white on blue, white on green
+    assert "48;2;" not in text
