@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -44,15 +43,18 @@ def default_backend(nprocs: int) -> str:
 
 
 def init_process_group(rank: int, world_size: int, backend: str | None = None, timeout: float = 300.0,
-                       local_rank: int | None = None) -> None:
-    """Initialise the default group from MASTER_ADDR/MASTER_PORT (env://), device-agnostic."""
+                       local_rank: int | None = None, store_port: int | None = None) -> None:
+    """Initialise the default group: from MASTER_ADDR/MASTER_PORT (env://), or on the launcher's store."""
     backend = backend or default_backend(world_size)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"init_method": "env://"}
+    if store_port is not None:
+        kwargs = {"store": dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                                         timeout=datetime.timedelta(seconds=timeout))}
     if backend == "nccl":
         local = rank if local_rank is None else local_rank
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method="env://",
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kwargs)
 
 
@@ -75,20 +77,19 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
         raise PipeRuntimeError(f"nprocs must be at least 1, got {nprocs}")
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    port = _free_port()
+    # The rendezvous store lives here, in the launcher: it outlives any rank, so the ranks can
+    # always read which one failed first (see errors.py).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    port = store.port
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, port, backend, timeout, threads, results, args),
                          name=f"pipedsl-rank{rank}") for rank in range(nprocs)]
     for p in procs:
         p.start()
     outcome = _join(procs, results, grace=timeout + 15.0, join_timeout=join_timeout)
+    del store
     return _report(outcome, procs, join_timeout)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _message(err: BaseException) -> str:
@@ -104,7 +105,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
     torch.set_num_threads(threads)
     code = 0
     try:
-        init_process_group(rank, world, backend, timeout)
+        init_process_group(rank, world, backend, timeout, store_port=port)
         results.put(("ok", rank, fn(rank, *args), False))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, then a hard exit
         consequence = isinstance(err, RankFailure) and err.peer_failure

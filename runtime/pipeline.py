@@ -204,9 +204,7 @@ class Pipeline:
                                           f"from rank {peer} failed: {err}", rank, peer=peer,
                                           peer_failure=True) from err
                 in_meta[(c, s)] = meta
-                if s == S - 1:
-                    continue
-                try:
+                try:  # the last stage too: a mismatch shows here, named, rather than inside the step
                     out = self._stages[s].infer_outputs(meta, self.device)
                 except Exception as err:  # noqa: BLE001
                     i, ins = _first(prog, rank, Op.F, s, c)
@@ -214,6 +212,8 @@ class Pipeline:
                     raise RankFailure(f"rank {rank} instruction {i} ({ins}): stage {s} cannot take its input "
                                       f"{describe(meta)} from {source}: {type(err).__name__}: {err}",
                                       rank, i, ins) from err
+                if s == S - 1:
+                    continue
                 out_meta[(c, s)] = out
                 if prog.placement[(c, s + 1)] != rank:
                     self.channels.send_meta(prog.placement[(c, s + 1)], out)

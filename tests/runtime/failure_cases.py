@@ -1,0 +1,57 @@
+"""Programs in which one rank fails, run with `pipedsl.launch` on fresh processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import pipedsl
+
+
+def shape_mismatch(rank: int) -> None:
+    torch.manual_seed(0)
+    stages = [nn.Linear(16, 8), nn.Linear(6, 4)]  # stage 1 expects 6 features, stage 0 makes 8
+    pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=2, loss_fn=F.mse_loss)
+    pipe.step(torch.randn(4, 16), torch.randn(4, 4))
+
+
+def nan_loss(rank: int) -> None:
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4), nn.Linear(4, 4)]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target) * float("nan") if bad[0] else F.mse_loss(out, target)
+
+    bad = [False]
+    pipe = pipedsl.Pipeline(stages, "gpipe", microbatches=2, loss_fn=loss_fn)
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+    bad[0] = True
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+
+
+class KillAt(nn.Module):
+    """Kills its own process (SIGKILL: no goodbye) in the forward of the given call."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        self.at = at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.lin(x)
+
+
+def killed_mid_step(rank: int) -> None:
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4), KillAt(at=8 + 3), nn.Linear(4, 4)]  # step 2, microbatch 2 on rank 1
+    pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=8, loss_fn=F.mse_loss)
+    for _ in range(3):
+        pipe.step(torch.randn(16, 4), torch.randn(16, 4))
