@@ -176,3 +176,54 @@ def lookahead_stats(rank: int, program_json: str, lookahead: int, strict: bool) 
     """Run a step with a given look-ahead and report how many receive buffers were allocated."""
     res = equivalence(rank, program_json, steps=2, options={"lookahead": lookahead, "strict_pair_order": strict})
     return res
+
+
+def _example(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_gpt2_equivalence(rank: int, schedule: str, M: int) -> dict:
+    """examples/hf_gpt2.py: its stages reproduce the HF model, and the pipeline equals one process."""
+    ex = _example("hf_gpt2")
+    P = torch.distributed.get_world_size()
+    program = pipedsl.load(schedule).compile(P=P, M=M)
+    model = ex.gpt2_model()
+    ref = copy.deepcopy(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stages = ex.gpt2_stages(model, program.num_stages)
+    problems = []
+    x = torch.randint(model.config.vocab_size, (2 * M, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        h = x[:, :-1]
+        for st in stages:
+            h = st(h)
+        if not torch.allclose(h, ref(x[:, :-1]).logits, rtol=1e-5, atol=1e-6):
+            problems.append("the stages in sequence do not reproduce the model's logits")
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=ex.lm_loss)
+    loss = pipe.step(x[:, :-1], x[:, 1:])
+    ref_loss = reference_step(ref, lambda out, y: ex.lm_loss(out.logits, y), x[:, :-1], x[:, 1:], M)
+    if abs(loss - ref_loss) > RTOL * abs(ref_loss):
+        problems.append(f"loss {loss} != {ref_loss}")
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for module in pipe.local_stages().values():
+        for p in module.parameters():
+            q = ref_params[names[id(p)]]
+            checked += 1
+            if not _close(p.grad, q.grad):
+                problems.append(f"{names[id(p)]}.grad differs")
+    return {"problems": problems, "checked": checked}
+
+
+def nanogpt_example(rank: int) -> list[float]:
+    from pipedsl.runtime.gpt import GPTConfig
+
+    ex = _example("nanogpt")
+    return ex.train(rank, "1f1b", 4, 3, GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), 8)
