@@ -1,0 +1,290 @@
+"""The collectives pipedsl.parallel uses, each counted, and the autograd operators built on them.
+
+Every collective of the package goes through the five functions below, which check shapes
+before calling c10d (gloo aborts the *process* on a mismatch) and record the bytes each rank
+sends into the active `CommCounter`, if any (`with count_comm() as c: …`).  The count is
+the volume of the bandwidth-optimal (ring) algorithm for the tensors actually passed:
+
+    all-reduce of n bytes on P ranks      2 (P-1)/P · n
+    all-gather to n bytes (output)        (P-1)/P · n
+    reduce-scatter of n bytes (input)     (P-1)/P · n
+
+which is what the formulas in the literature count; gloo may choose another algorithm on
+the wire.  A group of one rank moves nothing and costs nothing.
+
+The autograd operators are the conjugate pairs of Megatron-LM (Shoeybi et al. 2019) and
+their gather/scatter relatives used by 3-D parallelism:
+
+    copy_to_group       f: identity forward, all-reduce backward
+    reduce_from_group   g: all-reduce forward, identity backward
+    all_reduce_autograd    all-reduce forward and backward (a sum every rank then uses differently)
+    gather_along        all-gather forward, reduce-scatter backward (each rank uses the whole differently)
+    gather_replicated   all-gather forward, keep-own-slice backward (every rank then computes the same)
+    scatter_along       reduce-scatter forward, all-gather backward
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from pipedsl.errors import PipeRuntimeError
+
+
+class CollectiveShapeError(PipeRuntimeError):
+    """A collective called with tensors whose sizes cannot match across the group."""
+
+
+@dataclass
+class CommCounter:
+    """Bytes sent by this rank, by (collective, group label), and the number of calls."""
+
+    sent: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+    def by_op(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (op, _), n in self.sent.items():
+            out[op] += n
+        return dict(out)
+
+    def by_group(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (_, g), n in self.sent.items():
+            out[g] += n
+        return dict(out)
+
+    def add(self, op: str, group: ProcessGroup | None, nbytes: float) -> None:
+        key = (op, _label(group))
+        self.sent[key] += int(round(nbytes))
+        self.calls[key] += 1
+
+
+_COUNTER: contextvars.ContextVar[CommCounter | None] = contextvars.ContextVar("pipedsl_comm_counter", default=None)
+
+
+@contextmanager
+def count_comm() -> Iterator[CommCounter]:
+    """Count the bytes this rank sends in every pipedsl.parallel collective inside the block."""
+    counter = CommCounter()
+    token = _COUNTER.set(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTER.reset(token)
+
+
+def _label(group: ProcessGroup | None) -> str:
+    if group is None:
+        return "world"
+    desc = getattr(group, "group_desc", "") or ""
+    return desc.removeprefix("mesh_") or f"group{dist.get_process_group_ranks(group)}"
+
+
+def _record(op: str, group: ProcessGroup | None, nbytes: float) -> None:
+    counter = _COUNTER.get()
+    if counter is not None:
+        counter.add(op, group, nbytes)
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------------------- collectives
+
+
+def all_reduce(t: torch.Tensor, group: ProcessGroup | None, op: ReduceOp.RedOpType = ReduceOp.SUM,
+               async_op: bool = False) -> dist.Work | None:
+    """In place; counted as 2 (P-1)/P of the tensor's bytes."""
+    p = group_size(group)
+    if p == 1:
+        return None
+    _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(t))
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
+                    async_op: bool = False) -> dist.Work | None:
+    """`out` (flat, P× the numel of `t`) receives every rank's `t` in group-rank order."""
+    p = group_size(group)
+    if out.numel() != p * t.numel() or out.dtype != t.dtype:
+        raise CollectiveShapeError(f"all-gather of {t.numel()} {t.dtype} elements on {p} ranks needs an output of "
+                                   f"{p * t.numel()}, got {out.numel()} {out.dtype}")
+    if p == 1:
+        out.view(-1).copy_(t.reshape(-1))
+        return None
+    _record("all_gather", group, (p - 1) * _nbytes(t))
+    return dist.all_gather_into_tensor(out, t.contiguous(), group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
+                        async_op: bool = False) -> dist.Work | None:
+    """`out` receives this rank's 1/P slice (in group-rank order, along dim 0) of the sum of every rank's `t`."""
+    p = group_size(group)
+    if t.numel() != p * out.numel() or out.dtype != t.dtype:
+        raise CollectiveShapeError(f"reduce-scatter of {t.numel()} {t.dtype} elements on {p} ranks gives "
+                                   f"{t.numel() / p:g} per rank, the output holds {out.numel()} {out.dtype}")
+    if p == 1:
+        out.copy_(t.reshape(out.shape))
+        return None
+    _record("reduce_scatter", group, (p - 1) / p * _nbytes(t))
+    return dist.reduce_scatter_tensor(out, t.contiguous(), group=group, async_op=async_op)
+
+
+def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim` (group-rank order)."""
+    p = group_size(group)
+    if p == 1:
+        return t
+    moved = t.movedim(dim, 0).contiguous()
+    out = torch.empty((p * moved.shape[0], *moved.shape[1:]), dtype=t.dtype, device=t.device)
+    all_gather_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """This rank's 1/P slice along `dim` of the sum over the group."""
+    p = group_size(group)
+    if p == 1:
+        return t
+    if t.shape[dim] % p:
+        raise CollectiveShapeError(f"reduce-scatter along dim {dim} of size {t.shape[dim]} over {p} ranks: "
+                                   f"not divisible")
+    moved = t.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // p, *moved.shape[1:]), dtype=t.dtype, device=t.device)
+    reduce_scatter_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def chunk_of(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """This rank's 1/P slice of `t` along `dim` (no communication)."""
+    p = group_size(group)
+    if t.shape[dim] % p:
+        raise CollectiveShapeError(f"cannot split dim {dim} of size {t.shape[dim]} over {p} ranks")
+    return t.chunk(p, dim)[group_rank(group)].contiguous()
+
+
+# ---------------------------------------------------------------------------------------- autograd operators
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _AllReduceBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = x.contiguous().clone()
+        all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return chunk_of(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """f: identity forward, all-reduce of the gradient backward (input of a column-parallel linear)."""
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """g: all-reduce forward, identity backward (output of a row-parallel linear)."""
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def all_reduce_autograd(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """A sum over the group that every rank then uses differently: all-reduce forward and backward."""
+    return x if group_size(group) == 1 else _AllReduceBoth.apply(x, group)
+
+
+def gather_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """All-gather along `dim` forward; reduce-scatter of the gradient backward."""
+    return x if group_size(group) == 1 else _GatherAlong.apply(x, group, dim)
+
+
+def gather_replicated(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
+    """All-gather along `dim` forward; the gradient of this rank's slice backward (downstream is replicated)."""
+    return x if group_size(group) == 1 else _GatherSplit.apply(x, group, dim)
+
+
+def scatter_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """Reduce-scatter along `dim` forward; all-gather of the gradient backward."""
+    return x if group_size(group) == 1 else _ScatterAlong.apply(x, group, dim)

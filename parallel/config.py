@@ -1,0 +1,123 @@
+"""`ParallelConfig`: the data × pipeline × tensor layout of a run, validated before any group exists.
+
+Every mistake is a `ParallelConfigError` with a one-line message that names the numbers
+involved, so a launch fails at the first line of the training script, not inside a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipedsl.errors import PipeDSLError
+
+TP_MODES = ("1d", "3d")
+
+
+class ParallelConfigError(PipeDSLError):
+    """A parallel layout that cannot work: sizes that do not multiply out or do not divide the model."""
+
+    kind = "invalid parallel configuration"
+
+
+def _cube_root(n: int) -> int | None:
+    q = round(n ** (1 / 3))
+    for c in (q - 1, q, q + 1):
+        if c >= 1 and c ** 3 == n:
+            return c
+    return None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks each dimension gets, and how tensor parallelism and ZeRO behave.
+
+    `dp` data-parallel replicas, `pp` pipeline stages' ranks, `tp` tensor-parallel ranks per
+    stage (a cube q³ for `tp_mode="3d"`, Bian et al. 2021), `zero` the ZeRO stage over the dp
+    group (0 = plain data parallel).  Rank order is (pp, dp, tp), tp fastest, so a tensor-parallel
+    group is made of consecutive ranks (the ones that talk most sit closest).
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    tp_mode: str = "1d"
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "zero"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ParallelConfigError(f"{name} must be an integer, got {value!r}")
+        for name in ("dp", "pp", "tp"):
+            if getattr(self, name) < 1:
+                raise ParallelConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.tp_mode not in TP_MODES:
+            raise ParallelConfigError(f"tp_mode must be one of {', '.join(map(repr, TP_MODES))}, "
+                                      f"got {self.tp_mode!r}")
+        if not 0 <= self.zero <= 3:
+            raise ParallelConfigError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
+        if self.tp_mode == "3d" and _cube_root(self.tp) is None:
+            lo = int(round(self.tp ** (1 / 3)))
+            near = sorted({max(1, lo) ** 3, (lo + 1) ** 3})
+            raise ParallelConfigError(f"tp_mode='3d' needs tp to be a cube q*q*q, got tp={self.tp} "
+                                      f"(nearest cubes: {', '.join(map(str, near))})")
+
+    @property
+    def world_size(self) -> int:
+        """dp · pp · tp: the number of processes this layout needs."""
+        return self.dp * self.pp * self.tp
+
+    @property
+    def q(self) -> int:
+        """Edge of the 3-D tensor-parallel cube (tp = q³); 1-D layouts have none."""
+        if self.tp_mode != "3d":
+            raise ParallelConfigError("q (the cube edge) only exists for tp_mode='3d'")
+        q = _cube_root(self.tp)
+        assert q is not None
+        return q
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a world whose size is not dp · pp · tp."""
+        if world_size != self.world_size:
+            raise ParallelConfigError(f"world size {world_size} is not dp*pp*tp = {self.dp}*{self.pp}*{self.tp} "
+                                      f"= {self.world_size}")
+
+    def check_model(self, *, hidden: int | None = None, heads: int | None = None, vocab: int | None = None,
+                    ffn: int | None = None, batch: int | None = None, microbatches: int = 1) -> None:
+        """Refuse model and batch sizes that this layout cannot split evenly.
+
+        `batch` is the global batch in samples per step, split over `dp` replicas and
+        `microbatches`; 3-D parallelism further splits each microbatch over q² ranks (the
+        batch axis of a cube is its weight and input axes), and weights [in/q², out/q], so
+        `hidden`, `ffn` and `vocab` must divide by q² and `heads` by q.
+        """
+        if microbatches < 1:
+            raise ParallelConfigError(f"microbatches must be at least 1, got {microbatches}")
+        if hidden is not None and heads is not None and hidden % heads:
+            raise ParallelConfigError(f"hidden size {hidden} is not divisible by the {heads} attention heads")
+        if self.tp_mode == "1d":
+            t = self.tp
+            for name, value in (("attention heads", heads), ("hidden size", hidden), ("vocabulary size", vocab),
+                                ("ffn size", ffn)):
+                if value is not None and value % t:
+                    raise ParallelConfigError(f"{name} {value} is not divisible by tp={t} "
+                                              f"(1-D tensor parallelism splits it over the tp ranks)")
+        else:
+            q = self.q
+            if heads is not None and heads % q:
+                raise ParallelConfigError(f"attention heads {heads} are not divisible by q={q} "
+                                          f"(3-D tensor parallelism splits heads over a cube edge, tp={self.tp})")
+            for name, value in (("hidden size", hidden), ("vocabulary size", vocab), ("ffn size", ffn)):
+                if value is not None and value % (q * q):
+                    raise ParallelConfigError(f"{name} {value} is not divisible by q*q={q * q} "
+                                              f"(3-D weights are split [in/q^2, out/q], tp={self.tp})")
+        if batch is not None:
+            if batch % (self.dp * microbatches):
+                raise ParallelConfigError(f"batch {batch} is not divisible by dp*microbatches = "
+                                          f"{self.dp}*{microbatches} = {self.dp * microbatches}")
+            if self.tp_mode == "3d":
+                mb, q2 = batch // (self.dp * microbatches), self.q ** 2
+                if mb % q2:
+                    raise ParallelConfigError(f"microbatch of {mb} samples (batch {batch} / dp {self.dp} / "
+                                              f"{microbatches} microbatches) is not divisible by q*q={q2} "
+                                              f"(3-D tensor parallelism splits it over q^2 ranks)")

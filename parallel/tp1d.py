@@ -1,0 +1,241 @@
+"""1-D tensor parallelism (Megatron-LM, Shoeybi et al. 2019) over an explicit process group.
+
+With t ranks in `group`, a linear Y = X A is split either by A's columns (each rank holds
+A[:, block] and produces Y[..., block]) or by A's rows (each rank holds A[block, :], takes
+X[..., block] and produces a partial sum of Y).  An MLP is column-then-row, so the only
+communication is one all-reduce of [b, s, h] forward (the g operator after the row-parallel
+linear) and one backward (the f operator before the column-parallel one).  Attention splits
+by heads the same way; the embedding and the loss split the vocabulary, and the loss never
+gathers the logits: max, sum of exponentials and the target's logit are all-reduced instead.
+
+Every layer is built from its dense counterpart by slicing (`from_dense`), so a model has
+the same values at any t.  Activations in comments: `[b, s, h]` replicated on every rank,
+`[b, s, h/t]` this rank's block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual name
+from torch import nn
+from torch.distributed import ProcessGroup, ReduceOp
+
+from . import gpt
+from .comm import (
+    all_reduce,
+    copy_to_group,
+    gather_replicated,
+    group_rank,
+    group_size,
+    reduce_from_group,
+)
+from .config import ParallelConfigError
+
+
+def _split(n: int, t: int, what: str) -> int:
+    if n % t:
+        raise ParallelConfigError(f"{what} {n} is not divisible by the {t} tensor-parallel ranks")
+    return n // t
+
+
+def _block(n: int, group: ProcessGroup | None) -> slice:
+    size = n // group_size(group)
+    r = group_rank(group)
+    return slice(r * size, (r + 1) * size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X Aᵀ + b with A [out, in] split by output features: this rank holds A[block, :] [out/t, in].
+
+    Input [..., in] replicated (f: identity forward, all-reduce of the input gradient backward);
+    output [..., out/t], or [..., out] replicated with `gather_output`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None, bias: bool = True,
+                 gather_output: bool = False) -> None:
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.in_features, self.out_features = in_features, out_features
+        local = _split(out_features, group_size(group), "output features")
+        self.weight = nn.Parameter(torch.empty(local, in_features))  # [out/t, in]
+        self.bias = nn.Parameter(torch.zeros(local)) if bias else None  # [out/t]
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: ProcessGroup | None, gather_output: bool = False,
+                   out_order: torch.Tensor | None = None) -> ColumnParallelLinear:
+        """Slice a dense `nn.Linear`; `out_order` permutes its output features first (qkv head grouping)."""
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, gather_output)
+        w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+        if out_order is not None:
+            w, b = w[out_order], None if b is None else b[out_order]
+        block = _block(linear.out_features, group)
+        with torch.no_grad():
+            layer.weight.copy_(w[block])
+            if b is not None:
+                layer.bias.copy_(b[block])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_group(x, self.group)  # [..., in], gradient all-reduced
+        y = F.linear(x, self.weight, self.bias)  # [..., out/t]
+        return gather_replicated(y, self.group, -1) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X Aᵀ + b with A [out, in] split by input features: this rank holds A[:, block] [out, in/t].
+
+    Input [..., in/t] (the output of a column-parallel layer); the partial products are
+    summed by g (all-reduce forward, identity backward) and the bias is added once, after
+    the sum, so it is not counted t times; output [..., out] replicated.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None, bias: bool = True) -> None:
+        super().__init__()
+        self.group = group
+        self.in_features, self.out_features = in_features, out_features
+        local = _split(in_features, group_size(group), "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, local))  # [out, in/t]
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # [out], replicated
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: ProcessGroup | None) -> RowParallelLinear:
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.detach()[:, _block(linear.in_features, group)])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/t]
+        y = reduce_from_group(F.linear(x, self.weight), self.group)  # [..., out], summed over the group
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelMLP(nn.Module):
+    """fc column-parallel, GELU on [..., ffn/t] locally, proj row-parallel: one all-reduce each way."""
+
+    def __init__(self, fc: ColumnParallelLinear, proj: RowParallelLinear) -> None:
+        super().__init__()
+        self.fc, self.proj = fc, proj
+
+    @classmethod
+    def from_dense(cls, mlp: gpt.MLP, group: ProcessGroup | None) -> ParallelMLP:
+        return cls(ColumnParallelLinear.from_dense(mlp.fc, group), RowParallelLinear.from_dense(mlp.proj, group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
+        return self.proj(F.gelu(self.fc(x)))  # [b, s, ffn/t] inside, [b, s, h] out
+
+
+def qkv_order(hidden: int, parts: int) -> torch.Tensor:
+    """Output-feature order of a fused [q | k | v] projection so that block t of `parts` is [q_t | k_t | v_t]."""
+    per = hidden // parts
+    idx = [torch.arange(which * hidden + t * per, which * hidden + (t + 1) * per)
+           for t in range(parts) for which in range(3)]
+    return torch.cat(idx)
+
+
+class ParallelSelfAttention(nn.Module):
+    """Attention split by heads: this rank computes heads/t heads end to end (no communication inside)."""
+
+    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, heads: int) -> None:
+        super().__init__()
+        self.qkv, self.proj = qkv, proj
+        self.local_heads = _split(heads, group_size(qkv.group), "attention heads")
+
+    @classmethod
+    def from_dense(cls, attn: gpt.SelfAttention, group: ProcessGroup | None) -> ParallelSelfAttention:
+        hidden, t = attn.proj.in_features, group_size(group)
+        _split(attn.heads, t, "attention heads")
+        qkv = ColumnParallelLinear.from_dense(attn.qkv, group, out_order=qkv_order(hidden, t))
+        return cls(qkv, RowParallelLinear.from_dense(attn.proj, group), attn.heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [b, s, h/t] each: this rank's heads
+        return self.proj(gpt.causal_attention(q, k, v, self.local_heads))  # [b, s, h]
+
+
+class ParallelBlock(nn.Module):
+    """A pre-LN GPT block; LayerNorms are replicated (their inputs and gradients are identical on every rank)."""
+
+    def __init__(self, ln1: nn.LayerNorm, attn: ParallelSelfAttention, ln2: nn.LayerNorm, mlp: ParallelMLP) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+
+    @classmethod
+    def from_dense(cls, block: gpt.Block, group: ProcessGroup | None) -> ParallelBlock:
+        import copy
+        return cls(copy.deepcopy(block.ln1), ParallelSelfAttention.from_dense(block.attn, group),
+                   copy.deepcopy(block.ln2), ParallelMLP.from_dense(block.mlp, group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] replicated
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table [V, h] split by vocabulary: this rank holds rows [V/t block, h].
+
+    Ids outside the block look up zeros; the g operator sums the t partial results.
+    """
+
+    def __init__(self, vocab: int, hidden: int, group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.group, self.vocab = group, vocab
+        local = _split(vocab, group_size(group), "vocabulary size")
+        self.start = group_rank(group) * local
+        self.weight = nn.Parameter(torch.randn(local, hidden))  # [V/t, h]
+
+    @classmethod
+    def from_dense(cls, emb: nn.Embedding, group: ProcessGroup | None) -> VocabParallelEmbedding:
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group)
+        with torch.no_grad():
+            layer.weight.copy_(emb.weight.detach()[_block(emb.num_embeddings, group)])
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] int
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)  # [b, s, h]
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_group(y, self.group)  # [b, s, h] replicated
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None,
+                vocab_start: int) -> torch.Tensor:
+        # logits [..., V/t] this rank's vocabulary block; target [...] global ids
+        logits = logits.float()
+        m = logits.max(dim=-1).values  # [...]
+        all_reduce(m, group, ReduceOp.MAX)  # the global max: exp() cannot overflow
+        z = logits - m.unsqueeze(-1)  # [..., V/t]
+        e = z.exp()
+        local_t = target - vocab_start
+        inside = (local_t >= 0) & (local_t < logits.shape[-1])
+        safe_t = local_t.masked_fill(~inside, 0)
+        target_z = z.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)  # [...]
+        stats = torch.stack([e.sum(dim=-1), target_z])  # [2, ...]: Σ exp and the target logit, one message
+        all_reduce(stats, group)
+        sum_e, target_z = stats[0], stats[1]
+        ctx.save_for_backward(e.div_(sum_e.unsqueeze(-1)), safe_t, inside)  # softmax of this block
+        return sum_e.log() - target_z  # [...] per-token loss, identical on every rank
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, safe_t, inside = ctx.saved_tensors
+        g = softmax.clone()  # d loss / d logits = softmax - onehot(target), this block only
+        g.scatter_add_(-1, safe_t.unsqueeze(-1), -inside.to(g.dtype).unsqueeze(-1))
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None,
+                                 vocab_start: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy of vocabulary-split logits [..., V/t] without gathering them: [...].
+
+    `vocab_start` is the first id of this rank's block (default: group rank × V/t).
+    """
+    if vocab_start is None:
+        vocab_start = group_rank(group) * logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)

@@ -1,0 +1,174 @@
+"""1-D tensor parallelism equals the dense layers: outputs, input gradients, weight and bias gradients.
+
+One job per tp size runs every check on tp ranks and returns the differences; the tests read them.
+References are the dense modules on the full data, with the weights the parallel ones are sliced from.
+torch's DTensor tensor parallel (ColwiseParallel / RowwiseParallel) is a second oracle for the MLP.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+from checks import Errors, diff, failures, grads_as_module, param_grads
+from pipedsl.parallel import (
+    ColumnParallelLinear,
+    ParallelBlock,
+    ParallelConfig,
+    ParallelMesh,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    count_comm,
+    gpt,
+    vocab_parallel_cross_entropy,
+)
+from torch import nn
+
+pytestmark = pytest.mark.slow
+
+B, S, H, HEADS, V = 4, 6, 16, 4, 24
+
+
+def _check_layer(errs: Errors, name: str, dense: nn.Module, par: nn.Module, x: torch.Tensor,
+                 x_local: torch.Tensor, out_block, x_block) -> None:
+    """Same loss weights on both sides: dense on full x, parallel on this rank's x; compare everything."""
+    dense.zero_grad(set_to_none=True)
+    w_out = torch.randn(dense(x).shape, generator=torch.Generator().manual_seed(7))
+    xd = x.clone().requires_grad_()
+    yd = dense(xd)
+    (yd * w_out).sum().backward()
+    xp = x_local.clone().requires_grad_()
+    yp = par(xp)
+    (yp * out_block(w_out)).sum().backward()
+    errs[f"{name}: output"] = diff(yp, out_block(yd))
+    errs[f"{name}: input grad"] = diff(xp.grad, x_block(xd.grad))
+    expected = type(par).from_dense(grads_as_module(dense), par_group(par))
+    param_grads(errs, name, par, expected)
+
+
+def par_group(par: nn.Module):
+    for m in par.modules():
+        if hasattr(m, "group"):
+            return m.group
+    raise AssertionError("no group")
+
+
+def tp1d_job(tp: int) -> Errors:
+    mesh = ParallelMesh(ParallelConfig(tp=tp))
+    group = mesh.tp_group
+    g = torch.Generator().manual_seed(0)  # the same dense weights and data on every rank
+    errs: Errors = {}
+    r, t = dist.get_rank(group), tp
+
+    def cols(n):
+        return lambda a: a[..., r * n // t:(r + 1) * n // t]
+
+    def full(a):
+        return a
+
+    x = torch.randn(B, S, H, generator=g)
+    col = gpt.randomize_(nn.Linear(H, 3 * H), g)
+    _check_layer(errs, "column", col, ColumnParallelLinear.from_dense(col, group), x, x, cols(3 * H), full)
+    colg = ColumnParallelLinear.from_dense(col, group, gather_output=True)
+    _check_layer(errs, "column gathered", col, colg, x, x, full, full)
+
+    x4 = torch.randn(B, S, 4 * H, generator=g)
+    row = gpt.randomize_(nn.Linear(4 * H, H), g)
+    _check_layer(errs, "row", row, RowParallelLinear.from_dense(row, group), x4, cols(4 * H)(x4), full, cols(4 * H))
+
+    mlp = gpt.randomize_(gpt.MLP(H), g)
+    _check_layer(errs, "mlp", mlp, ParallelMLP.from_dense(mlp, group), x, x, full, full)
+
+    attn = gpt.randomize_(gpt.SelfAttention(H, HEADS), g)
+    _check_layer(errs, "attention", attn, ParallelSelfAttention.from_dense(attn, group), x, x, full, full)
+
+    block = gpt.randomize_(gpt.Block(H, HEADS), g)
+    _check_layer(errs, "block", block, ParallelBlock.from_dense(block, group), x, x, full, full)
+
+    # vocabulary-parallel embedding
+    emb = gpt.randomize_(nn.Embedding(V, H), g)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    pemb = VocabParallelEmbedding.from_dense(emb, group)
+    w_out = torch.randn(B, S, H, generator=g)
+    yd = emb(ids)
+    (yd * w_out).sum().backward()
+    yp = pemb(ids)
+    (yp * w_out).sum().backward()
+    errs["embedding: output"] = diff(yp, yd)
+    errs["embedding: grad weight"] = diff(pemb.weight.grad, emb.weight.grad[r * V // t:(r + 1) * V // t])
+
+    # vocabulary-parallel cross-entropy, never gathering the logits
+    logits = (3 * torch.randn(B, S, V, generator=g)).requires_grad_()
+    target = torch.randint(0, V, (B, S), generator=g)
+    dense_loss = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+    dense_loss.backward()
+    local = logits.detach()[..., r * V // t:(r + 1) * V // t].clone().requires_grad_()
+    with count_comm() as c:
+        loss = vocab_parallel_cross_entropy(local, target, group).mean()
+    loss.backward()
+    errs["cross-entropy: loss"] = diff(loss, dense_loss)
+    errs["cross-entropy: logits grad"] = diff(local.grad, logits.grad[..., r * V // t:(r + 1) * V // t])
+    errs["cross-entropy: no logits gathered"] = (float(c.calls.get(("all_gather", "tp"), 0)), 0.0)
+    # a language-model head: column-parallel projection + vocabulary-parallel loss
+    head = gpt.randomize_(nn.Linear(H, V), g)
+    hd = x.clone().requires_grad_()
+    F.cross_entropy(head(hd).reshape(-1, V), target.reshape(-1)).backward()
+    phead = ColumnParallelLinear.from_dense(head, group)
+    hp = x.clone().requires_grad_()
+    lp = vocab_parallel_cross_entropy(phead(hp), target, group).mean()
+    lp.backward()
+    errs["lm head: input grad"] = diff(hp.grad, hd.grad)
+    param_grads(errs, "lm head", phead, ColumnParallelLinear.from_dense(grads_as_module(head), group))
+
+    # communication of an MLP: one all-reduce of [b, s, h] forward, one backward
+    with count_comm() as c:
+        ParallelMLP.from_dense(mlp, group)(x.clone().requires_grad_()).sum().backward()
+    want = 2 * 2 * (t - 1) / t * B * S * H * 4
+    errs["mlp comm: bytes"] = (abs(c.total - want), want)
+    errs["mlp comm: all-reduce calls"] = (abs(sum(c.calls.values()) - 2), 2.0)
+
+    # torch DTensor tensor parallel as a second oracle
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    ref = parallelize_module(copy.deepcopy(mlp), mesh.device_mesh["tp"],
+                             {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w = torch.randn(B, S, H, generator=g)
+    yr = ref(xr)
+    (yr * w).sum().backward()
+    ours = ParallelMLP.from_dense(mlp, group)
+    yo = ours(xo)
+    (yo * w).sum().backward()
+    errs["dtensor mlp: output"] = diff(yo, yr)
+    errs["dtensor mlp: input grad"] = diff(xo.grad, xr.grad)
+    errs["dtensor mlp: grad fc.weight"] = diff(ours.fc.weight.grad, ref.fc.weight.grad.to_local())
+    errs["dtensor mlp: grad fc.bias"] = diff(ours.fc.bias.grad, ref.fc.bias.grad.to_local())
+    errs["dtensor mlp: grad proj.weight"] = diff(ours.proj.weight.grad, ref.proj.weight.grad.to_local())
+    errs["dtensor mlp: grad proj.bias"] = diff(ours.proj.bias.grad, ref.proj.bias.grad.full_tensor())
+    return errs
+
+
+CHECKS = ["column", "column gathered", "row", "mlp", "attention", "block", "embedding", "cross-entropy", "lm head",
+          "dtensor mlp"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("check", CHECKS)
+def test_layer_equals_dense(run_once, tp, check):
+    per_rank = run_once(tp1d_job, tp, tp)
+    assert not failures(per_rank, check, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mlp_communication_is_two_all_reduces_of_b_s_h(run_once, tp):
+    per_rank = run_once(tp1d_job, tp, tp)
+    assert not failures(per_rank, "mlp comm", atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_cross_entropy_gathers_no_logits(run_once, tp):
+    assert all(errs["cross-entropy: no logits gathered"][0] == 0 for errs in run_once(tp1d_job, tp, tp))
