@@ -134,7 +134,7 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | No
         out.view(-1).copy_(t.reshape(-1))
         return None
     _record("all_gather", group, (p - 1) * _nbytes(t))
-    return dist.all_gather_into_tensor(out, t.contiguous(), group=group, async_op=async_op)
+    return dist.all_gather_single(out, t.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
@@ -148,7 +148,7 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup 
         out.copy_(t.reshape(out.shape))
         return None
     _record("reduce_scatter", group, (p - 1) / p * _nbytes(t))
-    return dist.reduce_scatter_tensor(out, t.contiguous(), group=group, async_op=async_op)
+    return dist.reduce_scatter_single(out, t.contiguous(), group=group, async_op=async_op)
 
 
 def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:

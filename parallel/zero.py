@@ -1,0 +1,425 @@
+"""ZeRO over a data-parallel group (Rajbhandari et al., SC'20) with flat, padded per-rank buffers.
+
+`ZeroOptimizer(module, torch.optim.Adam, group=dp_group, stage=2, lr=1e-3)` takes over the
+module's parameters.  They are packed, per *unit* (a submodule; by default the whole module,
+or every child for stage 3), into one flat fp32 buffer padded to a multiple of the group
+size N, so rank r owns the contiguous slice [r·S, (r+1)·S) of every unit, S = padded/N.  The
+module's parameters become views of that buffer, recreated at every forward so gradients
+land in one contiguous flat gradient.  The user's optimizer class runs on the owned slices
+only, which equals running it on the whole model for any elementwise optimizer (SGD, Adam,
+AdamW, …; not LAMB or Adafactor, whose updates use per-tensor norms).
+
+    stage 0   plain data parallel: full gradients all-reduced and averaged, full optimizer
+    stage 1   optimizer state sharded: gradients reduce-scattered into the owned slice of the
+              (kept) full gradient buffer, step on the slice, updated slices all-gathered
+    stage 2   + gradients sharded: only the [S] slice of gradients is kept between steps
+    stage 3   + parameters sharded: a unit's full parameters exist only from just before its
+              forward (or backward) until just after it, gathered from the slices; the next
+              unit in execution order is prefetched asynchronously
+
+Gradient accumulation over M microbatches (pipelines): `reduce="step"` (the default) sums
+the microbatches' gradients locally and reduces once, in `reduce_gradients()`, the hook the
+pipeline runtime calls at REDUCE_GRAD after the stage's last backward.  It moves the same
+bytes per step as data parallel (not M times them) and overlaps with the rest of the
+cooldown (DESIGN §8); its price is that a full-size gradient buffer lives from the first
+backward to the reduction, so stages 2 and 3 save gradient memory only between steps.
+`reduce="microbatch"` reduce-scatters every unit's gradient right after its backward, for
+every microbatch, into the [S] slice and frees the full one: true stage-2/3 gradient memory
+(one unit's full gradient at a time) for M× the reduce-scatter traffic, on the critical path.
+
+Gradients are averaged over the group (divided by N), like DDP; the runtime scales each
+microbatch's loss by 1/M, so the result is the mean over the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils._pytree import tree_flatten
+
+from .comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
+from .config import ParallelConfigError
+
+REDUCE_MODES = ("step", "microbatch")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One original parameter: where it lived and where it sits in its unit's flat buffer."""
+
+    name: str  # qualified name in the wrapped module
+    owner: nn.Module
+    attr: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class _Unit:
+    """The flat, padded buffer of one submodule's parameters and this rank's slice of it."""
+
+    def __init__(self, index: int, module: nn.Module, entries: list[_Entry], group: ProcessGroup,
+                 stage: int, dtype: torch.dtype) -> None:
+        self.index, self.module, self.entries, self.stage = index, module, entries, stage
+        self.group, self.n, self.rank = group, group_size(group), group_rank(group)
+        self.numel = sum(e.numel for e in entries)
+        self.padded = -(-max(self.numel, 1) // self.n) * self.n
+        self.size = self.padded // self.n  # S: this rank's slice
+        self.dtype = dtype
+        full = torch.zeros(self.padded, dtype=dtype)
+        with torch.no_grad():
+            for e in entries:
+                full[e.offset:e.offset + e.numel].copy_(getattr(e.owner, e.attr).detach().reshape(-1))
+        self.flat = nn.Parameter(full)  # [padded]; the module's parameters are views of it
+        own = slice(self.rank * self.size, (self.rank + 1) * self.size)
+        self.own = own
+        if stage == 0:
+            self.shard: nn.Parameter | None = None
+        elif stage in (1, 2):
+            self.shard = nn.Parameter(self.flat.data[own])  # [S], shares the flat buffer's storage
+        else:
+            self.shard = nn.Parameter(full[own].clone())  # [S], the only persistent copy
+        self.shard_grad: torch.Tensor | None = None
+        if stage >= 2:
+            self.shard_grad = torch.zeros(self.size, dtype=dtype)
+        if stage <= 1:
+            self.flat.grad = torch.zeros_like(full)  # persistent full gradient buffer
+        self.gathered = stage != 3
+        self.pending: dist.Work | None = None
+        self.reduced_this_step = False
+        if stage == 3:
+            self._free()
+
+    # ---------------------------------------------------------------- stage-3 storage
+
+    def _storage_alias(self) -> torch.Tensor:
+        # a fresh tensor on the flat buffer's storage: writing through it does not bump the version
+        # counter that autograd checks on the views saved for backward
+        return torch.empty(0, dtype=self.dtype).set_(self.flat.untyped_storage(), 0, (self.padded,))
+
+    def _free(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def gather(self, async_op: bool = False) -> None:
+        """Stage 3: rebuild the full buffer from every rank's slice (no-op when present or in flight)."""
+        if self.gathered or self.pending is not None:
+            return
+        self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
+        assert self.shard is not None
+        self.pending = all_gather_into(self._storage_alias(), self.shard.detach(), self.group, async_op=True)
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        self.gathered = True
+
+    def release(self) -> None:
+        if self.stage == 3:
+            self.wait()
+            self._free()
+
+    # ---------------------------------------------------------------- views
+
+    def install_views(self) -> None:
+        """Point the module's parameter names at views of the flat buffer (a new autograd edge per forward)."""
+        for e in self.entries:
+            setattr(e.owner, e.attr, self.flat.narrow(0, e.offset, e.numel).view(e.shape))
+
+    # ---------------------------------------------------------------- gradients
+
+    def full_grad(self) -> torch.Tensor:
+        g = self.flat.grad
+        return g if g is not None else torch.zeros(self.padded, dtype=self.dtype)
+
+    def reduce_scatter_grad(self, accumulate: bool) -> None:
+        """Sum the full gradient over the group into this rank's slice (averaged), free the full one."""
+        assert self.shard_grad is not None
+        out = torch.empty(self.size, dtype=self.dtype)
+        reduce_scatter_into(out, self.full_grad(), self.group)
+        out.div_(self.n)
+        if accumulate:
+            self.shard_grad.add_(out)
+        else:
+            self.shard_grad.copy_(out)
+        self.flat.grad = None
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by one rank (each storage counted once), and the parameter counts behind them."""
+
+    params: int
+    grads: int
+    optimizer: int
+    numel: int  # Ψ: parameters of the wrapped module
+    padded_numel: int  # Σ padded unit sizes
+    peak_grads: int  # largest gradient bytes seen since the last `reset_peak()`
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+class ZeroOptimizer:
+    """ZeRO stage 0–3 for `module` over `group`, running `optimizer_class(**optimizer_kwargs)` on owned slices.
+
+    Call pattern per step: forward/backward for every microbatch, `reduce_gradients()`
+    (REDUCE_GRAD), `step()`, `zero_grad()`.  `units` (stage 3 default: every child module
+    with parameters, plus the root's own) sets the granularity of gathering and of
+    `reduce="microbatch"` reductions.  Every rank of `group` must make the same calls.
+    """
+
+    def __init__(self, module: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], *,
+                 group: ProcessGroup | None, stage: int = 2, reduce: str = "step",
+                 units: Iterable[nn.Module] | None = None, prefetch: bool = True, **optimizer_kwargs) -> None:
+        if stage not in (0, 1, 2, 3):
+            raise ParallelConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        if reduce not in REDUCE_MODES:
+            raise ParallelConfigError(f"reduce must be one of {', '.join(map(repr, REDUCE_MODES))}, got {reduce!r}")
+        if reduce == "microbatch" and stage < 2:
+            raise ParallelConfigError(f"reduce='microbatch' only helps stages 2 and 3 (stage {stage} keeps the full "
+                                      f"gradient buffer anyway); use reduce='step'")
+        self.module, self.group, self.stage, self.reduce, self.prefetch = module, group, stage, reduce, prefetch
+        params = [p for p in module.parameters()]
+        if not params:
+            raise ParallelConfigError("the module has no parameters to shard")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ParallelConfigError(f"ZeroOptimizer keeps one flat buffer dtype per unit; the module mixes {dtypes}")
+        if any(not p.requires_grad for p in params):
+            raise ParallelConfigError("frozen parameters (requires_grad=False) are not supported by ZeroOptimizer")
+        dtype = dtypes.pop()
+        if units is None:
+            units = [c for c in module.children() if any(True for _ in c.parameters())] if stage == 3 else []
+        unit_modules = [m for m in units if m is not module] + [module]
+        self.units = self._build_units(unit_modules, group, dtype)
+        self.numel = sum(u.numel for u in self.units)
+        opt_params = [u.flat if stage == 0 else u.shard for u in self.units]
+        self.optimizer = optimizer_class(opt_params, **optimizer_kwargs)
+        self._order: list[int] = []  # units in forward execution order (recorded on the first forward)
+        self._recorded = False
+        self._pending_reduce: list[tuple[dist.Work, Callable[[], None]]] = []
+        self._peak_grads = 0
+        self._hooks = []
+        for u in self.units:
+            self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+            self._hooks.append(u.flat.register_post_accumulate_grad_hook(self._make_post_backward(u)))
+            if stage != 3:
+                u.install_views()
+        self._hooks.append(module.register_forward_hook(self._end_of_forward))
+        self._note_memory()
+
+    def _build_units(self, unit_modules: list[nn.Module], group: ProcessGroup, dtype: torch.dtype) -> list[_Unit]:
+        names = {id(m): n for n, m in self.module.named_modules()}
+        for m in unit_modules:
+            if id(m) not in names:
+                raise ParallelConfigError(f"unit {type(m).__name__} is not a submodule of the wrapped module")
+        seen: set[int] = set()
+        units: list[_Unit] = []
+        for um in unit_modules:
+            entries: list[_Entry] = []
+            offset = 0
+            prefix = names[id(um)]
+            for qual, p in um.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                owner_path, _, attr = qual.rpartition(".")
+                owner = um.get_submodule(owner_path) if owner_path else um
+                full_name = f"{prefix}.{qual}" if prefix else qual
+                entries.append(_Entry(full_name, owner, attr, p.shape, offset, p.numel()))
+                offset += p.numel()
+            if not entries:
+                continue
+            unit = _Unit(len(units), um, entries, group, self.stage, dtype)
+            for e in entries:
+                del e.owner._parameters[e.attr]
+            um.register_parameter("_zero_flat", unit.flat)
+            units.append(unit)
+        return units
+
+    # ------------------------------------------------------------------ hooks
+
+    def _make_pre_forward(self, u: _Unit):
+        def hook(module: nn.Module, args) -> None:
+            if not self._recorded and u.index not in self._order:
+                self._order.append(u.index)
+            if self.stage == 3:
+                u.gather()
+                u.wait()
+                self._prefetch(u, +1)
+            u.install_views()
+        return hook
+
+    def _make_post_forward(self, u: _Unit):
+        def hook(module: nn.Module, args, output) -> None:
+            if self.stage != 3:
+                return
+            u.release()
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._make_pre_backward(u))
+        return hook
+
+    def _make_pre_backward(self, u: _Unit):
+        def hook(grad: torch.Tensor) -> None:
+            u.gather()
+            u.wait()
+            self._prefetch(u, -1)
+        return hook
+
+    def _make_post_backward(self, u: _Unit):
+        def hook(flat: torch.Tensor) -> None:
+            self._note_memory()
+            if self.reduce == "microbatch":
+                u.reduce_scatter_grad(accumulate=True)
+                u.reduced_this_step = True
+            u.release()
+        return hook
+
+    def _end_of_forward(self, module: nn.Module, args, output) -> None:
+        self._recorded = True  # the forward order of the units is known from now on
+
+    def _prefetch(self, u: _Unit, direction: int) -> None:
+        if not self.prefetch or not self._recorded or u.index not in self._order:
+            return
+        pos = self._order.index(u.index) + direction
+        if 0 <= pos < len(self._order):
+            self.units[self._order[pos]].gather(async_op=True)
+
+    # ------------------------------------------------------------------ the step
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The flat buffers autograd differentiates (what a pipeline stage should treat as its weights)."""
+        return (u.flat for u in self.units)
+
+    def reduce_gradients(self, async_op: bool = False) -> None:
+        """Average gradients over the group (REDUCE_GRAD); with `async_op`, `step()` or `wait()` completes it."""
+        if self.reduce == "microbatch":
+            return
+        for u in self.units:
+            if self.stage == 0:
+                g = u.full_grad()
+                work = all_reduce(g, self.group, async_op=True)
+
+                def average(g: torch.Tensor = g, u: _Unit = u) -> None:
+                    g.div_(u.n)
+                self._pending_reduce.append((work, average))
+            elif self.stage == 1:
+                out = torch.empty(u.size, dtype=u.dtype)
+                work = reduce_scatter_into(out, u.full_grad(), self.group, async_op=True)
+
+                def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
+                    grad_slice = u.flat.grad[u.own]
+                    grad_slice.copy_(out).div_(u.n)
+                    u.shard.grad = grad_slice  # a view: no extra memory
+                self._pending_reduce.append((work, finish))
+            else:
+                out = torch.empty(u.size, dtype=u.dtype)
+                work = reduce_scatter_into(out, u.full_grad(), self.group, async_op=True)
+
+                def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
+                    u.shard_grad.copy_(out).div_(u.n)
+                    u.flat.grad = None
+                self._pending_reduce.append((work, finish))
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        """Complete reductions started with `reduce_gradients(async_op=True)`."""
+        pending, self._pending_reduce = self._pending_reduce, []
+        for work, finish in pending:
+            if work is not None:
+                work.wait()
+            finish()
+        self._note_memory()
+
+    def step(self) -> None:
+        """Run the optimizer on this rank's slices, then give every rank the updated parameters."""
+        self.wait()
+        for u in self.units:
+            u.wait()  # a prefetch still in flight
+            if self.stage >= 2:
+                u.shard.grad = u.shard_grad
+            if self.stage == 3 and u.gathered:
+                u.release()  # its values are about to go stale
+        self.optimizer.step()
+        if self.stage in (1, 2):
+            for u in self.units:
+                all_gather_into(u.flat.data, u.shard.detach().clone(), self.group)
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            if self.stage <= 1:
+                u.flat.grad.zero_()
+            else:
+                u.shard_grad.zero_()
+                u.flat.grad = None
+            u.reduced_this_step = False
+
+    # ------------------------------------------------------------------ inspection
+
+    @contextmanager
+    def full_parameters(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Every original parameter by qualified name, at full size (gathers stage-3 slices; collective)."""
+        gathered = []
+        for u in self.units:
+            if not u.gathered:
+                u.gather()
+                gathered.append(u)
+        try:
+            yield {e.name: u.flat.detach()[e.offset:e.offset + e.numel].view(e.shape)
+                   for u in self.units for e in u.entries}
+        finally:
+            for u in gathered:
+                u.release()
+
+    def state_dict_full(self) -> dict[str, torch.Tensor]:
+        """A dense copy of the parameters (collective for stage 3)."""
+        with self.full_parameters() as params:
+            return {k: v.clone() for k, v in params.items()}
+
+    def _grad_bytes(self) -> int:
+        return _unique_bytes(t for u in self.units for t in (u.flat.grad, u.shard_grad, u.shard.grad if u.shard is
+                                                              not None else None))
+
+    def _note_memory(self) -> None:
+        self._peak_grads = max(self._peak_grads, self._grad_bytes())
+
+    def reset_peak(self) -> None:
+        self._peak_grads = self._grad_bytes()
+
+    def memory(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state this rank holds right now."""
+        params = _unique_bytes(t for u in self.units for t in (u.flat, u.shard))
+        opt = _unique_bytes(v for st in self.optimizer.state.values() for v in st.values()
+                            if isinstance(v, torch.Tensor))
+        return MemoryReport(params, self._grad_bytes(), opt, self.numel, sum(u.padded for u in self.units),
+                            max(self._peak_grads, self._grad_bytes()))
+
+
+def memory_report(zero: ZeroOptimizer) -> MemoryReport:
+    """Bytes of parameters, gradients and optimizer state held by this rank (see `ZeroOptimizer.memory`)."""
+    return zero.memory()
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+    return sum(seen.values())
