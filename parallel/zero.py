@@ -226,8 +226,8 @@ class ZeroOptimizer:
             if id(m) not in names:
                 raise ParallelConfigError(f"unit {type(m).__name__} is not a submodule of the wrapped module")
         seen: set[int] = set()
-        units: list[_Unit] = []
-        for um in unit_modules:
+        plan: list[tuple[nn.Module, list[_Entry]]] = []
+        for um in unit_modules:  # every entry is planned before any module is changed
             entries: list[_Entry] = []
             offset = 0
             prefix = names[id(um)]
@@ -240,8 +240,10 @@ class ZeroOptimizer:
                 full_name = f"{prefix}.{qual}" if prefix else qual
                 entries.append(_Entry(full_name, owner, attr, p.shape, offset, p.numel()))
                 offset += p.numel()
-            if not entries:
-                continue
+            if entries:
+                plan.append((um, entries))
+        units: list[_Unit] = []
+        for um, entries in plan:
             unit = _Unit(len(units), um, entries, group, self.stage, dtype)
             for e in entries:
                 del e.owner._parameters[e.attr]

@@ -1,0 +1,191 @@
+"""Every ZeRO stage equals plain data parallel: parameters after 3 Adam steps with M = 3 microbatches.
+
+References, from the same initial weights and data: DDP-style training (each rank's microbatch
+gradients summed, all-reduced with torch.distributed directly and averaged) and one dense
+process on the global batch.  Memory is checked against the ZeRO formulas on the padded sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from checks import diff
+from pipedsl.parallel import (
+    ParallelConfig,
+    ParallelConfigError,
+    ParallelMesh,
+    ZeroOptimizer,
+    count_comm,
+    gpt,
+    memory_report,
+)
+from torch import nn
+
+pytestmark = pytest.mark.slow
+
+STEPS, M, MB = 3, 3, 2
+LR = 1e-2
+# Adam's eps: the attention key bias has an exactly zero gradient (softmax ignores a constant per query), so
+# its gradient is float rounding noise of ~1e-9, which Adam with eps=1e-8 would turn into full-size steps
+# whose sign depends on summation order; eps=1e-4 keeps the comparison about ZeRO, not about that noise.
+EPS = 1e-4
+MODES = [(0, "step"), (1, "step"), (2, "step"), (3, "step"), (2, "microbatch"), (3, "microbatch")]
+
+
+def mlp_model(g: torch.Generator) -> nn.Module:
+    # 1087 parameters: not a multiple of 2 or 4, so every flat buffer is padded
+    return gpt.randomize_(nn.Sequential(nn.Linear(10, 24), nn.GELU(), nn.Linear(24, 24), nn.Tanh(),
+                                        nn.LayerNorm(24), nn.Linear(24, 7)), g)
+
+
+def block_model(g: torch.Generator) -> nn.Module:
+    return gpt.randomize_(gpt.Block(8, 2), g)
+
+
+MODELS = {
+    "mlp": (mlp_model, lambda g, n: torch.randn(STEPS, n, M, MB, 10, generator=g),
+            lambda g, n: torch.randn(STEPS, n, M, MB, 7, generator=g)),
+    "block": (block_model, lambda g, n: torch.randn(STEPS, n, M, MB, 5, 8, generator=g),
+              lambda g, n: torch.randn(STEPS, n, M, MB, 5, 8, generator=g)),
+}
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def zero_job(model_name: str) -> dict:
+    n = dist.get_world_size()
+    mesh = ParallelMesh(ParallelConfig(dp=n))
+    group, r = mesh.dp_group, mesh.coords.dp
+    make, make_x, make_y = MODELS[model_name]
+    g = torch.Generator().manual_seed(0)
+    base = make(g)
+    X, Y = make_x(g, n), make_y(g, n)  # the same global data on every rank; rank r trains on [:, r]
+    initial = {k: v.detach().clone() for k, v in base.named_parameters()}
+
+    # DDP-style reference: local accumulation, all-reduce, average
+    ddp = copy.deepcopy(base)
+    opt = torch.optim.Adam(ddp.parameters(), lr=LR, eps=EPS)
+    for s in range(STEPS):
+        for m in range(M):
+            (loss_fn(ddp, X[s, r, m], Y[s, r, m]) / M).backward()
+        for p in ddp.parameters():
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= n
+        opt.step()
+        opt.zero_grad()
+    # one dense process on the global batch
+    dense = copy.deepcopy(base)
+    opt = torch.optim.Adam(dense.parameters(), lr=LR, eps=EPS)
+    for s in range(STEPS):
+        sum(loss_fn(dense, X[s, q, m], Y[s, q, m]) for q in range(n) for m in range(M)).div(n * M).backward()
+        opt.step()
+        opt.zero_grad()
+
+    out: dict = {"errors": {}, "memory": {}, "comm": {}, "between": {}, "moved": float(max((dict(ddp.named_parameters())[k].detach() - v).abs().max()
+                                                                 for k, v in initial.items()))}
+    for stage, reduce in MODES:
+        model = copy.deepcopy(base)
+        zero = ZeroOptimizer(model, torch.optim.Adam, group=group, stage=stage, reduce=reduce, lr=LR, eps=EPS)
+        for s in range(STEPS):
+            last = s == STEPS - 1
+            if last:
+                zero.reset_peak()
+            with count_comm() as c:
+                for m in range(M):
+                    loss = loss_fn(model, X[s, r, m], Y[s, r, m]) / M
+                    if last and m == 0:
+                        out["between"][(stage, reduce)] = zero.memory().params  # after forward, before backward
+                    loss.backward()
+                zero.reduce_gradients()
+            if last:
+                out["comm"][(stage, reduce)] = (dict(c.calls), c.by_op())
+                out["memory"][(stage, reduce)] = memory_report(zero)
+                out["units"] = out.get("units", {}) | {(stage, reduce): [u.padded for u in zero.units]}
+            zero.step()
+            zero.zero_grad()
+        after = zero.memory()
+        out["memory"][(stage, reduce, "after step")] = after
+        got = zero.state_dict_full()
+        for name, p in ddp.named_parameters():
+            out["errors"][f"{stage} {reduce}: vs ddp {name}"] = diff(got[name], p)
+        for name, p in dense.named_parameters():
+            out["errors"][f"{stage} {reduce}: vs dense {name}"] = diff(got[name], p)
+    return out
+
+
+@pytest.fixture(scope="module", params=[(2, "mlp"), (4, "mlp"), (2, "block")], ids=lambda p: f"dp{p[0]}-{p[1]}")
+def job(request, run_once):
+    n, model = request.param
+    return n, run_once(zero_job, n, model)
+
+
+@pytest.mark.parametrize("stage,reduce", MODES)
+def test_zero_equals_data_parallel(job, stage, reduce):
+    n, per_rank = job
+    bad = []
+    for rank, res in enumerate(per_rank):
+        assert res["moved"] > 1e-2, "training did not move the parameters: the comparison would be vacuous"
+        names = [k for k in res["errors"] if k.startswith(f"{stage} {reduce}:")]
+        assert len(names) >= 8
+        for k in names:
+            err, mag = res["errors"][k]
+            if not err <= 2e-6 + 2e-6 * mag:
+                bad.append(f"rank {rank} {k}: {err:.3g} (magnitude {mag:.3g})")
+    assert not bad
+
+
+@pytest.mark.parametrize("stage,reduce", MODES)
+def test_memory_matches_the_zero_formulas(job, stage, reduce):
+    """fp32 Adam on the padded flat buffers: p = g = 4 bytes, K = 8 bytes per parameter (+4 per unit's step count)."""
+    n, per_rank = job
+    for res in per_rank:
+        mem = res["memory"][(stage, reduce)]
+        units = res["units"][(stage, reduce)]
+        P = mem.padded_numel
+        assert P == sum(units) and all(u % n == 0 for u in units) and P >= mem.numel
+        params = 4 * P if stage < 3 else 4 * P // n
+        grads = 4 * P if stage < 2 else 4 * P // n
+        optim = (8 * P if stage == 0 else 8 * P // n) + 4 * len(units)
+        assert (mem.params, mem.grads, mem.optimizer) == (params, grads, optim)
+        if stage >= 2 and reduce == "step":  # the full gradient lives until REDUCE_GRAD
+            assert mem.peak_grads == 4 * P + 4 * P // n
+        if reduce == "microbatch":  # one unit's full gradient at a time
+            assert mem.peak_grads <= 4 * P // n + 4 * max(units)
+            if len(units) > 1:  # less than reduce="step", which holds every unit's full gradient at once
+                assert mem.peak_grads < 4 * P + 4 * P // n
+        after = res["memory"][(stage, reduce, "after step")]
+        assert after.params == params, "stage 3 must hold only its slice between steps"
+
+
+def test_stage3_gathers_each_unit_for_forward_and_backward_and_releases_it(job):
+    """Per microbatch every unit is all-gathered twice (forward, backward); between them only slices are held."""
+    n, per_rank = job
+    for res in per_rank:
+        for reduce in ("step", "microbatch"):
+            units = res["units"][(3, reduce)]
+            P = sum(units)
+            calls, by_op = res["comm"][(3, reduce)]
+            gathers = sum(k for (op, _), k in calls.items() if op == "all_gather")
+            assert gathers == 2 * M * len(units)
+            assert by_op["all_gather"] == 2 * M * (n - 1) * 4 * P // n
+            scatters = sum(k for (op, _), k in calls.items() if op == "reduce_scatter")
+            assert scatters == (M if reduce == "microbatch" else 1) * len(units)
+            assert res["between"][(3, reduce)] == 4 * P // n
+        for stage in (1, 2):  # the data-parallel volume: one reduce-scatter of the gradients per step
+            calls, by_op = res["comm"][(stage, "step")]
+            assert by_op == {"reduce_scatter": (n - 1) * 4 * sum(res["units"][(stage, "step")]) // n}
+
+
+def test_zero_rejects_bad_settings():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ParallelConfigError, match="ZeRO stage must be 0, 1, 2 or 3, got 4"):
+        ZeroOptimizer(model, torch.optim.Adam, group=None, stage=4)
+    with pytest.raises(ParallelConfigError, match="reduce must be one of 'step', 'microbatch', got 'never'"):
+        ZeroOptimizer(model, torch.optim.Adam, group=None, stage=2, reduce="never")
+    with pytest.raises(ParallelConfigError, match="only helps stages 2 and 3"):
+        ZeroOptimizer(model, torch.optim.Adam, group=None, stage=1, reduce="microbatch")
