@@ -57,8 +57,8 @@ class ParallelConfig:
         if not 0 <= self.zero <= 3:
             raise ParallelConfigError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
         if self.tp_mode == "3d" and _cube_root(self.tp) is None:
-            lo = int(round(self.tp ** (1 / 3)))
-            near = sorted({max(1, lo) ** 3, (lo + 1) ** 3})
+            lo = max(1, int(self.tp ** (1 / 3)))
+            near = sorted({lo ** 3, (lo + 1) ** 3})
             raise ParallelConfigError(f"tp_mode='3d' needs tp to be a cube q*q*q, got tp={self.tp} "
                                       f"(nearest cubes: {', '.join(map(str, near))})")
 
@@ -97,8 +97,8 @@ class ParallelConfig:
             raise ParallelConfigError(f"hidden size {hidden} is not divisible by the {heads} attention heads")
         if self.tp_mode == "1d":
             t = self.tp
-            for name, value in (("attention heads", heads), ("hidden size", hidden), ("vocabulary size", vocab),
-                                ("ffn size", ffn)):
+            for name, value in (("number of attention heads", heads), ("hidden size", hidden),
+                                ("vocabulary size", vocab), ("ffn size", ffn)):
                 if value is not None and value % t:
                     raise ParallelConfigError(f"{name} {value} is not divisible by tp={t} "
                                               f"(1-D tensor parallelism splits it over the tp ranks)")
