@@ -200,7 +200,8 @@ class ZeroOptimizer:
             raise ParallelConfigError("frozen parameters (requires_grad=False) are not supported by ZeroOptimizer")
         dtype = dtypes.pop()
         if units is None:
-            units = [c for c in module.children() if any(True for _ in c.parameters())] if stage == 3 else []
+            per_child = stage == 3 or reduce == "microbatch"
+            units = [c for c in module.children() if any(True for _ in c.parameters())] if per_child else []
         unit_modules = [m for m in units if m is not module] + [module]
         self.units = self._build_units(unit_modules, group, dtype)
         self.numel = sum(u.numel for u in self.units)
