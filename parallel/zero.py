@@ -29,6 +29,22 @@ every microbatch, into the [S] slice and frees the full one: true stage-2/3 grad
 
 Gradients are averaged over the group (divided by N), like DDP; the runtime scales each
 microbatch's loss by 1/M, so the result is the mean over the global batch.
+
+Why not torch's FSDP2 (`fully_shard`) for stage 3: it runs on CPU/gloo in torch 2.13 and the
+tests use it as an oracle (ZeRO-3 here equals it after 3 Adam steps), but (1) it shards every
+parameter separately along dim 0 as a DTensor, so a rank holds no flat padded buffer and the
+per-rank layout and byte counts differ from the paper's; (2) its reductions live inside its
+post-backward hooks: reducing once at REDUCE_GRAD, after the stage's last backward, means
+turning gradient sync off for the other microbatches and then running the hooks by hand
+through private state, as torch.distributed.pipelining's stage does
+(`fully_shard.state(m)._fsdp_param_groups[i].post_backward()`), instead of one public call;
+(3) it has no stage 1 or 2, so stages would use two implementations with different memory
+accounting.  One flat-buffer implementation keeps all four stages, their memory and their
+traffic on the formulas (benchmarks/parallel_memory_comm.py).
+
+Not yet handled: split backward (I/W, zero-bubble schedules) under stage 3 or
+reduce="microbatch" (the unit hooks assume one backward per forward), mixed dtypes, frozen
+parameters, non-elementwise optimizers.
 """
 
 from __future__ import annotations
