@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipedsl import compare
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeSemanticError
 from pipedsl.library import builtin_names, load
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
 
     sub.add_parser("list", help="the built-in schedules with their doc lines")
+    compare.add_parser(sub)
     show.add_parser(sub)
     train_cli.add_parser(sub)
     return parser
@@ -178,7 +180,7 @@ def _write(text: str, output: str | None) -> None:
 
 
 COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list,
-            "show": show.run, "train": train_cli.run}
+            "compare": compare.run, "show": show.run, "train": train_cli.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

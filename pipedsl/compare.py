@@ -1,0 +1,152 @@
+"""`pipedsl compare`: several schedules side by side at one size and one cost model.
+
+One row per schedule: bubble ratio, makespan, peak live activations per rank, messages per
+step (point-to-point sends) and copies of the weights (replicas).  A schedule that cannot run
+at these sizes -- it takes no such parameter, a `require` rejects the sizes, the name is
+unknown -- gets an "n/a: reason" row instead of stopping the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from pipedsl.errors import PipeDSLError
+from pipedsl.ir import SENDS
+from pipedsl.library import load
+from pipedsl.simulate import Cost, simulate
+
+HEADERS = ("schedule", "bubble", "makespan", "peak activations per rank", "messages", "weight copies")
+
+
+@dataclass
+class Row:
+    """One schedule's numbers, or why it has none (`reason`)."""
+
+    schedule: str
+    reason: str = ""
+    bubble_ratio: float = 0.0
+    makespan: float = 0.0
+    peak_activations: list[int] = field(default_factory=list)
+    messages: int = 0
+    weight_copies: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason
+
+
+def compare(schedules: Sequence[str], P: int, M: int, params: Mapping[str, int] | None = None,
+            cost: Cost | str | None = None) -> list[Row]:
+    """Compile and simulate each schedule at P ranks and M microbatches; one `Row` each."""
+    cost = Cost.parse(cost) if isinstance(cost, str) else (cost or Cost())
+    params = dict(params or {})
+    return [_row(name, P, M, params, cost) for name in schedules]
+
+
+def _row(name: str, P: int, M: int, params: dict[str, int], cost: Cost) -> Row:
+    try:
+        schedule = load(name)
+    except PipeDSLError as err:
+        return Row(name, reason=err.message)
+    takes = [p.name for p in schedule.parameters]
+    unknown = [k for k in params if k not in takes]
+    if unknown:
+        return Row(name, reason=f"takes no parameter {unknown[0]} (parameters: {', '.join(takes) or 'none'})")
+    try:
+        program = schedule.compile(P=P, M=M, **params)
+    except PipeDSLError as err:
+        return Row(name, reason=err.message)
+    timeline = simulate(program, cost)
+    sends = sum(1 for stream in program.ranks for ins in stream if ins.op in SENDS)
+    return Row(name, "", timeline.bubble_ratio, timeline.makespan, list(timeline.peak_activations), sends,
+               program.num_replicas)
+
+
+def format_table(rows: Sequence[Row], P: int, M: int, params: Mapping[str, int] | None = None,
+                 cost: Cost | None = None) -> str:
+    """The rows as an aligned text table with a header line naming sizes and costs."""
+    cost = cost or Cost()
+    sizes = " ".join([f"P={P}", f"M={M}", *(f"{k}={v}" for k, v in (params or {}).items())])
+    costs = " ".join(f"{k}={getattr(cost, k):g}" for k in ("F", "B", "I", "W", "comm"))
+    cells = [list(HEADERS)]
+    for row in rows:
+        if row.ok:
+            cells.append([row.schedule, f"{row.bubble_ratio:.4f}", f"{row.makespan:g}",
+                          " ".join(map(str, row.peak_activations)), str(row.messages), str(row.weight_copies)])
+        else:
+            cells.append([row.schedule, f"n/a: {row.reason}"])
+    widths = [max(len(c[i]) for c in cells if len(c) == len(HEADERS)) for i in range(len(HEADERS))]
+    widths[0] = max(len(c[0]) for c in cells)
+    lines = [f"{sizes}   cost {costs}"]
+    for c in cells:
+        if len(c) == len(HEADERS):
+            lines.append("  ".join(v.ljust(w) if i in (0, 3) else v.rjust(w)
+                                   for i, (v, w) in enumerate(zip(c, widths))).rstrip())
+        else:
+            lines.append(f"{c[0].ljust(widths[0])}  {c[1]}")
+    return "\n".join(lines)
+
+
+def compare_table(schedules: Sequence[str], P: int, M: int, params: Mapping[str, int] | None = None,
+                  cost: Cost | str | None = None) -> str:
+    """`compare` and `format_table` in one call: the text `pipedsl compare` prints."""
+    cost = Cost.parse(cost) if isinstance(cost, str) else (cost or Cost())
+    return format_table(compare(schedules, P, M, params, cost), P, M, params, cost)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `pipedsl compare` on the CLI's sub-parsers."""
+    p = subparsers.add_parser("compare", help="bubble, makespan, memory and messages of several schedules")
+    p.add_argument("schedules", nargs="+", metavar="SCHEDULE", help="built-in names or .pipe files")
+    p.add_argument("-P", "--ranks", type=_positive, required=True, help="pipeline ranks")
+    p.add_argument("-M", "--microbatches", type=_positive, required=True, help="microbatches per step")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="a schedule parameter, passed to every schedule (repeatable)")
+    p.add_argument("--cost", default="", help="e.g. F=1,B=2,I=1,W=1,comm=0 (per stage: F@3=1.5)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """`pipedsl compare`: print the table (or JSON rows); 0 even when some rows are n/a."""
+    params = parse_params(args.param)
+    cost = Cost.parse(args.cost)
+    rows = compare(args.schedules, args.ranks, args.microbatches, params, cost)
+    if args.format == "json":
+        print(json.dumps({"params": {"P": args.ranks, "M": args.microbatches, **params},
+                          "rows": [{**asdict(r), "ok": r.ok} for r in rows]}))
+    else:
+        print(format_table(rows, args.ranks, args.microbatches, params, cost))
+    return 0
+
+
+def parse_params(items: Sequence[str]) -> dict[str, int]:
+    """`["V=2", "W=1"]` -> `{"V": 2, "W": 1}`; anything else is a `PipeDSLError`."""
+    params: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        try:
+            number = int(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
+        params[name] = number
+    return params
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return v
