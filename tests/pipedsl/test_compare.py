@@ -1,0 +1,102 @@
+"""`pipedsl compare`: the table's numbers against formulas, and n/a rows instead of failures."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+import pipedsl
+from pipedsl.cli import main
+from pipedsl.compare import compare, compare_table, parse_params
+
+
+def frac(x: float) -> Fraction:
+    return Fraction(x).limit_denominator(100_000)
+
+
+@given(st.integers(2, 8), st.integers(1, 4))
+def test_rows_match_the_formulas(P, k):
+    M = k * P
+    gpipe, one, inter = compare(["gpipe", "1f1b", "interleaved"], P, M, cost="F=1,B=2")
+    for row in (gpipe, one):
+        assert row.ok
+        assert frac(row.bubble_ratio) == Fraction(P - 1, M + P - 1)
+        assert row.makespan == 3 * (M + P - 1)
+        assert row.messages == 2 * M * (P - 1)  # one activation and one gradient per boundary and microbatch
+        assert row.weight_copies == 1
+    assert gpipe.peak_activations == [M] * P
+    assert one.peak_activations == [min(P - r, M) for r in range(P)]
+    assert frac(inter.bubble_ratio) == Fraction(P - 1, 2 * M + P - 1)  # V = 2 by default
+    assert inter.messages == 2 * M * (2 * P - 1)
+
+
+@given(st.sampled_from([2, 4, 6, 8]), st.integers(1, 3))
+def test_chimera_row_counts_two_weight_copies(P, k):
+    M = k * P
+    (row,) = compare(["chimera"], P, M, cost="F=1,B=1")
+    assert row.weight_copies == 2
+    assert frac(row.bubble_ratio) == Fraction(P - 2, 2 * M + P - 2)
+    assert row.messages == 2 * M * (P - 1)
+
+
+def test_rows_agree_with_simulate():
+    for name in pipedsl.builtin_names():
+        (row,) = compare([name], 4, 8)
+        t = pipedsl.simulate(pipedsl.load(name).compile(P=4, M=8), pipedsl.Cost())
+        assert (row.bubble_ratio, row.makespan, row.peak_activations) == \
+            (t.bubble_ratio, t.makespan, t.peak_activations), name
+
+
+def test_unusable_schedules_get_a_reason_instead_of_numbers():
+    rows = {r.schedule: r for r in compare(["gpipe", "interleaved", "chimera", "hanayo", "nope"], 3, 4,
+                                           {"V": 2})}
+    assert rows["gpipe"].reason == "takes no parameter V (parameters: none)"
+    assert rows["hanayo"].reason == "takes no parameter V (parameters: W)"
+    assert "multiple of P" in rows["interleaved"].reason
+    chimera = rows["chimera"].reason
+    assert "takes no parameter V" in chimera
+    assert "no schedule named 'nope'" in rows["nope"].reason
+    (odd,) = compare(["chimera"], 3, 6)
+    assert odd.reason.startswith("requirement failed: Chimera needs an even number of ranks")
+
+
+def test_table_text():
+    text = compare_table(["1f1b", "interleaved", "looped-bfs"], 4, 6, {"V": 2}, "F=1,B=2")
+    lines = text.splitlines()
+    assert lines[0].startswith("P=4 M=6 V=2") and "F=1 B=2" in lines[0]
+    assert lines[1].split()[:3] == ["schedule", "bubble", "makespan"]
+    assert lines[2].startswith("1f1b") and "n/a: takes no parameter V" in lines[2]
+    assert "n/a: requirement failed" in lines[3]
+    (bfs,) = compare(["looped-bfs"], 4, 6, {"V": 2}, "F=1,B=2")
+    peaks = " ".join(["12"] * 4)  # every forward of both chunks before the first backward
+    assert lines[4].split() == ["looped-bfs", f"{bfs.bubble_ratio:.4f}", f"{bfs.makespan:g}", *peaks.split(),
+                                str(2 * 6 * (2 * 4 - 1)), "1"]
+
+
+def test_cli_prints_one_table(capsys):
+    assert main(["compare", "gpipe", "1f1b", "zb-h1", "-P", "4", "-M", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5
+    row = {line.split()[0]: line.split() for line in out[2:]}
+    assert row["1f1b"][1:] == ["0.2727", "33", "4", "3", "2", "1", "48", "1"]
+    # ZB-H1 idles (P-1)(F+I-W) = 3 per rank: makespan M(F+I+W) + 3
+    assert row["zb-h1"][2] == "27" and row["zb-h1"][3:7] == ["4", "4", "4", "4"]
+
+
+def test_cli_json_and_errors(capsys):
+    assert main(["compare", "hanayo", "1f1b", "-P", "4", "-M", "8", "-p", "W=2", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == {"P": 4, "M": 8, "W": 2}
+    hanayo, one = data["rows"]
+    assert hanayo["ok"] and hanayo["weight_copies"] == 1 and len(hanayo["peak_activations"]) == 4
+    assert not one["ok"] and one["reason"].startswith("takes no parameter W")
+    assert main(["compare", "1f1b", "-P", "4", "-M", "8", "--cost", "F=x"]) == 2
+    assert "--cost" in capsys.readouterr().err
+    assert main(["compare", "1f1b", "-P", "4", "-M", "8", "-p", "V"]) == 2
+
+
+def test_parse_params():
+    assert parse_params(["V=2", " W = 3"]) == {"V": 2, "W": 3}
