@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
+from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -100,3 +101,12 @@ def test_cli_json_and_errors(capsys):
 
 def test_parse_params():
     assert parse_params(["V=2", " W = 3"]) == {"V": 2, "W": 3}
+
+
+def test_the_readme_compare_line_runs(capsys):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    lines = [line.split("#", 1)[0].split() for line in readme.splitlines() if line.startswith("pipedsl compare")]
+    assert lines
+    for command in lines:
+        assert main(command[1:]) == 0, command
+        assert "n/a" not in capsys.readouterr().out
