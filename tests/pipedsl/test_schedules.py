@@ -264,8 +264,11 @@ def test_hanayo_memory_is_balanced(size):
     M = k * P
     t = pipedsl.simulate(pipedsl.load("hanayo").compile(P=P, M=M, W=W))
     assert t.peak_activations == hanayo_peaks(P, M, W)
-    if M >= 4 * W * P:
-        assert t.peak_activations == [2 * W * W * P] * P  # the same on every rank
+    M = 4 * W * P
+    t = pipedsl.simulate(pipedsl.load("hanayo").compile(P=P, M=M, W=W + 1))
+    assert t.peak_activations == hanayo_peaks(P, M, W + 1)
+    if W == 1:  # from M >= 4WP on, the same on every rank
+        assert t.peak_activations == [2 * (W + 1) ** 2 * P] * P
 
 
 @given(st.tuples(st.integers(1, 8), st.integers(0, 16)), st.sampled_from([1, 1.5, 2, 3, 4]))
@@ -453,3 +456,23 @@ def test_merge_that_cannot_run_blames_merge():
 def test_merge_is_a_keyword():
     with pytest.raises(pipedsl.PipeSyntaxError):
         pipedsl.Schedule.from_text("schedule T(P, M, merge = 1) { }")
+
+
+# ---------------------------------------------------------------- docs/schedules.md stays true
+
+
+def test_docs_show_the_current_sources_and_tables():
+    from pipedsl.compare import compare_table
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "schedules.md").read_text(encoding="utf-8")
+    blocks = doc.split("```")[1::2]
+    sources = {b.split("\n", 1)[1].strip() for b in blocks if b.startswith("pipe\n")}
+    for name in pipedsl.builtin_names():
+        assert pipedsl.load(name).source.strip() in sources, f"docs/schedules.md shows an old {name}.pipe"
+    tables = [b.strip() for b in blocks if b.lstrip("\n").startswith("P=")]
+    assert len(tables) == 4
+    names = ["gpipe", "1f1b", "interleaved", "looped-bfs", "chimera", "hanayo", "zb-h1", "zb-v"]
+    for table in tables:
+        head = table.splitlines()[0].split()
+        P, M = int(head[0][2:]), int(head[1][2:])
+        cost = ",".join(head[3:7])
+        assert table == compare_table(names, P, M, {}, cost)
