@@ -45,8 +45,9 @@ HIDDEN, HEADS, LAYERS = 64, 8, 2
 def zero_job(n: int) -> list[dict]:
     import torch
     import torch.distributed as dist
-    from pipedsl.parallel import ParallelConfig, ParallelMesh, ZeroOptimizer, count_comm, gpt, memory_report
     from torch import nn
+
+    from pipedsl.parallel import ParallelConfig, ParallelMesh, ZeroOptimizer, count_comm, gpt, memory_report
 
     mesh = ParallelMesh(ParallelConfig(dp=n))
     g = torch.Generator().manual_seed(0)
@@ -78,6 +79,8 @@ def zero_job(n: int) -> list[dict]:
 
 def comm_job(mode: str, hidden: int, batch: int, seq: int) -> dict:
     import torch
+    from torch import nn
+
     from pipedsl.parallel import (
         Block3D,
         ColumnParallelLinear,
@@ -90,7 +93,6 @@ def comm_job(mode: str, hidden: int, batch: int, seq: int) -> dict:
         count_comm,
         gpt,
     )
-    from torch import nn
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, seq, hidden, generator=g)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipedsl.visualize import plot_timeline
-
 import pipedsl
+from pipedsl.visualize import plot_timeline
 
 IMG = Path(__file__).resolve().parent / "img"
 P, M = 4, 8

@@ -16,10 +16,10 @@ import argparse
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from pipedsl.runtime import split_gpt
 from torch import nn
 
 import pipedsl
+from pipedsl.runtime import split_gpt
 
 
 def gpt2_model(seed: int = 0, n_layer: int = 4):

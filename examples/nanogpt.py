@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
 
 import pipedsl
+from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
 
 
 def train(rank: int, schedule: str, M: int, steps: int, cfg: GPTConfig, batch: int) -> list[float]:

@@ -331,6 +331,8 @@ class Program:
                 if len(row) != len(cls.CSV_COLUMNS):
                     raise ValueError(f"expected {len(cls.CSV_COLUMNS)} columns, got {len(row)}")
                 rank, index = int(row[0]), int(row[1])
+                if rank < 0 or index < 0:
+                    raise ValueError(f"rank and index are non-negative, got {rank} and {index}")
                 d = {"op": row[2].strip(), "replica": int(row[5] or 0)}
                 for col, key in ((3, "mb"), (4, "stage"), (6, "peer")):
                     if row[col].strip():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh
 
 BAD = [
     (dict(dp=0), "dp must be at least 1, got 0"),

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from checks import Errors, diff, failures, grads_as_module, param_grads
+from torch import nn
+
 from pipedsl.parallel import (
     ColumnParallelLinear,
     ParallelBlock,
@@ -27,7 +29,6 @@ from pipedsl.parallel import (
     gpt,
     vocab_parallel_cross_entropy,
 )
-from torch import nn
 
 pytestmark = pytest.mark.slow
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from checks import Errors, diff, failures, grads_as_module, param_grads
+from torch import nn
+
 from pipedsl.parallel import (
     Block3D,
     Classifier3D,
@@ -23,7 +25,6 @@ from pipedsl.parallel import (
     loss_value,
 )
 from pipedsl.parallel.tp1d import qkv_order
-from torch import nn
 
 pytestmark = pytest.mark.slow
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from checks import diff
+from torch import nn
+
 from pipedsl.parallel import (
     ParallelConfig,
     ParallelConfigError,
@@ -22,7 +24,6 @@ from pipedsl.parallel import (
     gpt,
     memory_report,
 )
-from torch import nn
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from pipedsl.runtime import split_sequential
 from torch import nn
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
+from pipedsl.runtime import split_sequential
 
 WIDTH = 16
 RTOL, ATOL = 1e-5, 1e-7

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipedsl.runtime import split_gpt, split_sequential
-from pipedsl.runtime.gpt import GPT, GPTConfig
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
+from pipedsl.runtime import split_gpt, split_sequential
+from pipedsl.runtime.gpt import GPT, GPTConfig
 
 
 def _seq(widths: list[int]) -> nn.Sequential:

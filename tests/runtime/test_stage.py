@@ -6,8 +6,9 @@ import copy
 
 import pytest
 import torch
-from pipedsl.runtime.stage import ActivationCounter, Stage
 from torch import nn
+
+from pipedsl.runtime.stage import ActivationCounter, Stage
 
 
 class Shared(nn.Module):

@@ -6,12 +6,12 @@ import json
 from collections import Counter
 
 import pytest
-from pipedsl.visualize import VisualizeError
-from pipedsl.visualize.chrome_trace import from_chrome_trace, to_chrome_trace, write_chrome_trace
 from vis_support import simulated
 
 from pipedsl.ir import COMMS, Instr, Op
 from pipedsl.timeline import Event, Timeline
+from pipedsl.visualize import VisualizeError
+from pipedsl.visualize.chrome_trace import from_chrome_trace, to_chrome_trace, write_chrome_trace
 
 
 def _complete(trace: dict) -> list[dict]:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import graphviz
 import pytest
-from pipedsl.visualize import VisualizeError, dependency_graph, write_graph
-from pipedsl.visualize import graph as graph_module
 
 import pipedsl
 from pipedsl.ir import COMPUTE, SENDS
+from pipedsl.visualize import VisualizeError, dependency_graph, write_graph
+from pipedsl.visualize import graph as graph_module
 
 NODE = re.compile(r"^\s*(r\d+_\d+) \[label=(\"[^\"]+\"|[^ \]]+)", re.M)
 EDGE = re.compile(r"^\s*(r\d+_\d+) -> (r\d+_\d+) \[(.*)\]$", re.M)

@@ -8,10 +8,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from pipedsl.visualize import graph as graph_module
 from vis_support import ONE_F_ONE_B_3_PER_UNIT, simulated
 
 from pipedsl.cli import main
+from pipedsl.visualize import graph as graph_module
 
 SVG = "{http://www.w3.org/2000/svg}"
 

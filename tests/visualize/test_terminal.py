@@ -6,11 +6,11 @@ from __future__ import annotations
 import io
 
 import pytest
-from pipedsl.visualize.terminal import layout, print_timelines, render_text
 from vis_support import ONE_F_ONE_B_3_PER_UNIT, simulated
 
 from pipedsl.ir import Instr, Op
 from pipedsl.timeline import Event, Timeline
+from pipedsl.visualize.terminal import layout, print_timelines, render_text
 
 
 def test_1f1b_golden():

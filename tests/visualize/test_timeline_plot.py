@@ -7,12 +7,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from pipedsl.visualize import VisualizeError
-from pipedsl.visualize.timeline_plot import plot_timeline, plot_timelines
 from vis_support import simulated
 
 from pipedsl.ir import COMMS, COMPUTE
 from pipedsl.timeline import Timeline
+from pipedsl.visualize import VisualizeError
+from pipedsl.visualize.timeline_plot import plot_timeline, plot_timelines
 
 SVG = "{http://www.w3.org/2000/svg}"
 

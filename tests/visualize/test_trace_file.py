@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from pipedsl.visualize import VisualizeError, read_timeline, write_chrome_trace
 from vis_support import simulated
+
+from pipedsl.visualize import VisualizeError, read_timeline, write_chrome_trace
 
 
 def test_reads_a_pipedsl_timeline(tmp_path):
