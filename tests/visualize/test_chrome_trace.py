@@ -61,7 +61,8 @@ def test_round_trip(pipes, name, P, M):
     assert (back.name, back.params, back.kind) == (timeline.name, timeline.params, timeline.kind)
     assert [[e.instr for e in ev] for ev in back.ranks] == [[e.instr for e in ev] for ev in timeline.ranks]
     for got, want in zip(back.ranks, timeline.ranks):
-        assert [(e.start, e.end) for e in got] == pytest.approx([(e.start, e.end) for e in want])
+        flat = [t for e in got for t in (e.start, e.end)]
+        assert flat == pytest.approx([t for e in want for t in (e.start, e.end)])
     assert back.bubble_ratio == pytest.approx(timeline.bubble_ratio)
 
 
