@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/python examples/demo.py
+	$(BIN)/pipedsl train --schedule hanayo -P 4 -M 8 --steps 20 -o out/demo
 
 test: setup
 	$(BIN)/python -m pytest -q
