@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipedsl import compare
+from pipedsl.arguments import add_param, add_sizes, params_of, positive_int
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeSemanticError
 from pipedsl.library import builtin_names, load
@@ -31,45 +32,25 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def _add_sizes(p: argparse.ArgumentParser, many: bool = False) -> None:
-    """SCHEDULE -P -M [-V] [-p]; `many`: any number of schedules, sizes checked by the command (`show`)."""
-    p.add_argument("schedule", nargs="*" if many else None, help="a built-in name (see `pipedsl list`) or a .pipe file")
-    p.add_argument("-P", "--ranks", type=_positive, required=not many, help="pipeline ranks")
-    p.add_argument("-M", "--microbatches", type=_positive, required=not many, help="microbatches per step")
-    p.add_argument("-V", "--chunks", type=_positive, help="shorthand for -p V=N (chunks per rank)")
-    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
-                   help="a schedule parameter (repeatable)")
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipedsl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     c = sub.add_parser("compile", help="print the per-rank instruction streams of a schedule")
-    _add_sizes(c)
+    add_sizes(c)
     c.add_argument("--format", choices=("text", "json", "csv"), default="text")
     c.add_argument("-o", "--output", help="write to this file instead of stdout")
 
     s = sub.add_parser("simulate", help="predict makespan, bubble and memory under a cost model")
-    _add_sizes(s)
+    add_sizes(s)
     s.add_argument("--cost", default="", help="e.g. F=1,B=2,I=1,W=1,comm=0 (per stage: F@3=1.5)")
     s.add_argument("--format", choices=("text", "json"), default="text")
 
     k = sub.add_parser("check", help="compile a schedule over a grid of sizes and report failures")
     k.add_argument("schedule")
     k.add_argument("--ranks", default="2,4,8", help="comma-separated P values (default 2,4,8)")
-    k.add_argument("--max-factor", type=_positive, default=4, help="M goes from 1 to this times P (default 4)")
-    k.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
+    k.add_argument("--max-factor", type=positive_int, default=4, help="M goes from 1 to this times P (default 4)")
+    add_param(k)
 
     sub.add_parser("list", help="the built-in schedules with their doc lines")
     compare.add_parser(sub)
@@ -78,24 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _params(args: argparse.Namespace) -> dict[str, int]:
-    params: dict[str, int] = {}
-    for item in args.param:
-        name, sep, value = item.partition("=")
-        try:
-            params[name.strip()] = int(value)
-        except ValueError:
-            sep = ""
-        if not sep or not name.strip():
-            raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
-    if getattr(args, "chunks", None) is not None:
-        params["V"] = args.chunks
-    return params
-
-
 def _compile(args: argparse.Namespace):
     schedule = load(args.schedule)
-    return schedule, schedule.compile(P=args.ranks, M=args.microbatches, **_params(args))
+    return schedule, schedule.compile(P=args.ranks, M=args.microbatches, **params_of(args))
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -133,7 +99,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
     except ValueError:
         raise PipeDSLError(f"--ranks {args.ranks!r}: expected comma-separated integers") from None
-    params = _params(args)
+    params = params_of(args)
     failures = 0
     for P in ranks:
         ok, skipped, failed = [], {}, []

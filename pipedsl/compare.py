@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from pipedsl.arguments import add_param, parse_params, positive_int
 from pipedsl.errors import PipeDSLError
 from pipedsl.ir import SENDS
 from pipedsl.library import load
@@ -104,10 +105,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `pipedsl compare` on the CLI's sub-parsers."""
     p = subparsers.add_parser("compare", help="bubble, makespan, memory and messages of several schedules")
     p.add_argument("schedules", nargs="+", metavar="SCHEDULE", help="built-in names or .pipe files")
-    p.add_argument("-P", "--ranks", type=_positive, required=True, help="pipeline ranks")
-    p.add_argument("-M", "--microbatches", type=_positive, required=True, help="microbatches per step")
-    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
-                   help="a schedule parameter, passed to every schedule (repeatable)")
+    p.add_argument("-P", "--ranks", type=positive_int, required=True, help="pipeline ranks")
+    p.add_argument("-M", "--microbatches", type=positive_int, required=True, help="microbatches per step")
+    add_param(p, help="a schedule parameter, passed to every schedule (repeatable)")
     p.add_argument("--cost", default="", help="e.g. F=1,B=2,I=1,W=1,comm=0 (per stage: F@3=1.5)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     return p
@@ -124,29 +124,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows, args.ranks, args.microbatches, params, cost))
     return 0
-
-
-def parse_params(items: Sequence[str]) -> dict[str, int]:
-    """`["V=2", "W=1"]` -> `{"V": 2, "W": 1}`; anything else is a `PipeDSLError`."""
-    params: dict[str, int] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        try:
-            number = int(value)
-        except ValueError:
-            sep = ""
-        if not sep or not name:
-            raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
-        params[name] = number
-    return params
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return v

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from pipedsl.arguments import add_sizes, params_of, positive_int
 from pipedsl.ir import Program
 from pipedsl.timeline import Timeline
 
@@ -30,12 +31,10 @@ OUTPUTS = {".png": "picture", ".svg": "picture", ".pdf": "picture", ".json": "Ch
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pipedsl.cli import _add_sizes, _positive  # here: cli imports this module
-
     p = subparsers.add_parser(
         "show", help="draw schedules or traces: terminal grid, SVG/PNG, Chrome trace, dependency graph",
         description=__doc__.split("\n\n")[0], epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_sizes(p, many=True)
+    add_sizes(p, many=True)
     p.add_argument("--cost", default="", help="cost model for the simulation, e.g. F=1,B=2,I=1,W=1,comm=0")
     p.add_argument("--trace", action="append", default=[], metavar="FILE",
                    help="a timeline to draw: Timeline JSON (runtime tracer) or a Chrome trace written by pipedsl; "
@@ -46,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--graph", action="store_true",
                    help="with -o FILE.svg/.png/.pdf: render the dependency graph instead of the timeline "
                         "(needs graphviz's dot program; the .dot is written regardless)")
-    p.add_argument("--width", type=_positive, help="terminal columns (default: the terminal's width)")
+    p.add_argument("--width", type=positive_int, help="terminal columns (default: the terminal's width)")
     return p
 
 
@@ -101,7 +100,6 @@ class _Source(NamedTuple):
 
 def _inputs(args: argparse.Namespace) -> list[_Source]:
     """Each schedule compiled and simulated, then each --trace read."""
-    from pipedsl.cli import _params
     from pipedsl.library import load
     from pipedsl.simulate import Cost, simulate
 
@@ -113,7 +111,7 @@ def _inputs(args: argparse.Namespace) -> list[_Source]:
         missing = " and ".join(f for f, v in (("-P", args.ranks), ("-M", args.microbatches)) if v is None)
         raise VisualizeError(f"show {' '.join(args.schedule)}: needs {missing} (ranks and microbatches)")
     cost = Cost.parse(args.cost)
-    params = _params(args)
+    params = params_of(args)
     schedules = [load(name) for name in args.schedule]
     sources = []
     for schedule in schedules:

@@ -10,8 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pipedsl
+from pipedsl.arguments import parse_params
 from pipedsl.cli import main
-from pipedsl.compare import compare, compare_table, parse_params
+from pipedsl.compare import compare, compare_table
 
 
 def frac(x: float) -> Fraction:
