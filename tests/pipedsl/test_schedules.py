@@ -284,6 +284,18 @@ def test_hanayo_with_slower_backwards(size, B):
         assert frac(t.bubble_ratio) == Fraction(P - 1, 2 * W * M + P - 1)
 
 
+@given(st.tuples(st.integers(2, 8), st.integers(0, 16)))
+def test_hanayo_faster_entry_reaches_the_bound_with_slower_backwards(size):
+    P, extra = size
+    M, W = 2 * P + extra, 1
+    lean = pipedsl.simulate(pipedsl.load("hanayo").compile(P=P, M=M, W=W), F1B2)
+    fast = pipedsl.simulate(pipedsl.load("hanayo").compile(P=P, M=M, W=W, E=4), F1B2)
+    assert frac(fast.bubble_ratio) == Fraction(P - 1, 2 * W * M + P - 1)  # at the bound with B = 2F
+    assert frac(pipedsl.simulate(pipedsl.load("hanayo").compile(P=P, M=M, W=W, E=4), UNIT).bubble_ratio) == \
+        Fraction(P - 1, 2 * W * M + P - 1)  # and still with F = B
+    assert max(fast.peak_activations) <= 3 * max(lean.peak_activations) // 2  # at most 1.5x the memory
+
+
 # ---------------------------------------------------------------- zero bubble
 
 
