@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_parser(sub)
     show.add_parser(sub)
     train_cli.add_parser(sub)
+    train_cli.add_run_parser(sub)
     return parser
 
 
@@ -146,7 +147,8 @@ def _write(text: str, output: str | None) -> None:
 
 
 COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list,
-            "compare": compare.run, "show": show.run, "train": train_cli.run}
+            "compare": compare.run, "show": show.run, "train": train_cli.run,
+            "run": train_cli.run_program}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,67 +1,181 @@
-"""`pipedsl train`: train the small GPT on synthetic tokens across local processes.
+"""`pipedsl train` / `pipedsl run`: train the small GPT on synthetic tokens across local processes.
 
     pipedsl train --schedule 1f1b -P 4 -M 8 --steps 20
+    pipedsl run --program prog.json --steps 20          # a compiled program file (JSON, CSV or text)
+    pipedsl train … --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
 
 Rank 0 prints one progress line per step (loss, samples/s); at the end the last step's
 measured timeline is written as Timeline JSON (and as a PNG when pipedsl.visualize can draw
-it), next to the simulator's prediction for the same program.
+it), next to the simulator's prediction for the same program, and every step's exact loss
+to `losses.json`.  `--steps` is the step to reach: a run resumed from step 20 with
+`--steps 40` runs steps 21 … 40 and, on the same schedule, prints the same losses as a run
+that never stopped.
+
+Everything the user can get wrong (sizes, the program file, its rank count, a batch that does
+not split into M, a checkpoint of another stage partition) is reported before any process
+starts, as one line, exit status 2.  A failure while running (a rank that dies, a timeout)
+exits with status 1 and names the rank that failed first.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+N_HEAD = 4
+VOCAB = 64
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return v
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text} must not be negative")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of seconds")
+    return v
+
+
+def _rate(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number")
+    return v
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a small GPT on synthetic tokens with a schedule (local processes)")
     p.add_argument("--schedule", default="1f1b", help="a built-in name or a .pipe file (default 1f1b)")
-    p.add_argument("-P", "--ranks", type=int, default=4, help="pipeline ranks = local processes (default 4)")
-    p.add_argument("-M", "--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    p.add_argument("-P", "--ranks", type=_positive, default=4, help="pipeline ranks = local processes (default 4)")
+    p.add_argument("-M", "--microbatches", type=_positive, default=8, help="microbatches per step (default 8)")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE", help="a schedule parameter")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=0, help="sequences per step (default 4·M)")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
-    p.add_argument("--layers", type=int, default=0, help="transformer blocks (default: 2 per stage)")
-    p.add_argument("--embd", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds")
-    p.add_argument("-o", "--out", default="out/train", help="directory for timeline.json / timeline.png")
+    _add_training_options(p, "out/train")
     return p
 
 
+def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("run", help="train the small GPT with a compiled program file (JSON, CSV or text)")
+    p.add_argument("--program", required=True, metavar="FILE",
+                   help="a program as written by `pipedsl compile --format json|csv|text`")
+    p.add_argument("-P", "--ranks", type=_positive, help="the ranks the program must have (default: its own)")
+    p.add_argument("--model", choices=("gpt",), default="gpt", help="the model to train (default gpt)")
+    _add_training_options(p, "out/run")
+    return p
+
+
+def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--steps", type=_positive, default=20, help="train until this step (default 20)")
+    p.add_argument("--batch", type=_nonnegative, default=0, help="sequences per step (default 4·M)")
+    p.add_argument("--seq", type=_positive, default=32, help="tokens per sequence (default 32)")
+    p.add_argument("--layers", type=_nonnegative, default=0, help="transformer blocks (default: 2 per stage)")
+    p.add_argument("--embd", type=_positive, default=64, help=f"embedding width, a multiple of {N_HEAD} (default 64)")
+    p.add_argument("--lr", type=_rate, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=_seconds, default=120.0,
+                   help="seconds before a silent rank counts as failed: process group and checkpoint waits "
+                        "(default 120)")
+    p.add_argument("--join-timeout", type=_seconds, default=3600.0,
+                   help="seconds the whole run may take before its processes are killed (default 3600)")
+    p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints under DIR/step-NNNNNNNN/")
+    p.add_argument("--checkpoint-every", type=_nonnegative, default=0, metavar="N",
+                   help="checkpoint every N steps (default: only after the last step)")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                   help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), "
+                        "or from the given checkpoint directory")
+    p.add_argument("-o", "--out", default=out, help=f"directory for timeline.json / losses.json (default {out})")
+
+
+# ---------------------------------------------------------------- commands
+
+
 def run(args: argparse.Namespace) -> int:
+    """`pipedsl train`: compile the schedule, then train."""
     import pipedsl
     from pipedsl.errors import PipeDSLError
-    from pipedsl.timeline import Timeline
 
     params: dict[str, int] = {}
     for item in args.param:
         name, sep, value = item.partition("=")
-        if not sep or not value.strip().lstrip("-").isdigit():
+        if not sep or not name.strip() or not value.strip().lstrip("-").isdigit():
             raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
         params[name.strip()] = int(value)
     program = pipedsl.load(args.schedule).compile(P=args.ranks, M=args.microbatches, **params)
-    cfg = {"steps": args.steps, "batch": args.batch or 4 * args.microbatches, "seq": args.seq,
-           "layers": args.layers or max(2 * program.num_stages - 2, 1), "embd": args.embd, "lr": args.lr,
-           "seed": args.seed}
+    return _execute(program, args)
+
+
+def run_program(args: argparse.Namespace) -> int:
+    """`pipedsl run`: read and validate a program file, then train."""
+    from .program_file import read_program
+
+    return _execute(read_program(args.program, ranks=args.ranks), args)
+
+
+def _execute(program: Any, args: argparse.Namespace) -> int:
+    import pipedsl
+    from pipedsl.errors import PipeDSLError, PipeRuntimeError
+    from pipedsl.timeline import Timeline
+
+    cfg = _config(program, args)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PipeDSLError(f"cannot create the output directory {out}: {err.strerror or err}") from None
     print(f"training a {cfg['layers']}-block GPT (C={cfg['embd']}, T={cfg['seq']}) with {program.name} "
           f"{' '.join(f'{k}={v}' for k, v in program.params.items())}: {program.num_stages} stages on "
-          f"{args.ranks} processes, batch {cfg['batch']}", flush=True)
-    results = pipedsl.launch(_train, args.ranks, program.to_json(), cfg, timeout=args.timeout)
+          f"{program.num_ranks} processes, batch {cfg['batch']}", flush=True)
+    if cfg["resume"]:
+        print(f"resuming from {cfg['resume']}", flush=True)
+    try:
+        results = pipedsl.launch(_train, program.num_ranks, program.to_json(), cfg, timeout=args.timeout,
+                                 join_timeout=args.join_timeout, threads=args.threads)
+    except PipeRuntimeError as err:
+        print(err.render(), file=sys.stderr)
+        return 1
     report = results[0]
+    (out / "losses.json").write_text(json.dumps({"schedule": program.name, "params": program.params,
+                                                  "losses": report["losses"]}, indent=1) + "\n")
+    written = [str(out / "losses.json")]
+    if report["timeline"] is None:
+        print(f"nothing to run: the checkpoint is at step {report['start']}, --steps is {cfg['steps']}")
+        print("wrote " + ", ".join(written))
+        return 0
     timeline = Timeline.from_dict(report["timeline"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "timeline.json").write_text(timeline.to_json())
     predicted = pipedsl.simulate(program, pipedsl.Cost(**report["cost"]))
     (out / "predicted.json").write_text(predicted.to_json())
-    written = [str(out / "timeline.json"), str(out / "predicted.json")]
+    written += [str(out / "timeline.json"), str(out / "predicted.json")]
     png = _plot([timeline, predicted], out / "timeline.png")
     if png:
         written.append(png)
@@ -70,6 +184,63 @@ def run(args: argparse.Namespace) -> int:
           f"bubble {predicted.bubble_ratio:.3f}); peak activations per rank {report['peaks']}")
     print("wrote " + ", ".join(written))
     return 0
+
+
+def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The per-rank training configuration; every size error here, before any process starts."""
+    from pipedsl.errors import PipeDSLError
+
+    M, S = program.num_microbatches, program.num_stages
+    batch = args.batch or 4 * M
+    if batch % M:
+        raise PipeDSLError(f"--batch {batch} does not split into M={M} equal microbatches "
+                           f"(use a multiple of {M})")
+    if args.embd % N_HEAD:
+        raise PipeDSLError(f"--embd {args.embd} must be a multiple of {N_HEAD} (the attention heads)")
+    layers = args.layers or max(2 * S - 2, 1)
+    if layers + 2 < S:
+        raise PipeDSLError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} pieces, "
+                           f"fewer than the program's {S} stages")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise PipeDSLError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume == "latest" and not args.checkpoint_dir:
+        raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
+    cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "layers": layers, "embd": args.embd,
+           "lr": args.lr, "seed": args.seed, "timeout": args.timeout, "checkpoint_dir": args.checkpoint_dir,
+           "checkpoint_every": args.checkpoint_every, "resume": None}
+    if args.resume:
+        cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
+    return cfg
+
+
+def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str | None) -> str | None:
+    """The checkpoint to resume from (None: start fresh), checked against the model's stage partition."""
+    import torch
+
+    from . import checkpoint
+    from .gpt import GPT
+
+    if resume == "latest":
+        found = checkpoint.latest(directory)
+        if found is None:
+            print(f"note: no complete checkpoint in {directory}; starting from step 0", flush=True)
+            return None
+    else:
+        found = checkpoint.resolve(resume)
+    with torch.device("meta"):  # shapes only: compare the partition before any process starts
+        stages = GPT(_gpt_config(cfg)).stages(program.num_stages)
+    checkpoint.check_partition(found.manifest, dict(enumerate(stages)), program.num_stages,
+                               where=f"the {cfg['layers']}-block GPT cut into {program.num_stages} stages")
+    if found.step >= cfg["steps"]:
+        print(f"note: the checkpoint is at step {found.step}, not before --steps {cfg['steps']}", flush=True)
+    return str(found.path)
+
+
+def _gpt_config(cfg: dict[str, Any]) -> Any:
+    from .gpt import GPTConfig
+
+    return GPTConfig(vocab_size=VOCAB, block_size=cfg["seq"], n_layer=cfg["layers"], n_head=N_HEAD,
+                     n_embd=cfg["embd"])
 
 
 def _plot(timelines: list, path: Path) -> str | None:
@@ -88,33 +259,60 @@ def _plot(timelines: list, path: Path) -> str | None:
     return str(path)
 
 
+# ---------------------------------------------------------------- on every rank
+
+
 def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] | None:
     import torch
 
     import pipedsl
     from pipedsl.ir import COMPUTE
 
-    from .gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from . import checkpoint
+    from .gpt import GPT, gpt_loss, synthetic_batch
 
     program = pipedsl.Program.from_json(program_json)
-    gcfg = GPTConfig(vocab_size=64, block_size=cfg["seq"], n_layer=cfg["layers"], n_head=4, n_embd=cfg["embd"])
+    gcfg = _gpt_config(cfg)
     torch.manual_seed(cfg["seed"])
     model = GPT(gcfg)  # the same weights on every rank; each keeps only its stages
     pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program, loss_fn=gpt_loss)
     del model
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
-    for step in range(1, cfg["steps"] + 1):
+    start = 0
+    if cfg["resume"]:
+        restored = checkpoint.load(pipe, cfg["resume"], opt)
+        data = restored.extra.get("data") if isinstance(restored.extra, dict) else None
+        if data is None:
+            raise checkpoint.CheckpointError(f"{restored.path}: no data-generator state in 'extra' "
+                                             f"(not written by pipedsl train/run)")
+        gen.set_state(data)
+        start = restored.step
+        if rank == 0:
+            changed = "; a different schedule now, same stage partition" if restored.schedule_changed else ""
+            print(f"resumed at step {start} ({restored.saved_schedule}{changed})", flush=True)
+    _arm_step_fault(pipe, rank)
+    losses: dict[int, float] = {}
+    every, directory = cfg["checkpoint_every"], cfg["checkpoint_dir"]
+    for step in range(start + 1, cfg["steps"] + 1):
         x, y = synthetic_batch(cfg["batch"], cfg["seq"], gcfg.vocab_size, gen)
         t0 = time.perf_counter()
         loss = pipe.step(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
+        losses[step] = loss
         if rank == 0:
             print(f"step {step:>3}/{cfg['steps']}  loss {loss:.4f}  {cfg['batch'] / dt:8.1f} samples/s  "
                   f"{dt * 1e3:7.1f} ms/step", flush=True)
-    peaks = [None] * dist_size()
+        if directory and ((every and step % every == 0) or step == cfg["steps"]):
+            info = checkpoint.save(pipe, directory, step, opt, extra={"data": gen.get_state()},
+                                   timeout=cfg["timeout"])
+            if rank == 0:
+                print(f"checkpoint step {step}: {info.path}", flush=True)
+    if start >= cfg["steps"]:
+        return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
+    peaks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(peaks, pipe.peak_activations)
     timeline = pipe.timeline()
     if timeline is None:
@@ -126,10 +324,26 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
             if e.instr.op in COMPUTE:
                 sums.setdefault(e.instr.op.value, []).append(e.duration)
     cost = {k: sum(v) / len(v) for k, v in sums.items()}
-    return {"timeline": timeline.to_dict(), "cost": cost, "peaks": peaks, "config": asdict(gcfg)}
+    return {"timeline": timeline.to_dict(), "cost": cost, "peaks": peaks, "config": asdict(gcfg),
+            "losses": losses, "start": start}
 
 
-def dist_size() -> int:
-    import torch.distributed as dist
+def _arm_step_fault(pipe: Any, rank: int) -> None:
+    """Test-only: with PIPEDSL_FAULT=step:RANK:STEP, this rank SIGKILLs itself in the middle of that step
+    (at its first stage's forward of microbatch M/2)."""
+    if not os.environ.get("PIPEDSL_FAULT", "").startswith("step:"):
+        return
+    from .checkpoint import fault_point
 
-    return dist.get_world_size()
+    first = min(pipe.local_stages().items())[1]
+    seen = {"step": -1, "n": 0}
+
+    def hook(module: Any, args: Any) -> None:
+        step = pipe.steps + 1
+        if seen["step"] != step:
+            seen.update(step=step, n=0)
+        seen["n"] += 1
+        if seen["n"] == pipe.num_microbatches // 2 + 1:
+            fault_point("step", rank, step)
+
+    first.register_forward_pre_hook(hook)
