@@ -15,6 +15,7 @@ Gradients accumulate into `.grad` (call `optimizer.zero_grad()` between steps).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,7 +86,7 @@ class Pipeline:
     def _program(self, schedule: str | Schedule | None, program: Program | None, microbatches: int | None,
                  params: dict[str, int]) -> Program:
         if program is not None:
-            validate(program)
+            program = _as_program(program)  # a Program, or a program file (JSON/CSV/text): validated here
             if microbatches is not None and microbatches != program.num_microbatches:
                 raise PipeRuntimeError(f"microbatches={microbatches}, but the program was compiled for "
                                        f"M={program.num_microbatches}")
@@ -221,6 +222,18 @@ class Pipeline:
         self._input_meta = mb_meta
         self._executor = Executor(prog, rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
                                   self.lookahead, self.strict_pair_order, self.check_finite)
+
+
+def _as_program(program: Any) -> Program:
+    """`program=`: a `Program`, or a path to a program file (JSON, CSV or text; see program_file.py), validated."""
+    if isinstance(program, Program):
+        return validate(program)
+    if isinstance(program, (str, os.PathLike)):
+        from .program_file import read_program
+
+        return read_program(program)
+    raise PipeRuntimeError(f"program= takes a Program or the path of a program file (JSON, CSV or text), "
+                           f"got {type(program).__name__}")
 
 
 def _first(prog: Program, rank: int, op: Op, stage: int, replica: int):

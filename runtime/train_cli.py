@@ -73,6 +73,16 @@ def _rate(text: str) -> float:
     return v
 
 
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} must be in [0, 1)")
+    return v
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a small GPT on synthetic tokens with a schedule (local processes)")
     p.add_argument("--schedule", default="1f1b", help="a built-in name or a .pipe file (default 1f1b)")
@@ -100,6 +110,7 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--layers", type=_nonnegative, default=0, help="transformer blocks (default: 2 per stage)")
     p.add_argument("--embd", type=_positive, default=64, help=f"embedding width, a multiple of {N_HEAD} (default 64)")
     p.add_argument("--lr", type=_rate, default=3e-3)
+    p.add_argument("--dropout", type=_fraction, default=0.0, help="dropout probability (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds before a silent rank counts as failed: process group and checkpoint waits "
@@ -206,8 +217,8 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
     cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "layers": layers, "embd": args.embd,
-           "lr": args.lr, "seed": args.seed, "timeout": args.timeout, "checkpoint_dir": args.checkpoint_dir,
-           "checkpoint_every": args.checkpoint_every, "resume": None}
+           "lr": args.lr, "dropout": args.dropout, "seed": args.seed, "timeout": args.timeout,
+           "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None}
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
     return cfg
@@ -240,7 +251,7 @@ def _gpt_config(cfg: dict[str, Any]) -> Any:
     from .gpt import GPTConfig
 
     return GPTConfig(vocab_size=VOCAB, block_size=cfg["seq"], n_layer=cfg["layers"], n_head=N_HEAD,
-                     n_embd=cfg["embd"])
+                     n_embd=cfg["embd"], dropout=cfg.get("dropout", 0.0))
 
 
 def _plot(timelines: list, path: Path) -> str | None:
