@@ -1,0 +1,189 @@
+"""Shared pieces of the runtime benchmarks: the synthetic sleep stage, timing, results files.
+
+The synthetic stage emulates an accelerator on a 2-core machine: its forward and backward
+*sleep* fixed times around a real (small) tensor op, so a rank that waits for compute leaves
+the CPU to the others and schedule bubbles show as they would on GPUs.  The sleeps sit on
+the autograd graph so that a split backward splits them too:
+
+    out = Sleep(x @ Sleep(weight, 0, W), F, I)      # forward sleeps F
+    full backward B = I + W; input gradient (I) = I; weight gradient (W) = W
+
+(the output's node sleeps I when any gradient passes through it; the weight's node sleeps W
+only when the weight gradient is computed).  The first stage has no input gradient: its I
+is empty and its W does all the work, in pipedsl and torch alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+RESULTS_MD = HERE / "RESULTS.md"
+WIDTH = 64  # feature width of the synthetic stage's tensors
+ROWS_PER_MB = 4  # rows per microbatch
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps `fwd` seconds in forward and `bwd` seconds in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fwd: float, bwd: float) -> torch.Tensor:
+        if fwd > 0:
+            time.sleep(fwd)
+        ctx.bwd = bwd
+        return x.clone()  # not a view: torch detaches stage outputs in place
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.bwd > 0:
+            time.sleep(ctx.bwd)
+        return g, None, None
+
+
+class SleepStage(nn.Module):
+    """One synthetic stage: forward sleeps `F`, input gradient `I`, weight gradient `W` seconds."""
+
+    def __init__(self, F: float, I: float, W: float, width: int = WIDTH, seed: int = 0) -> None:  # noqa: E741
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.eye(width) + 0.01 * torch.randn(width, width, generator=g))
+        self.F, self.I, self.W = F, I, W
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, width]
+        w = _Sleep.apply(self.weight, 0.0, self.W)
+        return _Sleep.apply(torch.tanh(x @ w), self.F, self.I)  # [rows, width]
+
+
+def sleep_stages(num_stages: int, F: float, B: float) -> list[SleepStage]:
+    """`num_stages` stages with forward `F` and full backward `B` = I + W, split evenly."""
+    return [SleepStage(F, B / 2, B / 2, seed=s) for s in range(num_stages)]
+
+
+def sleep_batch(M: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    n = M * ROWS_PER_MB
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
+
+
+def sleep_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and the interquartile range of a sample."""
+    if not xs:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "iqr": float("nan"), "n": 0}
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "iqr": q[2] - q[0], "n": len(xs)}
+
+
+# ---------------------------------------------------------------- results
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def write_json(name: str, result: dict[str, Any], path: str | None = None) -> Path:
+    out = Path(path) if path else RESULTS_DIR / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return out
+
+
+def append_results(row: str, path: Path | None = None) -> None:
+    """Append one `| date | command | machine | result |` row to benchmarks/RESULTS.md."""
+    path = path or Path(os.environ.get("PIPEDSL_RESULTS_MD", RESULTS_MD))
+    if not path.exists():
+        path.write_text("# Benchmark results\n\nEach benchmark appends one row per run.\n\n"
+                        "| date | command | machine | result |\n|---|---|---|---|\n")
+    with path.open("a") as f:
+        f.write(row + "\n")
+
+
+def results_row(command: str, result: str) -> str:
+    return f"| {today()} | `{command}` | {machine()} | {result} |"
+
+
+# ---------------------------------------------------------------- torch.distributed.pipelining
+
+# our name -> (torch schedule class, stage indices of rank r for P ranks)
+TORCH_SCHEDULES: dict[str, tuple[str, str]] = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved": ("ScheduleInterleaved1F1B", "loop"),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zb-v": ("ScheduleZBVZeroBubble", "v"),
+}
+
+
+def torch_stage_indices(style: str, P: int, r: int) -> list[int]:
+    if style == "single":
+        return [r]
+    if style == "loop":
+        return [r, r + P]  # V = 2 chunks, chunk v of rank r is stage v*P + r
+    return [r, 2 * P - 1 - r]
+
+
+def num_stages_for(name: str, P: int) -> int:
+    return P if TORCH_SCHEDULES[name][1] == "single" else 2 * P
+
+
+def build_torch_schedule(name: str, modules: Sequence[nn.Module], P: int, rank: int, M: int, loss_fn: Any) -> Any:
+    """torch's schedule `name` over this rank's stages of `modules` (the whole list, one per stage)."""
+    from torch.distributed import pipelining as tp
+
+    cls_name, style = TORCH_SCHEDULES[name]
+    cls = getattr(tp, cls_name)
+    S = len(modules)
+    stages = [tp.PipelineStage(modules[s], s, S, torch.device("cpu")) for s in torch_stage_indices(style, P, rank)]
+    if style == "single":
+        return cls(stages[0], n_microbatches=M, loss_fn=loss_fn)
+    return cls(stages, n_microbatches=M, loss_fn=loss_fn)
+
+
+def program_from_torch(schedule: Any, name: str, P: int, M: int) -> Any:
+    """The compute order torch's schedule runs, as a validated pipedsl Program (same order, our runtime)."""
+    from pipedsl.ir import Op
+    from pipedsl.lowering import ComputePlan, lower
+    from pipedsl.validate import validate
+
+    kinds = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
+    order = schedule.pipeline_order
+    orders, placement = [], {}
+    for r in range(P):
+        ops = []
+        for a in order[r]:
+            if a is None or a.computation_type.value not in kinds:
+                continue
+            ops.append((kinds[a.computation_type.value], a.microbatch_index, a.stage_index, 0))
+            placement[(0, a.stage_index)] = r
+        orders.append(ops)
+    S = len({s for _, s in placement})
+    plan = ComputePlan(f"torch-{name}", {"P": P, "M": M}, S, 1, placement, (0,) * M, orders)
+    program = lower(plan)
+    validate(program)
+    return program
