@@ -65,31 +65,42 @@ class Cost:
     def fit(cls, timeline: Timeline) -> Cost:
         """The costs a (measured) timeline shows: the median duration of each compute kind
         overall and per stage, of REDUCE_GRAD and OPTIMIZER_STEP, and as `comm` the median
-        delay from a send's start to the end of its receive when the receiver was already
-        waiting (so the delay is the message's own).  Kinds absent from the trace keep the
-        default ratios to F."""
+        delay from a send's start to the start of the compute op consuming the message, over
+        the messages whose receiver had nothing else left to do before that op when the send
+        started (so the delay is the message's own).  The consumer's start, not the RECV's end,
+        marks the arrival: the runtime posts receives early and waits in the consumer, the
+        simulator blocks in the RECV right before it — both start the consumer on arrival.
+        Kinds absent from the trace keep the default ratios to F."""
         durations: dict[tuple[str, int | None], list[float]] = {}
         sends: dict[tuple, float] = {}
-        waits: list[tuple[tuple, float, float]] = []
+        waits: list[tuple[tuple, float, float]] = []  # (message, receiver ready, consumer start)
         for rank, events in enumerate(timeline.ranks):
+            expected: dict[tuple, tuple] = {}  # (is F, mb, stage, replica) of a consumer -> its message
+            ready = events[0].start if events else 0.0  # end of the receiver's last non-RECV event
             for e in events:
                 op, ins = e.instr.op, e.instr
                 if op in _COMPUTE_OPS:
                     durations.setdefault((op.value, None), []).append(e.end - e.start)
                     durations.setdefault((op.value, ins.stage), []).append(e.end - e.start)
+                    msg = expected.pop((op is Op.F, ins.mb, ins.stage, ins.replica), None)
+                    if msg is not None:
+                        waits.append((msg, ready, e.start))
                 elif op is Op.REDUCE_GRAD or op is Op.OPTIMIZER_STEP:
                     durations.setdefault((op.value, None), []).append(e.end - e.start)
                 elif op is Op.SEND_F or op is Op.SEND_B:
                     sends[(op is Op.SEND_F, ins.mb, ins.stage + (1 if op is Op.SEND_F else -1), ins.replica,
                            rank, ins.peer)] = e.start
                 else:
-                    waits.append(((op is Op.RECV_F, ins.mb, ins.stage, ins.replica, ins.peer, rank), e.start, e.end))
+                    expected[(op is Op.RECV_F, ins.mb, ins.stage, ins.replica)] = (
+                        op is Op.RECV_F, ins.mb, ins.stage, ins.replica, ins.peer, rank)
+                    continue
+                ready = e.end
         med = {k: statistics.median(v) for k, v in durations.items()}
         f = med.get(("F", None), 1.0)
         base = {"F": f, "B": med.get(("B", None), 2 * f)}
         base["I"] = med.get(("I", None), base["B"] / 2)
         base["W"] = med.get(("W", None), base["B"] / 2)
-        delays = [end - sends[key] for key, start, end in waits if key in sends and start <= sends[key]]
+        delays = [start - sends[key] for key, ready, start in waits if key in sends and ready <= sends[key]]
         per_stage: dict[int, dict[str, float]] = {}
         for (kind, stage), value in med.items():
             if stage is not None:
