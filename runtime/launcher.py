@@ -128,6 +128,7 @@ def _join(procs: list, results: mp.Queue, grace: float, join_timeout: float) -> 
     deadline = time.monotonic() + join_timeout
     failed_at = None
     timed_out = False
+    killed: set[int] = set()
     while True:
         try:
             kind, rank, value, consequence = results.get(timeout=0.05)
@@ -143,6 +144,7 @@ def _join(procs: list, results: mp.Queue, grace: float, join_timeout: float) -> 
         now = time.monotonic()
         if (failed_at is not None and now > failed_at + grace) or now > deadline:
             timed_out = now > deadline
+            killed = {procs.index(p) for p in alive}  # our SIGKILL: not a failure of their own
             for p in alive:
                 p.kill()
             for p in alive:
@@ -154,7 +156,7 @@ def _join(procs: list, results: mp.Queue, grace: float, join_timeout: float) -> 
             got[rank] = (kind, value, consequence)
         except queue.Empty:
             break
-    return {"got": got, "timed_out": timed_out}
+    return {"got": got, "timed_out": timed_out, "killed": killed, "grace": grace}
 
 
 def _report(outcome: dict[str, Any], procs: list, join_timeout: float) -> list[Any]:
@@ -169,7 +171,9 @@ def _report(outcome: dict[str, Any], procs: list, join_timeout: float) -> list[A
             errors[rank] = value
             if not consequence:
                 causes.append(rank)
-        elif p.exitcode is not None and p.exitcode < 0:
+        elif rank in outcome["killed"] and not outcome["timed_out"]:
+            errors[rank] = f"still running {outcome['grace']:g} s after another rank failed; killed"
+        elif p.exitcode is not None and p.exitcode < 0 and rank not in outcome["killed"]:
             errors[rank] = f"killed by signal {signal.Signals(-p.exitcode).name}"
             causes.append(rank)
         elif p.exitcode is None or outcome["timed_out"]:

@@ -113,8 +113,9 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--dropout", type=_fraction, default=0.0, help="dropout probability (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=_seconds, default=120.0,
-                   help="seconds before a silent rank counts as failed: process group and checkpoint waits "
-                        "(default 120)")
+                   help="seconds before a silent rank counts as failed (process group; default 120)")
+    p.add_argument("--checkpoint-timeout", type=_seconds, metavar="SECONDS",
+                   help="seconds to wait for the other ranks' checkpoint parts (default: --timeout)")
     p.add_argument("--join-timeout", type=_seconds, default=3600.0,
                    help="seconds the whole run may take before its processes are killed (default 3600)")
     p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank (default 1)")
@@ -217,7 +218,8 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
     cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "layers": layers, "embd": args.embd,
-           "lr": args.lr, "dropout": args.dropout, "seed": args.seed, "timeout": args.timeout,
+           "lr": args.lr, "dropout": args.dropout, "seed": args.seed,
+           "timeout": args.checkpoint_timeout or args.timeout,
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None}
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)

@@ -1,0 +1,114 @@
+"""Faults: a rank killed mid-step or mid-save (SIGKILL, no goodbye), through `pipedsl train`.
+
+The surviving ranks fail with a message naming the dead rank within the configured timeout,
+the command exits 1, a checkpoint interrupted by the fault never counts, and resuming from the
+previous one gives exactly the losses of a run that never stopped.  The kills come from the
+test-only hook PIPEDSL_FAULT=POINT:RANK:STEP (runtime/checkpoint.py).  Time bounds are
+generous (the machine is shared): they show "bounded", not "fast".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipedsl.runtime import checkpoint
+
+TIMEOUT = 30  # --timeout: the process group's (a dead neighbour is noticed at once: its sockets close)
+SAVE_TIMEOUT = 4  # --checkpoint-timeout: how long the others wait for a checkpoint part or the manifest
+SIZES = ["-P", "2", "-M", "2", "--seq", "8", "--embd", "16", "--steps", "6", "--timeout", str(TIMEOUT),
+         "--checkpoint-timeout", str(SAVE_TIMEOUT)]
+HARD_LIMIT = 240  # no test command may run longer than this (subprocess timeout)
+
+
+def train(tmp_path, name: str, *extra: str, fault: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PIPEDSL_FAULT", None)
+    if fault:
+        env["PIPEDSL_FAULT"] = fault
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pipedsl.cli", "train", *SIZES, "-o", str(tmp_path / name), *extra],
+                          capture_output=True, text=True, timeout=HARD_LIMIT, env=env)
+    return proc, time.monotonic() - t0
+
+
+def losses(tmp_path, name: str) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads((tmp_path / name / "losses.json").read_text())["losses"].items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    proc, _ = train(d, "out")
+    assert proc.returncode == 0, proc.stderr
+    return losses(d, "out")
+
+
+def ckpt_args(d) -> list[str]:
+    return ["--checkpoint-dir", str(d / "ck"), "--checkpoint-every", "2"]
+
+
+def assert_names_the_dead_rank(proc: subprocess.CompletedProcess, dead: int, survivor: int, what: str) -> None:
+    err = proc.stderr.splitlines()
+    assert proc.returncode == 1, proc.stdout[-1500:] + proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr
+    assert err[0] == f"runtime error: rank {dead} failed: killed by signal SIGKILL", proc.stderr
+    notes = [line for line in err[1:] if line.startswith(f"  note: rank {survivor}: ")]
+    assert notes and f"rank {dead}" in notes[0].split(": ", 2)[2] and what in notes[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_step_stops_the_others(tmp_path) -> None:
+    proc, elapsed = train(tmp_path, "killed", *ckpt_args(tmp_path), fault="step:1:5")
+    assert_names_the_dead_rank(proc, dead=1, survivor=0, what="")
+    assert elapsed < TIMEOUT + 60
+    assert [f"step {s:>3}/6" in proc.stdout for s in (4, 5)] == [True, False], "killed inside step 5"
+    assert checkpoint.latest(tmp_path / "ck").step == 4  # resuming from it: the next test and test_resume.py
+    assert checkpoint.check(tmp_path / "ck" / "step-00000004", verify=True)
+
+
+@pytest.mark.slow
+def test_rank_killed_while_saving_leaves_no_valid_checkpoint(tmp_path, reference) -> None:
+    proc, elapsed = train(tmp_path, "killed", *ckpt_args(tmp_path), fault="save-part:1:4")
+    assert_names_the_dead_rank(proc, dead=1, survivor=0, what="checkpoint step 4: rank 1 did not finish")
+    assert f"within {SAVE_TIMEOUT} s" in proc.stderr
+    assert SAVE_TIMEOUT <= elapsed < SAVE_TIMEOUT + 60
+    step4 = tmp_path / "ck" / "step-00000004"
+    names = sorted(p.name for p in step4.iterdir())
+    assert "manifest.json" not in names and "rank-00000.pt" in names and "rank-00001.pt" not in names, names
+    assert any(n.startswith(".rank-00001.pt.tmp") for n in names), "rank 1 died with its part half written"
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
+        checkpoint.check(step4)
+    assert checkpoint.latest(tmp_path / "ck").step == 2
+    proc, _ = train(tmp_path, "resumed", *ckpt_args(tmp_path), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed at step 2" in proc.stdout
+    assert losses(tmp_path, "resumed") == {s: reference[s] for s in (3, 4, 5, 6)}
+    assert checkpoint.check(step4, verify=True).step == 4, "the step is saved again, completely"
+
+
+@pytest.mark.slow
+def test_rank_0_killed_before_the_manifest_leaves_the_checkpoint_invalid(tmp_path) -> None:
+    proc, elapsed = train(tmp_path, "killed", *ckpt_args(tmp_path), fault="save-manifest:0:4")
+    assert_names_the_dead_rank(proc, dead=0, survivor=1, what="checkpoint step 4: rank 0 did not finish")
+    assert SAVE_TIMEOUT <= elapsed < SAVE_TIMEOUT + 60
+    step4 = tmp_path / "ck" / "step-00000004"
+    names = sorted(p.name for p in step4.iterdir())
+    assert {"rank-00000.pt", "rank-00001.pt"} <= set(names) and "manifest.json" not in names, names
+    assert checkpoint.latest(tmp_path / "ck").step == 2
+    assert checkpoint.check(tmp_path / "ck" / "step-00000002", verify=True).step == 2, "the previous one loads"
+
+
+@pytest.mark.slow
+def test_the_join_timeout_bounds_a_whole_run(tmp_path) -> None:
+    proc, elapsed = train(tmp_path, "slow", "--steps", "100000", "--join-timeout", "6")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines == ["runtime error: rank 0 failed: still running after the join timeout (6 s); killed",
+                     "  note: rank 1: still running after the join timeout (6 s); killed"], proc.stderr
+    assert elapsed < 6 + 60
