@@ -13,6 +13,7 @@ from . import gpt
 from .comm import CommCounter, count_comm
 from .config import ParallelConfig, ParallelConfigError
 from .mesh import Coords, Cube3D, ParallelMesh
+from .optim import PipelineOptimizer
 from .tp1d import (
     ColumnParallelLinear,
     ParallelBlock,
@@ -23,6 +24,7 @@ from .tp1d import (
     vocab_parallel_cross_entropy,
 )
 from .tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, Linear3D, loss_value
+from .tp_gpt import tp_gpt_loss, tp_gpt_stages
 from .zero import MemoryReport, ZeroOptimizer, memory_report
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "ParallelMLP",
     "ParallelMesh",
     "ParallelSelfAttention",
+    "PipelineOptimizer",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "ZeroOptimizer",
@@ -49,5 +52,7 @@ __all__ = [
     "gpt",
     "loss_value",
     "memory_report",
+    "tp_gpt_loss",
+    "tp_gpt_stages",
     "vocab_parallel_cross_entropy",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pipedsl.errors import PipeDSLError
 
 TP_MODES = ("1d", "3d")
+REDUCE_MODES = ("step", "microbatch")
 
 
 class ParallelConfigError(PipeDSLError):
@@ -35,6 +36,12 @@ class ParallelConfig:
     stage (a cube q³ for `tp_mode="3d"`, Bian et al. 2021), `zero` the ZeRO stage over the dp
     group (0 = plain data parallel).  Rank order is (pp, dp, tp), tp fastest, so a tensor-parallel
     group is made of consecutive ranks (the ones that talk most sit closest).
+
+    `zero_reduce` says when a pipeline reduces the gradients of its M microbatches over dp:
+    "step" (default) sums them locally and reduces once after the stage's last backward
+    (plain data-parallel traffic, overlapped with the cooldown); "microbatch" reduce-scatters
+    after every microbatch's backward (true stage-2/3 gradient memory, M× the reduce-scatters
+    on the critical path; ZeRO 2 and 3 only).
     """
 
     dp: int = 1
@@ -42,6 +49,7 @@ class ParallelConfig:
     tp: int = 1
     tp_mode: str = "1d"
     zero: int = 0
+    zero_reduce: str = "step"
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "zero"):
@@ -56,6 +64,12 @@ class ParallelConfig:
                                       f"got {self.tp_mode!r}")
         if not 0 <= self.zero <= 3:
             raise ParallelConfigError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
+        if self.zero_reduce not in REDUCE_MODES:
+            raise ParallelConfigError(f"zero_reduce must be one of {', '.join(map(repr, REDUCE_MODES))}, "
+                                      f"got {self.zero_reduce!r}")
+        if self.zero_reduce == "microbatch" and self.zero < 2:
+            raise ParallelConfigError(f"zero_reduce='microbatch' needs zero=2 or 3 (zero={self.zero} keeps the full "
+                                      f"gradient buffer anyway); use zero_reduce='step'")
         if self.tp_mode == "3d" and _cube_root(self.tp) is None:
             lo = max(1, int(self.tp ** (1 / 3)))
             near = sorted({lo ** 3, (lo + 1) ** 3})

@@ -9,6 +9,8 @@ gradient reduction, tensor-parallel layers take `mesh.tp_group` (1-D) or `mesh.c
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
 from dataclasses import dataclass
 
@@ -148,6 +150,12 @@ class ParallelMesh:
             self.coords = Coords(dp=c[1], pp=c[0], tp=dist.get_rank(self.tp_group), cube=(x, y, z))
         else:
             self.coords = Coords(dp=c[1], pp=c[0], tp=c[2])
+
+    def with_zero(self, zero: int, zero_reduce: str = "step") -> ParallelMesh:
+        """The same groups under another ZeRO setting (no collective: ZeRO only changes what runs on dp)."""
+        out = copy.copy(self)
+        out.config = dataclasses.replace(self.config, zero=zero, zero_reduce=zero_reduce)
+        return out
 
     @property
     def pp_ranks(self) -> list[int]:

@@ -43,8 +43,12 @@ accounting.  One flat-buffer implementation keeps all four stages, their memory 
 traffic on the formulas (benchmarks/parallel_memory_comm.py).
 
 Not yet handled: split backward (I/W, zero-bubble schedules) under stage 3 or
-reduce="microbatch" (the unit hooks assume one backward per forward), mixed dtypes, frozen
-parameters, non-elementwise optimizers.
+reduce="microbatch" (the unit hooks assume one backward per forward; `Pipeline` refuses these
+combinations, and reduce="microbatch" with stage replicas on other ranks, with the reason),
+mixed dtypes, frozen parameters, non-elementwise optimizers.
+
+Under a fake-tensor mode (the pipeline's shape handshake) the hooks only install views:
+no gathers, no change of state.
 """
 
 from __future__ import annotations
@@ -56,13 +60,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten
 
 from .comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
-from .config import ParallelConfigError
-
-REDUCE_MODES = ("step", "microbatch")
+from .config import REDUCE_MODES, ParallelConfigError
 
 
 @dataclass(frozen=True)
@@ -272,6 +275,9 @@ class ZeroOptimizer:
 
     def _make_pre_forward(self, u: _Unit):
         def hook(module: nn.Module, args) -> None:
+            if detect_fake_mode() is not None:  # shape inference (the pipeline's handshake): no data, no gathers
+                u.install_views()
+                return
             if not self._recorded and u.index not in self._order:
                 self._order.append(u.index)
             if self.stage == 3:
@@ -283,7 +289,7 @@ class ZeroOptimizer:
 
     def _make_post_forward(self, u: _Unit):
         def hook(module: nn.Module, args, output) -> None:
-            if self.stage != 3:
+            if self.stage != 3 or detect_fake_mode() is not None:
                 return
             u.release()
             if torch.is_grad_enabled():
@@ -309,7 +315,8 @@ class ZeroOptimizer:
         return hook
 
     def _end_of_forward(self, module: nn.Module, args, output) -> None:
-        self._recorded = True  # the forward order of the units is known from now on
+        if detect_fake_mode() is None:
+            self._recorded = True  # the forward order of the units is known from now on
 
     def _prefetch(self, u: _Unit, direction: int) -> None:
         if not self.prefetch or not self._recorded or u.index not in self._order:

@@ -1,7 +1,8 @@
 """A small GPT (nanoGPT-style) built to be cut into pipeline stages: embedding, blocks, head.
 
 Shapes in comments: B batch (micro-batch), T sequence, C embedding, H heads, V vocabulary.
-Used by `pipedsl train` and examples/nanogpt.py.  The head does not tie its weight to the
+Used by `pipedsl train` and examples/nanogpt.py; `GPT.tp_stages` slices it into tensor-parallel
+stages (pipedsl/parallel/tp_gpt.py, examples/parallel_3d.py).  The head does not tie its weight to the
 token embedding: tied weights would live on two ranks and need their own reduction.
 """
 
@@ -111,6 +112,16 @@ class GPT(nn.Module):
     def stages(self, num_stages: int, by: str = "count") -> list[nn.Sequential]:
         """This model as `num_stages` pipeline stages (sharing its modules)."""
         return split_gpt(self.embed, list(self.blocks), self.head, num_stages, by=by)
+
+    def tp_stages(self, num_stages: int, mesh, by: str = "count") -> list[nn.Sequential]:
+        """This model as `num_stages` tensor-parallel stages for this rank of a `ParallelMesh` (1-D or 3-D).
+
+        The weights are slices of this dense model, so it is the one-process reference; pair the
+        stages with `pipedsl.parallel.tp_gpt.tp_gpt_loss(mesh)` (see that module).
+        """
+        from pipedsl.parallel.tp_gpt import tp_gpt_stages
+
+        return tp_gpt_stages(self, num_stages, mesh, by=by)
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

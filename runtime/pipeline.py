@@ -11,6 +11,31 @@ separate modules (all starting from replica 0's weights, broadcast at init) whos
 are summed at REDUCE_GRAD; copies of a stage on the *same* rank share one module, so a
 stage index always names one module per rank (`local_copies()` gives (replica, stage) keys).
 Gradients accumulate into `.grad` (call `optimizer.zero_grad()` between steps).
+
+Data × pipeline × tensor parallelism: `parallel=ParallelConfig(dp, pp, tp, zero=…)` (or a
+`ParallelMesh` built from one) makes the schedule run on the mesh's pp group (program rank k
+is global rank `mesh.pp_ranks[k]`) with P = pp, and reduces gradients over the dp group at
+each stage's REDUCE_GRAD: an averaging all-reduce for zero=0, `ZeroOptimizer.reduce_gradients`
+for zero ≥ 1 (the optimizer then comes from `pipe.optimizer(torch.optim.Adam, lr=…)`).
+
+    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, tp=2, zero=1))  # build stages on mesh.tp_group
+    pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=4, loss_fn=loss, parallel=mesh)
+    opt = pipe.optimizer(torch.optim.Adam, lr=1e-3)
+    loss = pipe.step(x, y)          # x, y: the global batch, the same on every rank
+    opt.step(); opt.zero_grad()
+
+The batch: by default (`batch="global"`) every rank passes the same *global* batch, as
+without parallelism; data-parallel replica d trains on its contiguous share, rows
+[d·B/dp, (d+1)·B/dp), split into M microbatches, so B must divide by dp·M — the
+global-batch-size rule of Megatron-LM.  With a data loader that already shards by dp rank
+(torchtitan's `local_batch_size`, Megatron's per-rank data iterator), pass `batch="local"`:
+each replica passes its own B/dp samples (the same on its pp and tp ranks).  The first step
+checks that the ranks which must see the same data do, and says which mode fits otherwise.
+`step` returns the mean loss over the global batch on every rank: the pipeline's loss summed
+over its microbatches (each scaled 1/M), averaged over dp — with the dp averaging of the
+gradients, exactly the gradient of that mean.  Tensor-parallel stages must return the
+microbatch's true loss on every tp rank of the last stage (its backward may be each rank's
+share: see `pipedsl.parallel.tp_gpt`).
 """
 
 from __future__ import annotations
@@ -27,17 +52,20 @@ from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeRuntimeError
 from pipedsl.ir import Op, Program
 from pipedsl.library import load
+from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
+from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
 from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
 from .p2p import Channels, TensorMeta, describe
-from .reduce import GradReducer, Hook
+from .reduce import DataParallelReducer, GradReducer, Hook
 from .stage import ActivationCounter, LossFn, Stage
 from .tracer import Tracer
 
 StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
+BATCH_MODES = ("global", "local")
 
 
 class Pipeline:
@@ -48,10 +76,18 @@ class Pipeline:
                  program: Program | None = None, group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None, lookahead: int = 16,
                  strict_pair_order: bool | None = None, check_finite: bool = True,
+                 parallel: ParallelConfig | ParallelMesh | None = None, batch: str = "global",
                  **schedule_params: int) -> None:
         if not dist.is_initialized():
             raise PipeRuntimeError("torch.distributed is not initialised: start the ranks with "
                                    "pipedsl.launch(fn, nprocs) or torchrun")
+        if batch not in BATCH_MODES:
+            raise PipeRuntimeError(f"batch must be one of {', '.join(map(repr, BATCH_MODES))}, got {batch!r}")
+        self.batch_mode = batch
+        self.mesh = self._mesh(parallel, group)
+        self.parallel: ParallelConfig | None = self.mesh.config if self.mesh is not None else None
+        if self.mesh is not None:
+            group = self.mesh.pp_group
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -73,6 +109,13 @@ class Pipeline:
         self.channels = Channels(group, self.device)
         self.reducer = GradReducer(prog, rank, self._modules, group, self.channels.global_rank)
         self.reducer.broadcast_replicas()
+        self._check_parallel_support()
+        self.dp = self.parallel.dp if self.parallel is not None else 1
+        self.dp_rank = self.mesh.coords.dp if self.mesh is not None else 0
+        if self.parallel is not None and self.parallel.zero == 0 and self.dp > 1:
+            self.reducer.add_hook(DataParallelReducer(self.mesh.dp_group))
+        self._optimizer = None
+        self._checked_batch = False
         self.tracer = Tracer(group)
         self.lookahead = lookahead
         self.strict_pair_order = backend == "nccl" if strict_pair_order is None else strict_pair_order
@@ -82,6 +125,43 @@ class Pipeline:
         self.steps = 0
 
     # ------------------------------------------------------------ construction
+
+    @staticmethod
+    def _mesh(parallel: ParallelConfig | ParallelMesh | None, group: dist.ProcessGroup | None) -> ParallelMesh | None:
+        if parallel is None:
+            return None
+        if group is not None:
+            raise PipeRuntimeError("pass parallel= (the pipeline then runs on its pp group) or group=, not both")
+        if isinstance(parallel, ParallelMesh):
+            return parallel
+        if not isinstance(parallel, ParallelConfig):
+            raise PipeRuntimeError(f"parallel= takes a ParallelConfig or a ParallelMesh, got {type(parallel).__name__}")
+        return ParallelMesh(parallel)  # checks world size = dp*pp*tp before any group exists
+
+    def _check_parallel_support(self) -> None:
+        """Refuse the ZeRO settings this program cannot run, with the reason (every rank alike)."""
+        cfg, prog = self.parallel, self.program
+        if cfg is None or cfg.zero == 0:
+            return
+        split = any(ins.op in (Op.I, Op.W) for stream in prog.ranks for ins in stream)
+        replicated = any(len({prog.placement[(c, s)] for c in range(prog.num_replicas)}) > 1
+                         for s in range(prog.num_stages))
+        name = prog.name
+        if split and cfg.zero == 3:
+            raise ParallelConfigError(
+                f"zero=3 does not support split backward (schedule {name!r} has I/W ops): ZeRO-3 frees a unit's "
+                f"parameters after its backward, but I and W are two backward passes with no hook between them; "
+                f"use zero=2 (or a schedule without I/W)")
+        if cfg.zero_reduce == "microbatch" and split:
+            raise ParallelConfigError(
+                f"zero_reduce='microbatch' does not support split backward (schedule {name!r} has I/W ops): W "
+                f"accumulates weight gradients without the per-microbatch reduce-scatter hook; use "
+                f"zero_reduce='step'")
+        if cfg.zero_reduce == "microbatch" and replicated:
+            raise ParallelConfigError(
+                f"zero_reduce='microbatch' does not support stage replicas on different ranks (schedule {name!r}): "
+                f"the replicas sum full gradients at REDUCE_GRAD, which 'microbatch' has already reduce-scattered; "
+                f"use zero_reduce='step'")
 
     def _program(self, schedule: str | Schedule | None, program: Program | None, microbatches: int | None,
                  params: dict[str, int]) -> Program:
@@ -95,6 +175,11 @@ class Pipeline:
                 raise PipeRuntimeError("Pipeline needs microbatches=M (or a compiled program=)")
             sched = schedule if isinstance(schedule, Schedule) else load(schedule or "1f1b")
             program = sched.compile(P=self.size, M=microbatches, **params)
+        if program.num_ranks != self.size and self.parallel is not None:
+            c = self.parallel
+            raise ParallelConfigError(f"the program {program.name!r} has P={program.num_ranks} ranks, but the "
+                                      f"parallel layout has pp={c.pp} (dp*pp*tp = {c.dp}*{c.pp}*{c.tp}); compile "
+                                      f"the schedule with P=pp")
         if program.num_ranks != self.size:
             raise PipeRuntimeError(f"the program {program.name!r} has {program.num_ranks} ranks, but the process "
                                    f"group has {self.size}")
@@ -139,6 +224,23 @@ class Pipeline:
         """
         self.reducer.add_hook(hook)
 
+    def optimizer(self, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any):
+        """The optimizer of this rank's stages: a `PipelineOptimizer` with `step()` and `zero_grad()`.
+
+        zero=0 (or no `parallel=`): `optimizer_class` over `parameters()`.  zero ≥ 1: one
+        `ZeroOptimizer` per local stage over the dp group, which shards the stage's parameters
+        now (so call this before the first step) and reduces its gradients at REDUCE_GRAD.
+        """
+        from pipedsl.parallel.optim import PipelineOptimizer
+
+        if self._optimizer is not None:
+            raise PipeRuntimeError("this pipeline already has its optimizer (pipe.optimizer() makes one per pipeline)")
+        if self.parallel is not None and self.parallel.zero and self._executor is not None:
+            raise PipeRuntimeError(f"zero={self.parallel.zero}: create the optimizer before the first step (ZeRO "
+                                   f"takes over the stages' parameters)")
+        self._optimizer = PipelineOptimizer(self, optimizer_class, **kwargs)
+        return self._optimizer
+
     @property
     def peak_activations(self) -> int:
         """Most microbatch-stage activations alive at once on this rank during the last step."""
@@ -148,6 +250,8 @@ class Pipeline:
         """Run the schedule once over the batch; returns the mean loss (on every rank)."""
         M = self.num_microbatches
         try:
+            if self.parallel is not None:
+                inputs, targets = self._data_parallel_share(inputs, targets)
             mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank) for t in _tensors(inputs)))]
             tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank)]
             mb_inputs = [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs]
@@ -160,6 +264,9 @@ class Pipeline:
             total = loss_sum.to(self.device)
             try:
                 dist.all_reduce(total, group=self.group)
+                if self.dp > 1:  # the mean over the replicas' shares of the global batch
+                    dist.all_reduce(total, group=self.mesh.dp_group)
+                    total /= self.dp
             except Exception as err:  # noqa: BLE001
                 raise RankFailure(f"rank {self.rank}: summing the loss over ranks failed: {err}", self.rank,
                                   peer_failure=True) from err
@@ -173,6 +280,78 @@ class Pipeline:
             raise
         self.steps += 1
         return float(total.item())
+
+    def _data_parallel_share(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        """This dp replica's samples (batch="global") or the local batch as given; checks the sizes."""
+        cfg, M, d, dp = self.parallel, self.num_microbatches, self.dp_rank, self.dp
+        if cfg.zero and self._optimizer is None:
+            raise PipeRuntimeError(f"zero={cfg.zero}: create the optimizer with pipe.optimizer(torch.optim.Adam, "
+                                   f"lr=...) before the first step (ZeRO shards the stages' parameters over dp)")
+        ins = _tensors(inputs)
+        tgts = [] if targets is None else _tensors(targets) if isinstance(targets, (tuple, list)) else [targets]
+        glob = self.batch_mode == "global"
+        parts = dp * M if glob else M
+        for what, t in [*(("inputs", t) for t in ins), *(("targets", t) for t in tgts)]:
+            if not isinstance(t, torch.Tensor):
+                raise PipeRuntimeError(f"targets is a {type(t).__name__}; pass a tensor, a tuple of tensors or None")
+            n = t.shape[0] if t.dim() else None
+            if n is None or n % parts:
+                size = "a scalar" if n is None else f"batch size {n} (dim 0)"
+                if glob:
+                    raise PipeRuntimeError(
+                        f"rank {dist.get_rank()}: {what} with {size} do not split into dp*M = {dp}*{M} = {parts} "
+                        f"equal microbatches (batch='global': every rank passes the global batch, each dp replica "
+                        f"trains on 1/{dp} of it)")
+                raise PipeRuntimeError(f"rank {dist.get_rank()}: {what} with {size} do not split into M={M} equal "
+                                       f"microbatches (batch='local': this dp replica's own samples)")
+            if cfg.tp_mode == "3d" and (n // parts) % (cfg.q ** 2):
+                raise PipeRuntimeError(f"rank {dist.get_rank()}: microbatches of {n // parts} samples ({what}) are "
+                                       f"not divisible by q*q={cfg.q ** 2} (3-D tensor parallelism splits every "
+                                       f"microbatch over q^2 ranks)")
+        if not self._checked_batch:
+            self._check_same_data(ins, tgts)
+            self._checked_batch = True
+        if not glob or dp == 1:
+            return inputs, targets
+
+        def share(t: torch.Tensor) -> torch.Tensor:
+            n = t.shape[0] // dp
+            return t[d * n:(d + 1) * n]
+
+        inputs = tuple(map(share, ins)) if isinstance(inputs, (tuple, list)) else share(inputs)
+        if targets is not None:
+            targets = tuple(map(share, tgts)) if isinstance(targets, (tuple, list)) else share(targets)
+        return inputs, targets
+
+    def _check_same_data(self, ins: list[torch.Tensor], tgts: list[torch.Tensor]) -> None:
+        """First step: ranks that consume the same samples were given the same samples.
+
+        The inputs of every rank holding stage 0, the targets of every rank holding the last
+        stage — all such ranks for batch="global", those of one dp replica for "local".  One
+        all-gather over the world; every rank reaches the same verdict, so all stop at once.
+        """
+        prog, rank = self.program, self.rank
+        held = {s for (_, s), r in prog.placement.items() if r == rank}
+        first = [_fingerprint(t) for t in ins] if 0 in held else None
+        last = [_fingerprint(t) for t in tgts] if prog.num_stages - 1 in held else None
+        key = self.dp_rank if self.batch_mode == "local" else 0
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (key, first, last, dist.get_rank()))
+        for what, k in (("inputs", 1), ("targets", 2)):
+            seen: dict[int, tuple] = {}
+            for item in everyone:
+                if item[k] is None:
+                    continue
+                r0, fp0 = seen.setdefault(item[0], (item[3], item[k]))
+                if item[k] == fp0:
+                    continue
+                if self.batch_mode == "global":
+                    hint = ("batch='global' expects the same global batch on every rank (each dp replica takes its "
+                            "share); with a data loader that shards by dp rank, pass batch='local'")
+                else:
+                    hint = ("batch='local' expects the same samples on every pp and tp rank of one dp replica; "
+                            "shard the data by the dp rank only (mesh.coords.dp)")
+                raise PipeRuntimeError(f"ranks {r0} and {item[3]} passed different {what}: {hint}")
 
     def timeline(self) -> Timeline | None:
         """The last step's measured timeline, on the group's first rank (collective: call on all ranks)."""
@@ -222,6 +401,13 @@ class Pipeline:
         self._input_meta = mb_meta
         self._executor = Executor(prog, rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
                                   self.lookahead, self.strict_pair_order, self.check_finite)
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    """Shape, dtype and two sums: equal tensors give equal fingerprints, different ones almost never."""
+    flat = t.detach().reshape(-1).to("cpu", torch.float64)
+    w = torch.arange(flat.numel(), dtype=torch.float64).remainder_(7919).add_(1)
+    return tuple(t.shape), str(t.dtype), float(flat.sum()), float((flat * w).sum())
 
 
 def _as_program(program: Any) -> Program:

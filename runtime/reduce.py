@@ -13,7 +13,13 @@ every lower stage of its set are ready — asynchronously, waited at the step en
 
 `add_hook(fn)`: `fn(stage, module)` runs once per local stage module after its gradients are
 complete *and* reduced between replicas; it may return a handle with `.wait()` (e.g. an async
-data-parallel all-reduce), which is waited at OPTIMIZER_STEP.
+data-parallel all-reduce), which is waited at OPTIMIZER_STEP.  Hooks run at points fixed by
+the program, never by timing — a stage without copies on other ranks at its REDUCE_GRAD, a
+replicated one at the step end (after its replica reduction) — so every data-parallel peer,
+running the same program, calls them in the same order and they may issue collectives.
+
+`DataParallelReducer` is such a hook: the averaging all-reduce of a stage's gradients over a
+data-parallel group (the pipeline's dp reduction without ZeRO).
 """
 
 from __future__ import annotations
@@ -98,7 +104,8 @@ class GradReducer:
             self._issue(order[k], self.groups[key])
             k += 1
         self._next[key] = k
-        self._poll()
+        if not self.hooks:  # with hooks, completion (and so the hook) waits for the step end: a fixed point
+            self._poll()
 
     def _grads(self, stage: int) -> list[torch.Tensor]:
         grads = []
@@ -158,3 +165,55 @@ class GradReducer:
         for h in handles:
             h.wait()
 
+
+
+class DataParallelReducer:
+    """A REDUCE_GRAD hook: average a stage's gradients over `group` (async; `.wait()` at the step end).
+
+    One all-reduce per stage and dtype on a flat buffer kept between steps, divided by the
+    group size on completion (like DDP): with the runtime's 1/M loss scale, the gradient of
+    the mean loss over the global batch.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self._flat: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
+        if self.size == 1:
+            return None
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in module.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:  # every rank must send the same layout
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        flats = self._flat.get(stage)
+        if flats is None:
+            flats = self._flat[stage] = [torch.empty(sum(g.numel() for g in gs), dtype=dt, device=gs[0].device)
+                                         for dt, gs in by_dtype.items()]
+        works = []
+        for flat, gs in zip(flats, by_dtype.values()):
+            torch.cat([g.reshape(-1) for g in gs], out=flat)
+            works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+        return _AveragedReduction(works, flats, list(by_dtype.values()), self.size)
+
+
+class _AveragedReduction:
+    __slots__ = ("works", "flats", "grads", "n")
+
+    def __init__(self, works: list, flats: list[torch.Tensor], grads: list[list[torch.Tensor]], n: int) -> None:
+        self.works, self.flats, self.grads, self.n = works, flats, grads, n
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        for flat, gs in zip(self.flats, self.grads):
+            flat.div_(self.n)
+            o = 0
+            for g in gs:
+                k = g.numel()
+                g.copy_(flat[o:o + k].view_as(g))
+                o += k

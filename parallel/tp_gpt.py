@@ -1,0 +1,165 @@
+"""The runtime's small GPT (`pipedsl.runtime.gpt.GPT`) as tensor-parallel pipeline stages.
+
+`tp_gpt_stages(model, num_stages, mesh)` slices a dense `GPT` — built on every rank from the
+same seed — into the layers of `pipedsl.parallel` and cuts them into pipeline stages like
+`GPT.stages`; `tp_gpt_loss(mesh)` is the matching loss.  Because every weight is a slice of
+the dense model, the one-process reference of a parallel run is that dense model.
+
+1-D (Megatron-LM, `mesh.tp_group` of t ranks): activations between stages are [mb, T, C],
+the same on every tp rank.
+
+    embedding  token table vocabulary-parallel [V/t, C] (partial lookups summed), positions replicated
+    blocks     `ParallelBlock`: attention by heads, MLP column- then row-parallel
+    head       ln_f replicated, lm_head column-parallel → logits [mb, T, V/t], never gathered
+    loss       vocabulary-parallel cross-entropy: the same per-token loss on every tp rank
+
+3-D (Bian et al. 2021, `mesh.cube`, q³ ranks): the first stage takes the whole microbatch of
+ids [mb, T] and keeps its rows, so activations between stages are [mb/q², T, C/q].
+
+    embedding  `Embedding3D`, positions [T, C/q] replicated over the cube's input × weight plane
+    blocks     `Block3D`
+    head       `LayerNorm3D`, `Classifier3D` → logits [mb/q², T, V/q] in the swapped orientation
+    loss       each rank's share of the mean cross-entropy for backward; its *value* is the
+               whole microbatch's loss (an all-reduce over the cube), as the pipeline expects
+
+Dropout must be 0: tensor-parallel dropout needs an RNG state per tp rank, which these
+layers do not track.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import gpt
+from .comm import copy_to_group
+from .config import ParallelConfigError
+from .mesh import Cube3D, ParallelMesh
+from .tp1d import ColumnParallelLinear, ParallelBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, loss_value
+
+
+def dense_block(block: nn.Module) -> gpt.Block:
+    """A runtime GPT block (ln1, attn.qkv/proj, ln2, mlp = [fc, GELU, proj, Dropout]) as `parallel.gpt.Block`."""
+    out = gpt.Block(block.ln1.normalized_shape[0], block.attn.n_head, block.mlp[0].out_features)
+    with torch.no_grad():
+        for dst, src in [(out.ln1, block.ln1), (out.attn.qkv, block.attn.qkv), (out.attn.proj, block.attn.proj),
+                         (out.ln2, block.ln2), (out.mlp.fc, block.mlp[0]), (out.mlp.proj, block.mlp[2])]:
+            dst.load_state_dict(src.state_dict())
+    return out
+
+
+# ------------------------------------------------------------------------------------------ 1-D
+
+
+class Embedding1D(nn.Module):
+    """ids [mb, T] → [mb, T, C] on every tp rank: vocabulary-parallel tokens + replicated positions."""
+
+    def __init__(self, wte: VocabParallelEmbedding, wpe: nn.Embedding) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)  # [T]
+        return self.wte(idx) + self.wpe(pos)  # [mb, T, C]
+
+
+class Head1D(nn.Module):
+    """[mb, T, C] → logits [mb, T, V/t] (this rank's vocabulary block)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: ColumnParallelLinear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+# ------------------------------------------------------------------------------------------ 3-D
+
+
+class Embedding3DStage(nn.Module):
+    """ids [mb, T] (the whole microbatch) → [mb/q², T, C/q] in orientation `cube`: this rank's rows."""
+
+    def __init__(self, wte: Embedding3D, wpe: torch.Tensor, cube: Cube3D) -> None:
+        super().__init__()
+        self.cube, self.wte = cube, wte
+        self.wpe = nn.Parameter(wpe.detach().clone())  # [block_size, C/q], column block a_out
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # [mb, T]
+        rows = idx[self.cube.row_block(idx.shape[0])]  # [mb/q², T]
+        pos = copy_to_group(self.wpe, self.cube.input_x_weight)  # gradient summed over the ranks of other rows
+        return self.wte(rows) + pos[:idx.shape[1]]  # [mb/q², T, C/q]
+
+
+class Head3D(nn.Module):
+    """[mb/q², T, C/q] → logits [mb/q², T, V/q] in `cube.swapped()`."""
+
+    def __init__(self, ln_f: LayerNorm3D, lm_head: Classifier3D) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+def tp_gpt_units(model: nn.Module, mesh: ParallelMesh) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+    """(embedding, blocks, head) of the dense runtime `GPT`, sliced for this rank of `mesh`."""
+    cfg = model.cfg
+    if cfg.dropout:
+        raise ParallelConfigError(f"tensor-parallel GPT stages need dropout=0, got {cfg.dropout}")
+    pc = mesh.config
+    pc.check_model(hidden=cfg.n_embd, heads=cfg.n_head, vocab=cfg.vocab_size, ffn=4 * cfg.n_embd)
+    emb, head = model.embed, model.head
+    if pc.tp_mode == "1d":
+        g = mesh.tp_group
+        embed = Embedding1D(VocabParallelEmbedding.from_dense(emb.wte, g), copy.deepcopy(emb.wpe))
+        blocks = [ParallelBlock.from_dense(dense_block(b), g) for b in model.blocks]
+        out = Head1D(copy.deepcopy(head.ln_f), ColumnParallelLinear.from_dense(head.lm_head, g))
+        return embed, blocks, out
+    cube = mesh.cube
+    assert cube is not None
+    wpe = emb.wpe.weight.detach()[:, cube.col_block(cfg.n_embd)]  # [block_size, C/q]
+    embed = Embedding3DStage(Embedding3D.from_dense(emb.wte, cube), wpe, cube)
+    blocks = [Block3D.from_dense(dense_block(b), cube) for b in model.blocks]
+    out = Head3D(LayerNorm3D.from_dense(head.ln_f, cube), Classifier3D.from_dense(head.lm_head, cube))
+    return embed, blocks, out
+
+
+def tp_gpt_stages(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str = "count") -> list[nn.Sequential]:
+    """The dense `GPT` as `num_stages` tensor-parallel stages for this rank (cut like `GPT.stages`)."""
+    from pipedsl.runtime.split import split_gpt
+
+    embed, blocks, head = tp_gpt_units(model, mesh)
+    return split_gpt(embed, blocks, head, num_stages, by=by)
+
+
+def tp_gpt_loss(mesh: ParallelMesh) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Next-token cross-entropy of this rank's logits block against the microbatch's targets [mb, T].
+
+    The value is the microbatch's mean loss on every tp rank; backward gives this rank's gradients.
+    """
+    if mesh.config.tp_mode == "1d":
+        group = mesh.tp_group
+
+        def loss_1d(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # [mb, T, V/t], [mb, T]
+            return vocab_parallel_cross_entropy(logits, targets, group).mean()
+
+        return loss_1d
+    cube = mesh.cube
+    assert cube is not None
+    out = cube.swapped()  # the classifier's output orientation
+
+    def loss_3d(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # [mb/q², T, V/q], [mb, T]
+        mine = targets[out.row_block(targets.shape[0])]  # [mb/q², T]
+        per_token = vocab_parallel_cross_entropy(logits, mine, out.output, out.a_out * logits.shape[-1])
+        share = per_token.sum() / targets.numel()  # each token's loss is on q ranks: the shares sum to q·mean
+        return share + (loss_value(share, cube) - share).detach()  # value: the mean; gradient: the share's
+
+    return loss_3d

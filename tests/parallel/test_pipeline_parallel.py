@@ -1,0 +1,317 @@
+"""`pipedsl.Pipeline(…, parallel=…)`: data × pipeline × tensor parallelism trains exactly like one process.
+
+Every job builds the runtime's small GPT from one seed on every rank, trains it for a few Adam
+steps with a parallel pipeline, and beside it trains the same dense model in one process on the
+whole global batch (the reference).  Checked: the loss of every step, and the final parameters —
+every rank's tensor-parallel / ZeRO shards unpacked and put back into the dense layout through
+an *index model* (the dense model with each parameter holding its element numbers, sliced by the
+same `from_dense` code), summed over the world and compared element by element with the dense
+reference; every dense element must be covered, and the copies of replicated elements agree.
+
+Adam's eps is 1e-4, as in test_zero.py: the attention key bias has an exactly-zero gradient, so
+its gradient is float rounding noise that Adam with eps=1e-8 would turn into full-size steps of
+either sign.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pipedsl
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh, tp_gpt_loss
+from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+
+pytestmark = pytest.mark.slow
+
+GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+LR, EPS = 1e-2, 1e-4
+LOSS_RTOL = 2e-6  # fp32: different summation orders only
+PARAM_ATOL = 2e-6  # after 3 Adam steps of lr 1e-2 (parameters are O(0.1))
+SCHEDULE_PARAMS = {"hanayo": {"W": 1}}
+
+
+# ----------------------------------------------------------------------------------- worker side
+
+
+def _batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [synthetic_batch(batch, GPT_CFG.block_size, GPT_CFG.vocab_size, gen) for _ in range(steps)]
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+
+
+def _dense_reference(model: GPT, batches) -> tuple[list[float], torch.Tensor]:
+    """One process, the whole global batch per step: losses and the final parameters (flat, named order)."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(ref.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for x, y in batches:
+        loss = gpt_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, _flat(ref)
+
+
+def _index_model(model: GPT) -> tuple[GPT, int]:
+    """A copy of the dense model whose parameters hold their element numbers (exact in fp32 below 2^24)."""
+    idx = copy.deepcopy(model)
+    n = 0
+    with torch.no_grad():
+        for p in idx.parameters():
+            p.copy_(torch.arange(n, n + p.numel(), dtype=torch.float32).view_as(p))
+            n += p.numel()
+    assert n < 2 ** 24
+    return idx, n
+
+
+def _gather_dense(values: dict[int, dict[str, torch.Tensor]], index_stages, n: int) -> dict:
+    """Collective over the world: every rank's shards back in the dense layout (mean over copies)."""
+    total, count = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    hi, lo = torch.full((n,), -torch.inf, dtype=torch.float64), torch.full((n,), torch.inf, dtype=torch.float64)
+    for s, named in values.items():
+        index = dict(index_stages[s].named_parameters())
+        assert named.keys() == index.keys(), (sorted(named), sorted(index))
+        for name, v in named.items():
+            i = index[name].detach().reshape(-1).round().long()
+            v = v.detach().reshape(-1).double()
+            total.index_add_(0, i, v)
+            count.index_add_(0, i, torch.ones_like(v))
+            hi.scatter_reduce_(0, i, v, "amax")
+            lo.scatter_reduce_(0, i, v, "amin")
+    dist.all_reduce(total)
+    dist.all_reduce(count)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return {"values": total / count.clamp(min=1), "uncovered": int((count == 0).sum()),
+            "spread": float((hi - lo)[count > 0].max())}
+
+
+def _train(mesh: ParallelMesh, model: GPT, schedule: str, M: int, zero_cfg: ParallelConfig, batches, tp_layers: bool,
+           batch_mode: str = "global") -> dict:
+    params = SCHEDULE_PARAMS.get(schedule, {})
+    program = pipedsl.load(schedule).compile(P=mesh.config.pp, M=M, **params)
+    S = program.num_stages
+    work = copy.deepcopy(model)
+    if tp_layers:
+        stages, loss_fn = work.tp_stages(S, mesh), tp_gpt_loss(mesh)
+    else:
+        stages, loss_fn = work.stages(S), gpt_loss
+    run_mesh = mesh.with_zero(zero_cfg.zero, zero_cfg.zero_reduce)
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss_fn, parallel=run_mesh, batch=batch_mode)
+    rows = []  # samples per microbatch entering stage 0 here: the dp split happened
+    if 0 in pipe.local_stages():
+        pipe.local_stages()[0].register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    opt = pipe.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
+    losses, seconds = [], []
+    for x, y in batches:
+        if batch_mode == "local":
+            d, n = mesh.coords.dp, x.shape[0] // mesh.config.dp
+            x, y = x[d * n:(d + 1) * n], y[d * n:(d + 1) * n]
+        t0 = time.perf_counter()
+        losses.append(pipe.step(x, y))
+        opt.step()
+        opt.zero_grad()
+        seconds.append(time.perf_counter() - t0)
+    index, n = _index_model(model)
+    index_stages = index.tp_stages(S, mesh) if tp_layers else index.stages(S)
+    gathered = _gather_dense(opt.stage_parameters(), index_stages, n)
+    return {"losses": losses, "seconds": seconds, "rows": sorted(set(rows)), **gathered}
+
+
+def _compare(res: dict, ref_losses: list[float], ref_params: torch.Tensor) -> list[str]:
+    bad = []
+    for step, (got, want) in enumerate(zip(res["losses"], ref_losses)):
+        if not abs(got - want) <= LOSS_RTOL * abs(want):
+            bad.append(f"step {step}: loss {got!r} != one process {want!r}")
+    if res["uncovered"]:
+        bad.append(f"{res['uncovered']} dense parameter elements held by no rank")
+    err = float((res["values"] - ref_params).abs().max())
+    if not err <= PARAM_ATOL:
+        bad.append(f"final parameters: max |parallel - one process| = {err:.3g}")
+    if not res["spread"] <= PARAM_ATOL:
+        bad.append(f"copies of a replicated parameter differ by {res['spread']:.3g}")
+    return bad
+
+
+def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, tp_layers: bool = True) -> dict:
+    """Each run (schedule, M, batch, zero, zero_reduce) on one mesh; on rank 0: {run: problems, seconds}."""
+    base = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode)
+    mesh = ParallelMesh(base)
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    out = {}
+    for schedule, M, batch, zero, reduce in runs:
+        batches = _batches(steps, batch)
+        ref_losses, ref_params = _dense_reference(model, batches)
+        cfg = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode, zero=zero, zero_reduce=reduce)
+        res = _train(mesh, model, schedule, M, cfg, batches, tp_layers)
+        problems = _compare(res, ref_losses, ref_params)
+        if res["rows"] and res["rows"] != [batch // (dp * M)]:
+            problems.append(f"stage 0 ran microbatches of {res['rows']} samples, not batch/(dp*M) = {batch // (dp * M)}")
+        out[(schedule, zero, reduce)] = {"problems": problems, "seconds": res["seconds"], "losses": res["losses"],
+                                         "ref": ref_losses, "moved": float((ref_params - _flat(model)).abs().max()),
+                                         "error": float((res["values"] - ref_params).abs().max())}
+    return out if dist.get_rank() == 0 else {}
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except (PipeRuntimeError, ParallelConfigError) as err:
+        return err.message
+    return "no error"
+
+
+def api_job() -> dict:
+    """dp=2 × pp=2 on 4 ranks: the mistakes every rank makes alike are clear errors; batch='local' trains alike."""
+    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, zero=1))
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    x, y = _batches(1, 16)[0]
+    out = {}
+
+    def pipe(schedule="1f1b", M=4, parallel=mesh, **kw):
+        prog = pipedsl.load(schedule).compile(P=2, M=M, **SCHEDULE_PARAMS.get(schedule, {}))
+        return pipedsl.Pipeline(copy.deepcopy(model).stages(prog.num_stages), program=prog, loss_fn=gpt_loss,
+                                parallel=parallel, **kw)
+
+    out["world"] = _message(lambda: pipe(parallel=ParallelConfig(dp=2, pp=2, tp=2)))
+    out["P != pp"] = _message(lambda: pipedsl.Pipeline(copy.deepcopy(model).stages(4), "1f1b", loss_fn=gpt_loss,
+                                                       program=pipedsl.load("1f1b").compile(P=4, M=4),
+                                                       parallel=mesh))
+    out["group and parallel"] = _message(lambda: pipe(group=mesh.pp_group))
+    out["zero3 split"] = _message(lambda: pipe("zb-h1", parallel=mesh.with_zero(3)))
+    out["microbatch split"] = _message(lambda: pipe("zb-v", parallel=mesh.with_zero(2, "microbatch")))
+    out["microbatch replicas"] = _message(lambda: pipe("chimera", parallel=mesh.with_zero(2, "microbatch")))
+    p = pipe()
+    out["no optimizer"] = _message(lambda: p.step(x, y))
+    opt = p.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
+    out["second optimizer"] = _message(lambda: p.optimizer(torch.optim.Adam))
+    out["batch"] = _message(lambda: p.step(x[:12], y[:12]))
+    d = mesh.coords.dp
+    out["different batches"] = _message(lambda: p.step(x[8 * d:8 * d + 8].repeat(2, 1), y[8 * d:8 * d + 8].repeat(2, 1)))
+    out["global loss"] = p.step(x, y)  # still usable after refused batches
+    opt.step()
+    local = pipe(batch="local")
+    local.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
+    out["local batch"] = _message(lambda: local.step(x[:6], y[:6]))
+    out["local loss"] = local.step(x[8 * d:8 * d + 8], y[8 * d:8 * d + 8])
+    # Chimera holds stage 0 and the last stage on both pp ranks: a replica's two pp ranks must agree
+    out["local mismatch"] = _message(lambda: pipe("chimera", batch="local", parallel=mesh.with_zero(0))
+                                     .step(x[mesh.coords.pp:][:8], y[mesh.coords.pp:][:8]))
+    out["one process"] = gpt_loss(model(x), y).item()
+    return out
+
+
+def tp3d_errors_job() -> str:
+    mesh = ParallelMesh(ParallelConfig(tp=8, tp_mode="3d"))
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    pipe = pipedsl.Pipeline(model.tp_stages(1, mesh), "1f1b", microbatches=2, loss_fn=tp_gpt_loss(mesh), parallel=mesh)
+    x, y = _batches(1, 4)[0]
+    return _message(lambda: pipe.step(x, y))
+
+
+def example_job() -> dict:
+    path = Path(__file__).resolve().parents[2] / "examples" / "parallel_3d.py"
+    spec = importlib.util.spec_from_file_location("example_parallel_3d", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    return ex.train(dist.get_rank(), ParallelConfig(dp=2, pp=2, tp=2, zero=1), "1f1b", {}, 4, 3, GPT_CFG, 16,
+                    check=True)
+
+
+# ----------------------------------------------------------------------------------- tests
+
+TP1D_RUNS = tuple((s, 4, 16, z, "step") for s in ("1f1b", "hanayo") for z in (0, 1, 2)) + (
+    ("1f1b", 4, 16, 2, "microbatch"), ("hanayo", 4, 16, 3, "step"))
+TP3D_RUNS = tuple((s, 2, 8, z, "step") for s in ("1f1b", "hanayo") for z in (0, 1))
+
+
+def _every_schedule_runs() -> tuple:
+    runs = []
+    for name in pipedsl.builtin_names():
+        prog = pipedsl.load(name).compile(P=2, M=4, **SCHEDULE_PARAMS.get(name, {}))
+        split = any(i.op in (pipedsl.Op.I, pipedsl.Op.W) for r in prog.ranks for i in r)
+        runs += [(name, 4, 16, z, "step") for z in (1, 0, 2) + (() if split else (3,))]
+        if not split and prog.num_replicas == 1:
+            runs.append((name, 4, 16, 2, "microbatch"))
+    return tuple(runs)
+
+
+def _problems(results: dict) -> list[str]:
+    return [f"{key}: {p}" for key, res in results.items() for p in res["problems"]]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "hanayo"])
+@pytest.mark.parametrize("zero,reduce", [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step")])
+def test_dp2_pp2_tp2_1d_equals_one_process(run_once, schedule, zero, reduce):
+    results = run_once(grid_job, 8, 2, 2, 2, "1d", TP1D_RUNS, 3)[0]
+    if (schedule, zero, reduce) not in results:
+        pytest.skip("not in the grid (kept small)")
+    res = results[(schedule, zero, reduce)]
+    assert len(res["losses"]) == 3 and res["moved"] > 1000 * PARAM_ATOL
+    assert not res["problems"], "\n".join(res["problems"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "hanayo"])
+@pytest.mark.parametrize("zero", [0, 1])
+def test_3d_tensor_parallel_tp8_equals_one_process(run_once, schedule, zero):
+    res = run_once(grid_job, 8, 1, 1, 8, "3d", TP3D_RUNS, 3)[0][(schedule, zero, "step")]
+    assert res["moved"] > 1000 * PARAM_ATOL
+    assert not res["problems"], "\n".join(res["problems"])
+
+
+def test_every_builtin_schedule_dp2_pp2_zero(run_once):
+    runs = _every_schedule_runs()
+    results = run_once(grid_job, 4, 2, 2, 1, "1d", runs, 2, False)[0]
+    assert {name for name, *_ in results} == set(pipedsl.builtin_names())
+    assert all((name, 1, "step") in results for name in pipedsl.builtin_names())
+    problems = _problems(results)
+    assert not problems, "\n".join(problems)
+
+
+def test_clear_errors_and_local_batches(run_once):
+    for out in run_once(api_job, 4):
+        assert out["world"] == "world size 4 is not dp*pp*tp = 2*2*2 = 8"
+        assert out["P != pp"].startswith("the program '1F1B' has P=4 ranks, but the parallel layout has pp=2")
+        assert "not both" in out["group and parallel"]
+        assert out["zero3 split"].startswith("zero=3 does not support split backward (schedule 'ZB-H1'")
+        assert out["microbatch split"].startswith("zero_reduce='microbatch' does not support split backward")
+        assert out["microbatch replicas"].startswith("zero_reduce='microbatch' does not support stage replicas")
+        assert "pipe.optimizer(torch.optim.Adam" in out["no optimizer"]
+        assert "already has its optimizer" in out["second optimizer"]
+        assert "batch size 12 (dim 0) do not split into dp*M = 2*4 = 8 equal microbatches" in out["batch"]
+        assert "passed different inputs" in out["different batches"] and "batch='local'" in out["different batches"]
+        assert "batch size 6 (dim 0) do not split into M=4" in out["local batch"]
+        assert "passed different inputs" in out["local mismatch"]
+        assert "batch='local' expects the same samples on every pp and tp rank" in out["local mismatch"]
+        assert abs(out["global loss"] - out["one process"]) <= LOSS_RTOL * out["one process"]
+        assert abs(out["local loss"] - out["one process"]) <= LOSS_RTOL * out["one process"]
+
+
+def test_3d_microbatch_must_divide_by_q_squared(run_once):
+    for message in run_once(tp3d_errors_job, 8):
+        assert "microbatches of 2 samples (inputs) are not divisible by q*q=4" in message
+
+
+def test_parallel_3d_example_equals_one_process(run_once):
+    results = run_once(example_job, 8)
+    ref = results[0]["reference"]
+    assert len(ref) == 3
+    for res in results:
+        assert res["losses"] == results[0]["losses"]
+        for got, want in zip(res["losses"], ref):
+            assert abs(got - want) <= LOSS_RTOL * want
