@@ -16,9 +16,12 @@ from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
 Duration = Callable[[Instr], float]
 
 
-def dry_run(program: Program, compute_time: Duration, message_time: Duration, check_pairs: bool = False
-            ) -> tuple[list[list[float]], list[list[float]]]:
+def dry_run(program: Program, compute_time: Duration, message_time: Duration, check_pairs: bool = False,
+            send_time: float = 0.0) -> tuple[list[list[float]], list[list[float]]]:
     """Start and end time of every instruction; `DeadlockError` naming the wait cycle if stuck.
+
+    A message arrives `message_time` after its send starts; the send itself keeps its rank busy
+    for `send_time` (issuing it: a runtime's cost, not the wire's).
 
     The k-th receive on b from a takes the k-th message a sent to b, as NCCL and gloo
     match them.  With `check_pairs`, a receive that expects another message than the one
@@ -60,6 +63,7 @@ def dry_run(program: Program, compute_time: Duration, message_time: Duration, ch
                 channels.setdefault(key, deque()).append((t + message_time(ins), ins, i))
                 if blocked_on.pop(key, None) is not None:
                     ready.append(ins.peer)
+                t += send_time
             else:
                 st[i] = t
                 t += compute_time(ins)

@@ -20,8 +20,10 @@ _COMPUTE_OPS = (Op.F, Op.B, Op.I, Op.W)
 class Cost:
     """Time per op kind (optionally per stage) and per message.
 
-    A message costs `comm + message_bytes / bandwidth`.  REDUCE_GRAD and OPTIMIZER_STEP
-    cost `reduce` and `step`.  `Cost.fit(timeline)` measures all of them from a trace.
+    A message costs `comm + message_bytes / bandwidth` from the start of its send to its
+    arrival; issuing the send keeps the sending rank busy for `send` (a runtime's cost per
+    message: 0 in the ideal model).  REDUCE_GRAD and OPTIMIZER_STEP cost `reduce` and `step`.
+    `Cost.fit(timeline)` measures all of them from a trace.
     """
 
     F: float = 1.0
@@ -33,6 +35,7 @@ class Cost:
     message_bytes: float = 0.0
     reduce: float = 0.0
     step: float = 0.0
+    send: float = 0.0
     per_stage: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
@@ -64,7 +67,7 @@ class Cost:
     @classmethod
     def fit(cls, timeline: Timeline) -> Cost:
         """The costs a (measured) timeline shows: the median duration of each compute kind
-        overall and per stage, of REDUCE_GRAD and OPTIMIZER_STEP, and as `comm` the median
+        overall and per stage, of REDUCE_GRAD, OPTIMIZER_STEP and sends (`send`), and as `comm` the median
         delay from a send's start to the start of the compute op consuming the message, over
         the messages whose receiver had nothing else left to do before that op when the send
         started (so the delay is the message's own).  The consumer's start, not the RECV's end,
@@ -88,6 +91,7 @@ class Cost:
                 elif op is Op.REDUCE_GRAD or op is Op.OPTIMIZER_STEP:
                     durations.setdefault((op.value, None), []).append(e.end - e.start)
                 elif op is Op.SEND_F or op is Op.SEND_B:
+                    durations.setdefault(("send", None), []).append(e.end - e.start)
                     sends[(op is Op.SEND_F, ins.mb, ins.stage + (1 if op is Op.SEND_F else -1), ins.replica,
                            rank, ins.peer)] = e.start
                 else:
@@ -107,7 +111,7 @@ class Cost:
                 per_stage.setdefault(stage, {})[kind] = value
         return cls(**base, comm=statistics.median(delays) if delays else 0.0,
                    reduce=med.get(("REDUCE_GRAD", None), 0.0), step=med.get(("OPTIMIZER_STEP", None), 0.0),
-                   per_stage=per_stage)
+                   send=med.get(("send", None), 0.0), per_stage=per_stage)
 
     def compute_time(self, ins: Instr) -> float:
         op = ins.op
@@ -126,7 +130,7 @@ class Cost:
         return self.comm + self.message_bytes / self.bandwidth
 
 
-_NAMES = ("F", "B", "I", "W", "comm", "bandwidth", "message_bytes", "reduce", "step")
+_NAMES = ("F", "B", "I", "W", "comm", "bandwidth", "message_bytes", "reduce", "step", "send")
 
 
 def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
@@ -145,7 +149,7 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
 
     with no_gc():
         validate(program)
-        starts, ends = dry_run(program, compute_time, cost.message_time)
+        starts, ends = dry_run(program, compute_time, cost.message_time, send_time=cost.send)
         ranks = tuple(tuple(map(Event, stream, st, en)) for stream, st, en in zip(program.ranks, starts, ends))
     return Timeline(program.name, dict(program.params), ranks, "simulated",
                     {"cost": {k: getattr(cost, k) for k in _NAMES}})
