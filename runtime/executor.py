@@ -81,7 +81,8 @@ class Executor:
         self.index = 0
         for i, ins in enumerate(stream):
             self.index = i
-            if self._scan <= i + self.lookahead:
+            # a send goes out first: posting receives (an irecv each) must not delay the consumer waiting for it
+            if self._scan <= i + self.lookahead and (ins.op not in SENDS or self._scan <= i):
                 self._post_ahead(i)
             starts[i] = clock()
             try:
