@@ -100,7 +100,8 @@ def spread(xs: Sequence[float]) -> dict[str, float]:
 
 
 def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
 
 
 def today() -> str:
