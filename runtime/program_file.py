@@ -27,9 +27,9 @@ def read_program(path: str | os.PathLike, ranks: int | None = None) -> Program:
         raise PipeDSLError(f"{name} is a schedule source, not a compiled program: use it with "
                            f"--schedule (or compile it: pipedsl compile {name} -P … -M … --format json)")
     try:
+        if p.exists() and not p.is_file():  # a directory, a FIFO, /dev/zero: never read (it may not end)
+            raise PipeDSLError(f"cannot read {name}: not a regular file")
         text = p.read_text(encoding="utf-8")
-    except IsADirectoryError:
-        raise PipeDSLError(f"cannot read {name}: it is a directory") from None
     except OSError as err:
         raise PipeDSLError(f"cannot read {name}: {err.strerror or err}") from None
     except UnicodeDecodeError:

@@ -80,12 +80,15 @@ def run_cli(capsys, *argv: str) -> tuple[int, list[str]]:
     ("four.json", ("--layers", "1"), "error: --layers 1: an embedding, 1 blocks and a head make 3 pieces, "
                                      "fewer than the program's 4 stages"),
     ("json", ("--checkpoint-every", "2"), "error: --checkpoint-every needs --checkpoint-dir"),
+    ("json", ("--checkpoint-dir", "/dev/null"), "error: --checkpoint-dir /dev/null: not a directory"),
+    ("/dev/zero", (), "error: cannot read /dev/zero: not a regular file"),
+    (".", (), "error: cannot read .: not a regular file"),
     ("json", ("--resume",), "error: --resume without a checkpoint needs --checkpoint-dir"),
     ("json", ("--resume", "nowhere"), "checkpoint error: nowhere: no such checkpoint directory"),
 ])
 def test_run_rejects_bad_input_in_one_line(tmp_path, capsys, no_launch, name, extra, message) -> None:
     files = program_files(tmp_path)
-    path = files.get(name, str(tmp_path / name))
+    path = files.get(name, name if name.startswith(("/", ".")) else str(tmp_path / name))
     code, lines = run_cli(capsys, "run", "--program", path, "-o", str(tmp_path / "out"), *extra)
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(message.format(path=path)), lines
