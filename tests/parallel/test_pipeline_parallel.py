@@ -204,6 +204,10 @@ def api_job() -> dict:
     out["different batches"] = _message(lambda: p.step(x[8 * d:8 * d + 8].repeat(2, 1), y[8 * d:8 * d + 8].repeat(2, 1)))
     out["global loss"] = p.step(x, y)  # still usable after refused batches
     opt.step()
+    timeline = p.timeline()  # gathered on each pipeline's first pp rank
+    out["timeline"] = None if timeline is None else (timeline.num_ranks, [len(r) for r in timeline.ranks])
+    out["program"] = [len(r) for r in p.program.ranks]
+    out["coords"] = mesh.coords
     local = pipe(batch="local")
     local.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
     out["local batch"] = _message(lambda: local.step(x[:6], y[:6]))
@@ -233,10 +237,21 @@ def example_job() -> dict:
                     check=True)
 
 
+def readme_job(steps: int) -> list[float]:
+    """The README's "Parallel groups" snippet, run as written."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    [snippet] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "parallel=mesh" in b]
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    return scope["train"](dist.get_rank(), steps)
+
+
 # ----------------------------------------------------------------------------------- tests
 
-TP1D_RUNS = tuple((s, 4, 16, z, "step") for s in ("1f1b", "hanayo") for z in (0, 1, 2)) + (
-    ("1f1b", 4, 16, 2, "microbatch"), ("hanayo", 4, 16, 3, "step"))
+ZERO_MODES = [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step")]
+TP1D_RUNS = tuple((s, 4, 16, z, r) for s in ("1f1b", "hanayo") for z, r in ZERO_MODES)
 TP3D_RUNS = tuple((s, 2, 8, z, "step") for s in ("1f1b", "hanayo") for z in (0, 1))
 
 
@@ -256,12 +271,9 @@ def _problems(results: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "hanayo"])
-@pytest.mark.parametrize("zero,reduce", [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step")])
+@pytest.mark.parametrize("zero,reduce", ZERO_MODES)
 def test_dp2_pp2_tp2_1d_equals_one_process(run_once, schedule, zero, reduce):
-    results = run_once(grid_job, 8, 2, 2, 2, "1d", TP1D_RUNS, 3)[0]
-    if (schedule, zero, reduce) not in results:
-        pytest.skip("not in the grid (kept small)")
-    res = results[(schedule, zero, reduce)]
+    res = run_once(grid_job, 8, 2, 2, 2, "1d", TP1D_RUNS, 3)[0][(schedule, zero, reduce)]
     assert len(res["losses"]) == 3 and res["moved"] > 1000 * PARAM_ATOL
     assert not res["problems"], "\n".join(res["problems"])
 
@@ -298,6 +310,7 @@ def test_clear_errors_and_local_batches(run_once):
         assert "batch size 6 (dim 0) do not split into M=4" in out["local batch"]
         assert "passed different inputs" in out["local mismatch"]
         assert "batch='local' expects the same samples on every pp and tp rank" in out["local mismatch"]
+        assert out["timeline"] == ((2, out["program"]) if out["coords"].pp == 0 else None)
         assert abs(out["global loss"] - out["one process"]) <= LOSS_RTOL * out["one process"]
         assert abs(out["local loss"] - out["one process"]) <= LOSS_RTOL * out["one process"]
 
@@ -315,3 +328,9 @@ def test_parallel_3d_example_equals_one_process(run_once):
         assert res["losses"] == results[0]["losses"]
         for got, want in zip(res["losses"], ref):
             assert abs(got - want) <= LOSS_RTOL * want
+
+
+def test_readme_parallel_snippet_runs(run_once):
+    results = run_once(readme_job, 8, 2)
+    assert len(results[0]) == 2 and all(r == results[0] for r in results)
+    assert all(3 < v < 7 for v in results[0])  # ln(256) = 5.5 at the start
