@@ -220,7 +220,9 @@ class Pipeline:
         """`hook(stage, module)` after a stage's gradients are complete and reduced between replicas.
 
         It may return a handle with `.wait()` (e.g. an async all-reduce over a data-parallel
-        group); handles are waited at the step end.
+        group); handles are waited at the step end.  Hooks run at points the program fixes (a
+        stage's REDUCE_GRAD, or the step end for a stage with copies on other ranks), so ranks
+        running the same program call them in the same order: they may issue collectives.
         """
         self.reducer.add_hook(hook)
 

@@ -16,6 +16,9 @@ BAD = [
     (dict(zero=4), "zero must be a ZeRO stage 0, 1, 2 or 3, got 4"),
     (dict(tp=4, tp_mode="3d"), "tp_mode='3d' needs tp to be a cube q*q*q, got tp=4 (nearest cubes: 1, 8)"),
     (dict(tp=9, tp_mode="3d"), "tp_mode='3d' needs tp to be a cube q*q*q, got tp=9 (nearest cubes: 8, 27)"),
+    (dict(zero=2, zero_reduce="never"), "zero_reduce must be one of 'step', 'microbatch', got 'never'"),
+    (dict(zero=1, zero_reduce="microbatch"),
+     "zero_reduce='microbatch' needs zero=2 or 3 (zero=1 keeps the full gradient buffer anyway); use zero_reduce='step'"),
 ]
 
 

@@ -208,6 +208,8 @@ def api_job() -> dict:
     out["timeline"] = None if timeline is None else (timeline.num_ranks, [len(r) for r in timeline.ranks])
     out["program"] = [len(r) for r in p.program.ranks]
     out["coords"] = mesh.coords
+    by_config = pipe(parallel=ParallelConfig(dp=2, pp=2))  # the pipeline builds the mesh itself
+    out["config loss"] = by_config.step(x, y)
     local = pipe(batch="local")
     local.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
     out["local batch"] = _message(lambda: local.step(x[:6], y[:6]))
@@ -253,6 +255,7 @@ def readme_job(steps: int) -> list[float]:
 ZERO_MODES = [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step")]
 TP1D_RUNS = tuple((s, 4, 16, z, r) for s in ("1f1b", "hanayo") for z, r in ZERO_MODES)
 TP3D_RUNS = tuple((s, 2, 8, z, "step") for s in ("1f1b", "hanayo") for z in (0, 1))
+CUBE1_RUNS = tuple((s, 4, 16, z, "step") for s in ("1f1b", "hanayo") for z in (1, 3))
 
 
 def _every_schedule_runs() -> tuple:
@@ -286,6 +289,17 @@ def test_3d_tensor_parallel_tp8_equals_one_process(run_once, schedule, zero):
     assert not res["problems"], "\n".join(res["problems"])
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "hanayo"])
+@pytest.mark.parametrize("zero", [1, 3])
+def test_3d_stages_across_pipeline_and_data_parallel_ranks(run_once, schedule, zero):
+    """The 3-D stages between pipeline ranks, under dp and ZeRO, on a cube of one (q = 1: 4 processes).
+
+    A q = 2 cube beside pp = 2 and dp = 2 needs 32 processes; this runs the same stage and loss
+    code (row blocks, the cube's groups, the handshake of 3-D activations) at every size but q."""
+    res = run_once(grid_job, 4, 2, 2, 1, "3d", CUBE1_RUNS, 3)[0][(schedule, zero, "step")]
+    assert not res["problems"], "\n".join(res["problems"])
+
+
 def test_every_builtin_schedule_dp2_pp2_zero(run_once):
     runs = _every_schedule_runs()
     results = run_once(grid_job, 4, 2, 2, 1, "1d", runs, 2, False)[0]
@@ -313,6 +327,7 @@ def test_clear_errors_and_local_batches(run_once):
         assert out["timeline"] == ((2, out["program"]) if out["coords"].pp == 0 else None)
         assert abs(out["global loss"] - out["one process"]) <= LOSS_RTOL * out["one process"]
         assert abs(out["local loss"] - out["one process"]) <= LOSS_RTOL * out["one process"]
+        assert abs(out["config loss"] - out["one process"]) <= LOSS_RTOL * out["one process"]
 
 
 def test_3d_microbatch_must_divide_by_q_squared(run_once):
