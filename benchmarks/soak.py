@@ -7,12 +7,18 @@ Every segment is a fresh set of processes (`pipedsl.launch`): it loads the lates
 checkpoint, trains until the next multiple of `--every` under the next schedule of the
 rotation, and checkpoints.  The schedules all cut the model into the same 4 stages but place
 them differently on the 2 ranks (interleaved {0,2}|{1,3}, ZB-V and Hanayo {0,3}|{1,2}, looped
-BFS {0,2}|{1,3}) and two of them split the backward (I/W), so a rank often loads stages from
+BFS {0,2}|{1,3}) and ZB-V splits the backward (I/W), so a rank often loads stages from
 the other rank's part.  With `--faults`, a killed segment is restarted from the last complete
 checkpoint (the lost steps run again).  The per-step losses are compared with one
-uninterrupted run of the first schedule: identical bit-for-bit is expected (see
-tests/reliability/test_resume.py for why); the report gives the count of identical steps and
-the largest absolute difference, the wall time of both, and the save/load times.
+uninterrupted run of the first schedule and must be identical bit-for-bit (exit status 0):
+a resume restores the state exactly, and these schedules run the same per-stage arithmetic,
+each stage accumulating its microbatch gradients in microbatch order.  Looped BFS
+(`--schedules interleaved,zb-v,hanayo,looped-bfs`) runs each stage's backwards in reverse
+microbatch order, so its gradient sums round differently in the last bits; at this learning
+rate such differences grow over the run (chaotically, not from the checkpoints: compare
+`--schedules looped-bfs --every 200 --reference interleaved`, a run with no restart at all).
+The report gives the count of bit-identical steps, the largest absolute difference, the wall
+time of both runs, and the save/load times.
 """
 
 from __future__ import annotations
@@ -29,8 +35,7 @@ import pipedsl
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.runtime import checkpoint
 
-ROTATION = ("interleaved", "zb-v", "hanayo", "looped-bfs")
-RTOL = 1e-5  # losses may differ from the uninterrupted run only by fp32 rounding (see the docstring)
+ROTATION = ("interleaved", "zb-v", "hanayo")
 
 
 def segment(rank: int, program_json: str, cfg: dict[str, Any], first: int, last: int) -> dict[str, Any]:
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--every", type=int, default=20, help="checkpoint and switch schedule every N steps")
     ap.add_argument("--schedules", default=",".join(ROTATION))
+    ap.add_argument("--reference", help="schedule of the uninterrupted run (default: the first of --schedules)")
     ap.add_argument("-P", "--ranks", type=int, default=2)
     ap.add_argument("-M", "--microbatches", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
@@ -117,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{programs[0].num_stages} stages on {args.ranks} processes, M={args.microbatches}; "
           f"restart + checkpoint + schedule switch every {args.every} steps: {' → '.join(names)}", flush=True)
 
+    ref_name = args.reference or names[0]
     t0 = time.perf_counter()
-    base = launch(programs[0], cfg, 1, args.steps)
+    base = launch(pipedsl.load(ref_name).compile(P=args.ranks, M=args.microbatches), cfg, 1, args.steps)
     base_wall = time.perf_counter() - t0
     reference = base["losses"]
-    print(f"uninterrupted ({names[0]}): {base_wall:.1f} s wall, {base['train_s']:.1f} s training, "
+    print(f"uninterrupted ({ref_name}): {base_wall:.1f} s wall, {base['train_s']:.1f} s training, "
           f"final loss {reference[args.steps]:.4f}", flush=True)
 
     cfg["dir"] = str(ckpt)
@@ -160,21 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     diffs = [abs(losses[s] - reference[s]) for s in range(1, args.steps + 1)]
     identical = sum(d == 0.0 for d in diffs)
     parts = [f.stat().st_size for f in sorted((ckpt / f"step-{args.steps:08d}").glob("rank-*.pt"))]
-    report = {"steps": args.steps, "every": args.every, "schedules": names, "ranks": args.ranks,
+    report = {"steps": args.steps, "every": args.every, "schedules": names, "reference": ref_name, "ranks": args.ranks,
               "microbatches": args.microbatches, "faults": args.faults, "kills": kills,
               "identical_steps": identical, "max_abs_diff": max(diffs), "final_loss": losses[args.steps],
               "uninterrupted_wall_s": base_wall, "soak_wall_s": soak_wall,
               "checkpoints": [c.step for c in checkpoint.checkpoints(ckpt)], "part_bytes": parts,
-              "segments": rows, "losses": losses, "reference": reference}
+              "segments": rows, "losses": losses, "reference_losses": reference}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"losses identical at {identical}/{args.steps} steps; max |difference| {max(diffs):.3g}; "
           f"final loss {losses[args.steps]:.6f} vs {reference[args.steps]:.6f}")
     print(f"wall time: uninterrupted {base_wall:.1f} s, soak {soak_wall:.1f} s ({len(rows)} launches, {kills} killed); "
           f"checkpoint parts {parts} bytes; wrote {out / 'report.json'}")
-    worst = max(d / abs(reference[s]) for s, d in zip(range(1, args.steps + 1), diffs))
-    print(f"largest relative difference {worst:.3g} ({'within' if worst <= RTOL else 'OUTSIDE'} fp32 rounding, "
-          f"rtol {RTOL:g})")
-    return 0 if worst <= RTOL else 1
+    return 0 if identical == args.steps else 1
 
 
 if __name__ == "__main__":
