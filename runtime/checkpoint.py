@@ -246,6 +246,7 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
     report its part within `timeout` seconds makes the others raise an error naming it; the
     half-written checkpoint then has no manifest and never counts.
     """
+    _supported(pipe, "save")
     rank, world = pipe.rank, pipe.size
     target = step_dir(directory, step)
     store, prefix = _begin(pipe)
@@ -289,6 +290,15 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
         record_failure(rank, err.message)
         raise
     return CheckpointInfo(target, step, manifest)
+
+
+def _supported(pipe: Any, what: str) -> None:
+    """Refuse (on every rank alike) the layouts whose state is not one copy per stage yet."""
+    cfg = getattr(pipe, "parallel", None)
+    if cfg is None or (cfg.tp == 1 and cfg.zero == 0 and (what == "load" or cfg.dp == 1)):
+        return
+    raise CheckpointError(f"cannot {what} a checkpoint of a pipeline with dp={cfg.dp}, tp={cfg.tp}, zero={cfg.zero} "
+                          f"yet: only pipeline-parallel state (dp=1, or loading with zero=0 and tp=1) is supported")
 
 
 def _begin(pipe: Any) -> tuple[Any, str]:
@@ -507,6 +517,7 @@ def load(pipe: Any, source: str | os.PathLike,
     is used).  Checks the stage partition against the checkpoint first, on every rank, and
     raises the same `CheckpointError` on all of them when any rank finds a mismatch.
     """
+    _supported(pipe, "load")
     error, restored = None, None
     try:
         info = resolve(source)
@@ -522,7 +533,8 @@ def load(pipe: Any, source: str | os.PathLike,
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if bad:
         r, message = bad[0]
-        raise CheckpointError(message if message.startswith("rank ") else f"rank {r}: {message}")
+        everywhere = len(bad) == len(errors) and len({e for _, e in bad}) == 1
+        raise CheckpointError(message if everywhere or message.startswith("rank ") else f"rank {r}: {message}")
     assert restored is not None
     pipe.steps = restored.step
     return restored

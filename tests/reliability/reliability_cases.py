@@ -112,3 +112,20 @@ def bad_pipelines(rank: int, files: dict[str, str]) -> dict[str, str | float]:
         except PipeDSLError as err:
             out[name] = str(err)
     return out
+
+
+def data_parallel_save(rank: int, directory: str) -> list[str]:
+    """dp=2 × pp=1: saving is refused (each replica would write the same parts), loading with zero=0 is allowed."""
+    from pipedsl.parallel import ParallelConfig
+
+    torch.manual_seed(0)
+    pipe = pipedsl.Pipeline([nn.Linear(4, 4)], "1f1b", microbatches=1, loss_fn=F.mse_loss,
+                            parallel=ParallelConfig(dp=2, pp=1))
+    out = []
+    for attempt in (lambda: checkpoint.save(pipe, directory, 1), lambda: checkpoint.load(pipe, directory)):
+        try:
+            attempt()
+            out.append("ok")
+        except PipeDSLError as err:
+            out.append(str(err))
+    return out
