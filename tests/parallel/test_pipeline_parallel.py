@@ -127,7 +127,11 @@ def _train(mesh: ParallelMesh, model: GPT, schedule: str, M: int, zero_cfg: Para
     index, n = _index_model(model)
     index_stages = index.tp_stages(S, mesh) if tp_layers else index.stages(S)
     gathered = _gather_dense(opt.stage_parameters(), index_stages, n)
-    return {"losses": losses, "seconds": seconds, "rows": sorted(set(rows)), **gathered}
+    # per local stage: ZeRO's largest gradient bytes held at once, and the 'microbatch' bound for it: this
+    # rank's [S] slices plus one unit's full gradient (fp32)
+    peak = {s: (m.peak_grads, 4 * sum(u.size for u in opt.zero[s].units) + 4 * max(u.padded for u in opt.zero[s].units),
+                len(opt.zero[s].units)) for s, m in opt.memory().items()}
+    return {"losses": losses, "seconds": seconds, "rows": sorted(set(rows)), "peak_grads": peak, **gathered}
 
 
 def _compare(res: dict, ref_losses: list[float], ref_params: torch.Tensor) -> list[str]:
@@ -162,6 +166,7 @@ def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, t
             problems.append(f"stage 0 ran microbatches of {res['rows']} samples, not batch/(dp*M) = {batch // (dp * M)}")
         out[(schedule, zero, reduce)] = {"problems": problems, "seconds": res["seconds"], "losses": res["losses"],
                                          "ref": ref_losses, "moved": float((ref_params - _flat(model)).abs().max()),
+                                         "peak_grads": res["peak_grads"],
                                          "error": float((res["values"] - ref_params).abs().max())}
     return out if dist.get_rank() == 0 else {}
 
@@ -279,6 +284,19 @@ def test_dp2_pp2_tp2_1d_equals_one_process(run_once, schedule, zero, reduce):
     res = run_once(grid_job, 8, 2, 2, 2, "1d", TP1D_RUNS, 3)[0][(schedule, zero, reduce)]
     assert len(res["losses"]) == 3 and res["moved"] > 1000 * PARAM_ATOL
     assert not res["problems"], "\n".join(res["problems"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "hanayo"])
+def test_reduce_every_microbatch_holds_less_gradient_memory(run_once, schedule):
+    """ZeRO-2 in a pipeline: 'microbatch' keeps one unit's (child module's) full gradient at a time, 'step' the
+    whole stage's until REDUCE_GRAD (measured on rank 0's stages)."""
+    results = run_once(grid_job, 8, 2, 2, 2, "1d", TP1D_RUNS, 3)[0]
+    step, micro = results[(schedule, 2, "step")]["peak_grads"], results[(schedule, 2, "microbatch")]["peak_grads"]
+    assert step.keys() == micro.keys() and step
+    for s, (peak, bound, units) in micro.items():
+        assert 0 < peak <= bound, (s, peak, bound)
+        if units > 1:  # a stage of one unit holds its full gradient either way
+            assert peak < step[s][0], (s, peak, step[s][0])
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "hanayo"])
