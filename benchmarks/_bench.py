@@ -188,3 +188,68 @@ def program_from_torch(schedule: Any, name: str, P: int, M: int) -> Any:
     program = lower(plan)
     validate(program)
     return program
+
+
+# ---------------------------------------------------------------- measuring pipedsl on ranks
+
+
+def run_steps(pipe: Any, x: Any, y: Any, steps: int, trace: bool = True) -> tuple[list[float], list[Any]]:
+    """`steps` timed steps (barrier before each); per step the wall time and (rank 0, `trace`) its Timeline."""
+    import torch.distributed as dist
+
+    times, timelines = [], []
+    for _ in range(steps):
+        dist.barrier(group=pipe.group)
+        t0 = time.perf_counter()
+        pipe.step(x, y)
+        times.append(time.perf_counter() - t0)
+        for p in pipe.parameters():
+            p.grad = None
+        if trace:
+            tl = pipe.timeline()
+            if tl is not None:
+                timelines.append(tl)
+    return times, timelines
+
+
+def fit_profile(timelines: Sequence[Any]) -> Any:
+    """One cost model from profiles: F, B, messages and sends from the first (a B schedule), I and W
+    (overall and per stage) from a split-backward profile if one is given."""
+    from dataclasses import replace
+
+    from pipedsl import Cost
+
+    base = Cost.fit(timelines[0])
+    for tl in timelines[1:]:
+        other = Cost.fit(tl)
+        if not any(e.instr.op.value == "I" for ev in tl.ranks for e in ev):
+            continue
+        per_stage = {s: dict(v) for s, v in base.per_stage.items()}
+        for s, v in other.per_stage.items():
+            per_stage.setdefault(s, {}).update({k: v[k] for k in ("I", "W") if k in v})
+        base = replace(base, I=other.I, W=other.W, per_stage=per_stage)
+    return base
+
+
+def dispatch_gaps(timeline: Any) -> list[float]:
+    """Gaps between an instruction's end and the next one's start on a rank, where the next one did
+    not wait for a message: the runtime's own time between instructions."""
+    from pipedsl.ir import COMPUTE, RECVS
+
+    gaps = []
+    for events in timeline.ranks:
+        pending: set[tuple] = set()
+        for a, b in zip(events, events[1:]):
+            if a.instr.op in RECVS:
+                pending.add((a.instr.op.value == "RECV_F", a.instr.mb, a.instr.stage))
+            ins = b.instr
+            if ins.op in COMPUTE and (ins.op.value == "F", ins.mb, ins.stage) in pending:
+                continue  # may have waited for its input
+            gaps.append(b.start - a.end)
+    return gaps
+
+
+def cost_dict(cost: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {k: v for k, v in asdict(cost).items() if k != "bandwidth" or v != float("inf")}

@@ -110,12 +110,10 @@ def _machine() -> str:
 
 
 def _append_results(row: str) -> None:
-    path = HERE / "RESULTS.md"
-    if not path.exists():
-        path.write_text("# Benchmark results\n\nEach benchmark appends one row per run.\n\n"
-                        "| date | command | machine | result |\n|---|---|---|---|\n")
-    with path.open("a") as f:
-        f.write(row + "\n")
+    sys.path.insert(0, str(HERE))
+    import _bench  # here, not at the top: the measuring children must not import torch (their RSS)
+
+    _bench.append_results(row)
 
 
 if __name__ == "__main__":

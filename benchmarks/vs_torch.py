@@ -93,7 +93,8 @@ def _rank_main(rank: int, workload: str, name: str, P: int, cfg: dict) -> dict:
         return (time.perf_counter() - t0) / steps
 
     for which in ("pipedsl", "torch"):
-        timed(which, cfg["warmup"])
+        if cfg["warmup"]:
+            timed(which, cfg["warmup"])
     times: dict[str, list[float]] = {"pipedsl": [], "torch": []}
     for rep in range(cfg["reps"]):
         for which in (("pipedsl", "torch") if rep % 2 == 0 else ("torch", "pipedsl")):

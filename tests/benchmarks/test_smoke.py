@@ -1,0 +1,66 @@
+"""Each benchmark's quickest path on tiny sizes with near-zero sleeps: it runs, writes JSON of the
+expected shape and appends one row to a results table.  Never asserts a time (benchmarks measure,
+tests do not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+TINY = ["--F", "0.0005", "--B", "0.001", "--reps", "1", "--warmup", "0"]
+
+
+def run(tmp_path: Path, script: str, *args: str) -> dict:
+    out = tmp_path / f"{script}.json"
+    env = {**os.environ, "PIPEDSL_RESULTS_MD": str(tmp_path / "RESULTS.md")}
+    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args, "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "RESULTS.md").read_text().splitlines()
+    assert table[5] == "|---|---|---|---|" and table[-1].startswith("| ") and f"benchmarks/{script}.py" in table[-1]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_vs_torch(tmp_path):
+    got = run(tmp_path, "vs_torch", "--workload", "both", "--P", "2", "--schedules", "1f1b", "--steps", "1", *TINY)
+    assert got["benchmark"] == "vs_torch" and got["machine"] and got["date"]
+    assert [(r["workload"], r["schedule"], r["P"]) for r in got["rows"]] == [("sleep", "1f1b", 2), ("gpt", "1f1b", 2)]
+    for r in got["rows"]:
+        assert set(r["step_s"]) == {"pipedsl", "torch"} and r["step_s"]["pipedsl"]["n"] == 1
+        assert r["ratio"] > 0 and r["samples_per_s"]["pipedsl"] > 0 and r["torch_class"] == "Schedule1F1B"
+
+
+@pytest.mark.slow
+def test_fidelity(tmp_path):
+    got = run(tmp_path, "fidelity", "--P", "2", "--M", "2", "--schedules", "1f1b", "chimera", "interleaved",
+              "--zero-M", "2", "--zero-steps", "1", *TINY)
+    rows = {r["schedule"]: r for r in got["rows"]}
+    assert set(rows) == {"1f1b", "chimera", "interleaved"}
+    assert "skipped" in rows["interleaved"] or rows["interleaved"]["ratio"] > 0  # interleaved needs M % P == 0: runs
+    assert rows["1f1b"]["predicted_makespan_s"] > 0 and rows["1f1b"]["measured_makespan_s"]["n"] == 1
+    assert set(got["profile"]["cost"]) >= {"F", "B", "I", "W", "comm", "send"}
+    assert got["overhead"]["P1_s_per_compute_op"] > 0 and "zero_compute_P2_s_per_compute_op" in got["overhead"]
+
+
+@pytest.mark.slow
+def test_schedules(tmp_path):
+    png = tmp_path / "cmp.png"
+    got = run(tmp_path, "schedules", "--P", "2", "--M-factors", "2", "--png", str(png), *TINY)
+    rows = {r["schedule"]: r for r in got["rows"]}
+    assert set(rows) == {"1f1b", "interleaved", "chimera", "hanayo-W1", "hanayo-W2"}
+    assert all(r["M"] == 4 and r["predicted_makespan_s"] > 0 and "measured_makespan_s" in r for r in rows.values())
+    assert rows["1f1b"]["speedup_vs_1f1b"] == 1.0
+    assert png.stat().st_size > 0 and got["picture"] == str(png)
+
+
+@pytest.mark.slow
+def test_compiler_scale_appends_to_the_same_table(tmp_path):
+    got = run(tmp_path, "compiler_scale", "--quick")
+    assert got["benchmark"] == "compiler_scale" and got["rows"] and got["growth_exponent"] > 0
