@@ -212,16 +212,17 @@ def run_steps(pipe: Any, x: Any, y: Any, steps: int, trace: bool = True) -> tupl
     return times, timelines
 
 
-def fit_profile(timelines: Sequence[Any]) -> Any:
+def fit_profile(timelines: Sequence[Any], statistic: str = "mean") -> Any:
     """One cost model from profiles: F, B, messages and sends from the first (a B schedule), I and W
-    (overall and per stage) from a split-backward profile if one is given."""
+    (overall and per stage) from a split-backward profile if one is given.  Means by default: the
+    simulator sums costs along paths, and a path's expected length is the sum of the mean costs."""
     from dataclasses import replace
 
     from pipedsl import Cost
 
-    base = Cost.fit(timelines[0])
+    base = Cost.fit(timelines[0], statistic)
     for tl in timelines[1:]:
-        other = Cost.fit(tl)
+        other = Cost.fit(tl, statistic)
         if not any(e.instr.op.value == "I" for ev in tl.ranks for e in ev):
             continue
         per_stage = {s: dict(v) for s, v in base.per_stage.items()}

@@ -10,8 +10,8 @@ the median over the traced steps.
 Two predictions per row: `ideal` — the simulator with the nominal sleeps and free messages
 (what the schedule promises); `predicted` — the same plus the runtime's costs, fitted once per
 P from a short 1F1B profile at M = 2P: the per-op overshoot of each kind (measured minus
-nominal, added to every op), the message latency and the send issue time.  Never fitted to
-the runs it predicts.
+nominal, added to every op), the message latency and the send issue time (means: see
+fidelity.py).  Never fitted to the runs it predicts.
 
 Writes benchmarks/results/schedules.json and a stacked picture of the measured timelines at
 the first (P, M) of the run with M = 2P (benchmarks/results/schedules_P4_M8.png by default).

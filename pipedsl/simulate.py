@@ -65,7 +65,7 @@ class Cost:
         return replace(cost, per_stage=per_stage) if per_stage else cost
 
     @classmethod
-    def fit(cls, timeline: Timeline) -> Cost:
+    def fit(cls, timeline: Timeline, statistic: str = "median") -> Cost:
         """The costs a (measured) timeline shows: the median duration of each compute kind
         overall and per stage, of REDUCE_GRAD, OPTIMIZER_STEP and sends (`send`), and as `comm` the median
         delay from a send's start to the start of the compute op consuming the message, over
@@ -73,7 +73,14 @@ class Cost:
         started (so the delay is the message's own).  The consumer's start, not the RECV's end,
         marks the arrival: the runtime posts receives early and waits in the consumer, the
         simulator blocks in the RECV right before it — both start the consumer on arrival.
-        Kinds absent from the trace keep the default ratios to F."""
+        Kinds absent from the trace keep the default ratios to F.
+
+        `statistic="mean"` takes means instead of medians: the simulator adds costs along
+        paths, and the expected length of a path is the sum of the *mean* costs — medians
+        leave out the tail of a skewed distribution (a send that blocks, a late wake-up)."""
+        if statistic not in ("median", "mean"):
+            raise PipeDSLError(f"Cost.fit: statistic is 'median' or 'mean', got {statistic!r}")
+        center = statistics.median if statistic == "median" else statistics.fmean
         durations: dict[tuple[str, int | None], list[float]] = {}
         sends: dict[tuple, float] = {}
         waits: list[tuple[tuple, float, float]] = []  # (message, receiver ready, consumer start)
@@ -99,7 +106,7 @@ class Cost:
                         op is Op.RECV_F, ins.mb, ins.stage, ins.replica, ins.peer, rank)
                     continue
                 ready = e.end
-        med = {k: statistics.median(v) for k, v in durations.items()}
+        med = {k: center(v) for k, v in durations.items()}
         f = med.get(("F", None), 1.0)
         base = {"F": f, "B": med.get(("B", None), 2 * f)}
         base["I"] = med.get(("I", None), base["B"] / 2)
@@ -109,7 +116,7 @@ class Cost:
         for (kind, stage), value in med.items():
             if stage is not None:
                 per_stage.setdefault(stage, {})[kind] = value
-        return cls(**base, comm=statistics.median(delays) if delays else 0.0,
+        return cls(**base, comm=center(delays) if delays else 0.0,
                    reduce=med.get(("REDUCE_GRAD", None), 0.0), step=med.get(("OPTIMIZER_STEP", None), 0.0),
                    send=med.get(("send", None), 0.0), per_stage=per_stage)
 

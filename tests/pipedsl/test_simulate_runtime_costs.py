@@ -48,3 +48,18 @@ def test_fit_reads_arrival_from_the_consumer_not_the_posted_receive():
     fitted = Cost.fit(Timeline("t", {}, ranks, "measured"))
     assert fitted.comm == pytest.approx(0.3)  # both messages: consumer start − send start
     assert fitted.send == pytest.approx(0.1)
+
+
+def test_fit_with_means_counts_the_tail():
+    program = pipedsl.load("gpipe").compile(P=1, M=3)
+    r0 = program.ranks[0]
+    times = {"F0.0": (0, 1), "F1.0": (1, 2), "F2.0": (2, 6)}  # one slow forward
+    t, events = 6.0, []
+    for ins in r0:
+        s, e = times.get(str(ins), (t, t + 1 if ins.op is Op.B else t))
+        events.append(Event(ins, s, e))
+        t = max(t, e)
+    tl = Timeline("t", {}, (tuple(events),), "measured")
+    assert Cost.fit(tl).F == pytest.approx(1) and Cost.fit(tl, "mean").F == pytest.approx(2)
+    with pytest.raises(pipedsl.PipeDSLError, match="statistic"):
+        Cost.fit(tl, "max")
