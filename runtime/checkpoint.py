@@ -26,7 +26,8 @@ for later ZeRO / tensor-parallel state.
 Test hook (tests only): `PIPEDSL_FAULT=POINT:RANK:STEP` makes that rank SIGKILL itself at
 `POINT` of that step: `save-part` (its part half written under the temporary name) or
 `save-manifest` (rank 0, the manifest written under its temporary name, not yet renamed);
-`step` is used by `pipedsl train` (mid-step, see train_cli.py).
+`pipedsl train` uses `step` (killed mid-step) and `hang` (stopped mid-step, SIGSTOP: a stuck
+rank that never exits), see train_cli.py.
 """
 
 from __future__ import annotations
@@ -486,9 +487,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def fault_point(point: str, rank: int, step: int) -> None:
-    """Test-only hook: SIGKILL this process if PIPEDSL_FAULT is `point:rank:step` (see the module docstring)."""
+    """Test-only hook: if PIPEDSL_FAULT is `point:rank:step`, SIGKILL this process (`hang`: SIGSTOP it)."""
     if os.environ.get("PIPEDSL_FAULT") == f"{point}:{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if point == "hang" else signal.SIGKILL)
 
 
 def _read_part(path: Path, part: dict[str, Any]) -> dict[str, Any]:

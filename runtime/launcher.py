@@ -172,7 +172,7 @@ def _report(outcome: dict[str, Any], procs: list, join_timeout: float) -> list[A
             if not consequence:
                 causes.append(rank)
         elif rank in outcome["killed"] and not outcome["timed_out"]:
-            errors[rank] = f"still running {outcome['grace']:g} s after another rank failed; killed"
+            errors[rank] = f"stuck: still running {outcome['grace']:g} s after another rank stopped; killed"
         elif p.exitcode is not None and p.exitcode < 0 and rank not in outcome["killed"]:
             errors[rank] = f"killed by signal {signal.Signals(-p.exitcode).name}"
             causes.append(rank)
@@ -183,6 +183,8 @@ def _report(outcome: dict[str, Any], procs: list, join_timeout: float) -> list[A
             causes.append(rank)
     if not errors:
         return [got[r][1] for r in range(len(procs))]
-    first = causes[0] if causes else min(errors)
+    # no rank failed on its own: the ones that stopped blamed a peer; blame the one left running (stuck)
+    stuck = sorted(outcome["killed"]) if not outcome["timed_out"] else []
+    first = causes[0] if causes else (stuck[0] if stuck else min(errors))
     notes = tuple(f"rank {r}: {m.splitlines()[0] if m else m}" for r, m in sorted(errors.items()) if r != first)
     raise PipeRuntimeError(f"rank {first} failed: {errors[first]}", notes=notes)

@@ -344,9 +344,10 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
 
 
 def _arm_step_fault(pipe: Any, rank: int) -> None:
-    """Test-only: with PIPEDSL_FAULT=step:RANK:STEP, this rank SIGKILLs itself in the middle of that step
-    (at its first stage's forward of microbatch M/2)."""
-    if not os.environ.get("PIPEDSL_FAULT", "").startswith("step:"):
+    """Test-only: with PIPEDSL_FAULT=step:RANK:STEP (hang:RANK:STEP), this rank SIGKILLs (SIGSTOPs) itself in
+    the middle of that step, at its first stage's forward of microbatch M/2."""
+    point = os.environ.get("PIPEDSL_FAULT", "").partition(":")[0]
+    if point not in ("step", "hang"):
         return
     from .checkpoint import fault_point
 
@@ -359,6 +360,6 @@ def _arm_step_fault(pipe: Any, rank: int) -> None:
             seen.update(step=step, n=0)
         seen["n"] += 1
         if seen["n"] == pipe.num_microbatches // 2 + 1:
-            fault_point("step", rank, step)
+            fault_point(point, rank, step)
 
     first.register_forward_pre_hook(hook)

@@ -112,3 +112,22 @@ def test_the_join_timeout_bounds_a_whole_run(tmp_path) -> None:
     assert lines == ["runtime error: rank 0 failed: still running after the join timeout (6 s); killed",
                      "  note: rank 1: still running after the join timeout (6 s); killed"], proc.stderr
     assert elapsed < 6 + 60
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_is_named_and_killed_in_bounded_time(tmp_path) -> None:
+    """A rank that stops (SIGSTOP) but never exits: its peer gives up after --timeout, the launcher kills it
+    after its grace period (timeout + 15 s) and names it as the rank that failed."""
+    timeout = 8
+    sizes = [a if a != str(TIMEOUT) else str(timeout) for a in SIZES]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPEDSL_FAULT": "hang:1:3"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pipedsl.cli", "train", *sizes, "-o", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=HARD_LIMIT, env=env)
+    elapsed = time.monotonic() - t0
+    err = proc.stderr.splitlines()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert err[0] == f"runtime error: rank 1 failed: stuck: still running {timeout + 15} s after another rank " \
+                     f"stopped; killed", proc.stderr
+    assert err[1].startswith("  note: rank 0: ") and "rank 1" in err[1][len("  note: rank 0: "):], proc.stderr
+    assert timeout + 15 <= elapsed < timeout + 15 + 60
