@@ -243,7 +243,9 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
          extra: Any = None, shards: Any = None, timeout: float = 300.0) -> CheckpointInfo:
     """Write this rank's part of checkpoint `step` under `directory`; call on every rank of the pipeline.
 
-    Returns once the checkpoint is complete (rank 0 wrote the manifest).  A rank that does not
+    `extra` (returned by `load` on the same rank) and `shards` (free-form, e.g. ZeRO shards) hold
+    tensors, numbers, strings and lists, tuples and dicts of them.  Returns once the checkpoint
+    is complete (rank 0 wrote the manifest).  A rank that does not
     report its part within `timeout` seconds makes the others raise an error naming it; the
     half-written checkpoint then has no manifest and never counts.
     """
@@ -253,6 +255,8 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
     store, prefix = _begin(pipe)
     seen = _failures(store)
     try:
+        _check_plain(extra, f"rank {rank}: extra")
+        _check_plain(shards, f"rank {rank}: shards")
         if rank == 0:
             try:
                 target.mkdir(parents=True, exist_ok=True)
@@ -263,7 +267,7 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
             store.set(prefix + "begin", "1")
         else:
             _wait(store, [prefix + "begin"], timeout, seen, rank, step, lambda missing: [0],
-                  "to prepare the checkpoint directory")
+                  "preparing the checkpoint directory")
         data, meta = _part(pipe, step, optimizer, extra, shards)
         meta["file"] = f"rank-{rank:05d}.pt"
         try:
@@ -274,7 +278,7 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
         store.set(prefix + f"part/{rank}", json.dumps(meta))
         keys = [prefix + f"part/{r}" for r in range(world)]
         _wait(store, keys, timeout, seen, rank, step,
-              lambda missing: [int(k.rsplit("/", 1)[1]) for k in missing], "to write its part")
+              lambda missing: [int(k.rsplit("/", 1)[1]) for k in missing], "writing its part")
         if rank == 0:
             metas = [json.loads(store.get(k)) for k in keys]
             manifest = _manifest(pipe, step, metas)
@@ -284,8 +288,10 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
             except OSError as err:
                 raise CheckpointError(f"rank 0: cannot write {target / MANIFEST}: {err.strerror or err}") from None
             store.set(prefix + "done", "1")
+            for stale in target.glob(".*.tmp-*"):  # left by an earlier, interrupted save of this step
+                stale.unlink(missing_ok=True)
         else:
-            _wait(store, [prefix + "done"], timeout, seen, rank, step, lambda missing: [0], "to write the manifest")
+            _wait(store, [prefix + "done"], timeout, seen, rank, step, lambda missing: [0], "writing the manifest")
             manifest = _read_manifest(target)
     except CheckpointError as err:
         record_failure(rank, err.message)
@@ -300,6 +306,26 @@ def _supported(pipe: Any, what: str) -> None:
         return
     raise CheckpointError(f"cannot {what} a checkpoint of a pipeline with dp={cfg.dp}, tp={cfg.tp}, zero={cfg.zero} "
                           f"yet: only pipeline-parallel state (dp=1, or loading with zero=0 and tp=1) is supported")
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.Size)
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """`extra` / `shards` are loaded back with torch.load(weights_only=True): tensors, numbers, strings and
+    lists, tuples and dicts of them.  Say so now, not when the checkpoint is loaded."""
+    if isinstance(obj, _PLAIN):
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_plain(k, f"{where} key {k!r}")
+            _check_plain(v, f"{where}[{k!r}]")
+    else:
+        raise CheckpointError(f"{where} is a {type(obj).__name__}: a checkpoint holds tensors, numbers, strings "
+                              f"and lists, tuples and dicts of them (convert it, e.g. a NumPy array to a tensor)")
 
 
 def _begin(pipe: Any) -> tuple[Any, str]:

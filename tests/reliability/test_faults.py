@@ -90,6 +90,7 @@ def test_rank_killed_while_saving_leaves_no_valid_checkpoint(tmp_path, reference
     assert "resumed at step 2" in proc.stdout
     assert losses(tmp_path, "resumed") == {s: reference[s] for s in (3, 4, 5, 6)}
     assert checkpoint.check(step4, verify=True).step == 4, "the step is saved again, completely"
+    assert not [p.name for p in step4.iterdir() if ".tmp-" in p.name], "the stale temporary part is gone"
 
 
 @pytest.mark.slow
