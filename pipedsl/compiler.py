@@ -40,7 +40,7 @@ CONTEXT: dict[str, tuple[str, ...]] = {
 }
 ALL_CONTEXT = ("m", "s", "v", "c", "r")
 BUILTIN_PARAMS = ("P", "M")
-MAX_COMPUTE_OPS = 2_000_000  # forwards per step: ~8M instructions, ~40 s and a few GB to compile
+MAX_COMPUTE_OPS = 500_000  # forwards per step: ~2.5M instructions, ~12 s and ~1 GB to compile
 _OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
 
 
