@@ -56,7 +56,7 @@ def test_unusable_schedules_get_a_reason_instead_of_numbers():
     rows = {r.schedule: r for r in compare(["gpipe", "interleaved", "chimera", "hanayo", "nope"], 3, 4,
                                            {"V": 2})}
     assert rows["gpipe"].reason == "takes no parameter V (parameters: none)"
-    assert rows["hanayo"].reason == "takes no parameter V (parameters: W)"
+    assert rows["hanayo"].reason == "takes no parameter V (parameters: W, E)"
     assert "multiple of P" in rows["interleaved"].reason
     chimera = rows["chimera"].reason
     assert "takes no parameter V" in chimera
