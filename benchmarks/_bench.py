@@ -254,3 +254,19 @@ def cost_dict(cost: Any) -> dict[str, Any]:
     from dataclasses import asdict
 
     return {k: v for k, v in asdict(cost).items() if k != "bandwidth" or v != float("inf")}
+
+
+def average_cost(costs: Sequence[Any]) -> Any:
+    """Field-wise mean of cost models (one per profiled round)."""
+    from dataclasses import fields, replace
+
+    out = costs[0]
+    for f in fields(out):
+        if f.name == "per_stage":
+            stages = {s for c in costs for s in c.per_stage}
+            per = {s: {k: sum(c.per_stage[s][k] for c in costs) / len(costs) for k in costs[0].per_stage.get(s, {})}
+                   for s in stages}
+            out = replace(out, per_stage=per)
+        elif isinstance(getattr(out, f.name), float) and getattr(out, f.name) != float("inf"):
+            out = replace(out, **{f.name: sum(getattr(c, f.name) for c in costs) / len(costs)})
+    return out

@@ -1,9 +1,12 @@
 """Fidelity: measured makespan over simulated makespan for every built-in schedule, and the
 runtime's own overhead per instruction.
 
-The cost model is fitted once, from a short *profile* (one traced step of 1F1B for F, B, the
-message latency and the send cost, one of ZB-H1 for I and W), then used to predict every
-schedule — the simulator is never fitted to the run it is compared with.  The fit takes
+The cost model is fitted from a *profile* — traced steps of 1F1B (F, B, the message latency
+and the send cost) and of ZB-H1 (I and W) on pipelines of their own — and predicts every
+schedule; the simulator is never fitted to the steps it is compared with.  Profile and
+measured steps alternate in rounds (one traced step of each per round, the direction
+reversed every round), so load that drifts during the run reaches both alike; the cost is
+the mean of the per-round fits.  The fit takes
 means (a path's expected length is the sum of mean costs); the prediction from medians
 (`Cost.fit`'s default) is reported beside it.  Each schedule runs on
 the synthetic stage (every stage sleeps F forward, I = W = B/2 backward) in one group of P
@@ -48,29 +51,41 @@ def _rank_main(rank: int, cfg: dict) -> dict:
     P, M, F, B = cfg["P"], cfg["M"], cfg["F"], cfg["B"]
     x, y = _bench.sleep_batch(M)
 
-    def measure(program, F: float, B: float, steps: int) -> tuple[list[float], list]:
+    def pipeline(program, F: float, B: float):
         pipe = pipedsl.Pipeline(_bench.sleep_stages(program.num_stages, F, B), program=program,
                                 loss_fn=_bench.sleep_loss)
         _bench.run_steps(pipe, x, y, cfg["warmup"], trace=False)
-        return _bench.run_steps(pipe, x, y, steps)
+        return pipe
 
-    profiles = {name: measure(_program(name, P, M)[0], F, B, 1)[1] for name in PROFILES}
+    # profile pipelines and measured pipelines are separate; every round runs one traced step of each,
+    # in alternating direction, so load that drifts during the run reaches profile and measurement alike
+    runs: dict[str, object] = {f"profile:{n}": pipeline(_program(n, P, M)[0], F, B) for n in PROFILES}
     out: dict = {"rows": [], "profile": {}}
-    cost = None
-    if rank == 0:
-        cost = _bench.fit_profile([profiles[n][-1] for n in PROFILES], "mean")
-        cost_median = _bench.fit_profile([profiles[n][-1] for n in PROFILES], "median")
-        out["profile"] = {"schedules": list(PROFILES), "statistic": "mean", "cost": _bench.cost_dict(cost),
-                          "cost_median": _bench.cost_dict(cost_median)}
-    gaps, sends = [], []
     for name in cfg["schedules"]:
         program, reason = _program(name, P, M)
         if program is None:
             out["rows"].append({"schedule": name, "skipped": reason})
+        else:
+            runs[name] = pipeline(program, F, B)
+    got: dict[str, tuple[list, list]] = {k: ([], []) for k in runs}
+    order = list(runs)
+    for rnd in range(cfg["reps"]):
+        for key in (order if rnd % 2 == 0 else order[::-1]):
+            times, tls = _bench.run_steps(runs[key], x, y, 1)
+            got[key][0].extend(times)
+            got[key][1].extend(tls)
+    if rank == 0:
+        profiles = [[tls for tls in got[f"profile:{n}"][1]] for n in PROFILES]
+        cost = _bench.average_cost([_bench.fit_profile(list(step), "mean") for step in zip(*profiles)])
+        cost_median = _bench.average_cost([_bench.fit_profile(list(step), "median") for step in zip(*profiles)])
+        out["profile"] = {"schedules": list(PROFILES), "steps": cfg["reps"], "statistic": "mean",
+                          "cost": _bench.cost_dict(cost), "cost_median": _bench.cost_dict(cost_median)}
+    gaps, sends = [], []
+    for name in cfg["schedules"]:
+        if name not in runs or rank != 0:
             continue
-        times, tls = measure(program, F, B, cfg["reps"])
-        if rank != 0:
-            continue
+        program = runs[name].program
+        times, tls = got[name]
         measured = [tl.makespan for tl in tls]
         predicted = pipedsl.simulate(program, cost).makespan
         predicted_median = pipedsl.simulate(program, cost_median).makespan
@@ -88,6 +103,12 @@ def _rank_main(rank: int, cfg: dict) -> dict:
             "nominal_makespan_s": nominal, "ratio_to_nominal": med / nominal,
             "self_fit_ratio": med / _bench.median(self_fit),
         })
+    order_of = {n: i for i, n in enumerate(cfg["schedules"])}
+    out["rows"].sort(key=lambda r: order_of[r["schedule"]])
+
+    def measure(program, F: float, B: float, steps: int) -> tuple[list[float], list]:
+        return _bench.run_steps(pipeline(program, F, B), x, y, steps, trace=False)
+
     # zero compute at P: the runtime and the messages alone
     zero_program = _program("1f1b", P, cfg["zero_M"])[0]
     zero_times, _ = measure(zero_program, 0.0, 0.0, cfg["zero_steps"])

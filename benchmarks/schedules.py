@@ -8,8 +8,9 @@ P local processes; the schedules alternate over `--reps` rounds, and the measure
 the median over the traced steps.
 
 Two predictions per row: `ideal` — the simulator with the nominal sleeps and free messages
-(what the schedule promises); `predicted` — the same plus the runtime's costs, fitted once per
-P from a short 1F1B profile at M = 2P: the per-op overshoot of each kind (measured minus
+(what the schedule promises); `predicted` — the same plus the runtime's costs, fitted from a
+1F1B profile at M = 2P run on a pipeline of its own, one traced step per round beside the
+measured schedules (so load that drifts reaches both): the per-op overshoot of each kind (measured minus
 nominal, added to every op), the message latency and the send issue time (means: see
 fidelity.py).  Never fitted to the runs it predicts.
 
@@ -62,17 +63,12 @@ def _rank_main(rank: int, cfg: dict) -> dict:
     import pipedsl
 
     P, F, B = cfg["P"], cfg["F"], cfg["B"]
-    # the profile: 1F1B at M = 2P, traced
+    # the profile: 1F1B at M = 2P on a pipeline of its own, one traced step per round beside the measured ones
     prof = pipedsl.load("1f1b").compile(P=P, M=2 * P)
     px, py = _bench.sleep_batch(2 * P)
-    pipe = pipedsl.Pipeline(_bench.sleep_stages(P, F, B), program=prof, loss_fn=_bench.sleep_loss)
-    _bench.run_steps(pipe, px, py, cfg["warmup"], trace=False)
-    _, prof_tls = _bench.run_steps(pipe, px, py, 2)
-    out: dict = {"P": P, "rows": [], "timelines": {}}
-    if rank == 0:
-        fit = _bench.fit_profile(prof_tls[-1:])
-        out["profile"] = {"schedule": "1f1b", "M": 2 * P, "cost": _bench.cost_dict(fit),
-                          "overshoot_F_s": fit.F - F, "overshoot_B_s": fit.B - B}
+    profile = pipedsl.Pipeline(_bench.sleep_stages(P, F, B), program=prof, loss_fn=_bench.sleep_loss)
+    _bench.run_steps(profile, px, py, cfg["warmup"], trace=False)
+    out: dict = {"P": P, "rows": [], "timelines": {}, "profiles": []}
     for M in cfg["Ms"](P):
         x, y = _bench.sleep_batch(M)
         pipes, skipped = {}, {}
@@ -86,14 +82,22 @@ def _rank_main(rank: int, cfg: dict) -> dict:
                                             loss_fn=_bench.sleep_loss)
             _bench.run_steps(pipes[label], x, y, cfg["warmup"], trace=False)
         got: dict[str, tuple[list, list]] = {label: ([], []) for label in pipes}
-        order = list(pipes)
+        order = [*pipes, "profile"]
+        prof_tls = []
         for rnd in range(cfg["reps"]):
             for label in (order if rnd % 2 == 0 else order[::-1]):
+                if label == "profile":
+                    prof_tls += _bench.run_steps(profile, px, py, 1)[1]
+                    continue
                 times, tls = _bench.run_steps(pipes[label], x, y, 1)
                 got[label][0].extend(times)
                 got[label][1].extend(tls)
         if rank != 0:
             continue
+        fit = _bench.average_cost([_bench.fit_profile([tl]) for tl in prof_tls])
+        out["profiles"].append({"M": M, "schedule": "1f1b", "profile_M": 2 * P, "steps": len(prof_tls),
+                                "cost": _bench.cost_dict(fit), "overshoot_F_s": fit.F - F,
+                                "overshoot_B_s": fit.B - B})
         for label, (times, tls) in got.items():
             program = pipes[label].program
             nominal = _nominal(program, P, F, B)

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gpt-rows", type=int, default=4, help="sequences per microbatch (GPT)")
     ap.add_argument("--schedules", nargs="+", choices=SCHEDULE_NAMES, default=SCHEDULE_NAMES)
     ap.add_argument("--reps", type=int, help="repetitions per runtime (default 7; --quick 3)")
-    ap.add_argument("--steps", type=int, default=2, help="steps per repetition")
+    ap.add_argument("--steps", type=int, default=2, help="steps per repetition (sleep workload)")
+    ap.add_argument("--gpt-steps", type=int, default=10, help="steps per repetition (GPT: ~50 ms steps, more per rep)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="output file (default benchmarks/results/vs_torch.json)")
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'ratio':>6} {'paired':>6}")
     for workload, P in jobs:
         M = args.M or 2 * P
-        cfg = {"M": M, "F": args.F, "B": args.B, "reps": reps, "steps": args.steps, "warmup": args.warmup,
+        steps = args.steps if workload == "sleep" else args.gpt_steps
+        cfg = {"M": M, "F": args.F, "B": args.B, "reps": reps, "steps": steps, "warmup": args.warmup,
                "gpt_rows": args.gpt_rows}
         for name in args.schedules:
             out = pipedsl.launch(_rank_main, P, workload, name, P, cfg, threads=1, timeout=120)[0]
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['ratio_paired_median']:>6.3f}", flush=True)
     command = "python benchmarks/vs_torch.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     result = {"benchmark": "vs_torch", "command": command, "machine": _bench.machine(), "date": _bench.today(),
-              "config": {"F": args.F, "B": args.B, "reps": reps, "steps": args.steps, "warmup": args.warmup,
+              "config": {"F": args.F, "B": args.B, "reps": reps, "steps": args.steps, "gpt_steps": args.gpt_steps,
+                         "warmup": args.warmup,
                          "threads_per_rank": 1, "backend": "gloo"},
               "rows": rows}
     _bench.write_json("vs_torch", result, args.json)

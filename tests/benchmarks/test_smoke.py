@@ -29,7 +29,7 @@ def run(tmp_path: Path, script: str, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_vs_torch(tmp_path):
-    got = run(tmp_path, "vs_torch", "--workload", "both", "--P", "2", "--schedules", "1f1b", "--steps", "1", *TINY)
+    got = run(tmp_path, "vs_torch", "--workload", "both", "--P", "2", "--schedules", "1f1b", "--steps", "1", "--gpt-steps", "1", *TINY)
     assert got["benchmark"] == "vs_torch" and got["machine"] and got["date"]
     assert [(r["workload"], r["schedule"], r["P"]) for r in got["rows"]] == [("sleep", "1f1b", 2), ("gpt", "1f1b", 2)]
     for r in got["rows"]:
