@@ -3,20 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 
 from pipedsl.errors import PipeDSLError
 
 
+def _number(text: str, convert: type, ok, requirement: str) -> int | float:
+    """Parse `text` with `convert` and check `ok(value)`; an argparse error names `requirement`."""
+    try:
+        v = convert(text)
+    except ValueError:
+        kind = "an integer" if convert is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"{text} {requirement}")
+    return v
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer ≥ 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return v
+    return _number(text, int, lambda v: v >= 1, "must be at least 1")
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer ≥ 0."""
+    return _number(text, int, lambda v: v >= 0, "must not be negative")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds, rates)."""
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "must be a positive, finite number")
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1)."""
+    return _number(text, float, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
 
 
 def add_sizes(p: argparse.ArgumentParser, many: bool = False) -> None:

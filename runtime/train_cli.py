@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -29,65 +28,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pipedsl.arguments import fraction, nonnegative_int, positive_float, positive_int
+
 N_HEAD = 4
 VOCAB = 64
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return v
-
-
-def _nonnegative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text} must not be negative")
-    return v
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of seconds")
-    return v
-
-
-def _rate(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number")
-    return v
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"{text} must be in [0, 1)")
-    return v
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a small GPT on synthetic tokens with a schedule (local processes)")
     p.add_argument("--schedule", default="1f1b", help="a built-in name or a .pipe file (default 1f1b)")
-    p.add_argument("-P", "--ranks", type=_positive, default=4, help="pipeline ranks = local processes (default 4)")
-    p.add_argument("-M", "--microbatches", type=_positive, default=8, help="microbatches per step (default 8)")
+    p.add_argument("-P", "--ranks", type=positive_int, default=4, help="pipeline ranks = local processes (default 4)")
+    p.add_argument("-M", "--microbatches", type=positive_int, default=8, help="microbatches per step (default 8)")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE", help="a schedule parameter")
     _add_training_options(p, "out/train")
     return p
@@ -97,30 +48,31 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p = subparsers.add_parser("run", help="train the small GPT with a compiled program file (JSON, CSV or text)")
     p.add_argument("--program", required=True, metavar="FILE",
                    help="a program as written by `pipedsl compile --format json|csv|text`")
-    p.add_argument("-P", "--ranks", type=_positive, help="the ranks the program must have (default: its own)")
+    p.add_argument("-P", "--ranks", type=positive_int, help="the ranks the program must have (default: its own)")
     p.add_argument("--model", choices=("gpt",), default="gpt", help="the model to train (default gpt)")
     _add_training_options(p, "out/run")
     return p
 
 
 def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
-    p.add_argument("--steps", type=_positive, default=20, help="train until this step (default 20)")
-    p.add_argument("--batch", type=_nonnegative, default=0, help="sequences per step (default 4·M)")
-    p.add_argument("--seq", type=_positive, default=32, help="tokens per sequence (default 32)")
-    p.add_argument("--layers", type=_nonnegative, default=0, help="transformer blocks (default: 2 per stage)")
-    p.add_argument("--embd", type=_positive, default=64, help=f"embedding width, a multiple of {N_HEAD} (default 64)")
-    p.add_argument("--lr", type=_rate, default=3e-3)
-    p.add_argument("--dropout", type=_fraction, default=0.0, help="dropout probability (default 0)")
+    p.add_argument("--steps", type=positive_int, default=20, help="train until this step (default 20)")
+    p.add_argument("--batch", type=nonnegative_int, default=0, help="sequences per step (default 4·M)")
+    p.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence (default 32)")
+    p.add_argument("--layers", type=nonnegative_int, default=0, help="transformer blocks (default: 2 per stage)")
+    p.add_argument("--embd", type=positive_int, default=64,
+                   help=f"embedding width, a multiple of {N_HEAD} (default 64)")
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--dropout", type=fraction, default=0.0, help="dropout probability (default 0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=_seconds, default=120.0,
+    p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds before a silent rank counts as failed (process group; default 120)")
-    p.add_argument("--checkpoint-timeout", type=_seconds, metavar="SECONDS",
+    p.add_argument("--checkpoint-timeout", type=positive_float, metavar="SECONDS",
                    help="seconds to wait for the other ranks' checkpoint parts (default: --timeout)")
-    p.add_argument("--join-timeout", type=_seconds, default=3600.0,
+    p.add_argument("--join-timeout", type=positive_float, default=3600.0,
                    help="seconds the whole run may take before its processes are killed (default 3600)")
-    p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints under DIR/step-NNNNNNNN/")
-    p.add_argument("--checkpoint-every", type=_nonnegative, default=0, metavar="N",
+    p.add_argument("--checkpoint-every", type=nonnegative_int, default=0, metavar="N",
                    help="checkpoint every N steps (default: only after the last step)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), "
