@@ -118,19 +118,8 @@ class GradReducer:
         return grads
 
     def _issue(self, stage: int, group: dist.ProcessGroup) -> None:
-        grads = self._grads(stage)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        flats = self._flat.get(stage)
-        if flats is None:
-            flats = self._flat[stage] = [torch.empty(sum(g.numel() for g in gs), dtype=dt, device=gs[0].device)
-                                         for dt, gs in by_dtype.items()]
-        works = []
-        for flat, gs in zip(flats, by_dtype.values()):
-            torch.cat([g.reshape(-1) for g in gs], out=flat)
-            works.append(dist.all_reduce(flat, group=group, async_op=True))
-        self._inflight.append((stage, works, flats, list(by_dtype.values())))
+        works, flats, groups = flat_all_reduce(self._grads(stage), self._flat, stage, group)
+        self._inflight.append((stage, works, flats, groups))
 
     def _complete(self, item: tuple[int, object, list, list]) -> None:
         stage, works, flats, groups = item
@@ -183,22 +172,33 @@ class DataParallelReducer:
     def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
         if self.size == 1:
             return None
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        grads = []
         for p in module.parameters():
             if not p.requires_grad:
                 continue
             if p.grad is None:  # every rank must send the same layout
                 p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        flats = self._flat.get(stage)
-        if flats is None:
-            flats = self._flat[stage] = [torch.empty(sum(g.numel() for g in gs), dtype=dt, device=gs[0].device)
-                                         for dt, gs in by_dtype.items()]
-        works = []
-        for flat, gs in zip(flats, by_dtype.values()):
-            torch.cat([g.reshape(-1) for g in gs], out=flat)
-            works.append(dist.all_reduce(flat, group=self.group, async_op=True))
-        return _AveragedReduction(works, flats, list(by_dtype.values()), self.size)
+            grads.append(p.grad)
+        works, flats, groups = flat_all_reduce(grads, self._flat, stage, self.group)
+        return _AveragedReduction(works, flats, groups, self.size)
+
+
+def flat_all_reduce(grads: list[torch.Tensor], cache: dict[int, list[torch.Tensor]], key: int,
+                    group: dist.ProcessGroup) -> tuple[list, list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Async sum-all-reduce of `grads` through one flat buffer per dtype (kept in `cache[key]`
+    between steps): the works, the buffers, and the gradients grouped as the buffers are."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    flats = cache.get(key)
+    if flats is None:
+        flats = cache[key] = [torch.empty(sum(g.numel() for g in gs), dtype=dt, device=gs[0].device)
+                              for dt, gs in by_dtype.items()]
+    works = []
+    for flat, gs in zip(flats, by_dtype.values()):
+        torch.cat([g.reshape(-1) for g in gs], out=flat)
+        works.append(dist.all_reduce(flat, group=group, async_op=True))
+    return works, flats, list(by_dtype.values())
 
 
 class _AveragedReduction:
