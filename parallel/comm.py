@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import contextvars
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -187,104 +188,60 @@ def chunk_of(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch
 # ---------------------------------------------------------------------------------------- autograd operators
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
+class _Collective(torch.autograd.Function):
+    """A differentiable collective: `forward_fn` on the input, `backward_fn` on its gradient."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        all_reduce(grad, ctx.group)
-        return grad, None
+    def forward(ctx, x: torch.Tensor, forward_fn, backward_fn) -> torch.Tensor:
+        ctx.backward_fn = backward_fn
+        return forward_fn(x)
 
-
-class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        out = x.contiguous().clone()
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.backward_fn(grad), None, None
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t.view_as(t)
+
+
+def _summed(group: ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Out-of-place all-reduce (the autograd input must not change)."""
+    def run(t: torch.Tensor) -> torch.Tensor:
+        out = t.contiguous().clone()
         all_reduce(out, group)
         return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _AllReduceBoth(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        out = x.contiguous().clone()
-        all_reduce(out, group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        all_reduce(grad, ctx.group)
-        return grad, None
-
-
-class _GatherAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherSplit(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return chunk_of(grad, ctx.group, ctx.dim), None, None
-
-
-class _ScatterAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return all_gather(grad, ctx.group, ctx.dim), None, None
+    return run
 
 
 def copy_to_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward (input of a column-parallel linear)."""
-    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+    return x if group_size(group) == 1 else _Collective.apply(x, _identity, _summed(group))
 
 
 def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """g: all-reduce forward, identity backward (output of a row-parallel linear)."""
-    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+    return x if group_size(group) == 1 else _Collective.apply(x, _summed(group), _identity)
 
 
 def all_reduce_autograd(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """A sum over the group that every rank then uses differently: all-reduce forward and backward."""
-    return x if group_size(group) == 1 else _AllReduceBoth.apply(x, group)
+    return x if group_size(group) == 1 else _Collective.apply(x, _summed(group), _summed(group))
 
 
 def gather_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
     """All-gather along `dim` forward; reduce-scatter of the gradient backward."""
-    return x if group_size(group) == 1 else _GatherAlong.apply(x, group, dim)
+    return x if group_size(group) == 1 else _Collective.apply(x, partial(all_gather, group=group, dim=dim),
+                                                       partial(reduce_scatter, group=group, dim=dim))
 
 
 def gather_replicated(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """All-gather along `dim` forward; the gradient of this rank's slice backward (downstream is replicated)."""
-    return x if group_size(group) == 1 else _GatherSplit.apply(x, group, dim)
+    return x if group_size(group) == 1 else _Collective.apply(x, partial(all_gather, group=group, dim=dim),
+                                                       partial(chunk_of, group=group, dim=dim))
 
 
 def scatter_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
     """Reduce-scatter along `dim` forward; all-gather of the gradient backward."""
-    return x if group_size(group) == 1 else _ScatterAlong.apply(x, group, dim)
+    return x if group_size(group) == 1 else _Collective.apply(x, partial(reduce_scatter, group=group, dim=dim),
+                                                       partial(all_gather, group=group, dim=dim))
