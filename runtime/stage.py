@@ -21,7 +21,6 @@ is live until the executor released it *and* autograd freed everything it saved.
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ from torch.autograd.graph import GradientEdge, Node
 from .p2p import TensorMeta
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+_MAX_PLANS = 16  # split-backward plans kept per stage (one per graph shape seen)
 
 
 class ActivationCounter:
@@ -91,12 +91,30 @@ class Stage:
         self.scale = 1.0 / num_microbatches
         self.counter = counter
         self._params: list[nn.Parameter] | None = None
+        self._param_nodes: dict[Node, int] | None = None
+        self._plans: dict[tuple, _WeightPlan] = {}  # graph signature -> plan
 
     @property
     def params(self) -> list[nn.Parameter]:
         if self._params is None:
             self._params = [p for p in self.module.parameters() if p.requires_grad]
         return self._params
+
+    @property
+    def param_nodes(self) -> dict[Node, int]:
+        """Each parameter's AccumulateGrad node -> its index (held here, so the nodes stay the same)."""
+        if self._param_nodes is None:
+            self._param_nodes = {n: i for i, n in enumerate(map(_grad_node, self.params)) if n is not None}
+        return self._param_nodes
+
+    def _plan(self, graph: _Graph, inputs: dict[Node, int]) -> _WeightPlan:
+        """The split-backward plan for this graph's structure, derived on its first sight."""
+        plan = self._plans.get(graph.signature)
+        if plan is None:
+            if len(self._plans) >= _MAX_PLANS:  # a stage whose graph keeps changing shape
+                self._plans.pop(next(iter(self._plans)))
+            plan = self._plans[graph.signature] = _WeightPlan(graph, inputs, self.param_nodes)
+        return plan
 
     # ------------------------------------------------------------ forward
 
@@ -174,15 +192,18 @@ class Stage:
         if not outs or not want:  # nothing flows back (first stage): W does all the work
             act.grads = gs
             return self._input_grads(act, [None] * len(want)) if want else []
-        plan = _WeightPlan(outs, want, self.params)
+        inputs = {n: k for k, n in enumerate(map(_grad_node, want)) if n is not None}
+        graph = _Graph([_grad_node(t) for t in outs], inputs, self.param_nodes)
+        plan = self._plan(graph, inputs)
         captured: dict[Node, tuple] = {}
-        handles = [u.register_prehook(lambda g, u=u: captured.__setitem__(u, g)) for u in plan.nodes]
+        handles = [u.register_prehook(lambda g, u=u: captured.__setitem__(u, g))
+                   for u in map(graph.nodes.__getitem__, plan.hooked)]
         try:
             got = torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
-        act.boundary = plan.groups(captured, outs, gs)
+        act.boundary = plan.weight_groups(graph.nodes, captured, outs, gs)
         act.outputs = []  # what W needs lives on through the boundary nodes
         return self._input_grads(act, list(got))
 
@@ -199,20 +220,11 @@ class Stage:
         for roots, root_grads, pidx, clamps in groups:
             # a boundary node reached again through another root of its group keeps I's gradient
             handles = [u.register_prehook(lambda _g, saved=saved: saved) for u, saved in clamps]
-            try:
-                got = torch.autograd.grad(roots, [params[i] for i in pidx], root_grads,
-                                          retain_graph=True, allow_unused=True)
+            try:  # accumulates into .grad directly, as a full backward would
+                torch.autograd.backward(roots, root_grads, retain_graph=True, inputs=[params[i] for i in pidx])
             finally:
                 for h in handles:
                     h.remove()
-            for i, g in zip(pidx, got):
-                if g is None:
-                    continue
-                p = params[i]
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad += g
 
     # ------------------------------------------------------------ shapes
 
@@ -257,6 +269,51 @@ def _grad_node(t: torch.Tensor) -> Node | None:
     return None
 
 
+class _Graph:
+    """One backward graph, numbered breadth-first from the roots, with a structural signature.
+
+    Two graphs with equal signatures have the same node kinds, the same edges and the same
+    parameters and inputs at the same numbers, so a `_WeightPlan` computed for one holds for
+    the other: the plan is derived once per stage structure, not once per microbatch.
+    """
+
+    __slots__ = ("nodes", "children", "roots", "signature")
+
+    def __init__(self, roots: list[Node | None], inputs: dict[Node, int], params: dict[Node, int]) -> None:
+        index: dict[Node, int] = {}
+        nodes: list[Node] = []
+        sig: list = []
+        self.roots: list[int | None] = []
+        for r in roots:
+            if r is not None and r not in index:
+                index[r] = len(nodes)
+                nodes.append(r)
+            self.roots.append(None if r is None else index[r])
+        sig.append(tuple(self.roots))
+        self.children: list[list[int]] = []
+        i = 0
+        while i < len(nodes):
+            node = nodes[i]
+            i += 1
+            kids = []
+            for fn, _ in node.next_functions:
+                if fn is None:
+                    continue
+                j = index.get(fn)
+                if j is None:
+                    j = index[fn] = len(nodes)
+                    nodes.append(fn)
+                kids.append(j)
+            self.children.append(kids)
+            mark = params.get(node)
+            if mark is None:
+                mark = inputs.get(node, -1)
+                mark = -1 if mark < 0 else -2 - mark
+            sig.append((type(node), mark, *kids))
+        self.nodes = nodes
+        self.signature = tuple(sig)
+
+
 class _WeightPlan:
     """Where W restarts: nodes on the input path with a branch that leads only to parameters.
 
@@ -266,111 +323,112 @@ class _WeightPlan:
     those nodes to the parameters below their branches, one call per group of nodes that
     share parameters, so no node of I's path is recomputed (except between two nodes of one
     group, where a pre-hook pins the deeper node's gradient to I's value: no double count).
+    Everything is in node numbers of a `_Graph`, so one plan serves every graph of its shape.
     """
 
-    def __init__(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], params: list[nn.Parameter]) -> None:
-        self.roots = [_grad_node(t) for t in outputs]
-        children: dict[Node, list[Node]] = {}
-        queue = deque(r for r in self.roots if r is not None)
-        seen = set(queue)
-        while queue:
-            node = queue.popleft()
-            nxt = [fn for fn, _ in node.next_functions if fn is not None]
-            children[node] = nxt
-            for fn in nxt:
-                if fn not in seen:
-                    seen.add(fn)
-                    queue.append(fn)
-        targets_in = {n for n in map(_grad_node, inputs) if n is not None}
-        param_of = {n: i for i, n in enumerate(map(_grad_node, params)) if n is not None}
+    def __init__(self, graph: _Graph, inputs: dict[Node, int], params: dict[Node, int]) -> None:
+        children = graph.children
+        targets_in = {k for k, n in enumerate(graph.nodes) if n in inputs}
+        param_of = {k: params[n] for k, n in enumerate(graph.nodes) if n in params}
         on_path = _reaching(children, targets_in)
         to_param = _reaching(children, set(param_of))
 
-        def params_below(starts: list[Node]) -> set[int]:
+        def params_below(starts: list[int]) -> set[int]:
             found, stack, visited = set(), list(starts), set(starts)
             while stack:
                 node = stack.pop()
                 if node in param_of:
                     found.add(param_of[node])
-                for c in children.get(node, ()):
-                    if c in to_param and c not in visited:
+                for c in children[node]:
+                    if to_param[c] and c not in visited:
                         visited.add(c)
                         stack.append(c)
             return found
 
-        self.entries: list[tuple[str, Any, set[int]]] = []
-        for u in children:
-            if u in on_path and u not in targets_in:
-                side = [c for c in children[u] if c in to_param and c not in on_path]
+        entries: list[tuple[str, int, set[int]]] = []
+        for u, kids in enumerate(children):
+            if on_path[u] and u not in targets_in:
+                side = [c for c in kids if to_param[c] and not on_path[c]]
                 if side:
-                    self.entries.append(("node", u, params_below(side)))
-        for k, r in enumerate(self.roots):
-            if r is not None and r not in on_path and r in to_param:
-                self.entries.append(("root", k, params_below([r])))
-        self.nodes = [u for kind, u, _ in self.entries if kind == "node"]
+                    entries.append(("node", u, params_below(side)))
+        for k, r in enumerate(graph.roots):
+            if r is not None and not on_path[r] and to_param[r]:
+                entries.append(("root", k, params_below([r])))
+        self.hooked = [u for kind, u, _ in entries if kind == "node"]
+        self.groups = _merge_sharing(entries)
 
-    def groups(self, captured: dict[Node, tuple], outs: list[torch.Tensor], gs: list) -> list[tuple]:
-        """Entries sharing parameters merged (union-find); each: (roots, grads, params, clamps)."""
-        parent = list(range(len(self.entries)))
-
-        def find(i: int) -> int:
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
-        owner: dict[int, int] = {}
-        for e, (_, _, ps) in enumerate(self.entries):
-            for p in ps:
-                if p in owner:
-                    parent[find(e)] = find(owner[p])
-                else:
-                    owner[p] = e
-        merged: dict[int, list[int]] = {}
-        for e in range(len(self.entries)):
-            merged.setdefault(find(e), []).append(e)
+    def weight_groups(self, nodes: list[Node], captured: dict[Node, tuple], outs: list[torch.Tensor],
+                      gs: list) -> list[tuple]:
+        """For W, per group: (roots, root gradients, parameter indices, clamps)."""
         out = []
-        for members in merged.values():
-            roots, grads, pidx, clamps = [], [], set(), []
-            for e in members:
-                kind, anchor, ps = self.entries[e]
-                pidx |= ps
+        for members, pidx in self.groups:
+            roots, grads, clamps = [], [], []
+            for kind, anchor in members:
                 if kind == "root":
                     roots.append(outs[anchor])
                     grads.append(gs[anchor])
                     continue
-                g = captured.get(anchor)
+                node = nodes[anchor]
+                g = captured.get(node)
                 if g is None:
                     continue
-                clamps.append((anchor, g))
+                clamps.append((node, g))
                 for k, gk in enumerate(g):
                     if gk is not None:
-                        roots.append(GradientEdge(anchor, k))
+                        roots.append(GradientEdge(node, k))
                         grads.append(gk)
-            if roots and pidx:
-                out.append((roots, grads, sorted(pidx), clamps if len(clamps) > 1 else []))
+            if roots:
+                out.append((roots, grads, pidx, clamps if len(clamps) > 1 else []))
         return out
 
 
-def _reaching(children: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
-    """Nodes from which some target is reachable (targets included)."""
-    memo: dict[Node, bool] = {}
-    order: list[Node] = []
-    # iterative post-order DFS over the graph (graphs can be deep: no recursion)
-    for start in children:
-        if start in memo:
+def _merge_sharing(entries: list[tuple[str, int, set[int]]]) -> list[tuple[list[tuple[str, int]], list[int]]]:
+    """Entries that share a parameter in one group (union-find): [(members, sorted parameters)]."""
+    parent = list(range(len(entries)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for e, (_, _, ps) in enumerate(entries):
+        for p in ps:
+            if p in owner:
+                parent[find(e)] = find(owner[p])
+            else:
+                owner[p] = e
+    merged: dict[int, list[int]] = {}
+    for e in range(len(entries)):
+        merged.setdefault(find(e), []).append(e)
+    groups = []
+    for members in merged.values():
+        pidx = set().union(*(entries[e][2] for e in members))
+        if pidx:
+            groups.append(([entries[e][:2] for e in members], sorted(pidx)))
+    return groups
+
+
+def _reaching(children: list[list[int]], targets: set[int]) -> list[bool]:
+    """Per node: can some target be reached from it (targets included)?"""
+    reach = [False] * len(children)
+    state = [0] * len(children)  # 0 new, 1 on the stack, 2 done
+    # iterative post-order DFS (graphs can be deep: no recursion)
+    for start in range(len(children)):
+        if state[start]:
             continue
-        stack = [(start, iter(children.get(start, ())))]
-        memo[start] = False
+        state[start] = 1
+        stack = [(start, iter(children[start]))]
         while stack:
             node, it = stack[-1]
             child = next(it, None)
             if child is None:
                 stack.pop()
-                order.append(node)
-                memo[node] = node in targets or any(memo.get(c, False) for c in children.get(node, ()))
+                state[node] = 2
+                reach[node] = node in targets or any(reach[c] for c in children[node])
                 continue
-            if child not in memo:
-                memo[child] = False
-                stack.append((child, iter(children.get(child, ()))))
-    return {n for n, ok in memo.items() if ok}
+            if not state[child]:
+                state[child] = 1
+                stack.append((child, iter(children[child])))
+    return reach
