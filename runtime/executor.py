@@ -59,6 +59,7 @@ class Executor:
         self.check_finite = check_finite
         self.last = program.num_stages - 1
         self.rank_of = program.placement
+        self.num_losses = sum(1 for ins in self.stream if ins.op is Op.F and ins.stage == self.last)
         n = len(self.stream)
         self.starts = [0.0] * n
         self.ends = [0.0] * n
@@ -71,9 +72,15 @@ class Executor:
 
     # ------------------------------------------------------------ the loop
 
-    def run(self, inputs: list[list[torch.Tensor]], targets: list[Any]) -> torch.Tensor:
-        """One pass over the stream; returns the sum of this rank's (1/M-scaled) microbatch losses."""
+    def run(self, inputs: list[list[torch.Tensor]], targets: list[Any],
+            on_loss: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """One pass over the stream; returns the sum of this rank's (1/M-scaled) microbatch losses.
+
+        `on_loss(sum)` is called as soon as that sum is final — after the rank's last loss, or at
+        the start on a rank without the last stage — so its reduction overlaps the cooldown.
+        """
         self.mb_inputs, self.targets = inputs, targets
+        self.on_loss, self._losses_left = on_loss, self.num_losses
         self.local: dict[tuple[Op, int, int, int], list[torch.Tensor]] = {}  # hand-over between local stages
         self.outbox: dict[tuple[Op, int, int, int], list[torch.Tensor]] = {}  # tensors waiting for their SEND
         self.posted: dict[tuple[Op, int, int, int], Recv] = {}
@@ -84,6 +91,8 @@ class Executor:
         self._pending_sends: dict[int, int] = defaultdict(int)  # peer -> sends scanned but not issued
         self._held: dict[int, deque[int]] = defaultdict(deque)  # peer -> receive indices not posted early
         self.wait_time = 0.0
+        if on_loss is not None and not self.num_losses:
+            on_loss(self.loss_sum)
         stream, handlers, starts, ends = self.stream, self.handlers, self.starts, self.ends
         clock = time.perf_counter
         self.index = 0
@@ -180,6 +189,9 @@ class Executor:
                 raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): the loss of microbatch {m} "
                                   f"is {loss.item()} (not finite)", self.rank, self.index, ins)
             self.loss_sum += loss.double().cpu() * stage.scale
+            self._losses_left -= 1
+            if not self._losses_left and self.on_loss is not None:
+                self.on_loss(self.loss_sum)
             return
         self._check_meta(ins, outs, self.out_meta[(c, s)])
         if self.rank_of[(c, s + 1)] == self.rank:

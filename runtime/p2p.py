@@ -122,7 +122,7 @@ class Channels:
         self._sends: list[tuple[object, torch.Tensor]] = []
         up = down = group
         if self.size > 1 and dist.get_backend(group) == "gloo":
-            up, down = (_new_group(group, self._global) for _ in range(2))
+            up, down = (new_group_like(group) for _ in range(2))
         # messages from a lower to a higher rank on `up`, the others on `down`
         self._send_group = [up if peer > self.rank else down for peer in range(self.size)]
         self._recv_group = [down if peer > self.rank else up for peer in range(self.size)]
@@ -170,9 +170,10 @@ class Channels:
         return decode_meta(v.cpu())
 
 
-def _new_group(group: dist.ProcessGroup | None, members: list[int]) -> dist.ProcessGroup:
+def new_group_like(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """A new group of `group`'s ranks with its timeout (collective over `group`, or the world for the world)."""
     parent = group if group is not None else dist.group.WORLD
+    members = dist.get_process_group_ranks(parent)
     timeout = None
     with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the default timeout
         timeout = parent._get_backend(torch.device("cpu")).options._timeout

@@ -59,7 +59,7 @@ from pipedsl.validate import validate
 
 from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
-from .p2p import Channels, TensorMeta, describe
+from .p2p import Channels, TensorMeta, describe, new_group_like
 from .reduce import DataParallelReducer, GradReducer, Hook
 from .stage import ActivationCounter, LossFn, Stage
 from .tracer import Tracer
@@ -107,6 +107,7 @@ class Pipeline:
                         for s, m in self._modules.items()}
         self._copies = {(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
         self.channels = Channels(group, self.device)
+        self._loss_group = new_group_like(group)  # the step's loss sum, reduced while the step runs
         self.reducer = GradReducer(prog, rank, self._modules, group, self.channels.global_rank)
         self.reducer.broadcast_replicas()
         self._check_parallel_support()
@@ -262,10 +263,10 @@ class Pipeline:
                 self._handshake(meta)
             self.counter.reset()
             self.reducer.start_step()
-            loss_sum = self._executor.run(mb_inputs, tgt)
-            total = loss_sum.to(self.device)
+            self._executor.run(mb_inputs, tgt, self._reduce_loss)
+            total, work = self._loss_reduction
             try:
-                dist.all_reduce(total, group=self.group)
+                work.wait()
                 if self.dp > 1:  # the mean over the replicas' shares of the global batch
                     dist.all_reduce(total, group=self.mesh.dp_group)
                     total /= self.dp
@@ -282,6 +283,12 @@ class Pipeline:
             raise
         self.steps += 1
         return float(total.item())
+
+    def _reduce_loss(self, loss_sum: torch.Tensor) -> None:
+        """Start summing the loss over the pipeline as soon as this rank's part is final (async: the
+        reduction overlaps the rest of the step instead of following it)."""
+        total = loss_sum.to(self.device, copy=True)
+        self._loss_reduction = (total, dist.all_reduce(total, group=self._loss_group, async_op=True))
 
     def _data_parallel_share(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
         """This dp replica's samples (batch="global") or the local batch as given; checks the sizes."""
