@@ -358,16 +358,11 @@ def torch_zbv(P: int, M: int, r: int) -> list[str]:
 
 
 @given(st.tuples(st.integers(1, 8), st.integers(1, 32)))
-def test_zb_v_runs_torchs_forward_and_input_gradient_order(size):
+def test_zb_v_is_torchs_order(size):
     P, M = size
     program = pipedsl.load("zb-v").compile(P=P, M=M)
     check_program(program, {(0, s): (s if s < P else 2 * P - 1 - s) for s in range(2 * P)}, [0] * M)
-    for r, order in enumerate(program.compute_orders()):
-        ref = torch_zbv(P, M, r)
-        for kind in "FIW":
-            mine = [op for op in order if op[0] == kind]
-            theirs = [op for op in ref if op[0] == kind]
-            assert (mine == theirs) if kind != "W" else (sorted(mine) == sorted(theirs))
+    assert program.compute_orders() == [torch_zbv(P, M, r) for r in range(P)]
 
 
 @given(st.tuples(st.integers(2, 8), st.integers(0, 16)))
@@ -377,7 +372,7 @@ def test_zb_v_idles_only_the_ramp_up(size):
     t = pipedsl.simulate(pipedsl.load("zb-v").compile(P=P, M=M), pipedsl.Cost(F=1, I=1, W=1))
     # the last rank cannot start before (P-1) T_F; with T_F = T_I = T_W nothing else idles
     assert t.makespan - 2 * M * 3 == P - 1
-    assert t.peak_activations == [min(2 * P + r, 2 * M) for r in range(P)]
+    assert t.peak_activations == [2 * P] * P
 
 
 # ---------------------------------------------------------------- looped BFS
