@@ -61,7 +61,7 @@ from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
 from .p2p import Channels, TensorMeta, describe, new_group_like
 from .reduce import DataParallelReducer, GradReducer, Hook
-from .stage import ActivationCounter, LossFn, Stage
+from .stage import ActivationCounter, LossFn, Stage, warm_up_shape_inference
 from .tracer import Tracer
 
 StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
@@ -377,6 +377,7 @@ class Pipeline:
         """Learn every stage's input and output shapes once (fake tensors; one metadata message per hop)."""
         prog, rank = self.program, self.rank
         S = prog.num_stages
+        warm_up_shape_inference()
         in_meta: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
         out_meta: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
         for c in sorted(set(prog.microbatch_replica)):

@@ -252,6 +252,18 @@ class Stage:
         return tuple(TensorMeta(tuple(t.shape), t.dtype) for t in outs)
 
 
+def warm_up_shape_inference() -> None:
+    """Pay fake tensors' one-time start-up (~1 s of lazy imports) now, on every rank at once: the
+    shape handshake then chains the ranks one after another at ~30 ms each, instead of P × 1 s."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode() as mode:
+            x = mode.from_tensor(torch.zeros(2, 2))
+            torch.nn.functional.linear(x, x).sum()
+    except (ImportError, NotImplementedError, RuntimeError):  # infer_outputs falls back to a real forward
+        return
+
+
 def _unpack(packed: tuple[object, torch.Tensor]) -> torch.Tensor:
     return packed[1]
 
