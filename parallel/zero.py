@@ -56,6 +56,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -417,6 +418,178 @@ class ZeroOptimizer:
         with self.full_parameters() as params:
             return {k: v.clone() for k, v in params.items()}
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def layout(self) -> list[dict[str, Any]]:
+        """Per unit: its entries [name, shape, offset, numel], numel, padded size, dp size `n` and dtype —
+        what a saved slice means, and what must match to restore slices directly."""
+        return [{"entries": [[e.name, list(e.shape), e.offset, e.numel] for e in u.entries], "numel": u.numel,
+                 "padded": u.padded, "n": u.n, "dtype": str(u.dtype).removeprefix("torch.")} for u in self.units]
+
+    def _opt_params(self) -> list[nn.Parameter]:
+        return [u.flat if self.stage == 0 else u.shard for u in self.units]
+
+    def shard_state(self, optimizer: bool = True) -> dict[str, Any]:
+        """This rank's slice [r·S, (r+1)·S) of every unit's parameters and (with `optimizer`) optimizer state,
+        plus the layout to reassemble full tensors: a checkpoint part.  No communication; copies (a slice of
+        stage 1/2 shares the full buffer's storage, which torch.save would write whole)."""
+        out: dict[str, Any] = {"stage": self.stage, "rank": group_rank(self.group), "layout": self.layout(),
+                               "optimizer": type(self.optimizer).__name__ if optimizer else None}
+        params = self._opt_params()
+        sd = self.optimizer.state_dict() if optimizer else None
+        index = {}
+        if sd is not None:
+            for gi, (group, saved) in enumerate(zip(self.optimizer.param_groups, sd["param_groups"])):
+                for p, idx in zip(group["params"], saved["params"]):
+                    index[id(p)] = (gi, idx)
+            out["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        units = []
+        for u, p in zip(self.units, params):
+            whole = self.stage == 0  # the optimizer runs on the full flat buffer: keep this rank's slice
+
+            def piece(t: torch.Tensor, whole: bool = whole, u: _Unit = u) -> torch.Tensor:
+                return (t.detach()[u.own] if whole else t.detach()).clone()
+
+            unit: dict[str, Any] = {"params": piece(p)}
+            if sd is not None:
+                gi, idx = index[id(p)]
+                sharded, scalar = {}, {}
+                for k, v in sd["state"].get(idx, {}).items():
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
+                        sharded[k] = piece(v)
+                    else:
+                        scalar[k] = v.clone() if isinstance(v, torch.Tensor) else v
+                unit.update(group=gi, sharded=sharded, scalar=scalar)
+            units.append(unit)
+        out["units"] = units
+        return out
+
+    def load_shard_state(self, state: dict[str, Any]) -> None:
+        """Restore this rank's slices saved by `shard_state` under the same layout (same units, same dp size,
+        same rank), bit for bit.  Local only: stages 1 and 2 then need `sync_parameters()` on every rank of
+        the group to rebuild the full buffers.  Raises ValueError saying what differs; nothing is changed then."""
+        if self.stage == 0:
+            raise ValueError("ZeRO stage 0 keeps a full copy on every rank: restore it with load_full_state")
+        if state["layout"] != self.layout():
+            raise ValueError(_layout_difference(state["layout"], self.layout()))
+        if state["rank"] != group_rank(self.group):
+            raise ValueError(f"the slices are dp rank {state['rank']}'s, this is dp rank {group_rank(self.group)}")
+        opt_state = None
+        if state.get("optimizer") is not None:
+            if state["optimizer"] != type(self.optimizer).__name__:
+                raise ValueError(f"the saved optimizer is {state['optimizer']}, this one is "
+                                 f"{type(self.optimizer).__name__}")
+            current = self.optimizer.state_dict()
+            saved_state = {}
+            order = {id(p): i for i, p in enumerate(self._opt_params())}
+            for group, cur in zip(self.optimizer.param_groups, current["param_groups"]):
+                for p, idx in zip(group["params"], cur["params"]):
+                    unit = state["units"][order[id(p)]]
+                    st = {**unit["sharded"], **unit["scalar"]}
+                    if st:
+                        saved_state[idx] = st
+            groups = [{**{k: v for k, v in cur.items() if k != "params"}, **state["groups"][0], "params": cur["params"]}
+                      for cur in current["param_groups"]]
+            opt_state = {"state": saved_state, "param_groups": groups}
+        with torch.no_grad():
+            for u, unit in zip(self.units, state["units"]):
+                u.wait()
+                if self.stage == 3 and u.gathered:
+                    u.release()  # the full values are about to go stale
+                u.shard.data.copy_(unit["params"])
+        if opt_state is not None:
+            self.optimizer.load_state_dict(opt_state)
+
+    def load_full_state(self, params: dict[str, torch.Tensor], state: dict[str, dict[str, Any]] | None = None,
+                        hyper: dict[str, Any] | None = None) -> None:
+        """Take full-size values by parameter name (`params`; `state`: each parameter's optimizer state, whose
+        tensors of the parameter's shape are elementwise and other entries scalars, equal within a unit) and
+        keep this rank's slices: resharding from any dp size or ZeRO stage.  No communication (every rank
+        passes the same full values).  `hyper` replaces the optimizer's hyperparameters.  Raises ValueError
+        (nothing changed) when a name is missing or the state is not elementwise."""
+        fulls, states = [], []
+        for u in self.units:
+            full = torch.zeros(u.padded, dtype=u.dtype)
+            for e in u.entries:
+                if e.name not in params:
+                    raise ValueError(f"no saved values for parameter {e.name!r}")
+                t = params[e.name]
+                if tuple(t.shape) != tuple(e.shape):
+                    raise ValueError(f"parameter {e.name!r} is saved as {list(t.shape)}, here {list(e.shape)}")
+                full[e.offset:e.offset + e.numel].copy_(t.reshape(-1))
+            fulls.append(full)
+            states.append(None if state is None else self._pack_state(u, state))
+        own = [full if self.stage == 0 else full[u.own].clone() for u, full in zip(self.units, fulls)]
+        opt_state = None
+        if state is not None:
+            current = self.optimizer.state_dict()
+            order = {id(p): i for i, p in enumerate(self._opt_params())}
+            saved_state = {}
+            for group, cur in zip(self.optimizer.param_groups, current["param_groups"]):
+                for p, idx in zip(group["params"], cur["params"]):
+                    st = states[order[id(p)]]
+                    if st:
+                        saved_state[idx] = {k: (v if self.stage == 0 or k not in st["_sharded"] else
+                                                v[self.units[order[id(p)]].own].clone())
+                                            for k, v in st.items() if k != "_sharded"}
+            groups = [{**{k: v for k, v in cur.items() if k != "params"}, **(hyper or {}), "params": cur["params"]}
+                      for cur in current["param_groups"]]
+            opt_state = {"state": saved_state, "param_groups": groups}
+        with torch.no_grad():
+            for u, full, mine in zip(self.units, fulls, own):
+                u.wait()
+                if self.stage == 3:
+                    if u.gathered:
+                        u.release()
+                    u.shard.data.copy_(mine)
+                else:
+                    u.flat.data.copy_(full)  # stages 1, 2: the shard is a view of it
+        if opt_state is not None:
+            self.optimizer.load_state_dict(opt_state)
+
+    @staticmethod
+    def _pack_state(u: _Unit, state: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """One unit's optimizer state, full size [padded], from per-parameter state (see load_full_state)."""
+        per = [state.get(e.name, {}) for e in u.entries]
+        keys = set().union(*per)
+        if not keys:
+            return {}
+        out: dict[str, Any] = {"_sharded": set()}
+        for k in sorted(keys):
+            if any(k not in st for st in per):
+                missing = next(e.name for e, st in zip(u.entries, per) if k not in st)
+                raise ValueError(f"optimizer state {k!r} is missing for parameter {missing!r} but present for "
+                                 f"others of its unit")
+            vals = [st[k] for st in per]
+            elementwise = [isinstance(v, torch.Tensor) and v.dim() > 0 for v in vals]
+            if any(elementwise):
+                flat = torch.zeros(u.padded, dtype=next(v for v in vals if isinstance(v, torch.Tensor)).dtype)
+                for e, v in zip(u.entries, vals):
+                    if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(e.shape):
+                        shape = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                        raise ValueError(f"optimizer state {k!r} of parameter {e.name!r} is {shape}, not the "
+                                         f"parameter's shape {list(e.shape)}: only elementwise optimizer state "
+                                         f"(Adam, AdamW, SGD momentum) can be resharded")
+                    flat[e.offset:e.offset + e.numel].copy_(v.reshape(-1))
+                out[k] = flat
+                out["_sharded"].add(k)
+            else:
+                first = vals[0]
+                same = all(torch.equal(torch.as_tensor(v), torch.as_tensor(first)) if isinstance(first, torch.Tensor)
+                           else v == first for v in vals)
+                if not same:
+                    raise ValueError(f"optimizer state {k!r} differs between the parameters of one unit "
+                                     f"({', '.join(e.name for e in u.entries[:3])}, …): it cannot be one value")
+                out[k] = first.clone() if isinstance(first, torch.Tensor) else first
+        return out
+
+    def sync_parameters(self) -> None:
+        """After `load_shard_state`: every rank's slice all-gathered into the full buffers (stages 1, 2; as at the
+        end of `step()`).  Collective over the group; nothing to do for stage 3 (gathered at the next forward)."""
+        if self.stage in (1, 2):
+            for u in self.units:
+                all_gather_into(u.flat.data, u.shard.detach().clone(), self.group)
+
     def _grad_bytes(self) -> int:
         return _unique_bytes(t for u in self.units for t in (u.flat.grad, u.shard_grad, u.shard.grad if u.shard is
                                                               not None else None))
@@ -449,3 +622,17 @@ def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
         s = t.untyped_storage()
         seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
     return sum(seen.values())
+
+
+def _layout_difference(saved: list[dict[str, Any]], here: list[dict[str, Any]]) -> str:
+    """What differs between two `ZeroOptimizer.layout()`s, in one line."""
+    if len(saved) != len(here):
+        return f"the saved slices have {len(saved)} unit(s), this optimizer {len(here)}"
+    for i, (a, b) in enumerate(zip(saved, here)):
+        for k in ("n", "padded", "numel", "dtype", "entries"):
+            if a[k] != b[k]:
+                what = {"n": "dp size", "padded": "padded size", "numel": "parameter count", "dtype": "dtype",
+                        "entries": "parameters"}[k]
+                detail = "" if k == "entries" else f" ({a[k]} saved, {b[k]} here)"
+                return f"unit {i}: a different {what}{detail}"
+    return "the layouts differ"

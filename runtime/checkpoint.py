@@ -51,11 +51,14 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
+from pipedsl.parallel.optim import PipelineOptimizer
+from pipedsl.parallel.zero import ZeroOptimizer
 
 from .errors import _COUNT, RankFailure, record_failure
 
 FORMAT = "pipedsl-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: data/tensor-parallel layouts and ZeRO slices (1: pipeline only; still read)
+READABLE = (1, 2)
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
 _POLL = 0.02  # seconds between store polls while waiting for the other ranks
@@ -179,9 +182,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         ok = False
     if not ok:
         raise CheckpointError(f"{path}: {MANIFEST} is not a pipedsl checkpoint manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE:
         raise CheckpointError(f"{path}: checkpoint format version {manifest.get('version')}, "
-                              f"this pipedsl reads version {VERSION}")
+                              f"this pipedsl reads versions {', '.join(map(str, READABLE))}")
     return manifest
 
 
@@ -200,16 +203,24 @@ def fingerprint(stages: dict[int, dict[str, list]]) -> str:
 
 
 def check_partition(manifest: dict[str, Any], stages: dict[int, nn.Module], num_stages: int,
-                    where: str = "this pipeline") -> None:
-    """Raise `CheckpointError` unless `stages` ({global stage: module}) match the saved partition."""
+                    where: str = "this pipeline", *, tp: int = 0,
+                    described: dict[int, dict[str, list]] | None = None) -> None:
+    """Raise `CheckpointError` unless `stages` ({global stage: module}) match the saved partition.
+
+    `tp`: this rank's tensor-parallel coordinate (its shards are compared with the saved ones of the
+    same coordinate); `described`: the stages' descriptions when not `describe_stage` (ZeRO owns the
+    parameters of its stages)."""
     part = manifest["partition"]
     if part["num_stages"] != num_stages:
         raise CheckpointError(
             f"the checkpoint (step {manifest['step']}, {_sched(manifest)}) has {part['num_stages']} stages, "
             f"{where} has {num_stages}: a checkpoint loads only into the same stage partition")
-    saved = {int(s): d for s, d in part["stages"].items()}
+    if tp and "tp_stages" in part:
+        saved = {int(k.split("/")[0]): d for k, d in part["tp_stages"].items() if int(k.split("/")[1]) == tp}
+    else:
+        saved = {int(s): d for s, d in part["stages"].items()}
     for s, module in sorted(stages.items()):
-        have, want = describe_stage(module), saved[s]
+        have, want = (described[s] if described is not None else describe_stage(module)), saved[s]
         if have == want:
             continue
         missing = sorted(set(want) - set(have))
@@ -219,7 +230,8 @@ def check_partition(manifest: dict[str, Any], stages: dict[int, nn.Module], num_
         else:
             name = next(k for k in want if want[k] != have[k])
             what = f"has {name!r} as {_shape(have[name])}, the checkpoint as {_shape(want[name])}"
-        raise CheckpointError(f"stage {s} of {where} {what}: a different stage partition than the checkpoint's "
+        at = f" at tp rank {tp}" if tp else ""
+        raise CheckpointError(f"stage {s} of {where}{at} {what}: a different stage partition than the checkpoint's "
                               f"(step {manifest['step']}, {_sched(manifest)}, partition {part['fingerprint']})")
 
 
@@ -235,28 +247,50 @@ def _sched(manifest: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ save
 
 
-_saves: dict[str, int] = {}  # per process group: how many saves this process has started (the same on every rank)
+@dataclass(frozen=True)
+class _Layout:
+    """Where this rank sits for a checkpoint: the group saving together and its (dp, pp, tp) coordinates."""
+
+    group: Any  # the checkpoint's process group: the world under parallel=, else the pipeline's group
+    rank: int  # in `group` (the global rank under parallel=)
+    size: int
+    coords: tuple[int, int, int]  # (dp, pp, tp)
+    parallel: dict[str, Any]  # dp, pp, tp, tp_mode, zero
+
+
+def _layout(pipe: Any) -> _Layout:
+    cfg = getattr(pipe, "parallel", None)
+    if cfg is None:
+        par = {"dp": 1, "pp": pipe.size, "tp": 1, "tp_mode": "1d", "zero": 0}
+        return _Layout(pipe.group, pipe.rank, pipe.size, (0, pipe.rank, 0), par)
+    c = pipe.mesh.coords
+    par = {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp, "tp_mode": cfg.tp_mode, "zero": cfg.zero}
+    return _Layout(None, dist.get_rank(), dist.get_world_size(), (c.dp, c.pp, c.tp), par)
 
 
 def save(pipe: Any, directory: str | os.PathLike, step: int,
-         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, *,
+         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | PipelineOptimizer | None = None, *,
          extra: Any = None, shards: Any = None, timeout: float = 300.0) -> CheckpointInfo:
-    """Write this rank's part of checkpoint `step` under `directory`; call on every rank of the pipeline.
+    """Write this rank's part of checkpoint `step` under `directory`; call on every rank of the pipeline
+    (under `parallel=`, on every rank of the world: dp × pp × tp).
 
-    `extra` (returned by `load` on the same rank) and `shards` (free-form, e.g. ZeRO shards) hold
+    `optimizer`: a torch optimizer (or a list of them) over this rank's stages, or what
+    `pipe.optimizer(...)` returned (required with ZeRO, which holds the stages' parameters).
+    `extra` (returned by `load` on the same rank) and `shards` (free-form) hold
     tensors, numbers, strings and lists, tuples and dicts of them.  Returns once the checkpoint
     is complete (rank 0 wrote the manifest).  A rank that does not
     report its part within `timeout` seconds makes the others raise an error naming it; the
     half-written checkpoint then has no manifest and never counts.
     """
-    _supported(pipe, "save")
-    rank, world = pipe.rank, pipe.size
+    lay = _layout(pipe)
+    rank, world = lay.rank, lay.size
     target = step_dir(directory, step)
-    store, prefix = _begin(pipe)
+    store, prefix = _begin(pipe, lay)
     seen = _failures(store)
     try:
         _check_plain(extra, f"rank {rank}: extra")
         _check_plain(shards, f"rank {rank}: shards")
+        zeros, plain = _optimizers(pipe, optimizer)
         if rank == 0:
             try:
                 target.mkdir(parents=True, exist_ok=True)
@@ -268,7 +302,7 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
         else:
             _wait(store, [prefix + "begin"], timeout, seen, rank, step, lambda missing: [0],
                   "preparing the checkpoint directory")
-        data, meta = _part(pipe, step, optimizer, extra, shards)
+        data, meta = _part(pipe, lay, step, zeros, plain, optimizer is not None, extra, shards)
         meta["file"] = f"rank-{rank:05d}.pt"
         try:
             _write_atomic(target / meta["file"], data, fault=("save-part", rank, step))
@@ -281,7 +315,7 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
               lambda missing: [int(k.rsplit("/", 1)[1]) for k in missing], "writing its part")
         if rank == 0:
             metas = [json.loads(store.get(k)) for k in keys]
-            manifest = _manifest(pipe, step, metas)
+            manifest = _manifest(pipe, lay, step, metas)
             text = json.dumps(manifest, indent=1).encode()
             try:
                 _write_atomic(target / MANIFEST, text, fault=("save-manifest", rank, step), whole_first=True)
@@ -299,13 +333,16 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
     return CheckpointInfo(target, step, manifest)
 
 
-def _supported(pipe: Any, what: str) -> None:
-    """Refuse (on every rank alike) the layouts whose state is not one copy per stage yet."""
+def _optimizers(pipe: Any, optimizer: Any) -> tuple[dict[int, ZeroOptimizer], list[torch.optim.Optimizer]]:
+    """({stage: ZeroOptimizer}, [plain optimizers]) from what the user passed; ZeRO needs `pipe.optimizer()`'s."""
     cfg = getattr(pipe, "parallel", None)
-    if cfg is None or (cfg.tp == 1 and cfg.zero == 0 and (what == "load" or cfg.dp == 1)):
-        return
-    raise CheckpointError(f"cannot {what} a checkpoint of a pipeline with dp={cfg.dp}, tp={cfg.tp}, zero={cfg.zero} "
-                          f"yet: only pipeline-parallel state (dp=1, or loading with zero=0 and tp=1) is supported")
+    if isinstance(optimizer, PipelineOptimizer):
+        return dict(optimizer.zero), [optimizer.optimizer] if optimizer.optimizer is not None else []
+    if cfg is not None and cfg.zero:
+        got = "none" if optimizer is None else type(optimizer).__name__
+        raise CheckpointError(f"zero={cfg.zero}: the stages' parameters live in the ZeRO optimizer; pass the "
+                              f"optimizer pipe.optimizer(...) returned (got {got})")
+    return {}, _as_list(optimizer)
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.Size)
@@ -328,13 +365,22 @@ def _check_plain(obj: Any, where: str) -> None:
                               f"and lists, tuples and dicts of them (convert it, e.g. a NumPy array to a tensor)")
 
 
-def _begin(pipe: Any) -> tuple[Any, str]:
+def _begin(pipe: Any, lay: _Layout) -> tuple[Any, str]:
+    """The store and this save's key prefix.  The n-th save of every rank of the group shares a prefix; n is
+    counted in the store itself, so a new process group (a new store) starts from 1 on every rank."""
     store = _store()
     if store is None:
         raise CheckpointError("checkpoints need the process group's store (torch.distributed is not initialised)")
-    ranks = dist.get_process_group_ranks(pipe.group) if pipe.group is not None else list(range(pipe.size))
-    tag = "-".join(map(str, ranks))
-    n = _saves[tag] = _saves.get(tag, 0) + 1
+    if lay.group is None and getattr(pipe, "parallel", None) is not None:
+        tag = f"world{lay.size}"
+    else:
+        ranks = dist.get_process_group_ranks(pipe.group) if pipe.group is not None else list(range(pipe.size))
+        tag = "-".join(map(str, ranks))
+    try:
+        n = int(store.add(f"pipedsl/ckpt/{tag}/saves/{lay.rank}", 1))
+    except Exception as err:  # noqa: BLE001 - the store went away with its host
+        raise RankFailure(f"rank {lay.rank}: checkpoint: lost the process group's store: {err}", lay.rank,
+                          peer_failure=True) from err
     return store, f"pipedsl/ckpt/{tag}/{n}/"
 
 
@@ -382,38 +428,80 @@ def _wait(store: Any, keys: list[str], timeout: float, seen: int, rank: int, ste
         time.sleep(_POLL)
 
 
-def _part(pipe: Any, step: int, optimizer: Any, extra: Any, shards: Any) -> tuple[bytes, dict[str, Any]]:
-    """This rank's part (serialised) and its metadata for the manifest."""
+def _part(pipe: Any, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], plain: list[torch.optim.Optimizer],
+          with_optimizer: bool, extra: Any, shards: Any) -> tuple[bytes, dict[str, Any]]:
+    """This rank's part (serialised) and its metadata for the manifest.
+
+    Replicas hold the same stage state: only dp rank 0 stores modules, buffers and plain optimizer
+    state; with ZeRO every dp rank stores its own slices.  RNG, `extra` and `shards` are per rank."""
     stages = pipe.local_stages()
     copies = pipe.local_copies()
     key = {s: min(c for (c, s2) in copies if s2 == s) for s in stages}  # canonical (stage, replica) per module
-    modules = {f"{s}/{key[s]}": m.state_dict() for s, m in stages.items()}
-    optimizers = [_optimizer_state(o, stages) for o in _as_list(optimizer)]
-    part = {"format": FORMAT, "version": VERSION, "step": step, "rank": pipe.rank, "world_size": pipe.size,
-            "modules": modules, "optimizers": optimizers, "rng": _rng_state(), "extra": extra, "shards": shards}
+    first = lay.coords[0] == 0
+    modules = {f"{s}/{key[s]}": m.state_dict() for s, m in stages.items() if s not in zeros} if first else {}
+    buffers = {f"{s}/{key[s]}": _buffers(m) for s, m in stages.items() if s in zeros} if first else {}
+    zero = {str(s): z.shard_state(optimizer=with_optimizer) for s, z in sorted(zeros.items())}
+    optimizers = [_optimizer_state(o, stages) for o in plain] if first else []
+    part = {"format": FORMAT, "version": VERSION, "step": step, "rank": lay.rank, "world_size": lay.size,
+            "coords": list(lay.coords), "modules": modules, "buffers": buffers, "zero": zero,
+            "optimizers": optimizers, "rng": _rng_state(), "extra": extra, "shards": shards}
     buf = io.BytesIO()
     torch.save(part, buf)
     data = buf.getvalue()
-    meta = {"rank": pipe.rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "modules": sorted(modules), "copies": sorted([s, c] for c, s in copies),
-            "stages": {str(s): describe_stage(m) for s, m in stages.items()},
-            "optimizers": len(optimizers), "shards": sorted(shards) if isinstance(shards, dict) else None}
+    n_opt = len(plain) + (1 if zeros and with_optimizer else 0)
+    meta = {"rank": lay.rank, "coords": list(lay.coords), "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "modules": sorted(modules), "buffers": sorted(buffers), "zero": sorted(zero),
+            "copies": sorted([s, c] for c, s in copies),
+            "stages": {str(s): _describe(m, zeros.get(s)) for s, m in stages.items()} if first else {},
+            "optimizers": n_opt, "shards": sorted(shards) if isinstance(shards, dict) else None}
     return data, meta
 
 
-def _manifest(pipe: Any, step: int, metas: list[dict[str, Any]]) -> dict[str, Any]:
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A stage's state_dict without its parameters (for ZeRO, its flat buffers): what ZeRO does not save."""
+    params = {k for k, _ in module.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in module.state_dict().items() if k not in params and k.rsplit(".", 1)[-1] != "_zero_flat"}
+
+
+def _describe(module: nn.Module, zero: ZeroOptimizer | None) -> dict[str, list]:
+    """`describe_stage` by the original parameter names, also when ZeRO has packed them into flat buffers."""
+    if zero is None:
+        return describe_stage(module)
+    out = {}
+    for unit in zero.layout():
+        for name, shape, _offset, _numel in unit["entries"]:
+            out[name] = [shape, unit["dtype"]]
+    out.update(describe_stage_tensors(_buffers(module)))
+    return out
+
+
+def describe_stage_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
+    """{name: [shape, dtype]} of named tensors."""
+    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
+
+
+def _manifest(pipe: Any, lay: _Layout, step: int, metas: list[dict[str, Any]]) -> dict[str, Any]:
     prog = pipe.program
     stages: dict[int, dict[str, list]] = {}
+    tp_stages: dict[str, dict[str, list]] = {}
     for meta in metas:
+        tp = meta["coords"][2]
         for s, d in meta.pop("stages").items():
-            stages.setdefault(int(s), d)
+            tp_stages.setdefault(f"{s}/{tp}", d)
+            if tp == 0:
+                stages.setdefault(int(s), d)
     head = prog.to_dict()
     del head["ranks"]
-    return {"format": FORMAT, "version": VERSION, "step": step, "world_size": pipe.size, "time": time.time(),
-            "schedule": {**head, "fingerprint": _program_fingerprint(prog)},
-            "partition": {"num_stages": prog.num_stages, "fingerprint": fingerprint(stages),
-                          "stages": {str(s): stages[s] for s in sorted(stages)}},
-            "parts": metas}
+    partition: dict[str, Any] = {"num_stages": prog.num_stages, "fingerprint": fingerprint(stages),
+                                 "stages": {str(s): stages[s] for s in sorted(stages)}}
+    if lay.parallel["tp"] > 1:
+        text = json.dumps(sorted(tp_stages.items()), sort_keys=True)
+        partition["fingerprint"] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        partition["tp_stages"] = dict(sorted(tp_stages.items()))
+    return {"format": FORMAT, "version": VERSION, "step": step, "world_size": lay.size, "time": time.time(),
+            "schedule": {**head, "fingerprint": _program_fingerprint(prog)}, "parallel": lay.parallel,
+            "partition": partition, "parts": metas}
 
 
 def _program_fingerprint(prog: Any) -> str:
@@ -537,48 +625,83 @@ def _read_part(path: Path, part: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(pipe: Any, source: str | os.PathLike,
-         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> Restored:
-    """Restore this rank's stages, optimizer state and RNG from `source`; call on every rank.
+         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | PipelineOptimizer | None = None
+         ) -> Restored:
+    """Restore this rank's stages, optimizer state and RNG from `source`; call on every rank
+    (under `parallel=`, on every rank of the world).
 
     `source` is a checkpoint directory or a directory of checkpoints (the latest complete one
-    is used).  Checks the stage partition against the checkpoint first, on every rank, and
-    raises the same `CheckpointError` on all of them when any rank finds a mismatch.
+    is used).  Checks the stage partition and the tensor-parallel layout against the checkpoint
+    first, on every rank, and raises the same `CheckpointError` on all of them when any rank
+    finds a mismatch.  ZeRO slices saved under the same dp size and units are restored as they
+    are; under another dp size or ZeRO stage they are reassembled into full tensors and re-sliced.
     """
-    _supported(pipe, "load")
-    error, restored = None, None
+    lay = _layout(pipe)
+    error, restored, finish = None, None, None
     try:
         info = resolve(source)
-        restored = _load(pipe, info, _as_list(optimizer))
+        restored, finish = _load(pipe, lay, info, optimizer)
     except CheckpointError as err:
         error = err.message
-    errors: list[str | None] = [None] * pipe.size
+    errors: list[str | None] = [None] * lay.size
     try:
-        dist.all_gather_object(errors, error, group=pipe.group)
+        dist.all_gather_object(errors, error, group=lay.group)
     except Exception as err:  # noqa: BLE001
-        raise RankFailure(f"rank {pipe.rank}: loading a checkpoint: lost the other ranks: {err}", pipe.rank,
+        raise RankFailure(f"rank {lay.rank}: loading a checkpoint: lost the other ranks: {err}", lay.rank,
                           peer_failure=True) from err
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if bad:
         r, message = bad[0]
         everywhere = len(bad) == len(errors) and len({e for _, e in bad}) == 1
         raise CheckpointError(message if everywhere or message.startswith("rank ") else f"rank {r}: {message}")
-    assert restored is not None
+    assert restored is not None and finish is not None
+    try:
+        finish()  # collectives (ZeRO's all-gathers of restored slices): only once every rank may go on
+    except Exception as err:  # noqa: BLE001
+        raise RankFailure(f"rank {lay.rank}: loading a checkpoint: gathering ZeRO parameters failed: {err}",
+                          lay.rank, peer_failure=True) from err
     pipe.steps = restored.step
     return restored
 
 
-def _load(pipe: Any, info: CheckpointInfo, optimizers: list[torch.optim.Optimizer]) -> Restored:
+def _coords(part: dict[str, Any]) -> tuple[int, int, int]:
+    return tuple(part["coords"]) if "coords" in part else (0, part["rank"], 0)  # version 1: pipeline only
+
+
+def _saved_parallel(manifest: dict[str, Any]) -> dict[str, Any]:
+    default = {"dp": 1, "pp": manifest.get("world_size", 1), "tp": 1, "tp_mode": "1d", "zero": 0}
+    return {**default, **manifest.get("parallel", {})}
+
+
+def _load(pipe: Any, lay: _Layout, info: CheckpointInfo, optimizer: Any) -> tuple[Restored, Any]:
+    """Everything that can fail, checked and applied locally; returns the collectives to run afterwards."""
     manifest, path = info.manifest, info.path
+    saved_par = _saved_parallel(manifest)
+    par, (dp, _pp, tp) = lay.parallel, lay.coords
+    if (saved_par["tp"], saved_par["tp_mode"]) != (par["tp"], par["tp_mode"]):
+        raise CheckpointError(f"the checkpoint (step {manifest['step']}, {_sched(manifest)}) was saved with "
+                              f"tp={saved_par['tp']} ({saved_par['tp_mode']}), this pipeline has tp={par['tp']} "
+                              f"({par['tp_mode']}): the tp sizes differ, and tensor-parallel shards load only "
+                              f"under the same tp size and layout")
     stages = pipe.local_stages()
     prog = pipe.program
-    check_partition(manifest, stages, prog.num_stages)
-    # which part holds each stage (any replica: copies of a stage hold the same weights)
-    holder: dict[int, tuple[dict[str, Any], str]] = {}
-    for part in manifest["parts"]:
-        for key in part["modules"]:
-            holder.setdefault(int(key.split("/")[0]), (part, key))
-    by_rank = {p["rank"]: p for p in manifest["parts"]}
-    own = by_rank.get(pipe.rank)
+    zeros, plain = _optimizers(pipe, optimizer)
+    described = {s: _describe(m, zeros.get(s)) for s, m in stages.items()}
+    check_partition(manifest, stages, prog.num_stages, tp=tp, described=described)
+    parts = manifest["parts"]
+    dense: dict[int, tuple[dict[str, Any], str]] = {}  # stage -> (part, module key) at this tp coordinate
+    buffers: dict[int, tuple[dict[str, Any], str]] = {}
+    sliced: dict[int, dict[int, dict[str, Any]]] = {}  # stage -> {saved dp rank: part}
+    for part in parts:
+        d, _, t = _coords(part)
+        if t != tp:
+            continue
+        for key in part.get("modules", []):
+            dense.setdefault(int(key.split("/")[0]), (part, key))
+        for key in part.get("buffers", []):
+            buffers.setdefault(int(key.split("/")[0]), (part, key))
+        for key in part.get("zero", []):
+            sliced.setdefault(int(key), {}).setdefault(d, part)
     cache: dict[int, dict[str, Any]] = {}
 
     def read(part: dict[str, Any]) -> dict[str, Any]:
@@ -586,32 +709,168 @@ def _load(pipe: Any, info: CheckpointInfo, optimizers: list[torch.optim.Optimize
             cache[part["rank"]] = _read_part(path, part)
         return cache[part["rank"]]
 
-    for s, module in stages.items():
-        part, key = holder[s]
-        try:
-            module.load_state_dict(read(part)["modules"][key])
-        except (RuntimeError, KeyError) as err:
-            raise CheckpointError(f"stage {s}: cannot load {path / part['file']}: {err}") from None
-    n_saved = {p.get("optimizers", 0) for p in manifest["parts"]}
-    if optimizers and n_saved != {len(optimizers)}:
+    n_saved = {p.get("optimizers", 0) for p in parts}
+    n_given = len(plain) + (1 if zeros and optimizer is not None else 0)
+    if optimizer is not None and n_saved != {n_given}:
         raise CheckpointError(f"the checkpoint holds the state of {max(n_saved)} optimizer(s) per rank, "
-                              f"{len(optimizers)} were given to load")
-    for k, opt in enumerate(optimizers):
-        _load_optimizer(opt, k, stages, holder, read)
-    source = own or by_rank[0]
+                              f"{n_given} were given to load")
+    if sliced and plain and len(plain) != 1:
+        raise CheckpointError(f"the checkpoint holds ZeRO optimizer state, which loads into one optimizer per "
+                              f"rank, not {len(plain)}")
+    want_opt = optimizer is not None
+    full: dict[int, dict[str, Any]] = {}  # stage -> full-size state reassembled from ZeRO slices
+    finish: list[ZeroOptimizer] = []
+    for s, module in sorted(stages.items()):
+        if s in sliced:
+            slices = sliced[s]
+            mine = slices.get(dp)
+            saved_layout = read(next(iter(slices.values())))["zero"][str(s)]["layout"]
+            z = zeros.get(s)
+            if z is not None and mine is not None and saved_layout == z.layout() and z.stage != 0:
+                state = read(mine)["zero"][str(s)]
+                if not want_opt:
+                    state = {**state, "optimizer": None}
+                try:
+                    z.load_shard_state(state)
+                except ValueError as err:
+                    raise CheckpointError(f"stage {s}: cannot restore the ZeRO slices of {path / mine['file']}: "
+                                          f"{err}") from None
+                finish.append(z)
+            else:
+                full[s] = _assemble(s, slices, read, path, want_opt)
+                _load_full(s, module, z, full[s], want_opt, path)
+            _load_buffers(s, module, buffers, read, path)
+        elif s in dense:
+            part, key = dense[s]
+            z = zeros.get(s)
+            if z is None:
+                try:
+                    module.load_state_dict(read(part)["modules"][key])
+                except (RuntimeError, KeyError) as err:
+                    raise CheckpointError(f"stage {s}: cannot load {path / part['file']}: {err}") from None
+            else:
+                full[s] = _from_dense(s, z, read(part), key, want_opt)
+                _load_full(s, module, z, full[s], want_opt, path)
+        else:
+            raise CheckpointError(f"{path}: no part holds stage {s} at tp rank {tp}")
+    if want_opt:
+        for k, opt in enumerate(plain):
+            _load_optimizer(opt, k, stages, dense, full, read)
+    own_coords = (dp, lay.coords[1], tp)
+    own = next((p for p in parts if _coords(p) == own_coords), None)
+    fallback = next((p for p in parts if _coords(p) == (0, lay.coords[1], tp)), None)
+    source = own or fallback or next(p for p in parts if p["rank"] == 0)
     saved = read(source)
     if own is not None:
         _set_rng_state(saved["rng"])
     sched = manifest["schedule"]
     now = _program_fingerprint(prog)
-    return Restored(step=info.step, path=path, extra=saved.get("extra"),
-                    shards=saved.get("shards") if own is not None else None,
-                    saved_schedule=_sched(manifest), schedule_changed=sched.get("fingerprint") != now,
-                    rng_restored=own is not None)
+    restored = Restored(step=info.step, path=path, extra=saved.get("extra"),
+                        shards=saved.get("shards") if own is not None else None,
+                        saved_schedule=_sched(manifest), schedule_changed=sched.get("fingerprint") != now,
+                        rng_restored=own is not None)
+
+    def collectives() -> None:
+        for z in finish:  # stages in order, the same on every dp rank
+            z.sync_parameters()
+
+    return restored, collectives
+
+
+def _assemble(s: int, slices: dict[int, dict[str, Any]], read, path: Path, want_opt: bool) -> dict[str, Any]:
+    """Full-size parameters and optimizer state of stage `s` from the ZeRO slices of every saved dp rank."""
+    states = {d: read(part)["zero"][str(s)] for d, part in slices.items()}
+    first = states[min(states)]
+    n = first["layout"][0]["n"] if first["layout"] else 1
+    if sorted(states) != list(range(n)):
+        raise CheckpointError(f"{path}: stage {s} has ZeRO slices of dp ranks {sorted(states)}, "
+                              f"the layout needs all of 0..{n - 1}")
+    if want_opt and first.get("optimizer") is None:
+        raise CheckpointError(f"{path}: stage {s} was saved without optimizer state")
+    params: dict[str, torch.Tensor] = {}
+    opt: dict[str, dict[str, Any]] = {}
+    for u, unit in enumerate(first["layout"]):
+        flat = torch.cat([states[d]["units"][u]["params"] for d in range(n)])
+        sharded: dict[str, torch.Tensor] = {}
+        if want_opt:
+            for k in first["units"][u]["sharded"]:
+                sharded[k] = torch.cat([states[d]["units"][u]["sharded"][k] for d in range(n)])
+        for name, shape, offset, numel in unit["entries"]:
+            params[name] = flat[offset:offset + numel].view(shape).clone()
+            if want_opt:
+                st = {k: v[offset:offset + numel].view(shape).clone() for k, v in sharded.items()}
+                # a tensor per parameter: torch's Adam increments its `step` tensor in place, per parameter
+                st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in first["units"][u]["scalar"].items()})
+                opt[name] = st
+    return {"params": params, "state": opt if want_opt else None, "type": first.get("optimizer"),
+            "hyper": first["groups"][0] if want_opt and first.get("groups") else None}
+
+
+def _from_dense(s: int, z: ZeroOptimizer, part: dict[str, Any], key: str, want_opt: bool) -> dict[str, Any]:
+    """The same full-size form as `_assemble`, from a stage saved without ZeRO (for a ZeRO target)."""
+    module_state = part["modules"][key]
+    names = [e[0] for unit in z.layout() for e in unit["entries"]]
+    params = {n: module_state[n] for n in names if n in module_state}
+    out: dict[str, Any] = {"params": params, "state": None, "type": None, "hyper": None,
+                           "buffers": {k: v for k, v in module_state.items() if k not in params}}
+    if want_opt:
+        saved = part["optimizers"][0]
+        entries = {n: saved["params"].get(f"{s}/{n}") for n in names}
+        missing = [n for n, e in entries.items() if e is None]
+        if missing:
+            raise CheckpointError(f"optimizer 0: the checkpoint has no state for stage {s} parameter {missing[0]!r}")
+        hypers = {json.dumps(saved["groups"][e["group"]], sort_keys=True, default=str) for e in entries.values()}
+        if len(hypers) > 1:
+            raise CheckpointError(f"stage {s}: the saved optimizer has parameter groups with different "
+                                  f"hyperparameters; ZeRO runs one group per stage, so it cannot take them")
+        first = next(iter(entries.values()))
+        out.update(state={n: e["state"] for n, e in entries.items()}, type=saved["type"],
+                   hyper=saved["groups"][first["group"]])
+    return out
+
+
+def _load_full(s: int, module: nn.Module, z: ZeroOptimizer | None, full: dict[str, Any], want_opt: bool,
+               path: Path) -> None:
+    """Full-size state into a ZeRO stage (re-sliced) or a plain module (its optimizer: `_load_optimizer`)."""
+    if z is None:
+        try:
+            module.load_state_dict({**full["params"], **full.get("buffers", _buffers(module))}, strict=True)
+        except (RuntimeError, KeyError) as err:
+            raise CheckpointError(f"stage {s}: cannot load the reassembled ZeRO state of {path}: {err}") from None
+        return
+    if want_opt and full["type"] is not None and full["type"] != type(z.optimizer).__name__:
+        raise CheckpointError(f"stage {s}: the checkpoint holds {full['type']} state, the optimizer is "
+                              f"{type(z.optimizer).__name__}")
+    try:
+        z.load_full_state(full["params"], full["state"] if want_opt else None, full["hyper"] if want_opt else None)
+    except ValueError as err:
+        raise CheckpointError(f"stage {s}: cannot reshard the saved state into this ZeRO layout: {err}") from None
+    if "buffers" in full:
+        _copy_buffers(s, module, full["buffers"], path)
+
+
+def _load_buffers(s: int, module: nn.Module, buffers: dict[int, tuple[dict[str, Any], str]], read,
+                  path: Path) -> None:
+    if s in buffers:
+        part, key = buffers[s]
+        _copy_buffers(s, module, read(part)["buffers"][key], path)
+
+
+def _copy_buffers(s: int, module: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    here = _buffers(module)
+    if set(saved) != set(here):
+        raise CheckpointError(f"stage {s}: the checkpoint's buffers {sorted(saved)} are not this stage's "
+                              f"{sorted(here)} ({path})")
+    with torch.no_grad():
+        for name, t in saved.items():
+            here[name].copy_(t)
 
 
 def _load_optimizer(opt: torch.optim.Optimizer, k: int, stages: dict[int, nn.Module],
-                    holder: dict[int, tuple[dict[str, Any], str]], read) -> None:
+                    dense: dict[int, tuple[dict[str, Any], str]], full: dict[int, dict[str, Any]], read) -> None:
+    """A plain optimizer's state by (stage, parameter name): from the part holding the stage, or from the
+    full-size state reassembled from ZeRO slices."""
     names = _param_names(stages)
     current = opt.state_dict()
     state: dict[int, Any] = {}
@@ -623,16 +882,24 @@ def _load_optimizer(opt: torch.optim.Optimizer, k: int, stages: dict[int, nn.Mod
                 raise CheckpointError(f"rank {_rank()}: optimizer {k} holds a parameter ({list(p.shape)}) that "
                                       f"belongs to none of this rank's stages")
             s, name = names[id(p)]
-            saved = read(holder[s][0])["optimizers"][k]
-            entry = saved["params"].get(f"{s}/{name}")
+            if s in full:
+                f = full[s]
+                if f["type"] is not None and f["type"] != type(opt).__name__:
+                    raise CheckpointError(f"stage {s}: the checkpoint holds {f['type']} state, optimizer {k} is "
+                                          f"{type(opt).__name__}")
+                st = f["state"].get(name)
+                entry, saved_hyper = (None if st is None else {"state": st}), f["hyper"]
+            else:
+                saved = read(dense[s][0])["optimizers"][k]
+                entry = saved["params"].get(f"{s}/{name}")
+                saved_hyper = None if entry is None else saved["groups"][entry["group"]]
             if entry is None:
                 raise CheckpointError(f"optimizer {k}: the checkpoint has no state for stage {s} parameter {name!r}")
             if entry["state"]:
                 state[idx] = entry["state"]
-            hyper = hyper or saved["groups"][entry["group"]]
+            hyper = hyper or saved_hyper
         groups.append({**{k2: v for k2, v in cur.items() if k2 != "params"}, **(hyper or {}), "params": cur["params"]})
     try:
         opt.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as err:
         raise CheckpointError(f"optimizer {k}: cannot load its state: {err}") from None
-
