@@ -49,6 +49,11 @@ mixed dtypes, frozen parameters, non-elementwise optimizers.
 
 Under a fake-tensor mode (the pipeline's shape handshake) the hooks only install views:
 no gathers, no change of state.
+
+Checkpoints (runtime/checkpoint.py): `shard_state()` is this rank's slices of parameters and
+optimizer state with the `layout()` that gives them meaning; `load_shard_state()` puts them
+back under the same layout (then `sync_parameters()`, collective), `load_full_state()` takes
+full tensors by name and keeps this rank's slices (resharding to another dp size or stage).
 """
 
 from __future__ import annotations

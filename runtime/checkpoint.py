@@ -20,8 +20,21 @@ schedule with the same stage partition (same number of stages, same tensor names
 shapes per stage), whatever the placement — a rank loads each of its stages from whichever
 part holds it.  A different partition is refused with one clear error.  RNG states (torch
 CPU and CUDA, Python `random`, NumPy when imported) and `extra` are per rank: restored on
-the same rank index when the checkpoint has one.  `shards` is a free-form per-rank section
-for later ZeRO / tensor-parallel state.
+the same rank index when the checkpoint has one.  `shards` is a free-form per-rank section.
+
+Data × pipeline × tensor parallelism (`Pipeline(parallel=…)`): save and load are collective
+over the whole world, one part per rank (`rank-GLOBAL.pt`, with its (dp, pp, tp) coordinates)
+and one manifest.  Stage state is keyed by (stage, tp coordinate); RNG and `extra` by the
+rank's coordinates.  Without ZeRO the dp replicas are identical, so only dp rank 0 stores
+stage state and every dp rank of any dp size loads it.  With ZeRO 1-3 (the optimizer from
+`pipe.optimizer(…)`, which must be passed) every dp rank stores its slice of each unit's
+flat parameters and optimizer state plus the unit layout (entry names, shapes, offsets,
+padded size, dp size): under the same layout the slices are restored as they are (bit-exact
+resume); under another dp size or ZeRO stage (or between ZeRO and plain optimizers) every
+rank reassembles the full tensors from all saved slices and keeps its new slice — elementwise
+optimizer state only (Adam, AdamW, SGD momentum; scalars such as `step` are copied), anything
+else is refused naming the state.  Tensor-parallel shards load only under the same tp size
+and mode: another one is one `CheckpointError` on every rank.
 
 Test hook (tests only): `PIPEDSL_FAULT=POINT:RANK:STEP` makes that rank SIGKILL itself at
 `POINT` of that step: `save-part` (its part half written under the temporary name) or
@@ -90,11 +103,11 @@ class Restored:
 
     step: int
     path: Path
-    extra: Any  # this rank's `extra` (rank 0's when the checkpoint has no part for this rank)
+    extra: Any  # this rank's `extra`; without a part for this rank: dp rank 0's at its (pp, tp), else rank 0's
     shards: Any  # this rank's free-form shard section, or None
     saved_schedule: str  # e.g. "1F1B P=2 M=4"
     schedule_changed: bool  # the placement or the order differs from the saved program's
-    rng_restored: bool  # False when the checkpoint has no part for this rank index
+    rng_restored: bool  # False when the checkpoint has no part for this rank index (its (dp, pp, tp) coordinates)
 
 
 # ------------------------------------------------------------------ discovery

@@ -133,8 +133,10 @@ def world8_job(root: str) -> dict:
     out["tp2"] = {"ref": ref["losses"], "resumed": again["losses"],
                   "same_params": _same_params(again["params"], ref["params"])}
     mesh = ParallelMesh(ParallelConfig(dp=4, pp=PP))
-    out["dp4"] = {"resumed": _run(mesh, 1, seed=5, resume=f"{root}/z2")["losses"]}
+    dp4 = _run(mesh, 1, seed=5, resume=f"{root}/z2")
+    out["dp4"] = {"resumed": dp4["losses"]}
     out["tp_mismatch"] = _error(lambda: _run(mesh, 1, seed=5, resume=d))
+    out["no_optimizer"] = _error(lambda: checkpoint.save(dp4["pipe"], f"{root}/none", 9, timeout=10.0))
     return out
 
 
@@ -282,3 +284,10 @@ def test_a_parallel_checkpoint_without_its_manifest_is_skipped(dp2, root, tmp_pa
     assert checkpoint.latest(d).step == 1
     manifest = json.loads((d / "step-00000001" / "manifest.json").read_text())
     assert manifest["version"] == checkpoint.VERSION and len(manifest["parts"]) == 4
+
+
+def test_zero_without_its_optimizer_is_refused_on_every_rank(world8, root) -> None:
+    messages = {r["no_optimizer"] for r in world8}
+    assert messages == {"checkpoint error: zero=1: the stages' parameters live in the ZeRO optimizer; pass the "
+                        "optimizer pipe.optimizer(...) returned (got none)"}, messages
+    assert checkpoint.latest(root / "none") is None
