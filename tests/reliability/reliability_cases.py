@@ -115,7 +115,7 @@ def bad_pipelines(rank: int, files: dict[str, str]) -> dict[str, str | float]:
 
 
 def data_parallel_save(rank: int, directory: str) -> list[str]:
-    """dp=2 × pp=1: saving is refused (each replica would write the same parts), loading with zero=0 is allowed."""
+    """dp=2 × pp=1: a checkpoint saves (dp rank 0 holds the stage state) and loads back."""
     from pipedsl.parallel import ParallelConfig
 
     torch.manual_seed(0)
