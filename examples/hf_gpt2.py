@@ -6,8 +6,9 @@
     python examples/hf_gpt2.py -P 2 -M 4 --steps 5
 
 The model is cut into embedding, blocks and head (`gpt2_stages`), each block wrapped so that
-it takes and returns one tensor [B, T, C].  Word embeddings are untied
-(`tie_word_embeddings=False`): tied weights would live on the first and the last rank.
+it takes and returns one tensor [B, T, C].  The word embedding stays tied to the output
+projection (GPT-2's default): the pipeline finds the shared weight in the stage list and sums
+its gradient between the first and the last stage's ranks each step (pipedsl/runtime/ties.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def gpt2_model(seed: int = 0, n_layer: int = 4):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=n_layer, n_head=2, bos_token_id=0,
-                     eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, tie_word_embeddings=False)
+                     eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
     torch.manual_seed(seed)
     return GPT2LMHeadModel(cfg)
 

@@ -17,12 +17,13 @@ none (max 0.2 ms).  Per-pair order is kept: all messages from a to b use one gro
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .groups import PipelineGroups
 
 # A fixed-size int64 vector describes one message (count, then dtype, ndim, dims per tensor).
 _META_LEN = 64
@@ -112,7 +113,8 @@ class Recv:
 class Channels:
     """Tag-0 point-to-point messages between the ranks of one pipeline group."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
+                 groups: PipelineGroups | None = None) -> None:
         self.group = group
         self.device = device
         self.rank = dist.get_rank(group)
@@ -122,7 +124,8 @@ class Channels:
         self._sends: list[tuple[object, torch.Tensor]] = []
         up = down = group
         if self.size > 1 and dist.get_backend(group) == "gloo":
-            up, down = (new_group_like(group) for _ in range(2))
+            groups = groups or PipelineGroups(group)
+            up, down = (groups.new(range(self.size)) for _ in range(2))
         # messages from a lower to a higher rank on `up`, the others on `down`
         self._send_group = [up if peer > self.rank else down for peer in range(self.size)]
         self._recv_group = [down if peer > self.rank else up for peer in range(self.size)]
@@ -168,15 +171,3 @@ class Channels:
         v = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
         dist.recv(v, src=self._global[peer], group=self.group, tag=0)
         return decode_meta(v.cpu())
-
-
-def new_group_like(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A new group of `group`'s ranks with its timeout (collective over `group`, or the world for the world)."""
-    parent = group if group is not None else dist.group.WORLD
-    members = dist.get_process_group_ranks(parent)
-    timeout = None
-    with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the default timeout
-        timeout = parent._get_backend(torch.device("cpu")).options._timeout
-    if group is None or group is dist.group.WORLD:
-        return dist.new_group(members, timeout=timeout)
-    return dist.new_group(members, timeout=timeout, use_local_synchronization=True)

@@ -10,7 +10,9 @@ here to its module.  With replicas (Chimera), the copies of a stage on *differen
 separate modules (all starting from replica 0's weights, broadcast at init) whose gradients
 are summed at REDUCE_GRAD; copies of a stage on the *same* rank share one module, so a
 stage index always names one module per rank (`local_copies()` gives (replica, stage) keys).
-Gradients accumulate into `.grad` (call `optimizer.zero_grad()` between steps).
+Gradients accumulate into `.grad` (call `optimizer.zero_grad()` between steps).  Parameters
+shared between stages (tied embeddings) are found in the stage list or named with `ties=`;
+their gradients are summed between the ranks holding them at the step end (see ties.py).
 
 Data × pipeline × tensor parallelism: `parallel=ParallelConfig(dp, pp, tp, zero=…)` (or a
 `ParallelMesh` built from one) makes the schedule run on the mesh's pp group (program rank k
@@ -59,9 +61,11 @@ from pipedsl.validate import validate
 
 from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
-from .p2p import Channels, TensorMeta, describe, new_group_like
+from .groups import PipelineGroups
+from .p2p import Channels, TensorMeta, describe
 from .reduce import DataParallelReducer, GradReducer, Hook
 from .stage import ActivationCounter, LossFn, Stage, warm_up_shape_inference
+from .ties import TieReducer, check_ties, find_ties
 from .tracer import Tracer
 
 StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
@@ -77,7 +81,7 @@ class Pipeline:
                  device: torch.device | str | None = None, lookahead: int = 16,
                  strict_pair_order: bool | None = None, check_finite: bool = True,
                  parallel: ParallelConfig | ParallelMesh | None = None, batch: str = "global",
-                 **schedule_params: int) -> None:
+                 ties: Sequence[Sequence[tuple[int, str]]] | None = None, **schedule_params: int) -> None:
         if not dist.is_initialized():
             raise PipeRuntimeError("torch.distributed is not initialised: start the ranks with "
                                    "pipedsl.launch(fn, nprocs) or torchrun")
@@ -106,15 +110,18 @@ class Pipeline:
         self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter)
                         for s, m in self._modules.items()}
         self._copies = {(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
-        self.channels = Channels(group, self.device)
-        self._loss_group = new_group_like(group)  # the step's loss sum, reduced while the step runs
-        self.reducer = GradReducer(prog, rank, self._modules, group, self.channels.global_rank)
-        self.reducer.broadcast_replicas()
-        self._check_parallel_support()
+        self.groups = PipelineGroups(group, self.mesh)
+        self.channels = Channels(group, self.device, self.groups)
+        self._loss_group = self.groups.new(range(self.size))  # the step's loss sum, reduced while the step runs
         self.dp = self.parallel.dp if self.parallel is not None else 1
         self.dp_rank = self.mesh.coords.dp if self.mesh is not None else 0
+        self.ties = self._ties(stages, ties)
+        self._check_parallel_support()
+        self.reducer = GradReducer(prog, rank, self._modules, self.groups, self.ties)
+        self.reducer.broadcast_replicas()
+        self.ties.broadcast()
         if self.parallel is not None and self.parallel.zero == 0 and self.dp > 1:
-            self.reducer.add_hook(DataParallelReducer(self.mesh.dp_group))
+            self.reducer.add_hook(DataParallelReducer(self.mesh.dp_group, self.ties.skip))
         self._optimizer = None
         self._checked_batch = False
         self.tracer = Tracer(group)
@@ -139,11 +146,28 @@ class Pipeline:
             raise PipeRuntimeError(f"parallel= takes a ParallelConfig or a ParallelMesh, got {type(parallel).__name__}")
         return ParallelMesh(parallel)  # checks world size = dp*pp*tp before any group exists
 
+    def _ties(self, stages: StageSpec, ties: Sequence[Sequence[tuple[int, str]]] | None) -> TieReducer:
+        """Parameters shared between stages: named by `ties=`, or found in a list of stage modules."""
+        if ties is not None:
+            found = check_ties(ties, self.program.num_stages)
+        elif isinstance(stages, Sequence) and len(stages) == self.program.num_stages:
+            found = find_ties(stages)
+        else:
+            found = []
+        reducer = TieReducer(found, self.program, self.rank, self._modules, self.groups, self.dp)
+        if found:
+            reducer.agree(self.group, self.size)
+        return reducer
+
     def _check_parallel_support(self) -> None:
         """Refuse the ZeRO settings this program cannot run, with the reason (every rank alike)."""
         cfg, prog = self.parallel, self.program
         if cfg is None or cfg.zero == 0:
             return
+        if self.ties.names:
+            raise ParallelConfigError(
+                f"zero={cfg.zero} does not support parameters tied between stages ({self.ties.describe()}): ZeRO "
+                f"shards each stage's parameters over dp separately; use zero=0 or untie them")
         split = any(ins.op in (Op.I, Op.W) for stream in prog.ranks for ins in stream)
         replicated = any(len({prog.placement[(c, s)] for c in range(prog.num_replicas)}) > 1
                          for s in range(prog.num_stages))
@@ -214,8 +238,13 @@ class Pipeline:
         return {k: st.module for k, st in self._copies.items()}
 
     def parameters(self):
+        """This rank's parameters, each once (a parameter tied between two local stages is one object)."""
+        seen: set[int] = set()
         for m in self._modules.values():
-            yield from m.parameters()
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
 
     def register_reduce_grad_hook(self, hook: Hook) -> None:
         """`hook(stage, module)` after a stage's gradients are complete and reduced between replicas.

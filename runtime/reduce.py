@@ -32,14 +32,19 @@ from torch import nn
 
 from pipedsl.ir import Program
 
+from .groups import PipelineGroups
+from .ties import TieReducer
+
 Hook = Callable[[int, nn.Module], object]
 
 
 class GradReducer:
-    def __init__(self, program: Program, rank: int, modules: dict[int, nn.Module],
-                 group: dist.ProcessGroup | None, global_rank: Callable[[int], int]) -> None:
+    def __init__(self, program: Program, rank: int, modules: dict[int, nn.Module], groups: PipelineGroups,
+                 ties: TieReducer | None = None) -> None:
         self.rank = rank
         self.modules = modules
+        self.ties = ties  # parameters shared between stages: reduced by it at the step end, skipped here
+        self.skip = ties.skip if ties is not None else set()
         self.hooks: list[Hook] = []
         self._copies = {s: 0 for s in modules}
         for (_, s), r in program.placement.items():
@@ -54,19 +59,12 @@ class GradReducer:
         self.stages_of: dict[tuple[int, ...], list[int]] = {}
         for s, key in holders.items():
             self.stages_of.setdefault(key, []).append(s)
-        whole = group is None or group is dist.group.WORLD
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for key in self.stages_of:  # first-appearance order: the same on every rank
-            members = [global_rank(r) for r in key]
-            if whole:
-                g = dist.new_group(members)
-            elif rank in key:
-                g = dist.new_group(members, use_local_synchronization=True)
-            else:
-                continue
+            g = groups.new(key)
             if rank in key:
                 self.groups[key] = g
-        self._src = {s: global_rank(program.placement[(0, s)]) for s in holders}  # replica 0's copy
+        self._src = {s: groups.global_rank(program.placement[(0, s)]) for s in holders}  # replica 0's copy
         self._flat: dict[int, list[torch.Tensor]] = {}
 
     def add_hook(self, hook: Hook) -> None:
@@ -110,7 +108,7 @@ class GradReducer:
     def _grads(self, stage: int) -> list[torch.Tensor]:
         grads = []
         for p in self.modules[stage].parameters():
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) in self.skip:
                 continue
             if p.grad is None:  # every copy must send the same layout
                 p.grad = torch.zeros_like(p)
@@ -150,6 +148,8 @@ class GradReducer:
                 raise RuntimeError(f"stage {self.stages_of[key][k]} never reached REDUCE_GRAD")
         while self._inflight:
             self._complete(self._inflight.pop(0))
+        if self.ties is not None:
+            self.ties.reduce()
         handles, self._handles = self._handles, []
         for h in handles:
             h.wait()
@@ -164,9 +164,10 @@ class DataParallelReducer:
     the mean loss over the global batch.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, skip: set[int] | None = None) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.skip = skip or set()  # tied parameters: their own reduction averages them over dp
         self._flat: dict[int, list[torch.Tensor]] = {}
 
     def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
@@ -174,7 +175,7 @@ class DataParallelReducer:
             return None
         grads = []
         for p in module.parameters():
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) in self.skip:
                 continue
             if p.grad is None:  # every rank must send the same layout
                 p.grad = torch.zeros_like(p)

@@ -1,0 +1,82 @@
+"""Process groups over a pipeline's program ranks, made so that every process agrees on them.
+
+torch names a group created with `use_local_synchronization=True` after its members *and the
+number of groups the calling process already belongs to*; two processes whose histories
+differ (one joined more groups than the other, e.g. replica groups of an earlier pipeline)
+then disagree on the name and wait for each other forever.  So groups are made
+world-collectively — every process calls `new_group` for every group, in one order — whenever
+the layout of every pipeline is known: the world is one pipeline, or a `ParallelMesh` lays
+out all of them (its pipelines are the columns of the mesh at each dp and tp coordinate).
+Only a user's own sub-group, whose sibling pipelines are unknown, falls back to local
+synchronisation among the members.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipedsl.parallel.mesh import ParallelMesh
+
+
+class PipelineGroups:
+    """Makes the groups a pipeline needs (messages, replicas, ties) from program ranks."""
+
+    def __init__(self, group: dist.ProcessGroup | None, mesh: ParallelMesh | None = None) -> None:
+        self.group = group
+        self.mesh = mesh
+        self.whole = group is None or group is dist.group.WORLD
+        self.members = dist.get_process_group_ranks(group) if not self.whole else list(range(dist.get_world_size()))
+        self.me = dist.get_rank()
+        self.timeout = None
+        with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the default timeout
+            parent = group if not self.whole else dist.group.WORLD
+            self.timeout = parent._get_backend(torch.device("cpu")).options._timeout
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of program rank `rank` of this pipeline."""
+        return self.members[rank]
+
+    def source_rank(self, rank: int) -> int:
+        """The global rank of program rank `rank` in data-parallel replica 0 (this rank's tp coordinate)."""
+        if self.mesh is None:
+            return self.global_rank(rank)
+        grid, tail = self._grid()
+        return int(grid[(rank, 0, *tail)])
+
+    def new(self, ranks: Sequence[int], across_dp: bool = False) -> dist.ProcessGroup | None:
+        """The group of program ranks `ranks` of this pipeline — with `across_dp`, of every data-parallel
+        replica's pipeline at this tp coordinate — or None where this process is not a member.
+        Collective: every process calls it with the same arguments, in the same order."""
+        ranks = sorted(ranks)
+        if self.mesh is not None:
+            return self._new_on_mesh(ranks, across_dp)
+        members = [self.members[r] for r in ranks]
+        if self.whole:
+            group = dist.new_group(members, timeout=self.timeout)
+            return group if self.me in members else None
+        if self.me not in members:
+            return None
+        return dist.new_group(members, timeout=self.timeout, use_local_synchronization=True)
+
+    def _grid(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        assert self.mesh is not None
+        mesh = self.mesh.device_mesh
+        return mesh.mesh, tuple(mesh.get_coordinate()[2:])  # global ranks [pp, dp, *tp]; this rank's tp part
+
+    def _new_on_mesh(self, ranks: list[int], across_dp: bool) -> dist.ProcessGroup | None:
+        grid, _ = self._grid()
+        mine = None
+        tails = list(itertools.product(*(range(n) for n in grid.shape[2:])))
+        columns = [(slice(None), *t) for t in tails] if across_dp else \
+            [(d, *t) for d in range(grid.shape[1]) for t in tails]
+        for col in columns:  # every pipeline's group, on every process, in one order
+            members = sorted(int(x) for x in grid[ranks][(slice(None), *col)].flatten())
+            group = dist.new_group(members, timeout=self.timeout)
+            if self.me in members:
+                mine = group
+        return mine
