@@ -42,10 +42,10 @@ through private state, as torch.distributed.pipelining's stage does
 accounting.  One flat-buffer implementation keeps all four stages, their memory and their
 traffic on the formulas (benchmarks/parallel_memory_comm.py).
 
-Not yet handled: split backward (I/W, zero-bubble schedules) under stage 3 or
-reduce="microbatch" (the unit hooks assume one backward per forward; `Pipeline` refuses these
-combinations, and reduce="microbatch" with stage replicas on other ranks, with the reason),
-mixed dtypes, frozen parameters, non-elementwise optimizers.
+Not yet handled: split backward (I/W, zero-bubble schedules) under stage 3 (W reads saved
+views of parameters freed after the forward; `Pipeline` refuses it, and reduce="microbatch"
+with stage replicas on other ranks, with the reason), mixed dtypes, frozen parameters,
+non-elementwise optimizers.
 
 Under a fake-tensor mode (the pipeline's shape handshake) the hooks only install views:
 no gathers, no change of state.

@@ -177,11 +177,6 @@ class Pipeline:
                 f"zero=3 does not support split backward (schedule {name!r} has I/W ops): ZeRO-3 frees a unit's "
                 f"parameters after its backward, but I and W are two backward passes with no hook between them; "
                 f"use zero=2 (or a schedule without I/W)")
-        if cfg.zero_reduce == "microbatch" and split:
-            raise ParallelConfigError(
-                f"zero_reduce='microbatch' does not support split backward (schedule {name!r} has I/W ops): W "
-                f"accumulates weight gradients without the per-microbatch reduce-scatter hook; use "
-                f"zero_reduce='step'")
         if cfg.zero_reduce == "microbatch" and replicated:
             raise ParallelConfigError(
                 f"zero_reduce='microbatch' does not support stage replicas on different ranks (schedule {name!r}): "
