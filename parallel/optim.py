@@ -44,6 +44,9 @@ class PipelineOptimizer:
             self.zero[s] = ZeroOptimizer(module, optimizer_class, group=pipe.mesh.dp_group, stage=cfg.zero,
                                          reduce=cfg.zero_reduce, **kwargs)
         pipe.register_reduce_grad_hook(self._reduce)
+        if cfg.zero == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
+            for s, zero in sorted(self.zero.items()):
+                pipe.register_weight_pass_hook(s, zero.before_weight_pass, zero.after_weight_pass)
 
     def _reduce(self, stage: int, module: torch.nn.Module) -> ZeroOptimizer:
         zero = self.zero[stage]

@@ -42,10 +42,11 @@ through private state, as torch.distributed.pipelining's stage does
 accounting.  One flat-buffer implementation keeps all four stages, their memory and their
 traffic on the formulas (benchmarks/parallel_memory_comm.py).
 
-Not yet handled: split backward (I/W, zero-bubble schedules) under stage 3 (W reads saved
-views of parameters freed after the forward; `Pipeline` refuses it, and reduce="microbatch"
-with stage replicas on other ranks, with the reason), mixed dtypes, frozen parameters,
-non-elementwise optimizers.
+Split backward (I/W, zero-bubble schedules) under stage 3: I regathers through the usual
+pre-backward hooks; W reads saved views of the parameters, so the pipeline calls
+`before_weight_pass` (gather every unit) and `after_weight_pass` (free them) around each W.
+Not yet handled: reduce="microbatch" with stage replicas on other ranks (`Pipeline` refuses
+it, with the reason), mixed dtypes, frozen parameters, non-elementwise optimizers.
 
 Under a fake-tensor mode (the pipeline's shape handshake) the hooks only install views:
 no gathers, no change of state.
@@ -234,6 +235,7 @@ class ZeroOptimizer:
         self.optimizer = optimizer_class(opt_params, **optimizer_kwargs)
         self._order: list[int] = []  # units in forward execution order (recorded on the first forward)
         self._recorded = False
+        self._in_weight_pass = False  # inside a split backward's W (the units stay gathered until it ends)
         self._pending_reduce: list[tuple[dist.Work, Callable[[], None]]] = []
         self._peak_grads = 0
         self._hooks = []
@@ -317,8 +319,20 @@ class ZeroOptimizer:
             if self.reduce == "microbatch":
                 u.reduce_scatter_grad(accumulate=True)
                 u.reduced_this_step = True
-            u.release()
+            if not self._in_weight_pass:
+                u.release()
         return hook
+
+    def before_weight_pass(self) -> None:
+        """Split backward (W): every unit gathered, for W reads saved views of the parameters; collective."""
+        self._in_weight_pass = True
+        for u in self.units:
+            u.gather()
+
+    def after_weight_pass(self) -> None:
+        self._in_weight_pass = False
+        for u in self.units:
+            u.release()
 
     def _end_of_forward(self, module: nn.Module, args, output) -> None:
         if detect_fake_mode() is None:

@@ -168,15 +168,9 @@ class Pipeline:
             raise ParallelConfigError(
                 f"zero={cfg.zero} does not support parameters tied between stages ({self.ties.describe()}): ZeRO "
                 f"shards each stage's parameters over dp separately; use zero=0 or untie them")
-        split = any(ins.op in (Op.I, Op.W) for stream in prog.ranks for ins in stream)
         replicated = any(len({prog.placement[(c, s)] for c in range(prog.num_replicas)}) > 1
                          for s in range(prog.num_stages))
         name = prog.name
-        if split and cfg.zero == 3:
-            raise ParallelConfigError(
-                f"zero=3 does not support split backward (schedule {name!r} has I/W ops): ZeRO-3 frees a unit's "
-                f"parameters after its backward, but I and W are two backward passes with no hook between them; "
-                f"use zero=2 (or a schedule without I/W)")
         if cfg.zero_reduce == "microbatch" and replicated:
             raise ParallelConfigError(
                 f"zero_reduce='microbatch' does not support stage replicas on different ranks (schedule {name!r}): "
@@ -250,6 +244,14 @@ class Pipeline:
         running the same program call them in the same order: they may issue collectives.
         """
         self.reducer.add_hook(hook)
+
+    def register_weight_pass_hook(self, stage: int, before: Callable[[], None], after: Callable[[], None]) -> None:
+        """`before()` and `after()` around every W (weight-gradient pass) of local `stage` — e.g. ZeRO-3
+        gathers the parameters whose saved views W reads.  They run at W instructions, which every
+        data-parallel peer runs in the same order, so they may issue collectives."""
+        if stage not in self._stages:
+            raise PipeRuntimeError(f"rank {self.rank} does not hold stage {stage}")
+        self._stages[stage].weight_pass_hooks.append((before, after))
 
     def optimizer(self, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any):
         """The optimizer of this rank's stages: a `PipelineOptimizer` with `step()` and `zero_grad()`.

@@ -93,6 +93,8 @@ class Stage:
         self._params: list[nn.Parameter] | None = None
         self._param_nodes: dict[Node, int] | None = None
         self._plans: dict[tuple, _WeightPlan] = {}  # graph signature -> plan
+        # (before, after) around every W: e.g. ZeRO-3 gathers the parameters W's saved views point into
+        self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -217,6 +219,16 @@ class Stage:
             groups = act.boundary
         act.boundary = act.grads = None
         act.outputs = []
+        for before, _ in self.weight_pass_hooks:
+            before()
+        try:
+            self._weight_grads(groups)
+        finally:
+            for _, after in self.weight_pass_hooks:
+                after()
+
+    def _weight_grads(self, groups: list[tuple]) -> None:
+        params = self.params
         for roots, root_grads, pidx, clamps in groups:
             # a boundary node reached again through another root of its group keeps I's gradient
             handles = [u.register_prehook(lambda _g, saved=saved: saved) for u, saved in clamps]

@@ -197,7 +197,6 @@ def api_job() -> dict:
                                                        program=pipedsl.load("1f1b").compile(P=4, M=4),
                                                        parallel=mesh))
     out["group and parallel"] = _message(lambda: pipe(group=mesh.pp_group))
-    out["zero3 split"] = _message(lambda: pipe("zb-h1", parallel=mesh.with_zero(3)))
     out["microbatch replicas"] = _message(lambda: pipe("chimera", parallel=mesh.with_zero(2, "microbatch")))
     p = pipe()
     out["no optimizer"] = _message(lambda: p.step(x, y))
@@ -266,8 +265,7 @@ def _every_schedule_runs() -> tuple:
     runs = []
     for name in pipedsl.builtin_names():
         prog = pipedsl.load(name).compile(P=2, M=4, **SCHEDULE_PARAMS.get(name, {}))
-        split = any(i.op in (pipedsl.Op.I, pipedsl.Op.W) for r in prog.ranks for i in r)
-        runs += [(name, 4, 16, z, "step") for z in (1, 0, 2) + (() if split else (3,))]
+        runs += [(name, 4, 16, z, "step") for z in (1, 0, 2, 3)]
         if prog.num_replicas == 1:
             runs.append((name, 4, 16, 2, "microbatch"))
     return tuple(runs)
@@ -331,7 +329,6 @@ def test_clear_errors_and_local_batches(run_once):
         assert out["world"] == "world size 4 is not dp*pp*tp = 2*2*2 = 8"
         assert out["P != pp"].startswith("the program '1F1B' has P=4 ranks, but the parallel layout has pp=2")
         assert "not both" in out["group and parallel"]
-        assert out["zero3 split"].startswith("zero=3 does not support split backward (schedule 'ZB-H1'")
         assert out["microbatch replicas"].startswith("zero_reduce='microbatch' does not support stage replicas")
         assert "pipe.optimizer(torch.optim.Adam" in out["no optimizer"]
         assert "already has its optimizer" in out["second optimizer"]
