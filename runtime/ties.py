@@ -101,13 +101,13 @@ class TieReducer:
                 seen = {(r, shapes[k]) for r, (_, shapes) in enumerate(every) if k in shapes}
                 if len({shape for _, shape in seen}) > 1:
                     copies = ", ".join(f"rank {r}: {shape}" for r, shape in sorted(seen))
-                    problem = f"the tied parameters {' = '.join(f'stage {s} {n}' for s, n in tie)} differ ({copies})"
+                    problem = f"the tied parameters {_label(tie)} differ ({copies})"
                     break
         if problem:
             raise PipeRuntimeError(problem)
 
     def describe(self) -> str:
-        return "; ".join(" = ".join(f"stage {s} {name}" for s, name in tie) for tie in self.names)
+        return "; ".join(map(_label, self.names))
 
     def broadcast(self) -> None:
         """Every copy starts from the first stage's copy (replica 0, dp replica 0)."""
@@ -149,8 +149,12 @@ def _local_copies(tie: Tie, modules: dict[int, nn.Module]) -> list[nn.Parameter]
                 local.append(p)
     if len({(tuple(p.shape), p.dtype) for p in local}) > 1:
         shapes = ", ".join(f"{list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for p in local)
-        raise PipeRuntimeError(f"the tied parameters {' = '.join(f'stage {s} {n}' for s, n in tie)} differ: {shapes}")
+        raise PipeRuntimeError(f"the tied parameters {_label(tie)} differ: {shapes}")
     return local
+
+
+def _label(tie: Tie) -> str:
+    return " = ".join(f"stage {s} {name}" for s, name in tie)
 
 
 def _parameter(module: nn.Module, stage: int, name: str) -> nn.Parameter:
