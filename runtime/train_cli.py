@@ -3,6 +3,7 @@
     pipedsl train --schedule 1f1b -P 4 -M 8 --steps 20
     pipedsl run --program prog.json --steps 20          # a compiled program file (JSON, CSV or text)
     pipedsl train … --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
+    pipedsl train --schedule zb-v -P 2 -M 4 --dp 2 --zero 1      # dp x P processes, ZeRO over dp
 
 Rank 0 prints one progress line per step (loss, samples/s); at the end the last step's
 measured timeline is written as Timeline JSON (and as a PNG when pipedsl.visualize can draw
@@ -64,6 +65,10 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--dropout", type=fraction, default=0.0, help="dropout probability (default 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dp", type=positive_int, default=1,
+                   help="data-parallel replicas of the pipeline: dp x P processes (default 1)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="ZeRO stage over the dp replicas (default 0: an averaging all-reduce)")
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds before a silent rank counts as failed (process group; default 120)")
     p.add_argument("--checkpoint-timeout", type=positive_float, metavar="SECONDS",
@@ -116,13 +121,16 @@ def _execute(program: Any, args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise PipeDSLError(f"cannot create the output directory {out}: {err.strerror or err}") from None
+    dp = cfg["dp"]
+    layout = f"{dp} x {program.num_ranks} = {dp * program.num_ranks} processes (dp x pp, zero={cfg['zero']})" \
+        if dp > 1 or cfg["zero"] else f"{program.num_ranks} processes"
     print(f"training a {cfg['layers']}-block GPT (C={cfg['embd']}, T={cfg['seq']}) with {program.name} "
           f"{' '.join(f'{k}={v}' for k, v in program.params.items())}: {program.num_stages} stages on "
-          f"{program.num_ranks} processes, batch {cfg['batch']}", flush=True)
+          f"{layout}, batch {cfg['batch']}", flush=True)
     if cfg["resume"]:
         print(f"resuming from {cfg['resume']}", flush=True)
     try:
-        results = pipedsl.launch(_train, program.num_ranks, program.to_json(), cfg, timeout=args.timeout,
+        results = pipedsl.launch(_train, dp * program.num_ranks, program.to_json(), cfg, timeout=args.timeout,
                                  join_timeout=args.join_timeout, threads=args.threads)
     except PipeRuntimeError as err:
         print(err.render(), file=sys.stderr)
@@ -154,11 +162,12 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The per-rank training configuration; every size error here, before any process starts."""
     from pipedsl.errors import PipeDSLError
 
-    M, S = program.num_microbatches, program.num_stages
-    batch = args.batch or 4 * M
-    if batch % M:
-        raise PipeDSLError(f"--batch {batch} does not split into M={M} equal microbatches "
-                           f"(use a multiple of {M})")
+    M, S, dp = program.num_microbatches, program.num_stages, args.dp
+    batch = args.batch or 4 * M * dp
+    if batch % (M * dp):
+        what = f"dp*M = {dp}*{M} = {dp * M}" if dp > 1 else f"M={M}"
+        raise PipeDSLError(f"--batch {batch} does not split into {what} equal microbatches "
+                           f"(use a multiple of {dp * M})")
     if args.embd % N_HEAD:
         raise PipeDSLError(f"--embd {args.embd} must be a multiple of {N_HEAD} (the attention heads)")
     layers = args.layers or max(2 * S - 2, 1)
@@ -174,7 +183,8 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
     cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "layers": layers, "embd": args.embd,
            "lr": args.lr, "dropout": args.dropout, "seed": args.seed,
            "timeout": args.checkpoint_timeout or args.timeout,
-           "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None}
+           "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None,
+           "dp": dp, "zero": args.zero}
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
     return cfg
@@ -242,9 +252,13 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
     gcfg = _gpt_config(cfg)
     torch.manual_seed(cfg["seed"])
     model = GPT(gcfg)  # the same weights on every rank; each keeps only its stages
-    pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program, loss_fn=gpt_loss)
+    parallel = None
+    if cfg["dp"] > 1 or cfg["zero"]:
+        from pipedsl.parallel import ParallelConfig, ParallelMesh
+        parallel = ParallelMesh(ParallelConfig(dp=cfg["dp"], pp=program.num_ranks, zero=cfg["zero"]))
+    pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program, loss_fn=gpt_loss, parallel=parallel)
     del model
-    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
+    opt = pipe.optimizer(torch.optim.AdamW, lr=cfg["lr"])
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
     start = 0
     if cfg["resume"]:
@@ -266,7 +280,7 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
         t0 = time.perf_counter()
         loss = pipe.step(x, y)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         dt = time.perf_counter() - t0
         losses[step] = loss
         if rank == 0:
@@ -279,8 +293,8 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
                 print(f"checkpoint step {step}: {info.path}", flush=True)
     if start >= cfg["steps"]:
         return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
-    peaks = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(peaks, pipe.peak_activations)
+    peaks = [None] * pipe.size  # per pipeline rank (of this rank's pipeline)
+    torch.distributed.all_gather_object(peaks, pipe.peak_activations, group=pipe.group)
     timeline = pipe.timeline()
     if timeline is None:
         return None

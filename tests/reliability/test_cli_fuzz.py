@@ -72,7 +72,7 @@ TRAIN_FLAGS = {
     "--steps": ints, "--batch": ints, "--seq": ints, "--layers": ints, "--embd": ints, "--lr": numbers,
     "--dropout": numbers, "--seed": ints, "--timeout": numbers, "--checkpoint-timeout": numbers,
     "--join-timeout": numbers, "--threads": ints, "--checkpoint-dir": paths, "--checkpoint-every": ints,
-    "--resume": st.one_of(paths, st.just("")), "-o": outputs, "-P": ints,
+    "--resume": st.one_of(paths, st.just("")), "-o": outputs, "-P": ints, "--dp": ints, "--zero": ints,
 }
 FLAGS = {
     "compile": {**SIZE_FLAGS, "--format": st.sampled_from(["text", "json", "csv", "xml"]), "-o": outputs},

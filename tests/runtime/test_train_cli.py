@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,3 +27,32 @@ def test_train_command_writes_a_measured_timeline(tmp_path) -> None:
     assert timeline.kind == "measured"
     assert [[e.instr for e in events] for events in timeline.ranks] == [list(s) for s in program.ranks]
     assert timeline.peak_activations == pipedsl.simulate(program).peak_activations
+
+
+def _train(tmp_path, name: str, *args: str) -> dict[str, float]:
+    out = tmp_path / name
+    proc = subprocess.run([sys.executable, "-m", "pipedsl.cli", "train", "-P", "2", "-M", "2", "--seq", "8",
+                           "--embd", "16", "-o", str(out), *args],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads((out / "losses.json").read_text())["losses"]
+
+
+@pytest.mark.slow
+def test_train_with_data_parallel_zero_resumes_exactly(tmp_path) -> None:
+    """dp=2 x pp=2 with ZeRO-1: a run resumed from its step-2 checkpoint (under GPipe: same partition) gives
+    the losses of the run that went on, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    whole = _train(tmp_path, "whole", "--schedule", "1f1b", "--dp", "2", "--zero", "1", "--steps", "4",
+                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
+    assert sorted(whole) == ["1", "2", "3", "4"] and len(set(whole.values())) == 4
+    resumed = _train(tmp_path, "resumed", "--schedule", "gpipe", "--dp", "2", "--zero", "1", "--steps", "4",
+                     "--checkpoint-dir", str(tmp_path / "other"), "--resume", str(ckpt / "step-00000002"))
+    assert resumed == {"3": whole["3"], "4": whole["4"]}
+
+
+def test_train_batch_must_split_over_dp_and_microbatches(capsys) -> None:
+    from pipedsl.cli import main
+
+    assert main(["train", "-P", "2", "-M", "2", "--dp", "2", "--batch", "6"]) == 2
+    assert "--batch 6 does not split into dp*M = 2*2 = 4 equal microbatches" in capsys.readouterr().err
