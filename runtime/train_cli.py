@@ -253,9 +253,10 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
     torch.manual_seed(cfg["seed"])
     model = GPT(gcfg)  # the same weights on every rank; each keeps only its stages
     parallel = None
-    if cfg["dp"] > 1 or cfg["zero"]:
+    dp, zero = cfg.get("dp", 1), cfg.get("zero", 0)  # a configuration without them: pipeline only
+    if dp > 1 or zero:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
-        parallel = ParallelMesh(ParallelConfig(dp=cfg["dp"], pp=program.num_ranks, zero=cfg["zero"]))
+        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, zero=zero))
     pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program, loss_fn=gpt_loss, parallel=parallel)
     del model
     opt = pipe.optimizer(torch.optim.AdamW, lr=cfg["lr"])
