@@ -113,25 +113,20 @@ class Recv:
 class Channels:
     """Tag-0 point-to-point messages between the ranks of one pipeline group."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
-                 groups: PipelineGroups | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, groups: PipelineGroups) -> None:
         self.group = group
         self.device = device
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
+        self._global = groups.members  # program rank -> global rank
         self.pool = BufferPool(device)
         self._sends: list[tuple[object, torch.Tensor]] = []
         up = down = group
         if self.size > 1 and dist.get_backend(group) == "gloo":
-            groups = groups or PipelineGroups(group)
             up, down = (groups.new(range(self.size)) for _ in range(2))
         # messages from a lower to a higher rank on `up`, the others on `down`
         self._send_group = [up if peer > self.rank else down for peer in range(self.size)]
         self._recv_group = [down if peer > self.rank else up for peer in range(self.size)]
-
-    def global_rank(self, rank: int) -> int:
-        return self._global[rank]
 
     # ------------------------------------------------------------ data
 

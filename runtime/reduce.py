@@ -105,18 +105,8 @@ class GradReducer:
         if not self.hooks:  # with hooks, completion (and so the hook) waits for the step end: a fixed point
             self._poll()
 
-    def _grads(self, stage: int) -> list[torch.Tensor]:
-        grads = []
-        for p in self.modules[stage].parameters():
-            if not p.requires_grad or id(p) in self.skip:
-                continue
-            if p.grad is None:  # every copy must send the same layout
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        return grads
-
     def _issue(self, stage: int, group: dist.ProcessGroup) -> None:
-        works, flats, groups = flat_all_reduce(self._grads(stage), self._flat, stage, group)
+        works, flats, groups = flat_all_reduce(_grads(self.modules[stage], self.skip), self._flat, stage, group)
         self._inflight.append((stage, works, flats, groups))
 
     def _complete(self, item: tuple[int, object, list, list]) -> None:
@@ -173,15 +163,21 @@ class DataParallelReducer:
     def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
         if self.size == 1:
             return None
-        grads = []
-        for p in module.parameters():
-            if not p.requires_grad or id(p) in self.skip:
-                continue
-            if p.grad is None:  # every rank must send the same layout
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        works, flats, groups = flat_all_reduce(grads, self._flat, stage, self.group)
+        works, flats, groups = flat_all_reduce(_grads(module, self.skip), self._flat, stage, self.group)
         return _AveragedReduction(works, flats, groups, self.size)
+
+
+def _grads(module: nn.Module, skip: set[int]) -> list[torch.Tensor]:
+    """The gradients to reduce, every trainable parameter's (zeros where none: every rank must send the
+    same layout), except the `skip`ped tied parameters, which their own reduction handles."""
+    grads = []
+    for p in module.parameters():
+        if not p.requires_grad or id(p) in skip:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads
 
 
 def flat_all_reduce(grads: list[torch.Tensor], cache: dict[int, list[torch.Tensor]], key: int,

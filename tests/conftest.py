@@ -1,11 +1,23 @@
-"""Shared test helpers."""
+"""Shared test helpers: the hypothesis profiles, and one pool of 8 local processes for the session."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from pipedsl.parallel.pool import LocalPool
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """8 worker processes started once; each `pool.run(fn, world, ...)` is a fresh gloo world on them
+    (tests/parallel and the parallel checkpoint tests share it: spawning is slow on 2 cores)."""
+    p = LocalPool(8, timeout=240)
+    yield p
+    p.close()

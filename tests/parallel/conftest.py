@@ -1,17 +1,8 @@
-"""One pool of 8 local processes for the whole session; each job runs once and many tests read its results."""
+"""Each job runs once on the session's pool of 8 processes (tests/conftest.py); many tests read its results."""
 
 from __future__ import annotations
 
 import pytest
-
-from pipedsl.parallel.pool import LocalPool
-
-
-@pytest.fixture(scope="session")
-def pool():
-    p = LocalPool(8, timeout=240)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="session")

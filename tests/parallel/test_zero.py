@@ -182,6 +182,18 @@ def test_stage3_gathers_each_unit_for_forward_and_backward_and_releases_it(job):
             assert by_op == {"reduce_scatter": (n - 1) * 4 * sum(res["units"][(stage, "step")]) // n}
 
 
+def _train_zero(model: nn.Module, group, stage: int, X: torch.Tensor, Y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """STEPS Adam steps of M accumulated microbatches (X[s, m]) under ZeRO `stage`; the dense parameters after."""
+    zero = ZeroOptimizer(model, torch.optim.Adam, group=group, stage=stage, lr=LR, eps=EPS)
+    for s in range(STEPS):
+        for m in range(M):
+            (loss_fn(model, X[s, m], Y[s, m]) / M).backward()
+        zero.reduce_gradients()
+        zero.step()
+        zero.zero_grad()
+    return zero.state_dict_full()
+
+
 def fsdp2_job(model_name: str) -> dict:
     """torch's FSDP2 (`fully_shard` per child and the root) as a second oracle for stage 3, same data and steps."""
     from torch.distributed.fsdp import fully_shard
@@ -207,14 +219,7 @@ def fsdp2_job(model_name: str) -> dict:
         opt.zero_grad()
     ref = {k: v.full_tensor() for k, v in fsdp.state_dict().items()}
     model = copy.deepcopy(base)
-    zero = ZeroOptimizer(model, torch.optim.Adam, group=mesh.dp_group, stage=3, lr=LR, eps=EPS)
-    for s in range(STEPS):
-        for m in range(M):
-            (loss_fn(model, X[s, r, m], Y[s, r, m]) / M).backward()
-        zero.reduce_gradients()
-        zero.step()
-        zero.zero_grad()
-    got = zero.state_dict_full()
+    got = _train_zero(model, mesh.dp_group, 3, X[:, r], Y[:, r])
     return {name: diff(got[name], ref[name]) for name in got}
 
 
@@ -252,14 +257,7 @@ def dp_tp_job(stage: int) -> dict:
         opt.step()
         opt.zero_grad()
     model = ParallelBlock.from_dense(copy.deepcopy(base), mesh.tp_group)
-    zero = ZeroOptimizer(model, torch.optim.Adam, group=mesh.dp_group, stage=stage, lr=LR, eps=EPS)
-    for s in range(STEPS):
-        for m in range(M):
-            (loss_fn(model, X[s, d, m], Y[s, d, m]) / M).backward()
-        zero.reduce_gradients()
-        zero.step()
-        zero.zero_grad()
-    got = zero.state_dict_full()
+    got = _train_zero(model, mesh.dp_group, stage, X[:, d], Y[:, d])
     want = dict(ParallelBlock.from_dense(dense, mesh.tp_group).named_parameters())
     return {name: diff(got[name], want[name]) for name in got}
 

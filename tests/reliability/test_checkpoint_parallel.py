@@ -27,7 +27,6 @@ import torch.distributed as dist
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.parallel import ParallelConfig, ParallelMesh, tp_gpt_loss
-from pipedsl.parallel.pool import LocalPool
 from pipedsl.runtime import checkpoint
 from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
 
@@ -141,13 +140,6 @@ def world8_job(root: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------- test side
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = LocalPool(8, timeout=240)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
