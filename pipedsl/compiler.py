@@ -389,6 +389,10 @@ class _Binder:
                 home = placement[(c, s)]
                 have = {k for k in ("F", "B", "I", "W") if (k, m, s, c) in first}
                 missing = ["F"] if "F" not in have else []
+                if "B" in have and have & {"I", "W"}:
+                    raise PipeSemanticError(f"the compute block lists both B and {'I' if 'I' in have else 'W'} for "
+                                            f"microbatch {m} stage {s} (rank {home}): each backward is either "
+                                            f"full (B) or split (I then W)", first[("B", m, s, c)])
                 if not have & {"B", "I", "W"}:
                     missing.append("B (or I and W)")
                 elif "B" not in have and not {"I", "W"} <= have:

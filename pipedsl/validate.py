@@ -2,7 +2,8 @@
 
 Checks, in order, each failure naming rank, instruction index and op:
 1. fields in range, placement complete, routing valid;
-2. every compute op exactly once, on the rank its placement names; every required message
+2. every compute op exactly once, on the rank its placement names (each microbatch and stage
+   has either a full backward B or a split one, I then W: a program may mix the two); every required message
    sent and received exactly once, and no other; REDUCE_GRAD once per stage copy after its
    last backward; OPTIMIZER_STEP last;
 3. dependencies within each rank (F after its input exists, B/I after its F and its output
@@ -197,13 +198,23 @@ def _check_complete(p: Program, seen: dict[tuple, tuple[int, int]]) -> None:
     work = p.num_microbatches * S
     split = counts[Op.I]
     if (counts[Op.F] == work and counts[Op.B] + split == work and counts[Op.W] == split
-            and not (split and counts[Op.B])
+            and not (split and counts[Op.B] and _full_and_split(seen))
             and all(counts[op] == messages for op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B))
             and counts[Op.REDUCE_GRAD] == len(p.placement)):
         _check_step_last(p)
         return
     _find_missing(p, seen)
     raise AssertionError("counts disagree but nothing is missing")  # pragma: no cover
+
+
+def _full_and_split(seen: dict[tuple, tuple[int, int]]) -> bool:
+    """Does some (microbatch, stage) have both a full backward B and a split one (I)?
+
+    A program may mix the two (DualPipeV: B in its steady phase, I then W in its cooldown), but
+    each microbatch and stage takes one or the other.  With B + I counting every (mb, stage)
+    once only when no key has both, the count check alone cannot tell."""
+    full = {k[1:] for k in seen if k[0] is Op.B}
+    return any(k[0] is Op.I and k[1:] in full for k in seen)
 
 
 def _check_step_last(p: Program) -> None:
