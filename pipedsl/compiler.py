@@ -22,7 +22,7 @@ from pipedsl import nodes as n
 from pipedsl.errors import PipeDSLError, PipeSemanticError, Span, ValidationError
 from pipedsl.expr import BOOL, INT, Env, compile_exprs, evaluate, free_context, type_of
 from pipedsl.ir import Op, Program
-from pipedsl.lowering import ComputeOp, ComputePlan, lower
+from pipedsl.lowering import ComputeOp, ComputePlan, lower, parts
 from pipedsl.parser import parse
 from pipedsl.perf import no_gc
 from pipedsl.validate import validate
@@ -362,26 +362,10 @@ class _Binder:
         first: dict[tuple, Span] = {}
         for r in range(self.P):
             order: list[ComputeOp] = []
-            for item, kind, m, s, c in _run_items(stmt.body, env, {"r": r}):
-                label = f"{kind}({m}, {s}{f', {c}' if c is not None else ''})"
-                if not 0 <= m < self.M:
-                    raise PipeSemanticError(f"{label} on rank {r}: microbatch {m} does not exist (M={self.M})",
-                                            item.span)
-                if not 0 <= s < S:
-                    raise PipeSemanticError(f"{label} on rank {r}: stage {s} does not exist ({S} stages)", item.span)
-                c = routes[m] if c is None else c
-                if c != routes[m]:
-                    raise PipeSemanticError(f"{label} on rank {r}: microbatch {m} is routed to replica {routes[m]}",
-                                            item.span)
-                if placement[(c, s)] != r:
-                    raise PipeSemanticError(f"{label} is listed for rank {r}, but stage {s} is placed on rank "
-                                            f"{placement[(c, s)]}", item.span)
-                key = (kind, m, s, c)
-                if key in first:
-                    raise PipeSemanticError(f"{label} is listed twice for rank {r}", item.span,
-                                            notes=(f"first listed at {first[key]}",))
-                first[key] = item.span
-                order.append((_OPS[kind], m, s, c))
+            for resolved in _run_items(stmt.body, env, {"r": r}):
+                ops = [self._checked_op(item, kind, m, s, c, r, S, routes, placement, first)
+                       for item, kind, m, s, c in resolved]
+                order.append(ops[0] if len(ops) == 1 else (Op.OVERLAP, ops[0], ops[1], 0))
             orders.append(order)
         for m in range(self.M):
             c = routes[m]
@@ -401,6 +385,29 @@ class _Binder:
                     raise PipeSemanticError(f"the compute block never lists {' or '.join(missing)} for microbatch {m} "
                                             f"stage {s} (rank {home})", stmt.span)
         return orders
+
+    def _checked_op(self, item: n.OpItem, kind: str, m: int, s: int, c: int | None, r: int, S: int,
+                    routes: list[int], placement: dict, first: dict[tuple, Span]) -> ComputeOp:
+        """One op of a compute block, checked against sizes, routing, placement and repetition."""
+        label = f"{kind}({m}, {s}{f', {c}' if c is not None else ''})"
+        if not 0 <= m < self.M:
+            raise PipeSemanticError(f"{label} on rank {r}: microbatch {m} does not exist (M={self.M})",
+                                    item.span)
+        if not 0 <= s < S:
+            raise PipeSemanticError(f"{label} on rank {r}: stage {s} does not exist ({S} stages)", item.span)
+        c = routes[m] if c is None else c
+        if c != routes[m]:
+            raise PipeSemanticError(f"{label} on rank {r}: microbatch {m} is routed to replica {routes[m]}",
+                                    item.span)
+        if placement[(c, s)] != r:
+            raise PipeSemanticError(f"{label} is listed for rank {r}, but stage {s} is placed on rank "
+                                    f"{placement[(c, s)]}", item.span)
+        key = (kind, m, s, c)
+        if key in first:
+            raise PipeSemanticError(f"{label} is listed twice for rank {r}", item.span,
+                                    notes=(f"first listed at {first[key]}",))
+        first[key] = item.span
+        return (_OPS[kind], m, s, c)
 
 
 def _snapshot(env: Env) -> Env:
@@ -477,6 +484,8 @@ def _check_items(items: tuple[n.Item, ...], env: Env, context: tuple[str, ...]) 
             case n.OpItem(mb=mb, stage=stage, replica=rep):
                 for e in (mb, stage) + ((rep,) if rep is not None else ()):
                     _require_type(e, env, context, INT, "a compute op")
+            case n.PairItem(forward=forward, backward=backward):
+                _check_items((forward, backward), env, context)
             case n.ForItem(var=var, lo=lo, hi=hi, body=body):
                 _require_type(lo, env, context, INT, "for")
                 _require_type(hi, env, context, INT, "for")
@@ -491,15 +500,17 @@ def _check_items(items: tuple[n.Item, ...], env: Env, context: tuple[str, ...]) 
 
 
 def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int], budget: list[int] | None = None
-               ) -> Iterator[tuple[n.OpItem, str, int, int, int | None]]:
-    """Interpret a compute block; `budget` bounds the loop iterations of the whole block."""
+               ) -> Iterator[tuple[tuple[n.OpItem, str, int, int, int | None], ...]]:
+    """Interpret a compute block, yielding each instruction as its ops (two for a pair);
+    `budget` bounds the loop iterations of the whole block."""
     values = dict(values)
     budget = [MAX_COMPUTE_OPS] if budget is None else budget
     for item in items:
         match item:
-            case n.OpItem(kind=kind, mb=mb, stage=stage, replica=rep):
-                yield (item, kind, _eval_int(mb, env, values), _eval_int(stage, env, values),
-                       None if rep is None else _eval_int(rep, env, values))
+            case n.OpItem():
+                yield (_op_values(item, env, values),)
+            case n.PairItem(forward=forward, backward=backward):
+                yield (_op_values(forward, env, values), _op_values(backward, env, values))
             case n.ForItem(var=var, lo=lo, hi=hi, body=body, span=span):
                 first, stop = _eval_int(lo, env, values), _eval_int(hi, env, values)
                 budget[0] -= max(0, stop - first)
@@ -514,12 +525,18 @@ def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int], budg
                 values[name] = _eval_int(value, env, values)
 
 
+def _op_values(item: n.OpItem, env: Env, values: dict[str, int]) -> tuple[n.OpItem, str, int, int, int | None]:
+    rep = item.replica
+    return (item, item.kind, _eval_int(item.mb, env, values), _eval_int(item.stage, env, values),
+            None if rep is None else _eval_int(rep, env, values))
+
+
 def _first_stall(plan: ComputePlan, forward: bool) -> str | None:
     """Run only the forwards (or only the backwards) of each rank's order, honouring data
     dependencies across ranks; describe the first wait cycle, or None if all complete."""
     S = plan.num_stages
     kinds = (Op.F,) if forward else (Op.B, Op.I)
-    orders = [[op for op in order if op[0] in kinds] for order in plan.orders]
+    orders = [[op for entry in order for op in parts(entry) if op[0] in kinds] for order in plan.orders]
     done: set[tuple[int, int, int]] = set()
     pos = [0] * len(orders)
     progress = True

@@ -3,6 +3,9 @@
 An `Instr` is a tiny frozen record with a one-line text form that parses back
 (`F2.3` = forward of microbatch 2 through stage 3, `SEND_F2.3>1` = its activation sent to
 rank 1, `RECV_B2.3<4`, `F2.3r1` = on replica 1, `REDUCE_GRAD.3`, `OPTIMIZER_STEP`).
+`F4.0&B1.7` is an overlapped pair (torch's OVERLAP_F_B, DeepSeek's F&B): the forward of one
+microbatch and stage run together with the full backward of another, so that communication
+inside one (an expert all-to-all) can hide behind the other's compute.
 A `Program` holds one instruction stream per rank plus the placement it was built for,
 and round-trips through text, JSON and CSV.
 """
@@ -32,9 +35,10 @@ class Op(StrEnum):
     RECV_B = "RECV_B"
     REDUCE_GRAD = "REDUCE_GRAD"
     OPTIMIZER_STEP = "OPTIMIZER_STEP"
+    OVERLAP = "OVERLAP_F_B"  # a forward and a full backward in one instruction: `sub` holds both
 
 
-COMPUTE = frozenset({Op.F, Op.B, Op.I, Op.W})
+COMPUTE = frozenset({Op.F, Op.B, Op.I, Op.W, Op.OVERLAP})
 SENDS = frozenset({Op.SEND_F, Op.SEND_B})
 RECVS = frozenset({Op.RECV_F, Op.RECV_B})
 COMMS = SENDS | RECVS
@@ -43,7 +47,8 @@ RELEASES = frozenset({Op.B, Op.W})  # ops after which a stage's activation can b
 
 
 class Instr(NamedTuple):
-    """One instruction.  `stage` is global (0 … S-1); `peer` only on SEND/RECV.
+    """One instruction.  `stage` is global (0 … S-1); `peer` only on SEND/RECV; `sub` only on
+    OVERLAP_F_B: its forward and its full backward (the pair itself has no mb or stage).
 
     An immutable named tuple rather than a frozen dataclass: programs hold millions of
     them and a tuple is built four times faster.
@@ -54,8 +59,23 @@ class Instr(NamedTuple):
     stage: int | None = None
     peer: int | None = None
     replica: int = 0
+    sub: tuple[Instr, Instr] | None = None
+
+    @classmethod
+    def pair(cls, forward: Instr, backward: Instr) -> Instr:
+        """The overlapped pair `forward&backward` (an F and a B)."""
+        instr = cls(Op.OVERLAP, sub=(forward, backward))
+        instr.check_fields()
+        return instr
+
+    @property
+    def parts(self) -> tuple[Instr, ...]:
+        """The compute ops this instruction runs: both halves of a pair, else itself."""
+        return self.sub if self.sub is not None else (self,)
 
     def __str__(self) -> str:
+        if self.sub is not None:
+            return f"{self.sub[0]}&{self.sub[1]}"
         rep = f"r{self.replica}" if self.replica else ""
         if self.op == Op.OPTIMIZER_STEP:
             return "OPTIMIZER_STEP"
@@ -75,6 +95,9 @@ class Instr(NamedTuple):
 
     def to_dict(self, with_replica: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {"op": self.op.value}
+        if self.sub is not None:
+            d["sub"] = [part.to_dict(with_replica) for part in self.sub]
+            return d
         if self.mb is not None:
             d["mb"] = self.mb
         if self.stage is not None:
@@ -90,6 +113,11 @@ class Instr(NamedTuple):
         if not isinstance(d, dict) or "op" not in d:
             raise ValueError(f"an instruction is an object with an 'op', got {d!r}")
         op = _op(d["op"])
+        if op is Op.OVERLAP:
+            sub = d.get("sub")
+            if not isinstance(sub, list) or len(sub) != 2:
+                raise ValueError(f"OVERLAP_F_B needs 'sub': [its forward, its backward], got {sub!r}")
+            return cls.pair(cls.from_dict(sub[0]), cls.from_dict(sub[1]))
         fields = {k: d.get(k) for k in ("mb", "stage", "peer")}
         for k, v in fields.items():
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -104,6 +132,9 @@ class Instr(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> Instr:
         """Inverse of `str()`."""
+        if "&" in text:
+            first, _, second = text.strip().partition("&")
+            return cls.pair(cls.parse(first), cls.parse(second))
         m = _INSTR_RE.fullmatch(text.strip())
         if not m:
             raise ValueError(f"not an instruction: {text!r} (expected e.g. F0.1, SEND_F0.1>2, REDUCE_GRAD.1)")
@@ -122,6 +153,16 @@ class Instr(NamedTuple):
 
     def check_fields(self) -> None:
         """Raise ValueError when the fields present do not fit the op."""
+        if self.op is Op.OVERLAP or self.sub is not None:
+            if self.op is not Op.OVERLAP or self.sub is None:
+                raise ValueError(f"only OVERLAP_F_B has sub-instructions, not {self.op.value}")
+            if any(x is not None for x in (self.mb, self.stage, self.peer)) or self.replica:
+                raise ValueError("OVERLAP_F_B names its microbatches and stages in its two parts only")
+            forward, backward = self.sub
+            if forward.op is not Op.F or backward.op is not Op.B:
+                raise ValueError(f"an overlapped pair is a forward and a full backward (F…&B…), "
+                                 f"not {forward.op.value}&{backward.op.value}")
+            return
         need_mb = self.op not in (Op.REDUCE_GRAD, Op.OPTIMIZER_STEP)
         need_stage = self.op != Op.OPTIMIZER_STEP
         need_peer = self.op in COMMS
@@ -224,7 +265,7 @@ class Program:
         routes: dict[int, int] = {}
         where: dict[tuple[int, int], tuple[int, int]] = {}
         for r, stream in enumerate(ranks):
-            for idx, i in enumerate(stream):
+            for idx, i in ((idx, part) for idx, ins in enumerate(stream) for part in ins.parts):
                 if i.op not in COMPUTE:
                     continue
                 k = (i.replica, i.stage)
@@ -312,6 +353,11 @@ class Program:
         w.writerow(self.CSV_COLUMNS)
         for r, stream in enumerate(self.ranks):
             for idx, i in enumerate(stream):
+                if i.sub is not None:  # a pair: "forward;backward" in the mb, stage and replica cells
+                    f, b = i.sub
+                    w.writerow([r, idx, i.op.value, f"{f.mb};{b.mb}", f"{f.stage};{b.stage}",
+                                f"{f.replica};{b.replica}", ""])
+                    continue
                 w.writerow([r, idx, i.op.value, _blank(i.mb), _blank(i.stage), i.replica, _blank(i.peer)])
         return out.getvalue()
 
@@ -333,11 +379,14 @@ class Program:
                 rank, index = int(row[0]), int(row[1])
                 if rank < 0 or index < 0:
                     raise ValueError(f"rank and index are non-negative, got {rank} and {index}")
-                d = {"op": row[2].strip(), "replica": int(row[5] or 0)}
-                for col, key in ((3, "mb"), (4, "stage"), (6, "peer")):
-                    if row[col].strip():
-                        d[key] = int(row[col])
-                instr = Instr.from_dict(d)
+                if row[2].strip() == Op.OVERLAP.value:
+                    instr = _csv_pair(row)
+                else:
+                    d = {"op": row[2].strip(), "replica": int(row[5] or 0)}
+                    for col, key in ((3, "mb"), (4, "stage"), (6, "peer")):
+                        if row[col].strip():
+                            d[key] = int(row[col])
+                    instr = Instr.from_dict(d)
             except ValueError as err:
                 raise ValidationError(f"CSV line {lineno}: {err}") from None
             while len(streams) <= rank:
@@ -351,3 +400,13 @@ class Program:
 
 def _blank(v: int | None) -> str | int:
     return "" if v is None else v
+
+
+def _csv_pair(row: list[str]) -> Instr:
+    """An OVERLAP_F_B row: "forward;backward" in the mb, stage and replica cells."""
+    cells = [row[col].split(";") for col in (3, 4, 5)]
+    if any(len(c) != 2 for c in cells) or row[6].strip():
+        raise ValueError("an OVERLAP_F_B row holds 'forward;backward' in its mb, stage and replica cells")
+    (fm, bm), (fs, bs), (fc, bc) = cells
+    return Instr.pair(Instr.from_dict({"op": "F", "mb": int(fm), "stage": int(fs), "replica": int(fc or 0)}),
+                      Instr.from_dict({"op": "B", "mb": int(bm), "stage": int(bs), "replica": int(bc or 0)}))

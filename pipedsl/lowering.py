@@ -8,6 +8,9 @@ Rules (DESIGN §5):
   gloo match point-to-point messages per pair in issue order, without tags).  Hoisting a
   receive earlier never creates a wait the consumer did not already have;
 - REDUCE_GRAD follows the last backward of each stage copy, OPTIMIZER_STEP ends each stream.
+
+An overlapped pair `(Op.OVERLAP, forward, backward, 0)` in a compute order is one instruction:
+the receives of both halves come before it, the sends of both (the forward's first) after it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from typing import Any
 
 from pipedsl.ir import Instr, Op, Program
 
-ComputeOp = tuple[Op, int, int, int]  # (kind, mb, stage, replica)
+ComputeOp = tuple[Op, int, int, int]  # (kind, mb, stage, replica); a pair: (OVERLAP, F op, B op, 0)
+
+
+def parts(op: ComputeOp) -> tuple[ComputeOp, ...]:
+    """The compute ops an order entry runs: both halves of an overlapped pair, else itself."""
+    return (op[1], op[2]) if op[0] is Op.OVERLAP else (op,)  # type: ignore[return-value]
 
 
 @dataclass
@@ -45,7 +53,7 @@ def lower(plan: ComputePlan) -> Program:
     sends_by_pair: dict[tuple[int, int], list[tuple]] = defaultdict(list)
     consumer_index: dict[tuple, int] = {}
     for r, order in enumerate(plan.orders):
-        for i, (kind, m, s, c) in enumerate(order):
+        for i, (kind, m, s, c) in ((i, part) for i, entry in enumerate(order) for part in parts(entry)):
             stage_rank = rank_of[c]
             if kind is F:
                 if s > 0 and stage_rank[s - 1] != r:
@@ -72,28 +80,34 @@ def lower(plan: ComputePlan) -> Program:
     ranks = []
     for r, order in enumerate(plan.orders):
         last_backward = {}
-        for i, (kind, _, s, c) in enumerate(order):
+        for i, (kind, _, s, c) in ((i, part) for i, entry in enumerate(order) for part in parts(entry)):
             if kind is B or kind is W:
                 last_backward[(c, s)] = i
         stream: list[Instr] = []
         emit = stream.append
         at = recvs_at[r]
-        for i, (kind, m, s, c) in enumerate(order):
+        for i, entry in enumerate(order):
             if i in at:
                 for src, _, (mk, mm, ms, mc) in sorted(at[i], key=lambda x: x[:2]):
                     if mk is F:
                         emit(Instr(Op.RECV_F, mm, ms + 1, src, mc))
                     else:
                         emit(Instr(Op.RECV_B, mm, ms - 1, src, mc))
-            emit(Instr(kind, m, s, None, c))
-            stage_rank = rank_of[c]
-            if kind is F:
-                if s < S - 1 and stage_rank[s + 1] != r:
-                    emit(Instr(Op.SEND_F, m, s, stage_rank[s + 1], c))
-            elif (kind is B or kind is I) and s > 0 and stage_rank[s - 1] != r:
-                emit(Instr(Op.SEND_B, m, s, stage_rank[s - 1], c))
-            if last_backward.get((c, s)) == i:
-                emit(Instr(Op.REDUCE_GRAD, None, s, None, c))
+            if entry[0] is Op.OVERLAP:
+                (fk, fm, fs, fc), (bk, bm, bs, bc) = entry[1], entry[2]
+                emit(Instr.pair(Instr(fk, fm, fs, None, fc), Instr(bk, bm, bs, None, bc)))
+            else:
+                emit(Instr(entry[0], entry[1], entry[2], None, entry[3]))
+            for kind, m, s, c in parts(entry):
+                stage_rank = rank_of[c]
+                if kind is F:
+                    if s < S - 1 and stage_rank[s + 1] != r:
+                        emit(Instr(Op.SEND_F, m, s, stage_rank[s + 1], c))
+                elif (kind is B or kind is I) and s > 0 and stage_rank[s - 1] != r:
+                    emit(Instr(Op.SEND_B, m, s, stage_rank[s - 1], c))
+            for kind, _, s, c in parts(entry):
+                if last_backward.get((c, s)) == i and kind is not F:
+                    emit(Instr(Op.REDUCE_GRAD, None, s, None, c))
         emit(Instr(Op.OPTIMIZER_STEP))
         ranks.append(tuple(stream))
 

@@ -72,6 +72,15 @@ class OpItem:
 
 
 @dataclass(frozen=True, slots=True)
+class PairItem:
+    """`F(m, s) & B(m2, s2)`: a forward overlapped with another microbatch's full backward."""
+
+    forward: OpItem
+    backward: OpItem
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class ForItem:
     """`for x in lo .. hi { … }`, half-open like Python's range."""
 
@@ -97,7 +106,7 @@ class Let:
     span: Span
 
 
-Item = OpItem | ForItem | IfItem | Let
+Item = OpItem | PairItem | ForItem | IfItem | Let
 
 # ---------------------------------------------------------------- statements
 

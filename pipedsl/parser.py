@@ -178,6 +178,14 @@ class _Builder(Transformer):
         return n.OpItem(str(kind_tok), mb, stage, replica, self._span(meta))
 
     @v_args(meta=True)
+    def pair_item(self, meta, children):
+        forward, backward = children
+        if forward.kind != "F" or backward.kind != "B":
+            raise PipeSyntaxError(f"an overlapped pair is a forward and a full backward, F(…) & B(…), not "
+                                  f"{forward.kind}(…) & {backward.kind}(…)", self._span(meta))
+        return n.PairItem(forward, backward, self._span(meta))
+
+    @v_args(meta=True)
     def for_item(self, meta, children):
         var, lo, hi, body = children
         return n.ForItem(str(var), lo, hi, body, self._span(meta))

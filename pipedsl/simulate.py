@@ -23,6 +23,8 @@ class Cost:
     A message costs `comm + message_bytes / bandwidth` from the start of its send to its
     arrival; issuing the send keeps the sending rank busy for `send` (a runtime's cost per
     message: 0 in the ideal model).  REDUCE_GRAD and OPTIMIZER_STEP cost `reduce` and `step`.
+    An overlapped pair F&B costs `FB` when given (what overlap buys: DeepSeek's F&B < F + B),
+    else the sum of its halves' costs.
     `Cost.fit(timeline)` measures all of them from a trace.
     """
 
@@ -30,6 +32,7 @@ class Cost:
     B: float = 2.0
     I: float = 1.0  # noqa: E741 - the papers' name
     W: float = 1.0
+    FB: float | None = None  # an overlapped pair F&B; None: F + B of its halves
     comm: float = 0.0
     bandwidth: float = float("inf")
     message_bytes: float = 0.0
@@ -89,6 +92,10 @@ class Cost:
             ready = events[0].start if events else 0.0  # end of the receiver's last non-RECV event
             for e in events:
                 op, ins = e.instr.op, e.instr
+                if op is Op.OVERLAP:
+                    durations.setdefault(("FB", None), []).append(e.end - e.start)
+                    ready = e.end  # the pair's messages give no comm sample: not told apart
+                    continue
                 if op in _COMPUTE_OPS:
                     durations.setdefault((op.value, None), []).append(e.end - e.start)
                     durations.setdefault((op.value, ins.stage), []).append(e.end - e.start)
@@ -116,7 +123,7 @@ class Cost:
         for (kind, stage), value in med.items():
             if stage is not None:
                 per_stage.setdefault(stage, {})[kind] = value
-        return cls(**base, comm=center(delays) if delays else 0.0,
+        return cls(**base, FB=med.get(("FB", None)), comm=center(delays) if delays else 0.0,
                    reduce=med.get(("REDUCE_GRAD", None), 0.0), step=med.get(("OPTIMIZER_STEP", None), 0.0),
                    send=med.get(("send", None), 0.0), per_stage=per_stage)
 
@@ -126,6 +133,8 @@ class Cost:
             return self.reduce
         if op is Op.OPTIMIZER_STEP:
             return self.step
+        if op is Op.OVERLAP:
+            return self.FB if self.FB is not None else sum(map(self.compute_time, ins.sub))
         over = self.per_stage.get(ins.stage)
         if over and op.value in over:
             return over[op.value]
@@ -137,7 +146,7 @@ class Cost:
         return self.comm + self.message_bytes / self.bandwidth
 
 
-_NAMES = ("F", "B", "I", "W", "comm", "bandwidth", "message_bytes", "reduce", "step", "send")
+_NAMES = ("F", "B", "I", "W", "FB", "comm", "bandwidth", "message_bytes", "reduce", "step", "send")
 
 
 def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
@@ -148,7 +157,7 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
     table: dict[tuple[Op, int | None], float] = {}
 
     def compute_time(ins: Instr) -> float:
-        k = (ins.op, ins.stage)
+        k = (ins.op, ins.stage) if ins.sub is None else ins
         t = table.get(k)
         if t is None:
             t = table[k] = cost.compute_time(ins)

@@ -64,19 +64,38 @@ class Timeline:
 
     @cached_property
     def peak_activations(self) -> list[int]:
-        """Per rank, the most stage activations alive at once: from F until its B (or W when split)."""
+        """Per rank, the most stage activations alive at once: from F until its B (or W when split);
+        an overlapped pair F&B counts its forward's activation before its backward frees one."""
         peaks = []
         for events in self.ranks:
             live = peak = 0
             for e in events:
-                op = e.instr.op
-                if op is Op.F:
-                    live += 1
-                    peak = max(peak, live)
-                elif op is Op.B or op is Op.W:
-                    live -= 1
+                for part in e.instr.parts:
+                    op = part.op
+                    if op is Op.F:
+                        live += 1
+                        peak = max(peak, live)
+                    elif op is Op.B or op is Op.W:
+                        live -= 1
             peaks.append(peak)
         return peaks
+
+    def halves(self) -> Timeline:
+        """This timeline with each overlapped pair F&B drawn as its forward then its backward,
+        each half the pair's time (what renderers draw: a pair has no single stage or colour)."""
+        if not any(e.instr.sub for events in self.ranks for e in events):
+            return self
+        ranks = []
+        for events in self.ranks:
+            out: list[Event] = []
+            for e in events:
+                if e.instr.sub is None:
+                    out.append(e)
+                    continue
+                mid = (e.start + e.end) / 2
+                out += [Event(e.instr.sub[0], e.start, mid), Event(e.instr.sub[1], mid, e.end)]
+            ranks.append(tuple(out))
+        return Timeline(self.name, dict(self.params), tuple(ranks), self.kind, dict(self.meta))
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -7,7 +7,8 @@ Checks, in order, each failure naming rank, instruction index and op:
    sent and received exactly once, and no other; REDUCE_GRAD once per stage copy after its
    last backward; OPTIMIZER_STEP last;
 3. dependencies within each rank (F after its input exists, B/I after its F and its output
-   gradient, W after I, a send after the op producing it);
+   gradient, W after I, a send after the op producing it; the two halves of an overlapped
+   pair F&B run together, so neither may need the other);
 4. a dry run of all ranks with blocking receives: per-pair message order (the k-th receive
    on b from a is the k-th send from a to b) and no deadlock (every stream reaches its end).
 """
@@ -91,7 +92,7 @@ def _placement_pass(p: Program, r: int, stream: tuple[Instr, ...], seen: dict[tu
     last = len(stream) - 1
     COMPUTE_, STEP, REDUCE = COMPUTE, Op.OPTIMIZER_STEP, Op.REDUCE_GRAD
     SEND_F, SEND_B, RECV_F = Op.SEND_F, Op.SEND_B, Op.RECV_F
-    for i, ins in enumerate(stream):
+    for i, ins in ((i, part) for i, whole in enumerate(stream) for part in whole.parts):
         op, m, s, c = ins.op, ins.mb, ins.stage, ins.replica
         if op is STEP:
             if i != last:
@@ -142,20 +143,24 @@ def _dependency_pass(p: Program, r: int, stream: tuple[Instr, ...]) -> None:
     add = done.add
     finished: Counter[tuple[int, int]] = Counter()  # (stage, replica) -> backwards completed
     per_replica = Counter(p.microbatch_replica)
-    for i, ins in enumerate(stream):
-        op = ins.op
+    for i, whole in enumerate(stream):
+        op = whole.op
         if op in COMPUTE:
-            message = _missing_input(p, r, ins, done)
-            if message:
-                raise _Bad(i, message)
-            if op is Op.B or op is Op.W:
-                finished[(ins.stage, ins.replica)] += 1
-        elif op is Op.REDUCE_GRAD:
-            have, need = finished[(ins.stage, ins.replica)], per_replica[ins.replica]
+            for ins in whole.parts:  # the halves of a pair run together: neither may need the other
+                message = _missing_input(p, r, ins, done)
+                if message:
+                    raise _Bad(i, message if whole.sub is None else f"{ins}, in the pair, {message}")
+            for ins in whole.parts:
+                if ins.op is Op.B or ins.op is Op.W:
+                    finished[(ins.stage, ins.replica)] += 1
+                add((ins.op, ins.mb, ins.stage, ins.replica))
+            continue
+        if op is Op.REDUCE_GRAD:
+            have, need = finished[(whole.stage, whole.replica)], per_replica[whole.replica]
             if have != need:
-                raise _Bad(i, f"reduces stage {ins.stage}'s gradients after {have} of its {need} backwards; "
+                raise _Bad(i, f"reduces stage {whole.stage}'s gradients after {have} of its {need} backwards; "
                               f"gradients must be complete before they are reduced")
-        add((op, ins.mb, ins.stage, ins.replica))
+        add((op, whole.mb, whole.stage, whole.replica))
 
 
 def _missing_input(p: Program, r: int, ins: Instr, done: set[tuple]) -> str | None:

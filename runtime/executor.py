@@ -14,6 +14,8 @@ from there on) and right before the executor would block waiting for one — whe
 is idle anyway — never before a compute op or a send.  Adjacent stages on one rank hand tensors over
 directly (the program has no messages for them).  An activation is released at the op the
 schedule names (B, or W when the backward is split), together with its receive buffers.
+An overlapped pair F&B waits for both halves' inputs, then runs `stage.overlapped_forward_backward`
+(sequential unless the stage modules define DeepSeek's hook; see there).
 
 With `strict_pair_order` (default on NCCL, where the sends and receives between two ranks
 share one stream and run in issue order) a receive is never posted ahead of an earlier send
@@ -34,7 +36,7 @@ from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
 from .errors import RankFailure
 from .p2p import Channels, Recv, TensorMeta, describe
 from .reduce import GradReducer
-from .stage import Activation, Stage
+from .stage import Activation, Stage, overlapped_forward_backward
 
 Key = tuple[int, int, int]  # (mb, stage, replica)
 
@@ -59,7 +61,8 @@ class Executor:
         self.check_finite = check_finite
         self.last = program.num_stages - 1
         self.rank_of = program.placement
-        self.num_losses = sum(1 for ins in self.stream if ins.op is Op.F and ins.stage == self.last)
+        self.num_losses = sum(1 for whole in self.stream for ins in whole.parts
+                              if ins.op is Op.F and ins.stage == self.last)
         n = len(self.stream)
         self.starts = [0.0] * n
         self.ends = [0.0] * n
@@ -67,7 +70,7 @@ class Executor:
         self.handlers: dict[Op, Callable[[Instr], None]] = {
             Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input, Op.W: self._backward_weight,
             Op.SEND_F: self._send, Op.SEND_B: self._send, Op.RECV_F: self._recv, Op.RECV_B: self._recv,
-            Op.REDUCE_GRAD: self._reduce_grad, Op.OPTIMIZER_STEP: self._step_end,
+            Op.REDUCE_GRAD: self._reduce_grad, Op.OPTIMIZER_STEP: self._step_end, Op.OVERLAP: self._overlapped,
         }
 
     # ------------------------------------------------------------ the loop
@@ -171,17 +174,25 @@ class Executor:
 
     # ------------------------------------------------------------ compute
 
+    def _forward_inputs(self, m: int, s: int, c: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A forward's inputs and the receive buffers holding them (to give back on release)."""
+        if s == 0:
+            return self.mb_inputs[m], []
+        if self.rank_of[(c, s - 1)] == self.rank:
+            return self.local.pop((Op.F, m, s, c)), []
+        buffers = self._take(Op.RECV_F, m, s, c)
+        return buffers, buffers
+
     def _forward(self, ins: Instr) -> None:
         m, s, c = ins.mb, ins.stage, ins.replica
+        inputs, buffers = self._forward_inputs(m, s, c)
+        act, outs = self.stages[(c, s)].forward(inputs, self.targets[m] if s == self.last else None, buffers)
+        self._forward_done(ins, act, outs)
+
+    def _forward_done(self, ins: Instr, act: Activation, outs: list[torch.Tensor]) -> None:
+        """Keep the activation; count the loss (last stage) or hand the outputs on."""
+        m, s, c = ins.mb, ins.stage, ins.replica
         stage = self.stages[(c, s)]
-        buffers: list[torch.Tensor] = []
-        if s == 0:
-            inputs = self.mb_inputs[m]
-        elif self.rank_of[(c, s - 1)] == self.rank:
-            inputs = self.local.pop((Op.F, m, s, c))
-        else:
-            inputs = buffers = self._take(Op.RECV_F, m, s, c)
-        act, outs = stage.forward(inputs, self.targets[m] if s == self.last else None, buffers)
         self.acts[(m, s, c)] = act
         if s == self.last:
             loss = act.loss
@@ -231,6 +242,18 @@ class Executor:
         self._pass_back(m, s, c, self.stages[(c, s)].backward(self.acts[(m, s, c)], grads))
         self._release((m, s, c))
         self.channels.reap_sends()
+
+    def _overlapped(self, ins: Instr) -> None:
+        f, b = ins.sub
+        inputs, buffers = self._forward_inputs(f.mb, f.stage, f.replica)
+        grads = self._output_grads(b.mb, b.stage, b.replica)
+        key = (b.mb, b.stage, b.replica)
+        act, outs, input_grads = overlapped_forward_backward(
+            self.stages[(f.replica, f.stage)], inputs, self.targets[f.mb] if f.stage == self.last else None, buffers,
+            self.stages[(b.replica, b.stage)], self.acts[key], grads)
+        self._pass_back(b.mb, b.stage, b.replica, input_grads)
+        self._release(key)
+        self._forward_done(f, act, outs)
 
     def _backward_input(self, ins: Instr) -> None:
         m, s, c = ins.mb, ins.stage, ins.replica

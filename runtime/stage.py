@@ -120,9 +120,10 @@ class Stage:
 
     # ------------------------------------------------------------ forward
 
-    def forward(self, inputs: list[torch.Tensor], target: Any = None, buffers: list | None = None
-                ) -> tuple[Activation, list[torch.Tensor]]:
-        """Run the stage; returns the activation record and the outputs (or `[loss]` on the last stage)."""
+    def forward(self, inputs: list[torch.Tensor], target: Any = None, buffers: list | None = None,
+                run: Callable[[list], Any] | None = None) -> tuple[Activation, list[torch.Tensor]]:
+        """Run the stage; returns the activation record and the outputs (or `[loss]` on the last stage).
+        `run(inputs)` replaces `module(*inputs)` (an overlapped pair runs another backward inside it)."""
         if not self.is_first:
             inputs = [t.detach().requires_grad_() if _is_float(t) else t for t in inputs]
         token = self.counter.token()
@@ -132,7 +133,7 @@ class Stage:
             return token, t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            out = self.module(*inputs)
+            out = self.module(*inputs) if run is None else run(inputs)
             if self.is_last:
                 loss = out if self.loss_fn is None else self.loss_fn(out, target)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -262,6 +263,39 @@ class Stage:
                 raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
                                 f"or a tuple of tensors")
         return tuple(TensorMeta(tuple(t.shape), t.dtype) for t in outs)
+
+
+OVERLAP_HOOK = "overlapped_forward_backward"
+
+
+def overlapped_forward_backward(fwd: Stage, inputs: list[torch.Tensor], target: Any, buffers: list | None,
+                                bwd: Stage, act: Activation, grads: list | None
+                                ) -> tuple[Activation, list[torch.Tensor], list[torch.Tensor]]:
+    """An overlapped pair F&B: `fwd`'s forward together with `bwd`'s full backward of `act`.
+
+    Returns the forward's activation and outputs and the backward's input gradients.  Sequential
+    (forward, then backward) unless both modules are of one class defining DeepSeek DualPipe's
+    hook, called as `type(module0).overlapped_forward_backward(module0, inputs0, criterion0,
+    labels0, module1, loss1, outputs1, output_grads1) -> (outputs0, loss0)`: run `module0` on
+    `inputs0` and, interleaved as the user likes (e.g. one chunk's expert all-to-all behind the
+    other's compute), the backward of `loss1` (the last stage: `loss1.backward()`) or of
+    `outputs1` with `output_grads1`.  pipedsl passes `criterion0 = labels0 = None` and computes
+    the last stage's loss itself after the hook, so `loss0` is ignored.
+    """
+    hook = getattr(type(fwd.module), OVERLAP_HOOK, None)
+    if hook is None or type(fwd.module) is not type(bwd.module):
+        act0, outs = fwd.forward(inputs, target, buffers)
+        return act0, outs, bwd.backward(act, grads)
+    outs1, grads1 = bwd._roots(act, grads)
+    loss1 = outs1[0] if bwd.is_last else None
+
+    def run(inputs0: list) -> Any:
+        outputs0, _ = hook(fwd.module, inputs0, None, None, bwd.module, loss1,
+                           None if bwd.is_last else outs1, None if bwd.is_last else grads1)
+        return outputs0[0] if isinstance(outputs0, (list, tuple)) and len(outputs0) == 1 else outputs0
+
+    act0, outs = fwd.forward(inputs, target, buffers, run=run)
+    return act0, outs, [] if bwd.is_first else bwd._input_grads(act, None)
 
 
 def warm_up_shape_inference() -> None:

@@ -304,7 +304,7 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
     for events in timeline.ranks:
         for e in events:
             if e.instr.op in COMPUTE:
-                sums.setdefault(e.instr.op.value, []).append(e.duration)
+                sums.setdefault("FB" if e.instr.sub else e.instr.op.value, []).append(e.duration)
     cost = {k: sum(v) / len(v) for k, v in sums.items()}
     return {"timeline": timeline.to_dict(), "cost": cost, "peaks": peaks, "config": asdict(gcfg),
             "losses": losses, "start": start}

@@ -34,6 +34,7 @@ def us_per_unit(timeline: Timeline) -> float:
 
 def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
     """The trace as a JSON-ready dict: `{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}`."""
+    timeline = timeline.halves()
     scale = us_per_unit(timeline)
     events: list[dict[str, Any]] = []
     for rank, rank_events in enumerate(timeline.ranks):

@@ -50,9 +50,10 @@ def dependency_graph(program: Program) -> graphviz.Digraph:
             c.attr(label=f"rank {rank}", style="rounded", color="#999999", fontcolor="#333333")
             for index, instr in enumerate(stream):
                 nid = node_id(rank, index)
-                c.node(nid, str(instr), **_node_style(instr, chunk_of.get((instr.replica, instr.stage), 0), chunks))
-                if instr.op in COMPUTE:
-                    where[(instr.op, instr.mb, instr.stage, instr.replica)] = nid
+                lead = instr.parts[0]  # an overlapped pair F&B is drawn in its forward's colour
+                c.node(nid, str(instr), **_node_style(lead, chunk_of.get((lead.replica, lead.stage), 0), chunks))
+                for part in instr.parts if instr.op in COMPUTE else ():
+                    where[(part.op, part.mb, part.stage, part.replica)] = nid
             for index in range(1, len(stream)):
                 c.edge(node_id(rank, index - 1), node_id(rank, index), **ORDER_EDGE)
     for src, dst, op in data_edges(program, where):
@@ -66,8 +67,8 @@ def data_edges(program: Program, where: dict[tuple[Op, int | None, int | None, i
                ) -> list[tuple[str, str, Op]]:
     """(producer node, consumer node, producer op) for every data dependency between compute ops."""
     if where is None:
-        where = {(i.op, i.mb, i.stage, i.replica): node_id(r, k)
-                 for r, stream in enumerate(program.ranks) for k, i in enumerate(stream) if i.op in COMPUTE}
+        where = {(i.op, i.mb, i.stage, i.replica): node_id(r, k) for r, stream in enumerate(program.ranks)
+                 for k, whole in enumerate(stream) if whole.op in COMPUTE for i in whole.parts}
     def find(kinds: tuple[Op, ...], mb: int | None, stage: int, replica: int) -> str | None:
         return next((where[(k, mb, stage, replica)] for k in kinds if (k, mb, stage, replica) in where), None)
 

@@ -122,7 +122,7 @@ def _legend_items(timelines: Sequence[Timeline]) -> list[tuple[Op, str]]:
 
 def render_text(timelines: Timeline | Sequence[Timeline], width: int = 80) -> str:
     """The plain-text grid: header, one line per rank, time axis and summary per timeline; one legend."""
-    timelines = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+    timelines = [t.halves() for t in ([timelines] if isinstance(timelines, Timeline) else timelines)]
     label_w, columns, span = _frame(timelines, width)
     show_kind = len({t.kind for t in timelines}) > 1
     unit = ops.time_unit(timelines)
@@ -153,7 +153,7 @@ def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80, colou
     `colours`: 256 or more uses the picture's palette (neighbouring boxes alternate in shade);
     fewer uses the 16 standard terminal colours, where downsampled hues would look alike.
     """
-    timelines = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+    timelines = [t.halves() for t in ([timelines] if isinstance(timelines, Timeline) else timelines)]
     label_w, columns, span = _frame(timelines, width)
     show_kind = len({t.kind for t in timelines}) > 1
     unit = ops.time_unit(timelines)

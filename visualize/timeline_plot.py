@@ -47,6 +47,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path | None = None
     """Stack timelines top to bottom with one shared time axis; save when `path` is given."""
     if not timelines:
         raise VisualizeError("nothing to draw: no timelines")
+    timelines = [t.halves() for t in timelines]  # an overlapped pair F&B: its forward, then its backward
     if path is not None:
         check_format(path)
     span = max((t.makespan for t in timelines), default=0.0) or 1.0

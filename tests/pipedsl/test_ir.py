@@ -11,11 +11,13 @@ from hypothesis import strategies as st
 import pipedsl
 from pipedsl import Instr, Op, Program, ValidationError
 
+compute = st.builds(lambda op, m, s, c: Instr(op, m, s, None, c), st.sampled_from([Op.F, Op.B, Op.I, Op.W]),
+                    st.integers(0, 99), st.integers(0, 99), st.integers(0, 3))
 instrs = st.one_of(
-    st.builds(Instr, st.sampled_from([Op.F, Op.B, Op.I, Op.W]), st.integers(0, 99), st.integers(0, 99),
-              st.none(), st.integers(0, 3)),
-    st.builds(Instr, st.sampled_from([Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B]), st.integers(0, 99),
-              st.integers(0, 99), st.integers(0, 99), st.integers(0, 3)),
+    compute,
+    st.builds(lambda op, m, s, p, c: Instr(op, m, s, p, c), st.sampled_from([Op.SEND_F, Op.SEND_B, Op.RECV_F,
+              Op.RECV_B]), st.integers(0, 99), st.integers(0, 99), st.integers(0, 99), st.integers(0, 3)),
+    st.builds(lambda f, b: Instr.pair(f._replace(op=Op.F), b._replace(op=Op.B)), compute, compute),
     st.builds(lambda s, c: Instr(Op.REDUCE_GRAD, None, s, None, c), st.integers(0, 99), st.integers(0, 3)),
     st.just(Instr(Op.OPTIMIZER_STEP)),
 )

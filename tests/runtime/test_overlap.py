@@ -1,0 +1,78 @@
+"""An overlapped pair F&B on one rank: the user's `overlapped_forward_backward` (DeepSeek's
+contract) gives the same outputs and gradients as the sequential forward-then-backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from pipedsl.runtime.stage import ActivationCounter, Stage, overlapped_forward_backward
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [mb, 8]
+        return torch.tanh(self.fc(x))
+
+
+class HookedBlock(Block):
+    calls: list[str] = []
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                                    output_grads1):
+        """DeepSeek's example order: module0's forward, then module1's backward."""
+        cls.calls.append("hook")
+        outputs0 = module0(*inputs0)
+        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+        if loss1 is not None:
+            loss1.backward()
+            loss1.detach_()
+        else:
+            torch.autograd.backward(outputs1, output_grads1)
+        return outputs0, loss0
+
+
+def _run(block: type[nn.Module], last_backward: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+    """Stage 1 of 3 runs forward of microbatch 1 overlapped with the backward of microbatch 0 on
+    stage 2 (the last, loss) or on stage 1 itself (with an output gradient)."""
+    torch.manual_seed(0)
+    mods = [block(), block(), block()]
+    counter = ActivationCounter()
+    stages = [Stage(m, i, 3, F.mse_loss, 2, counter) for i, m in enumerate(mods)]
+    g = torch.Generator().manual_seed(1)
+    x0, x1, y0 = (torch.randn(4, 8, generator=g) for _ in range(3))
+    bwd = stages[2] if last_backward else stages[1]
+    act, _ = bwd.forward([x0], y0 if last_backward else None)
+    grads = None if last_backward else [torch.randn(4, 8, generator=g)]
+    act1, outs, input_grads = overlapped_forward_backward(stages[1], [x1], None, None, bwd, act, grads)
+    assert act1.inputs[0].requires_grad and counter.live >= 1
+    return outs, input_grads, [p.grad.clone() for p in bwd.module.parameters()]
+
+
+def test_the_users_overlap_hook_equals_the_sequential_pair():
+    for last in (True, False):
+        HookedBlock.calls.clear()
+        plain = _run(Block, last)
+        hooked = _run(HookedBlock, last)
+        assert HookedBlock.calls == ["hook"]
+        for a, b in zip(plain, hooked):
+            assert len(a) == len(b) > 0
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+
+
+def test_the_hook_needs_both_modules_of_its_class():
+    torch.manual_seed(0)
+    counter = ActivationCounter()
+    s0, s1 = Stage(HookedBlock(), 0, 2, None, 1, counter), Stage(Block(), 1, 2, F.mse_loss, 1, counter)
+    act, _ = s1.forward([torch.randn(2, 8)], torch.zeros(2, 8))
+    HookedBlock.calls.clear()
+    overlapped_forward_backward(s0, [torch.randn(2, 8)], None, None, s1, act, None)
+    assert HookedBlock.calls == []  # DeepSeek's rule: one class for both, else sequential
+    assert s1.module.fc.weight.grad is not None
