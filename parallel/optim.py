@@ -9,14 +9,24 @@ Made by `Pipeline.optimizer(torch.optim.Adam, lr=…)`, it follows the pipeline'
              "microbatch"); its `reduce_gradients(async_op=True)` is the stage's REDUCE_GRAD
              hook and is waited at the step end
 
-`step()` then `zero_grad()` after every `pipe.step`.  `stage_parameters()` gives each local
+`step()` then `zero_grad()` after every `pipe.step`.  `step()` does what a training step
+needs in the right order: under fp16 it unscales the gradients (unless `pipe.clip_grad_norm_`
+already did), skips the update on every rank if any rank overflowed, and grows or backs off
+the loss scale; with an `lr_schedule` it sets the learning rate of the pipeline's step
+(`pipe.steps`, restored by checkpoints) first.  `stage_parameters()` gives each local
 stage's parameters by their original names (ZeRO's flat buffers unpacked; collective for
 ZeRO-3), e.g. for a checkpoint or to compare with a reference.
+
+    opt = pipe.optimizer(torch.optim.AdamW, lr=3e-4)
+    opt.lr_schedule = LRSchedule("cosine", lr=3e-4, warmup=100, total=10_000)
+    loss = pipe.step(x, y); pipe.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,11 +37,44 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipedsl.runtime.pipeline import Pipeline
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warmup over `warmup` steps from lr/warmup to `lr`, then constant or a cosine decay to
+    `min_lr` at step `total` (GPT-3 / Megatron-LM's warmup + cosine).  A pure function of the step."""
+
+    kind: str = "constant"
+    lr: float = 1e-3
+    warmup: int = 0
+    total: int = 0
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"lr schedule must be one of {', '.join(map(repr, LR_SCHEDULES))}, got {self.kind!r}")
+        if self.warmup < 0 or (self.kind == "cosine" and self.total <= self.warmup):
+            raise ValueError(f"a {self.kind} lr schedule needs 0 <= warmup < total, got warmup={self.warmup}, "
+                             f"total={self.total}")
+
+    def __call__(self, step: int) -> float:
+        """The learning rate of step `step` (1-based: the first step is 1)."""
+        if step <= self.warmup:
+            return self.lr * step / self.warmup
+        if self.kind == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup) / (self.total - self.warmup))
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class PipelineOptimizer:
     """step() / zero_grad() for every stage this rank holds (see the module docstring)."""
 
     def __init__(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> None:
         cfg = pipe.parallel
+        self._pipe = pipe
+        self.lr_schedule: LRSchedule | None = None
         self.zero_stage = cfg.zero if cfg is not None else 0
         self.zero: dict[int, ZeroOptimizer] = {}
         self.optimizer: torch.optim.Optimizer | None = None
@@ -53,11 +96,29 @@ class PipelineOptimizer:
         zero.reduce_gradients(async_op=True)
         return zero  # its wait() completes the reduction at the step end
 
-    def step(self) -> None:
-        if self.optimizer is not None:
+    def step(self) -> bool:
+        """Unscale and check (fp16), set the scheduled lr, step unless some rank overflowed, update the loss
+        scale; returns whether the parameters were updated (the same on every rank).  Collective."""
+        skip = self._pipe.unscale_()
+        if self.lr_schedule is not None:
+            self.set_lr(self.lr_schedule(self._pipe.steps))
+        if self.optimizer is not None and not skip:
             self.optimizer.step()
         for _, zero in sorted(self.zero.items()):
-            zero.step()
+            zero.step(skip=skip)
+        self._pipe.update_scale()
+        return not skip
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers underneath (one, or one per ZeRO stage)."""
+        own = [self.optimizer] if self.optimizer is not None else []
+        return own + [z.optimizer for _, z in sorted(self.zero.items())]
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:

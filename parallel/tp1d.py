@@ -30,6 +30,7 @@ from .comm import (
     reduce_from_group,
 )
 from .config import ParallelConfigError
+from .replicated import mark_replicated
 
 
 def _split(n: int, t: int, what: str) -> int:
@@ -97,6 +98,7 @@ class RowParallelLinear(nn.Module):
         local = _split(in_features, group_size(group), "input features")
         self.weight = nn.Parameter(torch.empty(out_features, local))  # [out, in/t]
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # [out], replicated
+        mark_replicated(self.bias, group)
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
@@ -162,6 +164,8 @@ class ParallelBlock(nn.Module):
     def __init__(self, ln1: nn.LayerNorm, attn: ParallelSelfAttention, ln2: nn.LayerNorm, mlp: ParallelMLP) -> None:
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+        mark_replicated(ln1, attn.qkv.group)
+        mark_replicated(ln2, attn.qkv.group)
 
     @classmethod
     def from_dense(cls, block: gpt.Block, group: ProcessGroup | None) -> ParallelBlock:

@@ -41,6 +41,7 @@ from .comm import (
 )
 from .config import ParallelConfigError
 from .mesh import Cube3D
+from .replicated import mark_replicated
 from .tp1d import qkv_order, vocab_parallel_cross_entropy
 
 
@@ -97,6 +98,7 @@ class Linear3D(nn.Module):
         self.weight = nn.Parameter(torch.empty(_div(in_features, q * q, "input features"),
                                                _div(out_features, q, "output features")))  # [in/q², out/q]
         self.bias = nn.Parameter(torch.zeros(out_features // q)) if bias else None  # [out/q]
+        mark_replicated(self.bias, cube.weight_x_output)
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @classmethod
@@ -134,6 +136,7 @@ class LayerNorm3D(nn.Module):
         local = _div(hidden, cube.q, "hidden size")
         self.weight = nn.Parameter(torch.ones(local))  # [h/q]
         self.bias = nn.Parameter(torch.zeros(local))  # [h/q]
+        mark_replicated(self, cube.input_x_weight)
 
     @classmethod
     def from_dense(cls, ln: nn.LayerNorm, cube: Cube3D) -> LayerNorm3D:

@@ -38,6 +38,7 @@ from . import gpt
 from .comm import copy_to_group
 from .config import ParallelConfigError
 from .mesh import Cube3D, ParallelMesh
+from .replicated import mark_replicated
 from .tp1d import ColumnParallelLinear, ParallelBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from .tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, loss_value
 
@@ -61,6 +62,7 @@ class Embedding1D(nn.Module):
     def __init__(self, wte: VocabParallelEmbedding, wpe: nn.Embedding) -> None:
         super().__init__()
         self.wte, self.wpe = wte, wpe
+        mark_replicated(wpe, wte.group)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)  # [T]
@@ -73,6 +75,7 @@ class Head1D(nn.Module):
     def __init__(self, ln_f: nn.LayerNorm, lm_head: ColumnParallelLinear) -> None:
         super().__init__()
         self.ln_f, self.lm_head = ln_f, lm_head
+        mark_replicated(ln_f, lm_head.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -88,6 +91,7 @@ class Embedding3DStage(nn.Module):
         super().__init__()
         self.cube, self.wte = cube, wte
         self.wpe = nn.Parameter(wpe.detach().clone())  # [block_size, C/q], column block a_out
+        mark_replicated(self.wpe, cube.input_x_weight)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # [mb, T]
         rows = idx[self.cube.row_block(idx.shape[0])]  # [mb/q², T]

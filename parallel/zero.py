@@ -392,15 +392,37 @@ class ZeroOptimizer:
             finish()
         self._note_memory()
 
-    def step(self) -> None:
-        """Run the optimizer on this rank's slices, then give every rank the updated parameters."""
+    def owned_gradients(self) -> list[tuple[torch.Tensor, list[tuple[str, int, int]]]]:
+        """After the reduction, per unit: the gradient `step()` uses — this rank's [S] slice (stage 0: the
+        whole buffer) — and the parameters in it as (name, start, end) within that tensor (padding is in
+        none).  What a global gradient norm counts and clipping or unscaling scales (runtime/clip.py)."""
+        self.wait()
+        out = []
+        for u in self.units:
+            if self.stage == 0:
+                grad, lo = u.full_grad(), 0
+            elif self.stage == 1:
+                grad, lo = u.full_grad()[u.own], u.own.start
+            else:
+                grad, lo = u.shard_grad, u.own.start
+            hi = lo + grad.numel()
+            entries = [(e.name, max(e.offset, lo) - lo, min(e.offset + e.numel, hi) - lo) for e in u.entries
+                       if e.offset < hi and e.offset + e.numel > lo]
+            out.append((grad, entries))
+        return out
+
+    def step(self, skip: bool = False) -> None:
+        """Run the optimizer on this rank's slices, then give every rank the updated parameters.  `skip`
+        (an fp16 overflow, decided on every rank alike): complete the reduction, change nothing."""
         self.wait()
         for u in self.units:
             u.wait()  # a prefetch still in flight
             if self.stage >= 2:
                 u.shard.grad = u.shard_grad
-            if self.stage == 3 and u.gathered:
+            if self.stage == 3 and u.gathered and not skip:
                 u.release()  # its values are about to go stale
+        if skip:
+            return
         self.optimizer.step()
         if self.stage in (1, 2):
             for u in self.units:

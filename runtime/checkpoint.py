@@ -21,6 +21,9 @@ shapes per stage), whatever the placement — a rank loads each of its stages fr
 part holds it.  A different partition is refused with one clear error.  RNG states (torch
 CPU and CUDA, Python `random`, NumPy when imported) and `extra` are per rank: restored on
 the same rank index when the checkpoint has one.  `shards` is a free-form per-rank section.
+Each part also holds the training state a bit-exact resume needs: the fp16 loss scale and its
+growth counter (`pipe.scaler`, the same on every rank) and the learning-rate schedule of
+`pipe.optimizer()`'s optimizer (a function of `pipe.steps`, which is restored too).
 
 Data × pipeline × tensor parallelism (`Pipeline(parallel=…)`): save and load are collective
 over the whole world, one part per rank (`rank-GLOBAL.pt`, with its (dp, pp, tp) coordinates)
@@ -55,7 +58,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.parallel.optim import PipelineOptimizer
+from pipedsl.parallel.optim import LRSchedule, PipelineOptimizer
 from pipedsl.parallel.zero import ZeroOptimizer
 
 from .errors import _COUNT, RankFailure, record_failure
@@ -315,7 +318,8 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
         else:
             _wait(store, [prefix + "begin"], timeout, seen, rank, step, lambda missing: [0],
                   "preparing the checkpoint directory")
-        data, meta = _part(pipe, lay, step, zeros, plain, optimizer is not None, extra, shards)
+        data, meta = _part(pipe, lay, step, zeros, plain, optimizer is not None, extra, shards,
+                           _training_state(pipe, optimizer))
         meta["file"] = f"rank-{rank:05d}.pt"
         try:
             _write_atomic(target / meta["file"], data, fault=("save-part", rank, step))
@@ -441,8 +445,26 @@ def _wait(store: Any, keys: list[str], timeout: float, seen: int, rank: int, ste
         time.sleep(_POLL)
 
 
+def _training_state(pipe: Any, optimizer: Any) -> dict[str, Any]:
+    """What a resumed step needs besides weights and optimizer state: the fp16 loss scale (the same on every
+    rank) and the learning-rate schedule of `pipe.optimizer()`'s optimizer."""
+    scaler = getattr(pipe, "scaler", None)
+    schedule = getattr(optimizer, "lr_schedule", None)
+    return {"loss_scale": scaler.state_dict() if scaler is not None else None,
+            "lr_schedule": asdict(schedule) if schedule is not None else None}
+
+
+def _restore_training_state(pipe: Any, optimizer: Any, state: dict[str, Any] | None) -> None:
+    state = state or {}
+    scaler = getattr(pipe, "scaler", None)
+    if scaler is not None and state.get("loss_scale") is not None:
+        scaler.load_state_dict(state["loss_scale"])
+    if isinstance(optimizer, PipelineOptimizer) and state.get("lr_schedule") is not None:
+        optimizer.lr_schedule = LRSchedule(**state["lr_schedule"])
+
+
 def _part(pipe: Any, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], plain: list[torch.optim.Optimizer],
-          with_optimizer: bool, extra: Any, shards: Any) -> tuple[bytes, dict[str, Any]]:
+          with_optimizer: bool, extra: Any, shards: Any, training: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
     """This rank's part (serialised) and its metadata for the manifest.
 
     Replicas hold the same stage state: only dp rank 0 stores modules, buffers and plain optimizer
@@ -457,7 +479,7 @@ def _part(pipe: Any, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], p
     optimizers = [_optimizer_state(o, stages) for o in plain] if first else []
     part = {"format": FORMAT, "version": VERSION, "step": step, "rank": lay.rank, "world_size": lay.size,
             "coords": list(lay.coords), "modules": modules, "buffers": buffers, "zero": zero,
-            "optimizers": optimizers, "rng": _rng_state(), "extra": extra, "shards": shards}
+            "optimizers": optimizers, "rng": _rng_state(), "extra": extra, "shards": shards, "training": training}
     buf = io.BytesIO()
     torch.save(part, buf)
     data = buf.getvalue()
@@ -776,6 +798,7 @@ def _load(pipe: Any, lay: _Layout, info: CheckpointInfo, optimizer: Any) -> tupl
     saved = read(source)
     if own is not None:
         _set_rng_state(saved["rng"])
+    _restore_training_state(pipe, optimizer, saved.get("training"))
     sched = manifest["schedule"]
     now = _program_fingerprint(prog)
     restored = Restored(step=info.step, path=path, extra=saved.get("extra"),

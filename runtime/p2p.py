@@ -121,6 +121,7 @@ class Channels:
         self._global = groups.members  # program rank -> global rank
         self.pool = BufferPool(device)
         self._sends: list[tuple[object, torch.Tensor]] = []
+        self.sent_bytes = 0  # payload of every data message sent so far (activations and gradients)
         up = down = group
         if self.size > 1 and dist.get_backend(group) == "gloo":
             up, down = (groups.new(range(self.size)) for _ in range(2))
@@ -144,6 +145,7 @@ class Channels:
             t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
+            self.sent_bytes += t.numel() * t.element_size()
             self._sends.append((dist.isend(t, dst=dst, group=group, tag=0), t))
 
     def reap_sends(self) -> None:

@@ -59,10 +59,12 @@ from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
+from . import clip
 from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
 from .groups import PipelineGroups
 from .p2p import Channels, TensorMeta, describe
+from .precision import LossScaler, MixedPrecision, policy
 from .reduce import DataParallelReducer, GradReducer, Hook
 from .stage import ActivationCounter, LossFn, Stage, warm_up_shape_inference
 from .ties import TieReducer, check_ties, find_ties
@@ -81,13 +83,15 @@ class Pipeline:
                  device: torch.device | str | None = None, lookahead: int = 16,
                  strict_pair_order: bool | None = None, check_finite: bool = True,
                  parallel: ParallelConfig | ParallelMesh | None = None, batch: str = "global",
-                 ties: Sequence[Sequence[tuple[int, str]]] | None = None, **schedule_params: int) -> None:
+                 ties: Sequence[Sequence[tuple[int, str]]] | None = None,
+                 precision: str | MixedPrecision | None = None, **schedule_params: int) -> None:
         if not dist.is_initialized():
             raise PipeRuntimeError("torch.distributed is not initialised: start the ranks with "
                                    "pipedsl.launch(fn, nprocs) or torchrun")
         if batch not in BATCH_MODES:
             raise PipeRuntimeError(f"batch must be one of {', '.join(map(repr, BATCH_MODES))}, got {batch!r}")
         self.batch_mode = batch
+        self.precision = policy(precision)
         self.mesh = self._mesh(parallel, group)
         self.parallel: ParallelConfig | None = self.mesh.config if self.mesh is not None else None
         if self.mesh is not None:
@@ -110,6 +114,11 @@ class Pipeline:
         self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter)
                         for s, m in self._modules.items()}
         self._copies = {(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
+        for st in self._stages.values():
+            st.precision, st.device = self.precision, self.device
+        self.scaler = LossScaler(self.precision) if self.precision.scales_loss else None
+        self._found_inf = False  # this step's global overflow verdict (fp16)
+        self._grads_scaled = self._scale_update_due = False
         self.groups = PipelineGroups(group, self.mesh)
         self.channels = Channels(group, self.device, self.groups)
         self._loss_group = self.groups.new(range(self.size))  # the step's loss sum, reduced while the step runs
@@ -118,6 +127,8 @@ class Pipeline:
         self.ties = self._ties(stages, ties)
         self._check_parallel_support()
         self.reducer = GradReducer(prog, rank, self._modules, self.groups, self.ties)
+        self.ownership = clip.GradientOwnership(prog, rank, self._modules, self.ties.names, self.dp_rank,
+                                                self.parallel.zero if self.parallel is not None else 0)
         self.reducer.broadcast_replicas()
         self.ties.broadcast()
         if self.parallel is not None and self.parallel.zero == 0 and self.dp > 1:
@@ -289,6 +300,7 @@ class Pipeline:
                 self._handshake(meta)
             self.counter.reset()
             self.reducer.start_step()
+            self._scale_loss()
             self._executor.run(mb_inputs, tgt, self._reduce_loss)
             total, work = self._loss_reduction
             try:
@@ -309,6 +321,65 @@ class Pipeline:
             raise
         self.steps += 1
         return float(total.item())
+
+    # ------------------------------------------------------------ gradients: norm, clipping, fp16 scaling
+
+    def _scale_loss(self) -> None:
+        """fp16: this step's loss is multiplied by the current scale (its gradients are unscaled by `unscale_`)."""
+        if self.scaler is None:
+            return
+        for st in self._stages.values():
+            st.loss_scale = self.scaler.scale
+        self._grads_scaled = self._scale_update_due = True
+        self._found_inf = False
+
+    def _norm_group(self) -> dist.ProcessGroup | None:
+        return None if self.mesh is not None else self.group  # the whole world under parallel=
+
+    def gradients(self) -> clip.Gradients:
+        """This rank's gradients as its optimizer will use them (ZeRO: the owned slices, after the step's
+        reduction) and the views it counts in global norms (runtime/clip.py)."""
+        zero = self._optimizer.zero if self._optimizer is not None else {}
+        if self.parallel is not None and self.parallel.zero and not zero:
+            raise PipeRuntimeError(f"zero={self.parallel.zero}: the gradients live in the ZeRO optimizer; create "
+                                   f"it with pipe.optimizer(...) first")
+        return self.ownership.gradients(zero)
+
+    def unscale_(self) -> bool:
+        """fp16: divide this step's gradients by the loss scale, once; returns whether any rank of the world
+        found an inf/NaN (then every rank skips the step).  Collective; no-op (False) without loss scaling."""
+        if self.scaler is None or not self._grads_scaled:
+            return self._found_inf
+        self._found_inf = clip.unscale_(self.gradients().stepped, self.scaler.scale, self._norm_group(), self.device)
+        self._grads_scaled = False
+        return self._found_inf
+
+    def update_scale(self) -> None:
+        """fp16: after the optimizer step (or its skip), grow or back off the loss scale, once per step.
+        `pipe.optimizer()`'s step calls it; with an optimizer of your own: `if not pipe.unscale_():
+        optimizer.step()`, then `pipe.update_scale()`."""
+        if self.scaler is not None and self._scale_update_due:
+            self.unscale_()
+            self.scaler.update(self._found_inf)
+            self._scale_update_due = False
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm (every stage, tp shard, ZeRO slice, tie and replica once), the
+        same on every rank; collective over the world.  fp16: of the unscaled gradients."""
+        self.unscale_()
+        return clip.global_norm(self.gradients().counted, norm_type, self._norm_group(), self.device)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole pipelined model: returns the global norm (before
+        clipping, the same on every rank) and scales every gradient by min(1, max_norm / (norm + 1e-6)).
+        Call on every rank after `step()`, before the optimizer step; fp16: unscales first, and an overflowed
+        step (norm inf/NaN) is left for the optimizer to skip.  Collective over the world."""
+        self.unscale_()
+        grads = self.gradients()
+        norm = clip.global_norm(grads.counted, norm_type, self._norm_group(), self.device)
+        if torch.isfinite(norm):
+            clip.clip_(grads.stepped, norm, float(max_norm))
+        return norm
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> None:
         """Start summing the loss over the pipeline as soon as this rank's part is final (async: the

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
 from .p2p import TensorMeta
+from .precision import MixedPrecision
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _MAX_PLANS = 16  # split-backward plans kept per stage (one per graph shape seen)
@@ -95,6 +96,10 @@ class Stage:
         self._plans: dict[tuple, _WeightPlan] = {}  # graph signature -> plan
         # (before, after) around every W: e.g. ZeRO-3 gathers the parameters W's saved views point into
         self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        # mixed precision (precision.py): autocast for the forward and loss, outputs cast, fp16 loss scale
+        self.precision = MixedPrecision()
+        self.device: torch.device | str = "cpu"
+        self.loss_scale = 1.0
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -132,7 +137,7 @@ class Stage:
             # detached: a saved *output* must not own its own grad_fn (a cycle autograd never frees)
             return token, t.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), self.precision.autocast(self.device):
             out = self.module(*inputs) if run is None else run(inputs)
             if self.is_last:
                 loss = out if self.loss_fn is None else self.loss_fn(out, target)
@@ -140,11 +145,13 @@ class Stage:
                     what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                     raise TypeError(f"the loss must be a scalar tensor, got {what}")
                 scaled = loss.reshape(()) * self.scale
+                if self.loss_scale != 1.0:  # fp16: the dynamic loss scale (unscaled before the optimizer step)
+                    scaled = scaled * self.loss_scale
         if self.is_last:
             act = Activation(inputs, [scaled], token, buffers or [])
             act.loss = loss.detach()
             return act, [scaled]
-        outputs = as_list(out)
+        outputs = self.precision.cast_outputs(as_list(out))
         for k, t in enumerate(outputs):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
@@ -247,17 +254,18 @@ class Stage:
         try:
             try:
                 from torch._subclasses.fake_tensor import FakeTensorMode
-                with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad(), \
+                        self.precision.autocast(device):
                     args = [mode.from_tensor(torch.zeros(m.shape, dtype=m.dtype, device=device)) for m in metas]
                     out = self.module(*args)
             except (ImportError, NotImplementedError, RuntimeError):  # a module fake tensors cannot run
-                with torch.random.fork_rng(devices=[]), torch.no_grad():
+                with torch.random.fork_rng(devices=[]), torch.no_grad(), self.precision.autocast(device):
                     out = self.module(*[torch.zeros(m.shape, dtype=m.dtype, device=device) for m in metas])
         finally:
             with torch.no_grad():
                 for b, s in zip(self.module.buffers(), saved):
                     b.copy_(s)
-        outs = as_list(out)
+        outs = self.precision.cast_outputs(as_list(out))
         for k, t in enumerate(outs):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
