@@ -1,4 +1,5 @@
-"""Worker-side checks of mixed precision and global gradient clipping (run on the session pool).
+"""Worker-side checks of mixed precision and global gradient clipping (run on the session pool; shared
+by tests/runtime/test_precision.py and tests/parallel/test_clip.py).
 
 The model is one no other test trains: a 1-D convolution stack (conv in, residual conv blocks
 with GroupNorm, a flattening classifier head), optionally with a weight tied between the
@@ -84,7 +85,7 @@ def _params(stages: list[nn.Module]) -> list[nn.Parameter]:
 
 
 def reference(stages: list[nn.Module], data, M: int, policy: MixedPrecision, max_norm: float | None,
-              norm_type: float = 2.0) -> dict:
+              norm_type: float = 2.0, loss_fn=F.cross_entropy) -> dict:
     """One process: losses, norms, loss scales after each step, and the final stages."""
     stages = copy.deepcopy(stages)
     params = _params(stages)
@@ -95,7 +96,7 @@ def reference(stages: list[nn.Module], data, M: int, policy: MixedPrecision, max
     for x, y in data:
         total = 0.0
         for xm, ym in zip(x.chunk(M), y.chunk(M)):
-            loss = run_stages(stages, xm, policy, F.cross_entropy, ym) * (1.0 / M)
+            loss = run_stages(stages, xm, policy, loss_fn, ym) * (1.0 / M)
             (scaler.scale(loss) if scaler else loss).backward()
             total += loss.item()
         losses.append(total)
