@@ -362,10 +362,21 @@ class _Binder:
         first: dict[tuple, Span] = {}
         for r in range(self.P):
             order: list[ComputeOp] = []
+            queue = _PendingWork(r, self.M, routes, placement, first)
             for resolved in _run_items(stmt.body, env, {"r": r}):
-                ops = [self._checked_op(item, kind, m, s, c, r, S, routes, placement, first)
-                       for item, kind, m, s, c in resolved]
-                order.append(ops[0] if len(ops) == 1 else (Op.OVERLAP, ops[0], ops[1], 0))
+                ops = []
+                for item, kind, m, s, c in resolved:
+                    if s is None:  # W(): the oldest pending weight gradient, if any
+                        oldest = queue.oldest_w()
+                        if oldest is None:
+                            continue
+                        m, s, c = oldest
+                    elif m is None:
+                        m, c = queue.next_mb(item, kind, s, c, S)
+                    ops.append(self._checked_op(item, kind, m, s, c, r, S, routes, placement, first))
+                    queue.listed(kind, m, s, ops[-1][3])
+                if ops:
+                    order.append(ops[0] if len(ops) == 1 else (Op.OVERLAP, ops[0], ops[1], 0))
             orders.append(order)
         for m in range(self.M):
             c = routes[m]
@@ -408,6 +419,47 @@ class _Binder:
                                     notes=(f"first listed at {first[key]}",))
         first[key] = item.span
         return (_OPS[kind], m, s, c)
+
+
+class _PendingWork:
+    """One rank's queues while its compute block runs: the next microbatch of each op and stage
+    (`F(next, s)`; B and I share one) and the I's whose W is not listed yet, oldest first (`W()`)."""
+
+    def __init__(self, rank: int, M: int, routes: list[int], placement: dict, first: dict[tuple, Span]) -> None:
+        self.rank, self.M, self.routes, self.placement, self.first = rank, M, routes, placement, first
+        self.cursor: dict[tuple[str, int, int], int] = {}
+        self.pending_w: dict[tuple[int, int, int], None] = {}  # insertion-ordered set
+
+    def next_mb(self, item: n.OpItem, kind: str, s: int, c: int | None, S: int) -> tuple[int, int]:
+        if not 0 <= s < S:
+            raise PipeSemanticError(f"{kind}(next, {s}) on rank {self.rank}: stage {s} does not exist ({S} stages)",
+                                    item.span)
+        if c is None:
+            held = sorted({cc for (cc, ss), rank in self.placement.items() if ss == s and rank == self.rank})
+            if len(held) > 1:
+                raise PipeSemanticError(f"{kind}(next, {s}) on rank {self.rank}: this rank holds stage {s} of "
+                                        f"replicas {held}; name one: {kind}(next, {s}, c)", item.span)
+            c = held[0] if held else 0
+        group = "F" if kind == "F" else "B"
+        kinds = ("F",) if group == "F" else ("B", "I")
+        m = self.cursor.get((group, s, c), 0)
+        while m < self.M and (self.routes[m] != c or any((k, m, s, c) in self.first for k in kinds)):
+            m += 1
+        if m >= self.M:
+            what = "forward" if group == "F" else "backward"
+            raise PipeSemanticError(f"{kind}(next, {s}{f', {c}' if c else ''}) on rank {self.rank}: every "
+                                    f"microbatch's {what} of stage {s} is listed already", item.span)
+        self.cursor[(group, s, c)] = m
+        return m, c
+
+    def listed(self, kind: str, m: int, s: int, c: int) -> None:
+        if kind == "I":
+            self.pending_w[(m, s, c)] = None
+        elif kind == "W":
+            self.pending_w.pop((m, s, c), None)
+
+    def oldest_w(self) -> tuple[int, int, int] | None:
+        return next(iter(self.pending_w), None)
 
 
 def _snapshot(env: Env) -> Env:
@@ -482,8 +534,9 @@ def _check_items(items: tuple[n.Item, ...], env: Env, context: tuple[str, ...]) 
     for item in items:
         match item:
             case n.OpItem(mb=mb, stage=stage, replica=rep):
-                for e in (mb, stage) + ((rep,) if rep is not None else ()):
-                    _require_type(e, env, context, INT, "a compute op")
+                for e in (mb, stage, rep):
+                    if e is not None:
+                        _require_type(e, env, context, INT, "a compute op")
             case n.PairItem(forward=forward, backward=backward):
                 _check_items((forward, backward), env, context)
             case n.ForItem(var=var, lo=lo, hi=hi, body=body):
@@ -525,10 +578,11 @@ def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int], budg
                 values[name] = _eval_int(value, env, values)
 
 
-def _op_values(item: n.OpItem, env: Env, values: dict[str, int]) -> tuple[n.OpItem, str, int, int, int | None]:
-    rep = item.replica
-    return (item, item.kind, _eval_int(item.mb, env, values), _eval_int(item.stage, env, values),
-            None if rep is None else _eval_int(rep, env, values))
+def _op_values(item: n.OpItem, env: Env, values: dict[str, int]
+               ) -> tuple[n.OpItem, str, int | None, int | None, int | None]:
+    """The op's evaluated arguments; None where it says `next` (mb) or is `W()` (mb and stage)."""
+    mb, stage, rep = (None if e is None else _eval_int(e, env, values) for e in (item.mb, item.stage, item.replica))
+    return (item, item.kind, mb, stage, rep)
 
 
 def _first_stall(plan: ComputePlan, forward: bool) -> str | None:

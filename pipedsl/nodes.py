@@ -62,11 +62,12 @@ LOGICAL = frozenset({"and", "or"})
 
 @dataclass(frozen=True, slots=True)
 class OpItem:
-    """`F(m, s)` or `F(m, s, c)` inside a `compute` block."""
+    """`F(m, s)` or `F(m, s, c)` inside a `compute` block.  `mb` None: `F(next, s)`, the lowest
+    microbatch not listed yet; `mb` and `stage` None: `W()`, the W of the oldest pending I."""
 
     kind: str
-    mb: Expr
-    stage: Expr
+    mb: Expr | None
+    stage: Expr | None
     replica: Expr | None
     span: Span
 

@@ -88,6 +88,9 @@ def _token_words(token: Token) -> str:
     return f"'{token}'"
 
 
+_NEXT = object()  # the `next` microbatch argument, before it becomes OpItem.mb = None
+
+
 class _Builder(Transformer):
     """Lark tree → typed nodes.  Each method receives the node's `meta` (its position)."""
 
@@ -175,7 +178,23 @@ class _Builder(Transformer):
         kind_tok, mb, stage, replica = children
         if str(kind_tok) not in ("F", "B", "I", "W"):
             raise PipeSyntaxError(f"a compute op is F, B, I or W, not {str(kind_tok)!r}", self._tok(kind_tok))
+        if mb is _NEXT:
+            if str(kind_tok) == "W":
+                raise PipeSyntaxError("W takes no 'next': W() is the weight gradient of the oldest pending I "
+                                      "(or name it, W(m, s))", self._tok(kind_tok))
+            mb = None
         return n.OpItem(str(kind_tok), mb, stage, replica, self._span(meta))
+
+    def next_mb(self, children):
+        return _NEXT
+
+    @v_args(meta=True)
+    def oldest_w(self, meta, children):
+        if str(children[0]) != "W":
+            raise PipeSyntaxError(f"only W() takes no arguments (the oldest pending weight gradient); "
+                                  f"{children[0]} needs a microbatch and a stage, e.g. {children[0]}(next, s)",
+                                  self._tok(children[0]))
+        return n.OpItem("W", None, None, None, self._span(meta))
 
     @v_args(meta=True)
     def pair_item(self, meta, children):
