@@ -4,6 +4,7 @@
     pipedsl run --program prog.json --steps 20          # a compiled program file (JSON, CSV or text)
     pipedsl train … --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
     pipedsl train --schedule zb-v -P 2 -M 4 --dp 2 --zero 1      # dp x P processes, ZeRO over dp
+    pipedsl train --precision bf16 --clip-grad 1.0 --lr-schedule cosine --warmup-steps 5
 
 Rank 0 prints one progress line per step (loss, samples/s); at the end the last step's
 measured timeline is written as Timeline JSON (and as a PNG when pipedsl.visualize can draw
@@ -69,6 +70,14 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
                    help="data-parallel replicas of the pipeline: dp x P processes (default 1)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage over the dp replicas (default 0: an averaging all-reduce)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="compute dtype (autocast; weights and gradients stay fp32; fp16 scales the loss; default fp32)")
+    p.add_argument("--clip-grad", type=positive_float, metavar="MAX_NORM",
+                   help="clip the whole model's gradient norm (over every rank) to MAX_NORM (default: no clipping)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after --warmup-steps of linear warmup: constant, or a cosine decay to 0 at --steps")
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=0, metavar="N",
+                   help="linear learning-rate warmup over the first N steps (default 0)")
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds before a silent rank counts as failed (process group; default 120)")
     p.add_argument("--checkpoint-timeout", type=positive_float, metavar="SECONDS",
@@ -178,13 +187,17 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
         raise PipeDSLError(f"--checkpoint-dir {args.checkpoint_dir}: not a directory")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise PipeDSLError("--checkpoint-every needs --checkpoint-dir")
+    if args.lr_schedule == "cosine" and args.warmup_steps >= args.steps:
+        raise PipeDSLError(f"--warmup-steps {args.warmup_steps} must be less than --steps {args.steps} for the "
+                           f"cosine schedule (it decays after the warmup, until --steps)")
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
     cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "layers": layers, "embd": args.embd,
            "lr": args.lr, "dropout": args.dropout, "seed": args.seed,
            "timeout": args.checkpoint_timeout or args.timeout,
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None,
-           "dp": dp, "zero": args.zero}
+           "dp": dp, "zero": args.zero, "precision": args.precision, "clip_grad": args.clip_grad,
+           "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps}
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
     return cfg
@@ -257,9 +270,14 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
     if dp > 1 or zero:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
         parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, zero=zero))
-    pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program, loss_fn=gpt_loss, parallel=parallel)
+    pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program, loss_fn=gpt_loss, parallel=parallel,
+                            precision=cfg.get("precision", "fp32"))
     del model
     opt = pipe.optimizer(torch.optim.AdamW, lr=cfg["lr"])
+    if cfg.get("lr_schedule", "constant") != "constant" or cfg.get("warmup", 0):
+        from pipedsl.parallel.optim import LRSchedule
+        opt.lr_schedule = LRSchedule(cfg["lr_schedule"], lr=cfg["lr"], warmup=cfg["warmup"], total=cfg["steps"])
+    clip = cfg.get("clip_grad")
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
     start = 0
     if cfg["resume"]:
@@ -280,13 +298,19 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
         x, y = synthetic_batch(cfg["batch"], cfg["seq"], gcfg.vocab_size, gen)
         t0 = time.perf_counter()
         loss = pipe.step(x, y)
-        opt.step()
+        norm = pipe.clip_grad_norm_(clip) if clip else None
+        stepped = opt.step()
         opt.zero_grad()
         dt = time.perf_counter() - t0
         losses[step] = loss
         if rank == 0:
+            notes = "" if norm is None else f"  grad norm {float(norm):.3f}"
+            if opt.lr_schedule is not None:
+                notes += f"  lr {opt.optimizers[0].param_groups[0]['lr']:.2e}"
+            if not stepped:
+                notes += f"  skipped (fp16 overflow; loss scale now {pipe.scaler.scale:g})"
             print(f"step {step:>3}/{cfg['steps']}  loss {loss:.4f}  {cfg['batch'] / dt:8.1f} samples/s  "
-                  f"{dt * 1e3:7.1f} ms/step", flush=True)
+                  f"{dt * 1e3:7.1f} ms/step{notes}", flush=True)
         if directory and ((every and step % every == 0) or step == cfg["steps"]):
             info = checkpoint.save(pipe, directory, step, opt, extra={"data": gen.get_state()},
                                    timeout=cfg["timeout"])

@@ -40,15 +40,24 @@ def _train(tmp_path, name: str, *args: str) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_train_with_data_parallel_zero_resumes_exactly(tmp_path) -> None:
-    """dp=2 x pp=2 with ZeRO-1: a run resumed from its step-2 checkpoint (under GPipe: same partition) gives
-    the losses of the run that went on, bit for bit."""
+    """dp=2 x pp=2 with ZeRO-1, fp16 with clipping and a warmup + cosine lr schedule: a run resumed from its
+    step-2 checkpoint (under GPipe: same partition) gives the losses of the run that went on, bit for bit
+    (the loss scale, its growth counter and the schedule are restored)."""
     ckpt = tmp_path / "ckpt"
+    llm = ["--precision", "fp16", "--clip-grad", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "1"]
     whole = _train(tmp_path, "whole", "--schedule", "1f1b", "--dp", "2", "--zero", "1", "--steps", "4",
-                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
+                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", *llm)
     assert sorted(whole) == ["1", "2", "3", "4"] and len(set(whole.values())) == 4
     resumed = _train(tmp_path, "resumed", "--schedule", "gpipe", "--dp", "2", "--zero", "1", "--steps", "4",
-                     "--checkpoint-dir", str(tmp_path / "other"), "--resume", str(ckpt / "step-00000002"))
+                     "--checkpoint-dir", str(tmp_path / "other"), "--resume", str(ckpt / "step-00000002"), *llm)
     assert resumed == {"3": whole["3"], "4": whole["4"]}
+
+
+def test_train_cosine_warmup_must_end_before_the_last_step(capsys) -> None:
+    from pipedsl.cli import main
+
+    assert main(["train", "-P", "2", "--steps", "3", "--lr-schedule", "cosine", "--warmup-steps", "3"]) == 2
+    assert "--warmup-steps 3 must be less than --steps 3" in capsys.readouterr().err
 
 
 def test_train_batch_must_split_over_dp_and_microbatches(capsys) -> None:
