@@ -10,7 +10,10 @@ here to its module.  With replicas (Chimera), the copies of a stage on *differen
 separate modules (all starting from replica 0's weights, broadcast at init) whose gradients
 are summed at REDUCE_GRAD; copies of a stage on the *same* rank share one module, so a
 stage index always names one module per rank (`local_copies()` gives (replica, stage) keys).
-Gradients accumulate into `.grad` (call `optimizer.zero_grad()` between steps).  Parameters
+Gradients accumulate into `.grad` (call `optimizer.zero_grad()` between steps).
+`precision="bf16"|"fp16"` runs the stages under autocast with fp32 weights and gradients and
+sends activations in the compute dtype (precision.py); `clip_grad_norm_(max_norm)` clips by
+the whole model's norm over every rank (clip.py).  Parameters
 shared between stages (tied embeddings) are found in the stage list or named with `ties=`;
 their gradients are summed between the ranks holding them at the step end (see ties.py).
 

@@ -64,3 +64,12 @@ def test_schedules(tmp_path):
 def test_compiler_scale_appends_to_the_same_table(tmp_path):
     got = run(tmp_path, "compiler_scale", "--quick")
     assert got["benchmark"] == "compiler_scale" and got["rows"] and got["growth_exponent"] > 0
+
+
+@pytest.mark.slow
+def test_precision(tmp_path):
+    got = run(tmp_path, "precision", "--steps", "1", "--reps", "1", "--warmup", "0", "--layers", "2", "--seq", "16")
+    assert got["benchmark"] == "precision" and [r["variant"] for r in got["rows"]][:3] == ["fp32", "bf16", "fp16"]
+    by = {r["variant"]: r for r in got["rows"]}
+    assert by["fp32"]["p2p_bytes_per_step"] > 0 and by["bf16"]["p2p_vs_fp32"] == by["fp16"]["p2p_vs_fp32"] == 0.5
+    assert all(r["vs_fp32"] > 0 and r["step_s"]["n"] == 1 for r in got["rows"])
