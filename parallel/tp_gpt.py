@@ -144,16 +144,33 @@ def tp_gpt_stages(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str
     return split_gpt(embed, blocks, head, num_stages, by=by)
 
 
-def tp_gpt_loss(mesh: ParallelMesh) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def tp_gpt_loss(mesh: ParallelMesh, reduction: str = "mean",
+                ignore_index: int | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Next-token cross-entropy of this rank's logits block against the microbatch's targets [mb, T].
 
-    The value is the microbatch's mean loss on every tp rank; backward gives this rank's gradients.
+    The value is the microbatch's loss on every tp rank; backward gives this rank's gradients.
+    `reduction="mean"` averages over the (non-ignored) tokens, `"sum"` sums them — what
+    `Pipeline(loss_reduction="token")` expects; targets equal to `ignore_index` count for nothing.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+    def reduce(per_token: torch.Tensor, targets: torch.Tensor, whole: int) -> torch.Tensor:
+        """Σ or mean of the kept tokens of `per_token`; `whole` is the microbatch's token count."""
+        if ignore_index is not None:
+            keep = targets != ignore_index
+            per_token = per_token.masked_fill(~keep, 0.0)
+            whole = keep.sum()  # of this microbatch (3-D: the whole one, every rank alike)
+        return per_token.sum() if reduction == "sum" else per_token.sum() / whole
+
     if mesh.config.tp_mode == "1d":
         group = mesh.tp_group
 
         def loss_1d(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # [mb, T, V/t], [mb, T]
-            return vocab_parallel_cross_entropy(logits, targets, group).mean()
+            per_token = vocab_parallel_cross_entropy(logits, targets, group)  # [mb, T]
+            if ignore_index is None and reduction == "mean":
+                return per_token.mean()
+            return reduce(per_token, targets, targets.numel())
 
         return loss_1d
     cube = mesh.cube
@@ -161,9 +178,16 @@ def tp_gpt_loss(mesh: ParallelMesh) -> Callable[[torch.Tensor, torch.Tensor], to
     out = cube.swapped()  # the classifier's output orientation
 
     def loss_3d(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # [mb/q², T, V/q], [mb, T]
-        mine = targets[out.row_block(targets.shape[0])]  # [mb/q², T]
+        rows = out.row_block(targets.shape[0])
+        mine = targets[rows]  # [mb/q², T]
         per_token = vocab_parallel_cross_entropy(logits, mine, out.output, out.a_out * logits.shape[-1])
-        share = per_token.sum() / targets.numel()  # each token's loss is on q ranks: the shares sum to q·mean
-        return share + (loss_value(share, cube) - share).detach()  # value: the mean; gradient: the share's
+        if ignore_index is not None:
+            per_token = per_token.masked_fill(mine == ignore_index, 0.0)
+        total = per_token.sum()
+        if reduction == "mean":
+            kept = targets.numel() if ignore_index is None else (targets != ignore_index).sum()
+            total = total / kept
+        # each token's loss is on q ranks: the shares sum to q·(the microbatch's loss)
+        return total + (loss_value(total, cube) - total).detach()  # value: the whole; gradient: the share's
 
     return loss_3d

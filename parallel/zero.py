@@ -297,7 +297,9 @@ class ZeroOptimizer:
 
     def _make_post_forward(self, u: _Unit):
         def hook(module: nn.Module, args, output) -> None:
-            if self.stage != 3 or detect_fake_mode() is not None:
+            # inside a weight pass (or a backward that recomputes a forward, runtime/recompute.py) the
+            # saved views must stay valid until the pass ends
+            if self.stage != 3 or detect_fake_mode() is not None or self._in_weight_pass:
                 return
             u.release()
             if torch.is_grad_enabled():

@@ -45,7 +45,9 @@ share: see `pipedsl.parallel.tp_gpt`).
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +70,7 @@ from .executor import Executor
 from .groups import PipelineGroups
 from .p2p import Channels, TensorMeta, describe
 from .precision import LossScaler, MixedPrecision, policy
+from .recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
 from .reduce import DataParallelReducer, GradReducer, Hook
 from .stage import ActivationCounter, LossFn, Stage, warm_up_shape_inference
 from .ties import TieReducer, check_ties, find_ties
@@ -75,6 +78,8 @@ from .tracer import Tracer
 
 StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
 BATCH_MODES = ("global", "local")
+LOSS_REDUCTIONS = ("microbatch", "token")
+_MAX_SHAPES = 8  # input shapes whose executors are kept (length bucketing alternates between a few)
 
 
 class Pipeline:
@@ -87,14 +92,29 @@ class Pipeline:
                  strict_pair_order: bool | None = None, check_finite: bool = True,
                  parallel: ParallelConfig | ParallelMesh | None = None, batch: str = "global",
                  ties: Sequence[Sequence[tuple[int, str]]] | None = None,
-                 precision: str | MixedPrecision | None = None, **schedule_params: int) -> None:
+                 precision: str | MixedPrecision | None = None, loss_reduction: str = "microbatch",
+                 ignore_index: int = -100, recompute: str | None = None,
+                 recompute_filter: ModulePredicate | None = None, **schedule_params: int) -> None:
         if not dist.is_initialized():
             raise PipeRuntimeError("torch.distributed is not initialised: start the ranks with "
                                    "pipedsl.launch(fn, nprocs) or torchrun")
         if batch not in BATCH_MODES:
             raise PipeRuntimeError(f"batch must be one of {', '.join(map(repr, BATCH_MODES))}, got {batch!r}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise PipeRuntimeError(f"loss_reduction must be one of {', '.join(map(repr, LOSS_REDUCTIONS))}, "
+                                   f"got {loss_reduction!r}")
+        if recompute == "none":
+            recompute = None
+        if recompute is not None and recompute not in RECOMPUTE_MODES:
+            raise PipeRuntimeError(f"recompute must be None, 'none', {', '.join(map(repr, RECOMPUTE_MODES))}, "
+                                   f"got {recompute!r}")
+        if recompute == "selective" and recompute_filter is None:
+            raise PipeRuntimeError("recompute='selective' needs recompute_filter=predicate(module) -> bool, the "
+                                   "modules whose activations are recomputed (e.g. the attention modules)")
         self.batch_mode = batch
         self.precision = policy(precision)
+        self.loss_reduction, self.ignore_index = loss_reduction, ignore_index
+        self.recompute = recompute
         self.mesh = self._mesh(parallel, group)
         self.parallel: ParallelConfig | None = self.mesh.config if self.mesh is not None else None
         if self.mesh is not None:
@@ -114,8 +134,11 @@ class Pipeline:
         held = sorted({s for (c, s), r in prog.placement.items() if r == rank})
         self._modules = {s: self._build(stages, s).to(self.device) for s in held}
         self.counter = ActivationCounter()
-        self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter)
+        self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter,
+                                 None if recompute is None else Recompute(m, recompute, recompute_filter))
                         for s, m in self._modules.items()}
+        for st in self._stages.values():
+            st.sum_loss = loss_reduction == "token"
         self._copies = {(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
         for st in self._stages.values():
             st.precision, st.device = self.precision, self.device
@@ -143,7 +166,9 @@ class Pipeline:
         self.strict_pair_order = backend == "nccl" if strict_pair_order is None else strict_pair_order
         self.check_finite = check_finite
         self._executor: Executor | None = None
-        self._input_meta: tuple[TensorMeta, ...] | None = None
+        self._executors: OrderedDict[tuple[TensorMeta, ...], Executor] = OrderedDict()  # by microbatch shapes
+        self.shape_handshakes = 0  # input shapes learned so far (one handshake each)
+        self.tokens: int | None = None  # per-token mode: the last step's non-ignored targets (last-stage ranks)
         self.steps = 0
 
     # ------------------------------------------------------------ construction
@@ -293,14 +318,14 @@ class Pipeline:
         """Run the schedule once over the batch; returns the mean loss (on every rank)."""
         M = self.num_microbatches
         try:
+            if self.loss_reduction == "token":
+                self._count_tokens(targets)
             if self.parallel is not None:
                 inputs, targets = self._data_parallel_share(inputs, targets)
             mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank) for t in _tensors(inputs)))]
             tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank)]
             mb_inputs = [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs]
-            meta = tuple(TensorMeta.of(t) for t in mb_inputs[0])
-            if meta != self._input_meta:
-                self._handshake(meta)
+            self._use_shapes(tuple(TensorMeta.of(t) for t in mb_inputs[0]))
             self.counter.reset()
             self.reducer.start_step()
             self._scale_loss()
@@ -383,6 +408,34 @@ class Pipeline:
         if torch.isfinite(norm):
             clip.clip_(grads.stepped, norm, float(max_norm))
         return norm
+
+    def _count_tokens(self, targets: Any) -> None:
+        """Per-token mode: the last stage scales each microbatch's summed token losses by dp/N.
+
+        N is the number of targets != ignore_index in the *global* batch: counted from the global
+        batch (batch="global", every rank has it) or summed over the dp group (batch="local").
+        The dp gradient reduction averages (divides by dp), so the gradients and the returned
+        loss are exactly sum/N — Megatron's and torchtitan's per-token normalisation — however
+        unevenly padding falls over microbatches and replicas.  Ranks without the last stage
+        count nothing."""
+        last = self._stages.get(self.program.num_stages - 1)
+        if last is None:
+            return
+        t = targets[0] if isinstance(targets, (tuple, list)) and targets else targets
+        if not isinstance(t, torch.Tensor):
+            raise PipeRuntimeError(f"rank {self.rank}: loss_reduction='token' counts the targets that are not "
+                                   f"ignore_index={self.ignore_index}, but this rank (which holds the last stage) "
+                                   f"got targets of type {type(t).__name__}; pass a tensor (or a tuple whose first "
+                                   f"element is the token targets)")
+        n = (t != self.ignore_index).sum().reshape(1).to(torch.int64)
+        if self.batch_mode == "local" and self.dp > 1:
+            try:
+                dist.all_reduce(n, group=self.mesh.dp_group)
+            except Exception as err:  # noqa: BLE001
+                raise RankFailure(f"rank {self.rank}: summing the token count over dp failed: {err}", self.rank,
+                                  peer_failure=True) from err
+        self.tokens = int(n)
+        last.scale = self.dp / max(self.tokens, 1)  # no token at all: the loss and gradients are 0
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> None:
         """Start summing the loss over the pipeline as soon as this rank's part is final (async: the
@@ -473,7 +526,39 @@ class Pipeline:
 
     # ------------------------------------------------------------ shapes
 
-    def _handshake(self, mb_meta: tuple[TensorMeta, ...]) -> None:
+    def _use_shapes(self, meta: tuple[TensorMeta, ...]) -> None:
+        """The executor for this step's microbatch shapes, learning them if they are new.
+
+        Shapes may change between steps (a last partial batch, length bucketing).  Every rank of
+        the pipeline first agrees on them — one all-reduce of an 8-byte fingerprint (max of it and
+        of its negation) — so a rank passed other shapes than its peers is a named error on every
+        rank, never a handshake one side waits for.  Executors of the last few shapes are kept (the
+        same on every rank, since every rank saw the same agreed sequence), so returning to a known
+        shape costs nothing but the agreement."""
+        key = _shape_key(meta)
+        both = torch.tensor([key, -key], dtype=torch.int64)
+        try:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as err:  # noqa: BLE001
+            raise RankFailure(f"rank {self.rank}: agreeing on this step's input shapes failed: {err}", self.rank,
+                              peer_failure=True) from err
+        if int(both[0]) != key or int(both[1]) != -key:
+            everyone: list = [None] * self.size
+            dist.all_gather_object(everyone, describe(meta), group=self.group)
+            shapes = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
+            raise PipeRuntimeError(f"the pipeline's ranks passed inputs of different shapes this step ({shapes}): "
+                                   f"every rank must pass the same batch (its microbatch shapes decide what each "
+                                   f"rank sends and receives)")
+        ex = self._executors.get(meta)
+        if ex is None:
+            ex = self._executors[meta] = self._handshake(meta)
+            self.shape_handshakes += 1
+            if len(self._executors) > _MAX_SHAPES:
+                self._executors.popitem(last=False)
+        self._executors.move_to_end(meta)
+        self._executor = ex
+
+    def _handshake(self, mb_meta: tuple[TensorMeta, ...]) -> Executor:
         """Learn every stage's input and output shapes once (fake tensors; one metadata message per hop)."""
         prog, rank = self.program, self.rank
         S = prog.num_stages
@@ -508,9 +593,14 @@ class Pipeline:
                 if prog.placement[(c, s + 1)] != rank:
                     self.channels.send_meta(prog.placement[(c, s + 1)], out)
                 meta = out
-        self._input_meta = mb_meta
-        self._executor = Executor(prog, rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
-                                  self.lookahead, self.strict_pair_order, self.check_finite)
+        return Executor(prog, rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
+                        self.lookahead, self.strict_pair_order, self.check_finite)
+
+
+def _shape_key(meta: tuple[TensorMeta, ...]) -> int:
+    """A 63-bit fingerprint of microbatch shapes and dtypes, the same in every process (no salted hash)."""
+    text = ";".join(f"{tuple(m.shape)}/{m.dtype}" for m in meta).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
 def _fingerprint(t: torch.Tensor) -> tuple:

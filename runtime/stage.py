@@ -3,7 +3,9 @@
 A forward creates an `Activation`: the stage's inputs (leaves that require grad, so the
 backward yields the gradient to hand to the previous stage) and its outputs with their
 autograd graph.  The last stage also computes the loss, scaled by 1/M so that gradients
-accumulated over the M microbatches equal the gradient of the mean loss.
+accumulated over the M microbatches equal the gradient of the mean loss (per-token mode: the
+microbatch's summed token losses scaled by dp/N, N the non-ignored tokens of the global batch,
+set by the pipeline each step).
 
 - `backward` (B): `autograd.backward` from the outputs; parameter gradients accumulate in
   `.grad`, the input gradient is returned; the graph is freed.
@@ -15,13 +17,20 @@ accumulated over the M microbatches equal the gradient of the mean loss.
 
 Live activations are counted honestly: every tensor the forward's autograd graph saves is
 packed together with a token, and the token is also held by the `Activation`; an activation
-is live until the executor released it *and* autograd freed everything it saved.
+is live until the executor released it *and* autograd freed everything it saved.  The token
+also counts the bytes of what it keeps (see `ActivationCounter`).
+
+Recomputation (`recompute=`, see recompute.py): the forward's saved tensors inside a region
+become slot numbers and are recomputed by the first backward that reads them; I recomputes,
+W reuses I's recomputed tensors.  A backward that may recompute runs inside the weight-pass
+hooks (ZeRO-3 keeps the parameters gathered through it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,34 +39,89 @@ from torch.autograd.graph import GradientEdge, Node
 
 from .p2p import TensorMeta
 from .precision import MixedPrecision
+from .recompute import Recompute
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _MAX_PLANS = 16  # split-backward plans kept per stage (one per graph shape seen)
 
 
 class ActivationCounter:
-    """Microbatch-stage activations alive on this rank now, and the peak since `reset`."""
+    """Microbatch-stage activations alive on this rank now, the peak since `reset`, and their bytes.
+
+    The bytes of an activation are the storages its record keeps: the stage inputs, every
+    tensor autograd saved outside a recomputed region, a region's inputs, and once a backward
+    recomputed a region, what it saved again — each storage once, parameters (and views of
+    them) not at all.  They count until the activation is dead (released and freed by autograd).
+    """
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
-    def token(self) -> object:
-        tok = _Token()
+    def token(self) -> ActivationToken:
+        tok = ActivationToken(self)
         self.live += 1
         self.peak = max(self.peak, self.live)
-        weakref.finalize(tok, self._dead)
+        weakref.finalize(tok, self._dead, tok.box)
         return tok
 
-    def _dead(self) -> None:
+    def _dead(self, box: list[int]) -> None:
         self.live -= 1
+        self.live_bytes -= box[0]
+
+    def _grow(self, n: int) -> None:
+        self.live_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def reset(self) -> None:
         self.peak = self.live
+        self.peak_bytes = self.live_bytes
 
 
-class _Token:
-    __slots__ = ("__weakref__",)
+class ActivationToken:
+    """Held by an `Activation` and by everything its graph saved: alive while either is."""
+
+    __slots__ = ("counter", "box", "storages", "__weakref__")
+
+    def __init__(self, counter: ActivationCounter) -> None:
+        self.counter = counter
+        self.box = [0]  # bytes counted (a list: the finalizer must not hold the token)
+        self.storages: set[int] = set()
+
+    @property
+    def nbytes(self) -> int:
+        return self.box[0]
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage once, unless it holds a parameter."""
+        key_n = _storage(t)
+        if key_n is None or key_n[0] in self.storages:
+            return
+        self.storages.add(key_n[0])
+        self._count(key_n[1])
+
+    def add_recomputed(self, saved: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        """Count what a recomputation saved, each storage once and not the region's (already counted) inputs.
+
+        Not deduplicated against the rest of the record: a storage it counted may be freed by now
+        (a backward releases saved tensors as it goes) and its address reused."""
+        seen = {k[0] for k in map(_storage, inputs) if k is not None}
+        for t in saved:
+            key_n = _storage(t)
+            if key_n is not None and key_n[0] not in seen:
+                seen.add(key_n[0])
+                self._count(key_n[1])
+
+    def _count(self, n: int) -> None:
+        self.box[0] += n
+        self.counter._grow(n)
+
+    def pack(self, t: torch.Tensor) -> tuple[ActivationToken, torch.Tensor]:
+        self.add(t)
+        # detached: a saved *output* must not own its own grad_fn (a cycle autograd never frees)
+        return self, t.detach()
 
 
 class Activation:
@@ -83,13 +147,15 @@ class Stage:
     """One global stage of the model on this rank (replica copies on one rank share it)."""
 
     def __init__(self, module: nn.Module, index: int, num_stages: int, loss_fn: LossFn | None,
-                 num_microbatches: int, counter: ActivationCounter) -> None:
+                 num_microbatches: int, counter: ActivationCounter, recompute: Recompute | None = None) -> None:
         self.module = module
+        self.recompute = recompute  # None: autograd keeps everything the forward saved
         self.index = index
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.loss_fn = loss_fn
-        self.scale = 1.0 / num_microbatches
+        self.scale = 1.0 / num_microbatches  # per step in the per-token mode: dp / (non-ignored tokens of the batch)
+        self.sum_loss = False  # per-token mode: the loss function's value is summed (per-token losses or a sum)
         self.counter = counter
         self._params: list[nn.Parameter] | None = None
         self._param_nodes: dict[Node, int] | None = None
@@ -132,19 +198,33 @@ class Stage:
         if not self.is_first:
             inputs = [t.detach().requires_grad_() if _is_float(t) else t for t in inputs]
         token = self.counter.token()
+        for t in inputs:
+            token.add(t)  # kept for the backward
 
-        def pack(t: torch.Tensor) -> tuple[object, torch.Tensor]:
-            # detached: a saved *output* must not own its own grad_fn (a cycle autograd never frees)
-            return token, t.detach()
+        def with_loss(out: Any) -> tuple[Any, torch.Tensor | None]:
+            if not self.is_last:
+                return out, None
+            loss = out if self.loss_fn is None else self.loss_fn(out, target)
+            if self.sum_loss and isinstance(loss, torch.Tensor):
+                loss = loss.sum()  # per-token mode: the microbatch's summed token losses
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise TypeError(f"the loss must be a scalar tensor, got {what}")
+            return out, loss.reshape(())
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), self.precision.autocast(self.device):
-            out = self.module(*inputs) if run is None else run(inputs)
+        def plain(*xs: Any) -> tuple[Any, torch.Tensor | None]:
+            return with_loss(self.module(*xs))
+
+        def compute(*xs: Any) -> tuple[Any, torch.Tensor | None]:
+            return plain(*xs) if run is None else with_loss(run(list(xs)))
+
+        with torch.autograd.graph.saved_tensors_hooks(token.pack, _unpack), self.precision.autocast(self.device):
+            if self.recompute is None:
+                out, loss = compute(*inputs)
+            else:  # recomputation re-runs the plain forward, never an overlapped pair's other backward
+                out, loss = self.recompute.run(compute, tuple(inputs), token, again=plain)
             if self.is_last:
-                loss = out if self.loss_fn is None else self.loss_fn(out, target)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                    raise TypeError(f"the loss must be a scalar tensor, got {what}")
-                scaled = loss.reshape(()) * self.scale
+                scaled = loss * self.scale
                 if self.loss_scale != 1.0:  # fp16: the dynamic loss scale (unscaled before the optimizer step)
                     scaled = scaled * self.loss_scale
         if self.is_last:
@@ -157,6 +237,19 @@ class Stage:
                 raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
                                 f"or a tuple of tensors")
         return Activation(inputs, outputs, token, buffers or []), outputs
+
+    @contextlib.contextmanager
+    def _weights_gathered(self, recomputes: bool) -> Iterator[None]:
+        """The weight-pass hooks around a pass that reads saved parameter views (W), or may recompute a
+        forward (a backward under recomputation: ZeRO-3 must not free parameters in the middle of it)."""
+        hooks = self.weight_pass_hooks if recomputes else []
+        for before, _ in hooks:
+            before()
+        try:
+            yield
+        finally:
+            for _, after in hooks:
+                after()
 
     # ------------------------------------------------------------ backward
 
@@ -190,7 +283,8 @@ class Stage:
         """Full backward (B): parameter gradients accumulate; returns the input gradients."""
         outs, gs = self._roots(act, grads)
         if outs:
-            torch.autograd.backward(outs, gs)
+            with self._weights_gathered(self.recompute is not None):
+                torch.autograd.backward(outs, gs)
         if self.is_first:
             return []
         return self._input_grads(act, None)
@@ -209,7 +303,8 @@ class Stage:
         handles = [u.register_prehook(lambda g, u=u: captured.__setitem__(u, g))
                    for u in map(graph.nodes.__getitem__, plan.hooked)]
         try:
-            got = torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
+            with self._weights_gathered(self.recompute is not None):
+                got = torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
@@ -227,13 +322,8 @@ class Stage:
             groups = act.boundary
         act.boundary = act.grads = None
         act.outputs = []
-        for before, _ in self.weight_pass_hooks:
-            before()
-        try:
+        with self._weights_gathered(True):
             self._weight_grads(groups)
-        finally:
-            for _, after in self.weight_pass_hooks:
-                after()
 
     def _weight_grads(self, groups: list[tuple]) -> None:
         params = self.params
@@ -316,6 +406,17 @@ def warm_up_shape_inference() -> None:
             torch.nn.functional.linear(x, x).sum()
     except (ImportError, NotImplementedError, RuntimeError):  # infer_outputs falls back to a real forward
         return
+
+
+def _storage(t: Any) -> tuple[int, int] | None:
+    """(storage address, bytes) of an activation tensor; None for parameters and views of them."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        return None
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor without a plain storage
+        return id(t), t.numel() * t.element_size()
 
 
 def _unpack(packed: tuple[object, torch.Tensor]) -> torch.Tensor:
