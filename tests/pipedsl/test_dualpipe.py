@@ -4,6 +4,8 @@ called at every size tested); `F(next, s)` and `W()` (the language's queues of p
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipedsl
 from pipedsl.errors import PipeSemanticError, PipeSyntaxError
@@ -76,3 +78,35 @@ def test_next_past_the_end_is_a_located_error(text, error, where):
 def test_next_and_empty_arguments_only_where_they_mean_something(op, error):
     with pytest.raises(PipeSyntaxError, match=error):
         pipedsl.Schedule.from_text(f"schedule q(P, M) {{ compute {{ {op} }} }}")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([2, 4, 6, 8]), st.integers(0, 3), st.integers(1, 3), st.integers(0, 3), st.integers(0, 2))
+def test_dualpipe_meets_deepseeks_table(P, extra, F, w_less, overlap):
+    """DeepSeek-V3's table: idle (P/2-1)(F&B + B - 3W) per rank (the most any rank idles), P+1
+    activations a rank, two copies of the parameters -- exact whenever T_I = T_F and T_W <= T_F
+    (the regime the table assumes), for every pair cost F&B from max(F, B) to F + B."""
+    M = 2 * P + 2 * extra
+    W = max(1, F - w_less)
+    B = F + W
+    FB = B + F * overlap / 2  # max(F, B) = B .. F + B
+    program = pipedsl.load("dualpipe").compile(P=P, M=M)
+    t = pipedsl.simulate(program, pipedsl.Cost(F=F, B=B, I=F, W=W, FB=FB))
+    assert max(t.makespan - busy for busy in t.busy) == pytest.approx((P / 2 - 1) * (FB + B - 3 * W))
+    assert t.peak_activations == [P + 1] * P
+    assert program.num_replicas == 2 and sorted(program.stages_of(0)) == [(0, 0), (1, P - 1)]
+    assert program.microbatch_replica == (0,) * (M // 2) + (1,) * (M // 2)  # half the batch at each end
+
+
+def test_dualpipe_is_dualpipev_folded_over_two_copies():
+    """Rank r of DualPipe runs DualPipeV's rank min(r, P-1-r) order of P/2 ranks and M/2 microbatches
+    (DeepSeek's DualPipe.step and DualPipeV.step are the same eight steps)."""
+    P, M = 6, 16
+    dual = pipedsl.load("dualpipe").compile(P=P, M=M)
+    v = pipedsl.load("dualpipev").compile(P=P // 2, M=M // 2)
+
+    def shape(order: list[str]) -> list[str]:  # the op kinds only: "F", "B", "F&B", "I", "W"
+        return ["&".join(part[0] for part in op.split("&")) for op in order]
+
+    for r in range(P):
+        assert shape(dual.compute_orders()[r]) == shape(v.compute_orders()[min(r, P - 1 - r)])
