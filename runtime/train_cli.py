@@ -5,6 +5,7 @@
     pipedsl train … --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
     pipedsl train --schedule zb-v -P 2 -M 4 --dp 2 --zero 1      # dp x P processes, ZeRO over dp
     pipedsl train --precision bf16 --clip-grad 1.0 --lr-schedule cosine --warmup-steps 5
+    pipedsl train --recompute full --loss-reduction token --pad-fraction 0.3
 
 Rank 0 prints one progress line per step (loss, samples/s); at the end the last step's
 measured timeline is written as Timeline JSON (and as a PNG when pipedsl.visualize can draw
@@ -78,6 +79,15 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
                    help="after --warmup-steps of linear warmup: constant, or a cosine decay to 0 at --steps")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=0, metavar="N",
                    help="linear learning-rate warmup over the first N steps (default 0)")
+    p.add_argument("--recompute", choices=("none", "full", "selective"), default="none",
+                   help="activation recomputation per stage: keep only the stage input (full) or recompute the "
+                        "attention modules (selective); default none")
+    p.add_argument("--loss-reduction", choices=("microbatch", "token"), default="microbatch",
+                   help="mean loss per microbatch, averaged (default), or the mean over every non-padding token "
+                        "of the global batch (token)")
+    p.add_argument("--pad-fraction", type=fraction, default=0.0, metavar="F",
+                   help="about this fraction of the targets is padding (ignore_index -100), as a random tail per "
+                        "sequence (default 0)")
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds before a silent rank counts as failed (process group; default 120)")
     p.add_argument("--checkpoint-timeout", type=positive_float, metavar="SECONDS",
@@ -162,7 +172,8 @@ def _execute(program: Any, args: argparse.Namespace) -> int:
         written.append(png)
     print(f"last step: {timeline.makespan * 1e3:.1f} ms measured, bubble {timeline.bubble_ratio:.3f} "
           f"(simulated with the measured mean op times: {predicted.makespan * 1e3:.1f} ms, "
-          f"bubble {predicted.bubble_ratio:.3f}); peak activations per rank {report['peaks']}")
+          f"bubble {predicted.bubble_ratio:.3f}); peak activations per rank {[a for a, _ in report['peaks']]}, "
+          f"saved-activation KiB per rank {[round(b / 1024, 1) for _, b in report['peaks']]}")
     print("wrote " + ", ".join(written))
     return 0
 
@@ -197,7 +208,8 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
            "timeout": args.checkpoint_timeout or args.timeout,
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None,
            "dp": dp, "zero": args.zero, "precision": args.precision, "clip_grad": args.clip_grad,
-           "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps}
+           "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps, "recompute": args.recompute,
+           "loss_reduction": args.loss_reduction, "pad_fraction": args.pad_fraction}
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
     return cfg
@@ -259,7 +271,7 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
     from pipedsl.ir import COMPUTE
 
     from . import checkpoint
-    from .gpt import GPT, gpt_loss, synthetic_batch
+    from .gpt import GPT, CausalSelfAttention, gpt_loss, synthetic_batch
 
     program = pipedsl.Program.from_json(program_json)
     gcfg = _gpt_config(cfg)
@@ -270,8 +282,12 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
     if dp > 1 or zero:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
         parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, zero=zero))
-    pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program, loss_fn=gpt_loss, parallel=parallel,
-                            precision=cfg.get("precision", "fp32"))
+    token = cfg.get("loss_reduction", "microbatch") == "token"
+    pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program,
+                            loss_fn=_token_loss_sum if token else gpt_loss, parallel=parallel,
+                            precision=cfg.get("precision", "fp32"), loss_reduction="token" if token else "microbatch",
+                            recompute=cfg.get("recompute", "none"),
+                            recompute_filter=lambda m: isinstance(m, CausalSelfAttention))
     del model
     opt = pipe.optimizer(torch.optim.AdamW, lr=cfg["lr"])
     if cfg.get("lr_schedule", "constant") != "constant" or cfg.get("warmup", 0):
@@ -296,6 +312,8 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
     every, directory = cfg["checkpoint_every"], cfg["checkpoint_dir"]
     for step in range(start + 1, cfg["steps"] + 1):
         x, y = synthetic_batch(cfg["batch"], cfg["seq"], gcfg.vocab_size, gen)
+        if cfg.get("pad_fraction"):
+            y = _pad_targets(y, cfg["pad_fraction"], cfg["seed"] * 100003 + step)
         t0 = time.perf_counter()
         loss = pipe.step(x, y)
         norm = pipe.clip_grad_norm_(clip) if clip else None
@@ -318,8 +336,8 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
                 print(f"checkpoint step {step}: {info.path}", flush=True)
     if start >= cfg["steps"]:
         return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
-    peaks = [None] * pipe.size  # per pipeline rank (of this rank's pipeline)
-    torch.distributed.all_gather_object(peaks, pipe.peak_activations, group=pipe.group)
+    peaks = [None] * pipe.size  # per pipeline rank (of this rank's pipeline): (activations, bytes)
+    torch.distributed.all_gather_object(peaks, (pipe.peak_activations, pipe.counter.peak_bytes), group=pipe.group)
     timeline = pipe.timeline()
     if timeline is None:
         return None
@@ -332,6 +350,26 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
     cost = {k: sum(v) / len(v) for k, v in sums.items()}
     return {"timeline": timeline.to_dict(), "cost": cost, "peaks": peaks, "config": asdict(gcfg),
             "losses": losses, "start": start}
+
+
+def _token_loss_sum(logits: Any, targets: Any) -> Any:
+    """--loss-reduction token: the microbatch's summed next-token losses (padding -100 ignored)."""
+    import torch.nn.functional as F  # noqa: N812
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+
+
+def _pad_targets(y: Any, fraction: float, seed: int) -> Any:
+    """A padded tail per sequence, of uniform random length in [0, 2·fraction·T] (capped at T): about
+    `fraction` of the targets become -100, unevenly over sequences (so over microbatches and replicas).
+    Seeded by the step, so resumed runs pad alike."""
+    import torch
+
+    n, T = y.shape
+    g = torch.Generator().manual_seed(seed)
+    tail = torch.randint(0, int(2 * fraction * T) + 1, (n, 1), generator=g).clamp(max=T)
+    return y.masked_fill(torch.arange(T) >= T - tail, -100)
 
 
 def _arm_step_fault(pipe: Any, rank: int) -> None:

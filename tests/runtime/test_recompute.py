@@ -35,3 +35,27 @@ def test_saved_bytes_match_the_simulator(mode: str | None, pool4) -> None:
         assert res["measured"] == res["predicted"], (r, res)
     if mode == "full":  # rank 0 keeps 4 microbatches' stage inputs (token ids) instead of 4 whole activations
         assert results[0]["kept"] * 10 < results[0]["full"]
+
+
+def _cli_losses(pool, *flags: str) -> dict[int, float]:
+    """`pipedsl train FLAGS` parsed and checked by the CLI, its per-rank training run on the pool's ranks."""
+    import argparse
+
+    from pipedsl.runtime import train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "-P", "2", "-M", "2", "--seq", "8", "--embd", "16", *flags])
+    program = pipedsl.load(args.schedule).compile(P=2, M=2)
+    return pool.run(train_cli._train, program.to_json(), train_cli._config(program, args))[0]["losses"]
+
+
+@pytest.mark.slow
+def test_train_cli_recompute_and_token_loss(pool2) -> None:
+    """`pipedsl train --recompute full|selective --loss-reduction token --pad-fraction F` with dropout and the split
+    backward: the losses of no recomputation, bit for bit (the dropout masks are replayed); the padding matters."""
+    common = ["--schedule", "zb-h1", "--steps", "2", "--dropout", "0.1", "--pad-fraction", "0.4"]
+    plain = _cli_losses(pool2, *common, "--loss-reduction", "token")
+    assert _cli_losses(pool2, *common, "--loss-reduction", "token", "--recompute", "selective") == plain
+    assert _cli_losses(pool2, *common, "--loss-reduction", "token", "--recompute", "full") == plain
+    assert _cli_losses(pool2, *common) != plain  # the per-microbatch mean weighs the padded microbatches otherwise
