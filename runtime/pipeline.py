@@ -41,6 +41,12 @@ over its microbatches (each scaled 1/M), averaged over dp — with the dp averag
 gradients, exactly the gradient of that mean.  Tensor-parallel stages must return the
 microbatch's true loss on every tp rank of the last stage (its backward may be each rank's
 share: see `pipedsl.parallel.tp_gpt`).
+
+`loss_reduction="token"`: the loss function returns the microbatch's summed token losses and
+the step's loss and gradients are the mean over every target != `ignore_index` of the global
+batch (see `_count_tokens`).  `recompute="full"|"selective"` (with `recompute_filter`):
+activation recomputation per stage (recompute.py).  Input shapes may change between steps:
+the ranks agree on them every step and learn a new one once (see `_use_shapes`).
 """
 
 from __future__ import annotations
@@ -427,7 +433,7 @@ class Pipeline:
                                    f"ignore_index={self.ignore_index}, but this rank (which holds the last stage) "
                                    f"got targets of type {type(t).__name__}; pass a tensor (or a tuple whose first "
                                    f"element is the token targets)")
-        n = (t != self.ignore_index).sum().reshape(1).to(torch.int64)
+        n = (t != self.ignore_index).sum().reshape(1).to(self.device, torch.int64)
         if self.batch_mode == "local" and self.dp > 1:
             try:
                 dist.all_reduce(n, group=self.mesh.dp_group)
@@ -536,7 +542,7 @@ class Pipeline:
         same on every rank, since every rank saw the same agreed sequence), so returning to a known
         shape costs nothing but the agreement."""
         key = _shape_key(meta)
-        both = torch.tensor([key, -key], dtype=torch.int64)
+        both = torch.tensor([key, -key], dtype=torch.int64, device=self.device)  # NCCL: a device tensor
         try:
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as err:  # noqa: BLE001

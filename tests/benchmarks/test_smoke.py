@@ -73,3 +73,13 @@ def test_precision(tmp_path):
     by = {r["variant"]: r for r in got["rows"]}
     assert by["fp32"]["p2p_bytes_per_step"] > 0 and by["bf16"]["p2p_vs_fp32"] == by["fp16"]["p2p_vs_fp32"] == 0.5
     assert all(r["vs_fp32"] > 0 and r["step_s"]["n"] == 1 for r in got["rows"])
+
+
+@pytest.mark.slow
+def test_recompute(tmp_path):
+    got = run(tmp_path, "recompute", "--quick")
+    assert got["benchmark"] == "recompute" and [r["variant"] for r in got["rows"]] == ["baseline", "full",
+                                                                                      "selective", "token"]
+    for m in got["memory"]:  # one stage per rank: the measured bytes are the prediction
+        assert all(m[v]["measured"] == m[v]["predicted"] > 0 for v in ("baseline", "full", "selective"))
+    assert got["memory"][0]["full_vs_baseline"] < 1 and got["shapes"]["learned"] == 1 + 2
