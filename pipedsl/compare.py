@@ -1,8 +1,10 @@
 """`pipedsl compare`: several schedules side by side at one size and one cost model.
 
-One row per schedule: bubble ratio, makespan, peak live activations per rank, messages per
-step (point-to-point sends) and copies of the weights (replicas).  A schedule that cannot run
-at these sizes -- it takes no such parameter, a `require` rejects the sizes, the name is
+One row per schedule: bubble ratio, makespan, peak live activations per rank, the largest of
+them as activation memory relative to 1F1B's (stage activations are 1/V of a one-stage-per-rank
+stage's with V stages a rank, so `max peak · P / stages ÷ min(P, M)`: the memory/bubble
+trade-off in one number), messages per step (point-to-point sends) and copies of the weights.
+A schedule that cannot run at these sizes -- it takes no such parameter, a `require` rejects the sizes, the name is
 unknown -- gets an "n/a: reason" row instead of stopping the comparison.
 """
 
@@ -19,7 +21,8 @@ from pipedsl.ir import SENDS
 from pipedsl.library import load
 from pipedsl.simulate import Cost, simulate
 
-HEADERS = ("schedule", "bubble", "makespan", "peak activations per rank", "messages", "weight copies")
+HEADERS = ("schedule", "bubble", "makespan", "peak activations per rank", "memory vs 1F1B", "messages",
+           "weight copies")
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Row:
     peak_activations: list[int] = field(default_factory=list)
     messages: int = 0
     weight_copies: int = 0
+    memory_vs_1f1b: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -62,8 +66,9 @@ def _row(name: str, P: int, M: int, params: dict[str, int], cost: Cost) -> Row:
         return Row(name, reason=err.message)
     timeline = simulate(program, cost)
     sends = sum(1 for stream in program.ranks for ins in stream if ins.op in SENDS)
+    memory = max(timeline.peak_activations) * P / program.num_stages / min(P, M)
     return Row(name, "", timeline.bubble_ratio, timeline.makespan, list(timeline.peak_activations), sends,
-               program.num_replicas)
+               program.num_replicas, memory)
 
 
 def format_table(rows: Sequence[Row], P: int, M: int, params: Mapping[str, int] | None = None,
@@ -71,12 +76,14 @@ def format_table(rows: Sequence[Row], P: int, M: int, params: Mapping[str, int] 
     """The rows as an aligned text table with a header line naming sizes and costs."""
     cost = cost or Cost()
     sizes = " ".join([f"P={P}", f"M={M}", *(f"{k}={v}" for k, v in (params or {}).items())])
-    costs = " ".join(f"{k}={getattr(cost, k):g}" for k in ("F", "B", "I", "W", "comm"))
+    costs = " ".join(f"{k}={getattr(cost, k):g}" for k in ("F", "B", "I", "W", "FB", "comm")
+                     if getattr(cost, k) is not None)
     cells = [list(HEADERS)]
     for row in rows:
         if row.ok:
             cells.append([row.schedule, f"{row.bubble_ratio:.4f}", f"{row.makespan:g}",
-                          " ".join(map(str, row.peak_activations)), str(row.messages), str(row.weight_copies)])
+                          " ".join(map(str, row.peak_activations)), f"{row.memory_vs_1f1b:.2f}", str(row.messages),
+                          str(row.weight_copies)])
         else:
             cells.append([row.schedule, f"n/a: {row.reason}"])
     widths = [max(len(c[i]) for c in cells if len(c) == len(HEADERS)) for i in range(len(HEADERS))]

@@ -25,6 +25,7 @@ from pipedsl.ir import Op, Program
 from pipedsl.lowering import ComputeOp, ComputePlan, lower, parts
 from pipedsl.parser import parse
 from pipedsl.perf import no_gc
+from pipedsl.squeeze import squeeze
 from pipedsl.validate import validate
 
 # Which context variables each declaration may use.
@@ -36,6 +37,7 @@ CONTEXT: dict[str, tuple[str, ...]] = {
     "order": ("m", "s", "v", "c", "r"),
     "warmup": ("r",),
     "wlag": ("r",),
+    "memory": ("r",),
     "require": (),
 }
 ALL_CONTEXT = ("m", "s", "v", "c", "r")
@@ -133,8 +135,13 @@ class Schedule:
                 if kw not in settings and "compute" not in settings:
                     raise PipeSemanticError(f"'merge' compares the 'order F' and 'order B' keys with each other, "
                                             f"so it needs both ('{kw}' is missing)", settings["merge"].span)
+        if "memory" in settings:
+            for kw in ("warmup", "merge"):
+                if kw in settings:
+                    raise PipeSemanticError(f"'{kw}' has no effect with 'memory' (the compiler orders the ops "
+                                            f"greedily under the cap); use one or the other", settings[kw].span)
         if "compute" in settings:
-            for kw in ("order F", "order B", "warmup", "merge", "wlag"):
+            for kw in ("order F", "order B", "warmup", "merge", "wlag", "memory"):
                 if kw in settings:
                     raise PipeSemanticError(f"'{kw}' has no effect next to an explicit 'compute' block; "
                                             f"use one or the other", settings[kw].span)
@@ -332,6 +339,12 @@ class _Binder:
         wlag = self._compiled("wlag")[0] if "wlag" in self.decls else None
         merge = "merge" in self.decls
         split = wlag is not None
+        if "memory" in self.decls:
+            held_ops = [[(m, s, c) for c, s in held[r] for m in by_replica[c]] for r in range(P)]
+            cap, span = self._compiled("memory")
+            return squeeze([_keyed(ops, keys.get("F"), chunk, r) for r, ops in enumerate(held_ops)],
+                           [_keyed(ops, keys.get("B"), chunk, r) for r, ops in enumerate(held_ops)],
+                           S, cap, wlag, span)
         orders = []
         for r in range(P):
             ops = [(m, s, c) for c, s in held[r] for m in by_replica[c]]

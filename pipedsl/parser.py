@@ -148,6 +148,7 @@ class _Builder(Transformer):
     place = _setting("place")
     warmup = _setting("warmup")
     wlag = _setting("wlag")
+    memory = _setting("memory")
 
     @v_args(meta=True)
     def merge(self, meta, children):

@@ -74,8 +74,9 @@ def test_table_text():
     assert "n/a: requirement failed" in lines[3]
     (bfs,) = compare(["looped-bfs"], 4, 6, {"V": 2}, "F=1,B=2")
     peaks = " ".join(["12"] * 4)  # every forward of both chunks before the first backward
+    # memory vs 1F1B: 12 half-size chunk activations = 6 stage activations, against 1F1B's 4
     assert lines[4].split() == ["looped-bfs", f"{bfs.bubble_ratio:.4f}", f"{bfs.makespan:g}", *peaks.split(),
-                                str(2 * 6 * (2 * 4 - 1)), "1"]
+                                "1.50", str(2 * 6 * (2 * 4 - 1)), "1"]
 
 
 def test_cli_prints_one_table(capsys):
@@ -83,7 +84,7 @@ def test_cli_prints_one_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 5
     row = {line.split()[0]: line.split() for line in out[2:]}
-    assert row["1f1b"][1:] == ["0.2727", "33", "4", "3", "2", "1", "48", "1"]
+    assert row["1f1b"][1:] == ["0.2727", "33", "4", "3", "2", "1", "1.00", "48", "1"]
     # ZB-H1 idles (P-1)(F+I-W) = 3 per rank: makespan M(F+I+W) + 3
     assert row["zb-h1"][2] == "27" and row["zb-h1"][3:7] == ["4", "4", "4", "4"]
 

@@ -477,7 +477,8 @@ def test_docs_show_the_current_sources_and_tables():
         assert pipedsl.load(name).source.strip() in sources, f"docs/schedules.md shows an old {name}.pipe"
     tables = [b.strip() for b in blocks if b.lstrip("\n").startswith("P=")]
     assert len(tables) == 4
-    names = ["gpipe", "1f1b", "interleaved", "looped-bfs", "chimera", "hanayo", "zb-h1", "zb-v"]
+    names = ["gpipe", "1f1b", "interleaved", "looped-bfs", "chimera", "hanayo", "zb-h1", "zb-v", "dualpipev", "dualpipe",
+             "v-half", "v-min"]
     for table in tables:
         head = table.splitlines()[0].split()
         P, M = int(head[0][2:]), int(head[1][2:])
