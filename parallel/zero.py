@@ -421,8 +421,8 @@ class ZeroOptimizer:
             u.wait()  # a prefetch still in flight
             if self.stage >= 2:
                 u.shard.grad = u.shard_grad
-            if self.stage == 3 and u.gathered and not skip:
-                u.release()  # its values are about to go stale
+            if self.stage == 3 and u.gathered:
+                u.release()  # its values are about to go stale (skip: regathered at the next forward anyway)
         if skip:
             return
         self.optimizer.step()

@@ -170,7 +170,9 @@ class Pipeline:
         self.tracer = Tracer(group)
         self.lookahead = lookahead
         self.strict_pair_order = backend == "nccl" if strict_pair_order is None else strict_pair_order
-        self.check_finite = check_finite
+        # fp16 with loss scaling: a non-finite loss is an overflow like any other, and the step is skipped on
+        # every rank (torch.amp.GradScaler's behaviour) instead of failing the run
+        self.check_finite = check_finite and self.scaler is None
         self._executor: Executor | None = None
         self._executors: OrderedDict[tuple[TensorMeta, ...], Executor] = OrderedDict()  # by microbatch shapes
         self.shape_handshakes = 0  # input shapes learned so far (one handshake each)

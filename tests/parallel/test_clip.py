@@ -2,7 +2,9 @@
 
 dp2 × pp2 trains the convolution stack of tests/precision_cases.py (no other parallel test
 has seen it) and compares with one process under the same policy: M·dp microbatches of the
-global batch, torch's `clip_grad_norm_`, `torch.amp.GradScaler` for fp16.  ZeRO's slices,
+global batch, torch's `clip_grad_norm_`, `torch.amp.GradScaler` for fp16 (whose first step
+overflows: every rank of the world skips it, as one process does; the pipeline's scale applies
+to each replica's loss, so one process scales its global mean by dp times as much).  ZeRO's slices,
 Chimera's stage replicas and ZB-H1's split backward all give the one-process norm and
 parameters up to fp32 summation order.  Tensor parallelism trains the small GPT: fp32 with
 clipping must equal the dense model's `clip_grad_norm_` (LayerNorms, row-parallel biases and
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import precision_cases as cases
 import pytest
@@ -50,21 +53,27 @@ def dp_pp_job(runs: tuple, steps: int) -> dict:
     data = cases.batches(steps, 2 * M * dp)
     out = {}
     for schedule, zero, prec in runs:
-        policy = MixedPrecision(prec)
+        # fp16: a scale that overflows at step 1 (every rank skips it) and fits after one backoff
+        policy = MixedPrecision(prec, init_scale=2.0 ** 19) if prec == "fp16" else MixedPrecision(prec)
         prog = pipedsl.load(schedule).compile(P=2, M=M, **cases.SCHEDULE_PARAMS.get(schedule, {}))
         stages = cases.conv_stages(prog.num_stages)
-        ref = cases.reference(stages, data, M * dp, policy, max_norm=0.5)
+        # the loss scale multiplies each replica's loss (as GradScaler under DDP), 1/dp of one process's global
+        # mean: the same fp16 values flow backward when one process scales by dp times as much
+        ref_policy = replace(policy, init_scale=policy.init_scale * dp)
+        ref = cases.reference(stages, data, M * dp, ref_policy, max_norm=0.5)
         pipe = pipedsl.Pipeline(copy.deepcopy(stages), program=prog, loss_fn=F.cross_entropy, precision=policy,
                                 parallel=mesh.with_zero(zero))
         opt = pipe.optimizer(torch.optim.SGD, lr=cases.LR, momentum=cases.MOMENTUM)
-        losses, norms = [], []
+        losses, norms, stepped, scales = [], [], [], []
         for x, y in data:
             losses.append(pipe.step(x, y))
             norms.append(float(pipe.clip_grad_norm_(0.5)))
-            opt.step()
+            stepped.append(opt.step())
             opt.zero_grad()
+            scales.append(pipe.scaler.scale * dp if pipe.scaler is not None else None)
         out[(schedule, zero, prec)] = {"losses": losses, "norms": norms, "ref": ref["norms"],
-                                       "ref_losses": ref["losses"],
+                                       "ref_losses": ref["losses"], "stepped": stepped, "scales": scales,
+                                       "ref_scales": ref["scales"],
                                        "error": _errors(opt.stage_parameters(), ref["stages"])}
     return out
 
@@ -117,8 +126,13 @@ def test_dp2_pp2_zero_clip_and_precision_equal_one_process(run_once, schedule, z
         res = results[(schedule, zero, prec)]
         assert res["error"] <= PARAM_ATOL, f"rank {rank}: parameters differ from one process by {res['error']:.3g}"
         for got, want in zip(res["norms"], res["ref"], strict=True):
+            if not math.isfinite(want):  # fp16 overflow: every rank sees it and skips, as GradScaler does
+                assert not math.isfinite(got), f"rank {rank}: norm {got}, one process overflowed"
+                continue
             assert math.isclose(got, want, rel_tol=NORM_RTOL), f"rank {rank}: global norm {got} != {want}"
-        assert res["norms"][0] > 0.5  # the clip was active
+        assert max(n for n in res["norms"] if math.isfinite(n)) > 0.5  # the clip was active
+        if prec == "fp16":
+            assert res["stepped"] == [False, True] and res["scales"] == res["ref_scales"] == [2.0 ** 19] * 2
         for got, want in zip(res["losses"], res["ref_losses"], strict=True):
             assert math.isclose(got, want, rel_tol=1e-6)
 
