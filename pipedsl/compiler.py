@@ -385,7 +385,10 @@ class _Binder:
                             continue
                         m, s, c = oldest
                     elif m is None:
-                        m, c = queue.next_mb(item, kind, s, c, S)
+                        taken = queue.next_mb(item, kind, s, c, S)
+                        if taken is None:  # past the last microbatch: nothing (torch prunes these too)
+                            continue
+                        m, c = taken
                     ops.append(self._checked_op(item, kind, m, s, c, r, S, routes, placement, first))
                     queue.listed(kind, m, s, ops[-1][3])
                 if ops:
@@ -436,14 +439,15 @@ class _Binder:
 
 class _PendingWork:
     """One rank's queues while its compute block runs: the next microbatch of each op and stage
-    (`F(next, s)`; B and I share one) and the I's whose W is not listed yet, oldest first (`W()`)."""
+    (`F(next, s)`; B and I share one; None past the last) and the I's whose W is not listed yet,
+    oldest first (`W()`, or `W(next, s)` on one stage)."""
 
     def __init__(self, rank: int, M: int, routes: list[int], placement: dict, first: dict[tuple, Span]) -> None:
         self.rank, self.M, self.routes, self.placement, self.first = rank, M, routes, placement, first
         self.cursor: dict[tuple[str, int, int], int] = {}
         self.pending_w: dict[tuple[int, int, int], None] = {}  # insertion-ordered set
 
-    def next_mb(self, item: n.OpItem, kind: str, s: int, c: int | None, S: int) -> tuple[int, int]:
+    def next_mb(self, item: n.OpItem, kind: str, s: int, c: int | None, S: int) -> tuple[int, int] | None:
         if not 0 <= s < S:
             raise PipeSemanticError(f"{kind}(next, {s}) on rank {self.rank}: stage {s} does not exist ({S} stages)",
                                     item.span)
@@ -453,16 +457,16 @@ class _PendingWork:
                 raise PipeSemanticError(f"{kind}(next, {s}) on rank {self.rank}: this rank holds stage {s} of "
                                         f"replicas {held}; name one: {kind}(next, {s}, c)", item.span)
             c = held[0] if held else 0
+        if kind == "W":
+            return next(((m, cc) for m, ss, cc in self.pending_w if ss == s and cc == c), None)
         group = "F" if kind == "F" else "B"
         kinds = ("F",) if group == "F" else ("B", "I")
         m = self.cursor.get((group, s, c), 0)
         while m < self.M and (self.routes[m] != c or any((k, m, s, c) in self.first for k in kinds)):
             m += 1
-        if m >= self.M:
-            what = "forward" if group == "F" else "backward"
-            raise PipeSemanticError(f"{kind}(next, {s}{f', {c}' if c else ''}) on rank {self.rank}: every "
-                                    f"microbatch's {what} of stage {s} is listed already", item.span)
         self.cursor[(group, s, c)] = m
+        if m >= self.M:
+            return None
         return m, c
 
     def listed(self, kind: str, m: int, s: int, c: int) -> None:

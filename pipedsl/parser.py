@@ -180,9 +180,6 @@ class _Builder(Transformer):
         if str(kind_tok) not in ("F", "B", "I", "W"):
             raise PipeSyntaxError(f"a compute op is F, B, I or W, not {str(kind_tok)!r}", self._tok(kind_tok))
         if mb is _NEXT:
-            if str(kind_tok) == "W":
-                raise PipeSyntaxError("W takes no 'next': W() is the weight gradient of the oldest pending I "
-                                      "(or name it, W(m, s))", self._tok(kind_tok))
             mb = None
         return n.OpItem(str(kind_tok), mb, stage, replica, self._span(meta))
 
