@@ -45,16 +45,17 @@ class Executor:
     """Interprets `program.ranks[rank]` once per `run`."""
 
     def __init__(self, program: Program, rank: int, stages: dict[tuple[int, int], Stage], channels: Channels,
-                 reducer: GradReducer, in_meta: dict[tuple[int, int], tuple[TensorMeta, ...]],
-                 out_meta: dict[tuple[int, int], tuple[TensorMeta, ...]], lookahead: int = 16,
-                 strict_pair_order: bool = False, check_finite: bool = True) -> None:
+                 reducer: GradReducer, in_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]],
+                 out_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]], lookahead: int = 16,
+                 strict_pair_order: bool = False, check_finite: bool = True, kinds: list[int] | None = None) -> None:
         self.program = program
         self.rank = rank
         self.stream = program.ranks[rank]
         self.stages = stages  # (replica, stage) -> Stage
         self.channels = channels
         self.reducer = reducer
-        self.in_meta, self.out_meta = in_meta, out_meta
+        self.in_meta, self.out_meta = in_meta, out_meta  # (shape kind, replica, stage) -> metas
+        self.kinds = kinds or [0] * program.num_microbatches  # per microbatch: which shapes it has
         self.grad_meta = {k: tuple(m for m in v if m.is_float) for k, v in out_meta.items()}
         self.lookahead = max(0, lookahead)
         self.strict = strict_pair_order
@@ -140,7 +141,7 @@ class Executor:
             self._scan += 1
 
     def _post(self, ins: Instr) -> None:
-        key = (ins.replica, ins.stage)
+        key = (self.kinds[ins.mb], ins.replica, ins.stage)
         meta = self.in_meta[key] if ins.op is Op.RECV_F else self.grad_meta[key]
         self.posted[(ins.op, ins.mb, ins.stage, ins.replica)] = self.channels.post_recv(ins.peer, meta)
 
@@ -204,7 +205,7 @@ class Executor:
             if not self._losses_left and self.on_loss is not None:
                 self.on_loss(self.loss_sum)
             return
-        self._check_meta(ins, outs, self.out_meta[(c, s)])
+        self._check_meta(ins, outs, self.out_meta[(self.kinds[m], c, s)])
         if self.rank_of[(c, s + 1)] == self.rank:
             self.local[(Op.F, m, s + 1, c)] = outs
         else:

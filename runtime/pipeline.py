@@ -330,10 +330,11 @@ class Pipeline:
                 self._count_tokens(targets)
             if self.parallel is not None:
                 inputs, targets = self._data_parallel_share(inputs, targets)
-            mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank) for t in _tensors(inputs)))]
-            tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank)]
+            uneven = self.loss_reduction == "token"
+            mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank, uneven) for t in _tensors(inputs)))]
+            tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank, uneven)]
             mb_inputs = [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs]
-            self._use_shapes(tuple(TensorMeta.of(t) for t in mb_inputs[0]))
+            self._use_shapes(tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs))
             self.counter.reset()
             self.reducer.start_step()
             self._scale_loss()
@@ -460,23 +461,34 @@ class Pipeline:
         ins = _tensors(inputs)
         tgts = [] if targets is None else _tensors(targets) if isinstance(targets, (tuple, list)) else [targets]
         glob = self.batch_mode == "global"
+        uneven = self.loss_reduction == "token"  # microbatches may differ by a sample (see _split)
         parts = dp * M if glob else M
         for what, t in [*(("inputs", t) for t in ins), *(("targets", t) for t in tgts)]:
             if not isinstance(t, torch.Tensor):
                 raise PipeRuntimeError(f"targets is a {type(t).__name__}; pass a tensor, a tuple of tensors or None")
             n = t.shape[0] if t.dim() else None
-            if n is None or n % parts:
+            if n is not None and uneven and (n % dp == 0 or not glob) and n // (dp if glob else 1) >= M:
+                share = n // dp if glob else n
+                sizes = {share // M, -(-share // M)}
+            elif n is None or n % parts:
                 size = "a scalar" if n is None else f"batch size {n} (dim 0)"
+                if uneven:
+                    need = "give every microbatch a sample" + (f" after splitting evenly over dp={dp}" if glob else "")
+                    raise PipeRuntimeError(f"rank {dist.get_rank()}: {what} with {size} do not split: the batch must "
+                                           f"{need} (dp={dp}, M={M})")
                 if glob:
                     raise PipeRuntimeError(
                         f"rank {dist.get_rank()}: {what} with {size} do not split into dp*M = {dp}*{M} = {parts} "
                         f"equal microbatches (batch='global': every rank passes the global batch, each dp replica "
-                        f"trains on 1/{dp} of it)")
+                        f"trains on 1/{dp} of it; loss_reduction='token' allows unequal microbatches)")
                 raise PipeRuntimeError(f"rank {dist.get_rank()}: {what} with {size} do not split into M={M} equal "
-                                       f"microbatches (batch='local': this dp replica's own samples)")
-            if cfg.tp_mode == "3d" and (n // parts) % (cfg.q ** 2):
-                raise PipeRuntimeError(f"rank {dist.get_rank()}: microbatches of {n // parts} samples ({what}) are "
-                                       f"not divisible by q*q={cfg.q ** 2} (3-D tensor parallelism splits every "
+                                       f"microbatches (batch='local': this dp replica's own samples; "
+                                       f"loss_reduction='token' allows unequal microbatches)")
+            else:
+                sizes = {n // parts}
+            if cfg.tp_mode == "3d" and any(k % (cfg.q ** 2) for k in sizes):
+                raise PipeRuntimeError(f"rank {dist.get_rank()}: microbatches of {sorted(sizes)} samples ({what}) "
+                                       f"are not divisible by q*q={cfg.q ** 2} (3-D tensor parallelism splits every "
                                        f"microbatch over q^2 ranks)")
         if not self._checked_batch:
             self._check_same_data(ins, tgts)
@@ -534,7 +546,7 @@ class Pipeline:
 
     # ------------------------------------------------------------ shapes
 
-    def _use_shapes(self, meta: tuple[TensorMeta, ...]) -> None:
+    def _use_shapes(self, meta: tuple[tuple[TensorMeta, ...], ...]) -> None:
         """The executor for this step's microbatch shapes, learning them if they are new.
 
         Shapes may change between steps (a last partial batch, length bucketing).  Every rank of
@@ -542,7 +554,8 @@ class Pipeline:
         of its negation) — so a rank passed other shapes than its peers is a named error on every
         rank, never a handshake one side waits for.  Executors of the last few shapes are kept (the
         same on every rank, since every rank saw the same agreed sequence), so returning to a known
-        shape costs nothing but the agreement."""
+        shape costs nothing but the agreement.  `meta`: per microbatch, its tensors' shapes (they
+        differ by a sample when the batch does not split evenly: loss_reduction="token")."""
         key = _shape_key(meta)
         both = torch.tensor([key, -key], dtype=torch.int64, device=self.device)  # NCCL: a device tensor
         try:
@@ -552,7 +565,7 @@ class Pipeline:
                               peer_failure=True) from err
         if int(both[0]) != key or int(both[1]) != -key:
             everyone: list = [None] * self.size
-            dist.all_gather_object(everyone, describe(meta), group=self.group)
+            dist.all_gather_object(everyone, " | ".join(dict.fromkeys(map(describe, meta))), group=self.group)
             shapes = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
             raise PipeRuntimeError(f"the pipeline's ranks passed inputs of different shapes this step ({shapes}): "
                                    f"every rank must pass the same batch (its microbatch shapes decide what each "
@@ -566,15 +579,17 @@ class Pipeline:
         self._executors.move_to_end(meta)
         self._executor = ex
 
-    def _handshake(self, mb_meta: tuple[TensorMeta, ...]) -> Executor:
-        """Learn every stage's input and output shapes once (fake tensors; one metadata message per hop)."""
+    def _handshake(self, mb_metas: tuple[tuple[TensorMeta, ...], ...]) -> Executor:
+        """Learn every stage's input and output shapes once per distinct microbatch shape (fake tensors; one
+        metadata message per hop and shape)."""
         prog, rank = self.program, self.rank
         S = prog.num_stages
         warm_up_shape_inference()
-        in_meta: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
-        out_meta: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
-        for c in sorted(set(prog.microbatch_replica)):
-            meta = mb_meta
+        kinds_of = list(dict.fromkeys(mb_metas))  # distinct microbatch shapes, in order (the same on every rank)
+        in_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]] = {}
+        out_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]] = {}
+        for k, c in ((k, c) for k in range(len(kinds_of)) for c in sorted(set(prog.microbatch_replica))):
+            meta = kinds_of[k]
             for s in range(S):
                 if prog.placement[(c, s)] != rank:
                     continue
@@ -586,7 +601,7 @@ class Pipeline:
                         raise RankFailure(f"rank {rank}: shape handshake: receiving stage {s}'s input shapes "
                                           f"from rank {peer} failed: {err}", rank, peer=peer,
                                           peer_failure=True) from err
-                in_meta[(c, s)] = meta
+                in_meta[(k, c, s)] = meta
                 try:  # the last stage too: a mismatch shows here, named, rather than inside the step
                     out = self._stages[s].infer_outputs(meta, self.device)
                 except Exception as err:  # noqa: BLE001
@@ -597,17 +612,18 @@ class Pipeline:
                                       rank, i, ins) from err
                 if s == S - 1:
                     continue
-                out_meta[(c, s)] = out
+                out_meta[(k, c, s)] = out
                 if prog.placement[(c, s + 1)] != rank:
                     self.channels.send_meta(prog.placement[(c, s + 1)], out)
                 meta = out
         return Executor(prog, rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
-                        self.lookahead, self.strict_pair_order, self.check_finite)
+                        self.lookahead, self.strict_pair_order, self.check_finite,
+                        [kinds_of.index(m) for m in mb_metas])
 
 
-def _shape_key(meta: tuple[TensorMeta, ...]) -> int:
-    """A 63-bit fingerprint of microbatch shapes and dtypes, the same in every process (no salted hash)."""
-    text = ";".join(f"{tuple(m.shape)}/{m.dtype}" for m in meta).encode()
+def _shape_key(metas: tuple[tuple[TensorMeta, ...], ...]) -> int:
+    """A 63-bit fingerprint of the microbatches' shapes and dtypes, the same in every process (no salted hash)."""
+    text = "|".join(";".join(f"{tuple(m.shape)}/{m.dtype}" for m in meta) for meta in metas).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
@@ -645,11 +661,17 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return items
 
 
-def _split(t: torch.Tensor, M: int, what: str, rank: int) -> list[torch.Tensor]:
+def _split(t: torch.Tensor, M: int, what: str, rank: int, uneven: bool = False) -> list[torch.Tensor]:
+    """M microbatches along dim 0: equal, or with `uneven` (per-token loss) sizes differing by at most one
+    (a last partial batch), as `torch.tensor_split` cuts them."""
+    if uneven and t.dim() and t.shape[0] >= M:
+        return list(t.tensor_split(M, dim=0))
     if t.dim() == 0 or t.shape[0] % M:
         n = t.shape[0] if t.dim() else "a scalar"
+        hint = "" if uneven else "; loss_reduction='token' allows unequal microbatches"
         raise PipeRuntimeError(f"rank {rank}: {what} with batch size {n} (dim 0) do not split into "
-                               f"M={M} equal microbatches")
+                               f"M={M} {'microbatches of at least one sample' if uneven else 'equal microbatches'}"
+                               f"{hint}")
     return list(t.chunk(M, dim=0))
 
 
@@ -661,12 +683,12 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
-def _split_any(targets: Any, M: int, rank: int) -> list[Any]:
+def _split_any(targets: Any, M: int, rank: int, uneven: bool = False) -> list[Any]:
     if targets is None:
         return [None] * M
     if isinstance(targets, torch.Tensor):
-        return _split(targets, M, "targets", rank)
+        return _split(targets, M, "targets", rank, uneven)
     if isinstance(targets, (tuple, list)):
-        parts = [_split(t, M, "targets", rank) for t in _tensors(targets)]
+        parts = [_split(t, M, "targets", rank, uneven) for t in _tensors(targets)]
         return [tuple(p[m] for p in parts) for m in range(M)]
     raise PipeRuntimeError(f"targets is a {type(targets).__name__}; pass a tensor, a tuple of tensors or None")

@@ -266,7 +266,7 @@ def bytes_prediction(rank: int, program_json: str, mode: str | None) -> dict[str
 
 def parallel_job(dp: int, pp: int, tp: int, runs: tuple, steps: int = 2) -> dict:
     """Each run (schedule, M, zero, batch mode, recompute) trains the small GPT with per-token loss on padded
-    targets for a few SGD steps; on rank 0 the problems against one process (`F.cross_entropy(ignore_index)`
+    targets for a few SGD steps (changing sequence lengths, then a partial batch); on rank 0 the problems against one process (`F.cross_entropy(ignore_index)`
     over the whole global batch): every step's loss and the final parameters, put back into the dense layout."""
     import torch.distributed as dist
 
@@ -278,13 +278,14 @@ def parallel_job(dp: int, pp: int, tp: int, runs: tuple, steps: int = 2) -> dict
     torch.manual_seed(0)
     model = GPT(cfg)
     batches = []
-    for step in range(steps):
+    for step in range(steps + 1):  # the last: a partial batch of 14, unequal microbatches (4 and 3 per replica)
         g = torch.Generator().manual_seed(50 + step)
-        x = torch.randint(0, cfg.vocab_size, (16, cfg.block_size), generator=g)
-        y = torch.randint(0, cfg.vocab_size, (16, cfg.block_size), generator=g)
-        keep = torch.randint(0, cfg.block_size + 1, (16,), generator=g)
-        keep[:4] = torch.tensor([0, 1, 8, 2])  # uneven over microbatches and replicas
-        y[torch.arange(cfg.block_size).expand(16, -1) >= keep[:, None]] = IGNORE
+        n, T = (16 if step < steps else 14), cfg.block_size - step % 2  # the sequence length changes too
+        x = torch.randint(0, cfg.vocab_size, (n, T), generator=g)
+        y = torch.randint(0, cfg.vocab_size, (n, T), generator=g)
+        keep = torch.randint(0, T + 1, (n,), generator=g)
+        keep[:4] = torch.tensor([0, 1, T, 2])  # uneven over microbatches and replicas
+        y[torch.arange(T).expand(n, -1) >= keep[:, None]] = IGNORE
         batches.append((x, y))
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)

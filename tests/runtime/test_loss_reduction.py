@@ -25,7 +25,7 @@ def test_token_loss_dp_pp_tp_zero(pool) -> None:
     """dp2 x pp2 x tp2 (Megatron 1-D tp, vocabulary-parallel loss): ZeRO-1 and ZeRO-3, global and local batches,
     with recomputation and the split backward; losses and SGD-updated parameters equal one process."""
     runs = (("zb-h1", 2, 3, "local", "selective"), ("1f1b", 2, 1, "global", "full"))
-    (found, *_) = pool.run(cases.parallel_job, 8, 2, 2, 2, runs)
+    (found, *_) = pool.run(cases.parallel_job, 8, 2, 2, 2, runs, 1)
     assert len(found) == len(runs)
     problems = [f"{run}: {p}" for run, ps in found.items() for p in ps]
     assert not problems, "\n".join(problems)
