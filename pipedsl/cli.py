@@ -17,6 +17,7 @@ from pipedsl.arguments import add_param, add_sizes, params_of, positive_int
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeSemanticError
 from pipedsl.library import builtin_names, load
+from pipedsl.plan import cli as plan_cli
 from pipedsl.runtime import train_cli
 from pipedsl.simulate import Cost, simulate
 from pipedsl.timeline import Timeline
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_parser(sub)
     train_cli.add_parser(sub)
     train_cli.add_run_parser(sub)
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -148,7 +150,7 @@ def _write(text: str, output: str | None) -> None:
 
 COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list,
             "compare": compare.run, "show": show.run, "train": train_cli.run,
-            "run": train_cli.run_program}
+            "run": train_cli.run_program, "plan": plan_cli.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,109 @@
+"""`pipedsl plan`: the command-line face of the planner (a ranked rich table, the rejections)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import replace
+
+from pipedsl.arguments import positive_float, positive_int
+from pipedsl.errors import PipeDSLError
+from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
+from pipedsl.plan.model import MODELS, ModelSpec, model_preset
+from pipedsl.plan.search import PlanResult, search
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="rank dp × pp × tp, ZeRO, schedule and microbatching for a model on a cluster")
+    p.add_argument("--model", help=f"a preset ({', '.join(MODELS)}); explicit sizes below override it")
+    for name in ("layers", "hidden", "heads", "seq", "vocab", "global-batch", "ffn"):
+        p.add_argument(f"--{name}", type=positive_int)
+    p.add_argument("--cluster", default="a100-80gb", help=f"a preset ({', '.join(CLUSTERS)}; default a100-80gb)")
+    p.add_argument("--gpus", type=positive_int, help="GPU count (default: the preset's 1024)")
+    p.add_argument("--gpus-per-node", type=positive_int)
+    p.add_argument("--peak-tflops", type=positive_float, help="dense fp16/bf16 TFLOP/s per GPU")
+    p.add_argument("--memory-gb", type=positive_float, help="memory per GPU")
+    p.add_argument("--intra-gbps", type=positive_float, help="NVLink GB/s per GPU per direction")
+    p.add_argument("--inter-gbps", type=positive_float, help="InfiniBand GB/s per GPU per direction")
+    p.add_argument("--intra-latency-us", type=positive_float)
+    p.add_argument("--inter-latency-us", type=positive_float)
+    p.add_argument("--schedule", action="append", metavar="NAME_OR_PIPE",
+                   help="only these schedules (repeatable; a built-in name or a .pipe file); default: every built-in")
+    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
+    p.add_argument("--top", type=positive_int, default=10, help="rows in the ranked table (default 10)")
+    p.add_argument("--rejected", type=positive_int, default=8, help="rejected examples to print (default 8)")
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    explicit = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
+                "vocab": args.vocab, "global_batch": args.global_batch, "ffn": args.ffn}
+    given = {k: v for k, v in explicit.items() if v is not None}
+    if args.model:
+        return replace(model_preset(args.model), **given)
+    missing = [k for k in ("layers", "hidden", "heads", "seq", "vocab", "global_batch") if k not in given]
+    if missing:
+        raise PipeDSLError("plan: give --model PRESET or all of --layers --hidden --heads --seq --vocab "
+                           f"--global-batch (missing: {', '.join('--' + m.replace('_', '-') for m in missing)})")
+    return ModelSpec("custom", **given)
+
+
+def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
+    cluster = cluster_preset(args.cluster)
+    changes = {"gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
+               "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+               "memory": args.memory_gb and args.memory_gb * GB,
+               "intra_bandwidth": args.intra_gbps and args.intra_gbps * GB,
+               "inter_bandwidth": args.inter_gbps and args.inter_gbps * GB,
+               "intra_latency": args.intra_latency_us and args.intra_latency_us * 1e-6,
+               "inter_latency": args.inter_latency_us and args.inter_latency_us * 1e-6}
+    return replace(cluster, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _zero_stages(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        stages = ()
+    if not stages or any(z not in (0, 1, 2, 3) for z in stages):
+        raise PipeDSLError(f"--zero {text!r}: expected comma-separated stages among 0,1,2,3")
+    return stages
+
+
+def run(args: argparse.Namespace) -> int:
+    model, cluster = model_from_args(args), cluster_from_args(args)
+    result = search(model, cluster, top=args.top, schedules=args.schedule, zero=_zero_stages(args.zero))
+    print_result(result, args.rejected)
+    return 0 if result.ranked else 1
+
+
+def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m, c = result.model, result.cluster
+    console = Console(width=200)
+    console.print(f"[bold]{m.name}[/]: {m.params / 1e9:.1f}B parameters, {m.layers} layers, h={m.hidden}, "
+                  f"a={m.heads}, s={m.seq}, V={m.vocab}, batch {m.global_batch} — on {c.gpus} × {c.name} "
+                  f"({c.gpus_per_node}/node, {c.peak_flops / 1e12:.0f} TFLOP/s, {c.memory / GB:.0f} GB)")
+    table = Table(title="ranked (pipeline simulated on each schedule's compiled program)")
+    for col in ("#", "layout", "iteration s", "TFLOP/s/GPU", "MFU", "params GB", "grads GB", "optim GB",
+                "activ GB", "peak live", "tp s", "pp s", "dp s", "zero3 s"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for i, e in enumerate(result.ranked, 1):
+        st = e.memory.states
+        table.add_row(str(i), str(e.layout), f"{e.iteration:.3f}", f"{e.tflops:.1f}", f"{e.mfu:.1%}",
+                      f"{st.params / GB:.1f}", f"{st.grads / GB:.1f}", f"{st.optimizer / GB:.1f}",
+                      f"{e.memory.activations / GB:.1f}", str(e.memory.peak_live),
+                      *(f"{e.comm[k]:.3f}" for k in ("tp", "pp", "dp", "zero3")))
+    console.print(table)
+    kinds = Counter(r.reason.split(":")[0] for r in result.rejected)
+    console.print(f"{result.simulated} simulated, {result.pruned} pruned (lower bound above the #{len(result.ranked)} "
+                  f"time), {len(result.rejected)} rejected: "
+                  + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) + f"; {result.seconds:.1f} s")
+    shown: Counter = Counter()
+    for r in result.rejected:
+        kind = r.reason.split(":")[0]
+        if shown[kind] < max(1, rejected_examples // max(1, len(kinds))):
+            shown[kind] += 1
+            console.print(f"  rejected {r.layout}: {r.reason}", markup=False)

@@ -1,0 +1,71 @@
+"""GPU clusters as the planner sees them: compute, memory and the two link tiers.
+
+Bandwidths are per GPU and per direction, as achieved (not the datasheet's bidirectional sum):
+NVLink inside a node, one InfiniBand NIC per GPU between nodes (DGX/HGX layout).  Compute is
+peak dense fp16/bf16 times an achievable GEMM efficiency; the memory-bound kernels between the
+GEMMs (LayerNorm, softmax, dropout, GeLU, residual adds) are timed from HBM bandwidth, moving
+`activation_passes` bytes per byte of the block's activations (Korthikanti et al.'s count).  That
+second term is what makes small models (large 5·a·s/h, small h) reach a lower fraction of peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pipedsl.errors import PipeDSLError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    gpus: int
+    gpus_per_node: int
+    peak_flops: float  # dense fp16/bf16 FLOP/s per GPU
+    memory: float  # bytes per GPU
+    intra_bandwidth: float  # bytes/s per GPU per direction (NVLink)
+    intra_latency: float  # seconds per message hop
+    inter_bandwidth: float  # bytes/s per GPU per direction (InfiniBand)
+    inter_latency: float
+    hbm_bandwidth: float  # bytes/s: the optimizer step is memory-bound
+    gemm_efficiency: float = 0.7
+    activation_passes: float = 1.5  # bytes the memory-bound kernels move per stored activation byte
+    reserved_memory: float = 2 * GB  # CUDA context, allocator fragmentation, workspace
+
+    def __post_init__(self) -> None:
+        for field_name in ("gpus", "gpus_per_node", "peak_flops", "memory", "intra_bandwidth", "inter_bandwidth",
+                           "hbm_bandwidth"):
+            if not getattr(self, field_name) > 0:
+                raise PipeDSLError(f"cluster {self.name}: {field_name} must be positive")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise PipeDSLError(f"cluster {self.name}: gemm_efficiency must be in (0, 1]")
+
+    def link(self, group_span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a ring over ranks `group_span` apart in the rank order at most:
+        inside a node while the group fits in one, else InfiniBand."""
+        if group_span <= self.gpus_per_node:
+            return self.intra_bandwidth, self.intra_latency
+        return self.inter_bandwidth, self.inter_latency
+
+    def with_gpus(self, gpus: int) -> ClusterSpec:
+        return replace(self, gpus=gpus)
+
+
+# DGX A100 80GB (Selene, SC'21's machine): 312 TFLOP/s, NVLink3 300 GB/s per direction (~240 achieved
+# by NCCL rings), 8× HDR InfiniBand 200 Gb/s (25 GB/s) per node, one per GPU; HBM2e 2.0 TB/s.
+# gemm_efficiency and activation_passes are fitted to SC'21 Table 1 (see docs/planner.md) and kept for H100/H200.
+CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
+    ClusterSpec("a100-80gb", 1024, 8, 312e12, 80 * GB, 240 * GB, 5e-6, 23 * GB, 8e-6, 1.6e12),
+    # DGX H100: 989 TFLOP/s dense bf16, NVLink4 450 GB/s per direction, NDR 400 Gb/s per GPU, HBM3 3.35 TB/s.
+    ClusterSpec("h100", 1024, 8, 989e12, 80 * GB, 360 * GB, 4e-6, 45 * GB, 6e-6, 2.8e12),
+    # H200: the H100's compute and links with 141 GB HBM3e at 4.8 TB/s.
+    ClusterSpec("h200", 1024, 8, 989e12, 141 * GB, 360 * GB, 4e-6, 45 * GB, 6e-6, 4.0e12),
+)}
+
+
+def cluster_preset(name: str) -> ClusterSpec:
+    try:
+        return CLUSTERS[name]
+    except KeyError:
+        raise PipeDSLError(f"unknown cluster {name!r} (presets: {', '.join(CLUSTERS)})") from None

@@ -1,0 +1,151 @@
+"""One pipeline of a layout, simulated on the schedule's real compiled program.
+
+Every data-parallel replica runs the same program with the same costs, so one pipeline is
+simulated (`pipedsl.simulate`), not the cluster.  Programs are compiled once per
+(schedule, P, M, parameters) and simulations cached per cost.
+
+Large M: the schedules are periodic in the steady state, so the makespan and the peak live
+activations are affine in M once M is past the warmup.  For M beyond `M_CAP_FACTOR`·P + P the
+pipeline is simulated at two sizes M₁ < M₂ ≡ M (mod P) past the warmup and both are extended
+linearly; tests/plan/test_pipeline.py checks this against the full simulation (relative error
+below 1e-9 for every built-in schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache, lru_cache
+
+from pipedsl.errors import PipeDSLError
+from pipedsl.ir import Op, Program
+from pipedsl.library import load
+from pipedsl.plan.cost import StageCosts
+from pipedsl.simulate import simulate
+from pipedsl.timeline import Timeline
+
+M_CAP_FACTOR = 2  # simulate at most ~4P microbatches
+
+
+@cache
+def _schedule(name: str):
+    return load(name)
+
+
+@lru_cache(maxsize=1024)
+def _compiled_or_error(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...]) -> Program | PipeDSLError:
+    try:
+        return _schedule(schedule).compile(P=P, M=M, **dict(params))
+    except PipeDSLError as err:  # cached too: a requirement fails the same way every time
+        return err
+
+
+def compiled(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> Program:
+    """The schedule's program for P ranks and M microbatches (cached; raises PipeDSLError)."""
+    out = _compiled_or_error(schedule, P, M, params)
+    if isinstance(out, PipeDSLError):
+        raise out
+    return out
+
+
+@lru_cache(maxsize=1024)
+def compiled_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> tuple[int, ...]:
+    """`peak_live` of `compiled(...)`, cached."""
+    return tuple(peak_live(compiled(schedule, P, M, params)))
+
+
+@lru_cache(maxsize=512)
+def program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> tuple[float, ...]:
+    """Per rank, the peak live stage activations of the schedule at M (extended linearly past the cap)."""
+    sizes = simulation_sizes(M, P)
+    peaks = [compiled_peaks(schedule, P, m, params) for m in sizes]
+    if len(peaks) == 1:
+        return tuple(map(float, peaks[0]))
+    k = (M - sizes[0]) / (sizes[1] - sizes[0])
+    return tuple(a + k * (b - a) for a, b in zip(*peaks))
+
+
+def peak_live(program: Program) -> list[int]:
+    """Per rank, the most stage activations alive at once: `Timeline.peak_activations`' rule (from F
+    to its B, or W when split) read off the program order, which is the execution order."""
+    peaks = []
+    for stream in program.ranks:
+        live = peak = 0
+        for ins in stream:
+            if ins.op is Op.F:
+                live += 1
+                peak = max(peak, live)
+            elif ins.op is Op.B or ins.op is Op.W:
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """What one simulated iteration gives: time, per-rank peaks, and the per-rank stage sets."""
+
+    iteration: float  # seconds: pipeline + exposed gradient reduction + optimizer step
+    pipeline: float  # the simulated makespan alone
+    peak_live: tuple[float, ...]  # per rank
+    busy: float  # the busiest rank's compute seconds
+
+
+def simulation_sizes(M: int, P: int) -> tuple[int, ...]:
+    """Microbatch counts to simulate for M: (M,) if small, else (M₁, M₁ + P) with M₁ ≡ M (mod P)."""
+    cap = M_CAP_FACTOR * P
+    if M <= cap + P:
+        return (M,)
+    m1 = cap + (M - cap) % P
+    return (m1, m1 + P)
+
+
+def stage_ranks(program: Program) -> dict[int, list[int]]:
+    """Rank -> the program stages placed on it (copies on one rank share one module)."""
+    out: dict[int, list[int]] = {r: [] for r in range(program.num_ranks)}
+    for (_, s), r in sorted(program.placement.items()):
+        if s not in out[r]:
+            out[r].append(s)
+    return out
+
+
+def iteration_time(timeline: Timeline, program: Program, costs: StageCosts) -> float:
+    """Makespan with the data-parallel reduction as the runtime overlaps it: each stage's
+    collective starts at its REDUCE_GRAD (after the previous one on that rank) and runs behind
+    the rest of the cooldown; the optimizer step waits for all of them, then ZeRO 1-2 gather."""
+    on_rank = stage_ranks(program)
+    finish = 0.0
+    for r, events in enumerate(timeline.ranks):
+        comm_free = 0.0
+        last = timeline.start
+        for e in events:
+            if e.instr.op is Op.REDUCE_GRAD:
+                comm_free = max(comm_free, e.end) + costs.reduce[e.instr.stage]
+            last = max(last, e.end)
+        stages = on_rank[r]
+        tail = sum(costs.step[s] for s in stages) + sum(costs.after_step[s] for s in stages)
+        finish = max(finish, max(last, comm_free) + tail)
+    return finish - timeline.start
+
+
+def _run_exact(schedule: str, P: int, M: int, params: tuple,
+               costs: StageCosts) -> tuple[float, float, list[int], float]:
+    program = compiled(schedule, P, M, params)
+    timeline = simulate(program, costs.simulator_cost())
+    return iteration_time(timeline, program, costs), timeline.makespan, peak_live(program), max(timeline.busy)
+
+
+def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...], costs: StageCosts) -> PipelineRun:
+    """Simulate (or extend linearly from two simulations) one pipeline's iteration."""
+    sizes = simulation_sizes(M, P)
+    runs = [_run_exact(schedule, P, m, params, costs) for m in sizes]
+    if len(runs) == 1:
+        it, mk, peaks, busy = runs[0]
+        return PipelineRun(it, mk, tuple(map(float, peaks)), busy)
+    (m1, m2), (a, b) = sizes, runs
+    k = (M - m1) / (m2 - m1)
+
+    def extend(x: float, y: float) -> float:
+        return x + k * (y - x)
+
+    return PipelineRun(extend(a[0], b[0]), extend(a[1], b[1]),
+                       tuple(extend(x, y) for x, y in zip(a[2], b[2])), extend(a[3], b[3]))

@@ -1,0 +1,298 @@
+"""The search: every layout of a model on a cluster, checked, costed, simulated and ranked.
+
+Candidates are dp × pp × tp (1-D, and 3-D when tp is a cube), ZeRO 0-3, each schedule with
+its chunk variants, microbatch sizes (the count follows from the global batch) and
+recomputation on or off.  Cheap checks reject first (divisibility, schedule requirements,
+memory, with the reason); the survivors get a lower bound — the busiest rank's compute plus
+its optimizer step, which no schedule can beat — and are simulated best bound first until the
+bound exceeds the `top`-th best simulated time: the ranking of the top is exact, the rest are
+counted as pruned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pipedsl.errors import PipeDSLError
+from pipedsl.library import builtin_names
+from pipedsl.plan.cluster import ClusterSpec
+from pipedsl.plan.config import Layout
+from pipedsl.plan.cost import StageCosts, stage_costs, tp_degree_3d
+from pipedsl.plan.memory import MemoryReport, model_states
+from pipedsl.plan.model import ModelSpec
+from pipedsl.plan.pipeline import compiled, compiled_peaks, program_peaks, run_pipeline, simulation_sizes, stage_ranks
+
+# Chunk variants searched per built-in (parameter name, values); others run with their defaults.
+VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], ...]] = {
+    "interleaved": ((("V", 2),), (("V", 4),)),
+    "looped-bfs": ((("V", 2),),),
+    "hanayo": ((("W", 1),), (("W", 2),)),
+}
+MICROBATCH_SIZES = (1, 2, 4, 8)
+
+
+class LayoutError(PipeDSLError):
+    """A layout that cannot run: the reason says which rule it breaks."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A simulated layout: time, throughput, memory of its fullest GPU, communication per kind."""
+
+    layout: Layout
+    iteration: float  # seconds
+    pipeline: float  # the simulated pipeline makespan (without the exposed reduction and the step)
+    tflops: float  # hardware TFLOP/s per GPU, SC'21's count (the recomputed forward included)
+    mfu: float  # model FLOPs (no recomputation) / (time · peak)
+    memory: MemoryReport
+    comm: dict[str, float]  # seconds per iteration on the busiest rank: tp, pp, dp, zero3
+
+
+@dataclass(frozen=True)
+class Rejected:
+    layout: Layout
+    reason: str
+
+
+@dataclass
+class PlanResult:
+    model: ModelSpec
+    cluster: ClusterSpec
+    ranked: list[Estimate] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    pruned: int = 0
+    simulated: int = 0
+    seconds: float = 0.0
+
+
+# ------------------------------------------------------------------ one layout
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    layout: Layout
+    costs: StageCosts
+    memory: MemoryReport
+    bound: float
+    on_rank: dict[int, list[int]]
+
+
+def _check_shape(model: ModelSpec, layout: Layout) -> None:
+    t = layout.tp
+    if layout.dp * layout.microbatches * layout.microbatch != model.global_batch:
+        raise LayoutError(f"batch: dp {layout.dp} × M {layout.microbatches} × microbatch {layout.microbatch} "
+                        f"!= global batch {model.global_batch}")
+    if layout.tp_mode == "3d":
+        q = tp_degree_3d(t)
+        if q < 2:
+            raise LayoutError(f"divisibility: 3-D tensor parallelism needs tp = q³ (q ≥ 2), got {t}")
+        if model.hidden % (q * q) or model.heads % q or model.ffn_size % (q * q) or model.vocab % (q * q):
+            raise LayoutError(f"divisibility: 3-D tp q={q} needs hidden, ffn and vocab divisible by q²={q * q} "
+                            f"and heads by q")
+        if layout.microbatch % (q * q):
+            raise LayoutError(f"divisibility: 3-D tp q={q} splits a microbatch by whole samples: "
+                            f"microbatch {layout.microbatch} % q² != 0")
+    elif model.heads % t or model.hidden % t or model.ffn_size % t or (model.kv_heads or model.heads) % t:
+        raise LayoutError(f"divisibility: tp {t} must divide heads {model.heads}, kv heads and hidden {model.hidden}")
+    if model.layers % layout.pp:
+        raise LayoutError(f"divisibility: {model.layers} layers do not split evenly over pp {layout.pp}")
+
+
+def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> None:
+    """Before compiling anything: even the lightest rank's model states must fit."""
+    psi = model.layers // layout.pp * model.layer_params / layout.tp
+    states = model_states(psi, layout.dp, layout.zero)
+    if states.total > cluster.memory - cluster.reserved_memory:
+        raise LayoutError(f"out of memory: the model states alone take {states.total / 1e9:.1f} GB "
+                        f"> {(cluster.memory - cluster.reserved_memory) / 1e9:.0f} GB usable")
+
+
+def _skeleton(layout: Layout):
+    """A small program of the schedule (M = min(M, P)): placement, stages, early peaks."""
+    P, M = layout.pp, layout.microbatches
+    try:
+        return compiled(layout.schedule, P, min(M, P), layout.params)
+    except PipeDSLError as err:
+        if M <= P:
+            raise LayoutError(f"schedule: {err.message}") from None
+    try:  # a requirement the small size breaks but M meets
+        return compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+    except PipeDSLError as err:
+        raise LayoutError(f"schedule: {err.message}") from None
+
+
+def _placement_bound(program, costs: StageCosts, M: int) -> float:
+    """No schedule with this placement beats: for each rank, the forward chain that must run before
+    its first stage can start (Σ F of the stages below), its own work, and the backward chain
+    below its lowest stage that must follow its last backward; plus the optimizer step.
+    For 1F1B with equal stages this is (M + P - 1)(F + B), its exact makespan."""
+    S = program.num_stages
+    split = program.split_backward
+    back = costs.I if split else costs.B
+    below_f = [0.0] * (S + 1)
+    below_b = [0.0] * (S + 1)
+    for st in range(S):
+        below_f[st + 1] = below_f[st] + costs.F[st]
+        below_b[st + 1] = below_b[st] + back[st]
+    share = M / program.num_replicas
+    bound = 0.0
+    for stages in stage_ranks(program).values():
+        if not stages:
+            continue
+        lowest = min(stages)
+        work = sum(costs.F[x] + (costs.I[x] + costs.W[x] if split else costs.B[x]) for x in stages) * share
+        tail = sum(costs.step[x] + costs.after_step[x] for x in stages)
+        bound = max(bound, below_f[lowest] + work + below_b[lowest] + tail)
+    return bound
+
+
+def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> float:
+    """Before compiling at full size: the cheap checks, an early out-of-memory test with the
+    small program's peaks (peaks only grow with M), and the placement bound."""
+    _check_shape(model, layout)
+    _check_states(model, cluster, layout)
+    program = _skeleton(layout)
+    S = program.num_stages
+    if model.layers % S:
+        raise LayoutError(f"divisibility: {model.layers} layers do not split into {S} stages")
+    costs = stage_costs(model, cluster, layout, S, program.num_replicas)
+    early_peaks = compiled_peaks(layout.schedule, layout.pp, program.num_microbatches, layout.params)
+    _check_memory(cluster, _memory(model, layout, costs, stage_ranks(program), early_peaks, S), "at least ")
+    return _placement_bound(program, costs, layout.microbatches)
+
+
+def _check_memory(cluster: ClusterSpec, memory: MemoryReport, qualifier: str = "") -> None:
+    usable = cluster.memory - cluster.reserved_memory
+    if memory.total > usable:
+        gb = 1e9
+        st = memory.states
+        raise LayoutError(f"out of memory: {qualifier}{memory.total / gb:.1f} GB > {usable / gb:.0f} GB usable "
+                        f"(params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer {st.optimizer / gb:.1f}, "
+                        f"activations {memory.activations / gb:.1f} for {memory.peak_live} live)")
+
+
+def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepared:
+    P, M = layout.pp, layout.microbatches
+    try:
+        program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+        peaks = program_peaks(layout.schedule, P, M, layout.params)
+    except PipeDSLError as err:
+        raise LayoutError(f"schedule: {err.message}") from None
+    S = program.num_stages
+    if model.layers % S:
+        raise LayoutError(f"divisibility: {model.layers} layers do not split into {S} stages")
+    costs = stage_costs(model, cluster, layout, S, program.num_replicas)
+    on_rank = stage_ranks(program)
+    memory = _memory(model, layout, costs, on_rank, peaks, S)
+    _check_memory(cluster, memory)
+    return _Prepared(layout, costs, memory, _placement_bound(program, costs, M), on_rank)
+
+
+def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]],
+            peaks: Sequence[float], stages: int) -> MemoryReport:
+    """The fullest rank: model states of its stages, plus its peak live microbatch activations."""
+    t, b = layout.tp, layout.microbatch
+    per_layer = model.layer_activation_bytes(b, t, layout.recompute)
+    layers = model.layers // stages
+    worst: MemoryReport | None = None
+    for r, st in on_rank.items():
+        states = model_states(sum(costs.stage_params[s] for s in st), layout.dp, layout.zero)
+        working = model.layer_activation_bytes(b, t, False) if layout.recompute else 0.0  # one block recomputed
+        if stages - 1 in st:
+            working += 4 * b * model.seq * model.vocab / t  # fp32 logits of the microbatch in flight
+        report = MemoryReport(states, peaks[r] * layers * per_layer + working, round(peaks[r]))
+        if worst is None or report.total > worst.total:
+            worst = report
+    assert worst is not None
+    return worst
+
+
+def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate:
+    layout, costs = prep.layout, prep.costs
+    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs)
+    gpus = layout.gpus
+    hardware = model.iteration_flops(layout.recompute)
+    useful = model.iteration_flops(False)
+    stages = prep.on_rank[0]
+    M = layout.microbatches
+    comm = {"tp": M * sum(costs.tp_comm[s] for s in stages),
+            "pp": 2 * M * len(stages) * costs.message if layout.pp > 1 else 0.0,
+            "dp": sum(costs.reduce[s] + costs.after_step[s] for s in stages),
+            "zero3": M * sum(costs.zero_gather[s] for s in stages)}
+    return Estimate(layout, run.iteration, run.pipeline, hardware / run.iteration / gpus / 1e12,
+                    useful / run.iteration / gpus / cluster.peak_flops, prep.memory, comm)
+
+
+def evaluate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate:
+    """Predict one layout; `LayoutError` says why it cannot run."""
+    _quick_bound(model, cluster, layout)
+    return _finish(model, cluster, _prepare(model, cluster, layout))
+
+
+# ------------------------------------------------------------------ the space
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | None = None,
+            zero: Iterable[int] = (0, 1, 2, 3), microbatch_sizes: Iterable[int] = MICROBATCH_SIZES,
+            recompute: Iterable[bool] = (True, False), tp: Iterable[int] | None = None,
+            pp: Iterable[int] | None = None, tp_modes: Iterable[str] = ("1d", "3d")) -> list[Layout]:
+    """Every candidate with dp · pp · tp = cluster.gpus and dp · M · microbatch = global batch."""
+    names = list(schedules) if schedules is not None else builtin_names()
+    N = cluster.gpus
+    tps = [t for t in _divisors(N) if t <= cluster.gpus_per_node] if tp is None else list(tp)
+    out = []
+    for t in tps:
+        for mode in tp_modes:
+            if mode == "3d" and tp_degree_3d(t) < 2:
+                continue
+            for p in (_divisors(N // t) if pp is None else pp):
+                if (N // t) % p:
+                    continue
+                d = N // (t * p)
+                for b in microbatch_sizes:
+                    if model.global_batch % (d * b):
+                        continue
+                    M = model.global_batch // (d * b)
+                    for name in (names if p > 1 else names[:1] if schedules is not None else ["1f1b"]):
+                        for params in VARIANTS.get(name, ((),)):
+                            for z in (zero if d > 1 else (0,)):
+                                for rc in recompute:
+                                    out.append(Layout(d, p, t, name, b, M, z, rc, mode, params))
+    return out
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, top: int = 10, candidates: Sequence[Layout] | None = None,
+           **space) -> PlanResult:
+    """Rank the layouts (`candidates`, or `layouts(model, cluster, **space)`); the best `top` exactly."""
+    began = time.perf_counter()
+    result = PlanResult(model, cluster)
+    bounded: list[tuple[float, int, Layout]] = []
+    for i, layout in enumerate(candidates if candidates is not None else layouts(model, cluster, **space)):
+        try:
+            bounded.append((_quick_bound(model, cluster, layout), i, layout))
+        except LayoutError as err:
+            result.rejected.append(Rejected(layout, err.message))
+    bounded.sort()
+    for i, (bound, _, layout) in enumerate(bounded):
+        if len(result.ranked) >= top and bound > result.ranked[top - 1].iteration:
+            result.pruned = len(bounded) - i
+            break
+        try:
+            prep = _prepare(model, cluster, layout)
+        except LayoutError as err:
+            result.rejected.append(Rejected(layout, err.message))
+            continue
+        if len(result.ranked) >= top and prep.bound > result.ranked[top - 1].iteration:
+            continue  # its own program's busiest rank already loses
+        result.ranked.append(_finish(model, cluster, prep))
+        result.simulated += 1
+        result.ranked.sort(key=lambda e: e.iteration)
+    result.ranked = result.ranked[:top] if top else result.ranked
+    result.seconds = time.perf_counter() - began
+    return result
