@@ -136,7 +136,9 @@ def train_pipeline(schedule: str, P: int, M: int, policy: MixedPrecision, data, 
     for x, y in data:
         losses.append(pipe.step(x, y))
         if max_norm is not None:
+            before = float(pipe.grad_norm(norm_type))  # the same norm, without clipping
             norms.append(float(pipe.clip_grad_norm_(max_norm, norm_type)))
+            assert before == norms[-1] or not math.isfinite(before), (before, norms[-1])
         stepped.append(opt.step())
         opt.zero_grad()
         scales.append(pipe.scaler.scale if pipe.scaler is not None else None)
