@@ -104,7 +104,15 @@ def token_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def is_attention(m: nn.Module) -> bool:
-    return isinstance(m, Attention)
+    return isinstance(m, (Attention, nn.LayerNorm))  # the attention here; tie_cases' model has LayerNorms
+
+
+def _model(name: str, S: int, dropout: float) -> list[nn.Module]:
+    if name == "tied":  # tie_cases' model: the token embedding is also the last stage's output projection
+        import tie_cases
+
+        return tie_cases.tied_model(S)
+    return tiny_lm(S, dropout=dropout)
 
 
 def _grads(pipe: pipedsl.Pipeline) -> dict[str, torch.Tensor]:
@@ -145,8 +153,8 @@ def token_loss_check(rank: int, program_json: str, options: dict[str, Any] | Non
     return problems
 
 
-def recompute_check(rank: int, program_json: str, modes: tuple[str, ...], options: dict[str, Any] | None = None
-                    ) -> dict[str, Any]:
+def recompute_check(rank: int, program_json: str, modes: tuple[str, ...], options: dict[str, Any] | None = None,
+                    model: str = "tiny") -> dict[str, Any]:
     """With dropout: gradients and losses under each recompute mode = without recomputation (same RNG seeds).
 
     Also the peak saved-activation bytes of each mode on this rank."""
@@ -156,12 +164,14 @@ def recompute_check(rank: int, program_json: str, modes: tuple[str, ...], option
     out: dict[str, Any] = {"problems": [], "bytes": {}}
     results = {}
     for mode in (None, *modes):
-        stages = tiny_lm(S, dropout=0.3)
+        stages = _model(model, S, dropout=0.3)
         pipe = pipedsl.Pipeline(stages, program=program, recompute=mode,
                                 recompute_filter=is_attention if mode == "selective" else None, **opts)
         losses = []
         for step in range(2):
             x, y = padded_batch(step, 2 * M, 6)
+            if model == "tied":  # tie_cases' vocabulary of 24
+                x, y = x % 16, torch.where(y == IGNORE, y, y % 16)
             for p in pipe.parameters():
                 p.grad = None
             torch.manual_seed(1000 * step + rank)

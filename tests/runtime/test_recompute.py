@@ -27,6 +27,16 @@ def test_same_gradients_with_dropout(schedule: str, pool2) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_tied_weights(schedule: str, pool2) -> None:
+    """The embedding tied to the output projection: across ranks (1F1B) and on one rank (ZB-V, split backward)."""
+    program = compile_for(schedule, 2)
+    results = pool2.run(cases.recompute_check, program.to_json(), ("full", "selective"), None, "tied")
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "full", "selective"])
 def test_saved_bytes_match_the_simulator(mode: str | None, pool4) -> None:
     program = pipedsl.load("1f1b").compile(P=4, M=6)
