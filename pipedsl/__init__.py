@@ -13,6 +13,7 @@ from pipedsl.ir import Instr, Op, Program
 from pipedsl.library import builtin_names, load
 from pipedsl.simulate import Cost, simulate
 from pipedsl.timeline import Event, Timeline
+from pipedsl.torch_csv import from_torch_csv, to_torch_csv
 from pipedsl.validate import validate
 
 __all__ = [
@@ -31,9 +32,11 @@ __all__ = [
     "Pipeline",  # lazy (torch)
     "ValidationError",
     "builtin_names",
+    "from_torch_csv",
     "launch",  # lazy (torch)
     "load",
     "simulate",
+    "to_torch_csv",
     "validate",
 ]
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ from pipedsl.plan import cli as plan_cli
 from pipedsl.runtime import train_cli
 from pipedsl.simulate import Cost, simulate
 from pipedsl.timeline import Timeline
+from pipedsl.torch_csv import to_torch_csv
 from pipedsl.visualize import show
 
 EXIT_USAGE = 2
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="print the per-rank instruction streams of a schedule")
     add_sizes(c)
-    c.add_argument("--format", choices=("text", "json", "csv"), default="text")
+    c.add_argument("--format", choices=("text", "json", "csv", "torch-csv"), default="text",
+                   help="torch-csv: torch.distributed.pipelining's compute-only CSV (its _load_csv reads it)")
     c.add_argument("-o", "--output", help="write to this file instead of stdout")
 
     s = sub.add_parser("simulate", help="predict makespan, bubble and memory under a cost model")
@@ -69,7 +71,8 @@ def _compile(args: argparse.Namespace):
 
 def cmd_compile(args: argparse.Namespace) -> int:
     _, program = _compile(args)
-    text = {"text": program.to_text, "json": program.to_json, "csv": program.to_csv}[args.format]()
+    text = {"text": program.to_text, "json": program.to_json, "csv": program.to_csv,
+            "torch-csv": lambda: to_torch_csv(program)}[args.format]()
     _write(text if text.endswith("\n") else text + "\n", args.output)
     return 0
 

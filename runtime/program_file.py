@@ -1,7 +1,8 @@
 """`read_program(path)`: a compiled program from a file (JSON, CSV or text), validated before anything runs.
 
 The format follows the suffix (`.json`, `.csv`, `.txt`); otherwise the content decides (`{` is
-JSON, a `rank,index,…` header is CSV, anything else the text form).  Every problem — an
+JSON, a `rank,index,…` header is CSV, anything else the text form).  A `.csv` whose first cell
+is a torch action (`0F0`) is torch.distributed.pipelining's CSV schedule (pipedsl.torch_csv).  Every problem — an
 unreadable file, malformed content, an unsafe program, the wrong number of ranks — is one
 `PipeDSLError` whose message starts with the file name.  Torch-free (the CLI uses it before
 starting processes).
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from pipedsl.errors import PipeDSLError, ValidationError
 from pipedsl.ir import Program
+from pipedsl.torch_csv import from_torch_csv
 from pipedsl.validate import validate
 
 FORMATS = {".json": "json", ".csv": "csv", ".txt": "text", ".text": "text"}
@@ -38,6 +40,8 @@ def read_program(path: str | os.PathLike, ranks: int | None = None) -> Program:
     try:
         if fmt == "json":
             program = Program.from_json(text)
+        elif fmt == "csv" and _is_torch_csv(text):
+            program = from_torch_csv(text, name=p.stem)
         elif fmt == "csv":
             program = Program.from_csv(text, name=p.stem)
         else:
@@ -51,6 +55,11 @@ def read_program(path: str | os.PathLike, ranks: int | None = None) -> Program:
         raise PipeDSLError(f"{name}: the program has {program.num_ranks} rank(s), but {ranks} were asked for "
                            f"(it must run on exactly {program.num_ranks} processes)")
     return program
+
+
+def _is_torch_csv(text: str) -> bool:
+    first = text.lstrip().split("\n", 1)[0].split(",", 1)[0].strip()
+    return bool(first) and (first[0].isdigit() or first.startswith("(")) and not first.isdigit()
 
 
 def _sniff(text: str) -> str:
