@@ -22,8 +22,9 @@ def test_token_loss_equals_one_process(schedule: str, pool2) -> None:
 
 @pytest.mark.slow
 def test_token_loss_dp_pp_tp_zero(pool) -> None:
-    """dp2 x pp2 x tp2 (Megatron 1-D tp, vocabulary-parallel loss): ZeRO-1 and ZeRO-3, global and local batches,
-    with recomputation and the split backward; losses and SGD-updated parameters equal one process."""
+    """dp2 x pp2 x tp2 (Megatron 1-D tp, vocabulary-parallel loss): ZeRO-3 with selective recomputation under the
+    split backward and a local batch, ZeRO-1 with full recomputation under 1F1B and a global batch; a changing
+    sequence length and a partial batch; every loss and the SGD-updated parameters equal one process."""
     runs = (("zb-h1", 2, 3, "local", "selective"), ("1f1b", 2, 1, "global", "full"))
     (found, *_) = pool.run(cases.parallel_job, 8, 2, 2, 2, runs, 1)
     assert len(found) == len(runs)
