@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import llm_cases as cases
 import pytest
+import torch
 from test_pipeline import compile_for
 
 import pipedsl
@@ -69,3 +70,28 @@ def test_train_cli_recompute_and_token_loss(pool2) -> None:
     assert _cli_losses(pool2, *common, "--loss-reduction", "token", "--recompute", "selective") == plain
     assert _cli_losses(pool2, *common, "--loss-reduction", "token", "--recompute", "full") == plain
     assert _cli_losses(pool2, *common) != plain  # the per-microbatch mean weighs the padded microbatches otherwise
+
+
+class _Flaky(torch.nn.Module):
+    """A forward that takes another path the second time (e.g. data-dependent control flow on a counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.fc(x)
+        return y.tanh() if self.calls == 1 else y * 2
+
+
+def test_a_region_that_runs_differently_again_is_named() -> None:
+    from pipedsl.runtime.recompute import Recompute, RecomputeError
+    from pipedsl.runtime.stage import ActivationCounter, Stage
+
+    module = _Flaky()
+    stage = Stage(module, 0, 1, lambda out, t: out.pow(2).mean(), 1, ActivationCounter(), Recompute(module, "full"))
+    act, _ = stage.forward([torch.randn(3, 4)])
+    with pytest.raises(RecomputeError, match=r"recomputing the stage saved 2 tensors for backward, its forward saved 3: the region must run"):
+        stage.backward(act, None)
