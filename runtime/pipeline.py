@@ -487,7 +487,8 @@ class Pipeline:
             else:
                 sizes = {n // parts}
             if cfg.tp_mode == "3d" and any(k % (cfg.q ** 2) for k in sizes):
-                raise PipeRuntimeError(f"rank {dist.get_rank()}: microbatches of {sorted(sizes)} samples ({what}) "
+                shown = " or ".join(map(str, sorted(sizes)))
+                raise PipeRuntimeError(f"rank {dist.get_rank()}: microbatches of {shown} samples ({what}) "
                                        f"are not divisible by q*q={cfg.q ** 2} (3-D tensor parallelism splits every "
                                        f"microbatch over q^2 ranks)")
         if not self._checked_batch:
