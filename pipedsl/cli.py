@@ -17,6 +17,7 @@ from pipedsl.arguments import add_param, add_sizes, params_of, positive_int
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeSemanticError
 from pipedsl.library import builtin_names, load
+from pipedsl.limits import MAX_COMPUTE_OPS, MAX_RANKS
 from pipedsl.plan import cli as plan_cli
 from pipedsl.runtime import train_cli
 from pipedsl.simulate import Cost, simulate
@@ -100,11 +101,8 @@ def format_summary(t: Timeline) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    ranks = _check_grid(args.ranks, args.max_factor)
     schedule = load(args.schedule)
-    try:
-        ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
-    except ValueError:
-        raise PipeDSLError(f"--ranks {args.ranks!r}: expected comma-separated integers") from None
     params = params_of(args)
     failures = 0
     for P in ranks:
@@ -127,6 +125,32 @@ def cmd_check(args: argparse.Namespace) -> int:
         for M, err in failed[:5]:
             print(f"  FAILED M={M}: " + err.render().replace("\n", "\n    "))
     return 1 if failures else 0
+
+
+def _check_grid(text: str, max_factor: int) -> list[int]:
+    """The P values of `check --ranks`, refused before any compile when the grid is larger than
+    the largest single program (MAX_COMPUTE_OPS forwards, counting P·max(M, P) per size)."""
+    shown = text if len(text) <= 40 else text[:37] + "..."
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PipeDSLError(f"--ranks {shown!r}: expected comma-separated integers") from None
+    if not ranks:
+        raise PipeDSLError("--ranks: give at least one rank count")
+    for P in ranks:
+        if not 1 <= P <= MAX_RANKS:
+            raise PipeDSLError(f"--ranks: {P if P < 10**9 else 'a huge number'} is not a rank count in "
+                               f"1..{MAX_RANKS:,} (MAX_RANKS)")
+    work = 0
+    for P in ranks:
+        top = max_factor * P  # M = 1 .. top; P * max(M, P) forwards at least (one stage a rank)
+        low = min(top, P)
+        work += P * (low * P + (top * (top + 1) - low * (low + 1)) // 2)
+        if work > MAX_COMPUTE_OPS:
+            raise PipeDSLError(f"check --ranks {shown} --max-factor {max_factor if max_factor < 10**9 else 'huge'} "
+                               f"would compile more than {MAX_COMPUTE_OPS:,} forwards in all (MAX_COMPUTE_OPS, the "
+                               f"largest single program); give fewer or smaller sizes")
+    return ranks
 
 
 def _ranges(values: list[int]) -> str:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from pipedsl import nodes as n
 from pipedsl.errors import PipeDSLError, PipeSemanticError, Span, ValidationError
-from pipedsl.expr import BOOL, INT, Env, compile_exprs, evaluate, free_context, type_of
+from pipedsl.expr import BOOL, INT, Env, Expansion, compile_exprs, evaluate, free_context, type_of
 from pipedsl.ir import Op, Program
+from pipedsl.limits import MAX_COMPUTE_OPS, MAX_COMPUTE_STEPS, MAX_MICROBATCHES, MAX_RANKS, MAX_VALUE_BITS, shorten
 from pipedsl.lowering import ComputeOp, ComputePlan, lower, parts
 from pipedsl.parser import parse
 from pipedsl.perf import no_gc
@@ -42,7 +43,6 @@ CONTEXT: dict[str, tuple[str, ...]] = {
 }
 ALL_CONTEXT = ("m", "s", "v", "c", "r")
 BUILTIN_PARAMS = ("P", "M")
-MAX_COMPUTE_OPS = 500_000  # forwards per step: ~2.5M instructions, ~12 s and ~1 GB to compile
 _OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
 
 
@@ -88,6 +88,9 @@ class Schedule:
 
     def _check(self) -> None:
         seen_params: dict[str, n.Param] = {}
+        expansion = Expansion()
+        for expr, visible in _expressions(self.decl):  # before anything walks them with lets inlined
+            expansion.charge(expr, visible)
         env = Env()
         for p in self.decl.params:
             if p.name in seen_params:
@@ -151,9 +154,12 @@ class Schedule:
     def bind(self, P: int, M: int, **params: int) -> dict[str, int]:
         """Parameter values (P, M, declared ones with defaults filled in), checked."""
         values: dict[str, int] = {}
-        for name, v in (("P", P), ("M", M)):
+        for name, v, most in (("P", P, MAX_RANKS), ("M", M, MAX_MICROBATCHES)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise PipeSemanticError(f"{name} must be a positive integer, got {v!r}", self.decl.span)
+                raise PipeSemanticError(f"{name} must be a positive integer, got {shorten(v)}", self.decl.span)
+            if v > most:
+                limit = "MAX_RANKS" if name == "P" else "MAX_MICROBATCHES"
+                raise PipeSemanticError(f"{name}={shorten(v)} is over the limit of {most:,} ({limit})", self.decl.span)
             values[name] = v
         declared = {p.name: p for p in self.decl.params if p.name not in BUILTIN_PARAMS}
         unknown = sorted(set(params) - set(declared))
@@ -166,7 +172,10 @@ class Schedule:
             if name in params:
                 v = params[name]
                 if not isinstance(v, int) or isinstance(v, bool):
-                    raise PipeSemanticError(f"parameter {name} must be an integer, got {v!r}", p.span)
+                    raise PipeSemanticError(f"parameter {name} must be an integer, got {shorten(v)}", p.span)
+                if v.bit_length() > MAX_VALUE_BITS:
+                    raise PipeSemanticError(f"parameter {name}={shorten(v)} is over the limit of 2**{MAX_VALUE_BITS} "
+                                            f"(MAX_VALUE_BITS)", p.span)
                 values[name] = v
             elif p.default is not None:
                 values[name] = _eval_int(p.default, env, {})
@@ -275,8 +284,8 @@ class _Binder:
         if max(M, P) * S * C > MAX_COMPUTE_OPS:
             span = self.decls["stages"][0].span if "stages" in self.decls else head
             raise PipeSemanticError(f"{max(M, P)} {'microbatches' if M >= P else 'ranks'} × {S} stages × {C} "
-                                    f"replica(s) exceeds {MAX_COMPUTE_OPS:,}; pipedsl refuses programs that large",
-                                    span)
+                                    f"replica(s) exceeds {MAX_COMPUTE_OPS:,} (MAX_COMPUTE_OPS); pipedsl refuses "
+                                    f"programs that large", span)
 
         routes = [0] * M
         if "route" in self.decls:
@@ -373,10 +382,11 @@ class _Binder:
         stmt, env = self.decls["compute"]
         orders: list[list[ComputeOp]] = []
         first: dict[tuple, Span] = {}
+        budget = [MAX_COMPUTE_STEPS]  # shared by the ranks: each runs the whole block
         for r in range(self.P):
             order: list[ComputeOp] = []
             queue = _PendingWork(r, self.M, routes, placement, first)
-            for resolved in _run_items(stmt.body, env, {"r": r}):
+            for resolved in _run_items(stmt.body, env, {"r": r}, budget):
                 ops = []
                 for item, kind, m, s, c in resolved:
                     if s is None:  # W(): the oldest pending weight gradient, if any
@@ -479,6 +489,47 @@ class _PendingWork:
         return next(iter(self.pending_w), None)
 
 
+def _expressions(decl: n.ScheduleDecl) -> Iterator[tuple[n.Expr, Env]]:
+    """Every expression of a declaration with the lets it can see (as macros), in source order."""
+    env = Env()
+    for p in decl.params:
+        if p.default is not None:
+            yield p.default, env
+
+    def items(body) -> Iterator[n.Expr]:
+        for item in body:
+            match item:
+                case n.OpItem(mb=mb, stage=stage, replica=rep):
+                    yield from (e for e in (mb, stage, rep) if e is not None)
+                case n.PairItem(forward=forward, backward=backward):
+                    yield from items((forward, backward))
+                case n.ForItem(lo=lo, hi=hi, body=inner):
+                    yield lo
+                    yield hi
+                    yield from items(inner)
+                case n.IfItem(cond=cond, then=then, orelse=orelse):
+                    yield cond
+                    yield from items(then)
+                    yield from items(orelse)
+                case n.Let(value=value):
+                    yield value
+
+    for stmt in decl.body:
+        match stmt:
+            case n.Let(name=name, value=value):
+                yield value, env
+                if name not in env.macros:
+                    env.macros[name] = value
+            case n.Require(cond=e) | n.Setting(value=e):
+                yield e, env
+            case n.Order(keys=keys):
+                for k in keys:
+                    yield k, env
+            case n.Compute(body=body):
+                for e in items(body):
+                    yield e, env
+
+
 def _snapshot(env: Env) -> Env:
     return Env(dict(env.consts), dict(env.macros))
 
@@ -571,10 +622,16 @@ def _check_items(items: tuple[n.Item, ...], env: Env, context: tuple[str, ...]) 
 
 def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int], budget: list[int] | None = None
                ) -> Iterator[tuple[tuple[n.OpItem, str, int, int, int | None], ...]]:
-    """Interpret a compute block, yielding each instruction as its ops (two for a pair);
-    `budget` bounds the loop iterations of the whole block."""
+    """Interpret a compute block, yielding each instruction as its ops (two for a pair).
+
+    `budget` counts the items run (loops, ifs and lets included) over the whole block; a loop
+    whose iterations alone would exceed it is refused before its first iteration."""
     values = dict(values)
-    budget = [MAX_COMPUTE_OPS] if budget is None else budget
+    budget = [MAX_COMPUTE_STEPS] if budget is None else budget
+    budget[0] -= len(items)
+    if budget[0] < 0:
+        raise PipeSemanticError(f"the compute block runs more than {MAX_COMPUTE_STEPS:,} items over all ranks "
+                                f"(MAX_COMPUTE_STEPS)", items[0].span)
     for item in items:
         match item:
             case n.OpItem():
@@ -583,10 +640,10 @@ def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int], budg
                 yield (_op_values(forward, env, values), _op_values(backward, env, values))
             case n.ForItem(var=var, lo=lo, hi=hi, body=body, span=span):
                 first, stop = _eval_int(lo, env, values), _eval_int(hi, env, values)
-                budget[0] -= max(0, stop - first)
-                if budget[0] < 0:
-                    raise PipeSemanticError(f"the compute block runs its loops more than {MAX_COMPUTE_OPS:,} "
-                                            f"times (this loop: {stop - first:,})", span)
+                if (stop - first) * len(body) > budget[0]:
+                    raise PipeSemanticError(f"the compute block runs more than {MAX_COMPUTE_STEPS:,} items over all "
+                                            f"ranks (MAX_COMPUTE_STEPS; this loop: {stop - first:,} iterations of "
+                                            f"{len(body)} item(s))", span)
                 for x in range(first, stop):
                     yield from _run_items(body, env, {**values, var: x}, budget)
             case n.IfItem(cond=cond, then=then, orelse=orelse):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pipedsl import nodes as n
 from pipedsl.errors import PipeSemanticError
+from pipedsl.limits import MAX_COMPUTE_OPS, MAX_EXPANSION, MAX_NESTING, MAX_VALUE_BITS
 
 INT, BOOL = "number", "condition"
 
@@ -30,6 +31,7 @@ class Env:
 
     consts: dict[str, int] = field(default_factory=dict)
     macros: dict[str, n.Expr] = field(default_factory=dict)
+    measures: dict[str, tuple[int, int]] = field(default_factory=dict)  # macro -> (nodes, depth) inlined
 
     def names(self) -> list[str]:
         return [*self.consts, *self.macros]
@@ -65,6 +67,93 @@ def free_context(expr: n.Expr, env: Env, context: tuple[str, ...]) -> set[str]:
 
     walk(expr)
     return found
+
+
+def measure(expr: n.Expr, env: Env) -> tuple[int, int]:
+    """(nodes, depth) of `expr` with every macro inlined, without inlining anything.
+
+    A macro's measure is remembered in `env.measures`, so a chain `let a1 = a0 + a0; let
+    a2 = a1 + a1; …` costs one step per let here although its expansion doubles each time.
+    Recursion follows the source nesting only (≤ MAX_NESTING, checked by the parser).
+    """
+    match expr:
+        case n.Var(name=name) if name in env.macros and name not in env.consts:
+            if name not in env.measures:
+                env.measures[name] = measure(env.macros[name], env)
+            nodes, depth = env.measures[name]
+            return nodes, depth
+        case n.Num() | n.Var():
+            return 1, 1
+        case n.Unary(operand=x):
+            parts = [x]
+        case n.Binary(left=a, right=b):
+            parts = [a, b]
+        case n.IfExpr(cond=c, then=a, orelse=b):
+            parts = [c, a, b]
+        case n.Call(args=args):
+            parts = list(args)
+        case _:  # pragma: no cover
+            raise AssertionError(f"unknown node {expr!r}")
+    measured = [measure(p, env) for p in parts]
+    return 1 + sum(m[0] for m in measured), 1 + max(m[1] for m in measured)
+
+
+class Expansion:
+    """The budget of syntax nodes a schedule's expressions may take with their lets inlined.
+
+    Every pass after parsing (typing, folding, compiling to lambdas) walks expressions with
+    lets inlined; charging each expression its inlined size before those passes run bounds
+    their work, and refuses let chains whose expansion grows exponentially.
+    """
+
+    def __init__(self) -> None:
+        self.left = MAX_EXPANSION
+
+    def charge(self, expr: n.Expr, env: Env) -> None:
+        nodes, depth = measure(expr, env)
+        if depth > MAX_NESTING:
+            raise PipeSemanticError(f"with its lets inlined, this expression nests {depth:,} levels deep, over the "
+                                    f"limit of {MAX_NESTING} (MAX_NESTING)", expr.span)
+        self.left -= nodes
+        if self.left < 0:
+            raise PipeSemanticError(f"with lets inlined where they are used, the expressions of this schedule "
+                                    f"exceed {MAX_EXPANSION:,} syntax nodes (MAX_EXPANSION; this one alone has "
+                                    f"{nodes:,}: does a let chain double at each step?)", expr.span)
+
+
+def value_bits(expr: n.Expr, env: Env) -> int:
+    """An upper bound on the bit length of any value `expr` computes, context variables being
+    below MAX_COMPUTE_OPS (they count microbatches, stages, replicas and ranks)."""
+    context_bits = MAX_COMPUTE_OPS.bit_length()
+    match expr:
+        case n.Num(value=v):
+            return v.bit_length()
+        case n.Var(name=name):
+            if name in env.consts:
+                return abs(env.consts[name]).bit_length()
+            return value_bits(env.macros[name], env) if name in env.macros else context_bits
+        case n.Unary(op="-", operand=x):
+            return value_bits(x, env)
+        case n.Binary(op="*", left=a, right=b):
+            return value_bits(a, env) + value_bits(b, env)
+        case n.Binary(op="+" | "-", left=a, right=b):
+            return max(value_bits(a, env), value_bits(b, env)) + 1
+        case n.Binary(op="/", left=a, right=b):
+            return value_bits(a, env) + 1  # -1 // -1 … and floor rounding away from zero
+        case n.Binary(op="%", left=a, right=b):
+            return value_bits(b, env)
+        case n.IfExpr(then=a, orelse=b):
+            return max(value_bits(a, env), value_bits(b, env))
+        case n.Call(args=args):
+            return max(value_bits(a, env) for a in args)
+    return 1  # conditions
+
+
+def _checked(value: int | bool, expr: n.Expr) -> int | bool:
+    if type(value) is int and value.bit_length() > MAX_VALUE_BITS:
+        raise PipeSemanticError(f"this expression computes a number of {value.bit_length():,} bits, over the limit "
+                                f"of {MAX_VALUE_BITS} (MAX_VALUE_BITS)", expr.span)
+    return value
 
 
 def type_of(expr: n.Expr, env: Env, context: tuple[str, ...], where: str) -> str:
@@ -144,7 +233,7 @@ def evaluate(expr: n.Expr, env: Env, values: Mapping[str, int]) -> int | bool:
                 shown = ", ".join(f"{k}={v}" for k, v in values.items())
                 raise PipeSemanticError(f"division by zero in '{op}'" + (f" (with {shown})" if shown else ""),
                                         expr.span)
-            return _BINARY[op](x, y)
+            return _checked(_BINARY[op](x, y), expr)
         case n.IfExpr(cond=c, then=a, orelse=b):
             return evaluate(a, env, values) if evaluate(c, env, values) else evaluate(b, env, values)
         case n.Call(func=func, args=args):
@@ -225,6 +314,10 @@ def compile_exprs(exprs: tuple[n.Expr, ...], env: Env, context: tuple[str, ...],
         got = type_of(e, env, context, where)
         if got != want:
             raise PipeSemanticError(f"{where} needs a {want}, but this is a {got}", e.span)
+        bits = value_bits(e, env)
+        if bits > MAX_VALUE_BITS:
+            raise PipeSemanticError(f"{where} may compute numbers of up to {bits:,} bits, over the limit of "
+                                    f"{MAX_VALUE_BITS} (MAX_VALUE_BITS)", e.span)
     body = ", ".join(_python(e, env) for e in exprs)
     if as_tuple:
         body = f"({body},)"

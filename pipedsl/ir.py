@@ -22,6 +22,7 @@ from enum import StrEnum
 from typing import Any, NamedTuple
 
 from pipedsl.errors import ValidationError
+from pipedsl.limits import MAX_COMPUTE_OPS, MAX_INSTRUCTIONS, MAX_MICROBATCHES, MAX_RANKS, MAX_STAGES, shorten
 
 
 class Op(StrEnum):
@@ -121,11 +122,12 @@ class Instr(NamedTuple):
         fields = {k: d.get(k) for k in ("mb", "stage", "peer")}
         for k, v in fields.items():
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"'{k}' must be a non-negative integer, got {v!r}")
+                raise ValueError(f"'{k}' must be a non-negative integer, got {shorten(v)}")
         replica = d.get("replica", 0)
         if not isinstance(replica, int) or isinstance(replica, bool) or replica < 0:
-            raise ValueError(f"'replica' must be a non-negative integer, got {replica!r}")
+            raise ValueError(f"'replica' must be a non-negative integer, got {shorten(replica)}")
         instr = cls(op, fields["mb"], fields["stage"], fields["peer"], replica)
+        instr.check_ranges()
         instr.check_fields()
         return instr
 
@@ -136,6 +138,9 @@ class Instr(NamedTuple):
             first, _, second = text.strip().partition("&")
             return cls.pair(cls.parse(first), cls.parse(second))
         m = _INSTR_RE.fullmatch(text.strip())
+        if m and max(map(len, filter(None, (m["rstage"], m["rep"], m["crep"], m["mb"], m["stage"], m["peer"])))) > 9:
+            raise ValueError(f"{text[:40]!r}: a number of more than 9 digits (the limits are MAX_MICROBATCHES="
+                             f"{MAX_MICROBATCHES:,}, MAX_STAGES={MAX_STAGES:,}, MAX_RANKS={MAX_RANKS:,})")
         if not m:
             raise ValueError(f"not an instruction: {text!r} (expected e.g. F0.1, SEND_F0.1>2, REDUCE_GRAD.1)")
         if m["step"]:
@@ -149,7 +154,16 @@ class Instr(NamedTuple):
         if (op in SENDS and m["dir"] != ">") or (op in RECVS and m["dir"] != "<"):
             raise ValueError(f"{text!r}: a send names its peer with '>', a receive with '<'")
         instr.check_fields()
+        instr.check_ranges()
         return instr
+
+    def check_ranges(self) -> None:
+        """Raise ValueError when a field is over its limit (limits.py): a loader allocates by them."""
+        for name, most, limit in (("mb", MAX_MICROBATCHES, "MAX_MICROBATCHES"), ("stage", MAX_STAGES, "MAX_STAGES"),
+                                  ("peer", MAX_RANKS, "MAX_RANKS"), ("replica", MAX_STAGES, "MAX_STAGES")):
+            v = getattr(self, name)
+            if v is not None and v >= most:
+                raise ValueError(f"'{name}' {shorten(v)} is over the limit: below {most:,} ({limit})")
 
     def check_fields(self) -> None:
         """Raise ValueError when the fields present do not fit the op."""
@@ -207,6 +221,9 @@ class Program:
     ranks: tuple[tuple[Instr, ...], ...]
     meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        check_size(len(self.ranks), len(self.microbatch_replica), self.num_stages, self.num_replicas)
+
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
@@ -248,8 +265,10 @@ class Program:
             if not line or line.startswith("#"):
                 continue
             head, sep, rest = line.partition(":")
-            if not sep or not re.fullmatch(r"r\d+", head.strip()) or int(head.strip()[1:]) != len(streams):
+            if not sep or not re.fullmatch(r"r\d{1,9}", head.strip()) or int(head.strip()[1:]) != len(streams):
                 raise ValidationError(f"line {lineno}: expected 'r{len(streams)}: <instructions>', got {line[:40]!r}")
+            if len(streams) >= MAX_RANKS:
+                raise ValidationError(f"line {lineno}: more than {MAX_RANKS:,} ranks (MAX_RANKS)")
             try:
                 streams.append([Instr.parse(tok) for tok in rest.split()])
             except ValueError as err:
@@ -261,6 +280,7 @@ class Program:
                      params: dict[str, int] | None = None) -> Program:
         """Build a program from bare streams, deriving placement and routing from compute ops."""
         ranks = tuple(tuple(s) for s in streams)
+        check_size(len(ranks), 1, 1, 1, sum(map(len, ranks)))
         placement: dict[tuple[int, int], int] = {}
         routes: dict[int, int] = {}
         where: dict[tuple[int, int], tuple[int, int]] = {}
@@ -278,6 +298,8 @@ class Program:
                 if routes.setdefault(i.mb, i.replica) != i.replica:
                     raise ValidationError(f"rank {r} instruction {idx} ({i}): microbatch {i.mb} runs on two replicas")
         num_mb = max(routes, default=-1) + 1
+        check_size(len(ranks), num_mb, max((s for _, s in placement), default=0) + 1,
+                   max((c for c, _ in placement), default=0) + 1)
         missing = [m for m in range(num_mb) if m not in routes]
         if missing:
             raise ValidationError(f"microbatch {missing[0]} has no compute op on any rank")
@@ -311,6 +333,7 @@ class Program:
             raise ValidationError("a program is a JSON object with 'ranks'")
         if "ranks" not in d or not isinstance(d["ranks"], list):
             raise ValidationError("a program needs 'ranks': a list of instruction lists, one per rank")
+        check_size(len(d["ranks"]), 1, 1, 1, sum(len(s) for s in d["ranks"] if isinstance(s, list)))
         streams = []
         for r, stream in enumerate(d["ranks"]):
             if not isinstance(stream, list):
@@ -332,7 +355,8 @@ class Program:
             num_stages = int(d.get("num_stages", derived.num_stages))
             num_replicas = int(d.get("num_replicas", derived.num_replicas))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ValidationError(f"malformed program header: {err!r}") from None
+            raise ValidationError(f"malformed program header: {shorten(err)}") from None
+        check_size(len(derived.ranks), len(routes), num_stages, num_replicas)
         return cls(derived.name, params, num_stages, num_replicas, placement, routes, derived.ranks)
 
     @classmethod
@@ -378,7 +402,9 @@ class Program:
                     raise ValueError(f"expected {len(cls.CSV_COLUMNS)} columns, got {len(row)}")
                 rank, index = int(row[0]), int(row[1])
                 if rank < 0 or index < 0:
-                    raise ValueError(f"rank and index are non-negative, got {rank} and {index}")
+                    raise ValueError(f"rank and index are non-negative, got {shorten(rank)} and {shorten(index)}")
+                if rank >= MAX_RANKS:
+                    raise ValueError(f"rank {shorten(rank)} is over the limit: below {MAX_RANKS:,} (MAX_RANKS)")
                 if row[2].strip() == Op.OVERLAP.value:
                     instr = _csv_pair(row)
                 else:
@@ -396,6 +422,21 @@ class Program:
                                       f"(expected {len(streams[rank])})")
             streams[rank].append(instr)
         return cls.from_streams(streams, name)
+
+
+def check_size(ranks: int, microbatches: int, stages: int, replicas: int, instructions: int = 0) -> None:
+    """Refuse a program larger than any the compiler builds (limits.py), before anything loops
+    over its ranks, microbatches or stages."""
+    if ranks > MAX_RANKS:
+        raise ValidationError(f"{ranks:,} ranks, over the limit of {MAX_RANKS:,} (MAX_RANKS)")
+    if instructions > MAX_INSTRUCTIONS:
+        raise ValidationError(f"{instructions:,} instructions, over the limit of {MAX_INSTRUCTIONS:,} "
+                              f"(MAX_INSTRUCTIONS)")
+    if not all(isinstance(v, int) for v in (microbatches, stages, replicas)):
+        return  # not sizes at all: validate() says what is wrong
+    if max(microbatches, 1) * max(stages, 1) * max(replicas, 1) > MAX_COMPUTE_OPS:
+        raise ValidationError(f"{shorten(microbatches)} microbatches × {shorten(stages)} stages × {shorten(replicas)} "
+                              f"replica(s) is over the limit of {MAX_COMPUTE_OPS:,} forwards (MAX_COMPUTE_OPS)")
 
 
 def _blank(v: int | None) -> str | int:

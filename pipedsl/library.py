@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError
+from pipedsl.limits import MAX_SOURCE_BYTES, read_bounded
 
 
 def _builtin_dir():
@@ -26,12 +27,6 @@ def load(name_or_path: str | Path) -> Schedule:
         res = _builtin_dir() / f"{text_name}.pipe"
         return Schedule.from_text(res.read_text(encoding="utf-8"), f"schedules/{text_name}.pipe")
     if path.suffix == ".pipe" or path.exists():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as err:
-            raise PipeDSLError(f"cannot read {text_name}: {err.strerror}") from None
-        except UnicodeDecodeError:
-            raise PipeDSLError(f"{text_name} is not UTF-8 text") from None
-        return Schedule.from_text(text, text_name)
+        return Schedule.from_text(read_bounded(path, MAX_SOURCE_BYTES, "a .pipe source"), text_name)
     raise PipeDSLError(f"no schedule named {text_name!r} and no such file "
                        f"(built-in: {', '.join(builtin_names())})")

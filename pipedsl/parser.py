@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 from lark.lexer import PatternStr
 
 from pipedsl import nodes as n
 from pipedsl.errors import PipeDSLError, PipeSyntaxError, Span
+from pipedsl.limits import MAX_NESTING, MAX_NUMBER_DIGITS, MAX_SOURCE_BYTES
 
 _WORDS = {
     "NAME": "a name",
@@ -29,9 +31,21 @@ def _lark() -> Lark:
 
 
 def parse(text: str, file: str = "<string>") -> n.ScheduleDecl:
-    """Parse one schedule; raise `PipeSyntaxError` (or `PipeSemanticError`) that points into `text`."""
+    """Parse one schedule; raise `PipeSyntaxError` (or `PipeSemanticError`) that points into `text`.
+
+    Lark's LALR parser keeps its own stack (no recursion), so it may parse any nesting; the
+    size limit bounds its time.  The tree builder and every later pass recurse, so the tree's
+    depth is measured (without recursion) before anything walks it.
+    """
+    if not isinstance(text, str):
+        raise PipeSyntaxError(f"a schedule source is text, got {type(text).__name__}", Span(file, 1, 1))
+    if len(text) > MAX_SOURCE_BYTES:
+        raise PipeSyntaxError(f"the source is {len(text):,} characters, over the limit of {MAX_SOURCE_BYTES:,} "
+                              f"(MAX_SOURCE_BYTES)", Span(file, 1, 1))
+    _check_brackets(text, file)
     try:
         tree = _lark().parse(text)
+        _check_depth(tree, file)
         decl = _Builder(file).transform(tree)
     except UnexpectedInput as err:
         raise _syntax_error(err, text, file) from None
@@ -42,6 +56,45 @@ def parse(text: str, file: str = "<string>") -> n.ScheduleDecl:
     except PipeDSLError as err:
         raise err.with_source(text) from None
     return n.ScheduleDecl(decl.name, decl.params, decl.body, decl.span, source=text)
+
+
+_BRACKETS = re.compile(r'"(?:[^"\\\n]|\\.)*"|#[^\n]*|[(){}]')  # strings and comments hide their brackets
+
+
+def _check_brackets(text: str, file: str) -> None:
+    """Refuse brackets nested deeper than `MAX_NESTING` with a regular-expression scan: deep
+    nesting makes Lark slow long before any limit on the tree can be checked."""
+    depth = 0
+    for match in _BRACKETS.finditer(text):
+        char = match.group()
+        if char in "({":
+            depth += 1
+            if depth > MAX_NESTING:
+                line = text.count("\n", 0, match.start()) + 1
+                column = match.start() - (text.rfind("\n", 0, match.start()) + 1) + 1
+                raise PipeSyntaxError(f"brackets nested deeper than {MAX_NESTING} levels (MAX_NESTING)",
+                                      Span(file, line, column))
+        elif char in ")}":
+            depth = max(0, depth - 1)
+
+
+_FLAT = frozenset({"start", "schedule", "compute", "block"})  # containers that add no level of their own
+
+
+def _check_depth(tree: Tree, file: str) -> None:
+    """Raise at the first node nested deeper than `MAX_NESTING`; iterative, so any depth is safe."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        inner = [child for child in node.children if isinstance(child, Tree)]
+        if node.data not in _FLAT and inner:  # a leaf (a number, a name) is no level
+            depth += 1
+            if depth > MAX_NESTING:
+                meta = node.meta
+                raise PipeSyntaxError(f"nested deeper than {MAX_NESTING} levels (MAX_NESTING: every operator, "
+                                      f"'if' and block is a level, a chain a + b + … one per operator)",
+                                      Span(file, getattr(meta, "line", 1), getattr(meta, "column", 1)))
+        stack.extend((child, depth) for child in inner)
 
 
 def _describe(terminal: str) -> str:
@@ -217,6 +270,9 @@ class _Builder(Transformer):
     # ---- expressions
     @v_args(meta=True)
     def num(self, meta, children):
+        if len(children[0]) > MAX_NUMBER_DIGITS:
+            raise PipeSyntaxError(f"a number of {len(children[0]):,} digits; numbers have at most "
+                                  f"{MAX_NUMBER_DIGITS} (MAX_NUMBER_DIGITS)", self._span(meta))
         return n.Num(int(children[0]), self._span(meta))
 
     @v_args(meta=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from pipedsl.engine import dry_run
 from pipedsl.errors import PipeDSLError
 from pipedsl.ir import Instr, Op, Program
+from pipedsl.limits import MAX_COST, MAX_STAGES
 from pipedsl.perf import no_gc
 from pipedsl.timeline import Event, Timeline
 from pipedsl.validate import validate
@@ -41,6 +42,22 @@ class Cost:
     send: float = 0.0
     per_stage: dict[int, dict[str, float]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Every cost a finite number in [0, MAX_COST] (bandwidth: > 0, or inf for none), so
+        no sum along a path overflows and no message divides by zero."""
+        for name in _NAMES:
+            _check_cost(name, getattr(self, name))
+        if not isinstance(self.per_stage, dict):
+            raise PipeDSLError(f"Cost: per_stage is a dict {{stage: {{kind: cost}}}}, "
+                               f"got {type(self.per_stage).__name__}")
+        for stage, costs in self.per_stage.items():
+            if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < MAX_STAGES:
+                raise PipeDSLError(f"Cost: per-stage costs name a stage 0..{MAX_STAGES - 1:,}, got {str(stage)[:20]}")
+            if not isinstance(costs, dict) or not set(costs) <= set(_KINDS):
+                raise PipeDSLError(f"Cost: per_stage[{stage}] maps F, B, I or W to a cost")
+            for kind, value in costs.items():
+                _check_cost(f"{kind}@{stage}", value)
+
     @classmethod
     def parse(cls, text: str) -> Cost:
         """`"F=1,B=2,comm=0.1"`; per stage: `"F@3=1.5"` (stage 3's forward costs 1.5)."""
@@ -54,17 +71,22 @@ class Cost:
             except ValueError:
                 number = float("nan")
             if not sep or number != number or number < 0:
-                raise PipeDSLError(f"--cost: {part!r} is not NAME=VALUE with a non-negative number "
+                raise PipeDSLError(f"--cost: {part[:40]!r} is not NAME=VALUE with a non-negative number "
                                    f"(names: {', '.join(_NAMES)}; per stage: F@3=1.5)")
             kind, at, stage = name.partition("@")
-            if at:
-                if kind not in _KINDS or not stage.isdigit():
-                    raise PipeDSLError(f"--cost: {part!r}: per-stage costs are F@S, B@S, I@S or W@S")
-                per_stage.setdefault(int(stage), {})[kind] = number
-            elif name in _NAMES:
-                cost = replace(cost, **{name: number})
-            else:
-                raise PipeDSLError(f"--cost: unknown cost {name!r} (names: {', '.join(_NAMES)})")
+            try:
+                if at:
+                    if kind not in _KINDS or not stage.isdigit() or len(stage) > len(str(MAX_STAGES)):
+                        raise PipeDSLError(f"{part[:40]!r}: per-stage costs are F@S, B@S, I@S or W@S with a stage "
+                                           f"below {MAX_STAGES:,}")
+                    _check_cost(name, number)
+                    per_stage.setdefault(int(stage), {})[kind] = number
+                elif name in _NAMES:
+                    cost = replace(cost, **{name: number})
+                else:
+                    raise PipeDSLError(f"unknown cost {name[:20]!r} (names: {', '.join(_NAMES)})")
+            except PipeDSLError as err:
+                raise PipeDSLError(f"--cost: {err.message.removeprefix('Cost: ')}") from None
         return replace(cost, per_stage=per_stage) if per_stage else cost
 
     @classmethod
@@ -149,11 +171,25 @@ class Cost:
 _NAMES = ("F", "B", "I", "W", "FB", "comm", "bandwidth", "message_bytes", "reduce", "step", "send")
 
 
+def _check_cost(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise PipeDSLError(f"Cost: {name} is a number, got {type(value).__name__}")
+    if name == "bandwidth":
+        if not (value > 0 and (value <= MAX_COST or value == float("inf"))):
+            raise PipeDSLError(f"Cost: bandwidth={value:g} must be in (0, {MAX_COST:g}] or inf (MAX_COST)")
+    elif not 0 <= value <= MAX_COST:  # false for nan too
+        raise PipeDSLError(f"Cost: {name}={value:g} must be a finite number in [0, {MAX_COST:g}] (MAX_COST)")
+
+
 def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
     """Event-driven replay of a (validated) program under `cost`; returns the predicted `Timeline`."""
     if isinstance(cost, str):
         cost = Cost.parse(cost)
     cost = cost or Cost()
+    if not isinstance(cost, Cost):
+        raise PipeDSLError(f"simulate: cost is a Cost, a string like 'F=1,B=2' or None, got {type(cost).__name__}")
+    if not isinstance(program, Program):
+        raise PipeDSLError(f"simulate: program is a Program, got {type(program).__name__}")
     table: dict[tuple[Op, int | None], float] = {}
 
     def compute_time(ins: Instr) -> float:

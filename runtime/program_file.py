@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipedsl.errors import PipeDSLError, ValidationError
 from pipedsl.ir import Program
+from pipedsl.limits import MAX_PROGRAM_BYTES, read_bounded
 from pipedsl.torch_csv import from_torch_csv
 from pipedsl.validate import validate
 
@@ -28,14 +29,7 @@ def read_program(path: str | os.PathLike, ranks: int | None = None) -> Program:
     if p.suffix == ".pipe":
         raise PipeDSLError(f"{name} is a schedule source, not a compiled program: use it with "
                            f"--schedule (or compile it: pipedsl compile {name} -P … -M … --format json)")
-    try:
-        if p.exists() and not p.is_file():  # a directory, a FIFO, /dev/zero: never read (it may not end)
-            raise PipeDSLError(f"cannot read {name}: not a regular file")
-        text = p.read_text(encoding="utf-8")
-    except OSError as err:
-        raise PipeDSLError(f"cannot read {name}: {err.strerror or err}") from None
-    except UnicodeDecodeError:
-        raise PipeDSLError(f"{name} is not UTF-8 text (expected a program as JSON, CSV or text)") from None
+    text = read_bounded(p, MAX_PROGRAM_BYTES, "a program file")  # never a FIFO or /dev/zero: it may not end
     fmt = FORMATS.get(p.suffix.lower()) or _sniff(text)
     try:
         if fmt == "json":

@@ -1,0 +1,67 @@
+"""Every size limit of the language, its loaders and the cost model, in one place.
+
+Each limit is checked *before* the work it bounds (a bounded read, a depth count on the
+parse tree before any recursion, an expansion count on the AST before lambdas are built),
+and the error names the limit and its value.  docs/language.md ("Limits") says why each
+value was chosen; keep that table in step with this file.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from pipedsl.errors import PipeDSLError
+
+# ---- what a schedule may compile to
+MAX_COMPUTE_OPS = 500_000  # forwards per step: ~2.5M instructions, ~12 s and ~1 GB to compile
+MAX_RANKS = 1_024  # pipeline ranks of one program (P ranks hold >= P stages, so P*P <= MAX_COMPUTE_OPS anyway)
+MAX_MICROBATCHES = MAX_COMPUTE_OPS  # one stage, one replica: M forwards
+MAX_STAGES = MAX_COMPUTE_OPS  # stages x replicas: each holds at least one forward
+MAX_INSTRUCTIONS = 8 * MAX_COMPUTE_OPS  # per program file: F, B (or I + W), two messages each way, reduces
+MAX_COMPUTE_STEPS = 4 * MAX_COMPUTE_OPS  # items a `compute` block may run, over all ranks together
+
+# ---- what a .pipe source may contain
+MAX_SOURCE_BYTES = 64 * 1024  # the largest built-in schedule is ~3 KB; Lark parses 64 KiB in well under 2 s
+MAX_NESTING = 100  # brackets, operators, if/then/else, blocks; also with every `let` inlined
+MAX_NUMBER_DIGITS = 18  # every literal < 10**18 < 2**63
+MAX_VALUE_BITS = 128  # |value| < 2**128 for every value an expression computes
+MAX_EXPANSION = 100_000  # syntax nodes of all expressions with every `let` inlined where it is used
+
+# ---- loaded programs and costs
+MAX_PROGRAM_BYTES = 256 * 1024 * 1024  # a JSON program of MAX_INSTRUCTIONS is ~180 MB
+MAX_COST = 1e15  # a cost (time, bytes, bandwidth) is a finite number in [0, MAX_COST]
+
+
+def shorten(value: object, width: int = 40) -> str:
+    """A caller's value for an error message, cut short: an int of a million digits, or a
+    line of a megabyte, is no message (and `str` of a huge int is quadratic)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"a number of {'-' if value < 0 else ''}about {int(value.bit_length() * 0.30103):,} digits"
+    text = str(value) if isinstance(value, int | BaseException) else repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def read_bounded(path: str | os.PathLike, limit: int, what: str) -> str:
+    """The UTF-8 text of a regular file of at most `limit` bytes; otherwise a `PipeDSLError`.
+
+    Devices, FIFOs and directories are refused from `stat` alone, before opening (opening a
+    FIFO blocks; /dev/zero never ends), and at most `limit + 1` bytes are ever read.
+    """
+    name = os.fspath(path)
+    try:
+        info = os.stat(name)
+        if not stat.S_ISREG(info.st_mode):
+            raise PipeDSLError(f"cannot read {name}: not a regular file")
+        if info.st_size > limit:
+            raise PipeDSLError(f"{name} is {info.st_size:,} bytes, over the limit of {limit:,} for {what}")
+        with open(name, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as err:
+        raise PipeDSLError(f"cannot read {name}: {err.strerror or err}") from None
+    if len(data) > limit:  # it grew after stat
+        raise PipeDSLError(f"{name} is over the limit of {limit:,} bytes for {what}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PipeDSLError(f"{name} is not UTF-8 text") from None
