@@ -138,7 +138,8 @@ class Instr(NamedTuple):
             first, _, second = text.strip().partition("&")
             return cls.pair(cls.parse(first), cls.parse(second))
         m = _INSTR_RE.fullmatch(text.strip())
-        if m and max(map(len, filter(None, (m["rstage"], m["rep"], m["crep"], m["mb"], m["stage"], m["peer"])))) > 9:
+        if m and max(map(len, filter(None, (m["rstage"], m["rep"], m["crep"], m["mb"], m["stage"], m["peer"]))),
+                     default=0) > 9:
             raise ValueError(f"{text[:40]!r}: a number of more than 9 digits (the limits are MAX_MICROBATCHES="
                              f"{MAX_MICROBATCHES:,}, MAX_STAGES={MAX_STAGES:,}, MAX_RANKS={MAX_RANKS:,})")
         if not m:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pipedsl.engine import dry_run
 from pipedsl.errors import PipeDSLError
 from pipedsl.ir import Instr, Op, Program
-from pipedsl.limits import MAX_COST, MAX_STAGES
+from pipedsl.limits import MAX_COST, MAX_STAGES, shorten
 from pipedsl.perf import no_gc
 from pipedsl.timeline import Event, Timeline
 from pipedsl.validate import validate
@@ -172,13 +172,16 @@ _NAMES = ("F", "B", "I", "W", "FB", "comm", "bandwidth", "message_bytes", "reduc
 
 
 def _check_cost(name: str, value: object) -> None:
+    if name == "FB" and value is None:  # F + B of the pair's halves
+        return
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise PipeDSLError(f"Cost: {name} is a number, got {type(value).__name__}")
     if name == "bandwidth":
         if not (value > 0 and (value <= MAX_COST or value == float("inf"))):
-            raise PipeDSLError(f"Cost: bandwidth={value:g} must be in (0, {MAX_COST:g}] or inf (MAX_COST)")
+            raise PipeDSLError(f"Cost: bandwidth={shorten(value)} must be in (0, {MAX_COST:g}] or inf (MAX_COST)")
     elif not 0 <= value <= MAX_COST:  # false for nan too
-        raise PipeDSLError(f"Cost: {name}={value:g} must be a finite number in [0, {MAX_COST:g}] (MAX_COST)")
+        raise PipeDSLError(f"Cost: {name}={shorten(value)} must be a finite number in [0, {MAX_COST:g}] "
+                           f"(MAX_COST)")
 
 
 def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
