@@ -3,6 +3,7 @@
 - `Pipeline` (pipeline.py): the per-rank API — stages, `step(inputs, targets)`, timelines;
 - `launch` (launcher.py): local processes with a process group, or torchrun's;
 - `split_sequential`, `split_gpt` (split.py): cut a model into stages; `gpt.py`: a small GPT;
+- `causal_lm_stages`, `causal_lm_loss`, `shift_labels` (hf.py): Hugging Face causal LMs as stages;
 - underneath: `Executor` (executor.py) interprets one rank's instruction stream, `Stage`
   (stage.py) runs forward / backward / split backward, `Channels` (p2p.py) moves tensors,
   `GradReducer` (reduce.py) reduces replica gradients, `Tracer` (tracer.py) records a Timeline,
@@ -18,6 +19,9 @@ from typing import Any
 
 _EXPORTS = {
     "Pipeline": "pipeline",
+    "causal_lm_loss": "hf",
+    "causal_lm_stages": "hf",
+    "shift_labels": "hf",
     "launch": "launcher",
     "split_gpt": "split",
     "split_sequential": "split",

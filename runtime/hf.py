@@ -2,7 +2,8 @@
 
     stages = causal_lm_stages(model, program.num_stages)          # embedding … layers … norm + head
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=causal_lm_loss)
-    loss = pipe.step(input_ids, input_ids)                         # labels as for model(input_ids, labels=…)
+    loss = pipe.step(input_ids, shift_labels(labels))              # = model(input_ids, labels=labels).loss
+    # with padding: causal_lm_stages(..., attention_mask=True); pipe.step((input_ids, attention_mask), …)
 
 Supported: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` (one
 decoder shape: `model.model.{embed_tokens, layers, norm, rotary_emb}` and `lm_head`) and
@@ -32,7 +33,9 @@ What each stage recomputes instead of receiving — the HF model computes these 
   (Qwen2's `layer_types`, Mistral's `sliding_window`), for the model's attention
   implementation (`eager`: a 4-D additive mask; `sdpa`: none at all when purely causal).
 
-Without `position_ids`, positions are 0 … T−1 as in the HF model's forward.  Dropout is the
+Without `position_ids`, positions are 0 … T−1 as in the HF model's forward.  Position ids that
+restart within a row mark packed documents, masked apart as HF's training forward does
+(`use_cache=False`; with a KV cache HF does not look for packing).  Dropout is the
 modules' own: it follows `.train()` / `.eval()` and draws from each rank's RNG, so with dropout
 on, a pipelined step is not bit-equal to the unsplit model's (the draws differ), only alike.
 """
@@ -55,15 +58,28 @@ DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # model.model.{embed_tok
 GPT2_TYPES = ("gpt2",)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """HF's causal-LM loss: token t predicts label t+1, mean over labels that are not `ignore_index`.
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The targets of a causal LM, [B, T] → [B, T]: position t gets label t+1, the last `ignore_index`.
 
-    The same as `model(input_ids, labels=labels).loss` (transformers' `ForCausalLMLoss`): pass
-    the labels unshifted, [mb, T], with `ignore_index` where no loss is wanted.
+    This is transformers' own shift (`ForCausalLMLoss` pads the labels by one `ignore_index` and
+    drops the first): done once on the batch, the targets count exactly the tokens HF's loss
+    averages over, which `Pipeline(loss_reduction="token")` counts.
     """
-    logits = logits[:, :-1].float()  # [mb, T-1, V]: the last position has nothing to predict
-    target = labels[:, 1:].to(logits.device)  # [mb, T-1]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index)
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean",
+                   ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """HF's causal-LM cross-entropy of `logits` [mb, T, V] against `shift_labels(labels)` [mb, T].
+
+    `reduction="mean"` (over the targets that are not `ignore_index`) is the loss of
+    `model(input_ids, labels=labels)`, for the default per-microbatch mean; `"sum"` is for
+    `Pipeline(loss_reduction="token")`, which divides by the global batch's token count
+    (`functools.partial(causal_lm_loss, reduction="sum")`).  Logits are upcast to fp32, as HF does.
+    """
+    logits = logits.float()  # [mb, T, V]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.to(logits.device).reshape(-1),
+                           ignore_index=ignore_index, reduction=reduction)
 
 
 class _Parts:
@@ -197,7 +213,7 @@ def causal_lm_stages(model: nn.Module, num_stages: int, *, by: str = "count", po
     units).  With interleaved schedules `num_stages` is `program.num_stages` (P·V).
     `attention_mask=True`: stage 0 takes (input_ids, attention_mask); `position_ids=True`: it
     takes the position ids next; both travel to every stage (see the module docstring).
-    Pair with `causal_lm_loss` and labels as HF takes them.
+    Pair with `causal_lm_loss` and the targets `shift_labels(labels)`.
     """
     _require_transformers()
     parts = _Parts(model)

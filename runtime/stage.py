@@ -294,7 +294,7 @@ class Stage:
         outs, gs = self._roots(act, grads)
         want = [t for t in act.inputs if _is_float(t) and t.requires_grad]
         if not outs or not want:  # nothing flows back (first stage): W does all the work
-            act.grads = gs
+            act.outputs, act.grads = outs, gs  # the roots with a gradient (not integer outputs such as masks)
             return self._input_grads(act, [None] * len(want)) if want else []
         inputs = {n: k for k, n in enumerate(map(_grad_node, want)) if n is not None}
         graph = _Graph([_grad_node(t) for t in outs], inputs, self.param_nodes)
