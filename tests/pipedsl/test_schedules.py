@@ -89,30 +89,45 @@ def check_program(program: Program, placement: dict[tuple[int, int], int], route
 # ---------------------------------------------------------------- interleaved 1F1B (Megatron-LM)
 
 
-def megatron_interleaved(P: int, M: int, V: int, r: int) -> list[str]:
+def megatron_interleaved(P: int, M: int, V: int, r: int, G: int | None = None) -> list[str]:
     """forward_backward_pipelining_with_interleaving (megatron/core/pipeline_parallel/schedules.py):
-    iteration k works on chunk (k mod PV) div P (reversed for backwards) and microbatch
-    (k div PV)·P + k mod P; warmup 2(P-r-1) + (V-1)P capped at MV, or everything when M == P."""
+    get_schedule_table lists, per group of G microbatches (microbatch_group_size_per_vp_stage,
+    the last group what is left), chunk 0 for each, then chunk 1, …; iteration k forwards
+    table[k] and backwards table[k] with the chunk reversed; get_pp_rank_microbatches' warmup
+    is 2(P-r-1) + (V-1)G capped at MV."""
+    G = P if G is None else G
     total = M * V
-    warmup = total if M == P else min(2 * (P - r - 1) + (V - 1) * P, total)
-
-    def chunk(k: int, forward: bool) -> int:
-        c = (k % (P * V)) // P
-        return c if forward else V - 1 - c
-
-    def mb(k: int) -> int:
-        return (k // (P * V)) * P + k % P
+    warmup = min(2 * (P - r - 1) + (V - 1) * G, total)
+    table = []
+    for first in range(0, M, G):
+        last = M if first + G >= M else first + G
+        table += [(m, c) for c in range(V) for m in range(first, last)]
 
     def f(k: int) -> str:
-        return f"F{mb(k)}.{chunk(k, True) * P + r}"
+        m, c = table[k]
+        return f"F{m}.{c * P + r}"
 
     def b(k: int) -> str:
-        return f"B{mb(k)}.{chunk(k, False) * P + r}"
+        m, c = table[k]
+        return f"B{m}.{(V - 1 - c) * P + r}"
 
     order = [f(k) for k in range(warmup)]
     for k in range(total - warmup):
         order += [f(k + warmup), b(k)]
     return order + [b(k) for k in range(total - warmup, total)]
+
+
+def torch_interleaved(P: int, M: int, V: int) -> list[list[str]]:
+    """torch's own ScheduleInterleaved1F1B._calculate_single_rank_operations (reads only sizes):
+    rounds = max(1, M // P) groups of M / rounds microbatches."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule._n_microbatches, schedule.n_local_stages = P, M, V
+    schedule.microbatches_per_round = M // max(1, M // P)
+    assert M % max(1, M // P) == 0, "torch refuses this size"
+    return [[f"{a.computation_type.value}{a.microbatch_index}.{a.stage_index}"
+             for a in schedule._calculate_single_rank_operations(r) if a is not None] for r in range(P)]
 
 
 interleaved_sizes = st.tuples(st.integers(1, 8), st.integers(1, 4), st.integers(1, 4))  # P, M/P, V
@@ -127,6 +142,29 @@ def test_interleaved_is_megatrons_order(size):
     check_program(program, {(0, s): s % P for s in range(V * P)}, [0] * M)
 
 
+# (P, V, M) with M % P != 0 that torch accepts (M a multiple of its rounds, max(1, M // P))
+UNEVEN = [(2, 2, 3), (3, 2, 4), (3, 3, 5), (4, 2, 6), (4, 2, 7), (4, 3, 10), (4, 2, 15), (5, 2, 12), (8, 2, 18)]
+
+
+@pytest.mark.parametrize("P,V,M", UNEVEN)
+def test_interleaved_with_m_not_a_multiple_of_p_is_torchs_and_megatrons_order(P, V, M):
+    program = pipedsl.load("interleaved").compile(P=P, M=M, V=V)
+    G = M // max(1, M // P)
+    assert program.compute_orders() == torch_interleaved(P, M, V)
+    assert program.compute_orders() == [megatron_interleaved(P, M, V, r, G) for r in range(P)]
+    check_program(program, {(0, s): s % P for s in range(V * P)}, [0] * M)
+    t = pipedsl.simulate(program, F1B2)
+    assert frac(t.bubble_ratio) == Fraction(P - 1, V * M + P - 1)
+
+
+@pytest.mark.parametrize("P,V,M,G", [(2, 2, 5, 3), (4, 2, 10, 6), (4, 3, 11, 7), (3, 2, 8, 5)])
+def test_interleaved_group_size_with_a_partial_last_group_is_megatrons_table(P, V, M, G):
+    """Megatron's own knob: groups of G and a last group of M % G >= P microbatches."""
+    program = pipedsl.load("interleaved").compile(P=P, M=M, V=V, G=G)
+    assert program.compute_orders() == [megatron_interleaved(P, M, V, r, G) for r in range(P)]
+    check_program(program, {(0, s): s % P for s in range(V * P)}, [0] * M)
+
+
 @given(interleaved_sizes, st.sampled_from([UNIT, F1B2]))
 def test_interleaved_bubble_and_memory(size, cost):
     P, k, V = size
@@ -134,15 +172,23 @@ def test_interleaved_bubble_and_memory(size, cost):
     t = pipedsl.simulate(pipedsl.load("interleaved").compile(P=P, M=M, V=V), cost)
     assert frac(t.bubble_ratio) == Fraction(P - 1, V * M + P - 1)
     assert t.makespan == (cost.F + cost.B) * (V * M + P - 1)
-    if M > P:  # DESIGN §9
-        assert t.peak_activations == [min(M * V, 2 * (P - r - 1) + (V - 1) * P + 1) for r in range(P)]
-    else:  # Megatron runs every forward first when M == P
-        assert t.peak_activations == [M * V] * P
+    assert t.peak_activations == [min(M * V, 2 * (P - r - 1) + (V - 1) * P + 1) for r in range(P)]
 
 
-def test_interleaved_rejects_m_not_multiple_of_p():
-    with pytest.raises(pipedsl.PipeSemanticError, match="multiple of P"):
-        pipedsl.load("interleaved").compile(P=4, M=6)
+@pytest.mark.parametrize("sizes,message", [
+    ({"P": 4, "M": 9}, "last microbatch group, M % G, must be 0 or at least P"),  # torch: 9 % 2 rounds
+    ({"P": 4, "M": 14}, "last microbatch group"),
+    ({"P": 4, "M": 3}, r"at least P microbatches \(M >= P\)"),
+    ({"P": 4, "M": 8, "G": 3}, "group size G must be between P and M"),
+    ({"P": 4, "M": 8, "G": 9}, "group size G must be between P and M"),
+    ({"P": 4, "M": 10, "G": 8}, "last microbatch group"),  # Megatron: remainder 2 < P
+])
+def test_interleaved_rejects_what_megatron_and_torch_reject(sizes, message):
+    P, M = sizes["P"], sizes["M"]
+    if "G" not in sizes and M >= P:  # torch's own rule: M a multiple of its rounds
+        assert M % max(1, M // P) != 0
+    with pytest.raises(pipedsl.PipeSemanticError, match=message):
+        pipedsl.load("interleaved").compile(**sizes)
 
 
 # ---------------------------------------------------------------- Chimera

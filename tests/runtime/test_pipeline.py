@@ -53,6 +53,17 @@ def test_matches_single_process(schedule: str, P: int, pools) -> None:
 
 
 @pytest.mark.slow
+def test_interleaved_with_m_not_a_multiple_of_p_matches_single_process(pool2) -> None:
+    """Megatron's / torch's interleaved 1F1B at P = 2, M = 3 (one group of 3 microbatches)."""
+    program = pipedsl.load("interleaved").compile(P=2, M=3, V=2)
+    results = pool2.run(cases.equivalence, program.to_json())
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    assert not problems, "\n".join(problems[:20])
+    predicted = pipedsl.simulate(program).peak_activations
+    assert [res["peaks"] for res in results] == [[p] * 3 for p in predicted]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("lookahead,strict", [(0, False), (0, True), (64, True), (64, False)])
 @pytest.mark.parametrize("schedule", ["1f1b", str(HERE / "mixed.pipe")], ids=_name)
 def test_any_lookahead_and_pair_order(schedule: str, lookahead: int, strict: bool, pool2) -> None:
