@@ -1,24 +1,34 @@
 """`launch(fn, nprocs, *args)`: run `fn(rank, *args)` on local processes with a process group.
 
 Locally it spawns `nprocs` processes on 127.0.0.1 and a free port, initialises gloo (NCCL
-when there is a GPU per process), runs `fn`, and returns the results in rank order.  Under
-`torchrun` (RANK, WORLD_SIZE and MASTER_ADDR set) it spawns nothing: it initialises from the
-environment and runs `fn` for this process only, so one script serves both.
+when there is a GPU per process), runs `fn`, and returns what each rank's `fn` returned, in
+rank order.  Under `torchrun` (RANK, WORLD_SIZE and MASTER_ADDR set) it spawns nothing: it
+initialises from the environment and runs `fn` for this process only, so one script serves both.
+
+Return values travel as one `torch.save` file per rank, complete before the rank exits
+(rank_results.py): tensors (CUDA ones arrive on the CPU), nested lists/tuples/dicts of them,
+state dicts of any size, anything picklable.  A value that cannot be pickled is an error naming
+the rank, where in the value and its type.
 
 Everything is bounded: the process group has `timeout`; the join has `join_timeout`.  When a
 rank fails, the others stop (a receive from an exited rank fails at once, a stuck one at the
 process-group timeout); the launcher then raises `PipeRuntimeError` naming the rank that
 failed first (not the ranks that stopped because of it), with every rank's error as notes.
+SIGTERM, SIGINT or SIGHUP to the launcher stop every rank and raise `Interrupted` (exit status
+128 + signal); a rank whose launcher died exits by itself (lifecycle.py).  More local ranks than
+the machine can sensibly run are refused before anything starts (capacity.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import multiprocessing as mp
 import os
-import queue
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -29,9 +39,13 @@ import torch.distributed as dist
 
 from pipedsl.errors import PipeDSLError, PipeRuntimeError
 
+from .capacity import check_local_ranks, usable_cores
 from .errors import RankFailure, record_failure
+from .lifecycle import STOP_GRACE, StopSignals, follow_launcher, report_interrupt, stop_processes
+from .rank_results import UnreturnableResult, has_result, read_error, read_result, write_error, write_result
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+MAX_SECONDS = 365 * 86400.0  # a year: beyond it a timeout is a typo (and overflows timedelta near 1e14 s)
 
 
 def under_torchrun() -> bool:
@@ -59,8 +73,13 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None, t
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
-           timeout: float = 300.0, join_timeout: float = 3600.0, threads: int | None = None) -> list[Any]:
-    """Run `fn(rank, *args)` on `nprocs` ranks; the results in rank order (see the module docstring)."""
+           timeout: float = 300.0, join_timeout: float = 3600.0, threads: int | None = None,
+           max_local: int | None = None, stop_grace: float = STOP_GRACE) -> list[Any]:
+    """Run `fn(rank, *args)` on `nprocs` ranks; their return values in rank order (see the module docstring).
+
+    `max_local` lifts (or lowers) the limit on local processes (runtime/capacity.py); `stop_grace`
+    is how long a rank may take to exit after SIGTERM when the launcher is interrupted.
+    """
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         init_process_group(rank, world, backend, timeout, int(os.environ.get("LOCAL_RANK", rank)))
@@ -73,23 +92,33 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-    if nprocs < 1:
-        raise PipeRuntimeError(f"nprocs must be at least 1, got {nprocs}")
+    check_local_ranks(nprocs, max_local)
+    for name, value in (("timeout", timeout), ("join_timeout", join_timeout), ("stop_grace", stop_grace)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_SECONDS):
+            raise PipeDSLError(f"launch: {name} must be a number of seconds in (0, {MAX_SECONDS:g}], got {value!r}")
     ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    # The rendezvous store lives here, in the launcher: it outlives any rank, so the ranks can
-    # always read which one failed first (see errors.py).
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    port = store.port
-    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
-    procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, port, backend, timeout, threads, results, args),
-                         name=f"pipedsl-rank{rank}") for rank in range(nprocs)]
-    for p in procs:
-        p.start()
-    outcome = _join(procs, results, grace=timeout + 15.0, join_timeout=join_timeout)
-    del store
-    return _report(outcome, procs, join_timeout)
+    outbox = tempfile.mkdtemp(prefix="pipedsl-launch-")  # one result or error file per rank
+    try:
+        with StopSignals() as signals:
+            # The rendezvous store lives here, in the launcher: it outlives any rank, so the ranks can
+            # always read which one failed first (see errors.py).
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+            threads = threads or max(1, usable_cores() // nprocs)
+            procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, store.port, backend, timeout, threads,
+                                                      outbox, os.getpid(), args), name=f"pipedsl-rank{rank}")
+                     for rank in range(nprocs)]
+            for p in procs:
+                if signals.received is not None:
+                    break
+                p.start()
+            outcome = _join(procs, signals, grace=timeout + 15.0, join_timeout=join_timeout, stop_grace=stop_grace)
+            del store
+        if outcome["interrupted"] is not None:
+            raise report_interrupt(outcome["interrupted"], outcome["stopped"])
+        return _report(outcome, procs, join_timeout, outbox)
+    finally:
+        shutil.rmtree(outbox, ignore_errors=True)
 
 
 def _message(err: BaseException) -> str:
@@ -99,23 +128,31 @@ def _message(err: BaseException) -> str:
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str | None, timeout: float,
-           threads: int, results: mp.Queue, args: tuple) -> None:
+           threads: int, outbox: str, launcher_pid: int, args: tuple) -> None:
+    follow_launcher(launcher_pid, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     code = 0
     try:
         init_process_group(rank, world, backend, timeout, store_port=port)
-        results.put(("ok", rank, fn(rank, *args), False))
+        value = fn(rank, *args)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, then a hard exit
         consequence = isinstance(err, RankFailure) and err.peer_failure
         message = _message(err)
         if not consequence:
             record_failure(rank, message)
-        results.put(("error", rank, message, consequence))
+        write_error(outbox, rank, message, consequence)
         code = 1
-    results.close()
-    results.join_thread()
+    else:
+        try:
+            write_result(outbox, rank, value)  # complete on disk before this process exits
+        except UnreturnableResult as err:
+            write_error(outbox, rank, str(err), False)
+            code = 1
+        except OSError as err:
+            write_error(outbox, rank, f"cannot write its result for the launcher: {err}", False)
+            code = 1
     if code == 0:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -123,19 +160,13 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
     os._exit(code)
 
 
-def _join(procs: list, results: mp.Queue, grace: float, join_timeout: float) -> dict[str, Any]:
-    got: dict[int, tuple[str, Any, bool]] = {}
+def _join(procs: list, signals: StopSignals, grace: float, join_timeout: float, stop_grace: float) -> dict[str, Any]:
+    """Wait for every rank; kill the rest `grace` s after one failed, all at the join timeout or on a signal."""
     deadline = time.monotonic() + join_timeout
     failed_at = None
     timed_out = False
     killed: set[int] = set()
-    while True:
-        try:
-            kind, rank, value, consequence = results.get(timeout=0.05)
-            got[rank] = (kind, value, consequence)
-            continue
-        except queue.Empty:
-            pass
+    while signals.received is None:
         alive = [p for p in procs if p.exitcode is None]
         if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
             failed_at = time.monotonic()
@@ -150,25 +181,25 @@ def _join(procs: list, results: mp.Queue, grace: float, join_timeout: float) -> 
             for p in alive:
                 p.join(5)
             break
-    while True:  # anything still in the pipe
-        try:
-            kind, rank, value, consequence = results.get(timeout=0.2)
-            got[rank] = (kind, value, consequence)
-        except queue.Empty:
-            break
-    return {"got": got, "timed_out": timed_out, "killed": killed, "grace": grace}
+        time.sleep(0.05)
+    stopped = 0
+    if signals.received is not None:
+        stopped = sum(1 for p in procs if p.pid is not None and p.exitcode != 0)
+        stop_processes(procs, stop_grace, hurry=lambda: signals.repeated)
+    return {"timed_out": timed_out, "killed": killed, "grace": grace, "interrupted": signals.received,
+            "stopped": stopped}
 
 
-def _report(outcome: dict[str, Any], procs: list, join_timeout: float) -> list[Any]:
-    got = outcome["got"]
+def _report(outcome: dict[str, Any], procs: list, join_timeout: float, outbox: str) -> list[Any]:
     errors: dict[int, str] = {}
     causes: list[int] = []
     for rank, p in enumerate(procs):
-        kind, value, consequence = got.get(rank, (None, None, False))
-        if kind == "ok" and p.exitcode == 0:
+        recorded = read_error(outbox, rank)
+        if recorded is None and p.exitcode == 0 and has_result(outbox, rank):
             continue
-        if kind == "error":
-            errors[rank] = value
+        if recorded is not None:
+            message, consequence = recorded
+            errors[rank] = message
             if not consequence:
                 causes.append(rank)
         elif rank in outcome["killed"] and not outcome["timed_out"]:
@@ -182,9 +213,17 @@ def _report(outcome: dict[str, Any], procs: list, join_timeout: float) -> list[A
             errors[rank] = f"exited with status {p.exitcode} without reporting an error"
             causes.append(rank)
     if not errors:
-        return [got[r][1] for r in range(len(procs))]
+        return [_read(outbox, rank) for rank in range(len(procs))]
     # no rank failed on its own: the ones that stopped blamed a peer; blame the one left running (stuck)
     stuck = sorted(outcome["killed"]) if not outcome["timed_out"] else []
     first = causes[0] if causes else (stuck[0] if stuck else min(errors))
     notes = tuple(f"rank {r}: {m.splitlines()[0] if m else m}" for r, m in sorted(errors.items()) if r != first)
     raise PipeRuntimeError(f"rank {first} failed: {errors[first]}", notes=notes)
+
+
+def _read(outbox: str, rank: int) -> Any:
+    try:
+        return read_result(outbox, rank)
+    except Exception as err:  # noqa: BLE001 - e.g. a class the launcher cannot import
+        raise PipeRuntimeError(f"rank {rank} returned a value the launcher cannot load: "
+                               f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
