@@ -636,9 +636,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def fault_point(point: str, rank: int, step: int) -> None:
-    """Test-only hook: if PIPEDSL_FAULT is `point:rank:step`, SIGKILL this process (`hang`: SIGSTOP it)."""
-    if os.environ.get("PIPEDSL_FAULT") == f"{point}:{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGSTOP if point == "hang" else signal.SIGKILL)
+    """Test-only hook: if PIPEDSL_FAULT is `point:rank:step`, SIGKILL this process (`hang`, or a `stop-`
+    prefix: SIGSTOP it, e.g. `stop-save-part:1:4` freezes rank 1 with its step-4 part half written)."""
+    fault = os.environ.get("PIPEDSL_FAULT", "")
+    stop = fault.startswith("stop-")
+    if fault.removeprefix("stop-") == f"{point}:{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGSTOP if point == "hang" or stop else signal.SIGKILL)
 
 
 def _read_part(path: Path, part: dict[str, Any]) -> dict[str, Any]:

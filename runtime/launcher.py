@@ -138,6 +138,8 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
         init_process_group(rank, world, backend, timeout, store_port=port)
         value = fn(rank, *args)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, then a hard exit
+        if os.getppid() != launcher_pid:  # the launcher is gone (and its store): nobody to tell
+            os._exit(1)
         consequence = isinstance(err, RankFailure) and err.peer_failure
         message = _message(err)
         if not consequence:

@@ -128,13 +128,13 @@ def exit_on_signals() -> Iterator[None]:
 # ---------------------------------------------------------------- on every rank
 
 
-def follow_launcher(launcher_pid: int, rank: int, pdeathsig: bool = True) -> None:
+def follow_launcher(launcher_pid: int, rank: int) -> None:
     """Make this rank exit when its launcher is gone (and leave stop decisions to the launcher)."""
     for s in STOP_SIGNALS:
         if s != signal.SIGTERM:
             signal.signal(s, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if pdeathsig and os.environ.get("PIPEDSL_NO_PDEATHSIG") != "1":  # test-only: the watchdog alone
+    if str(rank) not in os.environ.get("PIPEDSL_NO_PDEATHSIG", "").split(","):  # test-only: the watchdog alone
         _set_parent_death_signal(signal.SIGKILL)
     thread = threading.Thread(target=_watch, args=(launcher_pid, rank), name="pipedsl-launcher-watch", daemon=True)
     thread.start()

@@ -16,8 +16,12 @@ that never stopped.
 
 Everything the user can get wrong (sizes, the program file, its rank count, a batch that does
 not split into M, a checkpoint of another stage partition) is reported before any process
-starts, as one line, exit status 2.  A failure while running (a rank that dies, a timeout)
-exits with status 1 and names the rank that failed first.
+starts, as one line, exit status 2 — more local processes (dp x P), threads or model memory
+than this machine can hold included, unless `--allow-oversubscribe` (runtime/capacity.py).  A
+failure while running (a rank that dies, a timeout) exits with status 1 and names the rank
+that failed first.  SIGTERM, SIGINT or SIGHUP stop every rank, print `interrupted by SIGTERM:
+stopped 4 ranks` and exit with status 128 + signal; no rank outlives the command, not even a
+SIGKILL of it (runtime/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -27,11 +31,16 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
+from functools import wraps
 from pathlib import Path
 from typing import Any
 
 from pipedsl.arguments import fraction, nonnegative_int, positive_float, positive_int
+
+from .capacity import check_local_ranks, total_memory, usable_cores
+from .lifecycle import exit_on_signals
 
 N_HEAD = 4
 VOCAB = 64
@@ -102,11 +111,23 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
                    help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), "
                         "or from the given checkpoint directory")
     p.add_argument("-o", "--out", default=out, help=f"directory for timeline.json / losses.json (default {out})")
+    p.add_argument("--allow-oversubscribe", action="store_true",
+                   help="start more local processes, threads or model memory than this machine sensibly holds")
 
 
 # ---------------------------------------------------------------- commands
 
 
+def _stoppable(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """SIGTERM/SIGINT/SIGHUP end the command with status 128 + signal and one line, never a traceback."""
+    @wraps(command)
+    def wrapper(args: argparse.Namespace) -> int:
+        with exit_on_signals():
+            return command(args)
+    return wrapper
+
+
+@_stoppable
 def run(args: argparse.Namespace) -> int:
     """`pipedsl train`: compile the schedule, then train."""
     import pipedsl
@@ -118,10 +139,12 @@ def run(args: argparse.Namespace) -> int:
         if not sep or not name.strip() or not value.strip().lstrip("-").isdigit():
             raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
         params[name.strip()] = int(value)
+    _check_local(args.ranks, args)  # before compiling: a huge -P is refused, not compiled
     program = pipedsl.load(args.schedule).compile(P=args.ranks, M=args.microbatches, **params)
     return _execute(program, args)
 
 
+@_stoppable
 def run_program(args: argparse.Namespace) -> int:
     """`pipedsl run`: read and validate a program file, then train."""
     from .program_file import read_program
@@ -183,6 +206,7 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
     from pipedsl.errors import PipeDSLError
 
     M, S, dp = program.num_microbatches, program.num_stages, args.dp
+    _check_local(program.num_ranks, args)
     batch = args.batch or 4 * M * dp
     if batch % (M * dp):
         what = f"dp*M = {dp}*{M} = {dp * M}" if dp > 1 else f"M={M}"
@@ -203,6 +227,7 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
                            f"cosine schedule (it decays after the warmup, until --steps)")
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
+    _check_run_numbers(args, layers, batch, dp * program.num_ranks)
     cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "layers": layers, "embd": args.embd,
            "lr": args.lr, "dropout": args.dropout, "seed": args.seed,
            "timeout": args.checkpoint_timeout or args.timeout,
@@ -213,6 +238,51 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
     return cfg
+
+
+MAX_SECONDS = 365 * 86400.0  # a timeout beyond a year is a typo (and overflows torch's timedelta near 1e14 s)
+MAX_SEED = 2**63 - 2  # torch.manual_seed takes 64-bit seeds; the data generator uses seed + 1
+
+
+def _check_local(ranks: int, args: argparse.Namespace) -> None:
+    """dp x ranks local processes: within what this machine runs (capacity.py) unless --allow-oversubscribe."""
+    dp = args.dp
+    what = f"--dp {dp} x {ranks} pipeline ranks" if dp > 1 else f"{ranks} pipeline ranks"
+    check_local_ranks(dp * ranks, limit=10**9 if args.allow_oversubscribe else None, what=what,
+                      override="--allow-oversubscribe")
+
+
+def _check_run_numbers(args: argparse.Namespace, layers: int, batch: int, nprocs: int) -> None:
+    """Seconds, seeds, threads and model memory a local run can actually use; one line each."""
+    from pipedsl.errors import PipeDSLError
+
+    for flag, value in (("--timeout", args.timeout), ("--checkpoint-timeout", args.checkpoint_timeout),
+                        ("--join-timeout", args.join_timeout)):
+        if value is not None and value > MAX_SECONDS:
+            raise PipeDSLError(f"{flag} {value:g}: more than a year ({MAX_SECONDS:g} s)")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise PipeDSLError(f"--seed {args.seed}: must be in [0, 2**63 - 2]")
+    if args.allow_oversubscribe:
+        return
+    cores = usable_cores()
+    if args.threads > cores:
+        raise PipeDSLError(f"--threads {args.threads}: more threads per rank than this machine's {cores} cores "
+                           f"(--allow-oversubscribe to run anyway)")
+    need, memory = _memory_estimate(args, layers, batch, nprocs), total_memory()
+    if memory and need > memory:
+        raise PipeDSLError(f"the model and batch need about {need / 2**30:.3g} GiB (--layers {layers}, "
+                           f"--embd {args.embd}, --seq {args.seq}, --batch {batch}, {nprocs} processes), more than "
+                           f"this machine's {memory / 2**30:.3g} GiB (--allow-oversubscribe to run anyway)")
+
+
+def _memory_estimate(args: argparse.Namespace, layers: int, batch: int, nprocs: int) -> int:
+    """Bytes a run needs at least, fp32: every process builds the whole GPT before keeping its stages;
+    gradients and Adam's two moments once more, x3; activations of the whole batch (Korthikanti et al.
+    2022: 34·s·b·h + 5·a·s²·b bytes per layer in fp16, doubled for fp32)."""
+    C, T, L, B = args.embd, args.seq, layers, batch
+    params = 2 * VOCAB * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    activations = L * (68 * T * B * C + 10 * N_HEAD * T * T * B) + 16 * B * T
+    return 4 * params * nprocs + 12 * params + activations
 
 
 def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str | None) -> str | None:

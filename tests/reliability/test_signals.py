@@ -1,0 +1,180 @@
+"""Stopping a run from outside (issue 13 §1): no worker outlives its launcher, whatever the signal.
+
+`pipedsl train` and a user's script calling `pipedsl.launch` run as subprocesses; once they are
+training (or saving a checkpoint), the test signals the launcher and then checks the exit status
+(128 + signal), the one line on stderr, no traceback, and that every worker process found under
+the launcher in /proc is gone.  A SIGKILLed launcher cannot clean up: its workers must exit by
+themselves (one through the kernel's parent-death signal, one through its watchdog thread).
+Bounds are generous (a shared 2-core machine): they show "bounded", not "fast".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipedsl.runtime import checkpoint
+
+HERE = Path(__file__).parent
+SIZES = ["-P", "2", "-M", "2", "--seq", "8", "--embd", "16", "--timeout", "60", "--threads", "1"]
+START_LIMIT = 300  # seconds until the run trains (torch imports on a loaded machine)
+GONE_LIMIT = 60  # seconds for the workers to be gone after the signal
+
+
+def spawn(tmp_path: Path, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    out = open(tmp_path / "stdout.txt", "w")  # noqa: SIM115 - the child writes it; closed with the run
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def train(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return spawn(tmp_path, [sys.executable, "-m", "pipedsl.cli", "train", *SIZES, "-o", str(tmp_path / "out"),
+                            *extra], env)
+
+
+def wait_until(proc: subprocess.Popen, ready, what: str) -> None:
+    deadline = time.monotonic() + START_LIMIT
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before {what}: {proc.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"not {what} within {START_LIMIT} s")
+        time.sleep(0.1)
+
+
+def workers(launcher: int) -> dict[int, str]:
+    """pid -> start time of the launcher's spawned ranks (not multiprocessing's resource tracker)."""
+    found = {}
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found[int(pid)] = _start_time(int(pid))
+    return found
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]  # a zombie has exited
+
+
+def alive(pids: dict[int, str]) -> list[int]:
+    return [pid for pid, started in pids.items() if _start_time(pid) == started]
+
+
+def wait_gone(pids: dict[int, str]) -> float:
+    t0 = time.monotonic()
+    while alive(pids) and time.monotonic() < t0 + GONE_LIMIT:
+        time.sleep(0.02)
+    assert not alive(pids), f"workers {alive(pids)} still running {GONE_LIMIT} s after the launcher was signalled"
+    return time.monotonic() - t0
+
+
+def training(tmp_path: Path):
+    return lambda: "step   1/" in (tmp_path / "stdout.txt").read_text()
+
+
+def finish(proc: subprocess.Popen, sig: signal.Signals, ranks: int = 2) -> str:
+    _, err = proc.communicate(timeout=GONE_LIMIT + 60)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert err.splitlines()[-1] == f"interrupted by {sig.name}: stopped {ranks} ranks", err[-2000:]
+    return err
+
+
+@pytest.mark.slow
+def test_sigint_to_the_process_group_stops_every_rank(tmp_path) -> None:
+    """Ctrl-C reaches the launcher and its ranks at once: the ranks leave it to the launcher."""
+    proc = train(tmp_path, "--steps", "100000")
+    wait_until(proc, training(tmp_path), "training")
+    pids = workers(proc.pid)
+    assert len(pids) == 2
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_gone(pids)
+    finish(proc, signal.SIGINT)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one_and_resumes_bit_exactly(tmp_path) -> None:
+    """Rank 1 freezes (SIGSTOP) with its step-4 part half written; SIGTERM to the launcher then.
+    Step 4 never counts, step 2 does, and resuming from step 2 rewrites rank 0's step-4 part
+    bit for bit (parameters, optimizer state, RNG, data generator)."""
+    ck = tmp_path / "ck"
+    step4 = ck / "step-00000004"
+    proc = train(tmp_path, "--steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+                 "--checkpoint-timeout", "200", env={"PIPEDSL_FAULT": "stop-save-part:1:4"})
+
+    def saving() -> bool:
+        names = [p.name for p in step4.iterdir()] if step4.is_dir() else []
+        return "rank-00000.pt" in names and any(n.startswith(".rank-00001.pt.tmp") for n in names)
+
+    wait_until(proc, saving, "saving step 4")
+    pids = workers(proc.pid)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    took = wait_gone(pids)
+    finish(proc, signal.SIGTERM)
+    print(f"SIGTERM -> every worker gone: {took:.2f} s; launcher exited after {time.monotonic() - t0:.2f} s")
+    assert "manifest.json" not in [p.name for p in step4.iterdir()]
+    assert checkpoint.latest(ck).step == 2
+    again = tmp_path / "again"
+    again.mkdir()
+    proc = train(again, "--steps", "4", "--resume", str(ck / "step-00000002"), "--checkpoint-dir", str(again / "ck"),
+                 "--checkpoint-every", "2")
+    _, err = proc.communicate(timeout=START_LIMIT)
+    assert proc.returncode == 0, err[-2000:]
+    interrupted = torch.load(step4 / "rank-00000.pt", weights_only=False)
+    resumed = torch.load(again / "ck" / "step-00000004" / "rank-00000.pt", weights_only=False)
+    assert interrupted["step"] == resumed["step"] == 4
+    for key in ("modules", "optimizers", "rng", "extra"):
+        assert same(interrupted[key], resumed[key]), key
+
+
+@pytest.mark.slow
+def test_sighup_to_a_users_launch_stops_every_rank_even_one_ignoring_sigterm(tmp_path) -> None:
+    proc = spawn(tmp_path, [sys.executable, str(HERE / "signal_script.py"), str(tmp_path)])
+    wait_until(proc, lambda: all((tmp_path / f"pid-{r}").exists() for r in (0, 1)), "running")
+    time.sleep(0.3)  # rank 1 has installed its SIGTERM handler before writing its pid
+    pids = workers(proc.pid)
+    assert sorted(pids) == sorted(int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1))
+    proc.send_signal(signal.SIGHUP)
+    wait_gone(pids)
+    finish(proc, signal.SIGHUP)
+    assert "not reached" not in (tmp_path / "stdout.txt").read_text()
+
+
+@pytest.mark.slow
+def test_workers_of_a_sigkilled_launcher_exit_by_themselves(tmp_path) -> None:
+    """Through their watchdog threads alone (the test switches the kernel's parent-death signal off:
+    with it, the ranks get SIGKILL at once on Linux — measured 0.1 s)."""
+    proc = train(tmp_path, "--steps", "100000", env={"PIPEDSL_NO_PDEATHSIG": "0,1"})
+    wait_until(proc, training(tmp_path), "training")
+    pids = workers(proc.pid)
+    assert len(pids) == 2
+    proc.kill()
+    took = wait_gone(pids)
+    print(f"SIGKILL of the launcher -> every worker gone: {took:.2f} s")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert f"the launcher (pid {proc.pid}) is gone; exiting" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
