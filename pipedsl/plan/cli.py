@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from pipedsl.arguments import positive_float, positive_int
 from pipedsl.errors import PipeDSLError
+from pipedsl.library import load
 from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
 from pipedsl.plan.model import MODELS, ModelSpec, model_preset
 from pipedsl.plan.search import PlanResult, search
@@ -72,6 +73,8 @@ def _zero_stages(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     model, cluster = model_from_args(args), cluster_from_args(args)
+    for name in args.schedule or ():
+        load(name)  # an unknown name or a broken .pipe is one error up front, not every layout rejected
     result = search(model, cluster, top=args.top, schedules=args.schedule, zero=_zero_stages(args.zero))
     print_result(result, args.rejected)
     return 0 if result.ranked else 1

@@ -1,0 +1,138 @@
+"""The planner's parts against their references: the ZeRO paper's memory, Megatron's FLOP and
+parameter formulas, torch's own modules and FLOP counter, a step-by-step ring, and the rejections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipedsl.plan import Layout, LayoutError, ModelSpec, cluster_preset, evaluate, model_preset, model_states, search
+from pipedsl.plan.cost import all_gather, all_reduce, stage_costs
+from pipedsl.plan.pipeline import _run_exact, compiled, program_peaks, run_pipeline, simulation_sizes
+from pipedsl.runtime.gpt import GPT, Block, GPTConfig
+
+# Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20,
+# Figure 1: Ψ = 7.5B parameters, Nd = 64 data-parallel ranks, K = 12 — GB per GPU as printed.
+ZERO_FIGURE1_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+
+
+@pytest.mark.parametrize("stage", sorted(ZERO_FIGURE1_GB))
+def test_zero_memory_per_stage_is_the_zero_papers_figure1(stage):
+    states = model_states(7.5e9, 64, stage)
+    assert round(states.total / 1e9, 1) == ZERO_FIGURE1_GB[stage]
+    # and the exact terms: (2 + 2 + K)Ψ with the sharded ones divided by Nd
+    exact = {0: 16 * 7.5, 1: 4 * 7.5 + 12 * 7.5 / 64, 2: 2 * 7.5 + 14 * 7.5 / 64, 3: 16 * 7.5 / 64}[stage]
+    assert states.total / 1e9 == pytest.approx(exact, rel=1e-12)
+
+
+sizes = st.fixed_dictionaries({"layers": st.integers(1, 128), "heads": st.sampled_from([1, 8, 32, 96]),
+                               "head_dim": st.sampled_from([64, 128]), "seq": st.sampled_from([512, 2048, 8192]),
+                               "vocab": st.integers(1000, 260000), "batch": st.integers(1, 4096)})
+
+
+def spec(d: dict) -> ModelSpec:
+    return ModelSpec("h", d["layers"], d["heads"] * d["head_dim"], d["heads"], d["seq"], d["vocab"], d["batch"])
+
+
+@given(sizes)
+def test_iteration_flops_are_megatron_eq3(d):
+    # Narayanan et al., SC'21, eq. 3 (with recomputation) and its 72·… form without it (§5.1).
+    m = spec(d)
+    B, s, l, h, V = m.global_batch, m.seq, m.layers, m.hidden, m.vocab
+    assert m.iteration_flops(True) == pytest.approx(96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)),
+                                                    rel=1e-12)
+    assert m.iteration_flops(False) == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)),
+                                                     rel=1e-12)
+
+
+@given(sizes)
+def test_parameter_count_is_megatron_section_5_1(d):
+    # SC'21 §5.1: P = 12·l·h²·(1 + 13/12h + (V + s)/12lh); the planner also counts the final LayerNorm (2h).
+    m = spec(d)
+    l, h, V, s = m.layers, m.hidden, m.vocab, m.seq
+    assert m.params == round(12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))) + 2 * h
+
+
+def test_parameters_and_flops_match_the_torch_gpt():
+    cfg = GPTConfig(vocab_size=320, block_size=96, n_layer=3, n_head=4, n_embd=64)
+    m = ModelSpec("small", cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size, 1)
+    assert sum(p.numel() for p in Block(cfg).parameters()) == m.layer_params
+    # the torch GPT's head is untied: one more V×h matrix than the planner's tied Megatron count
+    assert sum(p.numel() for p in GPT(cfg).parameters()) == m.params + cfg.vocab_size * cfg.n_embd
+    x = torch.randn(2, cfg.block_size, cfg.n_embd)
+    with FlopCounterMode(display=False) as counter:
+        Block(cfg)(x)
+    # torch does not count its CPU attention kernel: the matmuls are counted, then QKᵀ and AV explicitly
+    attention = 4 * 2 * cfg.block_size ** 2 * cfg.n_embd
+    assert counter.get_total_flops() == m.layer_flops(samples=2) - attention
+    q = torch.randn(2, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+    with FlopCounterMode(display=False) as counter:
+        torch.softmax(q @ q.transpose(-1, -2), -1) @ q
+    assert counter.get_total_flops() == attention
+
+
+def ring(size: float, ranks: int, bandwidth: float, latency: float, phases: int) -> float:
+    """A ring step by step: `phases` rounds (1 reduce-scatter or all-gather, 2 all-reduce) of N-1
+    steps, each sending one size/N chunk to the neighbour."""
+    t = 0.0
+    for _ in range(phases * (ranks - 1)):
+        t += latency + size / ranks / bandwidth
+    return t
+
+
+@given(st.floats(1e3, 1e11), st.integers(1, 4096), st.floats(1e8, 1e12), st.floats(0, 1e-4))
+def test_collectives_are_the_ring_step_by_step(size, ranks, bandwidth, latency):
+    assert all_reduce(size, ranks, bandwidth, latency) == pytest.approx(ring(size, ranks, bandwidth, latency, 2),
+                                                                        rel=1e-9, abs=1e-15)
+    assert all_gather(size, ranks, bandwidth, latency) == pytest.approx(ring(size, ranks, bandwidth, latency, 1),
+                                                                        rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "chimera"])
+def test_large_M_extends_the_simulation_linearly(schedule):
+    # pipeline.py simulates two sizes past the warmup and extends; equal to simulating M itself.
+    P, M = 4, 24
+    assert len(simulation_sizes(M, P)) == 2
+    model, cluster = model_preset("gpt-1.7b"), cluster_preset("a100-80gb").with_gpus(32)
+    layout = Layout(8, P, 1, schedule, 2, M)
+    program = compiled(schedule, P, M)
+    costs = stage_costs(model, cluster, layout, program.num_stages, program.num_replicas)
+    run = run_pipeline(schedule, P, M, (), costs)
+    it, makespan, peaks, _ = _run_exact(schedule, P, M, (), costs)
+    assert run.iteration == pytest.approx(it, rel=1e-9) and run.pipeline == pytest.approx(makespan, rel=1e-9)
+    assert program_peaks(schedule, P, M) == pytest.approx([float(p) for p in peaks])
+
+
+REJECTIONS = [
+    # (model, gpus, layout, the reason's beginning)
+    ("gpt-1.7b", 32, Layout(32, 1, 1, "1f1b", 1, 10), "batch: dp 32 × M 10 × microbatch 1 != global batch 512"),
+    ("gpt-1.7b", 80, Layout(16, 5, 1, "1f1b", 1, 32), "divisibility: 24 layers do not split evenly over pp 5"),
+    ("gpt-1.7b", 160, Layout(32, 1, 5, "1f1b", 1, 16), "divisibility: tp 5 must divide heads 24"),
+    ("gpt-175b", 8, Layout(8, 1, 1, "1f1b", 1, 192), "out of memory: the model states alone take"),
+    ("gpt-175b", 1024, Layout(16, 8, 8, "gpipe", 1, 96, recompute=False), "out of memory: at least"),
+    ("gpt-1.7b", 64, Layout(8, 8, 1, "dualpipe", 8, 8), "schedule: "),
+]
+
+
+@pytest.mark.parametrize(("name", "gpus", "layout", "reason"), REJECTIONS, ids=[r[3].split(":")[0] + str(i)
+                                                                                 for i, r in enumerate(REJECTIONS)])
+def test_rejected_layouts_say_why(name, gpus, layout, reason):
+    with pytest.raises(LayoutError) as err:
+        evaluate(model_preset(name), cluster_preset("a100-80gb").with_gpus(gpus), layout)
+    assert err.value.message.startswith(reason), err.value.message
+
+
+def test_search_reports_rejections_with_reasons_and_ranks_the_rest():
+    model, cluster = model_preset("gpt-18b"), cluster_preset("a100-80gb").with_gpus(16)
+    result = search(model, cluster, top=3, schedules=["1f1b", "interleaved"], microbatch_sizes=(1, 2))
+    kinds = {r.reason.split(":")[0] for r in result.rejected}
+    assert {"out of memory", "divisibility"} <= kinds
+    assert len(result.ranked) == 3 and [e.iteration for e in result.ranked] == sorted(e.iteration for e in result.ranked)
+    for e in result.ranked:  # what is ranked fits, and its memory report adds up
+        assert e.memory.total <= cluster.memory - cluster.reserved_memory
+        st_ = e.memory.states
+        assert e.memory.total == pytest.approx(st_.params + st_.grads + st_.optimizer + e.memory.activations)
+        assert e.layout.dp * e.layout.microbatches * e.layout.microbatch == model.global_batch
