@@ -3,7 +3,7 @@
 Shapes in comments: B batch (micro-batch), T sequence, C embedding, H heads, V vocabulary.
 Used by `pipedsl train` and examples/nanogpt.py; `GPT.tp_stages` slices it into tensor-parallel
 stages (pipedsl/parallel/tp_gpt.py, examples/parallel_3d.py).  The head does not tie its weight to the
-token embedding (examples/hf_gpt2.py trains a tied model: see pipedsl/runtime/ties.py).
+token embedding (examples/hf_llama.py trains a tied model: see pipedsl/runtime/ties.py).
 """
 
 from __future__ import annotations

@@ -189,37 +189,25 @@ def _example(name: str):
     return module
 
 
-def hf_gpt2_equivalence(rank: int, schedule: str, M: int) -> dict:
-    """examples/hf_gpt2.py: its stages reproduce the HF model, and the pipeline equals one process."""
-    ex = _example("hf_gpt2")
-    P = torch.distributed.get_world_size()
-    program = pipedsl.load(schedule).compile(P=P, M=M)
-    model = ex.gpt2_model()
-    ref = copy.deepcopy(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    stages = ex.gpt2_stages(model, program.num_stages)
-    problems = []
-    x = torch.randint(model.config.vocab_size, (2 * M, 9), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        h = x[:, :-1]
-        for st in stages:
-            h = st(h)
-        if not torch.allclose(h, ref(x[:, :-1]).logits, rtol=1e-5, atol=1e-6):
-            problems.append("the stages in sequence do not reproduce the model's logits")
-    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=ex.lm_loss)
-    loss = pipe.step(x[:, :-1], x[:, 1:])
-    ref_loss = reference_step(ref, lambda out, y: ex.lm_loss(out.logits, y), x[:, :-1], x[:, 1:], M)
-    if abs(loss - ref_loss) > RTOL * abs(ref_loss):
-        problems.append(f"loss {loss} != {ref_loss}")
-    ref_params = dict(ref.named_parameters())
-    checked = 0
-    for module in pipe.local_stages().values():
-        for p in module.parameters():
-            q = ref_params[names[id(p)]]
-            checked += 1
-            if not _close(p.grad, q.grad):
-                problems.append(f"{names[id(p)]}.grad differs")
-    return {"problems": problems, "checked": checked}
+def hf_llama_example(rank: int, schedule: str, params: dict[str, int], steps: int, out: str) -> dict:
+    """examples/hf_llama.py trains like one process: the unsplit HF model, the same batches,
+    `model(ids, attention_mask=, labels=).loss`, torch's clip_grad_norm_ and AdamW, step by step."""
+    ex = _example("hf_llama")
+    M = 4
+    losses = ex.train(rank, "llama", schedule, params, M, steps, "fp32", "none", out if rank == 0 else None)
+    model = ex.tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    ref = []
+    for _ in range(steps):
+        ids, mask, labels = ex.padded_batch(2 * M, gen)
+        loss = model(ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    return {"losses": losses, "reference": ref}
 
 
 def nanogpt_example(rank: int) -> list[float]:
