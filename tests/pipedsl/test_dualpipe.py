@@ -101,6 +101,21 @@ def test_dualpipe_meets_deepseeks_table(P, extra, F, w_less, overlap):
     assert program.microbatch_replica == (0,) * (M // 2) + (1,) * (M // 2)  # half the batch at each end
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([1, 2, 3, 4, 5, 8]), st.integers(0, 3), st.integers(1, 3), st.integers(0, 3), st.integers(0, 2))
+def test_dualpipev_meets_deepseeks_table(P, extra, F, w_less, overlap):
+    """DeepSeek's DualPipe README table, DualPipeV row, with its PP = 2P stages on P ranks: idle
+    (PP/2-1)(F&B + B - 3W) = (P-1)(F&B + B - 3W) per rank (the most any rank idles), PP+1 = 2P+1
+    chunk activations a rank -- exact for any M >= 2P when T_I = T_F and T_W <= T_F."""
+    M = 2 * P + extra
+    W = max(1, F - w_less)
+    B = F + W
+    FB = B + F * overlap / 2
+    t = pipedsl.simulate(pipedsl.load("dualpipev").compile(P=P, M=M), pipedsl.Cost(F=F, B=B, I=F, W=W, FB=FB))
+    assert max(t.makespan - busy for busy in t.busy) == pytest.approx((P - 1) * (FB + B - 3 * W))
+    assert t.peak_activations == [2 * P + 1] * P
+
+
 def test_dualpipe_is_dualpipev_folded_over_two_copies():
     """Rank r of DualPipe runs DualPipeV's rank min(r, P-1-r) order of P/2 ranks and M/2 microbatches
     (DeepSeek's DualPipe.step and DualPipeV.step are the same eight steps)."""

@@ -206,3 +206,26 @@ def test_mutated_sources_fail_only_with_pipedsl_errors(source, edits, P, M):
         schedule.compile(P=P, M=M)
     except PipeDSLError as err:
         assert str(err).startswith(("fuzz.pipe:", "error:", "invalid program:", "deadlock:"))
+
+
+def test_the_examples_in_language_md_compile_and_do_what_the_text_says():
+    """Every ```pipe block of docs/language.md compiles and validates at P = 4, M = 6, with the
+    numbers its text quotes (F = 1, B = 2, I = W = 1)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "language.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```pipe\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 4
+    cost = pipedsl.Cost(F=1, B=2, I=1, W=1)
+    one = pipedsl.simulate(pipedsl.load("1f1b").compile(P=4, M=6), cost)
+    runs, sources = {}, {}
+    for text in blocks:
+        schedule = Schedule.from_text(text)
+        runs[schedule.name] = pipedsl.simulate(schedule.compile(P=4, M=6), cost)
+        sources[schedule.name] = schedule
+    assert runs["mixed"].makespan == one.makespan
+    assert round(runs["1F1B, split"].bubble_ratio, 3) == 0.217 < round(one.bubble_ratio, 3) == 0.333
+    assert runs["1F1B, capped"].peak_activations == [2, 2, 2, 1]
+    assert round(runs["1F1B, capped"].bubble_ratio, 3) == 0.538
+    paired = pipedsl.simulate(sources["1F1B, overlapped"].compile(P=4, M=16), pipedsl.Cost(F=1, B=2, FB=2))
+    assert round(paired.bubble_ratio, 2) == 0.57
