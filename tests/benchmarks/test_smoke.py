@@ -83,3 +83,13 @@ def test_recompute(tmp_path):
     for m in got["memory"]:  # one stage per rank: the measured bytes are the prediction
         assert all(m[v]["measured"] == m[v]["predicted"] > 0 for v in ("baseline", "full", "selective"))
     assert got["memory"][0]["full_vs_baseline"] < 1 and got["shapes"]["learned"] == 1 + 2
+
+
+@pytest.mark.slow
+def test_schedules_v(tmp_path):
+    got = run(tmp_path, "schedules_v", "--P", "2", "--M", "4", "--schedules", "1f1b", "dualpipev", "--width", "32", *TINY)
+    rows = {r["schedule"]: r for r in got["rows"]}
+    assert set(rows) == {"1f1b", "dualpipev"} and rows["1f1b"]["sleep_step_vs_1f1b"] == 1.0
+    for r in rows.values():  # the runtime counted what the simulator predicts, and saved bytes for each
+        assert r["measured_peak_activations"] == r["sim_peak_activations"] and min(r["measured_peak_bytes"]) > 0
+        assert r["gpt_step_s"]["n"] == 1 and r["sleep_step_vs_1f1b"] > 0
