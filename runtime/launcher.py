@@ -41,7 +41,7 @@ from pipedsl.errors import PipeDSLError, PipeRuntimeError
 
 from .capacity import check_local_ranks, usable_cores
 from .errors import RankFailure, record_failure
-from .lifecycle import STOP_GRACE, StopSignals, follow_launcher, report_interrupt, stop_processes
+from .lifecycle import STOP_GRACE, StopSignals, follow_launcher, report_interrupt, signals_held, stop_processes
 from .rank_results import UnreturnableResult, has_result, read_error, read_result, write_error, write_result
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
@@ -108,10 +108,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
             procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, store.port, backend, timeout, threads,
                                                       outbox, os.getpid(), args), name=f"pipedsl-rank{rank}")
                      for rank in range(nprocs)]
-            for p in procs:
-                if signals.received is not None:
-                    break
-                p.start()
+            with signals_held():  # recorded once the ranks are started, not lost
+                for p in procs:
+                    p.start()
             outcome = _join(procs, signals, grace=timeout + 15.0, join_timeout=join_timeout, stop_grace=stop_grace)
             del store
         if outcome["interrupted"] is not None:

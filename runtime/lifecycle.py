@@ -11,9 +11,11 @@ background job's SIGINT) stays ignored.  The same three signals outside `launch`
 compiling, writing its outputs) end the CLI the same way (`exit_on_signals`).
 
 Rank side: ranks ignore SIGINT and SIGHUP (Ctrl-C and a hang-up reach the whole process group:
-the launcher decides) and die on SIGTERM.  A rank whose launcher is gone — SIGKILLed, or crashed
-— exits by itself: on Linux the kernel sends it SIGKILL (PR_SET_PDEATHSIG), and everywhere a
-watchdog thread notices within `WATCH_INTERVAL` seconds that its parent process changed.
+the launcher decides) and die on SIGTERM; they start with SIGINT and SIGHUP blocked
+(`signals_held`), so a Ctrl-C while a rank still imports torch is no traceback either.  A rank
+whose launcher is gone — SIGKILLed, or crashed — exits by itself: on Linux the kernel sends it
+SIGKILL (PR_SET_PDEATHSIG), and everywhere a watchdog thread notices within `WATCH_INTERVAL`
+seconds that its parent process changed.
 Checkpoints need nothing here: a part or manifest is renamed into place only when complete,
 so a rank stopped while writing leaves nothing that counts.
 """
@@ -80,6 +82,26 @@ class StopSignals:
         self._previous.clear()
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Block SIGINT and SIGHUP while ranks are started: a new process inherits the mask, so a Ctrl-C
+    that reaches a rank still importing torch stays pending (and is then discarded by
+    `follow_launcher`) instead of printing a `KeyboardInterrupt` traceback; the launcher gets
+    its own copy when the block ends.  SIGTERM stays deliverable: it ends a starting rank silently."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # multiprocessing starts its resource tracker with the first spawned process and *unblocks*
+    # SIGINT and SIGTERM afterwards: started now, it leaves the mask below alone
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [s for s in STOP_SIGNALS if s != signal.SIGTERM])
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def stop_processes(procs: Sequence[Any], grace: float, hurry: Any = None) -> None:
     """SIGTERM (+SIGCONT) every live process, SIGKILL whatever is left after `grace` s, reap all.
 
@@ -134,6 +156,8 @@ def follow_launcher(launcher_pid: int, rank: int) -> None:
         if s != signal.SIGTERM:
             signal.signal(s, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):  # started with SIGINT/SIGHUP blocked (signals_held); now ignored
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if str(rank) not in os.environ.get("PIPEDSL_NO_PDEATHSIG", "").split(","):  # test-only: the watchdog alone
         _set_parent_death_signal(signal.SIGKILL)
     thread = threading.Thread(target=_watch, args=(launcher_pid, rank), name="pipedsl-launcher-watch", daemon=True)

@@ -6,14 +6,15 @@ import threading
 
 import torch
 
-LARGE = 24 * 2**20 // 4  # float32 elements of the large state dict: ~24 MiB per rank
+LARGE = 50 * 2**20 // 4  # float32 elements of rank 0's state dict: 50 MiB (rank 1's: 1 MiB)
 
 
 def values(rank: int) -> dict:
     """What rank `rank` returns; the test rebuilds the same values in the launcher to compare."""
     gen = torch.Generator().manual_seed(100 + rank)
     w = torch.randn(6, 5, generator=gen)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, LARGE // 1024 // 2), torch.nn.Linear(LARGE // 1024 // 2, 1024))
+    hidden = (LARGE if rank == 0 else LARGE // 50) // 1024 // 2
+    model = torch.nn.Sequential(torch.nn.Linear(1024, hidden), torch.nn.Linear(hidden, 1024))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))

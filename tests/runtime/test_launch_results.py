@@ -37,7 +37,7 @@ def test_tensors_nested_containers_and_a_large_state_dict_come_back_intact() -> 
         want = cases.values(rank)
         assert_same(got, want)
         size = sum(t.numel() * t.element_size() for t in got["state"].values())
-        assert size > 20 * 2**20, f"the state dict should be tens of MB, is {size} bytes"
+        assert size > (50 if rank == 0 else 1) * 2**20, f"rank {rank}'s state dict is only {size} bytes"
         assert got["view"].untyped_storage().data_ptr() == got["tensor"].untyped_storage().data_ptr(), \
             "a view comes back as a view of the same storage"
 
