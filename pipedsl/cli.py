@@ -29,9 +29,8 @@ EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors: same shape as ours
-        self.print_usage(sys.stderr)
-        print(f"error: {message}", file=sys.stderr)
+    def error(self, message: str) -> None:  # argparse's own errors: one line, as ours (no usage dump)
+        print(f"error: {message} ({self.prog} -h lists the options)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
 

@@ -172,8 +172,10 @@ def _execute(program: Any, args: argparse.Namespace) -> int:
     if cfg["resume"]:
         print(f"resuming from {cfg['resume']}", flush=True)
     try:
-        results = pipedsl.launch(_train, dp * program.num_ranks, program.to_json(), cfg, timeout=args.timeout,
-                                 join_timeout=args.join_timeout, threads=args.threads)
+        nprocs = dp * program.num_ranks
+        results = pipedsl.launch(_train, nprocs, program.to_json(), cfg, timeout=args.timeout,
+                                 join_timeout=args.join_timeout, threads=args.threads,
+                                 max_local=nprocs if args.allow_oversubscribe else None)
     except PipeRuntimeError as err:
         print(err.render(), file=sys.stderr)
         return 1
