@@ -33,6 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
     p.add_argument("--top", type=positive_int, default=10, help="rows in the ranked table (default 10)")
     p.add_argument("--rejected", type=positive_int, default=8, help="rejected examples to print (default 8)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (a GPT block's FLOP/s, gloo latency/bandwidth, AdamW) with --gpus "
+                        "local processes (default 4) and plan on it; the model defaults to the small GPT")
+    p.add_argument("--scaling", metavar="OUT.svg",
+                   help="instead of the table: predicted throughput against GPU count (8..4096) for the best "
+                        "layout and for pure data parallelism, drawn to OUT.svg")
     return p
 
 
@@ -72,12 +78,40 @@ def _zero_stages(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, cluster = model_from_args(args), cluster_from_args(args)
+    if args.calibrate:
+        model, cluster = _calibrated(args)
+    else:
+        model, cluster = model_from_args(args), cluster_from_args(args)
+    if args.scaling:
+        from pipedsl.plan.scaling import GPU_COUNTS, plot_scaling, scaling
+
+        points = scaling(model, cluster)
+        plot_scaling(points, model, cluster, args.scaling)
+        for p in points:
+            print(f"{p.gpus:>5} GPUs: best {_short(p.best)}; data parallel {_short(p.data_parallel)}")
+        print(f"wrote {args.scaling} ({GPU_COUNTS[0]}..{GPU_COUNTS[-1]} GPUs)")
+        return 0
     for name in args.schedule or ():
         load(name)  # an unknown name or a broken .pipe is one error up front, not every layout rejected
     result = search(model, cluster, top=args.top, schedules=args.schedule, zero=_zero_stages(args.zero))
     print_result(result, args.rejected)
     return 0 if result.ranked else 1
+
+
+def _short(e) -> str:
+    return "nothing fits" if e is None else f"{e.iteration:.2f} s/iteration, {e.tflops:.0f} TFLOP/s/GPU ({e.layout})"
+
+
+def _calibrated(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
+    from pipedsl.plan.calibrate import SmallGPT, calibrate
+
+    small = SmallGPT()
+    cal = calibrate(args.gpus or 4, small)
+    print(f"calibrated on {cal.ranks} local processes: {cal.flops / 1e9:.2f} GFLOP/s per rank (GPT block, all ranks "
+          f"computing), link {cal.latency * 1e6:.0f} us + {cal.bandwidth / 1e9:.2f} GB/s (gloo), "
+          f"AdamW {cal.memory_bandwidth / 1e9:.2f} GB/s")
+    given = args.model or any(getattr(args, k) is not None for k in ("layers", "hidden", "heads", "seq", "vocab"))
+    return (model_from_args(args) if given else small.spec()), cal.cluster()
 
 
 def print_result(result: PlanResult, rejected_examples: int = 8) -> None:

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipedsl.plan import Layout, LayoutError, ModelSpec, cluster_preset, evaluate, model_preset, model_states, search
 from pipedsl.plan.cost import all_gather, all_reduce, stage_costs
 from pipedsl.plan.pipeline import _run_exact, compiled, program_peaks, run_pipeline, simulation_sizes
+from pipedsl.plan.scaling import plot_scaling, scaling
 from pipedsl.runtime.gpt import GPT, Block, GPTConfig
 
 # Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20,
@@ -136,3 +137,15 @@ def test_search_reports_rejections_with_reasons_and_ranks_the_rest():
         st_ = e.memory.states
         assert e.memory.total == pytest.approx(st_.params + st_.grads + st_.optimizer + e.memory.activations)
         assert e.layout.dp * e.layout.microbatches * e.layout.microbatch == model.global_batch
+
+
+def test_scaling_best_is_never_below_pure_data_parallel(tmp_path):
+    model, cluster = model_preset("gpt-1.7b"), cluster_preset("a100-80gb")
+    points = scaling(model, cluster, (8, 16), schedules=["1f1b"])
+    for p in points:  # the best searches a superset of the data-parallel layouts
+        assert p.best is not None and p.data_parallel is not None
+        assert p.data_parallel.layout.pp == p.data_parallel.layout.tp == 1
+        assert p.samples_per_second("best") >= p.samples_per_second("data_parallel") * (1 - 1e-9)
+    assert points[1].samples_per_second("best") > points[0].samples_per_second("best")
+    plot_scaling(points, model, cluster, tmp_path / "s.svg")
+    assert (tmp_path / "s.svg").read_text().startswith("<?xml")

@@ -1,0 +1,139 @@
+"""The planner calibrated on this machine against the runtime's measured step times.
+
+`pipedsl plan --calibrate`'s measurements (pipedsl/plan/calibrate.py: a GPT block's FLOP/s
+with every rank computing, gloo ping-pong latency/bandwidth, AdamW's bytes/s) become a
+`ClusterSpec`; the planner then predicts the step time of each locally runnable layout of the
+small GPT, and the same layouts are trained for real (pipedsl.launch, gloo, one torch thread a
+rank: forward, backward, gradient reduction and the AdamW step, as `pipedsl train`).  The table
+is measured vs predicted per layout, the ratio, and whether the two orders agree (Spearman's
+rho of the step times).  Calibration and measurement run in the same invocation.
+
+    python benchmarks/planner_calibration.py            # 4 ranks, 5 timed steps per layout
+    python benchmarks/planner_calibration.py --ranks 8  # adds 8-rank layouts (slow on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench  # noqa: E402
+
+from pipedsl.plan import Layout, evaluate  # noqa: E402
+from pipedsl.plan.calibrate import SmallGPT, measure_rank, summarize  # noqa: E402
+
+# (dp, pp, tp, schedule, params) at 4 ranks; 8 ranks doubles dp
+LAYOUTS_4 = [(1, 4, 1, "1f1b", ()), (1, 4, 1, "gpipe", ()), (1, 4, 1, "zb-h1", ()),
+             (1, 4, 1, "interleaved", (("V", 2),)), (2, 2, 1, "1f1b", ()), (2, 2, 1, "zb-h1", ()),
+             (1, 2, 2, "1f1b", ()), (4, 1, 1, "1f1b", ())]
+
+
+def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: int) -> tuple[dict, list[float]]:
+    import torch
+
+    import pipedsl
+    from pipedsl.parallel import ParallelConfig, ParallelMesh
+    from pipedsl.runtime.gpt import GPT, gpt_loss, synthetic_batch
+
+    program = pipedsl.load(layout.schedule).compile(P=layout.pp, M=layout.microbatches, **dict(layout.params))
+    torch.manual_seed(0)
+    gpt = GPT(model.gpt_config())
+    mesh = None
+    if layout.dp > 1 or layout.tp > 1:
+        mesh = ParallelMesh(ParallelConfig(dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero))
+    if layout.tp > 1:
+        from pipedsl.parallel.tp_gpt import tp_gpt_loss
+
+        stages, loss = gpt.tp_stages(program.num_stages, mesh), tp_gpt_loss(mesh)
+    else:
+        stages, loss = gpt.stages(program.num_stages), gpt_loss
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss, parallel=mesh)
+    opt = pipe.optimizer(torch.optim.AdamW, lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    times = []
+    for step in range(warmup + steps):
+        x, y = synthetic_batch(model.batch, model.seq, model.vocab, gen)
+        torch.distributed.barrier()  # every rank starts the step together: the step ends at the last rank
+        t0 = time.perf_counter()
+        pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return measure_rank(rank, model, reps=3), times
+
+
+def measure(model: SmallGPT, layout: Layout, steps: int, warmup: int) -> tuple[list[dict], float]:
+    """The calibration measurements taken right after the steps (same processes, same load), and
+    the median over steps of the slowest rank's step time."""
+    from pipedsl.runtime import launch
+
+    per_rank = launch(_train_rank, layout.gpus, model, layout, steps, warmup, timeout=600, threads=1)
+    return [m for m, _ in per_rank], statistics.median(max(ts) for ts in zip(*(t for _, t in per_rank)))
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(xs: list[float]) -> list[int]:
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        out = [0] * len(xs)
+        for r, i in enumerate(order):
+            out[i] = r
+        return out
+
+    ra, rb, n = ranks(a), ranks(b), len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    model = SmallGPT()
+    spec = model.spec()
+    began = time.perf_counter()
+    scale = args.ranks // 4
+    layouts, measured, runs = [], [], []
+    for dp, pp, tp, schedule, params in LAYOUTS_4:
+        dp *= scale
+        M = model.batch // (dp * model.microbatch)
+        layout = Layout(dp, pp, tp, schedule, model.microbatch, M, zero=0, recompute=False, params=params)
+        calibration_run, step = measure(model, layout, args.steps, args.warmup)
+        layouts.append(layout)
+        measured.append(step)
+        runs.append(calibration_run)
+        print(f"  {layout}: measured {step * 1e3:.0f} ms", flush=True)
+    # one calibration for every row: the medians over all the runs' measurements
+    cal = summarize(runs, model)
+    cluster = cal.cluster()
+    print(f"calibration ({args.ranks} ranks, {len(runs)} runs): {cal.flops / 1e9:.2f} GFLOP/s per rank with all "
+          f"computing, link {cal.latency * 1e6:.0f} us + {cal.bandwidth / 1e9:.2f} GB/s, "
+          f"AdamW {cal.memory_bandwidth / 1e9:.2f} GB/s")
+    rows = [(layout, m, evaluate(spec, cluster, layout).iteration) for layout, m in zip(layouts, measured)]
+    rho = spearman([r[1] for r in rows], [r[2] for r in rows])
+    same = sorted(rows, key=lambda r: r[1]) == sorted(rows, key=lambda r: r[2])
+    errors = [abs(p / m - 1) for _, m, p in rows]
+    print("\n| layout | measured ms | predicted ms | predicted / measured |\n|---|---:|---:|---:|")
+    for layout, m, p in rows:
+        print(f"| {layout} | {m * 1e3:.0f} | {p * 1e3:.0f} | {p / m:.2f} |")
+    print(f"\nSpearman rho {rho:.2f}, identical order: {same}; |error| median {statistics.median(errors):.1%}, "
+          f"max {max(errors):.1%}; within 15 %: {sum(e <= 0.15 for e in errors)}/{len(errors)}; "
+          f"{time.perf_counter() - began:.0f} s")
+    _bench.write_json("planner_calibration", {
+        "machine": _bench.machine(), "ranks": args.ranks, "calibration": cal.__dict__,
+        "rows": [{"layout": str(lay), "measured": m, "predicted": p} for lay, m, p in rows],
+        "spearman": rho, "identical_order": same})
+    ratios = [p / m for _, m, p in rows]
+    _bench.append_results(_bench.results_row(f"python benchmarks/planner_calibration.py --ranks {args.ranks}",
+                                             f"predicted/measured {min(ratios):.2f}-{max(ratios):.2f}, "
+                                             f"Spearman {rho:.2f}, identical order {same}"))
+
+
+if __name__ == "__main__":
+    main()
