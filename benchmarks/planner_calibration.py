@@ -9,7 +9,8 @@ is measured vs predicted per layout, the ratio, and whether the two orders agree
 rho of the step times).  Calibration and measurement run in the same invocation.
 
     python benchmarks/planner_calibration.py            # 4 ranks, 5 timed steps per layout
-    python benchmarks/planner_calibration.py --ranks 8  # adds 8-rank layouts (slow on 2 cores)
+    python benchmarks/planner_calibration.py --quick    # 4 layouts, 3 steps
+    python benchmarks/planner_calibration.py --ranks 8  # the layouts with dp doubled (slow on 2 cores)
 """
 
 from __future__ import annotations
@@ -94,13 +95,17 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, choices=(4, 8))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="4 layouts (pp4 1F1B and GPipe, dp2xpp2, dp4), 3 steps")
     args = parser.parse_args()
+    chosen = [LAYOUTS_4[i] for i in (0, 1, 4, 7)] if args.quick else LAYOUTS_4
+    if args.quick:
+        args.steps, args.warmup = 3, 1
     model = SmallGPT()
     spec = model.spec()
     began = time.perf_counter()
     scale = args.ranks // 4
     layouts, measured, runs = [], [], []
-    for dp, pp, tp, schedule, params in LAYOUTS_4:
+    for dp, pp, tp, schedule, params in chosen:
         dp *= scale
         M = model.batch // (dp * model.microbatch)
         layout = Layout(dp, pp, tp, schedule, model.microbatch, M, zero=0, recompute=False, params=params)
