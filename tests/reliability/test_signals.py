@@ -10,6 +10,7 @@ Bounds are generous (a shared 2-core machine): they show "bounded", not "fast".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,10 +30,33 @@ START_LIMIT = 300  # seconds until the run trains (torch imports on a loaded mac
 GONE_LIMIT = 60  # seconds for the workers to be gone after the signal
 
 
+SPAWNED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    """A failing test must not leave its run training: kill each spawned session's process group."""
+    yield
+    while SPAWNED:
+        proc = SPAWNED.pop()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _as_from_a_terminal() -> None:
+    """The run starts with default dispositions, as from an interactive shell: a CI job started in the
+    background (or under nohup) inherits SIGINT/SIGHUP ignored, which the launcher rightly keeps."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def spawn(tmp_path: Path, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     out = open(tmp_path / "stdout.txt", "w")  # noqa: SIM115 - the child writes it; closed with the run
-    return subprocess.Popen(argv, stdout=out, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    SPAWNED.append(proc)
+    return proc
 
 
 def train(tmp_path: Path, *extra: str, env: dict[str, str] | None = None, command: str = "train") -> subprocess.Popen:
