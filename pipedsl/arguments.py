@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.limits import MAX_MICROBATCHES, MAX_RANKS, shorten
 
 
 def _number(text: str, convert: type, ok, requirement: str) -> int | float:
@@ -15,10 +16,27 @@ def _number(text: str, convert: type, ok, requirement: str) -> int | float:
         v = convert(text)
     except ValueError:
         kind = "an integer" if convert is int else "a number"
-        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        raise argparse.ArgumentTypeError(f"{shorten(text)} is not {kind}") from None
     if not ok(v):
-        raise argparse.ArgumentTypeError(f"{text} {requirement}")
+        raise argparse.ArgumentTypeError(f"{shorten(v)} {requirement}")
     return v
+
+
+def int_in(low: int, high: int, limit: str):
+    """argparse type: an integer in [low, high]; `limit` names the bound in the error (limits.py)."""
+    def parse(text: str) -> int:
+        return _number(text, int, lambda v: low <= v <= high, f"is not in {low:,}..{high:,} ({limit})")
+    parse.__name__ = f"integer in {low:,}..{high:,}"  # what argparse calls the type in its messages
+    return parse
+
+
+def float_in(low: float, high: float, limit: str):
+    """argparse type: a finite number in [low, high]; `limit` names the bound in the error."""
+    def parse(text: str) -> float:
+        return _number(text, float, lambda v: math.isfinite(v) and low <= v <= high,
+                       f"is not a number in [{low:g}, {high:g}] ({limit})")
+    parse.__name__ = f"number in [{low:g}, {high:g}]"
+    return parse
 
 
 def positive_int(text: str) -> int:
@@ -44,8 +62,10 @@ def fraction(text: str) -> float:
 def add_sizes(p: argparse.ArgumentParser, many: bool = False) -> None:
     """SCHEDULE -P -M [-V] [-p]; `many`: any number of schedules, sizes checked by the command (`show`)."""
     p.add_argument("schedule", nargs="*" if many else None, help="a built-in name (see `pipedsl list`) or a .pipe file")
-    p.add_argument("-P", "--ranks", type=positive_int, required=not many, help="pipeline ranks")
-    p.add_argument("-M", "--microbatches", type=positive_int, required=not many, help="microbatches per step")
+    p.add_argument("-P", "--ranks", type=int_in(1, MAX_RANKS, "MAX_RANKS"), required=not many,
+                   help=f"pipeline ranks (at most {MAX_RANKS:,})")
+    p.add_argument("-M", "--microbatches", type=int_in(1, MAX_MICROBATCHES, "MAX_MICROBATCHES"), required=not many,
+                   help="microbatches per step")
     p.add_argument("-V", "--chunks", type=positive_int, help="shorthand for -p V=N (chunks per rank)")
     add_param(p)
 
@@ -65,7 +85,7 @@ def parse_params(items: Sequence[str], chunks: int | None = None) -> dict[str, i
         except ValueError:
             sep = ""
         if not sep or not name:
-            raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
+            raise PipeDSLError(f"-p {shorten(item)}: expected NAME=INTEGER")
         params[name] = number
     if chunks is not None:
         params["V"] = chunks

@@ -89,5 +89,14 @@ def _excerpt(source: str, span: Span) -> list[str]:
     width = 1
     if span.end_line == span.line and span.end_column > span.column:
         width = span.end_column - span.column
-    caret = " " * (len(gutter) - 2) + "| " + " " * (span.column - 1) + "^" * width
+    column = span.column
+    if len(text) > _EXCERPT:  # a window of a very long line around the column
+        first = max(0, min(column - 1 - _EXCERPT // 2, len(text) - _EXCERPT))
+        text = ("…" if first else "") + text[first:first + _EXCERPT] + ("…" if first + _EXCERPT < len(text) else "")
+        column -= first - (1 if first else 0)
+    width = max(1, min(width, len(text) - column + 1))
+    caret = " " * (len(gutter) - 2) + "| " + " " * (column - 1) + "^" * width
     return [gutter + text, caret]
+
+
+_EXCERPT = 100  # characters of a source line shown

@@ -27,6 +27,6 @@ def load(name_or_path: str | Path) -> Schedule:
         res = _builtin_dir() / f"{text_name}.pipe"
         return Schedule.from_text(res.read_text(encoding="utf-8"), f"schedules/{text_name}.pipe")
     if path.suffix == ".pipe" or path.exists():
-        return Schedule.from_text(read_bounded(path, MAX_SOURCE_BYTES, "a .pipe source"), text_name)
+        return Schedule.from_text(read_bounded(path, MAX_SOURCE_BYTES, "a .pipe source (MAX_SOURCE_BYTES)"), text_name)
     raise PipeDSLError(f"no schedule named {text_name!r} and no such file "
                        f"(built-in: {', '.join(builtin_names())})")

@@ -22,15 +22,22 @@ MAX_INSTRUCTIONS = 8 * MAX_COMPUTE_OPS  # per program file: F, B (or I + W), two
 MAX_COMPUTE_STEPS = 4 * MAX_COMPUTE_OPS  # items a `compute` block may run, over all ranks together
 
 # ---- what a .pipe source may contain
-MAX_SOURCE_BYTES = 64 * 1024  # the largest built-in schedule is ~3 KB; Lark parses 64 KiB in well under 2 s
-MAX_NESTING = 100  # brackets, operators, if/then/else, blocks; also with every `let` inlined
+MAX_SOURCE_BYTES = 32 * 1024  # 14x the largest built-in (dualpipe.pipe, 2.3 KB); the densest 32 KiB parses in < 1 s
+MAX_NESTING = 100  # levels of the syntax tree (operators, if/then/else, blocks), also with every `let` inlined
 MAX_NUMBER_DIGITS = 18  # every literal < 10**18 < 2**63
 MAX_VALUE_BITS = 128  # |value| < 2**128 for every value an expression computes
 MAX_EXPANSION = 100_000  # syntax nodes of all expressions with every `let` inlined where it is used
 
-# ---- loaded programs and costs
-MAX_PROGRAM_BYTES = 256 * 1024 * 1024  # a JSON program of MAX_INSTRUCTIONS is ~180 MB
+# ---- loaded programs, costs, drawings
+MAX_PROGRAM_BYTES = 64 * 1024 * 1024  # JSON at ~47 bytes an instruction: ~1.4M instructions, ~0.5 GB to load
 MAX_COST = 1e15  # a cost (time, bytes, bandwidth) is a finite number in [0, MAX_COST]
+MAX_DRAWING_COLUMNS = 10_000  # `show --width`: P rows of this many characters
+
+# ---- the planner (`pipedsl plan`)
+MAX_PLAN_GPUS = 1 << 20  # ~1M GPUs, 10x the largest cluster built; divisors are found by trial (~0.2 s)
+MAX_PLAN_SIZE = 1 << 30  # layers, hidden, heads, seq, vocab, ffn, global batch: ~1e9, floats stay exact
+MAX_PLAN_TOP = 100  # ranked rows: each one is a simulated pipeline (pruning stops at the top-th)
+PLAN_RATE_RANGE = (1e-3, 1e6)  # TFLOP/s, GB, GB/s and microseconds on the command line: far beyond any GPU
 
 
 def shorten(value: object, width: int = 40) -> str:

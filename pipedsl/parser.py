@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, Tree, v_args
@@ -27,25 +26,24 @@ _WORDS = {
 @functools.cache
 def _lark() -> Lark:
     grammar = Path(__file__).with_name("grammar.lark")
-    return Lark(grammar.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    return Lark(grammar.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True,
+                tree_class=_MeasuredTree)
 
 
 def parse(text: str, file: str = "<string>") -> n.ScheduleDecl:
     """Parse one schedule; raise `PipeSyntaxError` (or `PipeSemanticError`) that points into `text`.
 
-    Lark's LALR parser keeps its own stack (no recursion), so it may parse any nesting; the
-    size limit bounds its time.  The tree builder and every later pass recurse, so the tree's
-    depth is measured (without recursion) before anything walks it.
+    Lark's LALR parser keeps its own stack (no recursion); its depth is watched token by token
+    and the size limit bounds its time.  The tree builder and every later pass recurse, so the
+    tree's depth (a chain a + b + … too) is measured without recursion before anything walks it.
     """
     if not isinstance(text, str):
         raise PipeSyntaxError(f"a schedule source is text, got {type(text).__name__}", Span(file, 1, 1))
     if len(text) > MAX_SOURCE_BYTES:
         raise PipeSyntaxError(f"the source is {len(text):,} characters, over the limit of {MAX_SOURCE_BYTES:,} "
                               f"(MAX_SOURCE_BYTES)", Span(file, 1, 1))
-    _check_brackets(text, file)
     try:
-        tree = _lark().parse(text)
-        _check_depth(tree, file)
+        tree = _parse_bounded(text, file)
         decl = _Builder(file).transform(tree)
     except UnexpectedInput as err:
         raise _syntax_error(err, text, file) from None
@@ -58,43 +56,59 @@ def parse(text: str, file: str = "<string>") -> n.ScheduleDecl:
     return n.ScheduleDecl(decl.name, decl.params, decl.body, decl.span, source=text)
 
 
-_BRACKETS = re.compile(r'"(?:[^"\\\n]|\\.)*"|#[^\n]*|[(){}]')  # strings and comments hide their brackets
+# An LALR stack holds at most a few symbols per level of the tree it builds (a `for` header
+# before its block: 8), so a source within MAX_NESTING never grows the stack past this.
+_MAX_STACK = 10 * MAX_NESTING + 20
 
 
-def _check_brackets(text: str, file: str) -> None:
-    """Refuse brackets nested deeper than `MAX_NESTING` with a regular-expression scan: deep
-    nesting makes Lark slow long before any limit on the tree can be checked."""
-    depth = 0
-    for match in _BRACKETS.finditer(text):
-        char = match.group()
-        if char in "({":
-            depth += 1
-            if depth > MAX_NESTING:
-                line = text.count("\n", 0, match.start()) + 1
-                column = match.start() - (text.rfind("\n", 0, match.start()) + 1) + 1
-                raise PipeSyntaxError(f"brackets nested deeper than {MAX_NESTING} levels (MAX_NESTING)",
-                                      Span(file, line, column))
-        elif char in ")}":
-            depth = max(0, depth - 1)
+def _parse_bounded(text: str, file: str) -> Tree:
+    """Lark's parse, one token at a time, refused as soon as the source nests deeper than
+    `MAX_NESTING`: the parser's stack grows on a run of `- -`, `not not`, `((` or `if … else
+    if …` (stopped within a thousand tokens), a tree grows when a chain `a + b + …` reduces."""
+    parser = _lark().parse_interactive(text)
+    try:
+        for token in parser.iter_parse():
+            if len(parser.parser_state.state_stack) > _MAX_STACK:
+                raise _TooDeepError(token, len(parser.parser_state.state_stack))
+        return parser.feed_eof()
+    except _TooDeepError as deep:
+        token = deep.token
+        if deep.open_constructs:
+            message = (f"nested too deeply: {deep.open_constructs:,} brackets, operators and blocks open at once "
+                       f"(10 × MAX_NESTING = {_MAX_STACK - 20:,})")
+        else:
+            message = (f"nested deeper than {MAX_NESTING} levels (MAX_NESTING: every operator, 'if' and block is "
+                       f"a level, a chain a + b + … one per operator)")
+        raise PipeSyntaxError(message, Span(file, getattr(token, "line", 1) or 1,
+                                            getattr(token, "column", 1) or 1)) from None
 
 
 _FLAT = frozenset({"start", "schedule", "compute", "block"})  # containers that add no level of their own
 
 
-def _check_depth(tree: Tree, file: str) -> None:
-    """Raise at the first node nested deeper than `MAX_NESTING`; iterative, so any depth is safe."""
-    stack = [(tree, 0)]
-    while stack:
-        node, depth = stack.pop()
-        inner = [child for child in node.children if isinstance(child, Tree)]
-        if node.data not in _FLAT and inner:  # a leaf (a number, a name) is no level
-            depth += 1
-            if depth > MAX_NESTING:
-                meta = node.meta
-                raise PipeSyntaxError(f"nested deeper than {MAX_NESTING} levels (MAX_NESTING: every operator, "
-                                      f"'if' and block is a level, a chain a + b + … one per operator)",
-                                      Span(file, getattr(meta, "line", 1), getattr(meta, "column", 1)))
-        stack.extend((child, depth) for child in inner)
+class _MeasuredTree(Tree):
+    """A parse-tree node that knows its depth when Lark builds it, so a tree nested deeper than
+    `MAX_NESTING` (a sum of 200 terms is 199 deep) is refused mid-parse, before anything
+    recurses over it.  The containers above add no level; a node without subtrees (a number,
+    a name) is level 0."""
+
+    def __init__(self, data, children, meta=None) -> None:
+        super().__init__(data, children, meta)
+        if data.startswith("_"):  # a list Lark grows in place and splices into its parent: measured there
+            self.depth = 0
+            return
+        inner = [c.depth for c in children if isinstance(c, _MeasuredTree)]
+        self.depth = 0 if not inner else max(inner) + (data not in _FLAT)
+        if self.depth > MAX_NESTING:
+            first = self
+            while isinstance(first, Tree):  # its leftmost token, for the position
+                first = next((c for c in first.children if c is not None), None)
+            raise _TooDeepError(first if isinstance(first, Token) else None)
+
+
+class _TooDeepError(Exception):
+    def __init__(self, token: Token | None, open_constructs: int = 0) -> None:
+        self.token, self.open_constructs = token, open_constructs
 
 
 def _describe(terminal: str) -> str:

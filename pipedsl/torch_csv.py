@@ -16,7 +16,8 @@ import io
 import re
 
 from pipedsl.errors import ValidationError
-from pipedsl.ir import Instr, Op, Program
+from pipedsl.ir import Instr, Op, Program, check_size
+from pipedsl.limits import MAX_MICROBATCHES, MAX_RANKS, MAX_STAGES, shorten
 from pipedsl.lowering import ComputeOp, ComputePlan, lower
 from pipedsl.validate import validate
 
@@ -52,6 +53,9 @@ def from_torch_csv(text: str, name: str = "torch") -> Program:
         rows = list(csv.reader(io.StringIO(text, newline="")))
     except csv.Error as err:
         raise ValidationError(f"not CSV: {err}") from None
+    if len(rows) > MAX_RANKS:
+        raise ValidationError(f"torch CSV has {len(rows):,} rows (one a rank), over the limit of {MAX_RANKS:,} "
+                              f"(MAX_RANKS)")
     orders: list[list[ComputeOp]] = []
     placement: dict[tuple[int, int], int] = {}
     for r, row in enumerate(rows):
@@ -75,6 +79,7 @@ def from_torch_csv(text: str, name: str = "torch") -> Program:
     if not mbs:
         raise ValidationError("torch CSV has no compute action")
     S, M = max(s for _, s in placement) + 1, max(mbs) + 1
+    check_size(len(orders), M, S, 1)  # before anything loops over stages or microbatches
     missing = [s for s in range(S) if (0, s) not in placement]
     if missing:
         raise ValidationError(f"torch CSV: stage {missing[0]} has no action on any rank")
@@ -85,11 +90,16 @@ def from_torch_csv(text: str, name: str = "torch") -> Program:
 def _compute(cell: str) -> ComputeOp:
     pair = _PAIR.fullmatch(cell)
     if pair:
-        parts = [_compute(p.strip()) for p in pair[1].split(";")]
+        halves = pair[1].split(";")
+        parts = [_compute(p.strip()) for p in halves] if len(halves) == 2 and "(" not in pair[1] else []
         if len(parts) != 2 or parts[0][0] is not Op.F or parts[1][0] is not Op.B:
-            raise ValueError(f"{cell!r}: an OVERLAP_F_B pair is a forward and a full backward")
+            raise ValueError(f"{shorten(cell)}: an OVERLAP_F_B pair is a forward and a full backward")
         return (Op.OVERLAP, parts[0], parts[1], 0)  # type: ignore[return-value]
     m = _ACTION.fullmatch(cell)
     if not m:
-        raise ValueError(f"{cell!r} is not a torch action (e.g. 2F0, 5I3, (0F3;7B1)OVERLAP_F_B)")
-    return ({"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}[m[2]], int(m[3]), int(m[1]), 0)
+        raise ValueError(f"{shorten(cell)} is not a torch action (e.g. 2F0, 5I3, (0F3;7B1)OVERLAP_F_B)")
+    stage, mb = int(m[1]), int(m[3])
+    if stage >= MAX_STAGES or mb >= MAX_MICROBATCHES:
+        raise ValueError(f"{shorten(cell)}: stages are below {MAX_STAGES:,} (MAX_STAGES), microbatches below "
+                         f"{MAX_MICROBATCHES:,} (MAX_MICROBATCHES)")
+    return ({"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}[m[2]], mb, stage, 0)

@@ -29,7 +29,8 @@ def read_program(path: str | os.PathLike, ranks: int | None = None) -> Program:
     if p.suffix == ".pipe":
         raise PipeDSLError(f"{name} is a schedule source, not a compiled program: use it with "
                            f"--schedule (or compile it: pipedsl compile {name} -P … -M … --format json)")
-    text = read_bounded(p, MAX_PROGRAM_BYTES, "a program file")  # never a FIFO or /dev/zero: it may not end
+    # never a FIFO or /dev/zero (it may not end), never more than MAX_PROGRAM_BYTES
+    text = read_bounded(p, MAX_PROGRAM_BYTES, "a program file (MAX_PROGRAM_BYTES)")
     fmt = FORMATS.get(p.suffix.lower()) or _sniff(text)
     try:
         if fmt == "json":

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from pipedsl.arguments import add_sizes, params_of, positive_int
+from pipedsl.arguments import add_sizes, int_in, params_of
 from pipedsl.ir import Program
+from pipedsl.limits import MAX_DRAWING_COLUMNS
 from pipedsl.timeline import Timeline
 
 from .errors import VisualizeError
@@ -45,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--graph", action="store_true",
                    help="with -o FILE.svg/.png/.pdf: render the dependency graph instead of the timeline "
                         "(needs graphviz's dot program; the .dot is written regardless)")
-    p.add_argument("--width", type=positive_int, help="terminal columns (default: the terminal's width)")
+    p.add_argument("--width", type=int_in(1, MAX_DRAWING_COLUMNS, "MAX_DRAWING_COLUMNS"),
+                   help="terminal columns (default: the terminal's width)")
     return p
 
 

@@ -6,9 +6,10 @@ import argparse
 from collections import Counter
 from dataclasses import replace
 
-from pipedsl.arguments import positive_float, positive_int
+from pipedsl.arguments import float_in, int_in
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import load
+from pipedsl.limits import MAX_PLAN_GPUS, MAX_PLAN_SIZE, MAX_PLAN_TOP, PLAN_RATE_RANGE, shorten
 from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
 from pipedsl.plan.model import MODELS, ModelSpec, model_preset
 from pipedsl.plan.search import PlanResult, search
@@ -17,22 +18,27 @@ from pipedsl.plan.search import PlanResult, search
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank dp × pp × tp, ZeRO, schedule and microbatching for a model on a cluster")
     p.add_argument("--model", help=f"a preset ({', '.join(MODELS)}); explicit sizes below override it")
+    size = int_in(1, MAX_PLAN_SIZE, "MAX_PLAN_SIZE")
     for name in ("layers", "hidden", "heads", "seq", "vocab", "global-batch", "ffn"):
-        p.add_argument(f"--{name}", type=positive_int)
+        p.add_argument(f"--{name}", type=size)
     p.add_argument("--cluster", default="a100-80gb", help=f"a preset ({', '.join(CLUSTERS)}; default a100-80gb)")
-    p.add_argument("--gpus", type=positive_int, help="GPU count (default: the preset's 1024)")
-    p.add_argument("--gpus-per-node", type=positive_int)
-    p.add_argument("--peak-tflops", type=positive_float, help="dense fp16/bf16 TFLOP/s per GPU")
-    p.add_argument("--memory-gb", type=positive_float, help="memory per GPU")
-    p.add_argument("--intra-gbps", type=positive_float, help="NVLink GB/s per GPU per direction")
-    p.add_argument("--inter-gbps", type=positive_float, help="InfiniBand GB/s per GPU per direction")
-    p.add_argument("--intra-latency-us", type=positive_float)
-    p.add_argument("--inter-latency-us", type=positive_float)
+    gpus = int_in(1, MAX_PLAN_GPUS, "MAX_PLAN_GPUS")
+    rate = float_in(*PLAN_RATE_RANGE, "PLAN_RATE_RANGE")
+    p.add_argument("--gpus", type=gpus, help="GPU count (default: the preset's 1024)")
+    p.add_argument("--gpus-per-node", type=gpus)
+    p.add_argument("--peak-tflops", type=rate, help="dense fp16/bf16 TFLOP/s per GPU")
+    p.add_argument("--memory-gb", type=rate, help="memory per GPU")
+    p.add_argument("--intra-gbps", type=rate, help="NVLink GB/s per GPU per direction")
+    p.add_argument("--inter-gbps", type=rate, help="InfiniBand GB/s per GPU per direction")
+    p.add_argument("--intra-latency-us", type=rate)
+    p.add_argument("--inter-latency-us", type=rate)
     p.add_argument("--schedule", action="append", metavar="NAME_OR_PIPE",
                    help="only these schedules (repeatable; a built-in name or a .pipe file); default: every built-in")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
-    p.add_argument("--top", type=positive_int, default=10, help="rows in the ranked table (default 10)")
-    p.add_argument("--rejected", type=positive_int, default=8, help="rejected examples to print (default 8)")
+    p.add_argument("--top", type=int_in(1, MAX_PLAN_TOP, "MAX_PLAN_TOP"), default=10,
+                   help=f"rows in the ranked table (default 10, at most {MAX_PLAN_TOP})")
+    p.add_argument("--rejected", type=int_in(1, 1000, "1000 lines"), default=8,
+                   help="rejected examples to print (default 8)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (a GPT block's FLOP/s, gloo latency/bandwidth, AdamW) with --gpus "
                         "local processes (default 4) and plan on it; the model defaults to the small GPT")
@@ -73,8 +79,8 @@ def _zero_stages(text: str) -> tuple[int, ...]:
     except ValueError:
         stages = ()
     if not stages or any(z not in (0, 1, 2, 3) for z in stages):
-        raise PipeDSLError(f"--zero {text!r}: expected comma-separated stages among 0,1,2,3")
-    return stages
+        raise PipeDSLError(f"--zero {shorten(text)}: expected comma-separated stages among 0,1,2,3")
+    return tuple(sorted(set(stages)))  # each stage once: a repeated one would multiply the search
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{p.gpus:>5} GPUs: best {_short(p.best)}; data parallel {_short(p.data_parallel)}")
         print(f"wrote {args.scaling} ({GPU_COUNTS[0]}..{GPU_COUNTS[-1]} GPUs)")
         return 0
-    for name in args.schedule or ():
+    schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None  # each once
+    for name in schedules or ():
         load(name)  # an unknown name or a broken .pipe is one error up front, not every layout rejected
-    result = search(model, cluster, top=args.top, schedules=args.schedule, zero=_zero_stages(args.zero))
+    result = search(model, cluster, top=args.top, schedules=schedules, zero=_zero_stages(args.zero))
     print_result(result, args.rejected)
     return 0 if result.ranked else 1
 

@@ -10,9 +10,11 @@ second term is what makes small models (large 5·a·s/h, small h) reach a lower 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.limits import MAX_PLAN_GPUS, shorten
 
 GB = 1e9
 
@@ -34,10 +36,17 @@ class ClusterSpec:
     reserved_memory: float = 2 * GB  # CUDA context, allocator fragmentation, workspace
 
     def __post_init__(self) -> None:
-        for field_name in ("gpus", "gpus_per_node", "peak_flops", "memory", "intra_bandwidth", "inter_bandwidth",
-                           "hbm_bandwidth"):
-            if not getattr(self, field_name) > 0:
-                raise PipeDSLError(f"cluster {self.name}: {field_name} must be positive")
+        for field_name in ("gpus", "gpus_per_node"):
+            if not 1 <= getattr(self, field_name) <= MAX_PLAN_GPUS:
+                raise PipeDSLError(f"cluster {self.name}: {field_name}={shorten(getattr(self, field_name))} is not in "
+                                   f"1..{MAX_PLAN_GPUS:,} (MAX_PLAN_GPUS)")
+        for field_name in ("peak_flops", "memory", "intra_bandwidth", "inter_bandwidth", "hbm_bandwidth",
+                           "intra_latency", "inter_latency", "activation_passes", "reserved_memory"):
+            value = getattr(self, field_name)
+            if not (math.isfinite(value) and value >= 0 and (value > 0 or "latency" in field_name
+                                                             or field_name == "reserved_memory")):
+                raise PipeDSLError(f"cluster {self.name}: {field_name} must be a positive, finite number, "
+                                   f"got {shorten(value)}")
         if not 0 < self.gemm_efficiency <= 1:
             raise PipeDSLError(f"cluster {self.name}: gemm_efficiency must be in (0, 1]")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.limits import MAX_PLAN_SIZE, shorten
 
 BYTES_FP16 = 2
 
@@ -37,6 +38,10 @@ class ModelSpec:
         for field_name in ("layers", "hidden", "heads", "seq", "vocab", "global_batch"):
             if getattr(self, field_name) < 1:
                 raise PipeDSLError(f"model {self.name}: {field_name} must be at least 1")
+        for field_name in ("layers", "hidden", "heads", "seq", "vocab", "global_batch", "ffn", "kv_heads"):
+            if getattr(self, field_name) > MAX_PLAN_SIZE:
+                raise PipeDSLError(f"model {self.name}: {field_name}={shorten(getattr(self, field_name))} is over "
+                                   f"the limit of {MAX_PLAN_SIZE:,} (MAX_PLAN_SIZE)")
         if self.hidden % self.heads:
             raise PipeDSLError(f"model {self.name}: hidden {self.hidden} is not divisible by heads {self.heads}")
 

@@ -73,7 +73,7 @@ def test_check_fails_on_a_deadlocking_schedule(capsys, tmp_path):
     ("argv", "words"),
     [
         (["compile", "nope", "-P", "2", "-M", "2"], "no schedule named 'nope'"),
-        (["compile", "1f1b", "-P", "0", "-M", "2"], "must be at least 1"),
+        (["compile", "1f1b", "-P", "0", "-M", "2"], "0 is not in 1..1,024 (MAX_RANKS)"),
         (["compile", "1f1b", "-P", "2", "-M", "2", "-p", "X"], "expected NAME=INTEGER"),
         (["compile", "1f1b", "-P", "2", "-M", "2", "-p", "X=1"], "has no parameter 'X'"),
         (["simulate", "1f1b", "-P", "2", "-M", "2", "--cost", "F=abc"], "not NAME=VALUE"),
