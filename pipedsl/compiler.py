@@ -640,10 +640,11 @@ def _run_items(items: tuple[n.Item, ...], env: Env, values: dict[str, int], budg
                 yield (_op_values(forward, env, values), _op_values(backward, env, values))
             case n.ForItem(var=var, lo=lo, hi=hi, body=body, span=span):
                 first, stop = _eval_int(lo, env, values), _eval_int(hi, env, values)
-                if (stop - first) * len(body) > budget[0]:
+                if (stop - first) * (1 + len(body)) > budget[0]:  # each iteration a step, then its items
                     raise PipeSemanticError(f"the compute block runs more than {MAX_COMPUTE_STEPS:,} items over all "
                                             f"ranks (MAX_COMPUTE_STEPS; this loop: {stop - first:,} iterations of "
                                             f"{len(body)} item(s))", span)
+                budget[0] -= max(0, stop - first)
                 for x in range(first, stop):
                     yield from _run_items(body, env, {**values, var: x}, budget)
             case n.IfItem(cond=cond, then=then, orelse=orelse):
