@@ -6,6 +6,7 @@ module name, and several test folders each have a `conftest` module.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import queue
 import threading
@@ -24,15 +25,36 @@ def _serve(rank: int, tasks: list, results: Any) -> None:
     import torch
 
     torch.set_num_threads(1)
+    baseline: set | None = None
     while True:
         item = tasks[rank].get()
         if item is None:
             return
+        baseline = _release_groups(baseline)
         fn, args = item
         try:
             results.put((rank, True, fn(rank, *args)))
         except Exception as err:  # noqa: BLE001 - handed to the test
             results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}"))
+
+
+def _release_groups(baseline: set | None) -> set | None:
+    """Destroys the process groups the previous check made (each Pipeline makes its own), so that
+    hundreds of checks on one long-lived world do not pile up gloo groups and their busy threads
+    (>1000 threads a rank were seen).  Safe here: a check is queued only after every rank answered
+    the one before."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return baseline
+    now = set(c10d._world.pg_map)
+    if baseline is None:
+        return now
+    for group in now - baseline:
+        dist.destroy_process_group(group)
+    gc.collect()  # a finished Pipeline's cycles still hold its groups (and their threads)
+    return baseline
 
 
 class Pool:
