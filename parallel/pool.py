@@ -11,6 +11,7 @@ starts clean; nothing waits forever (every get and join has a timeout).
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -54,6 +55,7 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
                 out = fn(*args)
             finally:
                 dist.destroy_process_group()
+                gc.collect()  # the job's pipelines hold their gloo groups (two threads each) in reference cycles
             results.put((index, True, out))
         except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
             results.put((index, False, traceback.format_exc()))
