@@ -43,10 +43,10 @@ class ClusterSpec:
         for field_name in ("peak_flops", "memory", "intra_bandwidth", "inter_bandwidth", "hbm_bandwidth",
                            "intra_latency", "inter_latency", "activation_passes", "reserved_memory"):
             value = getattr(self, field_name)
-            if not (math.isfinite(value) and value >= 0 and (value > 0 or "latency" in field_name
-                                                             or field_name == "reserved_memory")):
-                raise PipeDSLError(f"cluster {self.name}: {field_name} must be a positive, finite number, "
-                                   f"got {shorten(value)}")
+            zero_ok = field_name in ("intra_latency", "inter_latency", "activation_passes", "reserved_memory")
+            if not (math.isfinite(value) and value >= 0 and (value > 0 or zero_ok)):
+                kind = "a finite number >= 0" if zero_ok else "a positive, finite number"
+                raise PipeDSLError(f"cluster {self.name}: {field_name} must be {kind}, got {shorten(value)}")
         if not 0 < self.gemm_efficiency <= 1:
             raise PipeDSLError(f"cluster {self.name}: gemm_efficiency must be in (0, 1]")
 
