@@ -15,6 +15,7 @@ is empty and its W does all the work, in pipedsl and torch alike.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -97,6 +98,31 @@ def spread(xs: Sequence[float]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- results
+
+
+def small_gpt_parser(description: str, name: str) -> argparse.ArgumentParser:
+    """The flags every small-GPT variant benchmark takes (schedule, sizes, repetitions, -p, --json);
+    `small_gpt_config` turns the parsed flags into the ranks' config."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--P", type=int, default=2)
+    ap.add_argument("--M", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=4, help="sequences per microbatch (default 4)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--embd", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed repetition (default 3)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--json", help=f"output file (default benchmarks/results/{name}.json)")
+    return ap
+
+
+def small_gpt_config(args: argparse.Namespace) -> dict[str, Any]:
+    params = {k: int(v) for k, _, v in (p.partition("=") for p in args.param)}
+    return {"M": args.M, "rows": args.rows, "layers": args.layers, "embd": args.embd, "seq": args.seq,
+            "steps": args.steps, "reps": args.reps, "warmup": args.warmup, "params": params}
 
 
 def machine() -> str:

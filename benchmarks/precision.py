@@ -15,7 +15,6 @@ rank sent point to point per step (activations forward, gradients back), summed 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -85,23 +84,8 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     import pipedsl
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--P", type=int, default=2)
-    ap.add_argument("--M", type=int, default=4)
-    ap.add_argument("--rows", type=int, default=4, help="sequences per microbatch (default 4)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed repetition (default 3)")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
-    ap.add_argument("--json", help="output file (default benchmarks/results/precision.json)")
-    args = ap.parse_args(argv)
-    params = {k: int(v) for k, _, v in (p.partition("=") for p in args.param)}
-    cfg = {"M": args.M, "rows": args.rows, "layers": args.layers, "embd": args.embd, "seq": args.seq,
-           "steps": args.steps, "reps": args.reps, "warmup": args.warmup, "params": params}
+    args = _bench.small_gpt_parser(__doc__.splitlines()[0], "precision").parse_args(argv)
+    cfg = _bench.small_gpt_config(args)
     out = pipedsl.launch(_rank_main, args.P, args.schedule, args.P, cfg, threads=1, timeout=300)[0]
     t = out["times"]
     med = {k: _bench.median(v) for k, v in t.items()}

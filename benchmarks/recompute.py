@@ -21,7 +21,6 @@ new-shape step over a known-shape step, and the per-step shape agreement (one al
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
@@ -141,29 +140,14 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     import pipedsl
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--P", type=int, default=2)
-    ap.add_argument("--M", type=int, default=4)
-    ap.add_argument("--rows", type=int, default=4, help="sequences per microbatch (default 4)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=64)
+    ap = _bench.small_gpt_parser(__doc__.splitlines()[0], "recompute")
     ap.add_argument("--pad-fraction", type=float, default=0.25)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed repetition (default 3)")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--new-shapes", type=int, default=6, help="never-seen sequence lengths to time (default 6)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repetition")
-    ap.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
-    ap.add_argument("--json", help="output file (default benchmarks/results/recompute.json)")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.embd, args.seq, args.reps, args.steps, args.new_shapes = 2, 32, 32, 1, 1, 2
-    params = {k: int(v) for k, _, v in (p.partition("=") for p in args.param)}
-    cfg = {"M": args.M, "rows": args.rows, "layers": args.layers, "embd": args.embd, "seq": args.seq,
-           "pad": args.pad_fraction, "steps": args.steps, "reps": args.reps, "warmup": args.warmup,
-           "new_shapes": args.new_shapes, "params": params}
+    cfg = {**_bench.small_gpt_config(args), "pad": args.pad_fraction, "new_shapes": args.new_shapes}
     outs = pipedsl.launch(_rank_main, args.P, args.schedule, args.P, cfg, threads=1, timeout=300)
     t = outs[0]["times"]
     med = {k: _bench.median(v) for k, v in t.items()}

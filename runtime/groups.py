@@ -32,6 +32,7 @@ class PipelineGroups:
         self.whole = group is None or group is dist.group.WORLD
         self.members = dist.get_process_group_ranks(group) if not self.whole else list(range(dist.get_world_size()))
         self.me = dist.get_rank()
+        self.made: list[dist.ProcessGroup] = []  # the groups this process is a member of, for close()
         self.timeout = None
         with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the default timeout
             parent = group if not self.whole else dist.group.WORLD
@@ -58,10 +59,23 @@ class PipelineGroups:
         members = [self.members[r] for r in ranks]
         if self.whole:
             group = dist.new_group(members, timeout=self.timeout)
-            return group if self.me in members else None
+            return self._keep(group) if self.me in members else None
         if self.me not in members:
             return None
-        return dist.new_group(members, timeout=self.timeout, use_local_synchronization=True)
+        return self._keep(dist.new_group(members, timeout=self.timeout, use_local_synchronization=True))
+
+    def close(self) -> None:
+        """Destroys every group made here: each gloo group keeps threads and sockets until then."""
+        from torch.distributed import distributed_c10d as c10d
+
+        made, self.made = self.made, []
+        for group in made:
+            if group in c10d._world.pg_map:  # not already gone with the whole world
+                dist.destroy_process_group(group)
+
+    def _keep(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        self.made.append(group)
+        return group
 
     def _grid(self) -> tuple[torch.Tensor, tuple[int, ...]]:
         assert self.mesh is not None
@@ -78,5 +92,5 @@ class PipelineGroups:
             members = sorted(int(x) for x in grid[ranks][(slice(None), *col)].flatten())
             group = dist.new_group(members, timeout=self.timeout)
             if self.me in members:
-                mine = group
+                mine = self._keep(group)
         return mine

@@ -178,6 +178,7 @@ class Pipeline:
         self.shape_handshakes = 0  # input shapes learned so far (one handshake each)
         self.tokens: int | None = None  # per-token mode: the last step's non-ignored targets (last-stage ranks)
         self.steps = 0
+        self.closed = False
 
     # ------------------------------------------------------------ construction
 
@@ -322,8 +323,34 @@ class Pipeline:
         """Most microbatch-stage activations alive at once on this rank during the last step."""
         return self.counter.peak
 
+    def close(self) -> None:
+        """Destroys the process groups this pipeline made (messages, loss, replicas, ties).
+
+        Each gloo group keeps threads and sockets until it is destroyed, and a finished pipeline's
+        reference cycles keep them alive until the garbage collector runs: a process that builds
+        many pipelines should close each one.  Call it on every rank after its last step; a closed
+        pipeline refuses further steps.  The model's parameters and the optimizer stay usable.
+        Also `with Pipeline(...) as pipe:`.
+        """
+        if not self.closed:
+            self.closed = True
+            self._executor, self._executors = None, OrderedDict()
+            self.groups.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise PipeRuntimeError(f"rank {self.rank}: {what} on a closed pipeline (close() destroyed its process "
+                                   f"groups); build a new Pipeline")
+
     def step(self, inputs: Any, targets: Any = None) -> float:
         """Run the schedule once over the batch; returns the mean loss (on every rank)."""
+        self._check_open("step()")
         M = self.num_microbatches
         try:
             if self.loss_reduction == "token":

@@ -406,6 +406,7 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
                                    timeout=cfg["timeout"])
             if rank == 0:
                 print(f"checkpoint step {step}: {info.path}", flush=True)
+    pipe.close()  # its groups' threads and sockets; the timeline below needs only the pipeline group
     if start >= cfg["steps"]:
         return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
     peaks = [None] * pipe.size  # per pipeline rank (of this rank's pipeline): (activations, bytes)

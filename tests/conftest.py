@@ -21,3 +21,20 @@ def pool():
     p = LocalPool(8, timeout=240)
     yield p
     p.close()
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`run_cli(*argv)` runs `pipedsl *argv` in this process: (exit status, stderr lines).  A traceback
+    on stderr fails the test: bad input must be answered in words."""
+    from pipedsl.cli import main
+
+    def run(*argv: str) -> tuple[int, list[str]]:
+        try:
+            code = main(list(argv))
+        except SystemExit as exit_:
+            code = exit_.code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return code, err.strip().splitlines()
+    return run

@@ -8,7 +8,6 @@ import pytest
 import reliability_cases as cases
 
 import pipedsl
-from pipedsl.cli import main
 from pipedsl.runtime import checkpoint, launcher
 
 GOOD = pipedsl.load("1f1b").compile(P=2, M=2)
@@ -56,16 +55,6 @@ def fake_checkpoint(d, num_stages: int) -> str:
     return str(d)
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, list[str]]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, err.strip().splitlines()
-
-
 @pytest.mark.parametrize(("name", "extra", "message"), [
     ("missing.json", (), "error: cannot read {path}: No such file or directory"),
     ("schedule.pipe", (), "error: {path} is a schedule source, not a compiled program"),
@@ -86,44 +75,44 @@ def run_cli(capsys, *argv: str) -> tuple[int, list[str]]:
     ("json", ("--resume",), "error: --resume without a checkpoint needs --checkpoint-dir"),
     ("json", ("--resume", "nowhere"), "checkpoint error: nowhere: no such checkpoint directory"),
 ])
-def test_run_rejects_bad_input_in_one_line(tmp_path, capsys, no_launch, name, extra, message) -> None:
+def test_run_rejects_bad_input_in_one_line(tmp_path, run_cli, no_launch, name, extra, message) -> None:
     files = program_files(tmp_path)
     path = files.get(name, name if name.startswith(("/", ".")) else str(tmp_path / name))
-    code, lines = run_cli(capsys, "run", "--program", path, "-o", str(tmp_path / "out"), *extra)
+    code, lines = run_cli("run", "--program", path, "-o", str(tmp_path / "out"), *extra)
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(message.format(path=path)), lines
 
 
-def test_a_deadlocking_program_file_names_the_cycle(tmp_path, capsys, no_launch) -> None:
+def test_a_deadlocking_program_file_names_the_cycle(tmp_path, run_cli, no_launch) -> None:
     path = program_files(tmp_path)["deadlock.txt"]
-    code, lines = run_cli(capsys, "run", "--program", path)
+    code, lines = run_cli("run", "--program", path)
     assert code == 2
     assert lines == [f"deadlock: {path}: the ranks wait on each other in a cycle: rank 0 waits at instruction 3 "
                      f"(RECV_B0.0<1) for rank 1; rank 1 waits at instruction 2 (RECV_F1.1<0) for rank 0"]
 
 
-def test_resume_from_another_partition_fails_before_starting(tmp_path, capsys, no_launch) -> None:
+def test_resume_from_another_partition_fails_before_starting(tmp_path, run_cli, no_launch) -> None:
     ckpt = fake_checkpoint(tmp_path / "ck", num_stages=3)
-    code, lines = run_cli(capsys, "train", "-P", "2", "-M", "2", "--checkpoint-dir", ckpt, "--resume",
+    code, lines = run_cli("train", "-P", "2", "-M", "2", "--checkpoint-dir", ckpt, "--resume",
                           "-o", str(tmp_path / "out"))
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("checkpoint error: the checkpoint (step 5, GPipe P=1 M=1) has 3 stages, the 2-block "
                                "GPT cut into 2 stages has 2: a checkpoint loads only into the same stage partition")
 
 
-def test_resume_finds_no_complete_checkpoint(tmp_path, capsys, no_launch) -> None:
+def test_resume_finds_no_complete_checkpoint(tmp_path, run_cli, no_launch) -> None:
     step = tmp_path / "ck" / "step-00000003"
     step.mkdir(parents=True)
     (step / "rank-00000.pt").write_bytes(b"half")  # no manifest: an interrupted save
-    code, lines = run_cli(capsys, "run", "--program", program_files(tmp_path)["json"], "--resume", str(tmp_path / "ck"))
+    code, lines = run_cli("run", "--program", program_files(tmp_path)["json"], "--resume", str(tmp_path / "ck"))
     assert code == 2 and lines == [f"checkpoint error: {tmp_path / 'ck'}: no complete checkpoint "
                                    f"(1 incomplete: step-00000003)"]
 
 
 @pytest.mark.parametrize("argv", [("-M", "0"), ("--steps", "-1"), ("--timeout", "0"), ("--timeout", "inf"),
                                   ("--lr", "nan"), ("--dropout", "1"), ("-p", "V")])
-def test_train_rejects_bad_sizes(capsys, no_launch, argv) -> None:
-    code, lines = run_cli(capsys, "train", "-P", "2", *argv)
+def test_train_rejects_bad_sizes(run_cli, no_launch, argv) -> None:
+    code, lines = run_cli("train", "-P", "2", *argv)
     assert code == 2 and lines[-1].startswith("error: "), lines
 
 

@@ -117,6 +117,15 @@ def training(tmp_path: Path):
     return lambda: "step   1/" in (tmp_path / "stdout.txt").read_text()
 
 
+def stop(proc: subprocess.Popen, sig: signal.Signals, pids: dict[int, str], group: bool = False) -> dict[int, float]:
+    """Sends `sig` to the launcher (or its whole process group, as Ctrl-C does), then checks that every
+    worker is gone and how the launcher exited; returns the seconds until each worker was gone."""
+    (os.killpg if group else os.kill)(proc.pid, sig)
+    took = wait_gone(pids)
+    finish(proc, sig)
+    return took
+
+
 def finish(proc: subprocess.Popen, sig: signal.Signals, ranks: int = 2) -> str:
     _, err = proc.communicate(timeout=GONE_LIMIT + 60)
     assert proc.returncode == 128 + sig, err[-2000:]
@@ -132,9 +141,7 @@ def test_sigint_to_the_process_group_stops_every_rank(tmp_path) -> None:
     wait_until(proc, training(tmp_path), "training")
     pids = workers(proc.pid)
     assert len(pids) == 2
-    os.killpg(proc.pid, signal.SIGINT)
-    took = wait_gone(pids)
-    finish(proc, signal.SIGINT)
+    took = stop(proc, signal.SIGINT, pids, group=True)
     print(f"SIGINT to pipedsl train's group -> every worker gone: {max(took.values()):.2f} s")
 
 
@@ -147,9 +154,7 @@ def test_sighup_to_pipedsl_run_stops_every_rank(tmp_path) -> None:
     wait_until(proc, training(tmp_path), "training")
     pids = workers(proc.pid)
     assert len(pids) == 2
-    proc.send_signal(signal.SIGHUP)
-    took = wait_gone(pids)
-    finish(proc, signal.SIGHUP)
+    took = stop(proc, signal.SIGHUP, pids)
     print(f"SIGHUP to pipedsl run -> every worker gone: {max(took.values()):.2f} s")
 
 
@@ -180,9 +185,7 @@ def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one_and_resume
     wait_until(proc, saving, "saving step 4")
     pids = workers(proc.pid)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    took = wait_gone(pids)
-    finish(proc, signal.SIGTERM)
+    took = stop(proc, signal.SIGTERM, pids)
     print(f"SIGTERM while saving -> every worker gone: {max(took.values()):.2f} s (rank 1 stopped by SIGSTOP: "
           f"SIGCONT+SIGTERM); launcher exited after {time.monotonic() - t0:.2f} s")
     assert "manifest.json" not in [p.name for p in step4.iterdir()]
@@ -210,9 +213,7 @@ def test_a_stop_signal_to_a_users_launch_stops_every_rank_even_one_ignoring_sigt
     time.sleep(0.3)  # rank 1 has installed its SIGTERM handler before writing its pid
     pids = workers(proc.pid)
     assert sorted(pids) == sorted(int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1))
-    proc.send_signal(sig)
-    took = wait_gone(pids)
-    finish(proc, sig)
+    took = stop(proc, sig, pids)
     assert "not reached" not in (tmp_path / "stdout.txt").read_text()
     rank0, rank1 = (took[int((tmp_path / f"pid-{r}").read_text())] for r in (0, 1))
     print(f"{sig.name} to a user's launch -> rank 0 gone {rank0:.2f} s, rank 1 (ignores SIGTERM) {rank1:.2f} s")
@@ -227,9 +228,7 @@ def test_ctrl_c_while_the_ranks_start_is_no_traceback(tmp_path) -> None:
     pids = workers(proc.pid)
     time.sleep(0.5)  # into their `import torch` (seconds), past Python's own start-up
     assert not any((tmp_path / f"pid-{r}").exists() for r in (0, 1)), "the ranks started too fast to test this"
-    os.killpg(proc.pid, signal.SIGINT)
-    took = wait_gone(pids)
-    finish(proc, signal.SIGINT)
+    took = stop(proc, signal.SIGINT, pids, group=True)
     print(f"SIGINT while the ranks start -> every worker gone: {max(took.values()):.2f} s")
 
 

@@ -140,17 +140,23 @@ def token_loss_check(rank: int, program_json: str, options: dict[str, Any] | Non
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=token_sum, loss_reduction="token", **(options or {}))
     problems = []
     for step in range(2):
-        x, y = padded_batch(step, 2 * M, 6)
-        for p in [*pipe.parameters(), *ref.parameters()]:
-            p.grad = None
-        loss = pipe.step(x, y)
-        want = token_mean(ref(x), y)
-        want.backward()
-        if not abs(loss - want.item()) <= RTOL * abs(want.item()):
-            problems.append(f"step {step}: loss {loss} != one process {want.item()}")
-        expected = {f"{s}.{n}": p.grad for s in pipe.local_stages() for n, p in ref[s].named_parameters()}
-        problems += _compare(_grads(pipe), expected, f"step {step}")
+        problems += _step_like_one_process(pipe, ref, *padded_batch(step, 2 * M, 6), f"step {step}")
     return problems
+
+
+def _step_like_one_process(pipe: pipedsl.Pipeline, ref: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
+                           what: str) -> list[str]:
+    """One pipeline step and one process's step of `ref` on the same batch: the differences in loss and
+    in this rank's gradients."""
+    for p in [*pipe.parameters(), *ref.parameters()]:
+        p.grad = None
+    loss = pipe.step(x, y)
+    want = token_mean(ref(x), y)
+    want.backward()
+    problems = [] if abs(loss - want.item()) <= RTOL * abs(want.item()) else \
+        [f"{what}: loss {loss} != one process {want.item()}"]
+    expected = {f"{s}.{n}": p.grad for s in pipe.local_stages() for n, p in ref[s].named_parameters()}
+    return problems + _compare(_grads(pipe), expected, what)
 
 
 def recompute_check(rank: int, program_json: str, modes: tuple[str, ...], options: dict[str, Any] | None = None,
@@ -198,16 +204,7 @@ def shapes_check(rank: int, program_json: str, shapes: list[tuple[int, int]]) ->
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=token_sum, loss_reduction="token")
     problems = []
     for step, (n, T) in enumerate(shapes):
-        x, y = padded_batch(step, n, T)
-        for p in [*pipe.parameters(), *ref.parameters()]:
-            p.grad = None
-        loss = pipe.step(x, y)
-        want = token_mean(ref(x), y)
-        want.backward()
-        if not abs(loss - want.item()) <= RTOL * abs(want.item()):
-            problems.append(f"step {step} ({n}x{T}): loss {loss} != one process {want.item()}")
-        expected = {f"{s}.{k}": p.grad for s in pipe.local_stages() for k, p in ref[s].named_parameters()}
-        problems += _compare(_grads(pipe), expected, f"step {step} ({n}x{T})")
+        problems += _step_like_one_process(pipe, ref, *padded_batch(step, n, T), f"step {step} ({n}x{T})")
     return {"problems": problems, "learned": pipe.shape_handshakes}
 
 

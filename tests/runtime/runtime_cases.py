@@ -172,6 +172,28 @@ def uniform_errors(rank: int) -> dict[str, str]:
     return out
 
 
+def closing(rank: int) -> dict:
+    """close() destroys the groups a pipeline made (and only those); a closed pipeline refuses steps."""
+    from torch.distributed import distributed_c10d as c10d
+
+    P = torch.distributed.get_world_size()
+    before = set(c10d._world.pg_map)
+    with pipedsl.Pipeline(split_sequential(make_model(P), P), "1f1b", microbatches=4, loss_fn=F.mse_loss) as pipe:
+        loss = pipe.step(*batch(0, 8))
+        made = len(set(c10d._world.pg_map) - before)
+    out = {"made": made, "left": len(set(c10d._world.pg_map) - before), "kept": before <= set(c10d._world.pg_map),
+           "loss": loss}
+    pipe.close()  # twice is fine
+    try:
+        pipe.step(*batch(0, 8))
+    except PipeRuntimeError as err:
+        out["error"] = err.message
+    again = pipedsl.Pipeline(split_sequential(make_model(P), P), "1f1b", microbatches=4, loss_fn=F.mse_loss)
+    out["loss_again"] = again.step(*batch(0, 8))  # the world still works for a new pipeline
+    again.close()
+    return out
+
+
 def lookahead_stats(rank: int, program_json: str, lookahead: int, strict: bool) -> dict:
     """Run a step with a given look-ahead and report how many receive buffers were allocated."""
     res = equivalence(rank, program_json, steps=2, options={"lookahead": lookahead, "strict_pair_order": strict})

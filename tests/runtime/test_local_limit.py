@@ -37,30 +37,20 @@ def started(monkeypatch) -> list[str]:
     return names
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, list[str]]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, err.strip().splitlines()
-
-
 @pytest.mark.parametrize(("argv", "message"), [
     (["train", "-P", "0"], "error: argument -P/--ranks: 0 must be at least 1"),
     (["train", "-P", "-3"], "error: argument -P/--ranks: -3 must be at least 1"),
     (["train", "-P", "2", "--dp", "0"], "error: argument --dp: 0 must be at least 1"),
     (["run", "--program", "p.json", "-P", "0"], "error: argument -P/--ranks: 0 must be at least 1"),
 ])
-def test_no_ranks_is_one_line(capsys, started, argv, message) -> None:
-    code, lines = run_cli(capsys, *argv)
+def test_no_ranks_is_one_line(run_cli, started, argv, message) -> None:
+    code, lines = run_cli(*argv)
     assert (code, started) == (2, [])
     assert len(lines) == 1 and lines[0].startswith(message), lines
 
 
-def test_more_pipeline_ranks_than_the_limit_is_one_line_before_compiling(capsys, started) -> None:
-    code, lines = run_cli(capsys, "train", "-P", str(LIMIT + 1), "-M", str(LIMIT + 1), *SMALL)
+def test_more_pipeline_ranks_than_the_limit_is_one_line_before_compiling(run_cli, started) -> None:
+    code, lines = run_cli("train", "-P", str(LIMIT + 1), "-M", str(LIMIT + 1), *SMALL)
     assert (code, started) == (2, [])
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"error: {LIMIT + 1} pipeline ranks = {LIMIT + 1} local processes is more than "
@@ -68,23 +58,23 @@ def test_more_pipeline_ranks_than_the_limit_is_one_line_before_compiling(capsys,
     assert "--allow-oversubscribe" in lines[0] and "torchrun" in lines[0]
 
 
-def test_a_dp_times_pp_product_beyond_the_limit_is_one_line(capsys, started) -> None:
+def test_a_dp_times_pp_product_beyond_the_limit_is_one_line(run_cli, started) -> None:
     dp = LIMIT // 2 + 1  # dp x 2 > LIMIT, each factor within it
-    code, lines = run_cli(capsys, "train", "-P", "2", "-M", "2", "--dp", str(dp), *SMALL)
+    code, lines = run_cli("train", "-P", "2", "-M", "2", "--dp", str(dp), *SMALL)
     assert (code, started) == (2, [])
     assert len(lines) == 1 and lines[0].startswith(
         f"error: --dp {dp} x 2 pipeline ranks = {2 * dp} local processes is more than"), lines
 
 
-def test_a_program_file_with_more_ranks_than_the_limit_is_one_line(capsys, started, tmp_path) -> None:
+def test_a_program_file_with_more_ranks_than_the_limit_is_one_line(run_cli, started, tmp_path) -> None:
     path = tmp_path / "wide.json"
     path.write_text(pipedsl.load("gpipe").compile(P=LIMIT + 1, M=1).to_json())
-    code, lines = run_cli(capsys, "run", "--program", str(path), *SMALL)
+    code, lines = run_cli("run", "--program", str(path), *SMALL)
     assert (code, started) == (2, [])
     assert len(lines) == 1 and f"{LIMIT + 1} pipeline ranks = {LIMIT + 1} local processes" in lines[0], lines
 
 
-def test_allow_oversubscribe_goes_past_the_limit(capsys, started, tmp_path) -> None:
+def test_allow_oversubscribe_goes_past_the_limit(started, tmp_path) -> None:
     """The same run with the flag reaches the start of its first process (where the test stops it)."""
     with pytest.raises(Started):
         main(["train", "-P", str(LIMIT + 1), "-M", str(LIMIT + 1), *SMALL, "--allow-oversubscribe",

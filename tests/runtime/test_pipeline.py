@@ -81,6 +81,14 @@ def test_gpt_matches_single_process(schedule: str, pool4) -> None:
     assert not problems, "\n".join(problems[:10])
 
 
+def test_close_destroys_the_pipelines_groups_and_refuses_steps(pool2) -> None:
+    for out in pool2.run(cases.closing):
+        assert out["made"] >= 3  # two message directions and the loss group at least
+        assert out["left"] == 0 and out["kept"]  # its own groups gone, the world's untouched
+        assert "closed pipeline" in out["error"] and "rank " in out["error"]
+        assert out["loss_again"] == pytest.approx(out["loss"], rel=1e-6)
+
+
 @pytest.mark.slow
 def test_mistakes_every_rank_makes_are_clear_errors(pool2) -> None:
     for out in pool2.run(cases.uniform_errors):
