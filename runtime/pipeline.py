@@ -329,12 +329,11 @@ class Pipeline:
         Each gloo group keeps threads and sockets until it is destroyed, and a finished pipeline's
         reference cycles keep them alive until the garbage collector runs: a process that builds
         many pipelines should close each one.  Call it on every rank after its last step; a closed
-        pipeline refuses further steps.  The model's parameters and the optimizer stay usable.
+        pipeline refuses further steps; its parameters, optimizer and last timeline stay usable.
         Also `with Pipeline(...) as pipe:`.
         """
         if not self.closed:
             self.closed = True
-            self._executor, self._executors = None, OrderedDict()
             self.groups.close()
 
     def __enter__(self) -> Pipeline:

@@ -184,6 +184,8 @@ def closing(rank: int) -> dict:
     out = {"made": made, "left": len(set(c10d._world.pg_map) - before), "kept": before <= set(c10d._world.pg_map),
            "loss": loss}
     pipe.close()  # twice is fine
+    timeline = pipe.timeline()  # the last step's, still (gathered over the world, not a closed group)
+    out["timeline_events"] = sum(map(len, timeline.ranks)) if timeline is not None else None
     try:
         pipe.step(*batch(0, 8))
     except PipeRuntimeError as err:

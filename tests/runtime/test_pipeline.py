@@ -82,7 +82,9 @@ def test_gpt_matches_single_process(schedule: str, pool4) -> None:
 
 
 def test_close_destroys_the_pipelines_groups_and_refuses_steps(pool2) -> None:
-    for out in pool2.run(cases.closing):
+    results = pool2.run(cases.closing)
+    assert results[0]["timeline_events"] > 0 and results[1]["timeline_events"] is None  # on the first rank
+    for out in results:
         assert out["made"] >= 3  # two message directions and the loss group at least
         assert out["left"] == 0 and out["kept"]  # its own groups gone, the world's untouched
         assert "closed pipeline" in out["error"] and "rank " in out["error"]
