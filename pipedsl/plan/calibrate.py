@@ -1,10 +1,17 @@
 """`pipedsl plan --calibrate`: this machine's compute, link and memory speed, measured with the
 real runtime's processes and gloo, as a `ClusterSpec` the planner predicts with.
 
-- compute: forward + backward of one block of the small GPT (`pipedsl.runtime.gpt`) on every
-  rank at once (the rate a rank gets while the others compute too: on a CPU the ranks share
-  cores), as FLOP/s of the planner's count; the block's memory-bound kernels are inside that
-  rate, so the cluster's elementwise term is off (`activation_passes` 0, `gemm_efficiency` 1);
+- compute: forward + backward of one block of the small GPT (`pipedsl.runtime.gpt`), run as
+  the runtime runs a stage (`runtime.stage.Stage`), as FLOP/s of the planner's count: on one
+  rank per core (a rank's own speed) and on every rank at once.  With more ranks than cores the
+  two give how well the shared cores are used (`sharing_efficiency`, for the planner's
+  shared-processor replay, `plan/shared_host.py`).  The block's memory-bound kernels are inside
+  that rate, so the cluster's elementwise term is off (`activation_passes` 0, `gemm_efficiency` 1).
+  The split backward (I, then W) against the full one gives `split_backward`;
+- blocking collectives: the same block tensor-parallel over pairs of ranks (`ParallelBlock`, t=2,
+  four all-reduces of its activation), every rank at once.  What it costs beyond half the dense
+  block is four all-reduces; beyond the link's ring cost, each all-reduce step waits for its peer
+  to be scheduled — `sync_latency` (large where ranks outnumber cores, 0 on GPUs);
 - link: gloo send/recv ping-pong between ranks 0 and 1 at two sizes: latency and bandwidth of
   `t = latency + bytes / bandwidth`;
 - memory: an AdamW step on every rank at once, as the bytes per second `cost.py` charges it.
@@ -15,6 +22,7 @@ bandwidth is handed over per fp16 byte (halved), so a message of n values costs 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -57,13 +65,39 @@ class Calibration:
     latency: float  # seconds per message
     bandwidth: float  # bytes/s (fp32 bytes, as measured)
     memory_bandwidth: float  # bytes/s of an AdamW step (the planner's count of its bytes)
+    cores: int = 0  # processors the ranks share (0: not measured; as many as ranks)
+    flops_alone: float = 0.0  # FLOP/s of a rank with a core to itself (0: = flops)
+    sync_latency: float = 0.0  # seconds per step of a blocking collective, beyond the link's cost
+    split_backward: float = 1.0  # (F + I + W) / (F + B) of the runtime's Stage: what splitting the backward costs
+
+    @property
+    def shared(self) -> bool:
+        return 0 < self.cores < self.ranks
+
+    @property
+    def sharing_efficiency(self) -> float:
+        """Of the shared cores while every rank computes: rank rates summed / (cores · a rank's own rate)."""
+        if not self.shared or not self.flops_alone:
+            return 1.0
+        return min(1.0, self.flops * self.ranks / (self.flops_alone * self.cores))
+
+    def describe(self) -> str:
+        shared = (f" ({self.flops_alone / 1e9:.2f} with a core each; {self.ranks} ranks on {self.cores} cores used "
+                  f"at {self.sharing_efficiency:.0%})") if self.shared and self.flops_alone else ""
+        return (f"{self.flops / 1e9:.2f} GFLOP/s per rank (GPT block, all {self.ranks} ranks computing){shared}, "
+                f"link {self.latency * 1e6:.0f} us + {self.bandwidth / 1e9:.2f} GB/s (gloo), blocking collectives "
+                f"+{self.sync_latency * 1e6:.0f} us a step, split backward x{self.split_backward:.2f}, "
+                f"AdamW {self.memory_bandwidth / 1e9:.2f} GB/s")
 
     def cluster(self) -> ClusterSpec:
-        """This machine as the planner's cluster: one node of `ranks` processes."""
+        """This machine as the planner's cluster: one node of `ranks` processes on `cores` processors."""
         link = self.bandwidth / FP32_OVER_COUNTED
-        return ClusterSpec("local", self.ranks, self.ranks, self.flops, 64 * GB, link, self.latency, link,
+        flops = self.flops_alone if self.shared and self.flops_alone else self.flops
+        return ClusterSpec("local", self.ranks, self.ranks, flops, 64 * GB, link, self.latency, link,
                            self.latency, self.memory_bandwidth, gemm_efficiency=1.0, activation_passes=0.0,
-                           reserved_memory=0.0)
+                           reserved_memory=0.0, cores_per_node=self.cores if self.shared else 0,
+                           sharing_efficiency=max(self.sharing_efficiency, 1e-3), sync_latency=self.sync_latency,
+                           split_backward=self.split_backward)
 
 
 def _median_time(fn, reps: int) -> float:
@@ -76,8 +110,18 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] = SIZES) -> dict[str, float]:
-    """This rank's measurements (every rank of the process group must call it)."""
+def cores() -> int:
+    """The processors this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] = SIZES,
+                 cores: int = 0) -> dict[str, float]:
+    """This rank's measurements (every rank of the process group must call it).  With `cores`
+    fewer than the ranks, the block is also timed on ranks 0..cores-1 alone."""
     import torch
     import torch.distributed as dist
 
@@ -88,11 +132,17 @@ def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] =
     block = Block(cfg)
     x = torch.randn(model.microbatch, model.seq, model.embd, requires_grad=True)  # [b, T, C]
 
-    def block_step() -> None:
-        block(x).sum().backward()
-
+    full, split = _stage_steps(block, x)
+    world = dist.get_world_size()
     dist.barrier()
-    out = {"block": _median_time(block_step, reps)}
+    out = {"block": _median_time(full, reps), "split_block": _median_time(split, reps)}
+    if 0 < cores < world:
+        dist.barrier()
+        if rank < cores:  # the others wait in the barrier
+            out["block_alone"] = _median_time(full, reps)
+        dist.barrier()
+    if world % 2 == 0:
+        out["tp_block"] = _tp_block_time(model, block, x, reps)
 
     params = [torch.zeros(1 << 20, requires_grad=True) for _ in range(4)]
     for p in params:
@@ -121,10 +171,52 @@ def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] =
     return out
 
 
-def _measure_in_pool(model: SmallGPT, reps: int, sizes: tuple[int, int]) -> dict[str, float]:
+def _stage_steps(block: Any, x: Any) -> tuple[Any, Any]:
+    """The block as the runtime's middle `Stage`: forward + full backward (F, B), and forward + the
+    split backward the zero-bubble schedules run (F, I, W)."""
+    import torch
+
+    from pipedsl.runtime.stage import ActivationCounter, Stage
+
+    stage = Stage(block, 1, 3, None, 1, ActivationCounter())
+    grad = [torch.ones_like(x)]
+
+    def full() -> None:
+        act, _ = stage.forward([x])
+        stage.backward(act, grad)
+
+    def split() -> None:
+        act, _ = stage.forward([x])
+        stage.backward_input(act, grad)
+        stage.backward_weight(act)
+
+    return full, split
+
+
+def _tp_block_time(model: SmallGPT, block: Any, x: Any, reps: int) -> float:
+    """The block tensor-parallel over pairs of ranks (1-D, t=2), every rank at once."""
     import torch.distributed as dist
 
-    return measure_rank(dist.get_rank(), model, reps, sizes)
+    from pipedsl.parallel import ParallelConfig, ParallelMesh
+    from pipedsl.parallel.tp1d import ParallelBlock
+    from pipedsl.parallel.tp_gpt import dense_block
+
+    mesh = ParallelMesh(ParallelConfig(dp=dist.get_world_size() // 2, pp=1, tp=2))
+    tp_block = ParallelBlock.from_dense(dense_block(block), mesh.tp_group)
+
+    def step() -> None:
+        tp_block(x).sum().backward()
+
+    dist.barrier()
+    took = _median_time(step, reps)
+    dist.barrier()
+    return took
+
+
+def _measure_in_pool(model: SmallGPT, reps: int, sizes: tuple[int, int], cores: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    return measure_rank(dist.get_rank(), model, reps, sizes, cores)
 
 
 def calibrate(ranks: int = 4, model: SmallGPT | None = None, reps: int = 7, timeout: float = 300.0,
@@ -138,21 +230,31 @@ def calibrate(ranks: int = 4, model: SmallGPT | None = None, reps: int = 7, time
         from pipedsl.errors import PipeDSLError
 
         raise PipeDSLError(f"--calibrate needs at least 2 ranks (a link to measure), got {ranks}")
+    n = cores()
     if pool is None:
-        results = launch(measure_rank, ranks, model, reps, SIZES, timeout=timeout, threads=1)
+        results = launch(measure_rank, ranks, model, reps, SIZES, n, timeout=timeout, threads=1)
     else:
-        results = pool.run(_measure_in_pool, ranks, model, reps, SIZES, timeout=timeout)
-    return summarize([results], model)
+        results = pool.run(_measure_in_pool, ranks, model, reps, SIZES, n, timeout=timeout)
+    return summarize([results], model, n)
 
 
-def summarize(runs: list[list[dict[str, float]]], model: SmallGPT) -> Calibration:
+def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 0) -> Calibration:
     """One calibration from the per-rank measurements of one or more runs (medians over all)."""
     spec = model.spec()
     every = [r for results in runs for r in results]
     block = statistics.median(r["block"] for r in every)
-    flops = 3 * spec.layer_flops(model.microbatch) / block
+    block_flops = 3 * spec.layer_flops(model.microbatch)
+    alone = [r["block_alone"] for r in every if "block_alone" in r]
     adam = statistics.median(r["adam"] / r["adam_params"] for r in every)
     small, large = (statistics.median(r[f"msg{s}"] for r in every if f"msg{s}" in r) for s in SIZES)
     bandwidth = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
     latency = max(small - SIZES[0] / bandwidth, 1e-7)
-    return Calibration(len(runs[0]), flops, latency, bandwidth, ADAM_BYTES_PER_PARAM / adam)
+    sync = 0.0
+    tp = [r["tp_block"] for r in every if "tp_block" in r]
+    if tp:  # four all-reduces of the fp32 [b, T, C] activation over 2 ranks: bytes/bw + 2 steps each
+        activation = 4 * model.microbatch * model.seq * model.embd
+        per_all_reduce = (statistics.median(tp) - block / 2) / 4
+        sync = max(0.0, (per_all_reduce - activation / bandwidth) / 2 - latency)
+    split = statistics.median(r["split_block"] / r["block"] for r in every)
+    return Calibration(len(runs[0]), block_flops / block, latency, bandwidth, ADAM_BYTES_PER_PARAM / adam,
+                       cores, block_flops / statistics.median(alone) if alone else 0.0, sync, max(split, 1.0))

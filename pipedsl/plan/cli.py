@@ -114,9 +114,7 @@ def _calibrated(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
 
     small = SmallGPT()
     cal = calibrate(args.gpus or 4, small)
-    print(f"calibrated on {cal.ranks} local processes: {cal.flops / 1e9:.2f} GFLOP/s per rank (GPT block, all ranks "
-          f"computing), link {cal.latency * 1e6:.0f} us + {cal.bandwidth / 1e9:.2f} GB/s (gloo), "
-          f"AdamW {cal.memory_bandwidth / 1e9:.2f} GB/s")
+    print(f"calibrated on {cal.ranks} local processes: {cal.describe()}")
     given = args.model or any(getattr(args, k) is not None for k in ("layers", "hidden", "heads", "seq", "vocab"))
     return (model_from_args(args) if given else small.spec()), cal.cluster()
 

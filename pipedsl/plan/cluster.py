@@ -34,6 +34,11 @@ class ClusterSpec:
     gemm_efficiency: float = 0.71  # the one constant fitted to SC'21 Table 1 (docs/planner.md)
     activation_passes: float = 2.0  # each memory-bound kernel reads its input and writes its output
     reserved_memory: float = 2 * GB  # CUDA context, allocator fragmentation, workspace
+    # A host whose ranks share processors (a CPU node, `plan --calibrate` here): 0 on GPU clusters.
+    cores_per_node: int = 0  # processors a node's ranks share; 0: a device per rank
+    sharing_efficiency: float = 1.0  # of those processors when oversubscribed (cache, scheduler losses)
+    sync_latency: float = 0.0  # per ring step of a blocking collective: its peers' wait to be scheduled
+    split_backward: float = 1.0  # (F+I+W)/(F+B) of a block: a split backward's extra passes (1: none, as on GPUs)
 
     def __post_init__(self) -> None:
         for field_name in ("gpus", "gpus_per_node"):
@@ -47,15 +52,31 @@ class ClusterSpec:
             if not (math.isfinite(value) and value >= 0 and (value > 0 or zero_ok)):
                 kind = "a finite number >= 0" if zero_ok else "a positive, finite number"
                 raise PipeDSLError(f"cluster {self.name}: {field_name} must be {kind}, got {shorten(value)}")
-        if not 0 < self.gemm_efficiency <= 1:
-            raise PipeDSLError(f"cluster {self.name}: gemm_efficiency must be in (0, 1]")
+        for field_name in ("gemm_efficiency", "sharing_efficiency"):
+            if not 0 < getattr(self, field_name) <= 1:
+                raise PipeDSLError(f"cluster {self.name}: {field_name} must be in (0, 1], got "
+                                   f"{shorten(getattr(self, field_name))}")
+        if not (isinstance(self.cores_per_node, int) and 0 <= self.cores_per_node <= MAX_PLAN_GPUS):
+            raise PipeDSLError(f"cluster {self.name}: cores_per_node={shorten(self.cores_per_node)} is not in "
+                               f"0..{MAX_PLAN_GPUS:,}")
+        if not (math.isfinite(self.split_backward) and 1 <= self.split_backward <= 10):
+            raise PipeDSLError(f"cluster {self.name}: split_backward must be in [1, 10], got "
+                               f"{shorten(self.split_backward)}")
+        if not (math.isfinite(self.sync_latency) and self.sync_latency >= 0):
+            raise PipeDSLError(f"cluster {self.name}: sync_latency must be a finite number >= 0, got "
+                               f"{shorten(self.sync_latency)}")
 
     def link(self, group_span: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a ring over ranks `group_span` apart in the rank order at most:
-        inside a node while the group fits in one, else InfiniBand."""
+        """(bandwidth, latency per step) of a ring collective over ranks `group_span` apart in the rank
+        order at most: inside a node while the group fits in one, else InfiniBand."""
         if group_span <= self.gpus_per_node:
-            return self.intra_bandwidth, self.intra_latency
-        return self.inter_bandwidth, self.inter_latency
+            return self.intra_bandwidth, self.intra_latency + self.sync_latency
+        return self.inter_bandwidth, self.inter_latency + self.sync_latency
+
+    def shared_ranks(self, gpus: int) -> int:
+        """How many ranks of a `gpus`-rank layout share one node's `cores_per_node` processors (0: none share)."""
+        on_node = min(gpus, self.gpus_per_node)
+        return on_node if 0 < self.cores_per_node < on_node else 0
 
     def with_gpus(self, gpus: int) -> ClusterSpec:
         return replace(self, gpus=gpus)

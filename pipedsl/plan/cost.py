@@ -2,7 +2,8 @@
 
 Times are seconds per microbatch.  Communication follows what the runtime does:
 - tensor parallel (Megatron 1-D): two all-reduces of the [b, s, h] activation per block in the
-  forward, two in the backward, two more in the recomputed forward — on the critical path;
+  forward, two in the backward, two more in the recomputed forward — on the critical path; one
+  more for the vocabulary-parallel embedding, three small ones ([b, s]) for the cross-entropy;
   3-D (Bian et al.): per linear, gathers of input and weight and a reduce-scatter of the output,
   (q-1)/q³ of each tensor per rank, forward and backward alike;
 - pipeline: one [b, s, h]/t message per hop (Megatron's scatter/gather over InfiniBand, then an
@@ -64,6 +65,7 @@ class StageCosts:
     stage_params: tuple[float, ...]  # parameters per GPU of each stage
     tp_comm: tuple[float, ...]  # per stage, per microbatch: tensor-parallel time inside F+B
     zero_gather: tuple[float, ...]  # per stage, per microbatch: ZeRO-3 gathers inside F+B
+    waits: tuple[dict[str, float], ...] = ()  # per stage, of F/B/I/W: seconds in blocking collectives (no core)
 
     def simulator_cost(self) -> Cost:
         """The pipeline part for `pipedsl.simulate`; REDUCE_GRAD/step are added around it (async)."""
@@ -95,9 +97,9 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         (cluster.intra_bandwidth, cluster.intra_latency)
     message = pp_lat + act / t / pp_bw
     if t > 1 and not q:
-        message += all_gather(act, t, cluster.intra_bandwidth, cluster.intra_latency)
+        message += all_gather(act, t, *cluster.link(t))
 
-    F, B, I, W, reduce, after, step, psi, tpc, zg = ([] for _ in range(10))
+    F, B, I, W, reduce, after, step, psi, tpc, zg, waits = ([] for _ in range(11))
     for st in range(stages):
         gemm = per_stage_layers * (model.layer_flops(b) - 4 * b * s * s * h)
         attn = per_stage_layers * 4 * b * s * s * h
@@ -109,6 +111,10 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
             params += model.vocab * h + 2 * h  # the output layer's copy of the word embedding, final LayerNorm
         p_gpu = params / t
         tp_fwd = per_stage_layers * tp_block_fwd
+        if t > 1 and not q and st == 0:  # the vocabulary-parallel embedding sums its partial lookups
+            tp_fwd += all_reduce(act, t, tp_bw, tp_lat)
+        if t > 1 and not q and st == stages - 1:  # vocabulary-parallel cross-entropy: max, Σexp, target logit
+            tp_fwd += 3 * all_reduce(4 * b * s, t, tp_bw, tp_lat)
         tp_bwd = per_stage_layers * tp_block_bwd
         gather = all_gather(PARAM_BYTES * p_gpu, layout.dp, dp_bw, dp_lat) if layout.zero >= 3 else 0.0
         # memory-bound kernels (LayerNorm, softmax, dropout, GeLU, residuals) stream the block's activations
@@ -117,8 +123,9 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         recompute = (fwd + tp_fwd) if layout.recompute else 0.0
         F.append(fwd + tp_fwd + gather)
         B.append(2 * fwd + tp_bwd + recompute + gather)
-        I.append((gemm + 2 * attn) / rate + tp_bwd + recompute + gather)
-        W.append(gemm / rate + gather)
+        split = (cluster.split_backward - 1) * 3 * fwd / 2  # a split backward's extra work, shared by I and W
+        I.append((gemm + 2 * attn) / rate + split + tp_bwd + recompute + gather)
+        W.append(gemm / rate + split + gather)
         grad_bytes = BYTES_FP16 * p_gpu
         replica = all_reduce(grad_bytes, replicas, pp_bw, pp_lat)
         if layout.zero == 0:
@@ -132,5 +139,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         psi.append(p_gpu)
         tpc.append(tp_fwd + tp_bwd + (tp_fwd if layout.recompute else 0.0))
         zg.append(2 * gather)
+        back = tp_bwd + (tp_fwd if layout.recompute else 0.0) + gather
+        waits.append({"F": tp_fwd + gather, "B": back, "I": back, "W": gather})
     return StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
-                      tuple(psi), tuple(tpc), tuple(zg))
+                      tuple(psi), tuple(tpc), tuple(zg), tuple(waits))

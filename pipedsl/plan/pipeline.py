@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 
 from pipedsl.errors import PipeDSLError
-from pipedsl.ir import Op, Program
+from pipedsl.ir import Instr, Op, Program
 from pipedsl.library import load
 from pipedsl.plan.cost import StageCosts
-from pipedsl.simulate import simulate
-from pipedsl.timeline import Timeline
+from pipedsl.plan.shared_host import shared_dry_run
+from pipedsl.simulate import Cost, simulate
+from pipedsl.timeline import Event, Timeline
 
 M_CAP_FACTOR = 2  # simulate at most ~4P microbatches
 
@@ -127,17 +128,37 @@ def iteration_time(timeline: Timeline, program: Program, costs: StageCosts) -> f
     return finish - timeline.start
 
 
-def _run_exact(schedule: str, P: int, M: int, params: tuple,
-               costs: StageCosts) -> tuple[float, float, list[int], float]:
+def _run_exact(schedule: str, P: int, M: int, params: tuple, costs: StageCosts,
+               sharing: tuple[float, float] | None) -> tuple[float, float, list[int], float]:
     program = compiled(schedule, P, M, params)
-    timeline = simulate(program, costs.simulator_cost())
+    cost = costs.simulator_cost()
+    timeline = simulate(program, cost) if sharing is None else _shared_timeline(program, cost, costs, *sharing)
     return iteration_time(timeline, program, costs), timeline.makespan, peak_live(program), max(timeline.busy)
 
 
-def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...], costs: StageCosts) -> PipelineRun:
-    """Simulate (or extend linearly from two simulations) one pipeline's iteration."""
+def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: float, efficiency: float) -> Timeline:
+    """The program replayed on `cores` shared processors (`shared_host`): an op's blocking collectives
+    (`costs.waits`) take time but no core."""
+    def work(ins: Instr) -> tuple[float, float]:
+        if ins.sub is not None:  # an overlapped pair: its halves' work and waits
+            halves = [work(x) for x in ins.sub]
+            return sum(h[0] for h in halves), sum(h[1] for h in halves)
+        total = cost.compute_time(ins)
+        waits = costs.waits[ins.stage] if costs.waits and ins.stage is not None else {}
+        wait = min(waits.get(ins.op.value, 0.0), total)
+        return total - wait, wait
+
+    starts, ends = shared_dry_run(program, work, cost.message_time, cores, efficiency)
+    ranks = tuple(tuple(map(Event, stream, st, en)) for stream, st, en in zip(program.ranks, starts, ends))
+    return Timeline(program.name, dict(program.params), ranks, "simulated", {"cores": cores})
+
+
+def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...], costs: StageCosts,
+                 sharing: tuple[float, float] | None = None) -> PipelineRun:
+    """Simulate (or extend linearly from two simulations) one pipeline's iteration; with `sharing`
+    (this pipeline's cores, their efficiency), on processors its ranks share."""
     sizes = simulation_sizes(M, P)
-    runs = [_run_exact(schedule, P, m, params, costs) for m in sizes]
+    runs = [_run_exact(schedule, P, m, params, costs, sharing) for m in sizes]
     if len(runs) == 1:
         it, mk, peaks, busy = runs[0]
         return PipelineRun(it, mk, tuple(map(float, peaks)), busy)

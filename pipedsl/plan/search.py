@@ -209,9 +209,16 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[i
     return worst
 
 
+def _sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float] | None:
+    """(this pipeline's share of its node's cores, their efficiency) where ranks share cores, else None: the
+    node runs ranks / pp identical pipelines side by side."""
+    ranks = cluster.shared_ranks(layout.gpus)
+    return (cluster.cores_per_node * layout.pp / ranks, cluster.sharing_efficiency) if ranks else None
+
+
 def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate:
     layout, costs = prep.layout, prep.costs
-    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs)
+    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, _sharing(cluster, layout))
     gpus = layout.gpus
     hardware = model.iteration_flops(layout.recompute)
     useful = model.iteration_flops(False)

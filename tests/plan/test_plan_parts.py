@@ -102,7 +102,7 @@ def test_large_M_extends_the_simulation_linearly(schedule):
     program = compiled(schedule, P, M)
     costs = stage_costs(model, cluster, layout, program.num_stages, program.num_replicas)
     run = run_pipeline(schedule, P, M, (), costs)
-    it, makespan, peaks, _ = _run_exact(schedule, P, M, (), costs)
+    it, makespan, peaks, _ = _run_exact(schedule, P, M, (), costs, None)
     assert run.iteration == pytest.approx(it, rel=1e-9) and run.pipeline == pytest.approx(makespan, rel=1e-9)
     assert program_peaks(schedule, P, M) == pytest.approx([float(p) for p in peaks])
 
