@@ -1,15 +1,18 @@
 """The planner calibrated on this machine against the runtime's measured step times.
 
 `pipedsl plan --calibrate`'s measurements (pipedsl/plan/calibrate.py: a GPT block's FLOP/s
-with every rank computing, gloo ping-pong latency/bandwidth, AdamW's bytes/s) become a
+alone and with every rank computing, the split backward, blocking collectives, gloo ping-pong
+latency/bandwidth, AdamW's bytes/s) become a
 `ClusterSpec`; the planner then predicts the step time of each locally runnable layout of the
 small GPT, and the same layouts are trained for real (pipedsl.launch, gloo, one torch thread a
 rank: forward, backward, gradient reduction and the AdamW step, as `pipedsl train`).  The table
 is measured vs predicted per layout, the ratio, and whether the two orders agree (Spearman's
-rho of the step times).  Calibration and measurement run in the same invocation.
+rho of the step times, and the pairs measured more than 15 % apart — closer ones are within
+the run-to-run noise).  Calibration and measurement run in the same invocation.
 
     python benchmarks/planner_calibration.py            # 4 ranks, 5 timed steps per layout
     python benchmarks/planner_calibration.py --quick    # 4 layouts, 3 steps
+    python benchmarks/planner_calibration.py --ranks 2  # a core per rank: bubbles cost as on GPUs
     python benchmarks/planner_calibration.py --ranks 8  # the layouts with dp doubled (slow on 2 cores)
 """
 
@@ -28,10 +31,14 @@ import _bench  # noqa: E402
 from pipedsl.plan import Layout, evaluate  # noqa: E402
 from pipedsl.plan.calibrate import SmallGPT, cores, measure_rank, summarize  # noqa: E402
 
-# (dp, pp, tp, schedule, params) at 4 ranks; 8 ranks doubles dp
-LAYOUTS_4 = [(1, 4, 1, "1f1b", ()), (1, 4, 1, "gpipe", ()), (1, 4, 1, "zb-h1", ()),
-             (1, 4, 1, "interleaved", (("V", 2),)), (2, 2, 1, "1f1b", ()), (2, 2, 1, "zb-h1", ()),
-             (1, 2, 2, "1f1b", ()), (4, 1, 1, "1f1b", ())]
+# (dp, pp, tp, schedule, params, microbatch size) at 4 ranks; 8 ranks doubles dp
+LAYOUTS_4 = [(1, 4, 1, "1f1b", (), 2), (1, 4, 1, "gpipe", (), 2), (1, 4, 1, "zb-h1", (), 2),
+             (1, 4, 1, "interleaved", (("V", 2),), 2), (2, 2, 1, "1f1b", (), 2), (2, 2, 1, "zb-h1", (), 2),
+             (1, 2, 2, "1f1b", (), 2), (4, 1, 1, "1f1b", (), 2)]
+# 2 ranks on 2 cores: no core is shared, so bubbles cost what they cost on GPUs (M=2 vs M=8)
+LAYOUTS_2 = [(1, 2, 1, "1f1b", (), 2), (1, 2, 1, "1f1b", (), 8), (1, 2, 1, "gpipe", (), 2),
+             (1, 2, 1, "zb-h1", (), 2), (1, 2, 1, "zb-h1", (), 8), (1, 2, 1, "interleaved", (("V", 2),), 2),
+             (2, 1, 1, "1f1b", (), 2), (1, 1, 2, "1f1b", (), 2)]
 
 
 def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: int) -> tuple[dict, list[float]]:
@@ -92,23 +99,23 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--ranks", type=int, default=4, choices=(2, 4, 8))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="4 layouts (pp4 1F1B and GPipe, dp2xpp2, dp4), 3 steps")
     args = parser.parse_args()
-    chosen = [LAYOUTS_4[i] for i in (0, 1, 4, 7)] if args.quick else LAYOUTS_4
+    table = LAYOUTS_2 if args.ranks == 2 else LAYOUTS_4
+    chosen = [table[i] for i in (0, 1, 4, 7)] if args.quick else table
     if args.quick:
         args.steps, args.warmup = 3, 1
     model = SmallGPT()
     spec = model.spec()
     began = time.perf_counter()
-    scale = args.ranks // 4
+    scale = max(1, args.ranks // 4)
     layouts, measured, runs = [], [], []
-    for dp, pp, tp, schedule, params in chosen:
+    for dp, pp, tp, schedule, params, b in chosen:
         dp *= scale
-        M = model.batch // (dp * model.microbatch)
-        layout = Layout(dp, pp, tp, schedule, model.microbatch, M, zero=0, recompute=False, params=params)
+        layout = Layout(dp, pp, tp, schedule, b, model.batch // (dp * b), zero=0, recompute=False, params=params)
         calibration_run, step = measure(model, layout, args.steps, args.warmup)
         layouts.append(layout)
         measured.append(step)

@@ -22,7 +22,15 @@ from enum import StrEnum
 from typing import Any, NamedTuple
 
 from pipedsl.errors import ValidationError
-from pipedsl.limits import MAX_COMPUTE_OPS, MAX_INSTRUCTIONS, MAX_MICROBATCHES, MAX_RANKS, MAX_STAGES, shorten
+from pipedsl.limits import (
+    MAX_COMPUTE_OPS,
+    MAX_INSTRUCTIONS,
+    MAX_MICROBATCHES,
+    MAX_RANKS,
+    MAX_STAGES,
+    load_json,
+    shorten,
+)
 
 
 class Op(StrEnum):
@@ -362,11 +370,7 @@ class Program:
 
     @classmethod
     def from_json(cls, text: str) -> Program:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValidationError(f"not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(load_json(text, error=ValidationError))
 
     # ------------------------------------------------------------ CSV
 

@@ -8,8 +8,10 @@ value was chosen; keep that table in step with this file.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+from typing import Any
 
 from pipedsl.errors import PipeDSLError
 
@@ -72,3 +74,25 @@ def read_bounded(path: str | os.PathLike, limit: int, what: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise PipeDSLError(f"{name} is not UTF-8 text") from None
+
+
+def load_json(text: str, what: str = "", error: type[PipeDSLError] = PipeDSLError) -> Any:
+    """`json.loads` for files from anywhere: integers of at most MAX_NUMBER_DIGITS digits (Python's
+    own 4,300-digit refusal would escape as a ValueError), and nesting that exhausts the decoder's
+    recursion (ten thousand '[') refused.  Any failure is one `error`."""
+    where = f"{what}: " if what else ""
+
+    def bounded_int(digits: str) -> int:
+        if len(digits.lstrip("-")) > MAX_NUMBER_DIGITS:
+            raise error(f"{where}the number {shorten(digits, 24)} has more than {MAX_NUMBER_DIGITS} digits "
+                        f"(MAX_NUMBER_DIGITS)")
+        return int(digits)
+
+    try:
+        return json.loads(text, parse_int=bounded_int)
+    except json.JSONDecodeError as err:
+        raise error(f"{where}not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    except (ValueError, RecursionError) as err:
+        deep = isinstance(err, RecursionError)
+        raise error(f"{where}JSON nested too deep to read" if deep else f"{where}not readable JSON: "
+                    f"{shorten(err, 80)}") from None

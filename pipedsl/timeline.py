@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from pipedsl.errors import ValidationError
 from pipedsl.ir import COMPUTE, Instr, Op
+from pipedsl.limits import load_json
 
 
 class Event(NamedTuple):
@@ -135,7 +136,4 @@ class Timeline:
 
     @classmethod
     def from_json(cls, text: str) -> Timeline:
-        try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as err:
-            raise ValidationError(f"not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+        return cls.from_dict(load_json(text, error=ValidationError))

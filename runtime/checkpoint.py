@@ -66,7 +66,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedsl.errors import PipeRuntimeError
+from pipedsl.errors import PipeDSLError, PipeRuntimeError
+from pipedsl.limits import load_json
 from pipedsl.parallel.optim import LRSchedule, PipelineOptimizer
 from pipedsl.parallel.zero import ZeroOptimizer
 
@@ -192,9 +193,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read {MANIFEST}: {err.strerror}") from None
     try:
-        manifest = json.loads(text)
+        manifest = load_json(text)
         ok = manifest.get("format") == FORMAT and isinstance(manifest.get("parts"), list)
-    except (json.JSONDecodeError, AttributeError):
+    except (PipeDSLError, AttributeError):
         ok = False
     if not ok:
         raise CheckpointError(f"{path}: {MANIFEST} is not a pipedsl checkpoint manifest")

@@ -3,10 +3,10 @@ tracer writes) or a Chrome trace written by `chrome_trace.write_chrome_trace`.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.limits import load_json
 from pipedsl.timeline import Timeline
 
 from .chrome_trace import from_chrome_trace
@@ -23,10 +23,9 @@ def read_timeline(path: str | Path) -> Timeline:
     except UnicodeDecodeError:
         raise VisualizeError(f"cannot read trace {name}: not UTF-8 text") from None
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise VisualizeError(f"cannot read trace {name}: not JSON ({err.msg} at line {err.lineno} "
-                             f"column {err.colno})") from None
+        data = load_json(text)
+    except PipeDSLError as err:
+        raise VisualizeError(f"cannot read trace {name}: {err.message}") from None
     if isinstance(data, dict) and "ranks" in data:
         try:
             return Timeline.from_dict(data)

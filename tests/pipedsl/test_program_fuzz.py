@@ -66,3 +66,73 @@ def test_arbitrary_bytes_fail_cleanly(data):
     text = data.decode("utf-8", "replace")
     for parse in (Program.from_json, Program.from_csv, Program.from_text):
         load_and_validate(parse, text)
+
+
+# ---------------------------------------------------------------- absurd numbers and counts (issue 13)
+
+HEADER = ["num_stages", "num_replicas", "P", "M", "placement.stage", "placement.rank", "placement.replica",
+          "microbatch_replica"]
+INSTRUCTION = ["mb", "stage", "peer", "replica"]
+absurd = st.one_of(st.integers(-(10 ** 40), 10 ** 40), st.sampled_from([2 ** 31, 2 ** 63, 2 ** 64, 10 ** 18, -1]),
+                   st.floats(allow_nan=True, allow_infinity=True), st.integers(18, 6000).map(lambda n: "9" * n))
+
+
+def _set(d: dict, field: str, where: int, value) -> None:
+    if field in ("P", "M"):
+        d["params"][field] = value
+    elif field.startswith("placement."):
+        d["placement"][where % len(d["placement"])][field.partition(".")[2]] = value
+    elif field == "microbatch_replica":
+        d[field][where % len(d[field])] = value
+    elif field in INSTRUCTION:
+        stream = d["ranks"][where % len(d["ranks"])]
+        stream[where % len(stream)][field] = value
+    else:
+        d[field] = value
+
+
+def _json_with(d: dict, values: list) -> str:
+    """`d` as JSON with each ("9"*n) placeholder written as a bare n-digit number (json.dumps refuses
+    to print ints past 4300 digits; a file may still hold them)."""
+    text = json.dumps(d)
+    for i, v in enumerate(values):
+        text = text.replace(json.dumps(f"@{i}@"), v)
+    return text
+
+
+@given(st.sampled_from(BASE), st.lists(st.tuples(st.sampled_from(HEADER + INSTRUCTION), st.integers(0, 1000), absurd),
+                                       min_size=1, max_size=3))
+def test_json_programs_with_absurd_numbers_fail_cleanly(program, edits):
+    d = program.to_dict()
+    digits = []
+    for field, where, value in edits:
+        if isinstance(value, str):  # a number too long for json.dumps: a placeholder, replaced in the text
+            digits.append(value)
+            value = f"@{len(digits) - 1}@"
+        _set(d, field, where, value)
+    load_and_validate(Program.from_json, _json_with(d, digits))
+
+
+@given(st.sampled_from(BASE), st.integers(0, 10_000), st.sampled_from(["mb", "stage", "peer", "rank"]),
+       st.one_of(st.integers(10, 10 ** 30).map(str), st.integers(18, 6000).map(lambda n: "9" * n),
+                 st.sampled_from(["-1", "1e9", "inf", "nan", "0x10", "１"])))
+def test_text_and_csv_programs_with_absurd_numbers_fail_cleanly(program, where, field, number):
+    csv_lines = program.to_csv().splitlines()
+    row = 1 + where % (len(csv_lines) - 1)
+    cells = csv_lines[row].split(",")
+    column = {"rank": 0, "mb": 3, "stage": 4, "peer": 6}[field]
+    cells[column] = number
+    csv_lines[row] = ",".join(cells)
+    load_and_validate(Program.from_csv, "\n".join(csv_lines) + "\n")
+    text_lines = program.to_text().splitlines()
+    line = text_lines[where % len(text_lines)]
+    load_and_validate(Program.from_text, line.replace("0", number, 1) + "\n" + "\n".join(text_lines))
+
+
+@given(st.integers(50, 200_000), st.sampled_from(["[", "{\"a\": ", "[{\"ranks\": "]))
+def test_json_nested_past_the_decoders_recursion_fails_cleanly(depth, opener):
+    load_and_validate(Program.from_json, opener * depth)
+    try:
+        pipedsl.Timeline.from_json(opener * depth)
+    except ValidationError as err:
+        assert "JSON" in str(err) or "timeline" in str(err)
