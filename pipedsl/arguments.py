@@ -7,11 +7,15 @@ import math
 from collections.abc import Sequence
 
 from pipedsl.errors import PipeDSLError
-from pipedsl.limits import MAX_MICROBATCHES, MAX_RANKS, shorten
+from pipedsl.limits import MAX_MICROBATCHES, MAX_NUMBER_DIGITS, MAX_RANKS, shorten
 
 
 def _number(text: str, convert: type, ok, requirement: str) -> int | float:
     """Parse `text` with `convert` and check `ok(value)`; an argparse error names `requirement`."""
+    digits = text.strip().lstrip("+-").replace("_", "")
+    if convert is int and len(digits) > MAX_NUMBER_DIGITS:
+        raise argparse.ArgumentTypeError(f"{shorten(text, 24)} has more than {MAX_NUMBER_DIGITS} digits "
+                                         f"(MAX_NUMBER_DIGITS)")
     try:
         v = convert(text)
     except ValueError:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import pipedsl
 from pipedsl.cli import main
 from pipedsl.errors import PipeRuntimeError
+from pipedsl.limits import MAX_COMPUTE_OPS
 from pipedsl.runtime import launcher
 
 CASE_LIMIT = 30  # seconds per generated command line
@@ -55,8 +56,13 @@ def _hang(signum, frame):
     raise TimeoutError(f"a command line ran longer than {CASE_LIMIT} s")
 
 
-ints = st.integers(-2, 12).map(str)
-numbers = st.one_of(ints, st.sampled_from(["0.5", "1e-3", "nan", "inf", "-inf", "1e309", "0x10", "", " ", "three"]))
+# absurd counts are generated past every limit (MAX_COMPUTE_OPS and up to 10^30), never between a small
+# size and the limit: a valid 400,000-microbatch program is real work, not bad input
+absurd = st.one_of(st.integers(MAX_COMPUTE_OPS + 1, 10 ** 30), st.integers(-(10 ** 30), -3)).map(str)
+ints = st.one_of(st.integers(-2, 12).map(str), absurd,
+                 st.sampled_from(["9" * 400, "1_000", "٣", "+5", "0007", "2**40", "1e6", "0b11"]))
+numbers = st.one_of(ints, st.sampled_from(["0.5", "1e-3", "nan", "inf", "-inf", "1e309", "0x10", "", " ", "three",
+                                           "1e-320", "-0.0", "9" * 400 + ".5"]))
 paths = st.sampled_from([*FILES, "binary.json", "adir", "missing.json", "missing.pipe", "", "-"])
 schedules = st.one_of(st.sampled_from(pipedsl.builtin_names()), paths, st.text(max_size=6))
 params = st.one_of(st.sampled_from(["V=2", "V=0", "V=-1", "V=x", "V", "=2", "X=1", "W=2", "V=99"]),
@@ -84,7 +90,15 @@ FLAGS = {
     "show": {**SIZE_FLAGS, "--cost": costs, "--trace": paths, "-o": outputs, "--graph": None, "--width": ints},
     "train": {**TRAIN_FLAGS, "--schedule": schedules, "-M": ints, "-p": params},
     "run": {**TRAIN_FLAGS, "--program": paths, "--model": st.sampled_from(["gpt", "bert", ""])},
+    "plan": {"--model": st.sampled_from(["gpt-1.7b", "llama-70b", "nope", ""]), "--layers": ints, "--hidden": ints,
+             "--heads": ints, "--seq": ints, "--vocab": ints, "--global-batch": ints, "--ffn": ints,
+             "--cluster": st.sampled_from(["a100-80gb", "h100", "h200", "tpu", ""]), "--gpus-per-node": ints,
+             "--peak-tflops": numbers, "--memory-gb": numbers, "--intra-gbps": numbers, "--inter-gbps": numbers,
+             "--intra-latency-us": numbers, "--inter-latency-us": numbers, "--schedule": schedules,
+             "--zero": st.sampled_from(["0,1,2,3", "3", "4", "-1", "a", "", "0,,1"]), "--top": ints,
+             "--rejected": ints},
 }
+SMALL_PLAN = ["--gpus", "4"]  # appended to every plan line (argparse: the last wins): a search of seconds, not hours
 POSITIONAL = {"compile": 1, "simulate": 1, "check": 1, "compare": 3, "show": 3}
 
 
@@ -97,6 +111,8 @@ BASE = {  # a valid line per command; the fuzzer mutates it, so cases get past a
     "show": ["show", "1f1b", "-P", "2", "-M", "2", "-o", "out.txt"],
     "train": ["train", "-P", "2", "-M", "2", "--seq", "8", "--embd", "16", "--steps", "2"],
     "run": ["run", "--program", "good.json", "--seq", "8", "--embd", "16", "--steps", "2"],
+    "plan": ["plan", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "100",
+             "--global-batch", "8", "--top", "2"],
 }
 
 
@@ -149,6 +165,8 @@ def command_lines(draw, command: str) -> list[str]:
 
 
 def run_argv(argv: list[str]) -> tuple[int, str]:
+    if argv[:1] == ["plan"]:
+        argv = [*argv, *SMALL_PLAN]
     out, err = io.StringIO(), io.StringIO()
     old = signal.signal(signal.SIGALRM, _hang)
     signal.alarm(CASE_LIMIT)
