@@ -10,9 +10,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from pipedsl import compare
+from pipedsl import output as output_file
 from pipedsl.arguments import add_param, add_sizes, params_of, positive_int
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeSemanticError
@@ -169,7 +169,7 @@ def _write(text: str, output: str | None) -> None:
         sys.stdout.write(text)
         return
     try:
-        Path(output).write_text(text)
+        output_file.write_text(output, text)
     except OSError as err:
         raise PipeDSLError(f"cannot write {output}: {err.strerror}") from None
 
@@ -181,8 +181,11 @@ COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pipedsl.runtime.lifecycle import exit_on_signals  # stdlib only: no torch for compile, show, ...
+
     try:
-        return COMMANDS[args.command](args)
+        with exit_on_signals():  # SIGTERM/SIGINT/SIGHUP while compiling or drawing: one line, 128 + signal
+            return COMMANDS[args.command](args)
     except PipeDSLError as err:
         print(err.render(), file=sys.stderr)
         return EXIT_USAGE

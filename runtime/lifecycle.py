@@ -47,6 +47,8 @@ class Interrupted(SystemExit):  # noqa: N818 - the name says what happened; Syst
         super().__init__(128 + int(signum))
 
     def __str__(self) -> str:
+        if not self.stopped:  # before any rank started (compiling, checking, drawing)
+            return f"interrupted by {self.signal.name}"
         return f"interrupted by {self.signal.name}: stopped {self.stopped} rank{'' if self.stopped == 1 else 's'}"
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.arguments import fraction, nonnegative_int, positive_float, positive_int
+from pipedsl.output import write_text
 
 from .capacity import check_local_ranks, total_memory, usable_cores
 from .lifecycle import exit_on_signals
@@ -180,7 +181,7 @@ def _execute(program: Any, args: argparse.Namespace) -> int:
         print(err.render(), file=sys.stderr)
         return 1
     report = results[0]
-    (out / "losses.json").write_text(json.dumps({"schedule": program.name, "params": program.params,
+    write_text(out / "losses.json", json.dumps({"schedule": program.name, "params": program.params,
                                                   "losses": report["losses"]}, indent=1) + "\n")
     written = [str(out / "losses.json")]
     if report["timeline"] is None:
@@ -188,9 +189,9 @@ def _execute(program: Any, args: argparse.Namespace) -> int:
         print("wrote " + ", ".join(written))
         return 0
     timeline = Timeline.from_dict(report["timeline"])
-    (out / "timeline.json").write_text(timeline.to_json())
+    write_text(out / "timeline.json", timeline.to_json())
     predicted = pipedsl.simulate(program, pipedsl.Cost(**report["cost"]))
-    (out / "predicted.json").write_text(predicted.to_json())
+    write_text(out / "predicted.json", predicted.to_json())
     written += [str(out / "timeline.json"), str(out / "predicted.json")]
     png = _plot([timeline, predicted], out / "timeline.png")
     if png:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.ir import COMMS, Instr
+from pipedsl.output import write_text
 from pipedsl.timeline import Event, Timeline
 
 from .errors import VisualizeError
@@ -65,7 +66,7 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
 
 def write_chrome_trace(timeline: Timeline, path: str | Path) -> None:
     try:
-        Path(path).write_text(json.dumps(to_chrome_trace(timeline), allow_nan=False))
+        write_text(path, json.dumps(to_chrome_trace(timeline), allow_nan=False))
     except OSError as err:
         raise VisualizeError(f"cannot write {path}: {err.strerror or err}") from None
 

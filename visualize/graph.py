@@ -21,6 +21,7 @@ from pathlib import Path
 import graphviz
 
 from pipedsl.ir import COMPUTE, RECVS, SENDS, Instr, Op, Program
+from pipedsl.output import replacing, write_text
 
 from . import style
 from .errors import VisualizeError
@@ -108,7 +109,7 @@ def write_graph(program: Program, path: str | Path) -> str:
                              f"{suffix or '(none)'!r} (graphs: .dot, {', '.join(RENDERED)})")
     dot_path = path if suffix == ".dot" else path.with_suffix(".dot")
     try:
-        dot_path.write_text(dependency_graph(program).source)
+        write_text(dot_path, dependency_graph(program).source)
     except OSError as err:
         raise VisualizeError(f"cannot write {dot_path}: {err.strerror or err}") from None
     if suffix == ".dot":
@@ -118,7 +119,8 @@ def write_graph(program: Program, path: str | Path) -> str:
         return (f"wrote {dot_path}; the graphviz 'dot' program is not installed, so no {path}: "
                 f"install graphviz (e.g. apt-get install graphviz) and run: {how}")
     try:
-        graphviz.render("dot", suffix[1:], dot_path, outfile=path, quiet=True)
+        with replacing(path) as tmp:
+            graphviz.render("dot", suffix[1:], dot_path, outfile=tmp, quiet=True)
     except graphviz.ExecutableNotFound:
         return f"wrote {dot_path}; could not run the graphviz 'dot' program, so no {path}: run: {how}"
     except graphviz.CalledProcessError as err:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 from pipedsl.arguments import add_sizes, int_in, params_of
 from pipedsl.ir import Program
 from pipedsl.limits import MAX_DRAWING_COLUMNS
+from pipedsl.output import write_text
 from pipedsl.timeline import Timeline
 
 from .errors import VisualizeError
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from .terminal import render_text
         try:
-            Path(output).write_text(render_text(timelines, args.width or 120))
+            write_text(output, render_text(timelines, args.width or 120))
         except OSError as err:
             raise VisualizeError(f"cannot write {output}: {err.strerror or err}") from None
     print(f"wrote {output}")

@@ -23,6 +23,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from pipedsl.ir import COMPUTE, Op
+from pipedsl.output import replacing
 from pipedsl.timeline import Timeline
 
 from . import ops, style
@@ -85,8 +86,8 @@ def save(fig: Figure, path: str | Path) -> None:
     suffix = check_format(path)
     try:
         # SVG keeps its text as text (searchable, small) and its ids stable from run to run.
-        with rc_context({"svg.fonttype": "none", "svg.hashsalt": "pipedsl"}):
-            fig.savefig(path, format=suffix[1:], dpi=150, facecolor="white",
+        with rc_context({"svg.fonttype": "none", "svg.hashsalt": "pipedsl"}), replacing(path) as tmp:
+            fig.savefig(tmp, format=suffix[1:], dpi=150, facecolor="white",
                         metadata={"Date": None} if suffix == ".svg" else None)
     except OSError as err:
         raise VisualizeError(f"cannot write {path}: {err.strerror or err}") from None

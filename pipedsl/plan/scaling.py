@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.output import replacing
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.search import Estimate, search
@@ -68,7 +69,8 @@ def plot_scaling(points: list[ScalingPoint], model: ModelSpec, cluster: ClusterS
                  f"predicted throughput", fontsize=11)
     fig.tight_layout()
     try:
-        fig.savefig(path)
+        with replacing(path) as tmp:
+            fig.savefig(tmp)
     except OSError as err:
         raise PipeDSLError(f"cannot write {path}: {err.strerror or err}") from None
     finally:

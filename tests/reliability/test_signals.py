@@ -249,3 +249,26 @@ def test_workers_of_a_sigkilled_launcher_exit_by_themselves(tmp_path) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert err.strip() == f"pipedsl rank 1: the launcher (pid {proc.pid}) is gone; exiting", err[-2000:]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_the_cli_compiles_is_one_line_and_keeps_the_previous_output(tmp_path, sig) -> None:
+    """No rank yet: `pipedsl compile` of a large program (tens of CPU seconds) is signalled once it has
+    used 1.5 CPU seconds (its imports take well under one): one line, 128 + signal, and the output
+    file it would have replaced is still the previous one (outputs are renamed into place whole)."""
+    out = tmp_path / "program.json"
+    out.write_text("previous")
+    proc = spawn(tmp_path, [sys.executable, "-m", "pipedsl.cli", "compile", "1f1b", "-P", "8", "-M", "40000",
+                            "-o", str(out)])
+    wait_until(proc, lambda: cpu_seconds(proc.pid) > 1.5, "compiling")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=GONE_LIMIT)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert err.strip() == f"interrupted by {sig.name}", err[-2000:]
+    assert out.read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left

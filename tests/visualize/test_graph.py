@@ -104,7 +104,10 @@ def test_with_dot_the_picture_is_rendered_beside_the_source(tmp_path, monkeypatc
     monkeypatch.setattr(graph_module.shutil, "which", lambda name: "/usr/bin/dot")
     monkeypatch.setattr(graphviz, "render", fake_render)
     message = write_graph(pipedsl.load("1f1b").compile(P=2, M=2), tmp_path / "deps.png")
-    assert calls == [("dot", "png", tmp_path / "deps.dot", tmp_path / "deps.png")]
+    [(engine, fmt, source, rendered)] = calls  # rendered beside it under a temporary name, then renamed
+    assert (engine, fmt, source, rendered.parent, rendered.suffix) == ("dot", "png", tmp_path / "deps.dot", tmp_path,
+                                                                      ".png")
+    assert (tmp_path / "deps.png").read_text() == "<svg/>" and not rendered.exists()
     assert message == f"wrote {tmp_path / 'deps.dot'} and {tmp_path / 'deps.png'}"
 
 
