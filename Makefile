@@ -19,7 +19,7 @@ demo: setup
 	$(BIN)/pipedsl train --schedule hanayo -P 4 -M 8 --steps 20 -o out/demo
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q --durations=40
 
 lint: setup
 	$(BIN)/ruff check pipedsl runtime parallel visualize tests benchmarks examples

@@ -85,7 +85,7 @@ def _cases(d: Path) -> list[tuple[str, str, object, str]]:
         ("check-grid-huge", "cli", ["check", "1f1b", "--ranks", "1000", "--max-factor", "1000000"],
          "MAX_COMPUTE_OPS"),
         ("compile-P-huge", "cli", ["compile", "1f1b", "-P", "100000", "-M", "2"], "MAX_RANKS"),
-        ("simulate-P-huge", "cli", ["simulate", "1f1b", "-P", "9" * 5000, "-M", "2"], "not an integer"),
+        ("simulate-P-huge", "cli", ["simulate", "1f1b", "-P", "9" * 5000, "-M", "2"], "MAX_NUMBER_DIGITS"),
         ("compile-PxM", "cli", ["compile", "1f1b", "-P", "1000", "-M", "1000"], "MAX_COMPUTE_OPS"),
         ("compile-M-huge", "cli", ["compile", "1f1b", "-P", "2", "-M", "10000000000"], "MAX_MICROBATCHES"),
         ("compile-V-huge", "cli", ["compile", "interleaved", "-P", "2", "-M", "2", "-V", "1000000000"],
