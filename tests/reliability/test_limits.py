@@ -150,7 +150,7 @@ def _cases(d: Path) -> list[tuple[str, str, object, str]]:
 
 
 DRIVER = r"""
-import contextlib, io, json, sys, traceback
+import contextlib, io, json, sys, time, traceback
 import pipedsl
 from pipedsl.cli import main
 from pipedsl.errors import PipeDSLError
@@ -162,6 +162,7 @@ def refuse(*args, **kwargs):
 launcher.launch = refuse
 for case_id, kind, payload in json.load(sys.stdin):
     err = io.StringIO()
+    began = time.perf_counter()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
             code = main(payload) if kind == "cli" else exec(payload, {"pipedsl": pipedsl}) or 0
@@ -173,7 +174,7 @@ for case_id, kind, payload in json.load(sys.stdin):
         except BaseException:
             code = "crash"
             traceback.print_exc()
-    print(json.dumps([case_id, code, err.getvalue()]), flush=True)
+    print(json.dumps([case_id, code, err.getvalue(), time.perf_counter() - began]), flush=True)
 """
 
 
@@ -198,8 +199,10 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[object, str]]:
         lines = done.stdout
     except subprocess.TimeoutExpired as hang:
         lines = hang.stdout.decode() if isinstance(hang.stdout, bytes) else (hang.stdout or "")
-    results = {case_id: (code, err) for case_id, code, err in map(json.loads, lines.splitlines())}
-    return results
+    rows = [json.loads(line) for line in lines.splitlines()]
+    slowest = sorted(rows, key=lambda r: -r[3])[:5]  # for the record (-s): the limits are checked before the work
+    print("slowest refusals: " + ", ".join(f"{case_id} {seconds:.2f} s" for case_id, _, _, seconds in slowest))
+    return {case_id: (code, err) for case_id, code, err, _ in rows}
 
 
 @pytest.mark.parametrize(("case_id", "words"), [(c[0], c[3]) for c in _cases(Path("/d"))],
