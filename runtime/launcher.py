@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -80,6 +81,13 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     `max_local` lifts (or lowers) the limit on local processes (runtime/capacity.py); `stop_grace`
     is how long a rank may take to exit after SIGTERM when the launcher is interrupted.
     """
+    if getattr(mp.current_process(), "_inheriting", False):
+        # a rank being spawned re-imports the user's script as __mp_main__: a module-level launch() here
+        # would start ranks from a rank (multiprocessing's RuntimeError, a long traceback per rank)
+        print("pipedsl.launch was called while a rank imports your script: put the call under "
+              "`if __name__ == \"__main__\":` (ranks are spawned, and each imports the script again)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         init_process_group(rank, world, backend, timeout, int(os.environ.get("LOCAL_RANK", rank)))

@@ -146,3 +146,18 @@ def test_data_parallel_checkpoint_saves_and_loads(tmp_path) -> None:
     assert results[0] == results[1] == ["ok", "ok"]
     info = checkpoint.latest(tmp_path)
     assert info is not None and info.step == 1
+
+
+def test_a_script_calling_launch_without_the_main_guard_is_told_so(tmp_path) -> None:
+    """Ranks are spawned and import the user's script again: an unguarded module-level launch() there
+    used to give multiprocessing's 'bootstrapping phase' traceback from every rank."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import pipedsl\n\ndef f(rank):\n    return rank\n\npipedsl.launch(f, 2, timeout=60)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "bootstrapping phase" not in proc.stderr and "spawn_main" not in proc.stderr, proc.stderr[-3000:]
+    told = [line for line in proc.stderr.splitlines() if line.startswith("pipedsl.launch was called while a rank")]
+    assert len(told) == 2 and 'if __name__ == "__main__":' in told[0], proc.stderr[-3000:]
