@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError
-from pipedsl.limits import MAX_SOURCE_BYTES, read_bounded
+from pipedsl.limits import MAX_SOURCE_BYTES, read_bounded, shorten
 
 
 def _builtin_dir():
@@ -26,7 +27,7 @@ def load(name_or_path: str | Path) -> Schedule:
     if text_name in builtin_names():
         res = _builtin_dir() / f"{text_name}.pipe"
         return Schedule.from_text(res.read_text(encoding="utf-8"), f"schedules/{text_name}.pipe")
-    if path.suffix == ".pipe" or path.exists():
+    if path.suffix == ".pipe" or os.path.exists(path):  # False, not OSError, for a name too long to be a path
         return Schedule.from_text(read_bounded(path, MAX_SOURCE_BYTES, "a .pipe source (MAX_SOURCE_BYTES)"), text_name)
-    raise PipeDSLError(f"no schedule named {text_name!r} and no such file "
+    raise PipeDSLError(f"no schedule named {shorten(text_name)} and no such file "
                        f"(built-in: {', '.join(builtin_names())})")

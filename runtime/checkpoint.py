@@ -164,9 +164,9 @@ def latest(directory: str | os.PathLike) -> CheckpointInfo | None:
 def resolve(source: str | os.PathLike) -> CheckpointInfo:
     """`source` is a checkpoint (a directory with a manifest) or a directory of them (the latest complete one)."""
     path = Path(source)
-    if (path / MANIFEST).exists():
+    if os.path.exists(path / MANIFEST):  # os.path: False, not OSError, for a path too long to exist
         return check(path)
-    if not path.is_dir():
+    if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     info = latest(path)
     if info is None:

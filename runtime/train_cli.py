@@ -221,7 +221,7 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
     if layers + 2 < S:
         raise PipeDSLError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} pieces, "
                            f"fewer than the program's {S} stages")
-    if args.checkpoint_dir and Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise PipeDSLError(f"--checkpoint-dir {args.checkpoint_dir}: not a directory")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise PipeDSLError("--checkpoint-every needs --checkpoint-dir")

@@ -73,6 +73,7 @@ def test_check_fails_on_a_deadlocking_schedule(capsys, tmp_path):
     ("argv", "words"),
     [
         (["compile", "nope", "-P", "2", "-M", "2"], "no schedule named 'nope'"),
+        (["compile", "9" * 400, "-P", "2", "-M", "2"], "no schedule named '9999"),  # too long to be a path: not OSError
         (["compile", "1f1b", "-P", "0", "-M", "2"], "0 is not in 1..1,024 (MAX_RANKS)"),
         (["compile", "1f1b", "-P", "2", "-M", "2", "-p", "X"], "expected NAME=INTEGER"),
         (["compile", "1f1b", "-P", "2", "-M", "2", "-p", "X=1"], "has no parameter 'X'"),
