@@ -205,6 +205,11 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
     with no_gc():
         validate(program)
         starts, ends = dry_run(program, compute_time, cost.message_time, send_time=cost.send)
-        ranks = tuple(tuple(map(Event, stream, st, en)) for stream, st, en in zip(program.ranks, starts, ends))
-    return Timeline(program.name, dict(program.params), ranks, "simulated",
-                    {"cost": {k: getattr(cost, k) for k in _NAMES}})
+        return simulated_timeline(program, starts, ends, {"cost": {k: getattr(cost, k) for k in _NAMES}})
+
+
+def simulated_timeline(program: Program, starts: list[list[float]], ends: list[list[float]],
+                       meta: dict) -> Timeline:
+    """The predicted `Timeline` of `program` from each instruction's start and end (a replay's output)."""
+    ranks = tuple(tuple(map(Event, stream, st, en)) for stream, st, en in zip(program.ranks, starts, ends))
+    return Timeline(program.name, dict(program.params), ranks, "simulated", meta)

@@ -21,8 +21,8 @@ from pipedsl.ir import Instr, Op, Program
 from pipedsl.library import load
 from pipedsl.plan.cost import StageCosts
 from pipedsl.plan.shared_host import shared_dry_run
-from pipedsl.simulate import Cost, simulate
-from pipedsl.timeline import Event, Timeline
+from pipedsl.simulate import Cost, simulate, simulated_timeline
+from pipedsl.timeline import Timeline
 
 M_CAP_FACTOR = 2  # simulate at most ~4P microbatches
 
@@ -149,8 +149,7 @@ def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: flo
         return total - wait, wait
 
     starts, ends = shared_dry_run(program, work, cost.message_time, cores, efficiency)
-    ranks = tuple(tuple(map(Event, stream, st, en)) for stream, st, en in zip(program.ranks, starts, ends))
-    return Timeline(program.name, dict(program.params), ranks, "simulated", {"cores": cores})
+    return simulated_timeline(program, starts, ends, {"cores": cores})
 
 
 def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...], costs: StageCosts,
