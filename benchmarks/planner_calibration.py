@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # noqa: E402
 
 from pipedsl.plan import Layout, evaluate  # noqa: E402
-from pipedsl.plan.calibrate import SmallGPT, cores, measure_rank, summarize  # noqa: E402
+from pipedsl.plan.calibrate import SmallGPT, measure_rank, summarize  # noqa: E402
+from pipedsl.runtime.capacity import usable_cores  # noqa: E402
 
 # (dp, pp, tp, schedule, params, microbatch size) at 4 ranks; 8 ranks doubles dp
 LAYOUTS_4 = [(1, 4, 1, "1f1b", (), 2), (1, 4, 1, "gpipe", (), 2), (1, 4, 1, "zb-h1", (), 2),
@@ -73,7 +74,7 @@ def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: 
         opt.zero_grad()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-    return measure_rank(rank, model, reps=3, cores=cores()), times
+    return measure_rank(rank, model, reps=3, cores=usable_cores()), times
 
 
 def measure(model: SmallGPT, layout: Layout, steps: int, warmup: int) -> tuple[list[dict], float]:
@@ -122,7 +123,7 @@ def main() -> None:
         runs.append(calibration_run)
         print(f"  {layout}: measured {step * 1e3:.0f} ms", flush=True)
     # one calibration for every row: the medians over all the runs' measurements
-    cal = summarize(runs, model, cores())
+    cal = summarize(runs, model, usable_cores())
     cluster = cal.cluster()
     print(f"calibration ({args.ranks} ranks, {len(runs)} runs): {cal.describe()}")
     rows = [(layout, m, evaluate(spec, cluster, layout).iteration) for layout, m in zip(layouts, measured)]

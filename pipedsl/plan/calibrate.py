@@ -22,7 +22,6 @@ bandwidth is handed over per fp16 byte (halved), so a message of n values costs 
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 from pipedsl.plan.cluster import GB, ClusterSpec
 from pipedsl.plan.cost import ADAM_BYTES_PER_PARAM
 from pipedsl.plan.model import ModelSpec
+from pipedsl.runtime.capacity import usable_cores
 
 SIZES = (4 * 1024, 4 * 1024 * 1024)  # ping-pong message bytes: latency-bound, bandwidth-bound
 FP32_OVER_COUNTED = 2  # the runtime's fp32 bytes per value over the planner's fp16 bytes
@@ -108,14 +108,6 @@ def _median_time(fn, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def cores() -> int:
-    """The processors this process may run on (its affinity, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] = SIZES,
@@ -230,7 +222,7 @@ def calibrate(ranks: int = 4, model: SmallGPT | None = None, reps: int = 7, time
         from pipedsl.errors import PipeDSLError
 
         raise PipeDSLError(f"--calibrate needs at least 2 ranks (a link to measure), got {ranks}")
-    n = cores()
+    n = usable_cores()
     if pool is None:
         results = launch(measure_rank, ranks, model, reps, SIZES, n, timeout=timeout, threads=1)
     else:
