@@ -46,6 +46,8 @@ from .lifecycle import STOP_GRACE, StopSignals, follow_launcher, report_interrup
 from .rank_results import UnreturnableResult, has_result, read_error, read_result, write_error, write_result
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+_RANK_NAME = "pipedsl-rank"  # a rank process's name: the prefix, then its rank
+_OUTBOX_ENV = "PIPEDSL_LAUNCH_OUTBOX"  # a rank that cannot start records why in this directory
 MAX_SECONDS = 365 * 86400.0  # a year: beyond it a timeout is a typo (and overflows timedelta near 1e14 s)
 
 
@@ -82,12 +84,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     is how long a rank may take to exit after SIGTERM when the launcher is interrupted.
     """
     if getattr(mp.current_process(), "_inheriting", False):
-        # a rank being spawned re-imports the user's script as __mp_main__: a module-level launch() here
-        # would start ranks from a rank (multiprocessing's RuntimeError, a long traceback per rank)
-        print("pipedsl.launch was called while a rank imports your script: put the call under "
-              "`if __name__ == \"__main__\":` (ranks are spawned, and each imports the script again)",
-              file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        _refuse_unguarded_launch()
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         init_process_group(rank, world, backend, timeout, int(os.environ.get("LOCAL_RANK", rank)))
@@ -114,9 +111,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
                                   timeout=datetime.timedelta(seconds=timeout))
             threads = threads or max(1, usable_cores() // nprocs)
             procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, store.port, backend, timeout, threads,
-                                                      outbox, os.getpid(), args), name=f"pipedsl-rank{rank}")
+                                                      outbox, os.getpid(), args), name=f"{_RANK_NAME}{rank}")
                      for rank in range(nprocs)]
-            with signals_held():  # recorded once the ranks are started, not lost
+            with signals_held(), _environment(**{_OUTBOX_ENV: outbox}):  # signals recorded, not lost
                 for p in procs:
                     p.start()
             outcome = _join(procs, signals, grace=timeout + 15.0, join_timeout=join_timeout, stop_grace=stop_grace)
@@ -126,6 +123,35 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
         return _report(outcome, procs, join_timeout, outbox)
     finally:
         shutil.rmtree(outbox, ignore_errors=True)
+
+
+def _refuse_unguarded_launch() -> None:
+    """A rank being spawned re-imports the user's script as __mp_main__: a module-level launch() there
+    would start ranks from a rank (multiprocessing's RuntimeError, a long traceback per rank).  Tell the
+    launcher why this rank exits (its outbox is in the environment the rank was started with)."""
+    message = ("pipedsl.launch was called while a rank imports your script: put the call under "
+               "`if __name__ == \"__main__\":` (ranks are spawned, and each imports the script again)")
+    outbox, name = os.environ.get(_OUTBOX_ENV), mp.current_process().name
+    if outbox and name.startswith(_RANK_NAME) and name[len(_RANK_NAME):].isdigit():
+        write_error(outbox, int(name[len(_RANK_NAME):]), message, False)
+    else:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """Set environment variables for the processes started inside (restored after)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _message(err: BaseException) -> str:

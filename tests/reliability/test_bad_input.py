@@ -159,5 +159,7 @@ def test_a_script_calling_launch_without_the_main_guard_is_told_so(tmp_path) -> 
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "bootstrapping phase" not in proc.stderr and "spawn_main" not in proc.stderr, proc.stderr[-3000:]
-    told = [line for line in proc.stderr.splitlines() if line.startswith("pipedsl.launch was called while a rank")]
-    assert len(told) == 2 and 'if __name__ == "__main__":' in told[0], proc.stderr[-3000:]
+    assert "without reporting an error" not in proc.stderr, proc.stderr[-3000:]
+    told = [line for line in proc.stderr.splitlines() if "pipedsl.launch was called while a rank" in line]
+    assert told and 'if __name__ == "__main__":' in told[0], proc.stderr[-3000:]
+    assert "rank 0 failed: pipedsl.launch was called" in proc.stderr, proc.stderr[-3000:]
