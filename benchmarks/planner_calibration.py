@@ -58,9 +58,9 @@ def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: 
     if layout.tp > 1:
         from pipedsl.parallel.tp_gpt import tp_gpt_loss
 
-        stages, loss = gpt.tp_stages(program.num_stages, mesh), tp_gpt_loss(mesh)
+        stages, loss = gpt.tp_stages(program.num_stages, mesh, by="blocks"), tp_gpt_loss(mesh)
     else:
-        stages, loss = gpt.stages(program.num_stages), gpt_loss
+        stages, loss = gpt.stages(program.num_stages, by="blocks"), gpt_loss
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss, parallel=mesh)
     opt = pipe.optimizer(torch.optim.AdamW, lr=1e-3)
     gen = torch.Generator().manual_seed(1)

@@ -5,8 +5,10 @@
   (the indices where stages 1 … n−1 begin).
 - `split_gpt(embed, blocks, head, n)`: a GPT-style model — an embedding, a list of blocks,
   a head — into `n` stages: the embedding opens stage 0, the head closes the last stage,
-  the blocks are spread between them.  With interleaved schedules `n` is the number of
-  chunks (P·V), not ranks.
+  the blocks are spread between them: `by="count"` and `"params"` balance the embedding and
+  the head as units like the blocks; `by="blocks"` gives every stage the same number of
+  blocks, as Megatron-LM does and as `pipedsl plan` models a layout.  With interleaved
+  schedules `n` is the number of chunks (P·V), not ranks.
 
 Stages share the original modules (no copies): build the model the same way on every rank
 (same seed), or build only your stages with a `stage -> module` callable.
@@ -33,10 +35,15 @@ def split_gpt(embed: nn.Module, blocks: Sequence[nn.Module], head: nn.Module, nu
               by: str = "count") -> list[nn.Sequential]:
     """A GPT-style model as `num_stages` stages: [embed, blocks…] … [blocks…, head]."""
     units = [embed, *blocks, head]
-    if num_stages > len(units):
+    if by == "blocks":  # blocks evenly, the embedding before the first and the head after the last
+        if not 1 <= num_stages <= len(blocks):
+            raise PipeRuntimeError(f"by='blocks': cannot split {len(blocks)} blocks into {num_stages} non-empty stages")
+        bounds = [0, *(b + 1 for b in _bounds(list(blocks), num_stages, "count", None)[1:-1]), len(units)]
+    elif num_stages > len(units):
         raise PipeRuntimeError(f"cannot split an embedding, {len(blocks)} blocks and a head into {num_stages} "
                                f"stages (at most {len(units)})")
-    bounds = _bounds(units, num_stages, by, None)
+    else:
+        bounds = _bounds(units, num_stages, by, None)
     return [nn.Sequential(*units[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -56,7 +63,7 @@ def _bounds(layers: list[nn.Module], n: int | None, by: str, points: Sequence[in
     elif by == "params":
         sizes = _balanced([sum(p.numel() for p in m.parameters()) for m in layers], n)
     else:
-        raise PipeRuntimeError(f"by={by!r}: expected 'count' or 'params'")
+        raise PipeRuntimeError(f"by={by!r}: expected 'count' or 'params' ('blocks' too for split_gpt)")
     out = [0]
     for size in sizes:
         out.append(out[-1] + size)

@@ -55,3 +55,20 @@ def test_gpt_into_any_number_of_stages(n: int) -> None:
 def test_gpt_with_too_many_stages() -> None:
     with pytest.raises(PipeRuntimeError, match="at most 4"):
         split_gpt(nn.Identity(), [nn.Identity(), nn.Identity()], nn.Identity(), 5)
+
+
+@pytest.mark.parametrize("n, blocks", [(1, [6]), (2, [3, 3]), (4, [2, 2, 1, 1]), (6, [1] * 6)])
+def test_gpt_split_by_blocks_gives_every_stage_its_share_of_blocks(n: int, blocks: list[int]) -> None:
+    """Megatron's split (what `pipedsl plan` models): the embedding and head ride on the end stages."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=6, n_head=2, n_embd=8))
+    stages = model.stages(n, by="blocks")
+    assert [sum(m in set(model.blocks) for m in s) for s in stages] == blocks
+    assert stages[0][0] is model.embed and stages[-1][-1] is model.head
+    x = torch.randint(16, (2, 8))
+    h = x
+    for s in stages:
+        h = s(h)
+    torch.testing.assert_close(h, model(x))
+    with pytest.raises(PipeRuntimeError, match="cannot split 6 blocks into 7"):
+        model.stages(7, by="blocks")
