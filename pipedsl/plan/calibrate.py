@@ -2,12 +2,18 @@
 real runtime's processes and gloo, as a `ClusterSpec` the planner predicts with.
 
 - compute: forward + backward of one block of the small GPT (`pipedsl.runtime.gpt`), run as
-  the runtime runs a stage (`runtime.stage.Stage`), as FLOP/s of the planner's count: on one
-  rank per core (a rank's own speed) and on every rank at once.  With more ranks than cores the
+  the runtime runs a stage (`runtime.stage.Stage`), at two microbatch sizes: a block costs a
+  fixed `layer_overhead` (op dispatch, small kernels: a third of the block at microbatch 2 on a
+  CPU core) plus time proportional to its FLOPs, whose rate is the cluster's peak.  Timed on one
+  rank per core (a rank's own speed) and on every rank at once; with more ranks than cores the
   two give how well the shared cores are used (`sharing_efficiency`, for the planner's
   shared-processor replay, `plan/shared_host.py`).  The block's memory-bound kernels are inside
   that rate, so the cluster's elementwise term is off (`activation_passes` 0, `gemm_efficiency` 1).
   The split backward (I, then W) against the full one gives `split_backward`;
+- the runtime's own work per stage op (`op_overhead`): a real 1F1B `Pipeline` of one block per
+  rank at M = 4 and 8 microbatches; the CPU seconds a step adds per microbatch, less the block's
+  own CPU, over its two ops (executor, messages, autograd bookkeeping).  CPU time, not wall time,
+  so a rank waiting for a message or for a core does not count;
 - blocking collectives: the same block tensor-parallel over pairs of ranks (`ParallelBlock`, t=2,
   four all-reduces of its activation), every rank at once.  What it costs beyond half the dense
   block is four all-reduces; beyond the link's ring cost, each all-reduce step waits for its peer
@@ -33,6 +39,8 @@ from pipedsl.plan.model import ModelSpec
 from pipedsl.runtime.capacity import usable_cores
 
 SIZES = (4 * 1024, 4 * 1024 * 1024)  # ping-pong message bytes: latency-bound, bandwidth-bound
+LARGE = 4  # the block's second microbatch size, in multiples of the first
+PIPELINE_MICROBATCHES = (4, 8)  # the two step sizes whose difference is one microbatch's cost (x4)
 FP32_OVER_COUNTED = 2  # the runtime's fp32 bytes per value over the planner's fp16 bytes
 
 
@@ -69,6 +77,9 @@ class Calibration:
     flops_alone: float = 0.0  # FLOP/s of a rank with a core to itself (0: = flops)
     sync_latency: float = 0.0  # seconds per step of a blocking collective, beyond the link's cost
     split_backward: float = 1.0  # (F + I + W) / (F + B) of the runtime's Stage: what splitting the backward costs
+    layer_overhead: float = 0.0  # seconds of a block's forward + backward that do not grow with the microbatch
+    peak_flops: float = 0.0  # FLOP/s of the rest, with a core to itself (0: flops_alone or flops)
+    op_overhead: float = 0.0  # CPU seconds of the runtime per stage op (F, B, I or W), beyond the stage's module
 
     @property
     def shared(self) -> bool:
@@ -87,26 +98,28 @@ class Calibration:
         return (f"{self.flops / 1e9:.2f} GFLOP/s per rank (GPT block, all {self.ranks} ranks computing){shared}, "
                 f"link {self.latency * 1e6:.0f} us + {self.bandwidth / 1e9:.2f} GB/s (gloo), blocking collectives "
                 f"+{self.sync_latency * 1e6:.0f} us a step, split backward x{self.split_backward:.2f}, "
-                f"AdamW {self.memory_bandwidth / 1e9:.2f} GB/s")
+                f"AdamW {self.memory_bandwidth / 1e9:.2f} GB/s; not FLOP-proportional: "
+                f"{self.layer_overhead * 1e3:.2f} ms a block (F+B), {self.op_overhead * 1e3:.2f} ms a stage op")
 
     def cluster(self) -> ClusterSpec:
         """This machine as the planner's cluster: one node of `ranks` processes on `cores` processors."""
         link = self.bandwidth / FP32_OVER_COUNTED
-        flops = self.flops_alone if self.shared and self.flops_alone else self.flops
+        flops = self.peak_flops or (self.flops_alone if self.shared and self.flops_alone else self.flops)
         return ClusterSpec("local", self.ranks, self.ranks, flops, 64 * GB, link, self.latency, link,
                            self.latency, self.memory_bandwidth, gemm_efficiency=1.0, activation_passes=0.0,
                            reserved_memory=0.0, cores_per_node=self.cores if self.shared else 0,
                            sharing_efficiency=max(self.sharing_efficiency, 1e-3), sync_latency=self.sync_latency,
-                           split_backward=self.split_backward)
+                           split_backward=self.split_backward, layer_overhead=self.layer_overhead,
+                           op_overhead=self.op_overhead)
 
 
-def _median_time(fn, reps: int) -> float:
+def _median_time(fn, reps: int, clock=time.perf_counter) -> float:
     fn()  # warm up (allocations, autograd graph caches)
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -123,16 +136,21 @@ def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] =
     cfg = model.gpt_config()
     block = Block(cfg)
     x = torch.randn(model.microbatch, model.seq, model.embd, requires_grad=True)  # [b, T, C]
+    x_large = torch.randn(LARGE * model.microbatch, model.seq, model.embd, requires_grad=True)
 
     full, split = _stage_steps(block, x)
+    full_large, _ = _stage_steps(block, x_large)
     world = dist.get_world_size()
     dist.barrier()
-    out = {"block": _median_time(full, reps), "split_block": _median_time(split, reps)}
+    out = {"block": _median_time(full, reps), "split_block": _median_time(split, reps),
+           "block_large": _median_time(full_large, reps)}
     if 0 < cores < world:
         dist.barrier()
         if rank < cores:  # the others wait in the barrier
             out["block_alone"] = _median_time(full, reps)
+            out["block_large_alone"] = _median_time(full_large, reps)
         dist.barrier()
+    out.update(_pipeline_cpu(model, block, full, reps))
     if world % 2 == 0:
         out["tp_block"] = _tp_block_time(model, block, x, reps)
 
@@ -183,6 +201,27 @@ def _stage_steps(block: Any, x: Any) -> tuple[Any, Any]:
         stage.backward_weight(act)
 
     return full, split
+
+
+def _pipeline_cpu(model: SmallGPT, block: Any, full: Any, reps: int) -> dict[str, float]:
+    """This rank's CPU seconds a step of a 1F1B pipeline of one block per rank, at each of
+    PIPELINE_MICROBATCHES, and of the block's own forward + backward (every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipedsl.runtime.pipeline import Pipeline
+
+    out = {"block_cpu": _median_time(full, reps, time.process_time)}
+    for M in PIPELINE_MICROBATCHES:
+        x = torch.randn(M * model.microbatch, model.seq, model.embd)
+        with Pipeline(lambda stage: block, "1f1b", M, loss_fn=_mean_square) as pipe:
+            dist.barrier()
+            out[f"pipeline{M}_cpu"] = _median_time(lambda: pipe.step(x, x), reps, time.process_time)
+    return out
+
+
+def _mean_square(out: Any, target: Any) -> Any:
+    return (out - target).pow(2).mean()
 
 
 def _tp_block_time(model: SmallGPT, block: Any, x: Any, reps: int) -> float:
@@ -248,5 +287,24 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
         per_all_reduce = (statistics.median(tp) - block / 2) / 4
         sync = max(0.0, (per_all_reduce - activation / bandwidth) / 2 - latency)
     split = statistics.median(r["split_block"] / r["block"] for r in every)
+    fixed, peak = _block_fit(every, model, "_alone" if alone else "")
+    m4, m8 = PIPELINE_MICROBATCHES
+    per_microbatch = [(r[f"pipeline{m8}_cpu"] - r[f"pipeline{m4}_cpu"]) / (m8 - m4) for r in every]
+    op = max(0.0, (statistics.median(per_microbatch) - statistics.median(r["block_cpu"] for r in every)) / 2)
     return Calibration(len(runs[0]), block_flops / block, latency, bandwidth, ADAM_BYTES_PER_PARAM / adam,
-                       cores, block_flops / statistics.median(alone) if alone else 0.0, sync, max(split, 1.0))
+                       cores, block_flops / statistics.median(alone) if alone else 0.0, sync, max(split, 1.0),
+                       fixed, peak, op)
+
+
+def _block_fit(every: list[dict[str, float]], model: SmallGPT, suffix: str) -> tuple[float, float]:
+    """(seconds of a block's F+B that do not grow with the microbatch, FLOP/s of the rest) from the
+    block timed at two microbatch sizes ("_alone": on one rank per core); (0, 0) if noise makes the
+    larger one no slower per sample."""
+    b = model.microbatch
+    small, large = (statistics.median(r[key + suffix] for r in every if key + suffix in r)
+                    for key in ("block", "block_large"))
+    per_sample = (large - small) / ((LARGE - 1) * b)
+    fixed = small - b * per_sample
+    if per_sample <= 0 or fixed < 0:
+        return 0.0, 0.0
+    return fixed, 3 * model.spec().layer_flops(1) / per_sample

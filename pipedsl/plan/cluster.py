@@ -17,6 +17,7 @@ from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_PLAN_GPUS, shorten
 
 GB = 1e9
+MAX_OVERHEAD = 60.0  # seconds: a latency or per-op overhead beyond a minute is a unit mistake
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class ClusterSpec:
     sharing_efficiency: float = 1.0  # of those processors when oversubscribed (cache, scheduler losses)
     sync_latency: float = 0.0  # per ring step of a blocking collective: its peers' wait to be scheduled
     split_backward: float = 1.0  # (F+I+W)/(F+B) of a block: a split backward's extra passes (1: none, as on GPUs)
+    # Time that is not FLOP-proportional (measured by calibration; 0 on the GPU presets, whose fitted GEMM
+    # efficiency absorbs it): per block forward + backward (op dispatch, small kernels), and per stage op
+    # (F, B, I or W of one microbatch on one stage: the runtime's executor, messages, autograd bookkeeping).
+    layer_overhead: float = 0.0
+    op_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for field_name in ("gpus", "gpus_per_node"):
@@ -62,9 +68,11 @@ class ClusterSpec:
         if not (math.isfinite(self.split_backward) and 1 <= self.split_backward <= 10):
             raise PipeDSLError(f"cluster {self.name}: split_backward must be in [1, 10], got "
                                f"{shorten(self.split_backward)}")
-        if not (math.isfinite(self.sync_latency) and self.sync_latency >= 0):
-            raise PipeDSLError(f"cluster {self.name}: sync_latency must be a finite number >= 0, got "
-                               f"{shorten(self.sync_latency)}")
+        for field_name in ("sync_latency", "layer_overhead", "op_overhead"):
+            value = getattr(self, field_name)
+            if not (math.isfinite(value) and 0 <= value <= MAX_OVERHEAD):
+                raise PipeDSLError(f"cluster {self.name}: {field_name} must be a number of seconds in "
+                                   f"[0, {MAX_OVERHEAD:g}], got {shorten(value)}")
 
     def link(self, group_span: int) -> tuple[float, float]:
         """(bandwidth, latency per step) of a ring collective over ranks `group_span` apart in the rank

@@ -119,13 +119,15 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         gather = all_gather(PARAM_BYTES * p_gpu, layout.dp, dp_bw, dp_lat) if layout.zero >= 3 else 0.0
         # memory-bound kernels (LayerNorm, softmax, dropout, GeLU, residuals) stream the block's activations
         elementwise = per_stage_layers * model.layer_activation_bytes(b, t, False) * cluster.activation_passes
-        fwd = (gemm + attn) / rate + elementwise / cluster.hbm_bandwidth
+        fixed = per_stage_layers * cluster.layer_overhead / 3  # per pass of the blocks: F 1, B 2 (I 1 + W 1)
+        fwd = (gemm + attn) / rate + elementwise / cluster.hbm_bandwidth + fixed
         recompute = (fwd + tp_fwd) if layout.recompute else 0.0
-        F.append(fwd + tp_fwd + gather)
-        B.append(2 * fwd + tp_bwd + recompute + gather)
+        op = cluster.op_overhead
+        F.append(fwd + tp_fwd + gather + op)
+        B.append(2 * fwd + tp_bwd + recompute + gather + op)
         split = (cluster.split_backward - 1) * 3 * fwd / 2  # a split backward's extra work, shared by I and W
-        I.append((gemm + 2 * attn) / rate + split + tp_bwd + recompute + gather)
-        W.append(gemm / rate + split + gather)
+        I.append((gemm + 2 * attn) / rate + fixed + split + tp_bwd + recompute + gather + op)
+        W.append(gemm / rate + fixed + split + gather + op)
         grad_bytes = BYTES_FP16 * p_gpu
         replica = all_reduce(grad_bytes, replicas, pp_bw, pp_lat)
         if layout.zero == 0:
