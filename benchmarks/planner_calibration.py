@@ -14,6 +14,10 @@ the run-to-run noise).  Calibration and measurement run in the same invocation.
     python benchmarks/planner_calibration.py --quick    # 4 layouts, 3 steps
     python benchmarks/planner_calibration.py --ranks 2  # a core per rank: bubbles cost as on GPUs
     python benchmarks/planner_calibration.py --ranks 8  # the layouts with dp doubled (slow on 2 cores)
+    python benchmarks/planner_calibration.py --repeat 3 # each layout 3 times (interleaved), medians
+
+One launch of a layout measures within about ±10 % of another on this 2-core VM (which ranks
+the OS puts together on a core changes from launch to launch); `--repeat` takes the median.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="4 layouts (pp4 1F1B and GPipe, dp2xpp2, dp4), 3 steps")
+    parser.add_argument("--repeat", type=int, default=1, help="launches of each layout (in turn); their median")
     args = parser.parse_args()
     table = LAYOUTS_2 if args.ranks == 2 else LAYOUTS_4
     chosen = [table[i] for i in (0, 1, 4, 7)] if args.quick else table
@@ -113,15 +118,17 @@ def main() -> None:
     spec = model.spec()
     began = time.perf_counter()
     scale = max(1, args.ranks // 4)
-    layouts, measured, runs = [], [], []
-    for dp, pp, tp, schedule, params, b in chosen:
-        dp *= scale
-        layout = Layout(dp, pp, tp, schedule, b, model.batch // (dp * b), zero=0, recompute=False, params=params)
-        calibration_run, step = measure(model, layout, args.steps, args.warmup)
-        layouts.append(layout)
-        measured.append(step)
-        runs.append(calibration_run)
-        print(f"  {layout}: measured {step * 1e3:.0f} ms", flush=True)
+    layouts = [Layout(dp * scale, pp, tp, schedule, b, model.batch // (dp * scale * b), zero=0, recompute=False,
+                      params=params) for dp, pp, tp, schedule, params, b in chosen]
+    launches: list[list[float]] = [[] for _ in layouts]
+    runs = []
+    for _ in range(max(1, args.repeat)):
+        for layout, times in zip(layouts, launches):
+            calibration_run, step = measure(model, layout, args.steps, args.warmup)
+            times.append(step)
+            runs.append(calibration_run)
+            print(f"  {layout}: measured {step * 1e3:.0f} ms", flush=True)
+    measured = [statistics.median(times) for times in launches]
     # one calibration for every row: the medians over all the runs' measurements
     cal = summarize(runs, model, usable_cores())
     cluster = cal.cluster()
@@ -133,19 +140,21 @@ def main() -> None:
     # layouts whose measured times differ by less than the run-to-run noise (~15 % here) have no order to agree on
     apart = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:] if max(a[1], b[1]) > 1.15 * min(a[1], b[1])]
     alike = sum((a[1] < b[1]) == (a[2] < b[2]) for a, b in apart)
-    print("\n| layout | measured ms | predicted ms | predicted / measured |\n|---|---:|---:|---:|")
-    for layout, m, p in rows:
-        print(f"| {layout} | {m * 1e3:.0f} | {p * 1e3:.0f} | {p / m:.2f} |")
+    print("\n| layout | measured ms | launches ms | predicted ms | predicted / measured |\n|---|---:|---|---:|---:|")
+    for (layout, m, p), times in zip(rows, launches):
+        print(f"| {layout} | {m * 1e3:.0f} | {', '.join(f'{t * 1e3:.0f}' for t in times)} | {p * 1e3:.0f} | {p / m:.2f} |")
     print(f"\nSpearman rho {rho:.2f}, identical order: {same}; |error| median {statistics.median(errors):.1%}, "
           f"max {max(errors):.1%}; within 15 %: {sum(e <= 0.15 for e in errors)}/{len(errors)}; "
           f"pairs measured >15 % apart: {alike}/{len(apart)} ordered alike; {time.perf_counter() - began:.0f} s")
     _bench.write_json("planner_calibration", {
         "machine": _bench.machine(), "ranks": args.ranks, "calibration": cal.__dict__,
-        "rows": [{"layout": str(lay), "measured": m, "predicted": p} for lay, m, p in rows],
+        "rows": [{"layout": str(lay), "measured": m, "launches": times, "predicted": p}
+                 for (lay, m, p), times in zip(rows, launches)],
         "spearman": rho, "identical_order": same,
         "pairs_apart": len(apart), "pairs_apart_ordered_alike": alike})
     ratios = [p / m for _, m, p in rows]
-    _bench.append_results(_bench.results_row(f"python benchmarks/planner_calibration.py --ranks {args.ranks}",
+    _bench.append_results(_bench.results_row(f"python benchmarks/planner_calibration.py --ranks {args.ranks} "
+                                             f"--repeat {args.repeat}",
                                              f"predicted/measured {min(ratios):.2f}-{max(ratios):.2f}, "
                                              f"Spearman {rho:.2f}, pairs >15 % apart ordered alike "
                                                                 f"{alike}/{len(apart)}"))

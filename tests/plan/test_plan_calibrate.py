@@ -3,6 +3,10 @@ wall-clock comparison here: benchmarks/planner_calibration.py compares with meas
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from pipedsl.plan import Layout, evaluate, search
 from pipedsl.plan.calibrate import SmallGPT, calibrate
 
@@ -18,3 +22,69 @@ def test_calibration_gives_positive_costs_and_a_usable_cluster(pool):
     compute = 4 * 3 * (small.layers // 2) * model.layer_flops(2) / cal.flops
     assert compute < one.iteration < 10 * compute
     assert search(model, cluster, top=3).ranked
+
+
+def _machine_measurements(small: SmallGPT, fixed: float, per_sample: float, op: float, step: float,
+                          latency: float, bandwidth: float, sync: float) -> list[dict[str, float]]:
+    """What `measure_rank` reports on a machine with these costs (2 ranks, a core each)."""
+    from pipedsl.plan.calibrate import LARGE, PIPELINE_MICROBATCHES, SIZES
+
+    b = small.microbatch
+    block = fixed + b * per_sample
+    activation = 4 * b * small.seq * small.embd  # fp32 bytes of [b, T, C]
+    tp = fixed + b * per_sample / 2 + 4 * (activation / bandwidth + 2 * (latency + sync))
+    rank = {"block": block, "split_block": 1.1 * block, "block_large": fixed + LARGE * b * per_sample,
+            "block_cpu": block, "tp_block": tp, "adam": 0.01, "adam_params": 1e6}
+    rank.update({f"pipeline{m}_cpu": step + m * (block + 2 * op) for m in PIPELINE_MICROBATCHES})
+    rank.update({f"msg{size}": latency + size / bandwidth for size in SIZES})
+    return [rank, dict(rank)]
+
+
+def test_summarize_recovers_the_machine_it_was_given():
+    """The fits of calibration (fixed + FLOP-proportional block, CPU per stage op, link, blocking
+    collectives) return the costs the measurements were made from."""
+    from pipedsl.plan.calibrate import summarize
+
+    small = SmallGPT()
+    per_sample = 3 * small.spec().layer_flops(1) / 30e9  # a 30 GFLOP/s core
+    cal = summarize([_machine_measurements(small, 3e-3, per_sample, 1.2e-3, 5e-3, 150e-6, 2e9, 1e-3)], small, 2)
+    assert math.isclose(cal.layer_overhead, 3e-3, rel_tol=1e-9)
+    assert math.isclose(cal.peak_flops, 30e9, rel_tol=1e-9)
+    assert math.isclose(cal.op_overhead, 1.2e-3, rel_tol=1e-9)
+    assert math.isclose(cal.latency, 150e-6, rel_tol=1e-6) and math.isclose(cal.bandwidth, 2e9, rel_tol=1e-6)
+    assert math.isclose(cal.sync_latency, 1e-3, rel_tol=1e-6)
+    assert math.isclose(cal.split_backward, 1.1, rel_tol=1e-9)
+    cluster = cal.cluster()
+    assert (cluster.layer_overhead, cluster.op_overhead, cluster.peak_flops) == (cal.layer_overhead, cal.op_overhead,
+                                                                                 cal.peak_flops)
+
+
+def test_fixed_costs_are_charged_per_block_pass_and_per_stage_op():
+    """F, B, I, W of every stage grow by the per-op overhead plus a third of the per-block one per
+    block pass (F one, B two, I and W one each) — nothing else changes."""
+    from dataclasses import replace
+
+    from pipedsl.plan.cluster import cluster_preset
+    from pipedsl.plan.cost import stage_costs
+
+    model, base = SmallGPT().spec(), cluster_preset("a100-80gb")
+    layout = Layout(1, 2, 1, "zb-h1", 2, 4, recompute=False)
+    plain = stage_costs(model, base, layout, 2)
+    fixed = stage_costs(model, replace(base, layer_overhead=3e-3, op_overhead=1e-3), layout, 2)
+    per_pass = model.layers // 2 * 3e-3 / 3
+    for s in range(2):
+        for op, passes in (("F", 1), ("B", 2), ("I", 1), ("W", 1)):
+            grown = getattr(fixed, op)[s] - getattr(plain, op)[s]
+            assert math.isclose(grown, 1e-3 + passes * per_pass, rel_tol=1e-9), (op, s, grown)
+    assert fixed.message == plain.message and fixed.reduce == plain.reduce
+
+
+def test_cluster_refuses_overheads_that_are_not_seconds():
+    from dataclasses import replace
+
+    from pipedsl.errors import PipeDSLError
+    from pipedsl.plan.cluster import cluster_preset
+
+    for bad in (-1.0, float("nan"), float("inf"), 1e9):
+        with pytest.raises(PipeDSLError, match="op_overhead must be a number of seconds"):
+            replace(cluster_preset("h100"), op_overhead=bad)
