@@ -17,7 +17,10 @@ real runtime's processes and gloo, as a `ClusterSpec` the planner predicts with.
 - blocking collectives: the same block tensor-parallel over pairs of ranks (`ParallelBlock`, t=2,
   four all-reduces of its activation), every rank at once.  What it costs beyond half the dense
   block is four all-reduces; beyond the link's ring cost, each all-reduce step waits for its peer
-  to be scheduled — `sync_latency` (large where ranks outnumber cores, 0 on GPUs);
+  to be scheduled — `sync_latency` (large where ranks outnumber cores, 0 on GPUs).  Its CPU time
+  against its wall time gives the share of a collective that keeps the core busy
+  (`collective_busy`: gloo's copies, reductions and wake-ups; the rest of the wait leaves the
+  core to other ranks);
 - link: gloo send/recv ping-pong between ranks 0 and 1 at two sizes: latency and bandwidth of
   `t = latency + bytes / bandwidth`;
 - memory: an AdamW step on every rank at once, as the bytes per second `cost.py` charges it.
@@ -80,6 +83,7 @@ class Calibration:
     layer_overhead: float = 0.0  # seconds of a block's forward + backward that do not grow with the microbatch
     peak_flops: float = 0.0  # FLOP/s of the rest, with a core to itself (0: flops_alone or flops)
     op_overhead: float = 0.0  # CPU seconds of the runtime per stage op (F, B, I or W), beyond the stage's module
+    collective_busy: float = 0.0  # CPU / wall time of a blocking collective (tp all-reduce), on its rank
 
     @property
     def shared(self) -> bool:
@@ -97,7 +101,7 @@ class Calibration:
                   f"at {self.sharing_efficiency:.0%})") if self.shared and self.flops_alone else ""
         return (f"{self.flops / 1e9:.2f} GFLOP/s per rank (GPT block, all {self.ranks} ranks computing){shared}, "
                 f"link {self.latency * 1e6:.0f} us + {self.bandwidth / 1e9:.2f} GB/s (gloo), blocking collectives "
-                f"+{self.sync_latency * 1e6:.0f} us a step, split backward x{self.split_backward:.2f}, "
+                f"+{self.sync_latency * 1e6:.0f} us a step ({self.collective_busy:.0%} of it busy), split backward x{self.split_backward:.2f}, "
                 f"AdamW {self.memory_bandwidth / 1e9:.2f} GB/s; not FLOP-proportional: "
                 f"{self.layer_overhead * 1e3:.2f} ms a block (F+B), {self.op_overhead * 1e3:.2f} ms a stage op")
 
@@ -110,7 +114,7 @@ class Calibration:
                            reserved_memory=0.0, cores_per_node=self.cores if self.shared else 0,
                            sharing_efficiency=max(self.sharing_efficiency, 1e-3), sync_latency=self.sync_latency,
                            split_backward=self.split_backward, layer_overhead=self.layer_overhead,
-                           op_overhead=self.op_overhead)
+                           op_overhead=self.op_overhead, collective_busy=self.collective_busy)
 
 
 def _median_time(fn, reps: int, clock=time.perf_counter) -> float:
@@ -152,7 +156,7 @@ def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] =
         dist.barrier()
     out.update(_pipeline_cpu(model, block, full, reps))
     if world % 2 == 0:
-        out["tp_block"] = _tp_block_time(model, block, x, reps)
+        out["tp_block"], out["tp_block_cpu"] = _tp_block_time(model, block, x, reps)
 
     params = [torch.zeros(1 << 20, requires_grad=True) for _ in range(4)]
     for p in params:
@@ -224,8 +228,8 @@ def _mean_square(out: Any, target: Any) -> Any:
     return (out - target).pow(2).mean()
 
 
-def _tp_block_time(model: SmallGPT, block: Any, x: Any, reps: int) -> float:
-    """The block tensor-parallel over pairs of ranks (1-D, t=2), every rank at once."""
+def _tp_block_time(model: SmallGPT, block: Any, x: Any, reps: int) -> tuple[float, float]:
+    """Wall and CPU seconds of the block tensor-parallel over pairs of ranks (1-D, t=2), every rank at once."""
     import torch.distributed as dist
 
     from pipedsl.parallel import ParallelConfig, ParallelMesh
@@ -241,7 +245,9 @@ def _tp_block_time(model: SmallGPT, block: Any, x: Any, reps: int) -> float:
     dist.barrier()
     took = _median_time(step, reps)
     dist.barrier()
-    return took
+    cpu = _median_time(step, reps, time.process_time)
+    dist.barrier()
+    return took, cpu
 
 
 def _measure_in_pool(model: SmallGPT, reps: int, sizes: tuple[int, int], cores: int) -> dict[str, float]:
@@ -281,21 +287,24 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
     bandwidth = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
     latency = max(small - SIZES[0] / bandwidth, 1e-7)
     fixed, peak = _block_fit(every, model, "_alone" if alone else "")
-    sync = 0.0
-    tp = [r["tp_block"] for r in every if "tp_block" in r]
+    sync = busy = 0.0
+    tp = [r for r in every if "tp_block" in r]
     if tp:  # four all-reduces of the fp32 [b, T, C] activation over 2 ranks: bytes/bw + 2 steps each
         activation = 4 * model.microbatch * model.seq * model.embd
         # t = 2 halves the block's FLOPs, not its fixed part
-        unsplit = fixed / (fixed + 3 * spec.layer_flops(model.microbatch) / peak) if peak else 0.0
-        per_all_reduce = (statistics.median(tp) - block * (1 + unsplit) / 2) / 4
-        sync = max(0.0, (per_all_reduce - activation / bandwidth) / 2 - latency)
+        kept = (1 + fixed / (fixed + 3 * spec.layer_flops(model.microbatch) / peak)) / 2 if peak else 0.5
+        collectives = statistics.median(r["tp_block"] for r in tp) - block * kept
+        sync = max(0.0, (collectives / 4 - activation / bandwidth) / 2 - latency)
+        block_cpu = statistics.median(r["block_cpu"] for r in every)
+        collectives_cpu = statistics.median(r["tp_block_cpu"] for r in tp) - block_cpu * kept
+        busy = min(1.0, max(0.0, collectives_cpu / collectives)) if collectives > 0 else 0.0
     split = statistics.median(r["split_block"] / r["block"] for r in every)
     m4, m8 = PIPELINE_MICROBATCHES
     per_microbatch = [(r[f"pipeline{m8}_cpu"] - r[f"pipeline{m4}_cpu"]) / (m8 - m4) for r in every]
     op = max(0.0, (statistics.median(per_microbatch) - statistics.median(r["block_cpu"] for r in every)) / 2)
     return Calibration(len(runs[0]), block_flops / block, latency, bandwidth, ADAM_BYTES_PER_PARAM / adam,
                        cores, block_flops / statistics.median(alone) if alone else 0.0, sync, max(split, 1.0),
-                       fixed, peak, op)
+                       fixed, peak, op, busy)
 
 
 def _block_fit(every: list[dict[str, float]], model: SmallGPT, suffix: str) -> tuple[float, float]:

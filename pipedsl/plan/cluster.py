@@ -39,6 +39,7 @@ class ClusterSpec:
     cores_per_node: int = 0  # processors a node's ranks share; 0: a device per rank
     sharing_efficiency: float = 1.0  # of those processors when oversubscribed (cache, scheduler losses)
     sync_latency: float = 0.0  # per ring step of a blocking collective: its peers' wait to be scheduled
+    collective_busy: float = 0.0  # of a blocking collective's time, the share its rank keeps a core busy (gloo)
     split_backward: float = 1.0  # (F+I+W)/(F+B) of a block: a split backward's extra passes (1: none, as on GPUs)
     # Time that is not FLOP-proportional (measured by calibration; 0 on the GPU presets, whose fitted GEMM
     # efficiency absorbs it): per block forward + backward (op dispatch, small kernels), and per stage op
@@ -58,6 +59,9 @@ class ClusterSpec:
             if not (math.isfinite(value) and value >= 0 and (value > 0 or zero_ok)):
                 kind = "a finite number >= 0" if zero_ok else "a positive, finite number"
                 raise PipeDSLError(f"cluster {self.name}: {field_name} must be {kind}, got {shorten(value)}")
+        if not 0 <= self.collective_busy <= 1:
+            raise PipeDSLError(f"cluster {self.name}: collective_busy must be in [0, 1], got "
+                               f"{shorten(self.collective_busy)}")
         for field_name in ("gemm_efficiency", "sharing_efficiency"):
             if not 0 < getattr(self, field_name) <= 1:
                 raise PipeDSLError(f"cluster {self.name}: {field_name} must be in (0, 1], got "

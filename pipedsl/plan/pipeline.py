@@ -129,23 +129,24 @@ def iteration_time(timeline: Timeline, program: Program, costs: StageCosts) -> f
 
 
 def _run_exact(schedule: str, P: int, M: int, params: tuple, costs: StageCosts,
-               sharing: tuple[float, float] | None) -> tuple[float, float, list[int], float]:
+               sharing: tuple[float, float, float] | None) -> tuple[float, float, list[int], float]:
     program = compiled(schedule, P, M, params)
     cost = costs.simulator_cost()
     timeline = simulate(program, cost) if sharing is None else _shared_timeline(program, cost, costs, *sharing)
     return iteration_time(timeline, program, costs), timeline.makespan, peak_live(program), max(timeline.busy)
 
 
-def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: float, efficiency: float) -> Timeline:
+def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: float, efficiency: float,
+                     busy: float = 0.0) -> Timeline:
     """The program replayed on `cores` shared processors (`shared_host`): an op's blocking collectives
-    (`costs.waits`) take time but no core."""
+    (`costs.waits`) take time, and a core for only the `busy` share of it."""
     def work(ins: Instr) -> tuple[float, float]:
         if ins.sub is not None:  # an overlapped pair: its halves' work and waits
             halves = [work(x) for x in ins.sub]
             return sum(h[0] for h in halves), sum(h[1] for h in halves)
         total = cost.compute_time(ins)
         waits = costs.waits[ins.stage] if costs.waits and ins.stage is not None else {}
-        wait = min(waits.get(ins.op.value, 0.0), total)
+        wait = min(waits.get(ins.op.value, 0.0), total) * (1 - busy)
         return total - wait, wait
 
     starts, ends = shared_dry_run(program, work, cost.message_time, cores, efficiency)
@@ -153,9 +154,10 @@ def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: flo
 
 
 def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...], costs: StageCosts,
-                 sharing: tuple[float, float] | None = None) -> PipelineRun:
+                 sharing: tuple[float, float, float] | None = None) -> PipelineRun:
     """Simulate (or extend linearly from two simulations) one pipeline's iteration; with `sharing`
-    (this pipeline's cores, their efficiency), on processors its ranks share."""
+    (this pipeline's cores, their efficiency, a blocking collective's busy share), on processors its
+    ranks share."""
     sizes = simulation_sizes(M, P)
     runs = [_run_exact(schedule, P, m, params, costs, sharing) for m in sizes]
     if len(runs) == 1:

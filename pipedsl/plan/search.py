@@ -209,11 +209,13 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[i
     return worst
 
 
-def _sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float] | None:
-    """(this pipeline's share of its node's cores, their efficiency) where ranks share cores, else None: the
-    node runs ranks / pp identical pipelines side by side."""
+def _sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float, float] | None:
+    """(this pipeline's share of its node's cores, their efficiency, the busy share of a blocking collective)
+    where ranks share cores, else None: the node runs ranks / pp identical pipelines side by side."""
     ranks = cluster.shared_ranks(layout.gpus)
-    return (cluster.cores_per_node * layout.pp / ranks, cluster.sharing_efficiency) if ranks else None
+    if not ranks:
+        return None
+    return cluster.cores_per_node * layout.pp / ranks, cluster.sharing_efficiency, cluster.collective_busy
 
 
 def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate:

@@ -33,8 +33,10 @@ def _machine_measurements(small: SmallGPT, fixed: float, per_sample: float, op: 
     block = fixed + b * per_sample
     activation = 4 * b * small.seq * small.embd  # fp32 bytes of [b, T, C]
     tp = fixed + b * per_sample / 2 + 4 * (activation / bandwidth + 2 * (latency + sync))
+    collectives = tp - (fixed + b * per_sample / 2)
     rank = {"block": block, "split_block": 1.1 * block, "block_large": fixed + LARGE * b * per_sample,
-            "block_cpu": block, "tp_block": tp, "adam": 0.01, "adam_params": 1e6}
+            "block_cpu": block, "tp_block": tp, "tp_block_cpu": tp - 0.75 * collectives, "adam": 0.01,
+            "adam_params": 1e6}
     rank.update({f"pipeline{m}_cpu": step + m * (block + 2 * op) for m in PIPELINE_MICROBATCHES})
     rank.update({f"msg{size}": latency + size / bandwidth for size in SIZES})
     return [rank, dict(rank)]
@@ -53,10 +55,11 @@ def test_summarize_recovers_the_machine_it_was_given():
     assert math.isclose(cal.op_overhead, 1.2e-3, rel_tol=1e-9)
     assert math.isclose(cal.latency, 150e-6, rel_tol=1e-6) and math.isclose(cal.bandwidth, 2e9, rel_tol=1e-6)
     assert math.isclose(cal.sync_latency, 1e-3, rel_tol=1e-6)
+    assert math.isclose(cal.collective_busy, 0.25, rel_tol=1e-6)  # a quarter of the collectives' time on the CPU
     assert math.isclose(cal.split_backward, 1.1, rel_tol=1e-9)
     cluster = cal.cluster()
-    assert (cluster.layer_overhead, cluster.op_overhead, cluster.peak_flops) == (cal.layer_overhead, cal.op_overhead,
-                                                                                 cal.peak_flops)
+    assert (cluster.layer_overhead, cluster.op_overhead, cluster.peak_flops, cluster.collective_busy) == \
+        (cal.layer_overhead, cal.op_overhead, cal.peak_flops, cal.collective_busy)
 
 
 def test_fixed_costs_are_charged_per_block_pass_and_per_stage_op():

@@ -51,3 +51,22 @@ def test_waiting_in_a_collective_takes_no_core() -> None:
     ideal = simulate(program, COST)
     assert makespan(waiting) == pytest.approx(ideal.makespan)  # both ranks wait at once: as with a core each
     assert makespan(computing) > makespan(waiting)
+
+
+def test_the_busy_share_of_a_collective_takes_a_core() -> None:
+    """collective_busy = 1: a tensor-parallel all-reduce's wait is compute like any other (it takes
+    a core); 0: it leaves the core to the other ranks."""
+    from dataclasses import replace
+
+    from pipedsl.plan import Layout
+    from pipedsl.plan.calibrate import SmallGPT
+    from pipedsl.plan.cluster import cluster_preset
+    from pipedsl.plan.cost import stage_costs
+    from pipedsl.plan.pipeline import _shared_timeline, compiled
+
+    costs = stage_costs(SmallGPT().spec(), cluster_preset("a100-80gb"), Layout(1, 2, 2, "1f1b", 2, 4), 2)
+    assert all(w["F"] > 0 for w in costs.waits)
+    program, cost = compiled("1f1b", 2, 4), costs.simulator_cost()
+    free, half, busy = (_shared_timeline(program, cost, costs, 1.0, 1.0, b).makespan for b in (0.0, 0.5, 1.0))
+    computed = _shared_timeline(program, cost, replace(costs, waits=()), 1.0, 1.0).makespan
+    assert free < half < busy == pytest.approx(computed)
