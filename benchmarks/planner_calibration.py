@@ -140,9 +140,11 @@ def main() -> None:
     # layouts whose measured times differ by less than the run-to-run noise (~15 % here) have no order to agree on
     apart = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:] if max(a[1], b[1]) > 1.15 * min(a[1], b[1])]
     alike = sum((a[1] < b[1]) == (a[2] < b[2]) for a, b in apart)
-    print("\n| layout | measured ms | launches ms | predicted ms | predicted / measured |\n|---|---:|---|---:|---:|")
+    print("\n| layout | measured ms | launches ms | predicted ms | predicted / measured |")
+    print("|---|---:|---|---:|---:|")
     for (layout, m, p), times in zip(rows, launches):
-        print(f"| {layout} | {m * 1e3:.0f} | {', '.join(f'{t * 1e3:.0f}' for t in times)} | {p * 1e3:.0f} | {p / m:.2f} |")
+        each = ", ".join(f"{t * 1e3:.0f}" for t in times)
+        print(f"| {layout} | {m * 1e3:.0f} | {each} | {p * 1e3:.0f} | {p / m:.2f} |")
     print(f"\nSpearman rho {rho:.2f}, identical order: {same}; |error| median {statistics.median(errors):.1%}, "
           f"max {max(errors):.1%}; within 15 %: {sum(e <= 0.15 for e in errors)}/{len(errors)}; "
           f"pairs measured >15 % apart: {alike}/{len(apart)} ordered alike; {time.perf_counter() - began:.0f} s")

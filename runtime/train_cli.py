@@ -72,6 +72,10 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--batch", type=nonnegative_int, default=0, help="sequences per step (default 4·M)")
     p.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--layers", type=nonnegative_int, default=0, help="transformer blocks (default: 2 per stage)")
+    p.add_argument("--split", choices=("count", "blocks"), default="count",
+                   help="how the GPT is cut into stages: count (the embedding and the head count as pieces like "
+                        "the blocks; default) or blocks (every stage the same number of blocks, the embedding and "
+                        "head on the end stages: Megatron-LM's split, the one `pipedsl plan` models)")
     p.add_argument("--embd", type=positive_int, default=64,
                    help=f"embedding width, a multiple of {N_HEAD} (default 64)")
     p.add_argument("--lr", type=positive_float, default=3e-3)
@@ -217,7 +221,9 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
                            f"(use a multiple of {dp * M})")
     if args.embd % N_HEAD:
         raise PipeDSLError(f"--embd {args.embd} must be a multiple of {N_HEAD} (the attention heads)")
-    layers = args.layers or max(2 * S - 2, 1)
+    layers = args.layers or (2 * S if args.split == "blocks" else max(2 * S - 2, 1))
+    if args.split == "blocks" and layers < S:
+        raise PipeDSLError(f"--layers {layers} --split blocks: every one of the program's {S} stages needs a block")
     if layers + 2 < S:
         raise PipeDSLError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} pieces, "
                            f"fewer than the program's {S} stages")
@@ -237,7 +243,7 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None,
            "dp": dp, "zero": args.zero, "precision": args.precision, "clip_grad": args.clip_grad,
            "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps, "recompute": args.recompute,
-           "loss_reduction": args.loss_reduction, "pad_fraction": args.pad_fraction}
+           "loss_reduction": args.loss_reduction, "pad_fraction": args.pad_fraction, "split": args.split}
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
     return cfg
@@ -303,7 +309,7 @@ def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str
     else:
         found = checkpoint.resolve(resume)
     with torch.device("meta"):  # shapes only: compare the partition before any process starts
-        stages = GPT(_gpt_config(cfg)).stages(program.num_stages)
+        stages = GPT(_gpt_config(cfg)).stages(program.num_stages, by=cfg.get("split", "count"))
     checkpoint.check_partition(found.manifest, dict(enumerate(stages)), program.num_stages,
                                where=f"the {cfg['layers']}-block GPT cut into {program.num_stages} stages")
     if found.step >= cfg["steps"]:
@@ -356,7 +362,7 @@ def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] 
         from pipedsl.parallel import ParallelConfig, ParallelMesh
         parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, zero=zero))
     token = cfg.get("loss_reduction", "microbatch") == "token"
-    pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program,
+    pipe = pipedsl.Pipeline(model.stages(program.num_stages, by=cfg.get("split", "count")), program=program,
                             loss_fn=_token_loss_sum if token else gpt_loss, parallel=parallel,
                             precision=cfg.get("precision", "fp32"), loss_reduction="token" if token else "microbatch",
                             recompute=cfg.get("recompute", "none"),

@@ -3,7 +3,7 @@ real runtime's processes and gloo, as a `ClusterSpec` the planner predicts with.
 
 - compute: forward + backward of one block of the small GPT (`pipedsl.runtime.gpt`), run as
   the runtime runs a stage (`runtime.stage.Stage`), at two microbatch sizes: a block costs a
-  fixed `layer_overhead` (op dispatch, small kernels: a third of the block at microbatch 2 on a
+  fixed `layer_overhead` (op dispatch, small kernels: a sixth of the block at microbatch 2 on a
   CPU core) plus time proportional to its FLOPs, whose rate is the cluster's peak.  Timed on one
   rank per core (a rank's own speed) and on every rank at once; with more ranks than cores the
   two give how well the shared cores are used (`sharing_efficiency`, for the planner's
@@ -101,7 +101,8 @@ class Calibration:
                   f"at {self.sharing_efficiency:.0%})") if self.shared and self.flops_alone else ""
         return (f"{self.flops / 1e9:.2f} GFLOP/s per rank (GPT block, all {self.ranks} ranks computing){shared}, "
                 f"link {self.latency * 1e6:.0f} us + {self.bandwidth / 1e9:.2f} GB/s (gloo), blocking collectives "
-                f"+{self.sync_latency * 1e6:.0f} us a step ({self.collective_busy:.0%} of it busy), split backward x{self.split_backward:.2f}, "
+                f"+{self.sync_latency * 1e6:.0f} us a step ({self.collective_busy:.0%} of it busy), "
+                f"split backward x{self.split_backward:.2f}, "
                 f"AdamW {self.memory_bandwidth / 1e9:.2f} GB/s; not FLOP-proportional: "
                 f"{self.layer_overhead * 1e3:.2f} ms a block (F+B), {self.op_overhead * 1e3:.2f} ms a stage op")
 
@@ -220,7 +221,7 @@ def _pipeline_cpu(model: SmallGPT, block: Any, full: Any, reps: int) -> dict[str
         x = torch.randn(M * model.microbatch, model.seq, model.embd)
         with Pipeline(lambda stage: block, "1f1b", M, loss_fn=_mean_square) as pipe:
             dist.barrier()
-            out[f"pipeline{M}_cpu"] = _median_time(lambda: pipe.step(x, x), reps, time.process_time)
+            out[f"pipeline{M}_cpu"] = _median_time(lambda pipe=pipe, x=x: pipe.step(x, x), reps, time.process_time)
     return out
 
 

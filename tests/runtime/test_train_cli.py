@@ -16,12 +16,13 @@ import pipedsl
 def test_train_command_writes_a_measured_timeline(tmp_path) -> None:
     out = tmp_path / "train"
     proc = subprocess.run([sys.executable, "-m", "pipedsl.cli", "train", "--schedule", "1f1b", "-P", "2", "-M", "2",
-                           "--steps", "3", "--seq", "8", "--embd", "16", "-o", str(out)],
+                           "--steps", "3", "--seq", "8", "--embd", "16", "--split", "blocks", "-o", str(out)],
                           capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     progress = [line for line in lines if line.startswith("step ")]
     assert len(progress) == 3 and all("loss" in p and "samples/s" in p for p in progress), proc.stdout
+    assert "training a 4-block GPT" in proc.stdout  # --split blocks: 2 blocks a stage by default
     timeline = pipedsl.Timeline.from_json((out / "timeline.json").read_text())
     program = pipedsl.load("1f1b").compile(P=2, M=2)
     assert timeline.kind == "measured"
@@ -58,6 +59,13 @@ def test_train_cosine_warmup_must_end_before_the_last_step(capsys) -> None:
 
     assert main(["train", "-P", "2", "--steps", "3", "--lr-schedule", "cosine", "--warmup-steps", "3"]) == 2
     assert "--warmup-steps 3 must be less than --steps 3" in capsys.readouterr().err
+
+
+def test_train_split_by_blocks_needs_a_block_per_stage(capsys) -> None:
+    from pipedsl.cli import main
+
+    assert main(["train", "-P", "4", "--split", "blocks", "--layers", "3"]) == 2
+    assert "--layers 3 --split blocks: every one of the program's 4 stages needs a block" in capsys.readouterr().err
 
 
 def test_train_batch_must_split_over_dp_and_microbatches(capsys) -> None:
