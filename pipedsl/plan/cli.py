@@ -115,6 +115,8 @@ def _calibrated(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
     small = SmallGPT()
     cal = calibrate(args.gpus or 4, small)
     print(f"calibrated on {cal.ranks} local processes: {cal.describe()}")
+    print("every stage is planned with the same number of blocks, the embedding and head on the end stages "
+          "(train a layout so with `pipedsl train --split blocks`)")
     given = args.model or any(getattr(args, k) is not None for k in ("layers", "hidden", "heads", "seq", "vocab"))
     return (model_from_args(args) if given else small.spec()), cal.cluster()
 

@@ -13,6 +13,7 @@ below 1e-9 for six built-in schedules at P=4, M=24).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
@@ -68,17 +69,50 @@ def program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], 
 def peak_live(program: Program) -> list[int]:
     """Per rank, the most stage activations alive at once: `Timeline.peak_activations`' rule (from F
     to its B, or W when split) read off the program order, which is the execution order."""
-    peaks = []
-    for stream in program.ranks:
-        live = peak = 0
-        for ins in stream:
-            if ins.op is Op.F:
-                live += 1
-                peak = max(peak, live)
-            elif ins.op is Op.B or ins.op is Op.W:
-                live -= 1
-        peaks.append(peak)
-    return peaks
+    return [_peak(ins.op for ins in stream) for stream in program.ranks]
+
+
+def _peak(ops: Iterable[Op]) -> int:
+    live = peak = 0
+    for op in ops:
+        if op is Op.F:
+            live += 1
+            peak = max(peak, live)
+        elif op is Op.B or op is Op.W:
+            live -= 1
+    return peak
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """A schedule at one size as its plan gives it — placement and compute orders, not lowered or
+    validated: what the search's early bounds need, at a fraction of a compile's cost."""
+
+    num_stages: int
+    num_replicas: int
+    num_ranks: int
+    placement: dict[tuple[int, int], int]
+    split_backward: bool
+    peaks: tuple[int, ...]  # `peak_live` of the compiled program (its compute order is the plan's)
+
+
+@lru_cache(maxsize=1024)
+def _skeleton_or_error(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...]) -> Skeleton | PipeDSLError:
+    try:
+        plan = _schedule(schedule).plan(P=P, M=M, **dict(params))
+    except PipeDSLError as err:
+        return err
+    return Skeleton(plan.num_stages, plan.num_replicas, len(plan.orders), dict(plan.placement),
+                    any(entry[0] is Op.I for order in plan.orders for entry in order),
+                    tuple(_peak(entry[0] for entry in order) for order in plan.orders))
+
+
+def skeleton(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> Skeleton:
+    """The schedule's `Skeleton` for P ranks and M microbatches (cached; raises PipeDSLError)."""
+    out = _skeleton_or_error(schedule, P, M, params)
+    if isinstance(out, PipeDSLError):
+        raise out
+    return out
 
 
 @dataclass(frozen=True)
@@ -100,7 +134,7 @@ def simulation_sizes(M: int, P: int) -> tuple[int, ...]:
     return (m1, m1 + P)
 
 
-def stage_ranks(program: Program) -> dict[int, list[int]]:
+def stage_ranks(program: Program | Skeleton) -> dict[int, list[int]]:
     """Rank -> the program stages placed on it (copies on one rank share one module)."""
     out: dict[int, list[int]] = {r: [] for r in range(program.num_ranks)}
     for (_, s), r in sorted(program.placement.items()):

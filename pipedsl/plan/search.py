@@ -22,7 +22,7 @@ from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import StageCosts, stage_costs, tp_degree_3d
 from pipedsl.plan.memory import MemoryReport, model_states
 from pipedsl.plan.model import ModelSpec
-from pipedsl.plan.pipeline import compiled, compiled_peaks, program_peaks, run_pipeline, simulation_sizes, stage_ranks
+from pipedsl.plan.pipeline import compiled, program_peaks, run_pipeline, simulation_sizes, skeleton, stage_ranks
 
 # Chunk variants searched per built-in (parameter name, values); others run with their defaults.
 VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], ...]] = {
@@ -110,15 +110,15 @@ def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Non
 
 
 def _skeleton(layout: Layout):
-    """A small program of the schedule (M = min(M, P)): placement, stages, early peaks."""
+    """The schedule at a small size (M = min(M, P)), planned but not compiled: placement, stages, early peaks."""
     P, M = layout.pp, layout.microbatches
     try:
-        return compiled(layout.schedule, P, min(M, P), layout.params)
+        return skeleton(layout.schedule, P, min(M, P), layout.params)
     except PipeDSLError as err:
         if M <= P:
             raise LayoutError(f"schedule: {err.message}") from None
     try:  # a requirement the small size breaks but M meets
-        return compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+        return skeleton(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
     except PipeDSLError as err:
         raise LayoutError(f"schedule: {err.message}") from None
 
@@ -158,7 +158,7 @@ def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> floa
     if model.layers % S:
         raise LayoutError(f"divisibility: {model.layers} layers do not split into {S} stages")
     costs = stage_costs(model, cluster, layout, S, program.num_replicas)
-    early_peaks = compiled_peaks(layout.schedule, layout.pp, program.num_microbatches, layout.params)
+    early_peaks = program.peaks
     _check_memory(cluster, _memory(model, layout, costs, stage_ranks(program), early_peaks, S), "at least ")
     return _placement_bound(program, costs, layout.microbatches)
 

@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
+from pipedsl.library import builtin_names
 from pipedsl.plan import Layout, LayoutError, ModelSpec, cluster_preset, evaluate, model_preset, model_states, search
 from pipedsl.plan.cost import all_gather, all_reduce, stage_costs
-from pipedsl.plan.pipeline import _run_exact, compiled, program_peaks, run_pipeline, simulation_sizes
+from pipedsl.plan.pipeline import _run_exact, compiled, program_peaks, run_pipeline, simulation_sizes, stage_ranks
 from pipedsl.plan.scaling import plot_scaling, scaling
 from pipedsl.runtime.gpt import GPT, Block, GPTConfig
 
@@ -149,3 +150,27 @@ def test_scaling_best_is_never_below_pure_data_parallel(tmp_path):
     assert points[1].samples_per_second("best") > points[0].samples_per_second("best")
     plot_scaling(points, model, cluster, tmp_path / "s.svg")
     assert (tmp_path / "s.svg").read_text().startswith("<?xml")
+
+
+@pytest.mark.parametrize("schedule", builtin_names())
+def test_the_searchs_skeleton_is_the_compiled_programs_shape(schedule):
+    """The search bounds layouts from the schedule's plan (not lowered or validated): its placement,
+    stages, replicas, split backward and peak live activations must be the compiled program's."""
+    from pipedsl.errors import PipeDSLError
+    from pipedsl.plan.pipeline import peak_live, skeleton
+
+    checked = 0
+    for P, M in ((2, 2), (2, 4), (4, 4), (4, 8), (4, 12)):
+        try:
+            program = compiled(schedule, P, M)
+        except PipeDSLError:  # a requirement this size breaks: the skeleton refuses it too
+            with pytest.raises(PipeDSLError):
+                skeleton(schedule, P, M)
+            continue
+        bones = skeleton(schedule, P, M)
+        assert (bones.num_stages, bones.num_replicas, bones.num_ranks) == \
+            (program.num_stages, program.num_replicas, program.num_ranks)
+        assert bones.placement == program.placement and bones.split_backward == program.split_backward
+        assert list(bones.peaks) == peak_live(program) and stage_ranks(bones) == stage_ranks(program)
+        checked += 1
+    assert checked >= 2
