@@ -288,6 +288,7 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
     bandwidth = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
     latency = max(small - SIZES[0] / bandwidth, 1e-7)
     fixed, peak = _block_fit(every, model, "_alone" if alone else "")
+    block_cpu = statistics.median(r["block_cpu"] for r in every)
     sync = busy = 0.0
     tp = [r for r in every if "tp_block" in r]
     if tp:  # four all-reduces of the fp32 [b, T, C] activation over 2 ranks: bytes/bw + 2 steps each
@@ -296,13 +297,12 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
         kept = (1 + fixed / (fixed + 3 * spec.layer_flops(model.microbatch) / peak)) / 2 if peak else 0.5
         collectives = statistics.median(r["tp_block"] for r in tp) - block * kept
         sync = max(0.0, (collectives / 4 - activation / bandwidth) / 2 - latency)
-        block_cpu = statistics.median(r["block_cpu"] for r in every)
         collectives_cpu = statistics.median(r["tp_block_cpu"] for r in tp) - block_cpu * kept
         busy = min(1.0, max(0.0, collectives_cpu / collectives)) if collectives > 0 else 0.0
     split = statistics.median(r["split_block"] / r["block"] for r in every)
     m4, m8 = PIPELINE_MICROBATCHES
     per_microbatch = [(r[f"pipeline{m8}_cpu"] - r[f"pipeline{m4}_cpu"]) / (m8 - m4) for r in every]
-    op = max(0.0, (statistics.median(per_microbatch) - statistics.median(r["block_cpu"] for r in every)) / 2)
+    op = max(0.0, (statistics.median(per_microbatch) - block_cpu) / 2)
     return Calibration(len(runs[0]), block_flops / block, latency, bandwidth, ADAM_BYTES_PER_PARAM / adam,
                        cores, block_flops / statistics.median(alone) if alone else 0.0, sync, max(split, 1.0),
                        fixed, peak, op, busy)

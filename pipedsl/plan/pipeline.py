@@ -43,7 +43,11 @@ def _compiled_or_error(schedule: str, P: int, M: int, params: tuple[tuple[str, i
 
 def compiled(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> Program:
     """The schedule's program for P ranks and M microbatches (cached; raises PipeDSLError)."""
-    out = _compiled_or_error(schedule, P, M, params)
+    return _raised(_compiled_or_error(schedule, P, M, params))
+
+
+def _raised(out):
+    """A cached result, or its cached error raised again."""
     if isinstance(out, PipeDSLError):
         raise out
     return out
@@ -109,10 +113,7 @@ def _skeleton_or_error(schedule: str, P: int, M: int, params: tuple[tuple[str, i
 
 def skeleton(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> Skeleton:
     """The schedule's `Skeleton` for P ranks and M microbatches (cached; raises PipeDSLError)."""
-    out = _skeleton_or_error(schedule, P, M, params)
-    if isinstance(out, PipeDSLError):
-        raise out
-    return out
+    return _raised(_skeleton_or_error(schedule, P, M, params))
 
 
 @dataclass(frozen=True)

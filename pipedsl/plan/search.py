@@ -158,8 +158,7 @@ def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> floa
     if model.layers % S:
         raise LayoutError(f"divisibility: {model.layers} layers do not split into {S} stages")
     costs = stage_costs(model, cluster, layout, S, program.num_replicas)
-    early_peaks = program.peaks
-    _check_memory(cluster, _memory(model, layout, costs, stage_ranks(program), early_peaks, S), "at least ")
+    _check_memory(cluster, _memory(model, layout, costs, stage_ranks(program), program.peaks, S), "at least ")
     return _placement_bound(program, costs, layout.microbatches)
 
 
