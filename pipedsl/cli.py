@@ -171,7 +171,7 @@ def _write(text: str, output: str | None) -> None:
     try:
         output_file.write_text(output, text)
     except OSError as err:
-        raise PipeDSLError(f"cannot write {output}: {err.strerror}") from None
+        raise PipeDSLError(f"cannot write {output or repr(output)}: {err.strerror}") from None
 
 
 COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list,

@@ -9,6 +9,7 @@ format by it (matplotlib, graphviz).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 def replacing(path: str | os.PathLike) -> Iterator[Path]:
     """Yields the temporary path to write; on success it becomes `path`, on any failure it is removed."""
     path = Path(path)
+    if not path.name:  # '', '.', '/': a directory, as the plain write would say (callers report OSErrors)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
         yield tmp

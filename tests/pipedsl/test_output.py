@@ -24,3 +24,10 @@ def test_a_complete_write_replaces_the_file(tmp_path) -> None:
     write_text(out, "new")
     assert out.read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["losses.json"]
+
+
+@pytest.mark.parametrize("name", ["", ".", "/"])
+def test_a_path_without_a_file_name_is_an_os_error_like_the_plain_write(name) -> None:
+    """Found by the CLI fuzzer: `-o ''` raised ValueError from Path.with_name; callers report OSErrors."""
+    with pytest.raises(IsADirectoryError):
+        write_text(name, "text")
