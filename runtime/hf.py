@@ -5,12 +5,16 @@
     loss = pipe.step(input_ids, shift_labels(labels))              # = model(input_ids, labels=labels).loss
     # with padding: causal_lm_stages(..., attention_mask=True); pipe.step((input_ids, attention_mask), …)
 
-Supported: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` (one
-decoder shape: `model.model.{embed_tokens, layers, norm, rotary_emb}` and `lm_head`) and
-`GPT2LMHeadModel` (`transformer.{wte, wpe, drop, h, ln_f}`), transformers 5.x.  The stages hold
-the model's own modules (no copies), so a tied `lm_head.weight` *is* the embedding weight in the
-first and the last stage's module and `Pipeline` finds the tie (ties.py).  Units are the
-embedding, each decoder layer and the head; `by=` / `points=` spread them as `split.py` does.
+Any causal decoder in transformers' standard layout is supported, found by structure, not by
+name (`_Parts`): embedding → decoder layers → final norm → head, the model's own rotary module,
+per-layer full/sliding attention, and the config's embedding/logit multipliers and logit
+soft-capping.  Tested equal to the unsplit model's forward (tests/runtime/test_hf_families.py):
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (`gemma3_text`), Granite, Phi-3, OLMo 2, GPT-2;
+transformers 5.x.  `check_split(model, stages)` runs that comparison for any other model.  The
+stages hold the model's own modules (no copies), so a tied `lm_head.weight` *is* the embedding
+weight in the first and the last stage's module and `Pipeline` finds the tie (ties.py).  Units
+are the embedding, each decoder layer and the head; `by=` / `points=` spread them as `split.py`
+does.
 
 What crosses a stage boundary — stages exchange tensors only:
 
@@ -42,6 +46,7 @@ on, a pipelined step is not bit-equal to the unsplit model's (the draws differ),
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,8 +59,8 @@ from pipedsl.errors import PipeRuntimeError
 from .split import _bounds
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here" (padding, prompts)
-DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # model.model.{embed_tokens, layers, norm, rotary_emb}
-GPT2_TYPES = ("gpt2",)
+LAYER_NAMES = ("layers", "h")  # the decoder layers: model.model.layers (Llama and most), transformer.h (GPT-2)
+NORM_NAMES = ("norm", "ln_f", "final_layernorm")  # the final norm before the head
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -83,64 +88,107 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: st
 
 
 class _Parts:
-    """The pieces of one supported HF model, named the same for every family."""
+    """The pieces of an HF causal decoder in transformers' standard layout, found by structure.
+
+    The layout: `model.base_model` holds the input embedding (`get_input_embeddings()`, and
+    learned positions `wpe` when the model has them), the decoder layers (`layers` or `h`),
+    the final norm (`norm`, `ln_f` or `final_layernorm`) and the rotary module `rotary_emb`;
+    `model.get_output_embeddings()` is the head.  The scalar rules that the models' own
+    `forward` applies between those pieces are read from the config, whatever the family:
+    `embedding_multiplier` (Granite) on the embedding, `logits_scaling` (Granite, a divisor)
+    and `final_logit_softcapping` (Gemma 2/3) on the logits.  Scalings that live inside a
+    module (Gemma's scaled embedding, Granite's residual multiplier, attention soft-capping)
+    come with the module.  What cannot be split is refused, naming the piece that is missing.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         config = getattr(model, "config", None)
-        kind = getattr(config, "model_type", None)
-        self.config = config
-        self.kind = kind
-        if kind in DECODER_TYPES:
-            body = model.model
-            self.embed: nn.Module = _TokenEmbedding(body.embed_tokens)
-            self.layers = list(body.layers[: config.num_hidden_layers])
-            self.head: nn.Module = _Head(body.norm, model.lm_head)
-            self.rotary: nn.Module | None = body.rotary_emb
-        elif kind in GPT2_TYPES:
-            body = model.transformer
-            self.embed = _GPT2Embedding(body.wte, body.wpe, body.drop)
-            self.layers = list(body.h)
-            self.head = _Head(body.ln_f, model.lm_head)
-            self.rotary = None
-        else:
-            supported = ", ".join(DECODER_TYPES + GPT2_TYPES)
-            raise PipeRuntimeError(f"causal_lm_stages: model type {kind!r} ({type(model).__name__}) is not supported "
-                                   f"(supported: {supported})")
+        name = type(model).__name__
+        if config is None or not hasattr(model, "base_model") or not hasattr(model, "get_output_embeddings"):
+            raise PipeRuntimeError(f"causal_lm_stages: {name} is not a Hugging Face model (no config / base_model)")
+        if getattr(config, "is_encoder_decoder", False):
+            raise PipeRuntimeError(f"causal_lm_stages: {name} is an encoder-decoder model; only causal decoders "
+                                   f"(embedding → decoder layers → final norm → head) can be split")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has use_bidirectional_attention=True; only causal "
+                                   f"(left-to-right) attention is supported")
+        body = model.base_model
+        self.config, self.kind = config, getattr(config, "model_type", None)
+        self.layers = list(_child_list(body, LAYER_NAMES, name, "decoder layers")[: config.num_hidden_layers])
+        norm = _child(body, NORM_NAMES, name, "final norm")
+        head = model.get_output_embeddings()
+        if head is None:
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has no output embeddings (lm_head): it is not a "
+                                   f"causal language model")
+        embed = body.get_input_embeddings()
+        positions = getattr(body, "wpe", None)  # learned absolute positions (GPT-2)
+        self.rotary: nn.Module | None = getattr(body, "rotary_emb", None)
+        if self.rotary is None and positions is None:
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has neither a rotary module (rotary_emb) nor learned "
+                                   f"positions (wpe); its position encoding is not one pipedsl can recompute per stage")
+        self.rotary_per_type = (self.rotary is not None
+                                and "layer_type" in inspect.signature(self.rotary.forward).parameters)
+        multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
+        self.embed: nn.Module = _Embedding(embed, positions, getattr(body, "drop", None), multiplier)
+        self.head: nn.Module = _Head(norm, head, float(getattr(config, "logits_scaling", None) or 1.0),
+                                     getattr(config, "final_logit_softcapping", None))
         # which mask each layer needs, as the HF model's forward picks it
         types = getattr(config, "layer_types", None)
         if types is not None:
             self.mask_kinds = list(types[: len(self.layers)])
-        elif getattr(config, "sliding_window", None) is not None and kind in DECODER_TYPES:
-            self.mask_kinds = ["sliding_attention"] * len(self.layers)  # Mistral: every layer, when set
+        elif getattr(config, "sliding_window", None) is not None and self.rotary is not None:
+            self.mask_kinds = ["sliding_attention"] * len(self.layers)  # Mistral, Phi-3: every layer, when set
         else:
             self.mask_kinds = ["full_attention"] * len(self.layers)
 
 
-class _TokenEmbedding(nn.Module):
-    def __init__(self, embed_tokens: nn.Embedding) -> None:
+def _child(body: nn.Module, names: tuple[str, ...], model: str, what: str) -> nn.Module:
+    for n in names:
+        found = getattr(body, n, None)
+        if isinstance(found, nn.Module):
+            return found
+    raise PipeRuntimeError(f"causal_lm_stages: {model} has no {what} (looked for "
+                           f"{', '.join(f'{type(body).__name__}.{n}' for n in names)})")
+
+
+def _child_list(body: nn.Module, names: tuple[str, ...], model: str, what: str) -> nn.ModuleList:
+    found = _child(body, names, model, what)
+    if not isinstance(found, nn.ModuleList):
+        raise PipeRuntimeError(f"causal_lm_stages: {model}'s {what} are a {type(found).__name__}, not a ModuleList")
+    return found
+
+
+class _Embedding(nn.Module):
+    """Token embedding [+ learned positions, dropout] × the config's embedding multiplier."""
+
+    def __init__(self, tokens: nn.Module, positions: nn.Module | None, drop: nn.Module | None,
+                 multiplier: float) -> None:
         super().__init__()
-        self.embed_tokens = embed_tokens
+        self.embed_tokens, self.wpe, self.drop, self.multiplier = tokens, positions, drop, multiplier
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # [mb, T] → [mb, T, C]
-        return self.embed_tokens(input_ids)
-
-
-class _GPT2Embedding(nn.Module):
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # [mb, T] → [mb, T, C]
-        return self.drop(self.wte(input_ids) + self.wpe(position_ids))
+        h = self.embed_tokens(input_ids)
+        if self.multiplier != 1.0:
+            h = h * self.multiplier
+        if self.wpe is not None:
+            h = h + self.wpe(position_ids)
+        return self.drop(h) if self.drop is not None else h
 
 
 class _Head(nn.Module):
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    """Final norm, output projection, then the config's logit rules (divide by `logits_scaling`, soft-cap)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, scaling: float, softcap: float | None) -> None:
         super().__init__()
-        self.norm, self.lm_head = norm, lm_head
+        self.norm, self.lm_head, self.scaling, self.softcap = norm, lm_head, scaling, softcap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [mb, T, C] → [mb, T, V]
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        if self.scaling != 1.0:
+            logits = logits / self.scaling
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 class CausalLMStage(nn.Module):
@@ -164,6 +212,7 @@ class CausalLMStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): parts.layers[i] for i in ids})  # keys: the HF layer numbers
         self.mask_kinds = [parts.mask_kinds[i] for i in ids]
         self.rotary_emb = parts.rotary if len(ids) else None  # no parameters: shared, not tied
+        self.rotary_per_type = parts.rotary_per_type
 
     def forward(self, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if len(extras) != len(self.extras):
@@ -194,10 +243,13 @@ class CausalLMStage(nn.Module):
                                        f"(supported: {', '.join(makers)})")
             masks[kind] = makers[kind](config=self.config, inputs_embeds=h, attention_mask=padding,
                                        past_key_values=None, position_ids=positions)
-        extra: dict[str, Any] = {}
-        if self.rotary_emb is not None:
-            extra["position_embeddings"] = self.rotary_emb(h, positions)  # (cos, sin) [1 or mb, T, head_dim]
+        rotary: dict[str, Any] = {}  # (cos, sin) [1 or mb, T, head_dim] per layer type
+        if self.rotary_emb is not None and self.rotary_per_type:  # Gemma 3: local and global layers, own RoPE bases
+            rotary = {kind: self.rotary_emb(h, positions, kind) for kind in dict.fromkeys(self.mask_kinds)}
+        elif self.rotary_emb is not None:
+            rotary = dict.fromkeys(self.mask_kinds, self.rotary_emb(h, positions))
         for layer, kind in zip(self.layers.values(), self.mask_kinds):
+            extra = {"position_embeddings": rotary[kind]} if rotary else {}
             out = layer(h, attention_mask=masks[kind], position_ids=positions, past_key_values=None,
                         use_cache=False, **extra)
             h = out[0] if isinstance(out, tuple) else out
@@ -224,6 +276,38 @@ def causal_lm_stages(model: nn.Module, num_stages: int, *, by: str = "count", po
     bounds = _bounds(units, num_stages, by, points)
     extras = tuple(name for name, on in (("attention_mask", attention_mask), ("position_ids", position_ids)) if on)
     return [CausalLMStage(parts, a, b, extras) for a, b in zip(bounds, bounds[1:])]
+
+
+def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8, tolerance: float = 1e-4) -> float:
+    """Run `stages` one after another on a random [2, seq_len] batch and compare the logits with the
+    unsplit `model`'s own forward; returns the largest difference relative to the logits' scale.
+
+    Raises `PipeRuntimeError` when they differ by more than `tolerance`: the model's `forward`
+    does something between its pieces that the stages do not reproduce (an architecture outside
+    the standard layout).  Dropout is off during the check (`eval()`), then restored.
+    """
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(vocab, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    extras = getattr(stages[0], "extras", ())
+    given = {"attention_mask": torch.ones_like(ids), "position_ids": torch.arange(seq_len).expand(2, -1)}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            expected = model(ids.to(device), use_cache=False).logits.float()
+            x: Any = (ids.to(device), *(given[e].to(device) for e in extras))
+            for stage in stages:
+                x = stage(*x) if isinstance(x, tuple) else stage(x)
+            got = x.float()
+    finally:
+        model.train(was_training)
+    diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+    if not diff <= tolerance:
+        raise PipeRuntimeError(f"causal_lm_stages: {type(model).__name__} cut into {len(stages)} stages gives logits "
+                               f"{diff:.2e} (relative) away from the model's own forward: its forward does something "
+                               f"between the embedding, the layers and the head that pipedsl does not reproduce")
+    return diff
 
 
 def _require_transformers() -> None:

@@ -18,6 +18,8 @@ import pipedsl
 from pipedsl.runtime.hf import causal_lm_loss, causal_lm_stages, shift_labels
 
 VOCAB, T = 96, 8
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "phi3", "olmo2", "gpt2")
+EAGER_ONLY = ("gemma2",)  # transformers refuses sdpa for Gemma 2 (its attention soft-capping)
 # (loss, gradient) relative errors allowed: of the loss, and of each gradient tensor's largest entry.
 # Measured on these models: fp32 ≤ 1.4e-7 and ≤ 1.2e-6; bf16 ≤ 2.7e-5 and ≤ 1.9e-2 (8 mantissa bits).
 TOLERANCE = {None: (1e-5, 1e-4), "bf16": (1e-3, 6e-2)}
@@ -26,8 +28,8 @@ LR = 0.5  # plain SGD, large enough that steps change the weights visibly
 
 def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout: float = 0.0, layers: int = 3,
                seed: int = 0) -> nn.Module:
-    """A random causal LM of `family` (llama, qwen2, mistral, qwen3, gpt2); Qwen2 and Mistral with a
-    sliding window shorter than the sequence, so the per-layer masks matter."""
+    """A random causal LM of `family` (one of FAMILIES); the sliding windows are shorter than the
+    sequence, so the per-layer masks matter, and every multiplier or soft-cap is far from 1."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
@@ -43,6 +45,19 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
         config = tf.Qwen3Config(**common, head_dim=8)
     elif family == "mistral":
         config = tf.MistralConfig(**common, sliding_window=4)
+    elif family == "gemma2":  # alternating sliding / global layers, logit and attention soft-capping, scaled embedding
+        config = tf.Gemma2Config(**common, head_dim=8, sliding_window=3, final_logit_softcapping=3.0,
+                                 attn_logit_softcapping=5.0)
+    elif family == "gemma3":  # local and global layers with their own RoPE bases, q/k norms, scaled embedding
+        config = tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=3, sliding_window_pattern=2,
+                                     final_logit_softcapping=3.0)
+    elif family == "granite":  # embedding, residual, attention multipliers and a logit divisor
+        config = tf.GraniteConfig(**common, embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5,
+                                  attention_multiplier=0.2)
+    elif family == "phi3":  # fused qkv and gate_up projections, a sliding window on every layer
+        config = tf.Phi3Config(**common, sliding_window=4)
+    elif family == "olmo2":  # norms after attention and MLP, q/k norms
+        config = tf.Olmo2Config(**common)
     elif family == "gpt2":
         config = tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=layers, n_head=2, bos_token_id=0,
                                eos_token_id=0, attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,

@@ -89,5 +89,5 @@ def test_units_are_spread_like_split_gpt(pool2):
 
 def test_bad_requests_say_what_is_wrong(pool2):
     out = pool2.run(hf_cases.bad_requests)[0]
-    assert "model type None (Linear) is not supported" in out["unsupported"]
+    assert "Linear is not a Hugging Face model" in out["unsupported"]
     assert "cannot cut an embedding, 3 layers and a head into 6 stages" in out["too_many"]
