@@ -245,6 +245,17 @@ class Program:
     def split_backward(self) -> bool:
         return any(i.op == Op.I for stream in self.ranks for i in stream)
 
+    def forward_only(self) -> Program:
+        """The program of an evaluation pass: each rank's forwards and their messages in the same order, the
+        forward half of every overlapped pair, and the step end; no backward, gradient message or
+        reduction.  Valid whenever this program is: only waits are removed, and the remaining messages
+        keep their order per pair of ranks."""
+        keep = (Op.F, Op.SEND_F, Op.RECV_F, Op.OPTIMIZER_STEP)
+        ranks = tuple(tuple(i.sub[0] if i.op is Op.OVERLAP else i for i in stream
+                            if i.op in keep or i.op is Op.OVERLAP) for stream in self.ranks)
+        return Program(self.name, dict(self.params), self.num_stages, self.num_replicas, dict(self.placement),
+                       self.microbatch_replica, ranks, dict(self.meta))
+
     def stages_of(self, rank: int) -> list[tuple[int, int]]:
         """(replica, stage) pairs held by `rank`, in stage order."""
         return sorted((k for k, r in self.placement.items() if r == rank), key=lambda k: (k[1], k[0]))

@@ -47,7 +47,10 @@ class Executor:
     def __init__(self, program: Program, rank: int, stages: dict[tuple[int, int], Stage], channels: Channels,
                  reducer: GradReducer, in_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]],
                  out_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]], lookahead: int = 16,
-                 strict_pair_order: bool = False, check_finite: bool = True, kinds: list[int] | None = None) -> None:
+                 strict_pair_order: bool = False, check_finite: bool = True, kinds: list[int] | None = None,
+                 count: Callable[[Any], int] | None = None) -> None:
+        """`count(target)`: a forward-only program (`Program.forward_only()`, evaluation) runs each stage
+        without autograd and sums the last stage's losses and `count(target)` per microbatch instead."""
         self.program = program
         self.rank = rank
         self.stream = program.ranks[rank]
@@ -73,6 +76,10 @@ class Executor:
             Op.SEND_F: self._send, Op.SEND_B: self._send, Op.RECV_F: self._recv, Op.RECV_B: self._recv,
             Op.REDUCE_GRAD: self._reduce_grad, Op.OPTIMIZER_STEP: self._step_end, Op.OVERLAP: self._overlapped,
         }
+        self.count = count
+        if count is not None:
+            self.handlers.update({Op.F: self._forward_only, Op.OPTIMIZER_STEP: self._forward_only_end})
+        self.counted = 0  # forward-only: the last stage's count(target) summed over this rank's microbatches
 
     # ------------------------------------------------------------ the loop
 
@@ -91,6 +98,7 @@ class Executor:
         self.acts: dict[Key, Activation] = {}
         self.grad_buffers: dict[Key, list[torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.counted = 0
         self._scan = 0
         self._pending_sends: dict[int, int] = defaultdict(int)  # peer -> sends scanned but not issued
         self._held: dict[int, deque[int]] = defaultdict(deque)  # peer -> receive indices not posted early
@@ -211,6 +219,29 @@ class Executor:
         else:
             self.outbox[(Op.F, m, s, c)] = outs
         self.channels.reap_sends()
+
+    def _forward_only(self, ins: Instr) -> None:
+        """Evaluation: no autograd graph and no activation kept; the receive buffers are given back at the end
+        (an output may alias its input until its send completes)."""
+        m, s, c = ins.mb, ins.stage, ins.replica
+        inputs, buffers = self._forward_inputs(m, s, c)
+        stage = self.stages[(c, s)]
+        if s == self.last:
+            target = self.targets[m]
+            self.loss_sum += stage.evaluate(inputs, target).double().cpu()
+            self.counted += self.count(target)
+            self.acts[(m, s, c)] = Activation(inputs, [], None, buffers)
+        else:
+            self._forward_done(ins, Activation(inputs, [], None, buffers), stage.evaluate(inputs))
+
+    def _forward_only_end(self, ins: Instr) -> None:
+        try:
+            self.channels.wait_sends()
+        except Exception as err:  # noqa: BLE001
+            raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): completing this evaluation's "
+                              f"sends failed: {err}", self.rank, self.index, ins, peer_failure=True) from err
+        for key in list(self.acts):
+            self._release(key)
 
     def _output_grads(self, m: int, s: int, c: int) -> list[torch.Tensor] | None:
         if s == self.last:

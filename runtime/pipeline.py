@@ -174,9 +174,12 @@ class Pipeline:
         # every rank (torch.amp.GradScaler's behaviour) instead of failing the run
         self.check_finite = check_finite and self.scaler is None
         self._executor: Executor | None = None
-        self._executors: OrderedDict[tuple[TensorMeta, ...], Executor] = OrderedDict()  # by microbatch shapes
+        # by (microbatch shapes, forward only)
+        self._executors: OrderedDict[tuple[tuple[TensorMeta, ...], bool], Executor] = OrderedDict()
+        self._forward_program = self.program.forward_only()  # evaluation passes
         self.shape_handshakes = 0  # input shapes learned so far (one handshake each)
         self.tokens: int | None = None  # per-token mode: the last step's non-ignored targets (last-stage ranks)
+        self.eval_count = 0  # the last evaluate()'s microbatches (or tokens, per-token mode) over the global batch
         self.steps = 0
         self.closed = False
 
@@ -385,6 +388,50 @@ class Pipeline:
         self.steps += 1
         return float(total.item())
 
+    def evaluate(self, inputs: Any, targets: Any = None) -> float:
+        """The batch's mean loss without training: a forward-only pass (no autograd graph, no gradient, no
+        optimizer step, no step count, dropout off), on every rank.  Same batch rules as `step`.
+
+        The mean is over the same units as the training loss — microbatches (each a mean), or every
+        target != ignore_index of the global batch (loss_reduction="token") — and the number of them
+        is `self.eval_count` afterwards, so batches combine exactly: sum(loss_i·count_i)/sum(count_i).
+        Collective: every rank of the world calls it with its batch, like `step`."""
+        self._check_open("evaluate()")
+        M = self.num_microbatches
+        modes = {m: m.training for m in self._modules.values()}
+        try:
+            if self.parallel is not None:
+                inputs, targets = self._data_parallel_share(inputs, targets)
+            uneven = self.loss_reduction == "token"
+            mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank, uneven) for t in _tensors(inputs)))]
+            tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank, uneven)]
+            mb_inputs = [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs]
+            ex = self._use_shapes(tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs), forward_only=True)
+            for m in modes:
+                m.eval()
+            loss_sum = ex.run(mb_inputs, tgt)
+            totals = torch.tensor([float(loss_sum), float(ex.counted)], dtype=torch.float64, device=self.device)
+            try:
+                dist.all_reduce(totals, group=self._loss_group)
+                if self.dp > 1:
+                    dist.all_reduce(totals, group=self.mesh.dp_group)
+            except Exception as err:  # noqa: BLE001
+                raise RankFailure(f"rank {self.rank}: summing the evaluation loss over ranks failed: {err}",
+                                  self.rank, peer_failure=True) from err
+        except RankFailure as err:
+            if err.peer_failure:
+                raise explain_peer_failure(err) from err
+            record_failure(self.rank, err.message)
+            raise
+        except PipeDSLError as err:
+            record_failure(self.rank, err.message)
+            raise
+        finally:
+            for m, training in modes.items():
+                m.train(training)
+        self.eval_count = int(totals[1])
+        return float(totals[0] / max(totals[1], 1.0))
+
     # ------------------------------------------------------------ gradients: norm, clipping, fp16 scaling
 
     def _scale_loss(self) -> None:
@@ -573,7 +620,7 @@ class Pipeline:
 
     # ------------------------------------------------------------ shapes
 
-    def _use_shapes(self, meta: tuple[tuple[TensorMeta, ...], ...]) -> None:
+    def _use_shapes(self, meta: tuple[tuple[TensorMeta, ...], ...], forward_only: bool = False) -> Executor:
         """The executor for this step's microbatch shapes, learning them if they are new.
 
         Shapes may change between steps (a last partial batch, length bucketing).  Every rank of
@@ -582,7 +629,9 @@ class Pipeline:
         rank, never a handshake one side waits for.  Executors of the last few shapes are kept (the
         same on every rank, since every rank saw the same agreed sequence), so returning to a known
         shape costs nothing but the agreement.  `meta`: per microbatch, its tensors' shapes (they
-        differ by a sample when the batch does not split evenly: loss_reduction="token")."""
+        differ by a sample when the batch does not split evenly: loss_reduction="token").
+        `forward_only`: the evaluation pass's executor (not the training one), sharing the shapes
+        learned by either."""
         key = _shape_key(meta)
         both = torch.tensor([key, -key], dtype=torch.int64, device=self.device)  # NCCL: a device tensor
         try:
@@ -597,18 +646,39 @@ class Pipeline:
             raise PipeRuntimeError(f"the pipeline's ranks passed inputs of different shapes this step ({shapes}): "
                                    f"every rank must pass the same batch (its microbatch shapes decide what each "
                                    f"rank sends and receives)")
-        ex = self._executors.get(meta)
+        ex = self._executors.get((meta, forward_only))
         if ex is None:
-            ex = self._executors[meta] = self._handshake(meta)
-            self.shape_handshakes += 1
+            known = self._executors.get((meta, not forward_only))
+            if known is None:
+                shapes = self._handshake(meta)
+                self.shape_handshakes += 1
+            else:
+                shapes = known.in_meta, known.out_meta, known.kinds
+            ex = self._executors[(meta, forward_only)] = self._make_executor(*shapes, forward_only)
             if len(self._executors) > _MAX_SHAPES:
                 self._executors.popitem(last=False)
-        self._executors.move_to_end(meta)
-        self._executor = ex
+        self._executors.move_to_end((meta, forward_only))
+        if not forward_only:
+            self._executor = ex
+        return ex
 
-    def _handshake(self, mb_metas: tuple[tuple[TensorMeta, ...], ...]) -> Executor:
+    def _make_executor(self, in_meta: dict, out_meta: dict, kinds: list[int], forward_only: bool) -> Executor:
+        if not forward_only:
+            return Executor(self.program, self.rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
+                            self.lookahead, self.strict_pair_order, self.check_finite, kinds)
+        if self.loss_reduction == "token":
+            def count(target: Any) -> int:
+                t = target[0] if isinstance(target, (tuple, list)) else target
+                return int((t != self.ignore_index).sum())
+        else:
+            def count(target: Any) -> int:
+                return 1
+        return Executor(self._forward_program, self.rank, self._copies, self.channels, self.reducer, in_meta,
+                        out_meta, self.lookahead, self.strict_pair_order, False, kinds, count=count)
+
+    def _handshake(self, mb_metas: tuple[tuple[TensorMeta, ...], ...]) -> tuple[dict, dict, list[int]]:
         """Learn every stage's input and output shapes once per distinct microbatch shape (fake tensors; one
-        metadata message per hop and shape)."""
+        metadata message per hop and shape): (input metas, output metas, each microbatch's shape kind)."""
         prog, rank = self.program, self.rank
         S = prog.num_stages
         warm_up_shape_inference()
@@ -643,9 +713,7 @@ class Pipeline:
                 if prog.placement[(c, s + 1)] != rank:
                     self.channels.send_meta(prog.placement[(c, s + 1)], out)
                 meta = out
-        return Executor(prog, rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
-                        self.lookahead, self.strict_pair_order, self.check_finite,
-                        [kinds_of.index(m) for m in mb_metas])
+        return in_meta, out_meta, [kinds_of.index(m) for m in mb_metas]
 
 
 def _shape_key(metas: tuple[tuple[TensorMeta, ...], ...]) -> int:

@@ -238,6 +238,21 @@ class Stage:
                                 f"or a tuple of tensors")
         return Activation(inputs, outputs, token, buffers or []), outputs
 
+    def evaluate(self, inputs: list[torch.Tensor], target: Any = None) -> Any:
+        """Forward without autograd (evaluation): the outputs cast as for training, or on the last stage
+        the loss (per-token mode: the microbatch's summed token losses), unscaled."""
+        with torch.no_grad(), self.precision.autocast(self.device):
+            out = self.module(*inputs)
+            if not self.is_last:
+                return self.precision.cast_outputs(as_list(out))
+            loss = out if self.loss_fn is None else self.loss_fn(out, target)
+        if self.sum_loss:
+            loss = loss.sum()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"the loss must be a scalar tensor, got {what}")
+        return loss.reshape(())
+
     @contextlib.contextmanager
     def _weights_gathered(self, recomputes: bool) -> Iterator[None]:
         """The weight-pass hooks around a pass that reads saved parameter views (W), or may recompute a

@@ -239,3 +239,52 @@ def nanogpt_example(rank: int) -> list[float]:
 
     ex = _example("nanogpt")
     return ex.train(rank, "1f1b", 4, 3, GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), 8)
+
+
+def evaluation(rank: int, program_json: str, token: bool = False) -> dict:
+    """`pipe.evaluate` is the one-process model's loss in eval mode (dropout off) and changes nothing: no
+    gradient, no step count, the same parameters, dropout back on; a training step after it reuses the shapes
+    evaluation learned (one handshake per shape)."""
+    program = pipedsl.Program.from_json(program_json)
+    S, M = program.num_stages, program.num_microbatches
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(ResBlock(WIDTH), nn.Dropout(0.5)) for _ in range(S)))
+    ref = copy.deepcopy(model).eval()
+    if token:
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out, y, ignore_index=-100, reduction="sum")
+    else:
+        loss_fn = F.mse_loss
+    pipe = pipedsl.Pipeline(split_sequential(model, S), program=program, loss_fn=loss_fn,
+                            loss_reduction="token" if token else "microbatch")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    problems = []
+    for n in (2 * M, 3 * M):  # two shapes: each learned once, shared with training
+        x, y = batch(n, n)
+        if token:
+            y = torch.randint(WIDTH, (n,), generator=torch.Generator().manual_seed(n))
+            y[::3] = -100
+        with torch.no_grad():
+            if token:
+                want = (F.cross_entropy(ref(x), y, ignore_index=-100, reduction="sum") / (y != -100).sum()).item()
+            else:
+                want = sum(F.mse_loss(ref(xm), ym).item() for xm, ym in zip(x.chunk(M), y.chunk(M))) / M
+        got = pipe.evaluate(x, y)
+        if abs(got - want) > RTOL * abs(want):
+            problems.append(f"rank {rank}: evaluate() = {got}, one process (eval mode) {want}")
+        count = int((y != -100).sum()) if token else M
+        if pipe.eval_count != count:
+            problems.append(f"rank {rank}: eval_count {pipe.eval_count} != {count}")
+    if any(p.grad is not None for p in pipe.parameters()):
+        problems.append(f"rank {rank}: evaluate() left gradients")
+    if pipe.steps != 0 or any(not torch.equal(v, before[k]) for k, v in model.state_dict().items()):
+        problems.append(f"rank {rank}: evaluate() changed the step count or the parameters")
+    if not all(m.training for m in pipe.local_stages().values()):
+        problems.append(f"rank {rank}: evaluate() left a stage in eval mode")
+    x, y = batch(0, 2 * M)
+    if token:
+        y = torch.randint(WIDTH, (2 * M,), generator=torch.Generator().manual_seed(0))
+    pipe.step(x, y)
+    if pipe.steps != 1 or any(p.grad is None for p in pipe.parameters()):
+        problems.append(f"rank {rank}: the training step after evaluate() did not train")
+    return {"problems": problems, "handshakes": pipe.shape_handshakes}
