@@ -33,7 +33,7 @@ import torch
 
 from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
 
-from .errors import RankFailure
+from .errors import RankFailure, failure_at
 from .p2p import Channels, Recv, TensorMeta, describe
 from .reduce import GradReducer
 from .stage import Activation, Stage, overlapped_forward_backward
@@ -121,8 +121,7 @@ class Executor:
             except RankFailure:
                 raise
             except Exception as err:  # noqa: BLE001 - every failure is reported with where it happened
-                raise RankFailure(f"rank {self.rank} instruction {i} ({ins}): {type(err).__name__}: {err}",
-                                  self.rank, i, ins) from err
+                raise failure_at(self.rank, i, ins, err) from err
             ends[i] = clock()
         return self.loss_sum
 

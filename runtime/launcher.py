@@ -13,7 +13,9 @@ the rank, where in the value and its type.
 Everything is bounded: the process group has `timeout`; the join has `join_timeout`.  When a
 rank fails, the others stop (a receive from an exited rank fails at once, a stuck one at the
 process-group timeout); the launcher then raises `PipeRuntimeError` naming the rank that
-failed first (not the ranks that stopped because of it), with every rank's error as notes.
+failed first (not the ranks that stopped because of it: a rank whose own work failed outranks
+any whose error says a peer went away), the user's frames of its traceback, and every other
+rank's error as a note.
 SIGTERM, SIGINT or SIGHUP to the launcher stop every rank and raise `Interrupted` (exit status
 128 + signal); a rank whose launcher died exits by itself (lifecycle.py).  More local ranks than
 the machine can sensibly run are refused before anything starts (capacity.py).
@@ -31,7 +33,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -41,9 +42,10 @@ import torch.distributed as dist
 from pipedsl.errors import PipeDSLError, PipeRuntimeError
 
 from .capacity import check_local_ranks, usable_cores
-from .errors import RankFailure, record_failure
+from .errors import RankFailure, failure_order, is_consequence, record_failure
 from .lifecycle import STOP_GRACE, StopSignals, follow_launcher, report_interrupt, signals_held, stop_processes
 from .rank_results import UnreturnableResult, has_result, read_error, read_result, write_error, write_result
+from .user_traceback import exception_line, frames_of, trace_of
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 _RANK_NAME = "pipedsl-rank"  # a rank process's name: the prefix, then its rank
@@ -91,7 +93,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
         try:
             return [fn(rank, *args)]
         except BaseException as err:
-            if not (isinstance(err, RankFailure) and err.peer_failure):
+            if not is_consequence(err):
                 record_failure(rank, _message(err))
             raise
         finally:
@@ -117,6 +119,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
                 for p in procs:
                     p.start()
             outcome = _join(procs, signals, grace=timeout + 15.0, join_timeout=join_timeout, stop_grace=stop_grace)
+            outcome["order"] = failure_order(store)
             del store
         if outcome["interrupted"] is not None:
             raise report_interrupt(outcome["interrupted"], outcome["stopped"])
@@ -155,9 +158,13 @@ def _environment(**values: str):
 
 
 def _message(err: BaseException) -> str:
+    """A rank's error for the launcher: its message, then the user's frames down to where it was raised."""
+    if isinstance(err, RankFailure) and err.trace is not None:
+        trace = err.trace.under(frames_of(err.__traceback__, innermost=False))  # the user's loop that called step
+        return "\n".join([err.message, *(f"  {line}" for line in trace.lines())])
     if isinstance(err, PipeDSLError):
         return err.message
-    return f"{type(err).__name__}: {err}\n" + "".join(traceback.format_exception(err)[-6:]).rstrip()
+    return "\n".join([exception_line(err), *(f"  {line}" for line in trace_of(err).lines())])
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str | None, timeout: float,
@@ -173,7 +180,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
     except BaseException as err:  # noqa: BLE001 - reported to the parent, then a hard exit
         if os.getppid() != launcher_pid:  # the launcher is gone (and its store): nobody to tell
             os._exit(1)
-        consequence = isinstance(err, RankFailure) and err.peer_failure
+        consequence = is_consequence(err)
         message = _message(err)
         if not consequence:
             record_failure(rank, message)
@@ -249,7 +256,10 @@ def _report(outcome: dict[str, Any], procs: list, join_timeout: float, outbox: s
             causes.append(rank)
     if not errors:
         return [_read(outbox, rank) for rank in range(len(procs))]
-    # no rank failed on its own: the ones that stopped blamed a peer; blame the one left running (stuck)
+    # the first to record a failure of its own (a peer's lost connection is never one), then one that vanished;
+    # if no rank failed on its own, the ones that stopped blamed a peer: blame the one left running (stuck)
+    order = [r for r in outcome.get("order", ()) if r in causes]
+    causes = order + [r for r in causes if r not in order]
     stuck = sorted(outcome["killed"]) if not outcome["timed_out"] else []
     first = causes[0] if causes else (stuck[0] if stuck else min(errors))
     notes = tuple(f"rank {r}: {m.splitlines()[0] if m else m}" for r, m in sorted(errors.items()) if r != first)

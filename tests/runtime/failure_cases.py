@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -55,3 +56,65 @@ def killed_mid_step(rank: int) -> None:
     pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=8, loss_fn=F.mse_loss)
     for _ in range(3):
         pipe.step(torch.randn(16, 4), torch.randn(16, 4))
+
+
+class FailsAtMicrobatch(nn.Module):
+    """A user's module that raises in the forward (or, with `backward=True`, the backward) of microbatch `at`."""
+
+    def __init__(self, at: int, backward: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.at, self.backward = at, backward
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # the shape handshake's dry run
+            return self.lin(x)
+        microbatch, self.calls = self.calls, self.calls + 1
+        if microbatch == self.at and not self.backward:
+            raise ValueError(f"user forward rejects microbatch {microbatch}")  # the user's forward raises
+        y = self.lin(x)
+        return RejectGradient.apply(y) if microbatch == self.at else y
+
+
+class RejectGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise FloatingPointError("user backward rejects this gradient")  # the user's backward raises
+
+
+class Slow(nn.Module):
+    """Takes its time in each forward, so its rank is still sending when the next rank fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            time.sleep(0.2)
+        return self.lin(x)
+
+
+def user_forward_raises(rank: int) -> None:
+    torch.manual_seed(0)
+    pipe = pipedsl.Pipeline([nn.Linear(4, 4), FailsAtMicrobatch(at=2)], "1f1b", microbatches=4, loss_fn=F.mse_loss)
+    pipe.step(torch.randn(8, 4), torch.randn(8, 4))  # the user's loop
+
+
+def user_backward_raises(rank: int) -> None:
+    torch.manual_seed(0)
+    pipe = pipedsl.Pipeline([nn.Linear(4, 4), FailsAtMicrobatch(at=2, backward=True)], "1f1b", microbatches=4,
+                            loss_fn=F.mse_loss)
+    pipe.step(torch.randn(8, 4), torch.randn(8, 4))
+
+
+def sends_to_a_failed_rank(rank: int) -> None:
+    """GPipe: rank 1 fails at its first forward while rank 0 is still sending the other microbatches to it."""
+    torch.manual_seed(0)
+    pipe = pipedsl.Pipeline([Slow(), FailsAtMicrobatch(at=0)], "gpipe", microbatches=8, loss_fn=F.mse_loss)
+    pipe.step(torch.randn(16, 4), torch.randn(16, 4))
