@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import tempfile
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -452,8 +453,9 @@ class TokenCache:
 
     `tokens` [num_tokens] and `doc_offsets` [num_documents + 1] (document i is
     `tokens[doc_offsets[i]:doc_offsets[i + 1]]`) are read-only memory maps.  `fingerprint`
-    hashes the tokens, the offsets and the tokenizer: equal data gives an equal fingerprint
-    wherever its files live, so a checkpoint can tell whether it resumes on the same data.
+    hashes the tokens and the offsets — what training sees — so it changes when the data or the
+    tokenizer changes what the model is fed, and not when the files move, are touched, or a
+    library saves the same tokenizer differently: a checkpoint resumes on the same data only.
     """
 
     def __init__(self, path: str, meta: dict[str, Any], tokens: np.ndarray, doc_offsets: np.ndarray) -> None:
@@ -515,7 +517,8 @@ def build_token_cache(paths: Paths, tokenizer: TextTokenizer, cache_dir: str | o
     if cache is None:
         cache = _write_cache(inputs, tokenizer, target, key, text_field, max_tokens)
     elif max_tokens is not None and cache.num_tokens > max_tokens:
-        raise DataError(f"{inputs[0].path}: the data has {cache.num_tokens} tokens, more than max_tokens={max_tokens}")
+        raise DataError(f"{_names([item.path for item in inputs], 3)}: the data has {cache.num_tokens} tokens, more "
+                        f"than max_tokens={max_tokens}")
     if model_vocab is not None:
         check_vocab(cache, model_vocab, model_where)
     return cache
@@ -550,7 +553,8 @@ def _open_if_complete(path: str) -> TokenCache | None:
 def _write_cache(inputs: list[_Input], tokenizer: TextTokenizer, target: str, key: str, text_field: str,
                  max_tokens: int | None) -> TokenCache:
     os.makedirs(target, exist_ok=True)
-    temps = {name: os.path.join(target, f".{name}.{os.getpid()}.tmp")
+    unique = f"{os.getpid()}.{secrets.token_hex(4)}"  # builders racing for one key (even on two hosts) never collide
+    temps = {name: os.path.join(target, f".{name}.{unique}.tmp")
              for name in ("tokens.npy", "doc_offsets.npy", "meta.json")}
     digest = hashlib.sha256(b"pipedsl-token-cache")
     offsets, total, top = array("q", [0]), 0, -1
@@ -576,7 +580,6 @@ def _write_cache(inputs: list[_Input], tokenizer: TextTokenizer, target: str, ke
             _sync(out)
         doc_offsets = np.frombuffer(offsets, dtype=np.int64)
         digest.update(doc_offsets.astype("<i8").data)
-        digest.update(tokenizer.fingerprint.encode())
         with open(temps["doc_offsets.npy"], "wb") as out:
             np.save(out, doc_offsets)
             _sync(out)
@@ -734,13 +737,15 @@ class PackedSequences:
         if n and held >= n:
             raise DataError(f"{self.cache.path}: holding out {eval_fraction} of {self.describe()} leaves none to "
                             f"train on")
-        cut = self.start + n - held
-        return self._range(self.start, cut), self._range(cut, self.stop)
+        return self.subset(0, n - held), self.subset(n - held, n)
 
-    def _range(self, start: int, stop: int) -> PackedSequences:
+    def subset(self, start: int, stop: int) -> PackedSequences:
+        """Samples [start, stop) of these, sharing the cache (how `split` cuts)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"subset [{start}, {stop}) of {len(self)} samples")
         part = object.__new__(PackedSequences)
         part.__dict__.update(self.__dict__)
-        part.start, part.stop = start, stop
+        part.start, part.stop = self.start + start, self.start + stop
         return part
 
 

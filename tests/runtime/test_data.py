@@ -437,11 +437,11 @@ def test_split_holds_out_the_last_samples(bytes_cache):
     with pytest.raises(IndexError):
         train.sample(len(train))
     assert train.fingerprint != held.fingerprint != samples.fingerprint
-    ten = samples.split(0)[0]._range(0, 10)
+    ten = samples.split(0)[0].subset(0, 10)
     assert len(ten.split(0.7)[1]) == 7  # 0.7 * 10 = 7.000000000000001 in floating point
     assert len(ten.split(0.01)[1]) == 1 and len(ten.split(0)[1]) == 0
     with pytest.raises(DataError, match="leaves none to train on"):
-        ten._range(0, 1).split(0.5)
+        ten.subset(0, 1).split(0.5)
 
 
 # ---------------------------------------------------------------- batches
@@ -458,7 +458,7 @@ def test_every_epoch_is_a_permutation_and_seeds_repeat(samples):
     stream = np.concatenate([a.indices(s) for s in range(3 * n // B + 1)])
     for e in range(3):
         assert sorted(stream[e * n:(e + 1) * n].tolist()) == list(range(n))
-    assert stream[:n].tolist() != list(range(n))
+    assert stream[:n].tolist() != list(range(n)) and stream[:n].tolist() != stream[n:2 * n].tolist()
     assert all(np.array_equal(a.indices(s), b.indices(s)) for s in range(20))
     assert not np.array_equal(np.concatenate([a.indices(s) for s in range(5)]),
                               np.concatenate([c.indices(s) for s in range(5)]))
@@ -500,12 +500,15 @@ def test_resume_gives_the_batches_of_an_uninterrupted_run(samples, before, after
         assert torch.equal(torch.cat([next(loader)[1] for loader in resumed]), want)
 
 
-def test_resume_refuses_other_data_batch_or_order(samples, bytes_cache):
+def test_resume_refuses_other_data_batch_or_order(samples, bytes_cache, tmp_path):
     state = BatchLoader(samples, 8, seed=5).state_dict()
-    same_count = PackedSequences(bytes_cache, 4)._range(1, len(samples) + 1)  # shifted by one window
+    edited = [f"doc {i} " * (i % 5) for i in range(40)]
+    edited[7] = edited[7].replace("doc", "dog")  # the same number of tokens: only the fingerprint tells
+    other = build_token_cache([_corpus(tmp_path, edited)], ByteTokenizer(), str(tmp_path / "cache"))
+    assert other.num_tokens == bytes_cache.num_tokens
     cases = [(BatchLoader(samples, 16, seed=5), "global batch of 8, this run 16"),
              (BatchLoader(PackedSequences(bytes_cache, 5), 8, seed=5), "the data, seq_len or eval fraction changed"),
-             (BatchLoader(same_count, 8, seed=5), "the data changed since the checkpoint"),
+             (BatchLoader(PackedSequences(other, 4), 8, seed=5), "the data changed since the checkpoint"),
              (BatchLoader(samples, 8, seed=6), "seed 5 (shuffle True), this run seed 6")]
     for loader, fragment in cases:
         with pytest.raises(DataError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -515,7 +518,7 @@ def test_resume_refuses_other_data_batch_or_order(samples, bytes_cache):
 
 
 def test_fewer_samples_than_a_global_batch(bytes_cache):
-    few = PackedSequences(bytes_cache, 4)._range(0, 3)
+    few = PackedSequences(bytes_cache, 4).subset(0, 3)
     with pytest.raises(DataError, match=r"the dataset has 3 samples of 4 tokens \(packed from \d+ tokens in 40 "
                                         r"documents\), fewer than one global batch of 8"):
         BatchLoader(few, 8)
