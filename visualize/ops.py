@@ -76,6 +76,24 @@ def format_time(value: float, unit: tuple[float, str]) -> str:
     return f"{value * factor:.3g} {name}"
 
 
+def costs_note(timelines: Iterable[Timeline], unit: tuple[float, str]) -> str:
+    """What a prediction drawn beside a measurement assumed, in the shared unit: `simulated with F 1.2 ms,
+    B 2.5 ms (mean op times of m.json)` (`Timeline.meta`: "cost" from `simulate`, "costs" how they were
+    chosen); empty when nothing measured is drawn, the axis then being in cost units."""
+    if unit[1] == COST_UNITS:
+        return ""
+    notes: dict[str, None] = {}
+    for t in timelines:
+        cost = t.meta.get("cost")
+        if t.kind == "measured" or not isinstance(cost, dict):
+            continue
+        names = [op.value for op in kinds_present([t])] + [k for k in ("comm", "send") if cost.get(k)]
+        parts = ", ".join(f"{k} {format_time(cost[k], unit)}" for k in names if isinstance(cost.get(k), int | float))
+        how = t.meta.get("costs")
+        notes[f"{t.kind} with {parts}" + (f" ({how})" if how else "")] = None
+    return "; ".join(notes)
+
+
 def time_unit(timelines: Iterable[Timeline]) -> tuple[float, str]:
     """(factor, unit) shared by timelines drawn together: ms or s (seconds × factor) when one of them
     is measured — a prediction drawn beside a measurement is then in seconds too — else cost units."""

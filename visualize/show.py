@@ -8,6 +8,9 @@
     pipedsl show --trace measured.json [-o …]           # a runtime trace (Timeline JSON or our Chrome trace)
     pipedsl show 1f1b -P 4 -M 8 --trace measured.json -o cmp.png   # predicted vs measured
 
+Beside a measured trace a prediction is drawn in seconds too: its costs are fitted to the (first)
+measured trace — the mean time of each op kind, per stage when the stages match, and the mean
+message delay (`Cost.fit`) — or `--cost` is read as seconds; each panel's title says which.
 The renderers are imported only when used, so `pipedsl` starts fast for the other commands.
 """
 
@@ -16,16 +19,20 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pipedsl.arguments import add_sizes, int_in, params_of
-from pipedsl.ir import Program
+from pipedsl.ir import COMPUTE, Program
 from pipedsl.limits import MAX_DRAWING_COLUMNS
 from pipedsl.output import write_text
 from pipedsl.timeline import Timeline
 
 from .errors import VisualizeError
+
+if TYPE_CHECKING:
+    from pipedsl.simulate import Cost
 
 PICTURES = (".png", ".svg", ".pdf")
 OUTPUTS = {".png": "picture", ".svg": "picture", ".pdf": "picture", ".json": "Chrome trace",
@@ -37,7 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "show", help="draw schedules or traces: terminal grid, SVG/PNG, Chrome trace, dependency graph",
         description=__doc__.split("\n\n")[0], epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sizes(p, many=True)
-    p.add_argument("--cost", default="", help="cost model for the simulation, e.g. F=1,B=2,I=1,W=1,comm=0")
+    p.add_argument("--cost", default="", help="cost model for the simulation, e.g. F=1,B=2,I=1,W=1,comm=0 (cost "
+                                             "units; seconds beside a --trace that was measured, whose mean op "
+                                             "times are the default there)")
     p.add_argument("--trace", action="append", default=[], metavar="FILE",
                    help="a timeline to draw: Timeline JSON (runtime tracer) or a Chrome trace written by pipedsl; "
                         "repeatable, drawn after the schedules")
@@ -116,15 +125,35 @@ def _inputs(args: argparse.Namespace) -> list[_Source]:
     cost = Cost.parse(args.cost)
     params = params_of(args)
     schedules = [load(name) for name in args.schedule]
+    traces = [(path, read_timeline(path)) for path in args.trace]
+    measured = next(((path, t) for path, t in traces if t.kind == "measured"), None)
     sources = []
     for schedule in schedules:
         program = schedule.compile(P=args.ranks, M=args.microbatches, **_fitting(params, schedule, schedules))
-        sources.append(_Source(simulate(program, cost), lambda p=program: p))
-    for path in args.trace:
-        timeline = read_timeline(path)
+        costs, how = (cost, "") if measured is None else _seconds(args.cost, cost, program, *measured)
+        timeline = simulate(program, costs)
+        if how:
+            timeline = replace(timeline, meta={**timeline.meta, "costs": how})
+        sources.append(_Source(timeline, lambda p=program: p))
+    for _, timeline in traces:
         sources.append(_Source(timeline, lambda t=timeline: Program.from_streams(
             [[e.instr for e in events] for events in t.ranks], t.name, dict(t.params) or None)))
     return sources
+
+
+def _seconds(text: str, cost: Cost, program: Program, path: str, measured: Timeline) -> tuple[Cost, str]:
+    """The cost model, in seconds, of a prediction drawn beside `measured`, and how it was chosen:
+    `--cost` as given, else fitted to the measurement (per stage only when its stages are the program's)."""
+    from pipedsl.simulate import Cost
+
+    if text:
+        return cost, "--cost in seconds"
+    fitted = Cost.fit(measured, statistic="mean")
+    stages = 1 + max((e.instr.stage for events in measured.ranks for e in events if e.instr.op in COMPUTE),
+                     default=-1)
+    if stages != program.num_stages:
+        fitted = replace(fitted, per_stage={})
+    return fitted, f"mean op times of {Path(path).name}"
 
 
 def _fitting(params: dict[str, int], schedule, schedules: list) -> dict[str, int]:

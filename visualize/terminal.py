@@ -144,7 +144,8 @@ def render_text(timelines: Timeline | Sequence[Timeline], width: int = 80) -> st
     if ops.num_replicas(timelines) > 1:
         extras.append("lowercase = replica 1")
     lines.append(f"{legend}  ({'; '.join(extras)})  {IDLE} idle")
-    return "\n".join(lines) + "\n"
+    note = ops.costs_note(timelines, unit)
+    return "\n".join(lines + ([note] if note else [])) + "\n"
 
 
 def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80, colours: int = 256) -> Text:
@@ -181,6 +182,9 @@ def render_rich(timelines: Timeline | Sequence[Timeline], width: int = 80, colou
     if ops.num_replicas(timelines) > 1:
         extras.append("underlined = replica 1")
     out.append(f"({'; '.join(extras)})", style="dim")
+    note = ops.costs_note(timelines, unit)
+    if note:
+        out.append("\n" + note, style="dim")
     return out
 
 

@@ -68,7 +68,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path | None = None
     if factor != 1.0:
         axes[-1].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * factor:g}"))
     axes[-1].set_xlim(0, span * 1.005)
-    _legend(fig, timelines, chunks_seen)
+    _legend(fig, timelines, chunks_seen, ops.costs_note(timelines, time_unit))
     if path is not None:
         save(fig, path)
     return fig
@@ -174,7 +174,8 @@ def _fits(text: str, width_points: float, font: float) -> bool:
     return bool(text) and len(text) * font * 0.62 + 2.5 <= width_points
 
 
-def _legend(fig: Figure, timelines: Sequence[Timeline], n_chunks: int) -> None:
+def _legend(fig: Figure, timelines: Sequence[Timeline], n_chunks: int, note: str = "") -> None:
+    """The kinds, chunks and replicas drawn; `note` (what a prediction's costs are) as its title."""
     handles: list[Patch] = []
     for op in ops.kinds_present(timelines):
         face = style.BASE[op]
@@ -195,4 +196,5 @@ def _legend(fig: Figure, timelines: Sequence[Timeline], n_chunks: int) -> None:
     handles.append(Patch(facecolor=style.BASE[Op.RECV_F], label="receive wait"))
     handles.append(Patch(facecolor=style.IDLE, edgecolor="#cccccc", linewidth=0.5, label="idle"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 10), fontsize=8,
-               frameon=False, handlelength=1.4, handleheight=1.0, columnspacing=1.4)
+               frameon=False, handlelength=1.4, handleheight=1.0, columnspacing=1.4,
+               title=note or None, title_fontsize=8)

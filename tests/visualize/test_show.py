@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from vis_support import ONE_F_ONE_B_3_PER_UNIT, simulated
 
+import pipedsl
 from pipedsl.cli import main
 from pipedsl.visualize import graph as graph_module
 
@@ -83,6 +85,42 @@ def test_timeline_json_trace_to_picture_and_predicted_vs_measured(tmp_path):
     assert main(["show", "1f1b", "-P", "2", "-M", "3", "--trace", str(measured), "-o", str(out)]) == 0
     ids = _ids(out)
     assert sum(i.startswith("op-0-") for i in ids) == sum(i.startswith("op-1-") for i in ids) == 12
+
+
+def _measured(path: Path, name: str = "1f1b", P: int = 2, M: int = 3, **costs: float) -> None:
+    """A "measured" trace in seconds: the schedule simulated with costs in seconds, marked measured."""
+    cost = pipedsl.Cost(**(costs or {"F": 0.002, "B": 0.004, "comm": 0.0005}))
+    timeline = pipedsl.simulate(pipedsl.load(name).compile(P=P, M=M), cost)
+    path.write_text(replace(timeline, kind="measured").to_json())
+
+
+def test_a_prediction_beside_a_measured_trace_is_in_seconds_fitted_to_it(tmp_path, capsys):
+    """The prediction's costs are the measurement's mean op times, so the same schedule predicts the same
+    26 ms (it was drawn in cost units labelled as ms: 'makespan 1.3e+04 ms'), and the legend says so."""
+    measured = tmp_path / "measured.json"
+    _measured(measured)
+    assert main(["show", "1f1b", "-P", "2", "-M", "3", "--trace", str(measured), "--width", "60"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("makespan")] == ["makespan 26 ms  bubble 30.8%  peak activations 2 1"] * 2
+    assert out[-1] == "simulated with F 2 ms, B 4 ms, comm 0.5 ms (mean op times of measured.json)"
+    picture = tmp_path / "cmp.svg"
+    assert main(["show", "1f1b", "-P", "2", "-M", "3", "--trace", str(measured), "-o", str(picture)]) == 0
+    texts = [" ".join(t.itertext()) for t in ET.parse(picture).getroot().iter(f"{SVG}text")]
+    assert sum("makespan 26 ms" in t for t in texts) == 2, texts
+    assert "simulated with F 2 ms, B 4 ms, comm 0.5 ms (mean op times of measured.json)" in texts
+
+
+def test_a_cost_given_beside_a_measured_trace_is_read_as_seconds(tmp_path, capsys):
+    measured = tmp_path / "measured.json"
+    _measured(measured)
+    argv = ["show", "gpipe", "-P", "2", "-M", "3", "--cost", "F=0.001,B=0.002", "--trace", str(measured)]
+    assert main([*argv, "--width", "60"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0] for line in out if line.startswith("makespan")] == ["makespan 12 ms", "makespan 26 ms"]
+    assert out[-1] == "simulated with F 1 ms, B 2 ms (--cost in seconds)"
+    assert main(["show", "gpipe", "-P", "2", "-M", "3", "--width", "60"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "makespan 12  bubble" in out[-2] and not out[-1].startswith("simulated with"), "no trace: cost units"
 
 
 def test_plain_text_file(tmp_path):

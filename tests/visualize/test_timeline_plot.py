@@ -152,6 +152,7 @@ def test_predicted_and_measured_are_labelled(tmp_path):
     plot_timelines([predicted, measured], tmp_path / "cmp.svg")
     texts = _texts(tmp_path / "cmp.svg")
     assert "1F1B (simulated)   P=2 M=2" in texts and "1F1B (measured)   P=2 M=2" in texts
+    assert "simulated with F 1 s, B 2 s" in texts, "the legend says what the prediction assumed (in its unit)"
 
 
 @pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG\r\n\x1a\n"), (".pdf", b"%PDF"), (".svg", b"<?xml")])
