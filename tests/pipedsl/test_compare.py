@@ -6,6 +6,7 @@ import json
 from fractions import Fraction
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ import pipedsl
 from pipedsl.arguments import parse_params
 from pipedsl.cli import main
 from pipedsl.compare import compare, compare_table
+from pipedsl.errors import PipeDSLError
 
 
 def frac(x: float) -> Fraction:
@@ -53,16 +55,33 @@ def test_rows_agree_with_simulate():
 
 
 def test_unusable_schedules_get_a_reason_instead_of_numbers():
-    rows = {r.schedule: r for r in compare(["gpipe", "interleaved", "chimera", "hanayo", "nope"], 3, 7,
-                                           {"V": 2})}
-    assert rows["gpipe"].reason == "takes no parameter V (parameters: none)"
-    assert rows["hanayo"].reason == "takes no parameter V (parameters: W, E)"
+    rows = {r.schedule: r for r in compare(["gpipe", "interleaved", "chimera", "nope"], 3, 7, {"V": 2})}
     assert "the last microbatch group, M % G, must be 0 or at least P" in rows["interleaved"].reason
-    chimera = rows["chimera"].reason
-    assert "takes no parameter V" in chimera
+    assert rows["chimera"].reason.startswith("requirement failed: Chimera needs an even number of ranks")
     assert "no schedule named 'nope'" in rows["nope"].reason
-    (odd,) = compare(["chimera"], 3, 6)
-    assert odd.reason.startswith("requirement failed: Chimera needs an even number of ranks")
+    assert rows["gpipe"].ok
+
+
+def test_a_parameter_goes_to_the_schedules_that_declare_it_and_the_others_run_with_defaults():
+    """-p V=3 used to make every schedule without V an n/a row ('takes no parameter V')."""
+    rows = {r.schedule: r for r in compare(["gpipe", "1f1b", "interleaved", "hanayo"], 4, 8, {"V": 3})}
+    assert all(r.ok for r in rows.values()), rows
+    for name in ("gpipe", "1f1b", "hanayo"):
+        (alone,) = compare([name], 4, 8)
+        assert (rows[name].makespan, rows[name].peak_activations) == (alone.makespan, alone.peak_activations)
+        assert rows[name].not_taken == ["V"] and rows[name].params == {}
+    (v3,) = compare(["interleaved"], 4, 8, {"V": 3})
+    (v2,) = compare(["interleaved"], 4, 8)
+    assert rows["interleaved"].params == {"V": 3} and rows["interleaved"].makespan == v3.makespan != v2.makespan
+
+
+def test_a_parameter_no_schedule_declares_is_an_error_naming_it(capsys):
+    with pytest.raises(PipeDSLError, match=r"^error: parameter K=3: none of the schedules compared takes it "
+                                           r"\(gpipe: none; hanayo: W, E\)$"):
+        compare(["gpipe", "hanayo"], 4, 8, {"K": 3})
+    assert main(["compare", "gpipe", "1f1b", "-P", "4", "-M", "8", "-p", "K=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["error: parameter K=3: none of the schedules compared takes it (gpipe: none; 1f1b: none)"]
 
 
 def test_table_text():
@@ -70,7 +89,8 @@ def test_table_text():
     lines = text.splitlines()
     assert lines[0].startswith("P=4 M=6 V=2") and "F=1 B=2" in lines[0]
     assert lines[1].split()[:3] == ["schedule", "bubble", "makespan"]
-    assert lines[2].startswith("1f1b") and "n/a: takes no parameter V" in lines[2]
+    (one,) = compare(["1f1b"], 4, 6, cost="F=1,B=2")  # 1F1B takes no V: compared with its defaults
+    assert lines[2].split()[:3] == ["1f1b", f"{one.bubble_ratio:.4f}", f"{one.makespan:g}"]
     (inter,) = compare(["interleaved"], 4, 6, {"V": 2}, "F=1,B=2")  # M = 6: one group of 6 (torch's rounds)
     assert lines[3].split()[:3] == ["interleaved", f"{inter.bubble_ratio:.4f}", f"{inter.makespan:g}"]
     (bfs,) = compare(["looped-bfs"], 4, 6, {"V": 2}, "F=1,B=2")
@@ -78,6 +98,8 @@ def test_table_text():
     # memory vs 1F1B: 12 half-size chunk activations = 6 stage activations, against 1F1B's 4
     assert lines[4].split() == ["looped-bfs", f"{bfs.bubble_ratio:.4f}", f"{bfs.makespan:g}", *peaks.split(),
                                 "1.50", str(2 * 6 * (2 * 4 - 1)), "1"]
+    assert lines[5:] == ["note: V=2 applies to interleaved, looped-bfs; the others (1f1b) take no V and are compared "
+                         "with their defaults"]
 
 
 def test_cli_prints_one_table(capsys):
@@ -96,7 +118,9 @@ def test_cli_json_and_errors(capsys):
     assert data["params"] == {"P": 4, "M": 8, "W": 2}
     hanayo, one = data["rows"]
     assert hanayo["ok"] and hanayo["weight_copies"] == 1 and len(hanayo["peak_activations"]) == 4
-    assert not one["ok"] and one["reason"].startswith("takes no parameter W")
+    assert one["ok"] and one["not_taken"] == ["W"] and hanayo["params"] == {"W": 2}
+    assert data["notes"] == ["note: W=2 applies to hanayo; the others (1f1b) take no W and are compared with their "
+                             "defaults"]
     assert main(["compare", "1f1b", "-P", "4", "-M", "8", "--cost", "F=x"]) == 2
     assert "--cost" in capsys.readouterr().err
     assert main(["compare", "1f1b", "-P", "4", "-M", "8", "-p", "V"]) == 2
