@@ -155,7 +155,7 @@ class HFTokenizer(TextTokenizer):
         h = hashlib.sha256(json.dumps({"eos": self.eos_id, "bos": self.bos_id}).encode())
         with tempfile.TemporaryDirectory() as tmp:
             self.tokenizer.save_pretrained(tmp)
-            for name in sorted(os.listdir(tmp)):
+            for name in sorted(n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n))):
                 with open(os.path.join(tmp, name), "rb") as f:
                     content = f.read()
                 if name.endswith(".json"):
