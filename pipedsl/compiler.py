@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pipedsl import nodes as n
 from pipedsl.errors import PipeDSLError, PipeSemanticError, Span, ValidationError
 from pipedsl.expr import BOOL, INT, Env, Expansion, compile_exprs, evaluate, free_context, type_of
-from pipedsl.ir import Op, Program
+from pipedsl.ir import Instr, Op, Program
 from pipedsl.limits import MAX_COMPUTE_OPS, MAX_COMPUTE_STEPS, MAX_MICROBATCHES, MAX_RANKS, MAX_VALUE_BITS, shorten
 from pipedsl.lowering import ComputeOp, ComputePlan, lower, parts
 from pipedsl.parser import parse
@@ -234,10 +234,11 @@ class Schedule:
         else:
             stuck_f = _first_stall(plan, forward=True)
             stuck_b = _first_stall(plan, forward=False) if stuck_f is None else None
+            early_b = _backward_before_forward(plan) if not (stuck_f or stuck_b) else None
             mixer = "merge" if "merge" in plan.meta["decl_spans"] else "warmup"
-            key = "order F" if stuck_f else ("order B" if stuck_b else mixer)
+            key = "order F" if stuck_f else ("order B" if stuck_b or early_b else mixer)
             span = plan.meta["decl_spans"].get(key) or self.decl.span
-            detail = stuck_f or stuck_b
+            detail = stuck_f or stuck_b or early_b
             if key == "warmup":
                 what = ("the forwards and backwards are each in a feasible order, but the warmup interleaves them "
                         "so that ranks wait on each other")
@@ -658,6 +659,29 @@ def _op_values(item: n.OpItem, env: Env, values: dict[str, int]
     """The op's evaluated arguments; None where it says `next` (mb) or is `W()` (mb and stage)."""
     mb, stage, rep = (None if e is None else _eval_int(e, env, values) for e in (item.mb, item.stage, item.replica))
     return (item, item.kind, mb, stage, rep)
+
+
+def _backward_before_forward(plan: ComputePlan) -> str | None:
+    """The first backward a rank's order runs before its own forward *because* the backwards of its
+    stage are ordered unlike the forwards (`order B by -m`: no warmup short of all the forwards can
+    help), described; None when each stage's backwards follow its forwards' order (the mixer's fault)."""
+    for r, order in enumerate(plan.orders):
+        ops = [op for entry in order for op in parts(entry)]
+        done: set[tuple[int, int, int]] = set()
+        for k, m, s, c in ops:
+            if k is Op.F:
+                done.add((m, s, c))
+            elif k in (Op.B, Op.I) and (m, s, c) not in done:
+                forwards = [mb for kk, mb, ss, cc in ops if kk is Op.F and (ss, cc) == (s, c)]
+                backwards = [mb for kk, mb, ss, cc in ops if kk in (Op.B, Op.I) and (ss, cc) == (s, c)]
+                if forwards == backwards:
+                    return None
+                few = ", ".join(map(str, backwards[:4])) + (", …" if len(backwards) > 4 else "")
+                late, early = Instr(k, m, s, replica=c), Instr(Op.F, m, s, replica=c)
+                return (f"rank {r} runs {late} before its forward {early}: stage {s}'s backwards run "
+                        f"microbatches {few}, its forwards {', '.join(map(str, forwards[:4]))}"
+                        f"{', …' if len(forwards) > 4 else ''}")
+    return None
 
 
 def _first_stall(plan: ComputePlan, forward: bool) -> str | None:

@@ -173,6 +173,25 @@ def test_a_deadlocking_order_is_rejected_at_the_responsible_line(body, blamed):
     assert re.search(r"rank \d+ (waits|instruction \d+)", rendered)
 
 
+def test_backwards_in_reverse_microbatch_order_blame_order_b_not_the_warmup():
+    """`order B by -m` under a 1F1B warmup runs a backward before its own forward on rank 0; the caret
+    used to point at `warmup`, which is not what is wrong (no warmup short of every forward helps)."""
+    text = """schedule "Neg"(P, M) {
+  stages P
+  place s
+  order F by m
+  order B by -m
+  warmup min(P - r - 1, M)
+}"""
+    lines = str(error_of(text, P=2, M=3)).splitlines()
+    assert lines[0] == ("t.pipe:5:3: error: schedule cannot make progress with P=2, M=3: 'order B' puts an op "
+                        "before one it depends on: rank 0 runs B2.0 before its forward F2.0: stage 0's backwards "
+                        "run microbatches 2, 1, 0, its forwards 0, 1, 2")
+    assert lines[1:3] == ["   5 |   order B by -m",
+                          "     |   ^^^^^^^^^^^^^"]
+    assert lines[3] == "  note: rank 0 instruction 5 (B2.0): a backward needs its forward F2.0 first on this rank"
+
+
 def test_an_explicit_order_that_deadlocks_blames_the_compute_block():
     text = """schedule s(P, M) {
   compute {
