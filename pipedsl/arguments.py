@@ -58,6 +58,11 @@ def positive_float(text: str) -> float:
     return _number(text, float, lambda v: math.isfinite(v) and v > 0, "must be a positive, finite number")
 
 
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number ≥ 0 (weight decay)."""
+    return _number(text, float, lambda v: math.isfinite(v) and v >= 0, "must be a non-negative, finite number")
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in [0, 1)."""
     return _number(text, float, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")

@@ -181,6 +181,7 @@ COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # which flags were given (they win over --config)
     from pipedsl.runtime.lifecycle import exit_on_signals  # stdlib only: no torch for compile, show, ...
 
     try:

@@ -943,3 +943,49 @@ def _load_optimizer(opt: torch.optim.Optimizer, k: int, stages: dict[int, nn.Mod
         opt.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as err:
         raise CheckpointError(f"optimizer {k}: cannot load its state: {err}") from None
+
+
+# ------------------------------------------------------------------ offline reading (export)
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """A checkpoint's whole model, read without a process group: every stage's full tensors by the stage
+    module's state-dict names (ZeRO slices reassembled), and rank 0's `extra`."""
+
+    info: CheckpointInfo
+    stages: dict[int, dict[str, torch.Tensor]] = field(repr=False)
+    extra: Any = field(repr=False)
+
+
+def read_model(source: str | os.PathLike) -> SavedModel:
+    """The model state of the checkpoint at `source` (or the latest under it), from any dp × pp layout and
+    ZeRO stage; tensor-parallel checkpoints are refused (their shards would need the layers' split rule)."""
+    info = resolve(source)
+    manifest, path = info.manifest, info.path
+    par = _saved_parallel(manifest)
+    if par["tp"] > 1:
+        raise CheckpointError(f"{path}: saved with tp={par['tp']}; reading the whole model back needs tp=1")
+    cache: dict[int, dict[str, Any]] = {}
+
+    def read(part: dict[str, Any]) -> dict[str, Any]:
+        if part["rank"] not in cache:
+            cache[part["rank"]] = _read_part(path, part)
+        return cache[part["rank"]]
+
+    stages: dict[int, dict[str, torch.Tensor]] = {}
+    sliced: dict[int, dict[int, dict[str, Any]]] = {}
+    for part in manifest["parts"]:
+        for key in part.get("modules", []):
+            stages.setdefault(int(key.split("/")[0]), {}).update(read(part)["modules"][key])
+        for key in part.get("buffers", []):
+            stages.setdefault(int(key.split("/")[0]), {}).update(read(part)["buffers"][key])
+        for key in part.get("zero", []):
+            sliced.setdefault(int(key), {}).setdefault(_coords(part)[0], part)
+    for s, slices in sorted(sliced.items()):
+        stages.setdefault(s, {}).update(_assemble(s, slices, read, path, False)["params"])
+    missing = sorted(set(range(manifest["partition"]["num_stages"])) - set(stages))
+    if missing:
+        raise CheckpointError(f"{path}: no part holds stage {missing[0]}")
+    first = next(p for p in manifest["parts"] if p["rank"] == 0)
+    return SavedModel(info, stages, read(first).get("extra"))

@@ -1,13 +1,22 @@
-"""`pipedsl train` / `pipedsl run`: train the small GPT on synthetic tokens across local processes.
+"""`pipedsl train` / `pipedsl run`: train across local processes — a Hugging Face decoder on text, or the small GPT.
 
-    pipedsl train --schedule 1f1b -P 4 -M 8 --steps 20
+    pipedsl train --model DIR --data docs/ --schedule zb-h1 -P 2 --dp 2 --zero 3   # an HF model on text files
+    pipedsl train --config run.toml [--steps 100 …]   # every option in a TOML file, flags on top
+    pipedsl train --schedule 1f1b -P 4 -M 8 --steps 20  # the small GPT on synthetic tokens (the demo)
     pipedsl run --program prog.json --steps 20          # a compiled program file (JSON, CSV or text)
     pipedsl train … --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
     pipedsl train --schedule zb-v -P 2 -M 4 --dp 2 --zero 1      # dp x P processes, ZeRO over dp
     pipedsl train --precision bf16 --clip-grad 1.0 --lr-schedule cosine --warmup-steps 5
     pipedsl train --recompute full --loss-reduction token --pad-fraction 0.3
 
-Rank 0 prints one progress line per step (loss, samples/s); at the end the last step's
+`--model DIR` takes a local Hugging Face model directory (weights: fine-tune; config only:
+random init) and `--data` text files, folders, JSONL, Parquet or a saved `datasets` dataset,
+tokenized once before any rank starts (runtime/data.py); `--eval-every N` reports held-out loss
+and perplexity, `--tensorboard DIR` / `--wandb PROJECT` log beside `metrics.jsonl`, and
+`pipedsl export CHECKPOINT --hf OUT` writes the trained model back as a Hugging Face directory
+(runtime/hf_io.py).  The loop itself is runtime/trainer.py.
+
+Rank 0 prints one progress line per step (loss, tokens/s, MFU, ETA); at the end the last step's
 measured timeline is written as Timeline JSON (and as a PNG when pipedsl.visualize can draw
 it), next to the simulator's prediction for the same program, and every step's exact loss
 to `losses.json`.  `--steps` is the step to reach: a run resumed from step 20 with
@@ -32,12 +41,11 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from functools import wraps
 from pathlib import Path
 from typing import Any
 
-from pipedsl.arguments import fraction, nonnegative_int, positive_float, positive_int
+from pipedsl.arguments import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int
 from pipedsl.output import write_text
 
 from .capacity import check_local_ranks, total_memory, usable_cores
@@ -48,12 +56,19 @@ VOCAB = 64
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("train", help="train a small GPT on synthetic tokens with a schedule (local processes)")
+    p = subparsers.add_parser("train", help="train a Hugging Face decoder on text, or a small GPT on synthetic "
+                                            "tokens, with a schedule (local processes)")
+    p.add_argument("--config", metavar="TOML", help="read every option from a TOML file (flags given here win)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
+    p.add_argument("--model", metavar="DIR",
+                   help="a local Hugging Face model directory (config.json; with safetensors weights: fine-tune "
+                        "them, without: random init); default: the built-in GPT on synthetic tokens")
     p.add_argument("--schedule", default="1f1b", help="a built-in name or a .pipe file (default 1f1b)")
     p.add_argument("-P", "--ranks", type=positive_int, default=4, help="pipeline ranks = local processes (default 4)")
     p.add_argument("-M", "--microbatches", type=positive_int, default=8, help="microbatches per step (default 8)")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE", help="a schedule parameter")
     _add_training_options(p, "out/train")
+    p.set_defaults(_parser=p)
     return p
 
 
@@ -62,8 +77,11 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--program", required=True, metavar="FILE",
                    help="a program as written by `pipedsl compile --format json|csv|text`")
     p.add_argument("-P", "--ranks", type=positive_int, help="the ranks the program must have (default: its own)")
-    p.add_argument("--model", choices=("gpt",), default="gpt", help="the model to train (default gpt)")
+    p.add_argument("--config", metavar="TOML", help="read every option from a TOML file (flags given here win)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
+    p.add_argument("--model", metavar="DIR", help="a local Hugging Face model directory (default: the built-in GPT)")
     _add_training_options(p, "out/run")
+    p.set_defaults(_parser=p)
     return p
 
 
@@ -79,6 +97,7 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--embd", type=positive_int, default=64,
                    help=f"embedding width, a multiple of {N_HEAD} (default 64)")
     p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW's weight decay (default 0.01)")
     p.add_argument("--dropout", type=fraction, default=0.0, help="dropout probability (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dp", type=positive_int, default=1,
@@ -96,9 +115,9 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--recompute", choices=("none", "full", "selective"), default="none",
                    help="activation recomputation per stage: keep only the stage input (full) or recompute the "
                         "attention modules (selective); default none")
-    p.add_argument("--loss-reduction", choices=("microbatch", "token"), default="microbatch",
-                   help="mean loss per microbatch, averaged (default), or the mean over every non-padding token "
-                        "of the global batch (token)")
+    p.add_argument("--loss-reduction", choices=("microbatch", "token"),
+                   help="mean loss per microbatch, averaged, or the mean over every non-padding token of the global "
+                        "batch (token); default: token with --model, microbatch for the GPT")
     p.add_argument("--pad-fraction", type=fraction, default=0.0, metavar="F",
                    help="about this fraction of the targets is padding (ignore_index -100), as a random tail per "
                         "sequence (default 0)")
@@ -115,7 +134,33 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), "
                         "or from the given checkpoint directory")
-    p.add_argument("-o", "--out", default=out, help=f"directory for timeline.json / losses.json (default {out})")
+    d = p.add_argument_group("data and evaluation (with --model)")
+    d.add_argument("--data", nargs="+", metavar="PATH",
+                   help="text files or folders, .jsonl (see --text-field), .parquet, or a `datasets` dataset saved "
+                        "with save_to_disk; tokenized once with the model's tokenizer (bytes when it has none)")
+    d.add_argument("--text-field", default="text", help="the JSONL / Parquet / dataset column holding the text")
+    d.add_argument("--packing", choices=("pack", "pad"), default="pack",
+                   help="pack: documents joined by end-of-text into fixed windows (default); pad: one document a "
+                        "row, right-padded, masked")
+    d.add_argument("--doc-mask", action="store_true",
+                   help="packed rows: keep attention inside each document (position ids restart after end-of-text)")
+    d.add_argument("--eval-fraction", type=fraction, default=0.05,
+                   help="share of the samples held out for evaluation, at the end of the data (default 0.05)")
+    d.add_argument("--eval-every", type=nonnegative_int, default=0, metavar="N",
+                   help="evaluate held-out loss and perplexity every N steps and after the last (default: only "
+                        "after the last)")
+    d.add_argument("--eval-batches", type=nonnegative_int, default=0, metavar="N",
+                   help="held-out global batches per evaluation (default 0: all of them)")
+    d.add_argument("--cache-dir", metavar="DIR", help="where tokenized data is cached (default OUT/token-cache)")
+    d.add_argument("--attn", choices=("sdpa", "eager"),
+                   help="the model's attention implementation (default sdpa, eager where transformers has no sdpa)")
+    g = p.add_argument_group("logging")
+    g.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files to DIR")
+    g.add_argument("--wandb", metavar="PROJECT", help="also log to Weights & Biases (offline unless WANDB_MODE says)")
+    g.add_argument("--peak-tflops", type=positive_float, metavar="X",
+                   help="peak TFLOP/s of one device for MFU (default: a known GPU's datasheet, or measured on a CPU)")
+    p.add_argument("-o", "--out", default=out,
+                   help=f"directory for metrics.jsonl, timeline.json, losses.json (default {out})")
     p.add_argument("--allow-oversubscribe", action="store_true",
                    help="start more local processes, threads or model memory than this machine sensibly holds")
 
@@ -132,12 +177,28 @@ def _stoppable(command: Callable[[argparse.Namespace], int]) -> Callable[[argpar
     return wrapper
 
 
+def _resolve(args: argparse.Namespace) -> bool:
+    """Apply `--config`; True when the command only prints the resolved configuration."""
+    from .train_config import apply_config, render
+
+    parser = getattr(args, "_parser", None)
+    if args.config and parser is not None:
+        apply_config(parser, args, getattr(args, "_argv", sys.argv[1:]))
+    if args.print_config:
+        print(render(parser, args) if parser is not None else "", end="")
+        return True
+    return False
+
+
 @_stoppable
 def run(args: argparse.Namespace) -> int:
     """`pipedsl train`: compile the schedule, then train."""
     import pipedsl
     from pipedsl.errors import PipeDSLError
 
+    started = time.time()
+    if _resolve(args):
+        return 0
     params: dict[str, int] = {}
     for item in args.param:
         name, sep, value = item.partition("=")
@@ -146,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         params[name.strip()] = int(value)
     _check_local(args.ranks, args)  # before compiling: a huge -P is refused, not compiled
     program = pipedsl.load(args.schedule).compile(P=args.ranks, M=args.microbatches, **params)
-    return _execute(program, args)
+    return _execute(program, args, started)
 
 
 @_stoppable
@@ -154,16 +215,20 @@ def run_program(args: argparse.Namespace) -> int:
     """`pipedsl run`: read and validate a program file, then train."""
     from .program_file import read_program
 
-    return _execute(read_program(args.program, ranks=args.ranks), args)
+    started = time.time()
+    if _resolve(args):
+        return 0
+    return _execute(read_program(args.program, ranks=args.ranks), args, started)
 
 
-def _execute(program: Any, args: argparse.Namespace) -> int:
+def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
     import pipedsl
     from pipedsl.errors import PipeDSLError, PipeRuntimeError
     from pipedsl.timeline import Timeline
 
-    cfg = _config(program, args)
     out = Path(args.out)
+    cfg = _config(program, args, out)
+    cfg["started_at"] = started
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -171,14 +236,25 @@ def _execute(program: Any, args: argparse.Namespace) -> int:
     dp = cfg["dp"]
     layout = f"{dp} x {program.num_ranks} = {dp * program.num_ranks} processes (dp x pp, zero={cfg['zero']})" \
         if dp > 1 or cfg["zero"] else f"{program.num_ranks} processes"
-    print(f"training a {cfg['layers']}-block GPT (C={cfg['embd']}, T={cfg['seq']}) with {program.name} "
-          f"{' '.join(f'{k}={v}' for k, v in program.params.items())}: {program.num_stages} stages on "
-          f"{layout}, batch {cfg['batch']}", flush=True)
+    what = cfg["hf"]["describe"] if cfg.get("hf") else \
+        f"a {cfg['layers']}-block GPT (C={cfg['embd']}, T={cfg['seq']})"
+    print(f"training {what} with {program.name} {' '.join(f'{k}={v}' for k, v in program.params.items())}: "
+          f"{program.num_stages} stages on {layout}, batch {cfg['batch']}", flush=True)
+    if cfg.get("hf"):
+        print(f"data: {cfg['hf']['data_describe']}", flush=True)
     if cfg["resume"]:
         print(f"resuming from {cfg['resume']}", flush=True)
+    nprocs = dp * program.num_ranks
+    if cfg["peak_flops"] is None:
+        from .metrics import peak_flops
+
+        cfg["peak_flops"], cfg["peak_source"] = peak_flops(nprocs, min(nprocs * args.threads, usable_cores()),
+                                                           args.peak_tflops)
+        print(f"MFU against {cfg['peak_source']}", flush=True)
     try:
-        nprocs = dp * program.num_ranks
-        results = pipedsl.launch(_train, nprocs, program.to_json(), cfg, timeout=args.timeout,
+        from .trainer import train
+
+        results = pipedsl.launch(train, nprocs, program.to_json(), cfg, timeout=args.timeout,
                                  join_timeout=args.join_timeout, threads=args.threads,
                                  max_local=nprocs if args.allow_oversubscribe else None)
     except PipeRuntimeError as err:
@@ -187,7 +263,7 @@ def _execute(program: Any, args: argparse.Namespace) -> int:
     report = results[0]
     write_text(out / "losses.json", json.dumps({"schedule": program.name, "params": program.params,
                                                   "losses": report["losses"]}, indent=1) + "\n")
-    written = [str(out / "losses.json")]
+    written = [str(out / "metrics.jsonl"), str(out / "losses.json")]
     if report["timeline"] is None:
         print(f"nothing to run: the checkpoint is at step {report['start']}, --steps is {cfg['steps']}")
         print("wrote " + ", ".join(written))
@@ -208,8 +284,8 @@ def _execute(program: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The per-rank training configuration; every size error here, before any process starts."""
+def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The per-rank training configuration; every input error here, before any process starts."""
     from pipedsl.errors import PipeDSLError
 
     M, S, dp = program.num_microbatches, program.num_stages, args.dp
@@ -219,14 +295,6 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
         what = f"dp*M = {dp}*{M} = {dp * M}" if dp > 1 else f"M={M}"
         raise PipeDSLError(f"--batch {batch} does not split into {what} equal microbatches "
                            f"(use a multiple of {dp * M})")
-    if args.embd % N_HEAD:
-        raise PipeDSLError(f"--embd {args.embd} must be a multiple of {N_HEAD} (the attention heads)")
-    layers = args.layers or (2 * S if args.split == "blocks" else max(2 * S - 2, 1))
-    if args.split == "blocks" and layers < S:
-        raise PipeDSLError(f"--layers {layers} --split blocks: every one of the program's {S} stages needs a block")
-    if layers + 2 < S:
-        raise PipeDSLError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} pieces, "
-                           f"fewer than the program's {S} stages")
     if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise PipeDSLError(f"--checkpoint-dir {args.checkpoint_dir}: not a directory")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -236,17 +304,50 @@ def _config(program: Any, args: argparse.Namespace) -> dict[str, Any]:
                            f"cosine schedule (it decays after the warmup, until --steps)")
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
-    _check_run_numbers(args, layers, batch, dp * program.num_ranks)
-    cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "layers": layers, "embd": args.embd,
-           "lr": args.lr, "dropout": args.dropout, "seed": args.seed,
-           "timeout": args.checkpoint_timeout or args.timeout,
+    hf = args.model is not None and args.model != "gpt"
+    if not hf and args.data:
+        raise PipeDSLError("--data needs --model DIR (a Hugging Face model directory; the built-in GPT trains on "
+                           "synthetic tokens)")
+    cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "lr": args.lr, "weight_decay": args.weight_decay,
+           "dropout": args.dropout, "seed": args.seed, "timeout": args.checkpoint_timeout or args.timeout,
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None,
            "dp": dp, "zero": args.zero, "precision": args.precision, "clip_grad": args.clip_grad,
            "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps, "recompute": args.recompute,
-           "loss_reduction": args.loss_reduction, "pad_fraction": args.pad_fraction, "split": args.split}
+           "loss_reduction": args.loss_reduction or ("token" if hf else "microbatch"),
+           "pad_fraction": args.pad_fraction, "split": args.split, "out": str(out),
+           "peak_flops": args.peak_tflops * 1e12 * dp * program.num_ranks if args.peak_tflops else None,
+           "logging": {"tensorboard": args.tensorboard, "wandb": args.wandb},
+           "record": {k: v for k, v in vars(args).items() if not k.startswith("_") and _plain(v)}}
+    if args.wandb:
+        from .metrics import _import_wandb
+
+        _import_wandb()  # not installed: one line now, not a failed rank later
+    if hf:
+        _check_run_numbers(args, 0, batch, dp * program.num_ranks)
+        from .hf_setup import hf_config
+
+        cfg["hf"] = hf_config(args, program, batch, out)
+        cfg["layers"] = cfg["hf"]["layers"]
+    else:
+        layers = args.layers or (2 * S if args.split == "blocks" else max(2 * S - 2, 1))
+        if args.embd % N_HEAD:
+            raise PipeDSLError(f"--embd {args.embd} must be a multiple of {N_HEAD} (the attention heads)")
+        if args.split == "blocks" and layers < S:
+            raise PipeDSLError(f"--layers {layers} --split blocks: every one of the program's {S} stages needs a "
+                               f"block")
+        if layers + 2 < S:
+            raise PipeDSLError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} "
+                               f"pieces, fewer than the program's {S} stages")
+        _check_run_numbers(args, layers, batch, dp * program.num_ranks)
+        cfg.update(layers=layers, embd=args.embd, vocab=VOCAB, heads=N_HEAD)
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
     return cfg
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool)) or (
+        isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value))
 
 
 MAX_SECONDS = 365 * 86400.0  # a timeout beyond a year is a typo (and overflows torch's timedelta near 1e14 s)
@@ -277,6 +378,8 @@ def _check_run_numbers(args: argparse.Namespace, layers: int, batch: int, nprocs
     if args.threads > cores:
         raise PipeDSLError(f"--threads {args.threads}: more threads per rank than this machine's {cores} cores "
                            f"(--allow-oversubscribe to run anyway)")
+    if not layers:  # a Hugging Face model: its memory is checked with its config (hf_setup.py)
+        return
     need, memory = _memory_estimate(args, layers, batch, nprocs), total_memory()
     if memory and need > memory:
         raise PipeDSLError(f"the model and batch need about {need / 2**30:.3g} GiB (--layers {layers}, "
@@ -299,7 +402,6 @@ def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str
     import torch
 
     from . import checkpoint
-    from .gpt import GPT
 
     if resume == "latest":
         found = checkpoint.latest(directory)
@@ -309,19 +411,20 @@ def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str
     else:
         found = checkpoint.resolve(resume)
     with torch.device("meta"):  # shapes only: compare the partition before any process starts
-        stages = GPT(_gpt_config(cfg)).stages(program.num_stages, by=cfg.get("split", "count"))
-    checkpoint.check_partition(found.manifest, dict(enumerate(stages)), program.num_stages,
-                               where=f"the {cfg['layers']}-block GPT cut into {program.num_stages} stages")
+        if cfg.get("hf"):
+            from .hf_setup import meta_stages
+
+            stages, what = meta_stages(cfg, program.num_stages)
+        else:
+            from .gpt import GPT
+            from .trainer import gpt_config
+
+            stages = GPT(gpt_config(cfg)).stages(program.num_stages, by=cfg.get("split", "count"))
+            what = f"the {cfg['layers']}-block GPT cut into {program.num_stages} stages"
+    checkpoint.check_partition(found.manifest, dict(enumerate(stages)), program.num_stages, where=what)
     if found.step >= cfg["steps"]:
         print(f"note: the checkpoint is at step {found.step}, not before --steps {cfg['steps']}", flush=True)
     return str(found.path)
-
-
-def _gpt_config(cfg: dict[str, Any]) -> Any:
-    from .gpt import GPTConfig
-
-    return GPTConfig(vocab_size=VOCAB, block_size=cfg["seq"], n_layer=cfg["layers"], n_head=N_HEAD,
-                     n_embd=cfg["embd"], dropout=cfg.get("dropout", 0.0))
 
 
 def _plot(timelines: list, path: Path) -> str | None:
@@ -338,137 +441,3 @@ def _plot(timelines: list, path: Path) -> str | None:
         print(f"note: could not draw {path}: {err}", file=sys.stderr)
         return None
     return str(path)
-
-
-# ---------------------------------------------------------------- on every rank
-
-
-def _train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    import torch
-
-    import pipedsl
-    from pipedsl.ir import COMPUTE
-
-    from . import checkpoint
-    from .gpt import GPT, CausalSelfAttention, gpt_loss, synthetic_batch
-
-    program = pipedsl.Program.from_json(program_json)
-    gcfg = _gpt_config(cfg)
-    torch.manual_seed(cfg["seed"])
-    model = GPT(gcfg)  # the same weights on every rank; each keeps only its stages
-    parallel = None
-    dp, zero = cfg.get("dp", 1), cfg.get("zero", 0)  # a configuration without them: pipeline only
-    if dp > 1 or zero:
-        from pipedsl.parallel import ParallelConfig, ParallelMesh
-        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, zero=zero))
-    token = cfg.get("loss_reduction", "microbatch") == "token"
-    pipe = pipedsl.Pipeline(model.stages(program.num_stages, by=cfg.get("split", "count")), program=program,
-                            loss_fn=_token_loss_sum if token else gpt_loss, parallel=parallel,
-                            precision=cfg.get("precision", "fp32"), loss_reduction="token" if token else "microbatch",
-                            recompute=cfg.get("recompute", "none"),
-                            recompute_filter=lambda m: isinstance(m, CausalSelfAttention))
-    del model
-    opt = pipe.optimizer(torch.optim.AdamW, lr=cfg["lr"])
-    if cfg.get("lr_schedule", "constant") != "constant" or cfg.get("warmup", 0):
-        from pipedsl.parallel.optim import LRSchedule
-        opt.lr_schedule = LRSchedule(cfg["lr_schedule"], lr=cfg["lr"], warmup=cfg["warmup"], total=cfg["steps"])
-    clip = cfg.get("clip_grad")
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
-    start = 0
-    if cfg["resume"]:
-        restored = checkpoint.load(pipe, cfg["resume"], opt)
-        data = restored.extra.get("data") if isinstance(restored.extra, dict) else None
-        if data is None:
-            raise checkpoint.CheckpointError(f"{restored.path}: no data-generator state in 'extra' "
-                                             f"(not written by pipedsl train/run)")
-        gen.set_state(data)
-        start = restored.step
-        if rank == 0:
-            changed = "; a different schedule now, same stage partition" if restored.schedule_changed else ""
-            print(f"resumed at step {start} ({restored.saved_schedule}{changed})", flush=True)
-    _arm_step_fault(pipe, rank)
-    losses: dict[int, float] = {}
-    every, directory = cfg["checkpoint_every"], cfg["checkpoint_dir"]
-    for step in range(start + 1, cfg["steps"] + 1):
-        x, y = synthetic_batch(cfg["batch"], cfg["seq"], gcfg.vocab_size, gen)
-        if cfg.get("pad_fraction"):
-            y = _pad_targets(y, cfg["pad_fraction"], cfg["seed"] * 100003 + step)
-        t0 = time.perf_counter()
-        loss = pipe.step(x, y)
-        norm = pipe.clip_grad_norm_(clip) if clip else None
-        stepped = opt.step()
-        opt.zero_grad()
-        dt = time.perf_counter() - t0
-        losses[step] = loss
-        if rank == 0:
-            notes = "" if norm is None else f"  grad norm {float(norm):.3f}"
-            if opt.lr_schedule is not None:
-                notes += f"  lr {opt.optimizers[0].param_groups[0]['lr']:.2e}"
-            if not stepped:
-                notes += f"  skipped (fp16 overflow; loss scale now {pipe.scaler.scale:g})"
-            print(f"step {step:>3}/{cfg['steps']}  loss {loss:.4f}  {cfg['batch'] / dt:8.1f} samples/s  "
-                  f"{dt * 1e3:7.1f} ms/step{notes}", flush=True)
-        if directory and ((every and step % every == 0) or step == cfg["steps"]):
-            info = checkpoint.save(pipe, directory, step, opt, extra={"data": gen.get_state()},
-                                   timeout=cfg["timeout"])
-            if rank == 0:
-                print(f"checkpoint step {step}: {info.path}", flush=True)
-    pipe.close()  # its groups' threads and sockets; the timeline below needs only the pipeline group
-    if start >= cfg["steps"]:
-        return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
-    peaks = [None] * pipe.size  # per pipeline rank (of this rank's pipeline): (activations, bytes)
-    torch.distributed.all_gather_object(peaks, (pipe.peak_activations, pipe.counter.peak_bytes), group=pipe.group)
-    timeline = pipe.timeline()
-    if timeline is None:
-        return None
-    # mean measured time per op kind: the cost the simulator is given for its prediction
-    sums: dict[str, list[float]] = {}
-    for events in timeline.ranks:
-        for e in events:
-            if e.instr.op in COMPUTE:
-                sums.setdefault("FB" if e.instr.sub else e.instr.op.value, []).append(e.duration)
-    cost = {k: sum(v) / len(v) for k, v in sums.items()}
-    return {"timeline": timeline.to_dict(), "cost": cost, "peaks": peaks, "config": asdict(gcfg),
-            "losses": losses, "start": start}
-
-
-def _token_loss_sum(logits: Any, targets: Any) -> Any:
-    """--loss-reduction token: the microbatch's summed next-token losses (padding -100 ignored)."""
-    import torch.nn.functional as F  # noqa: N812
-
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
-                           reduction="sum")
-
-
-def _pad_targets(y: Any, fraction: float, seed: int) -> Any:
-    """A padded tail per sequence, of uniform random length in [0, 2·fraction·T] (capped at T): about
-    `fraction` of the targets become -100, unevenly over sequences (so over microbatches and replicas).
-    Seeded by the step, so resumed runs pad alike."""
-    import torch
-
-    n, T = y.shape
-    g = torch.Generator().manual_seed(seed)
-    tail = torch.randint(0, int(2 * fraction * T) + 1, (n, 1), generator=g).clamp(max=T)
-    return y.masked_fill(torch.arange(T) >= T - tail, -100)
-
-
-def _arm_step_fault(pipe: Any, rank: int) -> None:
-    """Test-only: with PIPEDSL_FAULT=step:RANK:STEP (hang:RANK:STEP), this rank SIGKILLs (SIGSTOPs) itself in
-    the middle of that step, at its first stage's forward of microbatch M/2."""
-    point = os.environ.get("PIPEDSL_FAULT", "").partition(":")[0]
-    if point not in ("step", "hang"):
-        return
-    from .checkpoint import fault_point
-
-    first = min(pipe.local_stages().items())[1]
-    seen = {"step": -1, "n": 0}
-
-    def hook(module: Any, args: Any) -> None:
-        step = pipe.steps + 1
-        if seen["step"] != step:
-            seen.update(step=step, n=0)
-        seen["n"] += 1
-        if seen["n"] == pipe.num_microbatches // 2 + 1:
-            fault_point(point, rank, step)
-
-    first.register_forward_pre_hook(hook)

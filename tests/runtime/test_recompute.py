@@ -51,14 +51,17 @@ def test_saved_bytes_match_the_simulator(mode: str | None, pool4) -> None:
 def _cli_losses(pool, *flags: str) -> dict[int, float]:
     """`pipedsl train FLAGS` parsed and checked by the CLI, its per-rank training run on the pool's ranks."""
     import argparse
+    from pathlib import Path
 
-    from pipedsl.runtime import train_cli
+    from pipedsl.runtime import train_cli, trainer
 
     parser = argparse.ArgumentParser()
     train_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["train", "-P", "2", "-M", "2", "--seq", "8", "--embd", "16", *flags])
     program = pipedsl.load(args.schedule).compile(P=2, M=2)
-    return pool.run(train_cli._train, program.to_json(), train_cli._config(program, args))[0]["losses"]
+    cfg = train_cli._config(program, args, Path(args.out))
+    cfg["peak_flops"] = 1.0
+    return pool.run(trainer.train, program.to_json(), cfg)[0]["losses"]
 
 
 @pytest.mark.slow
