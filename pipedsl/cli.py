@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_parser(sub)
     train_cli.add_parser(sub)
     train_cli.add_run_parser(sub)
+    train_cli.add_export_parser(sub)
     plan_cli.add_parser(sub)
     return parser
 
@@ -176,7 +177,7 @@ def _write(text: str, output: str | None) -> None:
 
 COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list,
             "compare": compare.run, "show": show.run, "train": train_cli.run,
-            "run": train_cli.run_program, "plan": plan_cli.run}
+            "run": train_cli.run_program, "export": train_cli.export, "plan": plan_cli.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

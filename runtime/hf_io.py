@@ -146,6 +146,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     from .hf import causal_lm_stages
 
     tf = _require_transformers()
+    tf.utils.logging.disable_progress_bar()
     saved = checkpoint.read_model(source)
     meta = saved.extra.get("hf") if isinstance(saved.extra, dict) else None
     if meta is None:

@@ -85,6 +85,34 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     return p
 
 
+def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export", help="write a checkpoint of `pipedsl train --model` as a Hugging Face "
+                                             "model directory")
+    p.add_argument("checkpoint", help="a checkpoint directory (step-NNNNNNNN) or a directory of them (the latest)")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR",
+                   help="the directory to write (safetensors, config.json, tokenizer files)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the weights' dtype in the export (default fp32, as trained)")
+    return p
+
+
+def export(args: argparse.Namespace) -> int:
+    """`pipedsl export CHECKPOINT --hf OUT`: from any dp × pp layout and ZeRO stage to `from_pretrained`."""
+    from pipedsl.errors import PipeDSLError
+
+    from .hf_io import export_hf
+
+    if os.path.exists(args.hf) and not os.path.isdir(args.hf):
+        raise PipeDSLError(f"--hf {args.hf}: exists and is not a directory")
+    try:
+        out, step = export_hf(args.checkpoint, args.hf, args.dtype)
+    except OSError as err:
+        raise PipeDSLError(f"cannot write {args.hf}: {err.strerror or err}") from None
+    files = sorted(p.name for p in out.iterdir())
+    print(f"exported step {step} of {args.checkpoint} to {out}: {', '.join(files)}")
+    return 0
+
+
 def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--steps", type=positive_int, default=20, help="train until this step (default 20)")
     p.add_argument("--batch", type=nonnegative_int, default=0, help="sequences per step (default 4·M)")
