@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,examples]'
+	$(BIN)/pip install --quiet -e '.[dev,hf]'
 	touch $(STAMP)
 
 setup: $(STAMP)
