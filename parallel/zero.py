@@ -17,18 +17,44 @@ AdamW, …; not LAMB or Adafactor, whose updates use per-tensor norms).
               forward (or backward) until just after it, gathered from the slices; the next
               unit in execution order is prefetched asynchronously
 
+Units must be modules that *run*, yet a stage need not call every submodule: a Hugging Face
+stage loops over its decoder layers in a `ModuleDict` it never calls.  So a unit is entered
+when the first of its modules — the unit module or any descendant holding its parameters —
+starts its forward, and left when that one's forward ends (pre- and post-forward hooks on all
+of them); a unit whose module never runs is still gathered around each descendant that does,
+only more often.  The default stage-3 units are the module's children, looking inside
+containers without a forward of their own (`ModuleList`, `ModuleDict`), so an HF stage's
+units are its embedding, each decoder layer and its head; the root's own parameters form the
+last unit, entered for the whole forward (the wrapped module must be the one called).
+
 Gradient accumulation over M microbatches (pipelines): `reduce="step"` (the default) sums
 the microbatches' gradients locally and reduces once, in `reduce_gradients()`, the hook the
 pipeline runtime calls at REDUCE_GRAD after the stage's last backward.  It moves the same
 bytes per step as data parallel (not M times them) and overlaps with the rest of the
 cooldown (DESIGN §8); its price is that a full-size gradient buffer lives from the first
-backward to the reduction, so stages 2 and 3 save gradient memory only between steps.
+backward to the reduction, so stages 2 and 3 save gradient memory only at the step.
 `reduce="microbatch"` reduce-scatters every unit's gradient right after its backward, for
 every microbatch, into the [S] slice and frees the full one: true stage-2/3 gradient memory
 (one unit's full gradient at a time) for M× the reduce-scatter traffic, on the critical path.
 
 Gradients are averaged over the group (divided by N), like DDP; the runtime scales each
 microbatch's loss by 1/M, so the result is the mean over the global batch.
+
+Frozen parameters (`requires_grad=False`: a frozen base under trainable adapters) go into a
+second buffer per unit with no gradient, no optimizer state and no reduction, so they cost
+neither traffic nor optimizer memory and no optimizer (weight decay included) ever touches
+them; stage 3 shards and gathers them like the rest.  In backward they are needed until the
+gradient has passed the unit's inputs and, if the unit also has trainable parameters, until
+those are accumulated (a frozen matrix may feed an adapter's gradient): an identity autograd
+function on the inputs reports the first, as FSDP2's post-backward does, the gradient
+accumulation the second.  When neither can report, the buffer stays gathered until the
+unit's next forward ends or the step does.  A stage with no trainable parameter steps nothing.
+
+`separate=` names parameters that get a unit of their own: a weight tied to another stage
+(runtime/ties.py) thus has the same layout — one entry, padded alike — in every stage's
+optimizer, so the copies' reduced slices line up and can be summed slice by slice.  A
+parameter held by modules of two units (a tie within one stage) gets one too, entered by
+either.
 
 Why not torch's FSDP2 (`fully_shard`) for stage 3: it runs on CPU/gloo in torch 2.13 and the
 tests use it as an oracle (ZeRO-3 here equals it after 3 Adam steps), but (1) it shards every
@@ -46,7 +72,7 @@ Split backward (I/W, zero-bubble schedules) under stage 3: I regathers through t
 pre-backward hooks; W reads saved views of the parameters, so the pipeline calls
 `before_weight_pass` (gather every unit) and `after_weight_pass` (free them) around each W.
 Not yet handled: reduce="microbatch" with stage replicas on other ranks (`Pipeline` refuses
-it, with the reason), mixed dtypes, frozen parameters, non-elementwise optimizers.
+it, with the reason), mixed dtypes, non-elementwise optimizers.
 
 Under a fake-tensor mode (the pipeline's shape handshake) the hooks only install views:
 no gathers, no change of state.
@@ -69,7 +95,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._guards import detect_fake_mode
 from torch.distributed import ProcessGroup
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
 from .config import REDUCE_MODES, ParallelConfigError
@@ -79,20 +105,34 @@ from .config import REDUCE_MODES, ParallelConfigError
 class _Entry:
     """One original parameter: where it lived and where it sits in its unit's flat buffer."""
 
-    name: str  # qualified name in the wrapped module
+    name: str  # qualified name in the wrapped module (the first, as named_parameters() gives it)
     owner: nn.Module
     attr: str
     shape: torch.Size
     offset: int
     numel: int
+    aliases: tuple[tuple[nn.Module, str], ...] = ()  # other modules holding the same parameter
+    also: tuple[str, ...] = ()  # its other qualified names (state_dict lists every one)
+
+    def places(self) -> Iterator[tuple[nn.Module, str]]:
+        yield self.owner, self.attr
+        yield from self.aliases
 
 
 class _Unit:
-    """The flat, padded buffer of one submodule's parameters and this rank's slice of it."""
+    """The flat, padded buffer of one submodule's parameters (its trainable or its frozen ones) and this
+    rank's slice of it."""
 
     def __init__(self, index: int, module: nn.Module, entries: list[_Entry], group: ProcessGroup,
-                 stage: int, dtype: torch.dtype) -> None:
+                 stage: int, dtype: torch.dtype, trainable: bool = True,
+                 hooked: Iterable[nn.Module] = ()) -> None:
         self.index, self.module, self.entries, self.stage = index, module, entries, stage
+        self.trainable = trainable
+        self.hooked = list(hooked) or [module]  # the modules whose forward enters the unit
+        self.entry: nn.Module | None = None  # the hooked module whose forward is running (the unit is entered)
+        self.partner: _Unit | None = None  # the other buffer (trainable / frozen) of the same modules
+        self.waiting = 0  # frozen, stage 3: reports still due before its backward is over (see the docstring)
+        self.inputs_report = False  # frozen, stage 3: this forward's inputs report when the gradient passed them
         self.group, self.n, self.rank = group, group_size(group), group_rank(group)
         self.numel = sum(e.numel for e in entries)
         self.padded = -(-max(self.numel, 1) // self.n) * self.n
@@ -102,19 +142,19 @@ class _Unit:
         with torch.no_grad():
             for e in entries:
                 full[e.offset:e.offset + e.numel].copy_(getattr(e.owner, e.attr).detach().reshape(-1))
-        self.flat = nn.Parameter(full)  # [padded]; the module's parameters are views of it
+        self.flat = nn.Parameter(full, requires_grad=trainable)  # [padded]; the module's parameters are views of it
         own = slice(self.rank * self.size, (self.rank + 1) * self.size)
         self.own = own
         if stage == 0:
             self.shard: nn.Parameter | None = None
         elif stage in (1, 2):
-            self.shard = nn.Parameter(self.flat.data[own])  # [S], shares the flat buffer's storage
+            self.shard = nn.Parameter(self.flat.data[own], requires_grad=trainable)  # [S], the flat buffer's storage
         else:
-            self.shard = nn.Parameter(full[own].clone())  # [S], the only persistent copy
+            self.shard = nn.Parameter(full[own].clone(), requires_grad=trainable)  # [S], the only persistent copy
         self.shard_grad: torch.Tensor | None = None
-        if stage >= 2:
+        if stage >= 2 and trainable:
             self.shard_grad = torch.zeros(self.size, dtype=dtype)
-        if stage <= 1:
+        if stage <= 1 and trainable:
             self.flat.grad = torch.zeros_like(full)  # persistent full gradient buffer
         self.gathered = stage != 3
         self.pending: dist.Work | None = None
@@ -132,6 +172,7 @@ class _Unit:
     def _free(self) -> None:
         self.flat.untyped_storage().resize_(0)
         self.gathered = False
+        self.waiting = 0
 
     def gather(self, async_op: bool = False) -> None:
         """Stage 3: rebuild the full buffer from every rank's slice (no-op when present or in flight)."""
@@ -154,12 +195,21 @@ class _Unit:
             self.wait()
             self._free()
 
+    def reported(self) -> None:
+        """A frozen unit's backward report (inputs passed, partner accumulated): freed after the last one due."""
+        if self.waiting > 0:
+            self.waiting -= 1
+            if self.waiting == 0 and self.entry is None:
+                self.release()
+
     # ---------------------------------------------------------------- views
 
     def install_views(self) -> None:
         """Point the module's parameter names at views of the flat buffer (a new autograd edge per forward)."""
         for e in self.entries:
-            setattr(e.owner, e.attr, self.flat.narrow(0, e.offset, e.numel).view(e.shape))
+            view = self.flat.narrow(0, e.offset, e.numel).view(e.shape)
+            for owner, attr in e.places():
+                setattr(owner, attr, view)
 
     # ---------------------------------------------------------------- gradients
 
@@ -178,6 +228,35 @@ class _Unit:
         else:
             self.shard_grad.copy_(out)
         self.flat.grad = None
+
+
+class _InputsPassed(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once the gradient has passed the whole module
+    (FSDP2's RegisterPostBackwardFunction): the report a frozen unit, which accumulates no gradient, needs."""
+
+    @staticmethod
+    def forward(ctx: Any, report: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.report = report
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.report()
+        return (None, *grads)
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """The module's children with parameters, looking inside containers without a forward of their own
+    (`ModuleList`, `ModuleDict`: looped over, never called), so that every unit is a module that runs."""
+    out: list[nn.Module] = []
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if type(child).forward is nn.Module.forward:  # a container; a ParameterList's parameters stay with its parent
+            out += default_units(child)
+        else:
+            out.append(child)
+    return out
 
 
 @dataclass(frozen=True)
@@ -200,14 +279,16 @@ class ZeroOptimizer:
     """ZeRO stage 0–3 for `module` over `group`, running `optimizer_class(**optimizer_kwargs)` on owned slices.
 
     Call pattern per step: forward/backward for every microbatch, `reduce_gradients()`
-    (REDUCE_GRAD), `step()`, `zero_grad()`.  `units` (stage 3 default: every child module
-    with parameters, plus the root's own) sets the granularity of gathering and of
-    `reduce="microbatch"` reductions.  Every rank of `group` must make the same calls.
+    (REDUCE_GRAD), `step()`, `zero_grad()`.  `units` (stage 3 and reduce="microbatch" default:
+    `default_units(module)`, plus the root's own) sets the granularity of gathering and of
+    `reduce="microbatch"` reductions; `separate` names parameters that get a unit of their own
+    (weights tied to another stage).  Every rank of `group` must make the same calls.
     """
 
     def __init__(self, module: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], *,
                  group: ProcessGroup | None, stage: int = 2, reduce: str = "step",
-                 units: Iterable[nn.Module] | None = None, prefetch: bool = True, **optimizer_kwargs) -> None:
+                 units: Iterable[nn.Module] | None = None, prefetch: bool = True, separate: Iterable[str] = (),
+                 **optimizer_kwargs) -> None:
         if stage not in (0, 1, 2, 3):
             raise ParallelConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if reduce not in REDUCE_MODES:
@@ -222,97 +303,192 @@ class ZeroOptimizer:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ParallelConfigError(f"ZeroOptimizer keeps one flat buffer dtype per unit; the module mixes {dtypes}")
-        if any(not p.requires_grad for p in params):
-            raise ParallelConfigError("frozen parameters (requires_grad=False) are not supported by ZeroOptimizer")
         dtype = dtypes.pop()
         if units is None:
-            per_child = stage == 3 or reduce == "microbatch"
-            units = [c for c in module.children() if any(True for _ in c.parameters())] if per_child else []
+            units = default_units(module) if stage == 3 or reduce == "microbatch" else []
         unit_modules = [m for m in units if m is not module] + [module]
-        self.units = self._build_units(unit_modules, group, dtype)
+        self.units = self._build_units(unit_modules, group, dtype, separate)
         self.numel = sum(u.numel for u in self.units)
-        opt_params = [u.flat if stage == 0 else u.shard for u in self.units]
-        self.optimizer = optimizer_class(opt_params, **optimizer_kwargs)
+        # one explicit group: a stage whose parameters are all frozen still has an optimizer (stepping nothing)
+        self.optimizer = optimizer_class([{"params": [self._param_of(u) for u in self.units if u.trainable]}],
+                                         **optimizer_kwargs)
         self._order: list[int] = []  # units in forward execution order (recorded on the first forward)
         self._recorded = False
         self._in_weight_pass = False  # inside a split backward's W (the units stay gathered until it ends)
         self._pending_reduce: list[tuple[dist.Work, Callable[[], None]]] = []
         self._peak_grads = 0
         self._hooks = []
+        at: dict[int, tuple[nn.Module, list[_Unit]]] = {}  # hooked module -> the units it enters
         for u in self.units:
-            self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
-            self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
-            self._hooks.append(u.flat.register_post_accumulate_grad_hook(self._make_post_backward(u)))
+            for m in u.hooked:
+                at.setdefault(id(m), (m, []))[1].append(u)
+        for m, us in at.values():
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(us), with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._make_post_forward(us), always_call=True))
+        for u in self.units:
+            if u.trainable:
+                self._hooks.append(u.flat.register_post_accumulate_grad_hook(self._make_post_backward(u)))
             if stage != 3:
                 u.install_views()
         self._hooks.append(module.register_forward_hook(self._end_of_forward))
         self._note_memory()
 
-    def _build_units(self, unit_modules: list[nn.Module], group: ProcessGroup, dtype: torch.dtype) -> list[_Unit]:
-        names = {id(m): n for n, m in self.module.named_modules()}
+    def _build_units(self, unit_modules: list[nn.Module], group: ProcessGroup, dtype: torch.dtype,
+                     separate: Iterable[str]) -> list[_Unit]:
+        """Each parameter goes to the innermost unit module holding it, trainable and frozen ones apart; one in
+        `separate` (if trainable), or held in two units' modules, to a unit of its own.  A unit is entered by
+        its unit module and every module between it and the parameters' holders (the root unit: by the root)."""
+        root = self.module
+        path_of: dict[int, str] = {}
+        for path, m in root.named_modules():
+            path_of.setdefault(id(m), path)
         for m in unit_modules:
-            if id(m) not in names:
+            if id(m) not in path_of:
                 raise ParallelConfigError(f"unit {type(m).__name__} is not a submodule of the wrapped module")
-        seen: set[int] = set()
-        plan: list[tuple[nn.Module, list[_Entry]]] = []
-        for um in unit_modules:  # every entry is planned before any module is changed
-            entries: list[_Entry] = []
-            offset = 0
-            prefix = names[id(um)]
-            for qual, p in um.named_parameters():
-                if id(p) in seen:
+        unit_at = {path_of[id(m)]: k for k, m in enumerate(unit_modules)}  # the root is '' (and last)
+        own_ids = set()
+        for name in separate:
+            try:
+                own_ids.add(id(root.get_parameter(name)))
+            except AttributeError:
+                raise ParallelConfigError(f"separate: the module has no parameter {name!r}") from None
+
+        def enclosing(path: str) -> int:
+            parts = path.split(".") if path else []
+            return next(unit_at[p] for k in range(len(parts), -1, -1) if (p := ".".join(parts[:k])) in unit_at)
+
+        def chain(k: int, path: str) -> list[nn.Module]:
+            """The modules from unit module k down to the one at `path` (the root unit: the root alone)."""
+            if unit_modules[k] is root:
+                return [root]
+            start = path_of[id(unit_modules[k])]
+            rest = path[len(start):].lstrip(".").split(".") if path != start else []
+            out, at = [unit_modules[k]], start
+            for part in filter(None, rest):
+                at = f"{at}.{part}" if at else part
+                out.append(root.get_submodule(at))
+            return out
+
+        # every parameter once, in named_parameters() order, with every (module, attribute) holding it
+        found: dict[int, tuple[nn.Parameter, list[tuple[str, nn.Module, str]], list[str]]] = {}
+        places_seen: set[tuple[int, str]] = set()
+        for path, m in root.named_modules(remove_duplicate=False):
+            for attr, p in m._parameters.items():
+                if p is None:
                     continue
-                seen.add(id(p))
-                owner_path, _, attr = qual.rpartition(".")
-                owner = um.get_submodule(owner_path) if owner_path else um
-                full_name = f"{prefix}.{qual}" if prefix else qual
-                entries.append(_Entry(full_name, owner, attr, p.shape, offset, p.numel()))
-                offset += p.numel()
-            if entries:
-                plan.append((um, entries))
+                qual = f"{path}.{attr}" if path else attr
+                _, places, quals = found.setdefault(id(p), (p, [], []))
+                quals.append(qual)
+                if (id(m), attr) not in places_seen:
+                    places_seen.add((id(m), attr))
+                    places.append((path, m, attr))
+        groups: dict[tuple[int, int, int], list[tuple[nn.Parameter, list, list[str], list[int]]]] = {}
+        for p, places, quals in found.values():
+            homes = [enclosing(path) for path, _, _ in places]
+            alone = len(set(homes)) > 1 or (id(p) in own_ids and p.requires_grad)
+            kind = 1 if alone else 0 if p.requires_grad else 2  # 0 trainable, 1 a unit of its own, 2 frozen
+            groups.setdefault((homes[0], kind, id(p) if alone else 0), []).append((p, places, quals, homes))
         units: list[_Unit] = []
-        for um, entries in plan:
-            unit = _Unit(len(units), um, entries, group, self.stage, dtype)
-            for e in entries:
-                del e.owner._parameters[e.attr]
-            um.register_parameter("_zero_flat", unit.flat)
-            units.append(unit)
+        buffers: dict[tuple[int, int], _Unit] = {}  # (unit module, trainable 0 / frozen 2) -> its unit
+        for (k, kind, _), members in sorted(groups.items(), key=lambda kv: kv[0][:2]):
+            entries, hooked, offset = [], {}, 0
+            for p, places, quals, homes in members:
+                (_, owner, attr), *others = places
+                entries.append(_Entry(quals[0], owner, attr, p.shape, offset, p.numel(),
+                                      tuple((m, a) for _, m, a in others), tuple(quals[1:])))
+                offset += p.numel()
+                for (path, _, _), home in zip(places, homes):
+                    hooked.update((id(m), m) for m in chain(home, path))
+            u = _Unit(len(units), unit_modules[k], entries, group, self.stage, dtype, trainable=kind != 2,
+                      hooked=hooked.values())
+            units.append(u)
+            if kind != 1:
+                buffers[(k, kind)] = u
+        for (k, kind), u in buffers.items():  # a unit module's trainable and frozen buffers are partners
+            if kind == 2 and (k, 0) in buffers:
+                u.partner, buffers[(k, 0)].partner = buffers[(k, 0)], u
+        for u in units:  # every entry is planned before any module is changed
+            for e in u.entries:
+                for owner, attr in e.places():
+                    del owner._parameters[attr]
+            name, n = "_zero_flat", 0
+            while hasattr(u.module, name):
+                n += 1
+                name = f"_zero_flat{n}"
+            u.module.register_parameter(name, u.flat)
         return units
 
     # ------------------------------------------------------------------ hooks
 
-    def _make_pre_forward(self, u: _Unit):
-        def hook(module: nn.Module, args) -> None:
-            if detect_fake_mode() is not None:  # shape inference (the pipeline's handshake): no data, no gathers
+    def _make_pre_forward(self, units: list[_Unit]):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            entering = [u for u in units if u.entry is None]
+            if not entering:
+                return None  # already inside the unit's forward (an outer module entered it)
+            fake = detect_fake_mode() is not None  # shape inference (the pipeline's handshake): no data, no gathers
+            for u in entering:
+                u.entry = module
+                if not fake:
+                    if not self._recorded and u.index not in self._order:
+                        self._order.append(u.index)
+                    if self.stage == 3:
+                        u.gather()
+                        u.wait()
+                        self._prefetch(u, +1)
                 u.install_views()
-                return
-            if not self._recorded and u.index not in self._order:
-                self._order.append(u.index)
-            if self.stage == 3:
-                u.gather()
-                u.wait()
-                self._prefetch(u, +1)
-            u.install_views()
+            frozen = [u for u in entering if not u.trainable]
+            for u in frozen:
+                u.inputs_report = False
+            if self.stage != 3 or fake or self._in_weight_pass or not frozen or not torch.is_grad_enabled():
+                return None
+            return self._report_inputs_passed(frozen, args, kwargs)
         return hook
 
-    def _make_post_forward(self, u: _Unit):
+    def _report_inputs_passed(self, frozen: list[_Unit], args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Route the inputs that need a gradient through `_InputsPassed`, which reports to the frozen units."""
+        leaves, spec = tree_flatten((args, kwargs))
+        need = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        for u in frozen:
+            u.inputs_report = bool(need)
+        if not need:
+            return None
+
+        def report() -> None:
+            if not self._in_weight_pass:  # W (or a recomputing backward) frees everything itself when it ends
+                for u in frozen:
+                    u.reported()
+        passed = _InputsPassed.apply(report, *(leaves[i] for i in need))
+        for i, t in zip(need, passed):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _make_post_forward(self, units: list[_Unit]):
         def hook(module: nn.Module, args, output) -> None:
+            leaving = [u for u in units if u.entry is module]
+            for u in leaving:
+                u.entry = None
             # inside a weight pass (or a backward that recomputes a forward, runtime/recompute.py) the
             # saved views must stay valid until the pass ends
-            if self.stage != 3 or detect_fake_mode() is not None or self._in_weight_pass:
+            if not leaving or self.stage != 3 or detect_fake_mode() is not None or self._in_weight_pass:
                 return
-            u.release()
-            if torch.is_grad_enabled():
-                for t in tree_flatten(output)[0]:
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(self._make_pre_backward(u))
+            for u in leaving:
+                u.release()
+            if output is None or not torch.is_grad_enabled():  # None: the forward raised (always_call)
+                return
+            due = {u.index: (u.partner is not None) + u.inputs_report for u in leaving if not u.trainable}
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._make_pre_backward(leaving, due))
         return hook
 
-    def _make_pre_backward(self, u: _Unit):
+    def _make_pre_backward(self, units: list[_Unit], due: dict[int, int]):
         def hook(grad: torch.Tensor) -> None:
-            u.gather()
-            u.wait()
-            self._prefetch(u, -1)
+            for u in units:
+                if not u.trainable and u.waiting == 0:
+                    u.waiting = due[u.index]  # the reports that free it again (0: its next forward or the step)
+                u.gather()
+                u.wait()
+                self._prefetch(u, -1)
         return hook
 
     def _make_post_backward(self, u: _Unit):
@@ -323,6 +499,8 @@ class ZeroOptimizer:
                 u.reduced_this_step = True
             if not self._in_weight_pass:
                 u.release()
+                if u.partner is not None:
+                    u.partner.reported()
         return hook
 
     def before_weight_pass(self) -> None:
@@ -350,7 +528,7 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ the step
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The flat buffers autograd differentiates (what a pipeline stage should treat as its weights)."""
+        """The flat buffers (frozen ones too) that stand for the module's parameters now."""
         return (u.flat for u in self.units)
 
     def reduce_gradients(self, async_op: bool = False) -> None:
@@ -358,6 +536,8 @@ class ZeroOptimizer:
         if self.reduce == "microbatch":
             return
         for u in self.units:
+            if not u.trainable:
+                continue
             if self.stage == 0:
                 g = u.full_grad()
                 work = all_reduce(g, self.group, async_op=True)
@@ -394,24 +574,43 @@ class ZeroOptimizer:
             finish()
         self._note_memory()
 
+    def _owned(self, u: _Unit) -> tuple[torch.Tensor, int]:
+        """A trainable unit's reduced gradient as `step()` uses it — this rank's [S] slice (stage 0: the whole
+        buffer), a view into what the optimizer reads — and where it starts in the flat buffer."""
+        if self.stage == 0:
+            return u.full_grad(), 0
+        if self.stage == 1:
+            return u.full_grad()[u.own], u.own.start
+        assert u.shard_grad is not None
+        return u.shard_grad, u.own.start
+
     def owned_gradients(self) -> list[tuple[torch.Tensor, list[tuple[str, int, int]]]]:
-        """After the reduction, per unit: the gradient `step()` uses — this rank's [S] slice (stage 0: the
-        whole buffer) — and the parameters in it as (name, start, end) within that tensor (padding is in
+        """After the reduction, per trainable unit: the gradient `step()` uses — this rank's [S] slice (stage 0:
+        the whole buffer) — and the parameters in it as (name, start, end) within that tensor (padding is in
         none).  What a global gradient norm counts and clipping or unscaling scales (runtime/clip.py)."""
         self.wait()
         out = []
         for u in self.units:
-            if self.stage == 0:
-                grad, lo = u.full_grad(), 0
-            elif self.stage == 1:
-                grad, lo = u.full_grad()[u.own], u.own.start
-            else:
-                grad, lo = u.shard_grad, u.own.start
+            if not u.trainable:
+                continue
+            grad, lo = self._owned(u)
             hi = lo + grad.numel()
             entries = [(e.name, max(e.offset, lo) - lo, min(e.offset + e.numel, hi) - lo) for e in u.entries
                        if e.offset < hi and e.offset + e.numel > lo]
             out.append((grad, entries))
         return out
+
+    def separate_gradient(self, name: str) -> torch.Tensor:
+        """After the reduction: this rank's reduced slice of the `separate` unit of parameter `name` — the
+        tensor `step()` reads, so writing into it (ties.py sums a tie's copies there) is what gets stepped."""
+        self.wait()
+        return self._owned(self.separate_unit(name))[0]
+
+    def separate_unit(self, name: str) -> _Unit:
+        for u in self.units:
+            if len(u.entries) == 1 and u.trainable and name in (u.entries[0].name, *u.entries[0].also):
+                return u
+        raise KeyError(f"{name!r} has no unit of its own (pass it in separate=)")
 
     def step(self, skip: bool = False) -> None:
         """Run the optimizer on this rank's slices, then give every rank the updated parameters.  `skip`
@@ -419,7 +618,7 @@ class ZeroOptimizer:
         self.wait()
         for u in self.units:
             u.wait()  # a prefetch still in flight
-            if self.stage >= 2:
+            if self.stage >= 2 and u.trainable:
                 u.shard.grad = u.shard_grad
             if self.stage == 3 and u.gathered:
                 u.release()  # its values are about to go stale (skip: regathered at the next forward anyway)
@@ -428,10 +627,13 @@ class ZeroOptimizer:
         self.optimizer.step()
         if self.stage in (1, 2):
             for u in self.units:
-                all_gather_into(u.flat.data, u.shard.detach().clone(), self.group)
+                if u.trainable:
+                    all_gather_into(u.flat.data, u.shard.detach().clone(), self.group)
 
     def zero_grad(self) -> None:
         for u in self.units:
+            if not u.trainable:
+                continue
             if self.stage <= 1:
                 u.flat.grad.zero_()
             else:
@@ -466,11 +668,18 @@ class ZeroOptimizer:
     def layout(self) -> list[dict[str, Any]]:
         """Per unit: its entries [name, shape, offset, numel], numel, padded size, dp size `n` and dtype —
         what a saved slice means, and what must match to restore slices directly."""
-        return [{"entries": [[e.name, list(e.shape), e.offset, e.numel] for e in u.entries], "numel": u.numel,
-                 "padded": u.padded, "n": u.n, "dtype": str(u.dtype).removeprefix("torch.")} for u in self.units]
+        out = []
+        for u in self.units:  # the keys a unit of trainable parameters never has are added only when needed,
+            # so such layouts stay what they were (their checkpoints still restore slices directly)
+            entries = [[e.name, list(e.shape), e.offset, e.numel, *([list(e.also)] if e.also else [])]
+                       for e in u.entries]
+            out.append({"entries": entries, "numel": u.numel, "padded": u.padded, "n": u.n,
+                        "dtype": str(u.dtype).removeprefix("torch."), **({} if u.trainable else {"frozen": True})})
+        return out
 
-    def _opt_params(self) -> list[nn.Parameter]:
-        return [u.flat if self.stage == 0 else u.shard for u in self.units]
+    def _param_of(self, u: _Unit) -> nn.Parameter:
+        """What holds this rank's values of unit `u` (and what the optimizer steps, if `u` is trainable)."""
+        return u.flat if self.stage == 0 else u.shard
 
     def shard_state(self, optimizer: bool = True) -> dict[str, Any]:
         """This rank's slice [r·S, (r+1)·S) of every unit's parameters and (with `optimizer`) optimizer state,
@@ -478,7 +687,7 @@ class ZeroOptimizer:
         stage 1/2 shares the full buffer's storage, which torch.save would write whole)."""
         out: dict[str, Any] = {"stage": self.stage, "rank": group_rank(self.group), "layout": self.layout(),
                                "optimizer": type(self.optimizer).__name__ if optimizer else None}
-        params = self._opt_params()
+        params = [self._param_of(u) for u in self.units]
         sd = self.optimizer.state_dict() if optimizer else None
         index = {}
         if sd is not None:
@@ -494,7 +703,7 @@ class ZeroOptimizer:
                 return (t.detach()[u.own] if whole else t.detach()).clone()
 
             unit: dict[str, Any] = {"params": piece(p)}
-            if sd is not None:
+            if sd is not None and u.trainable:
                 gi, idx = index[id(p)]
                 sharded, scalar = {}, {}
                 for k, v in sd["state"].get(idx, {}).items():
@@ -524,7 +733,7 @@ class ZeroOptimizer:
                                  f"{type(self.optimizer).__name__}")
             current = self.optimizer.state_dict()
             saved_state = {}
-            order = {id(p): i for i, p in enumerate(self._opt_params())}
+            order = {id(self._param_of(u)): i for i, u in enumerate(self.units)}
             for group, cur in zip(self.optimizer.param_groups, current["param_groups"]):
                 for p, idx in zip(group["params"], cur["params"]):
                     unit = state["units"][order[id(p)]]
@@ -561,12 +770,12 @@ class ZeroOptimizer:
                     raise ValueError(f"parameter {e.name!r} is saved as {list(t.shape)}, here {list(e.shape)}")
                 full[e.offset:e.offset + e.numel].copy_(t.reshape(-1))
             fulls.append(full)
-            states.append(None if state is None else self._pack_state(u, state))
+            states.append(None if state is None or not u.trainable else self._pack_state(u, state))
         own = [full if self.stage == 0 else full[u.own].clone() for u, full in zip(self.units, fulls)]
         opt_state = None
         if state is not None:
             current = self.optimizer.state_dict()
-            order = {id(p): i for i, p in enumerate(self._opt_params())}
+            order = {id(self._param_of(u)): i for i, u in enumerate(self.units)}
             saved_state = {}
             for group, cur in zip(self.optimizer.param_groups, current["param_groups"]):
                 for p, idx in zip(group["params"], cur["params"]):

@@ -497,7 +497,8 @@ def _part(pipe: Any, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], p
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """A stage's state_dict without its parameters (for ZeRO, its flat buffers): what ZeRO does not save."""
     params = {k for k, _ in module.named_parameters(remove_duplicate=False)}
-    return {k: v for k, v in module.state_dict().items() if k not in params and k.rsplit(".", 1)[-1] != "_zero_flat"}
+    return {k: v for k, v in module.state_dict().items()
+            if k not in params and not k.rsplit(".", 1)[-1].startswith("_zero_flat")}
 
 
 def _describe(module: nn.Module, zero: ZeroOptimizer | None) -> dict[str, list]:
@@ -506,8 +507,9 @@ def _describe(module: nn.Module, zero: ZeroOptimizer | None) -> dict[str, list]:
         return describe_stage(module)
     out = {}
     for unit in zero.layout():
-        for name, shape, _offset, _numel in unit["entries"]:
-            out[name] = [shape, unit["dtype"]]
+        for name, shape, _offset, _numel, *also in unit["entries"]:
+            for n in [name, *(also[0] if also else [])]:  # a parameter held twice in the stage: both names
+                out[n] = [shape, unit["dtype"]]
     out.update(describe_stage_tensors(_buffers(module)))
     return out
 
@@ -832,16 +834,18 @@ def _assemble(s: int, slices: dict[int, dict[str, Any]], read, path: Path, want_
     for u, unit in enumerate(first["layout"]):
         flat = torch.cat([states[d]["units"][u]["params"] for d in range(n)])
         sharded: dict[str, torch.Tensor] = {}
-        if want_opt:
-            for k in first["units"][u]["sharded"]:
+        if want_opt:  # a unit of frozen parameters has no optimizer state
+            for k in first["units"][u].get("sharded", {}):
                 sharded[k] = torch.cat([states[d]["units"][u]["sharded"][k] for d in range(n)])
-        for name, shape, offset, numel in unit["entries"]:
+        for name, shape, offset, numel, *also in unit["entries"]:
             params[name] = flat[offset:offset + numel].view(shape).clone()
+            for other in also[0] if also else []:  # the same parameter under its other names (state_dict's)
+                params[other] = params[name]
             if want_opt:
                 st = {k: v[offset:offset + numel].view(shape).clone() for k, v in sharded.items()}
                 # a tensor per parameter: torch's Adam increments its `step` tensor in place, per parameter
                 st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
-                           for k, v in first["units"][u]["scalar"].items()})
+                           for k, v in first["units"][u].get("scalar", {}).items()})
                 opt[name] = st
     return {"params": params, "state": opt if want_opt else None, "type": first.get("optimizer"),
             "hyper": first["groups"][0] if want_opt and first.get("groups") else None}
@@ -850,13 +854,16 @@ def _assemble(s: int, slices: dict[int, dict[str, Any]], read, path: Path, want_
 def _from_dense(s: int, z: ZeroOptimizer, part: dict[str, Any], key: str, want_opt: bool) -> dict[str, Any]:
     """The same full-size form as `_assemble`, from a stage saved without ZeRO (for a ZeRO target)."""
     module_state = part["modules"][key]
-    names = [e[0] for unit in z.layout() for e in unit["entries"]]
+    layout = z.layout()
+    names = [e[0] for unit in layout for e in unit["entries"]]
+    also = {a for unit in layout for e in unit["entries"] for a in (e[4] if len(e) > 4 else [])}
     params = {n: module_state[n] for n in names if n in module_state}
     out: dict[str, Any] = {"params": params, "state": None, "type": None, "hyper": None,
-                           "buffers": {k: v for k, v in module_state.items() if k not in params}}
+                           "buffers": {k: v for k, v in module_state.items() if k not in params and k not in also}}
     if want_opt:
         saved = part["optimizers"][0]
-        entries = {n: saved["params"].get(f"{s}/{n}") for n in names}
+        trained = [e[0] for unit in layout if not unit.get("frozen") for e in unit["entries"]]
+        entries = {n: saved["params"].get(f"{s}/{n}") for n in trained}  # frozen ones have none
         missing = [n for n, e in entries.items() if e is None]
         if missing:
             raise CheckpointError(f"optimizer 0: the checkpoint has no state for stage {s} parameter {missing[0]!r}")
@@ -864,9 +871,9 @@ def _from_dense(s: int, z: ZeroOptimizer, part: dict[str, Any], key: str, want_o
         if len(hypers) > 1:
             raise CheckpointError(f"stage {s}: the saved optimizer has parameter groups with different "
                                   f"hyperparameters; ZeRO runs one group per stage, so it cannot take them")
-        first = next(iter(entries.values()))
+        first = next(iter(entries.values()), None)  # None: every parameter of the stage is frozen
         out.update(state={n: e["state"] for n, e in entries.items()}, type=saved["type"],
-                   hyper=saved["groups"][first["group"]])
+                   hyper=saved["groups"][first["group"]] if first is not None else None)
     return out
 
 
