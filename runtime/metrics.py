@@ -196,7 +196,7 @@ class _LiveLine:
         if keep:
             self.progress.console.print(line)
         else:
-            self.progress.update(self.task, completed=step, line=line.split("  ", 1)[1])
+            self.progress.update(self.task, completed=step, line=line[line.find("loss"):])  # the bar shows the step
 
     def print(self, text: str) -> None:
         self.progress.console.print(text)
