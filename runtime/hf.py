@@ -102,6 +102,8 @@ class _Parts:
     """
 
     def __init__(self, model: nn.Module) -> None:
+        if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+            model = model.get_base_model()  # a PEFT wrapper: the adapters sit inside its base model's layers
         config = getattr(model, "config", None)
         name = type(model).__name__
         if config is None or not hasattr(model, "base_model") or not hasattr(model, "get_output_embeddings"):

@@ -97,3 +97,39 @@ def test_pipelined_steps_equal_the_unsplit_model(pool2, family, schedule, params
                         None, 2)
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:8])
+
+
+def test_a_peft_style_wrapper_splits_its_base_model_with_frozen_weights():
+    """A PEFT model (duck-typed: `peft_config`, `get_base_model()`): the stages hold the base model's modules with
+    the adapters inside; frozen base weights get no gradient, the adapter does, and the logits are the model's."""
+    model = tiny_model("llama")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layer = model.model.layers[1].self_attn
+    adapter = torch.nn.Linear(32, 32, bias=False)
+    torch.nn.init.normal_(adapter.weight, std=0.1)
+    base_q = layer.q_proj
+    layer.q_proj = torch.nn.Sequential()  # q = base(x) + adapter(x), LoRA's shape with rank = width
+    layer.q_proj.forward = lambda x: base_q(x) + adapter(x)
+    layer.q_proj.add_module("adapter", adapter)
+    layer.q_proj.add_module("base", base_q)
+
+    class Wrapper(torch.nn.Module):
+        peft_config = {"default": None}
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_base_model(self):
+            return self.inner
+
+    stages = causal_lm_stages(Wrapper(model), 2)
+    assert check_split(model, stages) <= 1e-6
+    x = torch.randint(VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    h = x
+    for st in stages:
+        h = st(h)
+    causal_lm_loss(h, shift_labels(x)).backward()
+    assert adapter.weight.grad is not None and adapter.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if "adapter" not in n)
