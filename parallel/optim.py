@@ -79,13 +79,14 @@ class PipelineOptimizer:
         self.zero: dict[int, ZeroOptimizer] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self._modules = pipe.local_stages()
-        if self.zero_stage == 0:
-            self.optimizer = optimizer_class(list(pipe.parameters()), **kwargs)
+        if self.zero_stage == 0:  # frozen parameters stay out: no optimizer (weight decay included) touches them
+            self.optimizer = optimizer_class([p for p in pipe.parameters() if p.requires_grad], **kwargs)
             return
         assert pipe.mesh is not None and cfg is not None
         for s, module in sorted(self._modules.items()):  # the same order on every dp peer
             self.zero[s] = ZeroOptimizer(module, optimizer_class, group=pipe.mesh.dp_group, stage=cfg.zero,
-                                         reduce=cfg.zero_reduce, **kwargs)
+                                         reduce=cfg.zero_reduce, separate=pipe.ties.separate(s), **kwargs)
+        pipe.ties.use_zero(self.zero)  # a tie's copies are now the stages' own units of it (ties.py)
         pipe.register_reduce_grad_hook(self._reduce)
         if cfg.zero == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
             for s, zero in sorted(self.zero.items()):

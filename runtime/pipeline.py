@@ -205,7 +205,8 @@ class Pipeline:
             found = find_ties(stages)
         else:
             found = []
-        reducer = TieReducer(found, self.program, self.rank, self._modules, self.groups, self.dp)
+        reducer = TieReducer(found, self.program, self.rank, self._modules, self.groups, self.dp,
+                             self.parallel.zero if self.parallel is not None else 0)
         if found:
             reducer.agree(self.group, self.size)
         return reducer
@@ -215,10 +216,6 @@ class Pipeline:
         cfg, prog = self.parallel, self.program
         if cfg is None or cfg.zero == 0:
             return
-        if self.ties.names:
-            raise ParallelConfigError(
-                f"zero={cfg.zero} does not support parameters tied between stages ({self.ties.describe()}): ZeRO "
-                f"shards each stage's parameters over dp separately; use zero=0 or untie them")
         replicated = any(len({prog.placement[(c, s)] for c in range(prog.num_replicas)}) > 1
                          for s in range(prog.num_stages))
         name = prog.name

@@ -19,7 +19,8 @@ replicated one at the step end (after its replica reduction) — so every data-p
 running the same program, calls them in the same order and they may issue collectives.
 
 `DataParallelReducer` is such a hook: the averaging all-reduce of a stage's gradients over a
-data-parallel group (the pipeline's dp reduction without ZeRO).
+data-parallel group (the pipeline's dp reduction without ZeRO).  Tied parameters are reduced
+last, at the step end, once those handles are complete (ties.py).
 """
 
 from __future__ import annotations
@@ -138,11 +139,11 @@ class GradReducer:
                 raise RuntimeError(f"stage {self.stages_of[key][k]} never reached REDUCE_GRAD")
         while self._inflight:
             self._complete(self._inflight.pop(0))
-        if self.ties is not None:
-            self.ties.reduce()
         handles, self._handles = self._handles, []
         for h in handles:
             h.wait()
+        if self.ties is not None:  # last: under ZeRO it sums the copies' slices the dp reduce-scatter made
+            self.ties.reduce()
 
 
 

@@ -10,15 +10,35 @@ the same for any parameter shared between stages:
 - ties are found in the stage list (one `Parameter` object in several stage modules) or named
   with `Pipeline(..., ties=[[(0, "wte.weight"), (3, "lm_head.weight")]])`;
 - at construction every copy takes the values of the copy of the tie's first stage (broadcast);
-- at the step end, after the last backward, the copies' gradients are summed over every rank
-  holding one — averaged over the data-parallel replicas in the same all-reduce — so every
-  copy steps with the whole model's gradient and the copies stay equal.  The per-stage
-  reductions (stage replicas, data parallelism) leave tied parameters to this one.
+- at the step end, after the last backward and after the data-parallel reductions, the copies'
+  gradients are summed over every rank holding one, so every copy steps with the whole model's
+  gradient and the copies stay equal.  The per-stage reductions (stage replicas, data
+  parallelism) leave tied parameters to this one.
+
+Without ZeRO the sum also averages over the data-parallel replicas, in one all-reduce over the
+holding ranks of every replica.  Under ZeRO 1-3 each stage's `ZeroOptimizer` keeps its copy in
+a unit of its own (`separate=`), so every copy has the same flat layout and dp rank r owns the
+same slice [r·S, (r+1)·S) of each; the optimizer's reduce-scatter has already averaged every
+copy over dp into that slice, and the tie adds the copies' slices up over the holding ranks of
+one dp replica.  That is Megatron's order turned around (it all-reduces the full embedding
+gradient over the embedding group, then reduce-scatters over dp) for the same sum: the
+all-reduce moves 1/dp of the weight instead of all of it, and the reduce-scatter stays the
+asynchronous one at REDUCE_GRAD.  The summed slice is written where the optimizer reads it, so
+each copy steps once, with equal gradients and equal optimizer state: the copies stay bitwise
+equal, also two copies on one rank (zb-v holds the first and the last stage on rank 0: one
+parameter object in both stage modules, but a copy in each stage's optimizer, as a stage's
+ZeRO state is its own — checkpoints keep it by stage).  Global norms count the first stage's
+copy only (clip.py).
+
+Frozen ties (a frozen embedding under trainable adapters) are only broadcast: nothing sums
+gradients they do not have.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,16 +78,29 @@ def check_ties(ties: Sequence[Sequence[tuple[int, str]]], num_stages: int) -> li
     return out
 
 
+@dataclass
+class _Held:
+    """A tie this rank holds copies of: the distinct parameter objects here and the group summing them."""
+
+    tie: Tie
+    copies: list[nn.Parameter]
+    group: dist.ProcessGroup | None
+    source: int  # global rank of the copy every copy starts from
+    frozen: bool
+    zero: list[tuple[Any, str]] = field(default_factory=list)  # ZeRO: (stage's ZeroOptimizer, name), a unit each
+
+
 class TieReducer:
-    """The gradient all-reduce of each tie over the ranks holding it (and their dp replicas)."""
+    """The gradient sum of each tie over the ranks holding it (without ZeRO: and their dp replicas)."""
 
     def __init__(self, ties: list[Tie], program: Program, rank: int, modules: dict[int, nn.Module],
-                 groups: PipelineGroups, dp: int) -> None:
+                 groups: PipelineGroups, dp: int, zero: int = 0) -> None:
         """`modules` are this rank's stage modules; each tie's group spans the pipeline ranks holding
-        it in every data-parallel replica (at this rank's tensor-parallel coordinate)."""
-        self.dp = dp
+        it — without ZeRO in every data-parallel replica, with ZeRO in this one — at this rank's
+        tensor-parallel coordinate."""
+        self.dp, self.zero = dp, zero
         self.names = list(ties)  # every tie of the model (the same on every rank)
-        self.ties: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, int]] = []
+        self.held: list[_Held] = []
         self.skip: set[int] = set()  # ids of tied parameters on this rank: other reductions leave them alone
         self.problem: str | None = None  # the first tie this rank cannot resolve (see `Pipeline._ties`)
         self.shapes: dict[int, str] = {}  # tie index -> this rank's copy's shape and dtype (checked across ranks)
@@ -75,19 +108,29 @@ class TieReducer:
         for tie in ties:  # every group first, on every rank in the same order: creating them is collective
             stages = {s for s, _ in tie}
             holders = sorted({r for (_, s), r in program.placement.items() if s in stages})
-            group = groups.new(holders, across_dp=True) if len(holders) * dp > 1 else None
-            made.append((holders, group, groups.source_rank(program.placement[(0, min(stages))])))
+            first = program.placement[(0, min(stages))]
+            if zero:
+                group = groups.new(holders) if len(holders) > 1 else None
+                made.append((holders, group, groups.global_rank(first)))
+            else:
+                group = groups.new(holders, across_dp=True) if len(holders) * dp > 1 else None
+                made.append((holders, group, groups.source_rank(first)))
         for k, (tie, (holders, group, source)) in enumerate(zip(ties, made)):
             if rank not in holders:
                 continue
             try:
                 local = _local_copies(tie, modules)
+                if zero:
+                    _check_unshared(tie, modules, zero)
             except PipeRuntimeError as err:
                 self.problem = self.problem or f"rank {rank}: {err.message}"
                 continue
-            self.ties.append((local, group, source))
-            self.skip.update(id(p) for p in local)
-            self.shapes[k] = f"{list(local[0].shape)} {str(local[0].dtype).removeprefix('torch.')}"
+            frozen = not local[0].requires_grad
+            self.held.append(_Held(tie, local, group, source, frozen))
+            if not frozen:
+                self.skip.update(id(p) for p in local)
+            self.shapes[k] = f"{list(local[0].shape)} {str(local[0].dtype).removeprefix('torch.')}" + \
+                (" frozen" if frozen else "")
 
     def agree(self, group: dist.ProcessGroup | None, size: int) -> None:
         """Raise the same error on every rank if any rank cannot resolve a tie or two copies differ in shape:
@@ -109,26 +152,53 @@ class TieReducer:
     def describe(self) -> str:
         return "; ".join(map(_label, self.names))
 
+    def separate(self, stage: int) -> list[str]:
+        """The names of local `stage`'s trainable tied parameters: the ones ZeRO must give a unit of their own."""
+        return [name for held in self.held if not held.frozen for s, name in held.tie if s == stage]
+
+    def use_zero(self, zeros: dict[int, Any]) -> None:
+        """ZeRO has taken the stages' parameters over ({stage: ZeroOptimizer}, made with `separate=`): from
+        now on a copy is its stage's unit of the tied parameter, whose reduced slice `reduce` sums."""
+        for held in self.held:
+            if held.frozen:
+                continue
+            units: set[int] = set()
+            held.zero = []
+            for s, name in held.tie:
+                if s in zeros:
+                    unit = zeros[s].separate_unit(name)
+                    if id(unit) not in units:
+                        units.add(id(unit))
+                        held.zero.append((zeros[s], name))
+                        self.skip.add(id(unit.flat))  # replica reductions leave the copy to the tie
+
     def broadcast(self) -> None:
-        """Every copy starts from the first stage's copy (replica 0, dp replica 0)."""
+        """Every copy starts from the first stage's copy (replica 0; without ZeRO, dp replica 0)."""
         with torch.no_grad():
-            for local, group, source in self.ties:
-                if group is not None:
-                    dist.broadcast(local[0].data, src=source, group=group)
+            for held in self.held:
+                local = held.copies
+                if held.group is not None:
+                    dist.broadcast(local[0].data, src=held.source, group=held.group)
                 for p in local[1:]:
                     p.copy_(local[0])
 
     def reduce(self) -> None:
-        """After the last backward: each copy's gradient becomes the sum over the copies (mean over dp)."""
+        """After the last backward and the dp reductions: each copy's gradient becomes the sum over the copies
+        (without ZeRO: the mean over dp in the same all-reduce)."""
+        if self.zero:
+            self._reduce_slices()
+            return
         works = []
-        for local, group, _ in self.ties:
-            total = None
+        for held in self.held:
+            if held.frozen:
+                continue
+            local, total = held.copies, None
             for p in local:
                 if p.grad is not None:
                     total = p.grad.clone() if total is None else total.add_(p.grad)
             if total is None:
                 total = torch.zeros_like(local[0])
-            work = dist.all_reduce(total, group=group, async_op=True) if group is not None else None
+            work = dist.all_reduce(total, group=held.group, async_op=True) if held.group is not None else None
             works.append((local, total, work))
         for local, total, work in works:
             if work is not None:
@@ -137,6 +207,28 @@ class TieReducer:
                     total.div_(self.dp)
             for k, p in enumerate(local):
                 p.grad = total if k == 0 else total.clone()
+
+    def _reduce_slices(self) -> None:
+        """ZeRO: the copies' reduced slices (each already the dp mean of its copy) summed over the holders of
+        this dp replica, written back where each stage's optimizer reads them."""
+        works = []
+        for held in self.held:
+            if held.frozen:
+                continue
+            if not held.zero:
+                raise PipeRuntimeError(f"the tie {_label(held.tie)} has no ZeRO copies: make the optimizer with "
+                                       f"pipe.optimizer(...)")
+            slices = [z.separate_gradient(name) for z, name in held.zero]
+            total = slices[0].clone()
+            for g in slices[1:]:
+                total.add_(g)
+            work = dist.all_reduce(total, group=held.group, async_op=True) if held.group is not None else None
+            works.append((slices, total, work))
+        for slices, total, work in works:
+            if work is not None:
+                work.wait()
+            for g in slices:
+                g.copy_(total)
 
 
 def _local_copies(tie: Tie, modules: dict[int, nn.Module]) -> list[nn.Parameter]:
@@ -147,10 +239,27 @@ def _local_copies(tie: Tie, modules: dict[int, nn.Module]) -> list[nn.Parameter]
             p = _parameter(modules[s], s, name)
             if all(p is not q for q in local):
                 local.append(p)
-    if len({(tuple(p.shape), p.dtype) for p in local}) > 1:
-        shapes = ", ".join(f"{list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for p in local)
+    if len({(tuple(p.shape), p.dtype, p.requires_grad) for p in local}) > 1:
+        shapes = ", ".join(f"{list(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+                           f"{'' if p.requires_grad else ' frozen'}" for p in local)
         raise PipeRuntimeError(f"the tied parameters {_label(tie)} differ: {shapes}")
     return local
+
+
+def _check_unshared(tie: Tie, modules: dict[int, nn.Module], zero: int) -> None:
+    """ZeRO keeps each stage's copy in that stage's own buffer, installed on the module holding the parameter:
+    two local stages may share the Parameter (each gets a copy) but not the module holding it."""
+    holder: dict[int, int] = {}
+    for s, name in tie:
+        if s in modules:
+            path = name.rpartition(".")[0]
+            owner = modules[s].get_submodule(path) if path else modules[s]
+            t = holder.setdefault(id(owner), s)
+            if t != s:
+                raise PipeRuntimeError(f"zero={zero}: stages {t} and {s} share the module holding the tied {name!r}; "
+                                       f"ZeRO gives each stage its own copy of the weight, which one module cannot "
+                                       f"hold: tie the Parameter instead (head.weight = embedding.weight), as "
+                                       f"transformers does")
 
 
 def _label(tie: Tie) -> str:
@@ -159,11 +268,8 @@ def _label(tie: Tie) -> str:
 
 def _parameter(module: nn.Module, stage: int, name: str) -> nn.Parameter:
     try:
-        p = module.get_parameter(name)
+        return module.get_parameter(name)
     except AttributeError:
         names = [n for n, _ in module.named_parameters()]
         raise PipeRuntimeError(f"ties: stage {stage} has no parameter {name!r} (it has {', '.join(names[:6])}"
                                f"{' …' if len(names) > 6 else ''})") from None
-    if not p.requires_grad:
-        raise PipeRuntimeError(f"ties: stage {stage} parameter {name!r} does not require grad")
-    return p
