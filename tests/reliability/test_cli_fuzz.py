@@ -43,6 +43,15 @@ for _name, _text in FILES.items():
     (WORK / _name).write_text(_text)
 (WORK / "binary.json").write_bytes(b"\x80\x81\xfe")
 (WORK / "adir").mkdir(exist_ok=True)
+# `train --model DIR --data …`: a tiny config-only model, a text file, TOML files good and bad
+(WORK / "tiny-model").mkdir(exist_ok=True)
+(WORK / "tiny-model" / "config.json").write_text(
+    '{"model_type": "llama", "vocab_size": 300, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, '
+    '"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64, "eos_token_id": 256}')
+(WORK / "corpus.txt").write_text("pipelines overlap communication with compute. " * 60)
+(WORK / "good.toml").write_text("[training]\nsteps = 2\n[data]\nseq = 8\n")
+(WORK / "bad.toml").write_text("[training]\nstepz = 2\n")
+(WORK / "typo.toml").write_text('[training]\nsteps = "two"\n[nope]\nx = 1\n')
 
 launches: list[tuple] = []
 
@@ -79,6 +88,13 @@ TRAIN_FLAGS = {
     "--dropout": numbers, "--seed": ints, "--timeout": numbers, "--checkpoint-timeout": numbers,
     "--join-timeout": numbers, "--threads": ints, "--checkpoint-dir": paths, "--checkpoint-every": ints,
     "--resume": st.one_of(paths, st.just("")), "-o": outputs, "-P": ints, "--dp": ints, "--zero": ints,
+    "--model": st.sampled_from(["tiny-model", "adir", "missing", "", "good.json", "gpt"]),
+    "--data": st.one_of(paths, st.sampled_from(["corpus.txt", "good.toml"])),
+    "--config": st.sampled_from(["good.toml", "bad.toml", "typo.toml", "missing.toml", "binary.json", "adir"]),
+    "--print-config": None, "--packing": st.sampled_from(["pack", "pad", "bucket", ""]), "--doc-mask": None,
+    "--eval-fraction": numbers, "--eval-every": ints, "--eval-batches": ints, "--text-field": st.text(max_size=4),
+    "--peak-tflops": numbers, "--weight-decay": numbers, "--attn": st.sampled_from(["sdpa", "eager", "flash"]),
+    "--loss-reduction": st.sampled_from(["token", "microbatch", "mean"]),
 }
 FLAGS = {
     "compile": {**SIZE_FLAGS, "--format": st.sampled_from(["text", "json", "csv", "xml"]), "-o": outputs},
@@ -89,7 +105,9 @@ FLAGS = {
     "compare": {**SIZE_FLAGS, "--cost": costs, "--format": st.sampled_from(["text", "json", "csv"])},
     "show": {**SIZE_FLAGS, "--cost": costs, "--trace": paths, "-o": outputs, "--graph": None, "--width": ints},
     "train": {**TRAIN_FLAGS, "--schedule": schedules, "-M": ints, "-p": params},
-    "run": {**TRAIN_FLAGS, "--program": paths, "--model": st.sampled_from(["gpt", "bert", ""])},
+    "train-hf": {**TRAIN_FLAGS, "--schedule": schedules, "-M": ints, "-p": params},
+    "run": {**TRAIN_FLAGS, "--program": paths},
+    "export": {"--hf": outputs, "--dtype": st.sampled_from(["fp32", "bf16", "int8"])},
     "plan": {"--model": st.sampled_from(["gpt-1.7b", "llama-70b", "nope", ""]), "--layers": ints, "--hidden": ints,
              "--heads": ints, "--seq": ints, "--vocab": ints, "--global-batch": ints, "--ffn": ints,
              "--cluster": st.sampled_from(["a100-80gb", "h100", "h200", "tpu", ""]), "--gpus-per-node": ints,
@@ -99,7 +117,8 @@ FLAGS = {
              "--rejected": ints},
 }
 SMALL_PLAN = ["--gpus", "4"]  # appended to every plan line (argparse: the last wins): a search of seconds, not hours
-POSITIONAL = {"compile": 1, "simulate": 1, "check": 1, "compare": 3, "show": 3}
+POSITIONAL = {"compile": 1, "simulate": 1, "check": 1, "compare": 3, "show": 3, "export": 1}
+COMMAND = {"train-hf": "train"}  # a second base line for a command: `train` of a Hugging Face model
 
 
 BASE = {  # a valid line per command; the fuzzer mutates it, so cases get past argparse into the commands
@@ -110,7 +129,10 @@ BASE = {  # a valid line per command; the fuzzer mutates it, so cases get past a
     "compare": ["compare", "1f1b", "gpipe", "-P", "2", "-M", "4"],
     "show": ["show", "1f1b", "-P", "2", "-M", "2", "-o", "out.txt"],
     "train": ["train", "-P", "2", "-M", "2", "--seq", "8", "--embd", "16", "--steps", "2"],
+    "train-hf": ["train", "--model", "tiny-model", "--data", "corpus.txt", "-P", "2", "-M", "2", "--seq", "8",
+                 "--batch", "4", "--steps", "2", "--cache-dir", "cache"],
     "run": ["run", "--program", "good.json", "--seq", "8", "--embd", "16", "--steps", "2"],
+    "export": ["export", "adir", "--hf", "exported"],
     "plan": ["plan", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "100",
              "--global-batch", "8", "--top", "2"],
 }
@@ -141,7 +163,7 @@ def mutated_lines(draw, command: str) -> list[str]:
 def command_lines(draw, command: str) -> list[str]:
     if draw(st.integers(0, 2)):
         return draw(mutated_lines(command))
-    argv = [command]
+    argv = [COMMAND.get(command, command)]
     argv += draw(st.lists(schedules, min_size=0, max_size=POSITIONAL.get(command, 0)))
     flags = FLAGS[command]
     for _ in range(draw(st.integers(0, 6))):
@@ -220,5 +242,6 @@ def test_the_fuzzer_reaches_the_launch_and_the_launch_stub_is_status_1() -> None
     launches.clear()
     assert run_argv(["run", "--program", "good.csv", "--seq", "8", "--embd", "16", "--steps", "2"])[0] == 1
     assert run_argv(["train", "-P", "2", "-M", "2", "--seq", "8", "--embd", "16"])[0] == 1
-    assert [n for n, _ in launches] == [2, 2]
+    assert run_argv(BASE["train-hf"])[0] == 1  # a Hugging Face model on a text file: checked, tokenized, launched
+    assert [n for n, _ in launches] == [2, 2, 2]
     assert all(kw["timeout"] > 0 and kw["join_timeout"] > 0 for _, kw in launches), "every run is bounded"
