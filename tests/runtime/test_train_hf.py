@@ -1,0 +1,266 @@
+"""`pipedsl train --model DIR --data …` end to end, through the command line: a Hugging Face decoder on
+text files equals one process, resumes bit-exactly after SIGTERM, exports to a directory `from_pretrained`
+loads with the pipeline's evaluation loss, and refuses bad input in one line before any rank starts."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (the optional `hf` extra)")
+
+import torch  # noqa: E402
+
+from pipedsl.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+_SENTENCE = ("the pipeline sends activations forward and gradients back while every rank keeps its stages busy "
+             "schedules decide the order microbatches flow through stages and how much memory each rank holds")
+WORDS = _SENTENCE.split()
+
+
+def _text(seed: int, words: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(WORDS), (words,), generator=g).tolist()
+    return " ".join(WORDS[i] for i in picks) + ".\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A folder of text files: 12 documents, about 8 k bytes (byte-level tokens)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for k in range(12):
+        (folder / f"doc{k:02d}.txt").write_text(_text(k, 110))
+    return folder
+
+
+def model_dir(root: Path, family: str, *, weights: bool = False) -> Path:
+    """A small random config (byte-level vocabulary: the directory has no tokenizer), optionally with weights."""
+    import transformers as tf
+
+    common = dict(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, eos_token_id=256, bos_token_id=None,
+                  pad_token_id=None, tie_word_embeddings=True)
+    config = {"llama": lambda: tf.LlamaConfig(**common),
+              "qwen3": lambda: tf.Qwen3Config(**common, head_dim=8),
+              "gemma3": lambda: tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
+                                                     sliding_window_pattern=2)}[family]()
+    path = root / f"{family}{'-weights' if weights else ''}"
+    if weights:
+        torch.manual_seed(123)
+        tf.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    return path
+
+
+def pipedsl(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipedsl.cli", *argv], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def common_flags(model: Path, corpus: Path, out: Path, steps: int = 4) -> list[str]:
+    return ["train", "--model", str(model), "--data", str(corpus), "--seq", "32", "--batch", "8", "-M", "2",
+            "--steps", str(steps), "--lr", "3e-3", "--clip-grad", "1.0", "--lr-schedule", "cosine",
+            "--warmup-steps", "1", "--eval-fraction", "0.1", "--eval-every", "2", "-o", str(out),
+            "--cache-dir", str(out.parent / "cache")]
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads((out / "losses.json").read_text())["losses"].items()}
+
+
+def evals(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "eval"}
+
+
+ZERO3 = ["-P", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1", "--recompute", "full"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, precision, tolerance", [("qwen3", "bf16", 2e-3), ("gemma3", "fp32", 2e-5)])
+def test_dp2_pp2_zero3_zbh1_equals_one_process(family, precision, tolerance, corpus, tmp_path):
+    """dp2 x pp2 with ZeRO-3, ZB-H1, full recomputation, clipping, cosine LR, packing and evaluation: every
+    step's loss and the held-out loss equal a one-process run of the same command (bf16: to its tolerance).
+    Llama's run of the same layout is in the resume test below."""
+    model = model_dir(tmp_path, family)
+    runs = {}
+    for name, layout in (("one", ["-P", "1"]), ("par", ZERO3)):
+        proc = pipedsl(*common_flags(model, corpus, tmp_path / name), "--precision", precision, *layout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = (losses(tmp_path / name), evals(tmp_path / name))
+    (want, want_eval), (got, got_eval) = runs["one"], runs["par"]
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=tolerance), step
+    assert got_eval.keys() == want_eval.keys() == {2, 4}
+    for step, loss in want_eval.items():
+        assert got_eval[step] == pytest.approx(loss, rel=tolerance)
+    assert want[4] < want[1]  # it learns
+
+
+@pytest.mark.slow
+def test_fine_tune_starts_from_the_saved_weights(corpus, tmp_path):
+    """A directory with safetensors: step 1's loss is the saved model's own loss on the first global batch."""
+    import transformers as tf
+
+    from pipedsl.runtime import data
+
+    model = model_dir(tmp_path, "qwen3", weights=True)
+    out = tmp_path / "run"
+    proc = pipedsl(*common_flags(model, corpus, out, steps=2), "-P", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [cache] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    samples = data.PackedSequences(data.TokenCache.open(cache), 32)
+    train, _ = samples.split(0.1)
+    x, y = data.BatchLoader(train, 8).global_batch_at(0)
+    ref = tf.AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        logits = ref(x).logits.float()
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+    assert losses(out)[1] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_llama_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpus, tmp_path):
+    """Llama on dp2 x pp2, ZeRO-3, ZB-H1, recomputation, clipping, cosine LR, evaluation and TensorBoard equals one
+    process; SIGTERM after the step-2 checkpoint and --resume to step 4 give the same losses as the run that never
+    stopped, bit for bit (the data position included); `pipedsl export` of the last checkpoint loads with
+    `from_pretrained` and gives the pipeline's final evaluation loss."""
+    import transformers as tf
+
+    from pipedsl.runtime import data
+
+    model = model_dir(tmp_path, "llama")
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), "-P", "1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    whole = pipedsl(*common_flags(model, corpus, tmp_path / "whole"), *ZERO3, "--tensorboard", str(tmp_path / "tb"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "whole")
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    assert evals(tmp_path / "whole").keys() == {2, 4}
+    for step, loss in evals(tmp_path / "one").items():
+        assert evals(tmp_path / "whole")[step] == pytest.approx(loss, rel=2e-5)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+    ckpt = tmp_path / "ckpt"
+    flags = [*common_flags(model, corpus, tmp_path / "cut"), *ZERO3, "--checkpoint-dir", str(ckpt),
+             "--checkpoint-every", "2"]
+    log = open(tmp_path / "cut.log", "w")  # noqa: SIM115 - the child writes it
+    proc = subprocess.Popen([sys.executable, "-m", "pipedsl.cli", *flags], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while "checkpoint step 2" not in (tmp_path / "cut.log").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "cut.log").read_text()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    log.close()
+    resumed = pipedsl(*flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at step 2" in resumed.stdout
+    cut = losses(tmp_path / "cut")
+    assert {s: cut[s] for s in (3, 4)} == {s: got[s] for s in (3, 4)}  # bit for bit
+    assert evals(tmp_path / "cut")[4] == evals(tmp_path / "whole")[4]
+
+    exported = pipedsl("export", str(ckpt), "--hf", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "exported step 4" in exported.stdout
+    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    [cache] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    _, heldout = data.PackedSequences(data.TokenCache.open(cache), 32).split(0.1)
+    total = count = 0.0
+    with torch.no_grad():
+        for x, y in data.eval_batches(heldout, 8):
+            logits = ref(x).logits.float()
+            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                       reduction="sum").item()
+            count += y.numel()
+    assert total / count == pytest.approx(evals(tmp_path / "cut")[4], rel=1e-5)
+
+
+def _refused(*argv: str) -> str:
+    """Run the CLI in this process; it must exit 2 with one line on stderr and start no rank."""
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    assert code == 2, (code, out.getvalue()[-500:], err.getvalue()[-500:])
+    text = err.getvalue().strip()
+    assert len(text.splitlines()) == 1 and "Traceback" not in text, text
+    assert "training" not in out.getvalue()  # nothing launched
+    return text
+
+
+def test_bad_input_is_one_line_before_any_rank(corpus, tmp_path):
+    good = model_dir(tmp_path, "llama")
+    base = ["--seq", "32", "--batch", "8", "-M", "2", "-P", "2", "-o", str(tmp_path / "o"),
+            "--cache-dir", str(tmp_path / "cache")]
+
+    def train(model: Path | str, data: Path | str, *extra: str) -> str:
+        return _refused("train", "--model", str(model), "--data", str(data), *base, *extra)
+
+    assert "no such directory" in train(tmp_path / "nope", corpus)
+    (tmp_path / "empty-model").mkdir()
+    assert "no config.json" in train(tmp_path / "empty-model", corpus)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ not json")
+    assert "not valid JSON" in train(broken, corpus)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    assert "transformers cannot build this config" in train(odd, corpus)
+    small = tmp_path / "small-vocab"
+    small.mkdir()
+    cfg = json.loads((good / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": 100}))
+    assert "more than the model's vocab_size 100" in train(small, corpus)
+    (tmp_path / "empty.txt").write_text("")
+    assert "empty.txt" in train(good, tmp_path / "empty.txt")
+    (tmp_path / "blob.txt").write_bytes(b"abc\x00\x01\x02")
+    assert "blob.txt" in train(good, tmp_path / "blob.txt") and "binary" in train(good, tmp_path / "blob.txt")
+    (tmp_path / "rows.jsonl").write_text('{"body": "hello"}\n')
+    assert "rows.jsonl:1" in train(good, tmp_path / "rows.jsonl")
+    (tmp_path / "tiny.txt").write_text("just a few words\n")
+    assert "fewer than one global batch" in train(good, tmp_path / "tiny.txt")
+    assert "longer than the model's 128 positions" in train(good, corpus, "--seq", "256")
+    (tmp_path / "bad.toml").write_text("[training]\nstepz = 3\n")
+    assert "unknown key 'stepz' in [training]" in train(good, corpus, "--config", str(tmp_path / "bad.toml"))
+    (tmp_path / "type.toml").write_text('[training]\nsteps = "ten"\n')
+    assert "[training] steps" in train(good, corpus, "--config", str(tmp_path / "type.toml"))
+    assert "--data needs --model" in _refused("train", "--data", str(corpus), "-P", "2")
+    assert "no such checkpoint directory" in _refused("export", str(tmp_path / "nope"), "--hf", str(tmp_path / "x"))
+
+
+def test_config_file_and_flags(tmp_path):
+    """Flags win over the file, sections and top-level keys both work, --print-config round-trips."""
+    (tmp_path / "run.toml").write_text('schedule = "zb-h1"\n[training]\nsteps = 7\nlr = 0.01\nclip-grad = 0.5\n'
+                                       '[parallel]\ndp = 2\n[data]\ndoc_mask = true\n')
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["train", "--config", str(tmp_path / "run.toml"), "--steps", "9", "--print-config"]) == 0
+    text = out.getvalue()
+    import tomllib
+
+    resolved = tomllib.loads(text)
+    assert resolved["training"]["steps"] == 9  # the flag
+    assert resolved["training"]["lr"] == 0.01 and resolved["training"]["clip-grad"] == 0.5
+    assert resolved["schedule"]["schedule"] == "zb-h1" and resolved["parallel"]["dp"] == 2
+    assert resolved["data"]["doc-mask"] is True
+    (tmp_path / "again.toml").write_text(text)
+    again = io.StringIO()
+    with contextlib.redirect_stdout(again):
+        assert main(["train", "--config", str(tmp_path / "again.toml"), "--print-config"]) == 0
+    assert again.getvalue() == text
