@@ -51,10 +51,11 @@ the ranks agree on them every step and learn a new one once (see `_use_shapes`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -350,16 +351,10 @@ class Pipeline:
     def step(self, inputs: Any, targets: Any = None) -> float:
         """Run the schedule once over the batch; returns the mean loss (on every rank)."""
         self._check_open("step()")
-        M = self.num_microbatches
-        try:
+        with self._failures_told():
             if self.loss_reduction == "token":
                 self._count_tokens(targets)
-            if self.parallel is not None:
-                inputs, targets = self._data_parallel_share(inputs, targets)
-            uneven = self.loss_reduction == "token"
-            mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank, uneven) for t in _tensors(inputs)))]
-            tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank, uneven)]
-            mb_inputs = [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs]
+            mb_inputs, tgt = self._microbatches(inputs, targets)
             self._use_shapes(tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs))
             self.counter.reset()
             self.reducer.start_step()
@@ -374,6 +369,24 @@ class Pipeline:
             except Exception as err:  # noqa: BLE001
                 raise RankFailure(f"rank {self.rank}: summing the loss over ranks failed: {err}", self.rank,
                                   peer_failure=True) from err
+        self.steps += 1
+        return float(total.item())
+
+    def _microbatches(self, inputs: Any, targets: Any) -> tuple[list[list[torch.Tensor]], list[Any]]:
+        """This rank's share of the batch (dp) cut into the M microbatches, on the device."""
+        M = self.num_microbatches
+        if self.parallel is not None:
+            inputs, targets = self._data_parallel_share(inputs, targets)
+        uneven = self.loss_reduction == "token"
+        mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank, uneven) for t in _tensors(inputs)))]
+        tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank, uneven)]
+        return [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs], tgt
+
+    @contextlib.contextmanager
+    def _failures_told(self) -> Iterator[None]:
+        """A failure of this rank is recorded for the others; one caused by another rank names that rank."""
+        try:
+            yield
         except RankFailure as err:
             if err.peer_failure:
                 raise explain_peer_failure(err) from err
@@ -382,8 +395,6 @@ class Pipeline:
         except PipeDSLError as err:
             record_failure(self.rank, err.message)
             raise
-        self.steps += 1
-        return float(total.item())
 
     def evaluate(self, inputs: Any, targets: Any = None) -> float:
         """The batch's mean loss without training: a forward-only pass (no autograd graph, no gradient, no
@@ -394,35 +405,23 @@ class Pipeline:
         is `self.eval_count` afterwards, so batches combine exactly: sum(loss_i·count_i)/sum(count_i).
         Collective: every rank of the world calls it with its batch, like `step`."""
         self._check_open("evaluate()")
-        M = self.num_microbatches
         modes = {m: m.training for m in self._modules.values()}
         try:
-            if self.parallel is not None:
-                inputs, targets = self._data_parallel_share(inputs, targets)
-            uneven = self.loss_reduction == "token"
-            mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank, uneven) for t in _tensors(inputs)))]
-            tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank, uneven)]
-            mb_inputs = [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs]
-            ex = self._use_shapes(tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs), forward_only=True)
-            for m in modes:
-                m.eval()
-            loss_sum = ex.run(mb_inputs, tgt)
-            totals = torch.tensor([float(loss_sum), float(ex.counted)], dtype=torch.float64, device=self.device)
-            try:
-                dist.all_reduce(totals, group=self._loss_group)
-                if self.dp > 1:
-                    dist.all_reduce(totals, group=self.mesh.dp_group)
-            except Exception as err:  # noqa: BLE001
-                raise RankFailure(f"rank {self.rank}: summing the evaluation loss over ranks failed: {err}",
-                                  self.rank, peer_failure=True) from err
-        except RankFailure as err:
-            if err.peer_failure:
-                raise explain_peer_failure(err) from err
-            record_failure(self.rank, err.message)
-            raise
-        except PipeDSLError as err:
-            record_failure(self.rank, err.message)
-            raise
+            with self._failures_told():
+                mb_inputs, tgt = self._microbatches(inputs, targets)
+                ex = self._use_shapes(tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs),
+                                      forward_only=True)
+                for m in modes:
+                    m.eval()
+                loss_sum = ex.run(mb_inputs, tgt)
+                totals = torch.tensor([float(loss_sum), float(ex.counted)], dtype=torch.float64, device=self.device)
+                try:
+                    dist.all_reduce(totals, group=self._loss_group)
+                    if self.dp > 1:
+                        dist.all_reduce(totals, group=self.mesh.dp_group)
+                except Exception as err:  # noqa: BLE001
+                    raise RankFailure(f"rank {self.rank}: summing the evaluation loss over ranks failed: {err}",
+                                      self.rank, peer_failure=True) from err
         finally:
             for m, training in modes.items():
                 m.train(training)
