@@ -61,6 +61,11 @@ PARQUET_SUFFIXES = (".parquet",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
 MODES = ("pack", "pad")
+# inside a folder, files of these kinds are not text and are passed over (a docs folder has its pictures);
+# named on the command line they are still read, and refused as binary
+NOT_TEXT_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".svg", ".ico", ".bmp", ".tiff", ".pdf", ".zip", ".gz",
+                     ".tar", ".bz2", ".xz", ".zst", ".7z", ".pt", ".pth", ".bin", ".safetensors", ".npy", ".npz",
+                     ".pkl", ".so", ".pyc", ".mp3", ".wav", ".flac", ".mp4", ".mov", ".arrow")
 
 Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
@@ -222,7 +227,8 @@ def read_documents(paths: Paths, text_field: str = "text") -> Iterator[Document]
 
     Text files are one document each; `.jsonl` / `.json-lines` / `.ndjson` one per line (field
     `text_field`); `.parquet` one per row of column `text_field`; a `datasets` `save_to_disk`
-    folder one per row (a DatasetDict: its "train" split).  Hidden files and folders are skipped.
+    folder one per row (a DatasetDict: its "train" split).  Hidden files and folders are skipped, and so
+    are files of a kind that is never text (`NOT_TEXT_SUFFIXES`: pictures, archives, weights) inside folders.
     """
     for item in _inputs(paths):
         yield from _READERS[item.kind](item, text_field)
@@ -242,7 +248,8 @@ def _inputs(paths: Paths) -> list[_Input]:
             continue
         inside = _folder_inputs(given)
         if not inside:
-            raise DataError(f"{given}: a folder with no readable file (hidden files and folders are skipped)")
+            raise DataError(f"{given}: a folder with no readable file (hidden files and folders, pictures, archives "
+                            f"and weights are skipped)")
         found += inside
     return found
 
@@ -263,7 +270,8 @@ def _folder_inputs(folder: str) -> list[_Input]:
             found.append(_dataset_input(here))
             dirs[:] = []
             continue
-        found += [_file_input(os.path.join(here, f)) for f in files if not f.startswith(".")]
+        found += [_file_input(os.path.join(here, f)) for f in files
+                  if not f.startswith(".") and not f.lower().endswith(NOT_TEXT_SUFFIXES)]
     return sorted(found, key=lambda item: item.path)
 
 

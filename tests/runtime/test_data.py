@@ -142,6 +142,17 @@ def test_folder_recursive_sorted_hidden_skipped_datasets_inside(tmp_path):
                     Document(f"{saved}[0]", "row")]
 
 
+def test_pictures_in_a_folder_are_passed_over_but_refused_when_named(tmp_path):
+    """A docs folder with its images trains on the text; a picture named on the command line is an error."""
+    root = tmp_path / "docs"
+    _write(root / "guide.md", "words")
+    (root / "img").mkdir()
+    (root / "img" / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    assert list(read_documents([str(root)])) == [Document(str(root / "guide.md"), "words")]
+    with pytest.raises(DataError, match=r"plot\.png: a binary file"):
+        list(read_documents([str(root / "img" / "plot.png")]))
+
+
 # ---------------------------------------------------------------- bad input: one DataError line naming the file
 
 
@@ -189,8 +200,8 @@ BAD = {  # name -> (make the input under tmp, the fragments its message must con
     "empty_folder": (lambda t: str((t / "empty").mkdir() or t / "empty"), ["{p}: a folder with no readable file"]),
     "only_hidden_files": (lambda t: os.path.dirname(_write(t / "h" / ".x.txt", "hidden")),
                           ["{p}: a folder with no readable file"]),
-    "binary_file_in_folder": (lambda t: os.path.dirname(_write(t / "f" / "img.png", b"\x89PNG\r\n\x1a\n\0\0")),
-                              ["{p}/img.png: a binary file (NUL byte at offset 8)"]),
+    "binary_file_in_folder": (lambda t: os.path.dirname(_write(t / "f" / "notes.txt", b"\x89PNG\r\n\x1a\n\0\0")),
+                              ["{p}/notes.txt: a binary file (NUL byte at offset 8)"]),
 }
 
 
