@@ -122,6 +122,153 @@ def build_model(model_dir: str | os.PathLike, *, seed: int = 0, attn: str = "sdp
     return model.float().train()
 
 
+class LocalStages:
+    """The model cut into stages with only the stages this rank holds made real: memory for a rank's share
+    of the model, not the whole of it on every rank.
+
+    The model is built on the meta device (shapes only) and cut; the held stages are then
+    materialised on the CPU and filled module by module: from the directory's safetensors (only
+    the tensors these stages own are read), and otherwise by the model's own `_init_weights`
+    (transformers' per-module initialisation, which also computes the rotary and embedding-scale
+    buffers) under a seed derived from the seed and the module's name, so a module starts from the
+    same values whichever rank holds it and however the model is cut.  Every tensor is poisoned
+    (NaN) before it is filled and checked after: an architecture whose initialisation leaves a
+    tensor unfilled, or a weights file that lacks one, raises `NotLocal` and the caller builds the
+    whole model instead (`build_model`).  Parameters shared inside the held stages stay one object;
+    ties across stages are found on the meta model (`ties`) and passed to `Pipeline(ties=…)`.
+    """
+
+    class NotLocal(Exception):  # noqa: N818 - a reason to build the whole model instead, not an error
+        pass
+
+    def __init__(self, model_dir: str | os.PathLike, num_stages: int, split: dict[str, Any], held: set[int], *,
+                 seed: int = 0, attn: str = "sdpa") -> None:
+        from .hf import causal_lm_stages
+        from .ties import find_ties
+
+        tf = _require_transformers()
+        config = tf.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        self.model = model
+        self.stages = causal_lm_stages(model, num_stages, **split)
+        self.ties = find_ties(self.stages)
+        self.held = set(held)
+        prefixes = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        aliases: dict[int, list[str]] = {}  # a meta tensor -> every HF name it has (a tied head: two)
+        for n, t in model.state_dict(keep_vars=True).items():
+            aliases.setdefault(id(t), []).append(n)
+        modules = list({id(m): m for s in sorted(self.held) for m in self.stages[s].modules()
+                        if id(m) in prefixes}.values())
+        slots = [(m, kind, attr, prefixes[id(m)], aliases.get(id(t), [])) for m in modules
+                 for kind, table in (("param", m._parameters), ("buffer", m._buffers))
+                 for attr, t in table.items() if t is not None]
+        if any(not t.is_floating_point() for m, kind, attr, *_ in slots
+               for t in [(m._parameters if kind == "param" else m._buffers)[attr]]):
+            raise self.NotLocal("a non-float buffer, which cannot be checked for being filled")
+        _materialize(modules, slots)
+        weights = _weights_reader(model_dir)
+        for m, kind, attr, prefix, names in slots:
+            t = (m._parameters if kind == "param" else m._buffers)[attr]
+            name = f"{prefix}.{attr}" if prefix else attr
+            if weights is not None:
+                key = next((k for k in (name, *names) if k in weights.keys), None)
+                if key is not None:
+                    with torch.no_grad():
+                        t.copy_(weights.get(key))
+                    t._is_hf_initialized = True
+                elif kind == "param":
+                    raise self.NotLocal(f"{name} is not in the weights file under its own name")
+        held_ids = {id(m) for m in modules}
+        owners: dict[int, int] = {}
+        for m in modules:
+            for p in m._parameters.values():
+                if p is not None:
+                    owners[id(p)] = owners.get(id(p), 0) + 1
+        for m, init in _post_order(model, model._init_weights):  # transformers' order: children, then the parent
+            if id(m) not in held_ids:
+                continue
+            torch.manual_seed(_module_seed(seed, prefixes[id(m)]))
+            init(m)
+            for p in m._parameters.values():  # a weight two modules share (a tied head) is set by the first
+                if p is not None and owners[id(p)] > 1:
+                    p._is_hf_initialized = True
+        for m, kind, attr, prefix, _ in slots:
+            t = (m._parameters if kind == "param" else m._buffers)[attr]
+            if torch.isnan(t).any():
+                raise self.NotLocal(f"{prefix}.{attr} was left unfilled by {type(model).__name__}._init_weights")
+
+    def __call__(self, stage: int) -> nn.Module:
+        if stage not in self.held:
+            raise ModelDirError(f"stage {stage} is not one of the stages this rank was built with "
+                                f"({sorted(self.held)})")
+        return self.stages[stage]
+
+
+def _materialize(modules: list[nn.Module], slots: list) -> None:
+    """Real, NaN-filled CPU storage for every parameter and buffer of `modules`, keeping shared parameters one
+    object (`to_empty` would give each module its own copy)."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    for m, kind, attr, *_ in slots:
+        if kind == "param":
+            first.setdefault(id(m._parameters[attr]), (m, attr))
+    shared = {(id(m), attr): first[id(m._parameters[attr])] for m, kind, attr, *_ in slots if kind == "param"}
+    for m in modules:
+        m.to_empty(device="cpu", recurse=False)
+    for m, kind, attr, *_ in slots:
+        owner, owner_attr = shared.get((id(m), attr), (m, attr))
+        if kind == "param" and (owner is not m or owner_attr != attr):
+            m._parameters[attr] = owner._parameters[owner_attr]
+    with torch.no_grad():
+        for m, kind, attr, *_ in slots:
+            (m._parameters if kind == "param" else m._buffers)[attr].fill_(float("nan"))
+
+
+def _post_order(module: nn.Module, init: Any) -> list[tuple[nn.Module, Any]]:
+    """(module, the `_init_weights` that initialises it) children first, as transformers' `smart_apply` runs
+    them: a parent may re-initialise its children's weights (GPT-2 scales its residual projections)."""
+    out = []
+    for child in module.children():
+        out += _post_order(child, getattr(child, "_init_weights", init) if hasattr(child, "config") else init)
+    out.append((module, init))
+    return out
+
+
+def _module_seed(seed: int, name: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+class _Weights:
+    """The tensors of a directory's safetensors files, read one at a time by name."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files  # tensor name -> file
+        self.keys = set(files)
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name).float()
+
+
+def _weights_reader(model_dir: str | os.PathLike) -> _Weights | None:
+    p = Path(model_dir)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        mapping = json.loads(index.read_text())["weight_map"]
+        return _Weights({k: p / v for k, v in mapping.items()})
+    single = p / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return _Weights(dict.fromkeys(f.keys(), single))
+    return None
+
+
 def tokenizer_files(model_dir: str | os.PathLike) -> dict[str, bytes]:
     """The directory's tokenizer (and generation config) files, to travel with checkpoints."""
     out = {}

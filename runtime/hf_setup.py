@@ -55,7 +55,8 @@ def hf_config(args: argparse.Namespace, program: Any, batch: int, out: Path) -> 
             data.eval_batches(heldout, batch, 0, args.dp)  # raises, naming the sizes
         eval_at_end = False
         notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
-    _check_memory(args, md, program.num_ranks * args.dp)
+    _check_memory(args, md)
+    _check_architecture(md, split, args.attn or _attention(md))
     described = f"{train.describe()} for training, {len(heldout)} held out"
     return {"model": str(md.path.resolve()), "attn": args.attn or _attention(md), "packing": args.packing,
             "doc_mask": args.doc_mask, "eval_fraction": args.eval_fraction, "eval_every": args.eval_every,
@@ -84,17 +85,58 @@ def _attention(md: Any) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def _check_memory(args: argparse.Namespace, md: Any, nprocs: int) -> None:
-    """Every rank builds the whole model in fp32 before keeping its stages; its stages' gradients and Adam's
-    moments come on top (at most the whole model's once more, x3)."""
+def _check_memory(args: argparse.Namespace, md: Any) -> None:
+    """Each rank builds only its stages (hf_io.LocalStages): in all, every dp replica holds the model once, with
+    its gradients and Adam's two moments — 16 bytes a parameter in fp32, before ZeRO shards any of it."""
     if args.allow_oversubscribe:
         return
     params = _count_parameters(md.config)
-    need, memory = 4 * params * nprocs + 12 * params, total_memory()
+    need, memory = 16 * params * args.dp, total_memory()
     if memory and need > memory:
-        raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {nprocs} processes need about "
-                           f"{need / 2**30:.3g} GiB, more than this machine's {memory / 2**30:.3g} GiB "
-                           f"(--allow-oversubscribe to run anyway)")
+        raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {args.dp} data-parallel replica(s) need "
+                           f"about {need / 2**30:.3g} GiB (16 bytes a parameter), more than this machine's "
+                           f"{memory / 2**30:.3g} GiB (--allow-oversubscribe to run anyway)")
+
+
+MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's model: at most this much, or it is skipped with a note
+
+
+def _check_architecture(md: Any, split: dict[str, Any], attn: str) -> None:
+    """The model's stages reproduce its own forward (`hf.check_split`), tried once here on a shallow copy of
+    the architecture — one decoder layer of each type, a vocabulary of at most 1024 — with random weights, so
+    that an architecture pipedsl does not split exactly is refused before any rank starts, at a cost that
+    does not grow with the model's depth or vocabulary."""
+    import copy
+
+    import torch
+    import transformers as tf
+
+    from .hf import causal_lm_stages, check_split
+
+    config = copy.deepcopy(md.config)
+    types = getattr(config, "layer_types", None)
+    if types:
+        config.layer_types = list(dict.fromkeys(types))
+    layers = len(config.layer_types) if types else min(2, int(getattr(config, "num_hidden_layers", 2) or 2))
+    for name in ("num_hidden_layers", "n_layer"):
+        if hasattr(config, name):
+            setattr(config, name, layers)
+    config.vocab_size = min(int(config.vocab_size), 1024)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, name, None)
+    if 4 * _count_parameters(config) > MAX_CHECK_BYTES:
+        print(f"note: the architecture check is skipped (one layer of {md.path.name} is larger than "
+              f"{MAX_CHECK_BYTES / 2**30:g} GiB)", flush=True)
+        return
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    try:
+        check_split(model, causal_lm_stages(model, min(2, layers + 2), attention_mask=split["attention_mask"],
+                                            position_ids=split["position_ids"]))
+    except PipeDSLError as err:
+        raise PipeDSLError(f"{md.path}: {err.message}") from None
 
 
 def _count_parameters(config: Any) -> int:
@@ -102,7 +144,7 @@ def _count_parameters(config: Any) -> int:
     import transformers as tf
 
     with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -39,6 +39,7 @@ class GPTSource:
     """The small GPT on synthetic tokens (`pipedsl train` without `--model`)."""
 
     batch_mode = "global"
+    ties = None  # found in the stage list
 
     def __init__(self, cfg: dict[str, Any], program: pipedsl.Program) -> None:
         from .gpt import GPT, CausalSelfAttention, gpt_loss
@@ -93,15 +94,25 @@ class HFSource:
 
     batch_mode = "local"
 
-    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program) -> None:
+    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program, pp_rank: int) -> None:
         from . import data, hf, hf_io
 
         self.cfg = cfg
         hfc = cfg["hf"]
-        model = hf_io.build_model(hfc["model"], seed=cfg["seed"], attn=hfc["attn"])
-        stages = hf.causal_lm_stages(model, program.num_stages, **hfc["split"])
-        hf.check_split(model, stages)  # every rank alike: an architecture the stages do not reproduce stops here
-        self.stages = stages
+        held = {s for (_, s), r in program.placement.items() if r == pp_rank}
+        self.ties: list | None = None
+        try:  # only this rank's stages, read or initialised module by module (hf_io.LocalStages)
+            local = hf_io.LocalStages(hfc["model"], program.num_stages, hfc["split"], held, seed=cfg["seed"],
+                                      attn=hfc["attn"])
+            self.stages: Any = local
+            self.ties = local.ties
+            model = local.model
+        except hf_io.LocalStages.NotLocal as why:
+            if pp_rank == 0:
+                print(f"note: building the whole model on every rank ({why})", flush=True)
+            model = hf_io.build_model(hfc["model"], seed=cfg["seed"], attn=hfc["attn"])
+            self.stages = hf.causal_lm_stages(model, program.num_stages, **hfc["split"])
+            hf.check_split(model, self.stages)  # every rank alike: stops an architecture the stages do not reproduce
         self.token = cfg.get("loss_reduction", "token") == "token"
         self.loss_fn = functools.partial(hf.causal_lm_loss, reduction="sum") if self.token else hf.causal_lm_loss
         self.recompute_filter = _is_attention
@@ -173,14 +184,15 @@ def gpt_config(cfg: dict[str, Any]) -> Any:
 def train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Every rank: build the pipeline, restore a checkpoint if asked, train to `cfg["steps"]`."""
     program = pipedsl.Program.from_json(program_json)
-    source = HFSource(cfg, program) if cfg.get("hf") else GPTSource(cfg, program)
     parallel = None
     dp, zero = cfg.get("dp", 1), cfg.get("zero", 0)
     if dp > 1 or zero:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
         parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, zero=zero))
+    pp_rank = parallel.coords.pp if parallel is not None else rank
+    source = HFSource(cfg, program, pp_rank) if cfg.get("hf") else GPTSource(cfg, program)
     pipe = pipedsl.Pipeline(source.stages, program=program, loss_fn=source.loss_fn, parallel=parallel,
-                            batch=source.batch_mode, precision=cfg.get("precision", "fp32"),
+                            ties=source.ties, batch=source.batch_mode, precision=cfg.get("precision", "fp32"),
                             loss_reduction="token" if source.token else "microbatch",
                             recompute=cfg.get("recompute", "none"), recompute_filter=source.recompute_filter)
     del source.stages
