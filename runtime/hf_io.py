@@ -2,10 +2,10 @@
 
 In: `inspect_model_dir(DIR)` reads and checks a local model directory *before any rank
 starts* (the config transformers builds, weights present or not, positions, vocabulary);
-`build_model(...)` then makes the model on each rank — fine-tuning from the directory's
-safetensors weights when it has them, random initialisation from the config (seeded, the
-same on every rank) when it has only `config.json`.  Nothing is downloaded
-(`local_files_only=True`).
+`LocalStages(...)` then makes on each rank only the stages it holds — from the directory's
+safetensors weights when it has them, from a seeded random initialisation when it has only
+`config.json` — and `build_model(...)` the whole model where that cannot be done exactly.
+Nothing is downloaded (`local_files_only=True`).
 
 Out: `export_hf(CHECKPOINT, OUT)` turns a pipedsl checkpoint of any dp × pp layout and ZeRO
 stage into a `save_pretrained` directory (safetensors, config, tokenizer) that
