@@ -14,11 +14,12 @@ from __future__ import annotations
 import csv
 import io
 import re
+from typing import NamedTuple
 
 from pipedsl.errors import ValidationError
 from pipedsl.ir import Instr, Op, Program, check_size
 from pipedsl.limits import MAX_MICROBATCHES, MAX_RANKS, MAX_STAGES, shorten
-from pipedsl.lowering import ComputeOp, ComputePlan, lower
+from pipedsl.lowering import ComputeOp, ComputePlan, lower, parts
 from pipedsl.validate import validate
 
 _ACTION = re.compile(r"(\d+)(F|B|I|W)(\d+)")
@@ -58,6 +59,7 @@ def from_torch_csv(text: str, name: str = "torch") -> Program:
                               f"(MAX_RANKS)")
     orders: list[list[ComputeOp]] = []
     placement: dict[tuple[int, int], int] = {}
+    cells: dict[tuple[Op, int, int], _Cell] = {}  # (kind, mb, stage) -> where the CSV runs it
     for r, row in enumerate(rows):
         order: list[ComputeOp] = []
         for col, cell in enumerate(row, 1):
@@ -68,23 +70,96 @@ def from_torch_csv(text: str, name: str = "torch") -> Program:
                 op = _compute(cell)
             except ValueError as err:
                 raise ValidationError(f"torch CSV row {r + 1} (rank {r}) cell {col}: {err}") from None
-            for _, _, s, _ in (op[1], op[2]) if op[0] is Op.OVERLAP else (op,):
+            where = _Cell(r, col, cell)
+            for kind, mb, s, _ in parts(op):
                 if placement.setdefault((0, s), r) != r:
-                    raise ValidationError(f"torch CSV row {r + 1} (rank {r}) cell {col} ({cell}): stage {s} "
-                                          f"also has actions on rank {placement[(0, s)]}")
+                    raise ValidationError(f"{where}: stage {s} also has actions on rank {placement[(0, s)]}")
+                first = cells.setdefault((kind, mb, s), where)
+                if first is not where:
+                    raise ValidationError(f"{where}: {_name(kind, mb, s)} is also in {first.place}; each action "
+                                          f"runs once")
             order.append(op)
         orders.append(order)
-    mbs = [m for order in orders for op in order for (_, m, _, _) in ((op[1], op[2]) if op[0] is Op.OVERLAP
-                                                                     else (op,))]
-    if not mbs:
+    if not cells:
         raise ValidationError("torch CSV has no compute action")
-    S, M = max(s for _, s in placement) + 1, max(mbs) + 1
+    S, M = max(s for _, s in placement) + 1, max(mb for _, mb, _ in cells) + 1
     check_size(len(orders), M, S, 1)  # before anything loops over stages or microbatches
     missing = [s for s in range(S) if (0, s) not in placement]
     if missing:
         raise ValidationError(f"torch CSV: stage {missing[0]} has no action on any rank")
+    _check_orders(orders, cells, placement, S, M)
     plan = ComputePlan(name, {"P": len(orders), "M": M}, S, 1, placement, (0,) * M, orders)
     return validate(lower(plan))
+
+
+class _Cell(NamedTuple):
+    """Where a torch CSV runs an action: row `rank + 1`, 1-based column, the cell's text."""
+
+    rank: int
+    col: int
+    text: str
+
+    @property
+    def place(self) -> str:
+        return f"row {self.rank + 1} (rank {self.rank}) cell {self.col} ({self.text})"
+
+    def __str__(self) -> str:
+        return f"torch CSV {self.place}"
+
+
+def _name(kind: Op, mb: int, stage: int) -> str:
+    return f"{stage}{_KINDS[kind]}{mb}"
+
+
+def _needs(kind: Op, s: int, S: int) -> list[tuple[tuple[Op, ...], int, str]]:
+    """What an action on stage s consumes: (the kinds that make it, their stage, what it is)."""
+    if kind is Op.F:
+        return [((Op.F,), s - 1, f"its input (the forward of stage {s - 1})")] if s > 0 else []
+    if kind is Op.W:
+        return [((Op.I,), s, "its input-gradient backward")]
+    grad = [((Op.B, Op.I), s + 1, f"its output gradient (the backward of stage {s + 1})")] if s < S - 1 else []
+    return [((Op.F,), s, "its forward"), *grad]
+
+
+def _check_orders(orders: list[list[ComputeOp]], cells: dict[tuple[Op, int, int], _Cell],
+                  placement: dict[tuple[int, int], int], S: int, M: int) -> None:
+    """Before lowering: every action's inputs are somewhere in the CSV and, when made on the same
+    rank, earlier in its row; every microbatch and stage gets a forward and one backward, full (B)
+    or split (I then W).  Waits between ranks are the validator's (a dry run after lowering)."""
+    for r, order in enumerate(orders):
+        done: set[tuple[Op, int, int]] = set()
+        for entry in order:
+            halves = parts(entry)
+            for kind, mb, s, _ in halves:
+                at = cells[(kind, mb, s)]
+                for kinds, src, what in _needs(kind, s, S):
+                    have = [cells[(k, mb, src)] for k in kinds if (k, mb, src) in cells]
+                    wanted = " or ".join(_name(k, mb, src) for k in kinds)
+                    home = placement[(0, src)]
+                    if not have:
+                        raise ValidationError(f"{at}: needs {wanted}, {what}, which no row runs (rank {home} "
+                                              f"holds stage {src})")
+                    if home == r and not any((k, mb, src) in done for k in kinds):
+                        where = ("in the same pair: the halves of a pair run together, so neither may need the other"
+                                 if have[0] == at else f"later, in cell {have[0].col} ({have[0].text})")
+                        raise ValidationError(f"{at}: runs before {wanted}, {what}, which this rank runs {where}")
+            done.update((kind, mb, s) for kind, mb, s, _ in halves)
+    for mb in range(M):
+        for s in range(S):
+            home = placement[(0, s)]
+            if (Op.F, mb, s) not in cells:
+                raise ValidationError(f"torch CSV: no row runs {_name(Op.F, mb, s)}, the forward of microbatch {mb} "
+                                      f"through stage {s} (rank {home} holds stage {s})")
+            full, split = cells.get((Op.B, mb, s)), cells.get((Op.I, mb, s))
+            if full and split:
+                raise ValidationError(f"{split}: microbatch {mb} stage {s} also has a full backward ({full.place}); "
+                                      f"a backward is either full (B) or split (I then W)")
+            if not full and not split:
+                raise ValidationError(f"torch CSV: no row runs a backward of microbatch {mb} through stage {s} "
+                                      f"({_name(Op.B, mb, s)}, or {_name(Op.I, mb, s)} and {_name(Op.W, mb, s)}; "
+                                      f"rank {home} holds stage {s})")
+            if split and (Op.W, mb, s) not in cells:
+                raise ValidationError(f"{split}: no row runs its weight gradient {_name(Op.W, mb, s)} (rank {home})")
 
 
 def _compute(cell: str) -> ComputeOp:

@@ -4,6 +4,8 @@ loads them as programs (torch's own dump included; its runtime test is tests/run
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import pipedsl
 from pipedsl import ValidationError
@@ -48,3 +50,85 @@ def test_torch_csv_on_the_command_line(tmp_path, capsys):
 def test_bad_torch_csv_is_one_clear_error(text, error):
     with pytest.raises(ValidationError, match=error):
         pipedsl.from_torch_csv(text)
+
+
+def torchs_1f1b_order(P: int, M: int) -> str:
+    """torch's own Schedule1F1B._get_pipeline_order (reads only sizes) as CSV rows: its last rank
+    starts at F1, runs B0 before any F0 and ends at F{M} — an order torch's runtime never loads."""
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+
+    schedule = Schedule1F1B.__new__(Schedule1F1B)
+    schedule._num_stages, schedule._n_microbatches = P, M
+    order = schedule._get_pipeline_order()
+    return "".join(",".join(str(a) for a in order[r] if a is not None) + "\n" for r in range(P))
+
+
+@pytest.mark.parametrize("text, error", [
+    # the issue's example: rank 1's forward of microbatch 1 needs a forward rank 0 never runs (was a KeyError)
+    ("0F0,0B0\n1F1,1B0\n", r"^invalid program: torch CSV row 2 \(rank 1\) cell 1 \(1F1\): needs 0F1, its input "
+                           r"\(the forward of stage 0\), which no row runs \(rank 0 holds stage 0\)$"),
+    (torchs_1f1b_order(4, 8), r"row 4 \(rank 3\) cell 2 \(3B0\): needs 3F0, its forward, which no row runs"),
+    ("0F0,0B0,1F0\n", r"cell 2 \(0B0\): needs 1B0 or 1I0, its output gradient \(the backward of stage 1\), which no "
+                      r"row runs"),
+    ("0F0,0W0\n", r"cell 2 \(0W0\): needs 0I0, its input-gradient backward, which no row runs"),
+    ("0B0,0F0\n", r"cell 1 \(0B0\): runs before 0F0, its forward, which this rank runs later, in cell 2 \(0F0\)"),
+    ("0F0,1F0,0B0,1B0\n", r"cell 3 \(0B0\): runs before 1B0 or 1I0, its output gradient .* later, in cell 4"),
+    ("(0F0;0B0)OVERLAP_F_B\n", r"runs before 0F0, its forward, which this rank runs in the same pair"),
+    ("0F0,0F0,0B0\n", r"row 1 \(rank 0\) cell 2 \(0F0\): 0F0 is also in row 1 \(rank 0\) cell 1 \(0F0\); each action"),
+    ("0F0\n1F0,1B0\n", r"^invalid program: torch CSV: no row runs a backward of microbatch 0 through stage 0 "
+                       r"\(0B0, or 0I0 and 0W0; rank 0 holds stage 0\)$"),
+    ("0F0,0B0,0F2,0B2\n", r"^invalid program: torch CSV: no row runs 0F1, the forward of microbatch 1 through stage 0 "
+                          r"\(rank 0 holds stage 0\)$"),
+    ("0F0,0I0\n", r"cell 2 \(0I0\): no row runs its weight gradient 0W0 \(rank 0\)"),
+    ("0F0,0I0,0W0,0B0\n", r"cell 2 \(0I0\): microbatch 0 stage 0 also has a full backward \(row 1 \(rank 0\) cell 4"),
+])
+def test_an_order_missing_or_misplacing_an_input_names_the_rank_the_action_and_what_is_missing(text, error):
+    with pytest.raises(ValidationError, match=error):
+        pipedsl.from_torch_csv(text)
+
+
+def test_a_torch_csv_program_file_with_a_missing_action_says_what_is_missing(tmp_path):
+    """`pipedsl run --program` read "malformed csv program: KeyError: (<Op.F: 'F'>, 0, 1, 0)"."""
+    from pipedsl.runtime.program_file import read_program
+
+    path = tmp_path / "torch1f1b.csv"
+    path.write_text(torchs_1f1b_order(2, 4))
+    with pytest.raises(ValidationError) as err:
+        read_program(path)
+    assert err.value.message == (f"{path}: torch CSV row 2 (rank 1) cell 2 (1B0): needs 1F0, its forward, which no "
+                                 f"row runs (rank 1 holds stage 1)")
+
+
+def test_ranks_waiting_on_each_other_in_a_torch_csv_are_the_validators_deadlock():
+    """Inputs present and in order on each rank, but each rank waits for the other's message."""
+    with pytest.raises(pipedsl.DeadlockError, match="the ranks wait on each other in a cycle: rank 0 waits"):
+        pipedsl.from_torch_csv("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
+
+
+TORCH_BASE = [pipedsl.to_torch_csv(pipedsl.load(name).compile(P=2, M=4)) for name in ("1f1b", "zb-h1", "dualpipev")]
+
+
+@given(st.sampled_from(TORCH_BASE), st.lists(st.tuples(st.sampled_from(["drop", "dup", "swap", "move"]),
+                                                       st.integers(0, 1000), st.integers(0, 1000)), min_size=1, max_size=3))
+def test_every_mutated_torch_order_loads_or_is_one_validation_error(text, edits):
+    """Cells dropped, repeated, swapped within a row or moved to another: never a bare exception."""
+    rows = [line.split(",") for line in text.splitlines()]
+    for what, a, b in edits:
+        row = rows[a % len(rows)]
+        if not row:
+            continue
+        i, j = a % len(row), b % len(row)
+        if what == "drop":
+            del row[i]
+        elif what == "dup":
+            row.insert(j, row[i])
+        elif what == "swap":
+            row[i], row[j] = row[j], row[i]
+        else:
+            rows[b % len(rows)].insert(j, row.pop(i))
+    try:
+        program = pipedsl.from_torch_csv("".join(",".join(row) + "\n" for row in rows))
+    except ValidationError as err:
+        assert str(err).startswith(("invalid program: torch CSV", "deadlock:", "invalid program: rank")), str(err)
+    else:
+        assert program.meta["validated"]
