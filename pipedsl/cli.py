@@ -16,13 +16,14 @@ from pipedsl import output as output_file
 from pipedsl.arguments import add_param, add_sizes, params_of, positive_int
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeSemanticError
+from pipedsl.ir import Program
 from pipedsl.library import builtin_names, load
 from pipedsl.limits import MAX_COMPUTE_OPS, MAX_RANKS
 from pipedsl.plan import cli as plan_cli
 from pipedsl.runtime import train_cli
 from pipedsl.simulate import Cost, simulate
 from pipedsl.timeline import Timeline
-from pipedsl.torch_csv import to_torch_csv
+from pipedsl.torch_csv import to_torch_csv, torch_numbering
 from pipedsl.visualize import show
 
 EXIT_USAGE = 2
@@ -72,10 +73,23 @@ def _compile(args: argparse.Namespace):
 
 def cmd_compile(args: argparse.Namespace) -> int:
     _, program = _compile(args)
+    if args.format == "torch-csv":
+        _note_torch_numbering(program)
     text = {"text": program.to_text, "json": program.to_json, "csv": program.to_csv,
             "torch-csv": lambda: to_torch_csv(program)}[args.format]()
     _write(text if text.endswith("\n") else text + "\n", args.output)
     return 0
+
+
+def _note_torch_numbering(program: Program) -> None:
+    """Say so on stderr when torch's microbatch numbers are not pipedsl's (torch_csv.torch_numbering)."""
+    number = torch_numbering(program)
+    moved = [f"{m}→{n}" for m, n in enumerate(number) if m != n]
+    if moved:
+        shown = ", ".join(moved[:8]) + (", …" if len(moved) > 8 else "")
+        print(f"note: the last stage runs its forwards out of microbatch order and torch's runtime finds a loss by "
+              f"microbatch number, so the CSV numbers microbatches in that order (pipedsl→torch: {shown})",
+              file=sys.stderr)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

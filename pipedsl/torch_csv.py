@@ -3,7 +3,8 @@
 torch writes and reads (`_PipelineScheduleRuntime._load_csv`, format "compute_only") one row
 per rank, one action per cell: `{stage}{F|B|I|W}{microbatch}` (`2F0`, `5I3`) and overlapped
 pairs `({stage}F{mb};{stage}B{mb})OVERLAP_F_B`; its runtime infers the stage placement and
-adds the communication itself.  `to_torch_csv` writes a program's compute order that way;
+adds the communication itself.  `to_torch_csv` writes a program's compute order that way,
+numbering the microbatches in the order the last stage runs its forwards (`torch_numbering`);
 `from_torch_csv` reads such a file (compute_only, or compute_comms whose communication cells
 it drops) and lowers it to a validated pipedsl `Program`.  torch's schedules hold one model
 copy, so a program with replicas (Chimera, DualPipe) has no torch form.
@@ -28,24 +29,46 @@ _COMMS = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRA
 
 
 def to_torch_csv(program: Program) -> str:
-    """The program's compute order in torch's compute_only CSV (one row per rank)."""
-    if program.num_replicas != 1:
-        raise ValidationError(f"{program.name} runs {program.num_replicas} model copies; torch.distributed."
-                              f"pipelining schedules hold one, so it has no torch CSV form")
+    """The program's compute order in torch's compute_only CSV (one row per rank), microbatches
+    numbered as torch's runtime needs them (`torch_numbering`)."""
+    number = torch_numbering(program)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for stream in program.ranks:
-        writer.writerow([_action(i) for i in stream if i.op in _KINDS or i.op is Op.OVERLAP])
+        writer.writerow([_action(i, number) for i in stream if i.op in _KINDS or i.op is Op.OVERLAP])
     return out.getvalue()
+
+
+def torch_numbering(program: Program) -> tuple[int, ...]:
+    """torch's number for each microbatch of a one-copy program: the position of its forward
+    among the last stage's forwards.
+
+    torch's `_PipelineScheduleRuntime` appends the last stage's losses in the order its forwards
+    run but looks a backward's loss up by microbatch number (`_maybe_compute_loss`,
+    `_maybe_get_loss`), so a last stage running forwards out of number order gets another
+    microbatch's loss: wrong gradients, or an error.  Microbatches are interchangeable (each
+    takes its own chunk of inputs and targets; the gradients sum), so numbering them in that
+    order makes torch compute what pipedsl does, with the losses and outputs in chunk order."""
+    if program.num_replicas != 1:
+        raise ValidationError(f"{program.name} runs {program.num_replicas} model copies; torch.distributed."
+                              f"pipelining schedules hold one, so it has no torch CSV form")
+    validate(program)  # every microbatch once on the last stage
+    last = program.num_stages - 1
+    number = [0] * program.num_microbatches
+    forwards = (p.mb for ins in program.ranks[program.placement[(0, last)]] for p in ins.parts
+                if p.op is Op.F and p.stage == last)
+    for k, m in enumerate(forwards):
+        number[m] = k
+    return tuple(number)
 
 
 _KINDS = {Op.F: "F", Op.B: "B", Op.I: "I", Op.W: "W"}
 
 
-def _action(i: Instr) -> str:
+def _action(i: Instr, number: tuple[int, ...]) -> str:
     if i.sub is not None:
-        return f"({';'.join(map(_action, i.sub))})OVERLAP_F_B"
-    return f"{i.stage}{_KINDS[i.op]}{i.mb}"
+        return f"({';'.join(_action(part, number) for part in i.sub)})OVERLAP_F_B"
+    return f"{i.stage}{_KINDS[i.op]}{number[i.mb]}"
 
 
 def from_torch_csv(text: str, name: str = "torch") -> Program:

@@ -3,6 +3,10 @@ loads them as programs (torch's own dump included; its runtime test is tests/run
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,6 +14,7 @@ from hypothesis import strategies as st
 import pipedsl
 from pipedsl import ValidationError
 from pipedsl.cli import main
+from pipedsl.ir import COMPUTE
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "dualpipev", "interleaved", "v-half"])
@@ -132,3 +137,88 @@ def test_every_mutated_torch_order_loads_or_is_one_validation_error(text, edits)
         assert str(err).startswith(("invalid program: torch CSV", "deadlock:", "invalid program: rank")), str(err)
     else:
         assert program.meta["validated"]
+
+
+REVERSED = """schedule Reversed(P, M) {
+  stages P
+  place s
+  order F by -m    # every stage, the last included, runs its forwards from the last microbatch down
+  order B by -m
+  warmup min(P - r - 1, M)
+}"""
+
+
+def test_the_csv_numbers_microbatches_in_the_order_the_last_stage_runs_its_forwards(tmp_path, capsys):
+    """torch's runtime looks the last stage's losses up by microbatch number but stores them in forward order."""
+    program = pipedsl.Schedule.from_text(REVERSED).compile(P=3, M=5)
+    number = pipedsl.torch_csv.torch_numbering(program)
+    assert number == (4, 3, 2, 1, 0)
+    back = pipedsl.from_torch_csv(pipedsl.to_torch_csv(program))
+    last = [i.mb for i in back.ranks[2] if i.op is pipedsl.Op.F]
+    assert last == [0, 1, 2, 3, 4]  # torch's k-th loss is microbatch k's
+    renumbered = [[str(i._replace(mb=number[i.mb])) for i in stream if i.op in COMPUTE] for stream in program.ranks]
+    assert back.compute_orders() == renumbered  # the same schedule, only the names of the microbatches differ
+    (tmp_path / "rev.pipe").write_text(REVERSED)
+    assert main(["compile", str(tmp_path / "rev.pipe"), "-P", "3", "-M", "5", "--format", "torch-csv"]) == 0
+    err = capsys.readouterr().err
+    assert "the CSV numbers microbatches in that order (pipedsl→torch: 0→4, 1→3, 3→1, 4→0)" in err
+
+
+@pytest.mark.parametrize("name", [n for n in pipedsl.builtin_names() if n not in ("chimera", "dualpipe")])
+def test_no_builtin_is_renumbered(name, capsys):
+    for P, M in ((2, 4), (3, 6), (4, 8), (4, 12)):
+        program = pipedsl.load(name).compile(P=P, M=M)
+        assert pipedsl.torch_csv.torch_numbering(program) == tuple(range(M)), (name, P, M)
+    assert main(["compile", name, "-P", "4", "-M", "8", "--format", "torch-csv", "-o", os.devnull]) == 0
+    assert capsys.readouterr().err == ""
+
+
+TORCH_RUN = """
+import copy, sys, tempfile
+import torch, torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+def loss_fn(out, y):  # saves y only: torch detaching a stage output in place cannot turn a wrong loss into an error
+    return (out * y).mean()
+
+def gradient_error(path, M=3, S=2):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(Block() for _ in range(S))
+    ref = copy.deepcopy(model)
+    sched = _PipelineScheduleRuntime([PipelineStage(model[s], s, S, torch.device("cpu")) for s in range(S)],
+                                     n_microbatches=M, loss_fn=loss_fn)
+    sched._load_csv(path)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * M, 4, generator=g), torch.randn(2 * M, 4, generator=g)
+    sched.step(x, target=y)
+    (sum(loss_fn(ref[1](ref[0](xm)), ym) for xm, ym in zip(x.chunk(M), y.chunk(M))) / M).backward()
+    return max(((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(model.parameters(), ref.parameters()))
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+print(gradient_error(sys.argv[1]), gradient_error(sys.argv[2]))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_torchs_runtime_gets_one_process_gradients_from_the_renumbered_csv(tmp_path):
+    """One rank holding both stages, its last stage running forwards 2, 1, 0: torch's runtime pairs
+    each backward with another microbatch's loss from the order as written, and is exact on the export."""
+    order = "0F0,0F1,0F2,1F2,1F1,1F0,1B0,0B0,1B1,0B1,1B2,0B2\n"
+    (tmp_path / "as_written.csv").write_text(order)
+    (tmp_path / "exported.csv").write_text(pipedsl.to_torch_csv(pipedsl.from_torch_csv(order)))
+    assert (tmp_path / "exported.csv").read_text() == "0F2,0F1,0F0,1F0,1F1,1F2,1B2,0B2,1B1,0B1,1B0,0B0\n"
+    run = subprocess.run([sys.executable, "-c", TORCH_RUN, str(tmp_path / "as_written.csv"),
+                          str(tmp_path / "exported.csv")], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    as_written, exported = map(float, run.stdout.split())
+    assert as_written > 0.1 and exported < 1e-6, (as_written, exported)
