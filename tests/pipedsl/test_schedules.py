@@ -175,10 +175,25 @@ def test_interleaved_bubble_and_memory(size, cost):
     assert t.peak_activations == [min(M * V, 2 * (P - r - 1) + (V - 1) * P + 1) for r in range(P)]
 
 
+@pytest.mark.parametrize("P", range(2, 9))
+def test_interleaved_with_fewer_microbatches_than_ranks_is_torchs_one_round(P):
+    """torch 2.13 accepts M < P (one round of all M: G = M); Megatron refuses it (its G lies in P..M)."""
+    for M in range(1, P):
+        for V in (1, 2, 3, 4):
+            program = pipedsl.load("interleaved").compile(P=P, M=M, V=V)
+            assert program.params["G"] == M
+            assert program.compute_orders() == torch_interleaved(P, M, V), (P, M, V)
+            check_program(program, {(0, s): s % P for s in range(V * P)}, [0] * M)
+            t = pipedsl.simulate(program, F1B2)
+            slots = V * M + P - 1 + (V - 1) * (P - M)  # each chunk's round waits P - M slots
+            assert t.makespan == (F1B2.F + F1B2.B) * slots
+            assert t.peak_activations == [min(M * V, 2 * (P - r - 1) + (V - 1) * M + 1) for r in range(P)]
+
+
 @pytest.mark.parametrize("sizes,message", [
     ({"P": 4, "M": 9}, "last microbatch group, M % G, must be 0 or at least P"),  # torch: 9 % 2 rounds
     ({"P": 4, "M": 14}, "last microbatch group"),
-    ({"P": 4, "M": 3}, r"at least P microbatches \(M >= P\)"),
+    ({"P": 4, "M": 3, "G": 2}, r"group size G must be between P and M, or M when M < P"),  # torch: one round of M
     ({"P": 4, "M": 8, "G": 3}, "group size G must be between P and M"),
     ({"P": 4, "M": 8, "G": 9}, "group size G must be between P and M"),
     ({"P": 4, "M": 10, "G": 8}, "last microbatch group"),  # Megatron: remainder 2 < P
