@@ -31,7 +31,7 @@ Gradient accumulation over M microbatches (pipelines): `reduce="step"` (the defa
 the microbatches' gradients locally and reduces once, in `reduce_gradients()`, the hook the
 pipeline runtime calls at REDUCE_GRAD after the stage's last backward.  It moves the same
 bytes per step as data parallel (not M times them) and overlaps with the rest of the
-cooldown (DESIGN §8); its price is that a full-size gradient buffer lives from the first
+cooldown (parallel/README.md); its price is that a full-size gradient buffer lives from the first
 backward to the reduction, so stages 2 and 3 save gradient memory only at the step.
 `reduce="microbatch"` reduce-scatters every unit's gradient right after its backward, for
 every microbatch, into the [S] slice and frees the full one: true stage-2/3 gradient memory

@@ -2,7 +2,7 @@
 
 Compilation: bind parameters → evaluate `require`s and `let`s → placement (stage, replica
 → rank) and routing (microbatch → replica) → each rank's compute order → lowering →
-validation.  The order comes from one fixed rule (DESIGN §3): sort the rank's forwards by
+validation.  The order comes from one fixed rule (docs/language.md): sort the rank's forwards by
 the `order F` key and its backwards by the `order B` key (ties by microbatch, stage,
 replica); emit `warmup` forwards, then one forward and one backward alternately until the
 forwards run out, then the remaining backwards.  With `merge` instead of `warmup`, the

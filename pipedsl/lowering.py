@@ -1,6 +1,6 @@
 """Per-rank compute orders → `Program`: insert messages, gradient reductions and the step.
 
-Rules (DESIGN §5):
+Rules (docs/architecture.md, "Receives follow the sender's order"):
 - a SEND goes right after the op that produces the tensor; adjacent stages on one rank hand
   over locally, without messages;
 - a RECV sits before the op that consumes it, but never after a later message from the same

@@ -1,4 +1,4 @@
-"""Predict a program's timeline from a cost model (DESIGN §6)."""
+"""Predict a program's timeline from a cost model (docs/architecture.md, "The language")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The per-rank interpreter of one instruction stream (DESIGN §7).
+"""The per-rank interpreter of one instruction stream (docs/architecture.md, "The runtime").
 
 A dispatch table maps each op kind to a handler.  Receives are *posted* (`irecv`) ahead of
 their place in the stream, within a bounded look-ahead and in the stream's order per peer,

@@ -3,7 +3,7 @@
 References are re-derived here from their sources, never from the .pipe files: Megatron-LM's
 interleaved microbatch/chunk arithmetic, the Chimera authors' generator (and the published
 P = 4 order), torch.distributed.pipelining's ScheduleLoopedBFS and ScheduleZBVZeroBubble,
-and the bubble / memory formulas of DESIGN §9.
+and the bubble / memory formulas of docs/schedules.md (Summary).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pipedsl
 from pipedsl.cli import main
 from pipedsl.ir import COMPUTE, RECVS, SENDS, Op, Program
 
-UNIT = pipedsl.Cost(F=1, B=1)  # "uniform costs" (DESIGN §9)
+UNIT = pipedsl.Cost(F=1, B=1)  # "uniform costs" (docs/schedules.md)
 F1B2 = pipedsl.Cost(F=1, B=2)
 
 
@@ -213,7 +213,7 @@ CHIMERA_P4 = """\
 r0: F0.0 F1.0 F2.3 B2.3 F3.3 B3.3 B0.0 B1.0
 r1: F0.1 F2.2 F1.1 F3.2 B2.2 B0.1 B3.2 B1.1
 r2: F2.1 F0.2 F3.1 F1.2 B0.2 B2.1 B1.2 B3.1
-r3: F2.0 F3.0 F0.3 B0.3 F1.3 B1.3 B2.0 B3.0"""  # DESIGN §9, from the authors' generator
+r3: F2.0 F3.0 F0.3 B0.3 F1.3 B1.3 B2.0 B3.0"""  # docs/schedules.md (Chimera), from the authors' generator
 
 
 def chimera_authors(P: int) -> list[list[str]]:
@@ -303,7 +303,7 @@ def test_hanayo_reaches_the_bound_with_uniform_costs(size):
     # no message at the turns: only P-1 of every P stage boundaries cross ranks
     assert sum(1 for stream in program.ranks for i in stream if i.op in SENDS) == 2 * M * 2 * W * (P - 1)
     t = pipedsl.simulate(program, UNIT)
-    assert frac(t.bubble_ratio) == Fraction(P - 1, 2 * W * M + P - 1)  # the lower bound, DESIGN §9
+    assert frac(t.bubble_ratio) == Fraction(P - 1, 2 * W * M + P - 1)  # the lower bound, docs/schedules.md (Summary)
 
 
 def hanayo_peaks(P: int, M: int, W: int) -> list[int]:
