@@ -12,7 +12,8 @@ from pipedsl.library import load
 from pipedsl.limits import MAX_PLAN_GPUS, MAX_PLAN_SIZE, MAX_PLAN_TOP, PLAN_RATE_RANGE, shorten
 from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
 from pipedsl.plan.model import MODELS, ModelSpec, model_preset
-from pipedsl.plan.search import PlanResult, search
+from pipedsl.plan.search import TIES, PlanResult, search
+from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, column, scaled
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -106,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _short(e) -> str:
-    return "nothing fits" if e is None else f"{e.iteration:.2f} s/iteration, {e.tflops:.0f} TFLOP/s/GPU ({e.layout})"
+    if e is None:
+        return "nothing fits"
+    return f"{scaled(e.iteration, SECONDS)}/iteration, {scaled(e.tflops * 1e12, FLOPS)}/GPU ({e.layout})"
 
 
 def _calibrated(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
@@ -127,19 +130,36 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
 
     m, c = result.model, result.cluster
     console = Console(width=200)
-    console.print(f"[bold]{m.name}[/]: {m.params / 1e9:.1f}B parameters, {m.layers} layers, h={m.hidden}, "
+    console.print(f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters, {m.layers} layers, h={m.hidden}, "
                   f"a={m.heads}, s={m.seq}, V={m.vocab}, batch {m.global_batch} — on {c.gpus} × {c.name} "
-                  f"({c.gpus_per_node}/node, {c.peak_flops / 1e12:.0f} TFLOP/s, {c.memory / GB:.0f} GB)")
-    table = Table(title="ranked (pipeline simulated on each schedule's compiled program)")
-    for col in ("#", "layout", "iteration s", "TFLOP/s/GPU", "MFU", "params GB", "grads GB", "optim GB",
-                "activ GB", "peak live", "tp s", "pp s", "dp s", "zero3 s"):
-        table.add_column(col, justify="left" if col == "layout" else "right")
-    for i, e in enumerate(result.ranked, 1):
-        st = e.memory.states
-        table.add_row(str(i), str(e.layout), f"{e.iteration:.3f}", f"{e.tflops:.1f}", f"{e.mfu:.1%}",
-                      f"{st.params / GB:.1f}", f"{st.grads / GB:.1f}", f"{st.optimizer / GB:.1f}",
-                      f"{e.memory.activations / GB:.1f}", str(e.memory.peak_live),
-                      *(f"{e.comm[k]:.3f}" for k in ("tp", "pp", "dp", "zero3")))
+                  f"({c.gpus_per_node}/node, {scaled(c.peak_flops, FLOPS)}, {scaled(c.memory, BYTES)})")
+    table = Table(title=f"ranked by predicted iteration time; {TIES} (pipeline simulated on each schedule's "
+                        f"compiled program)")
+    rows = result.ranked
+    columns = [  # (header, "{}" where the column's unit goes; units, or None for text; a row's value)
+        ("iteration {}", SECONDS, lambda e: e.iteration),
+        ("{}/GPU", FLOPS, lambda e: e.tflops * 1e12),
+        ("MFU", None, lambda e: f"{e.mfu:.1%}"),
+        ("memory {}", BYTES, lambda e: e.memory.total),  # the fullest GPU's: the tie-break
+        ("params {}", BYTES, lambda e: e.memory.states.params),
+        ("grads {}", BYTES, lambda e: e.memory.states.grads),
+        ("optim {}", BYTES, lambda e: e.memory.states.optimizer),
+        ("activ {}", BYTES, lambda e: e.memory.activations),
+        ("peak live", None, lambda e: str(e.memory.peak_live)),
+        *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("tp", "pp", "dp", "zero3")),
+    ]
+    table.add_column("#", justify="right")
+    table.add_column("layout")
+    shown = []
+    for head, units, value in columns:
+        values = [value(e) for e in rows]
+        if units is not None:
+            unit, values = column(values, units)
+            head = head.format(unit)
+        table.add_column(head, justify="right")
+        shown.append(values)
+    for i, e in enumerate(rows):
+        table.add_row(str(i + 1), str(e.layout), *(values[i] for values in shown))
     console.print(table)
     kinds = Counter(r.reason.split(":")[0] for r in result.rejected)
     console.print(f"{result.simulated} simulated, {result.pruned} pruned (lower bound above the #{len(result.ranked)} "

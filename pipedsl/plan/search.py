@@ -275,6 +275,15 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
     return out
 
 
+TIES = "equal times: less memory first, then fewer GPUs"
+
+
+def rank_key(e: Estimate) -> tuple[float, float, int]:
+    """The ranking: predicted iteration time; equal times (ZeRO-1 and -2 often predict the same)
+    by the fullest GPU's memory, then by GPU count, so the table's order says something."""
+    return (e.iteration, e.memory.total, e.layout.gpus)
+
+
 def search(model: ModelSpec, cluster: ClusterSpec, top: int = 10, candidates: Sequence[Layout] | None = None,
            **space) -> PlanResult:
     """Rank the layouts (`candidates`, or `layouts(model, cluster, **space)`); the best `top` exactly."""
@@ -300,7 +309,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, top: int = 10, candidates: Se
             continue  # its own program's busiest rank already loses
         result.ranked.append(_finish(model, cluster, prep))
         result.simulated += 1
-        result.ranked.sort(key=lambda e: e.iteration)
+        result.ranked.sort(key=rank_key)
     result.ranked = result.ranked[:top] if top else result.ranked
     result.seconds = time.perf_counter() - began
     return result

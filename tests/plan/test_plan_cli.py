@@ -22,7 +22,38 @@ def test_plan_prints_a_ranked_table_and_why_others_were_rejected(capsys):
 def test_plan_with_explicit_sizes(capsys):
     code = main(["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq", "1024", "--vocab", "32000",
                  "--global-batch", "64", "--gpus", "8", "--top", "2", "--zero", "0"])
-    assert code == 0 and "custom: 0.1B parameters" in capsys.readouterr().out
+    assert code == 0 and "custom: 135M parameters" in capsys.readouterr().out
+
+
+def test_a_small_model_prints_in_units_that_fit_and_orders_equal_times_by_memory(capsys):
+    """Was: `0.0B parameters`, every time, FLOP rate and memory cell 0 or 0.0, ten rows alike."""
+    code = main(["plan", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "100",
+                 "--global-batch", "8", "--gpus", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "custom: 209k parameters" in out
+    assert "equal times: less memory first, then fewer GPUs" in out
+    head = next(line for line in out.splitlines() if "layout" in line)
+    heads = [h.strip() for h in head.split("┃")[1:-1]]
+    assert heads[2:7] == ["iteration µs", "TFLOP/s/GPU", "MFU", "memory MB", "params KB"]
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│ ")]
+    assert len(rows) == 10
+    for row in rows:  # iteration, FLOP/s, memory, params, grads, optimizer, activations: none shows as zero
+        assert all(float(row[c]) > 0 for c in (2, 3, 5, 6, 7, 8, 9)), row
+    times = [float(row[2]) for row in rows]
+    assert len(set(times)) > 1 and times == sorted(times)
+    # the two fastest tie (ZeRO-1 and -2 predict the same time): ZeRO-2's smaller memory comes first
+    assert rows[0][1].endswith("zero2") and rows[1][1].endswith("zero1") and times[0] == times[1]
+    assert float(rows[0][5]) < float(rows[1][5])
+
+
+def test_a_cpu_sized_cluster_prints_gflops(capsys):
+    """What --calibrate plans on: a one-node CPU cluster of some GFLOP/s a rank."""
+    code = main(["plan", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "100",
+                 "--global-batch", "8", "--gpus", "4", "--peak-tflops", "0.05", "--memory-gb", "8", "--top", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(8/node, 50.0 GFLOP/s, 8.00 GB)" in out
+    head = next(line for line in out.splitlines() if "layout" in line)
+    assert "GFLOP/s/GPU" in head and "iteration ms" in head
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -3,6 +3,8 @@ parameter formulas, torch's own modules and FLOP counter, a step-by-step ring, a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given
@@ -14,6 +16,7 @@ from pipedsl.plan import Layout, LayoutError, ModelSpec, cluster_preset, evaluat
 from pipedsl.plan.cost import all_gather, all_reduce, stage_costs
 from pipedsl.plan.pipeline import _run_exact, compiled, program_peaks, run_pipeline, simulation_sizes, stage_ranks
 from pipedsl.plan.scaling import plot_scaling, scaling
+from pipedsl.plan.search import rank_key
 from pipedsl.runtime.gpt import GPT, Block, GPTConfig
 
 # Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20,
@@ -174,3 +177,17 @@ def test_the_searchs_skeleton_is_the_compiled_programs_shape(schedule):
         assert list(bones.peaks) == peak_live(program) and stage_ranks(bones) == stage_ranks(program)
         checked += 1
     assert checked >= 2
+
+
+def test_equal_times_rank_less_memory_first_then_fewer_gpus():
+    """A small model's ZeRO-1 and ZeRO-2 layouts predict the same time: ZeRO-2, holding less, ranks first."""
+    model = ModelSpec("tiny", 4, 64, 4, 32, 100, 8)
+    cluster = replace(cluster_preset("a100-80gb"), gpus=4)
+    zero1 = Layout(2, 2, 1, "zb-h1", 2, 2, 1, False)
+    for candidates in ([zero1, replace(zero1, zero=2)], [replace(zero1, zero=2), zero1]):
+        first, second = search(model, cluster, candidates=candidates).ranked
+        assert first.iteration == second.iteration and first.memory.total < second.memory.total
+        assert first.layout.zero == 2
+    fewer = replace(first, layout=replace(first.layout, dp=1))
+    assert sorted([first, fewer], key=rank_key) == [fewer, first]
+    assert sorted([replace(first, iteration=first.iteration * 1.001), second], key=rank_key)[0] is second
