@@ -111,24 +111,38 @@ def test_dp2_pp2_zero3_zbh1_equals_one_process(family, precision, tolerance, cor
 
 @pytest.mark.slow
 def test_fine_tune_starts_from_the_saved_weights(corpus, tmp_path):
-    """A directory with safetensors: step 1's loss is the saved model's own loss on the first global batch."""
+    """A directory with safetensors and a BPE tokenizer: the data is tokenized with that tokenizer, step 1's
+    loss is the saved model's own loss on the first global batch, and the export carries the tokenizer."""
     import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from pipedsl.runtime import data
 
     model = model_dir(tmp_path, "qwen3", weights=True)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train([str(p) for p in sorted(corpus.iterdir())],
+              trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    tf.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="</s>").save_pretrained(model)
     out = tmp_path / "run"
-    proc = pipedsl(*common_flags(model, corpus, out, steps=2), "-P", "2")
+    proc = pipedsl(*common_flags(model, corpus, out, steps=2), "-P", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--eval-fraction", "0.25")  # BPE packs the corpus into fewer tokens than bytes
     assert proc.returncode == 0, proc.stderr[-3000:]
     [cache] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
-    samples = data.PackedSequences(data.TokenCache.open(cache), 32)
-    train, _ = samples.split(0.1)
+    opened = data.TokenCache.open(cache)
+    tokenizer = tf.AutoTokenizer.from_pretrained(model)
+    assert opened.eos_id == tokenizer.eos_token_id and opened.max_token_id < 200  # the BPE's ids, not bytes
+    train, _ = data.PackedSequences(opened, 32).split(0.25)
     x, y = data.BatchLoader(train, 8).global_batch_at(0)
     ref = tf.AutoModelForCausalLM.from_pretrained(model)
     with torch.no_grad():
         logits = ref(x).logits.float()
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
     assert losses(out)[1] == pytest.approx(want, rel=1e-5)
+    exported = pipedsl("export", str(tmp_path / "ck"), "--hf", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    again = tf.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert again("stages keep busy").input_ids == tokenizer("stages keep busy").input_ids
 
 
 @pytest.mark.slow
