@@ -261,6 +261,10 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise PipeDSLError(f"cannot create the output directory {out}: {err.strerror or err}") from None
+    from .launcher import under_torchrun
+
+    if under_torchrun() and os.environ.get("RANK") != "0":  # every process runs this command; one of them speaks
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
     dp = cfg["dp"]
     layout = f"{dp} x {program.num_ranks} = {dp * program.num_ranks} processes (dp x pp, zero={cfg['zero']})" \
         if dp > 1 or cfg["zero"] else f"{program.num_ranks} processes"
@@ -289,6 +293,8 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
         print(err.render(), file=sys.stderr)
         return 1
     report = results[0]
+    if report is None:  # torchrun: a process other than global rank 0 (it reports nothing)
+        return 0
     write_text(out / "losses.json", json.dumps({"schedule": program.name, "params": program.params,
                                                   "losses": report["losses"]}, indent=1) + "\n")
     written = [str(out / "metrics.jsonl"), str(out / "losses.json")]
