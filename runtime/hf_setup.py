@@ -56,9 +56,10 @@ def hf_config(args: argparse.Namespace, program: Any, batch: int, out: Path) -> 
         eval_at_end = False
         notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
     _check_memory(args, md)
-    _check_architecture(md, split, args.attn or _attention(md))
+    local = _check_architecture(md, split, args.attn or _attention(md))
     described = f"{train.describe()} for training, {len(heldout)} held out"
-    return {"model": str(md.path.resolve()), "attn": args.attn or _attention(md), "packing": args.packing,
+    return {"model": str(md.path.resolve()), "local": local, "attn": args.attn or _attention(md),
+            "packing": args.packing,
             "doc_mask": args.doc_mask, "eval_fraction": args.eval_fraction, "eval_every": args.eval_every,
             "eval_batches": args.eval_batches, "eval_at_end": eval_at_end, "cache": cache.path, "split": split,
             "export": hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)), "layers": layers,
@@ -101,19 +102,12 @@ def _check_memory(args: argparse.Namespace, md: Any) -> None:
 MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's model: at most this much, or it is skipped with a note
 
 
-def _check_architecture(md: Any, split: dict[str, Any], attn: str) -> None:
-    """The model's stages reproduce its own forward (`hf.check_split`), tried once here on a shallow copy of
-    the architecture — one decoder layer of each type, a vocabulary of at most 1024 — with random weights, so
-    that an architecture pipedsl does not split exactly is refused before any rank starts, at a cost that
-    does not grow with the model's depth or vocabulary."""
+def _shallow(config: Any) -> Any:
+    """A copy of the architecture with one decoder layer of each type and at most 1024 tokens: the same
+    modules, at a cost that does not grow with the model's depth or vocabulary."""
     import copy
 
-    import torch
-    import transformers as tf
-
-    from .hf import causal_lm_stages, check_split
-
-    config = copy.deepcopy(md.config)
+    config = copy.deepcopy(config)
     types = getattr(config, "layer_types", None)
     if types:
         config.layer_types = list(dict.fromkeys(types))
@@ -126,17 +120,66 @@ def _check_architecture(md: Any, split: dict[str, Any], attn: str) -> None:
         value = getattr(config, name, None)
         if isinstance(value, int) and value >= config.vocab_size:
             setattr(config, name, None)
+    return config
+
+
+def _check_architecture(md: Any, split: dict[str, Any], attn: str) -> bool:
+    """The model's stages reproduce its own forward (`hf.check_split`), tried once here on the shallow copy
+    with random weights, so that an architecture pipedsl does not split exactly is refused before any rank
+    starts.  Returns whether the ranks can build only their own stages (`hf_io.LocalStages`): every tensor
+    filled by the model's own initialisation, and with weights, every parameter in the files under a name."""
+    import tempfile
+
+    import torch
+    import transformers as tf
+
+    from .hf import causal_lm_stages, check_split
+    from .hf_io import LocalStages
+
+    config = _shallow(md.config)
     if 4 * _count_parameters(config) > MAX_CHECK_BYTES:
         print(f"note: the architecture check is skipped (one layer of {md.path.name} is larger than "
               f"{MAX_CHECK_BYTES / 2**30:g} GiB)", flush=True)
-        return
+        return _weights_cover(md)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
     try:
         check_split(model, causal_lm_stages(model, min(2, layers + 2), attention_mask=split["attention_mask"],
                                             position_ids=split["position_ids"]))
     except PipeDSLError as err:
         raise PipeDSLError(f"{md.path}: {err.message}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        try:
+            LocalStages(tmp, 1, {"by": "count"}, {0}, attn=attn)
+        except LocalStages.NotLocal as why:
+            print(f"note: every rank builds the whole model ({why})", flush=True)
+            return False
+    return _weights_cover(md)
+
+
+def _weights_cover(md: Any) -> bool:
+    """Every parameter of the model is in its safetensors files under one of its names (or there are none)."""
+    import torch
+    import transformers as tf
+
+    from .hf_io import _weights_reader
+
+    weights = _weights_reader(md.path)
+    if weights is None:
+        return True
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(md.config, dtype=torch.float32)
+    names: dict[int, list[str]] = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(n)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    missing = [ns[0] for ns in names.values() if not any(n in weights.keys for n in ns) and params.intersection(ns)]
+    if missing:
+        print(f"note: every rank builds the whole model ({missing[0]} is not in the weights files under its own "
+              f"name)", flush=True)
+    return not missing
 
 
 def _count_parameters(config: Any) -> int:

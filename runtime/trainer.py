@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import pipedsl
+from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import COMPUTE
 
 from . import checkpoint
@@ -101,18 +102,18 @@ class HFSource:
         hfc = cfg["hf"]
         held = {s for (_, s), r in program.placement.items() if r == pp_rank}
         self.ties: list | None = None
-        try:  # only this rank's stages, read or initialised module by module (hf_io.LocalStages)
-            local = hf_io.LocalStages(hfc["model"], program.num_stages, hfc["split"], held, seed=cfg["seed"],
-                                      attn=hfc["attn"])
+        if hfc.get("local", True):  # only this rank's stages, read or initialised module by module (hf_io.py)
+            try:
+                local = hf_io.LocalStages(hfc["model"], program.num_stages, hfc["split"], held, seed=cfg["seed"],
+                                          attn=hfc["attn"])
+            except hf_io.LocalStages.NotLocal as why:  # the launcher found every tensor fillable: a bug, said so
+                raise PipeRuntimeError(f"rank {pp_rank}: cannot build its stages alone: {why}") from None
             self.stages: Any = local
             self.ties = local.ties
             model = local.model
-        except hf_io.LocalStages.NotLocal as why:
-            if pp_rank == 0:
-                print(f"note: building the whole model on every rank ({why})", flush=True)
+        else:  # the launcher decided, for every rank alike: the whole model (hf_setup._check_architecture)
             model = hf_io.build_model(hfc["model"], seed=cfg["seed"], attn=hfc["attn"])
             self.stages = hf.causal_lm_stages(model, program.num_stages, **hfc["split"])
-            hf.check_split(model, self.stages)  # every rank alike: stops an architecture the stages do not reproduce
         self.token = cfg.get("loss_reduction", "token") == "token"
         self.loss_fn = functools.partial(hf.causal_lm_loss, reduction="sum") if self.token else hf.causal_lm_loss
         self.recompute_filter = _is_attention

@@ -93,3 +93,21 @@ def test_random_init_follows_the_models_own_scheme(tmp_path):
     assert block.attn.c_attn.weight.std().item() == pytest.approx(std, rel=0.1)
     assert block.attn.c_proj.weight.std().item() == pytest.approx(std / 6 ** 0.5, rel=0.1)
     assert torch.equal(block.ln_1.weight, torch.ones_like(block.ln_1.weight))
+
+
+def test_the_launcher_decides_for_every_rank_whether_stages_are_built_alone(tmp_path, capsys):
+    """hf_setup checks once, before any rank starts, that the architecture's init fills every tensor and the
+    weights files hold every parameter; one missing tensor makes every rank build the whole model."""
+    from safetensors.torch import load_file, save_file
+
+    from pipedsl.runtime.hf_io import inspect_model_dir
+    from pipedsl.runtime.hf_setup import _check_architecture
+
+    split = {"by": "count", "attention_mask": False, "position_ids": False}
+    tiny_model("gemma3").save_pretrained(tmp_path)
+    assert _check_architecture(inspect_model_dir(tmp_path), split, "sdpa") is True
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert _check_architecture(inspect_model_dir(tmp_path), split, "sdpa") is False
+    assert "model.norm.weight is not in the weights files" in capsys.readouterr().out
