@@ -46,21 +46,29 @@ def hf_config(args: argparse.Namespace, program: Any, batch: int, out: Path) -> 
                                    text_field=args.text_field, model_vocab=md.vocab_size,
                                    model_where=str(md.path / hf_io.CONFIG))
     samples = data.PackedSequences(cache, args.seq, args.packing, args.doc_mask)
-    train, heldout = samples.split(args.eval_fraction)
+    eval_fraction = 0.0 if args.eval_data else args.eval_fraction
+    train, heldout = samples.split(eval_fraction)
+    eval_cache = None
+    if args.eval_data:  # a held-out set of its own: all of it evaluates, all of --data trains
+        eval_cache = data.build_token_cache(args.eval_data, tokenizer, args.cache_dir or out / "token-cache",
+                                            text_field=args.text_field, model_vocab=md.vocab_size,
+                                            model_where=str(md.path / hf_io.CONFIG))
+        heldout = data.PackedSequences(eval_cache, args.seq, args.packing, args.doc_mask)
     data.BatchLoader(train, batch, dp_size=args.dp)  # fewer samples than one global batch: its DataError, now
-    eval_at_end = bool(args.eval_fraction)
+    eval_at_end = bool(eval_fraction or eval_cache)
     notes = []
-    if args.eval_fraction and len(heldout) < batch:
-        if args.eval_every:
+    if eval_at_end and len(heldout) < batch:
+        if args.eval_every or eval_cache:
             data.eval_batches(heldout, batch, 0, args.dp)  # raises, naming the sizes
         eval_at_end = False
         notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
     _check_memory(args, md)
     local = _check_architecture(md, split, args.attn or _attention(md))
-    described = f"{train.describe()} for training, {len(heldout)} held out"
+    described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_cache else "held out")
     return {"model": str(md.path.resolve()), "local": local, "attn": args.attn or _attention(md),
             "packing": args.packing,
-            "doc_mask": args.doc_mask, "eval_fraction": args.eval_fraction, "eval_every": args.eval_every,
+            "doc_mask": args.doc_mask, "eval_fraction": eval_fraction, "eval_every": args.eval_every,
+            "eval_cache": eval_cache.path if eval_cache is not None else None,
             "eval_batches": args.eval_batches, "eval_at_end": eval_at_end, "cache": cache.path, "split": split,
             "export": hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)), "layers": layers,
             "describe": md.describe(), "data_describe": "; ".join([described, *notes])}

@@ -174,6 +174,9 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
                    help="packed rows: keep attention inside each document (position ids restart after end-of-text)")
     d.add_argument("--eval-fraction", type=fraction, default=0.05,
                    help="share of the samples held out for evaluation, at the end of the data (default 0.05)")
+    d.add_argument("--eval-data", nargs="+", metavar="PATH",
+                   help="a held-out set of its own (same formats as --data); then all of --data trains and "
+                        "--eval-fraction is ignored")
     d.add_argument("--eval-every", type=nonnegative_int, default=0, metavar="N",
                    help="evaluate held-out loss and perplexity every N steps and after the last (default: only "
                         "after the last)")
@@ -339,7 +342,7 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
     hf = args.model is not None and args.model != "gpt"
-    if not hf and args.data:
+    if not hf and (args.data or args.eval_data):
         raise PipeDSLError("--data needs --model DIR (a Hugging Face model directory; the built-in GPT trains on "
                            "synthetic tokens)")
     cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "lr": args.lr, "weight_decay": args.weight_decay,

@@ -30,7 +30,8 @@ from pipedsl.errors import PipeDSLError
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "attn", "layers", "embd", "split", "dropout", "seed"),
-    "data": ("data", "text_field", "seq", "packing", "doc_mask", "eval_fraction", "cache_dir", "pad_fraction"),
+    "data": ("data", "eval_data", "text_field", "seq", "packing", "doc_mask", "eval_fraction", "cache_dir",
+             "pad_fraction"),
     "schedule": ("schedule", "ranks", "microbatches", "param"),
     "parallel": ("dp", "zero"),
     "training": ("steps", "batch", "lr", "weight_decay", "precision", "clip_grad", "lr_schedule", "warmup_steps",

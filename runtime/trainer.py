@@ -126,6 +126,9 @@ class HFSource:
         cache = data.TokenCache.open(hfc["cache"])
         samples = data.PackedSequences(cache, cfg["seq"], hfc["packing"], hfc["doc_mask"])
         self.train_set, self.heldout = samples.split(hfc["eval_fraction"])
+        if hfc.get("eval_cache"):  # --eval-data: a held-out set of its own
+            self.heldout = data.PackedSequences(data.TokenCache.open(hfc["eval_cache"]), cfg["seq"], hfc["packing"],
+                                                hfc["doc_mask"])
         self.samples_per_step = cfg["batch"]
         self.tokens_per_step = cfg["batch"] * cfg["seq"]
         self.meta = hfc["export"]

@@ -92,11 +92,14 @@ ZERO3 = ["-P", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1", "--recomp
 def test_dp2_pp2_zero3_zbh1_equals_one_process(family, precision, tolerance, corpus, tmp_path):
     """dp2 x pp2 with ZeRO-3, ZB-H1, full recomputation, clipping, cosine LR, packing and evaluation: every
     step's loss and the held-out loss equal a one-process run of the same command (bf16: to its tolerance).
-    Llama's run of the same layout is in the resume test below."""
+    Gemma 3 evaluates on a file of its own (--eval-data).  Llama's run of the same layout is in the resume
+    test below."""
     model = model_dir(tmp_path, family)
+    (tmp_path / "eval.txt").write_text(_text(99, 400))
+    extra = ["--eval-data", str(tmp_path / "eval.txt")] if family == "gemma3" else []
     runs = {}
     for name, layout in (("one", ["-P", "1"]), ("par", ZERO3)):
-        proc = pipedsl(*common_flags(model, corpus, tmp_path / name), "--precision", precision, *layout)
+        proc = pipedsl(*common_flags(model, corpus, tmp_path / name), "--precision", precision, *layout, *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = (losses(tmp_path / name), evals(tmp_path / name))
     (want, want_eval), (got, got_eval) = runs["one"], runs["par"]
@@ -250,6 +253,7 @@ def test_bad_input_is_one_line_before_any_rank(corpus, tmp_path):
     (tmp_path / "tiny.txt").write_text("just a few words\n")
     assert "fewer than one global batch" in train(good, tmp_path / "tiny.txt")
     assert "longer than the model's 128 positions" in train(good, corpus, "--seq", "256")
+    assert "held-out set has" in train(good, corpus, "--eval-data", str(tmp_path / "tiny.txt"))
     (tmp_path / "bad.toml").write_text("[training]\nstepz = 3\n")
     assert "unknown key 'stepz' in [training]" in train(good, corpus, "--config", str(tmp_path / "bad.toml"))
     (tmp_path / "type.toml").write_text('[training]\nsteps = "ten"\n')
