@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check pipedsl runtime parallel visualize tests benchmarks examples
+
+# four same-run ratios against benchmarks/baseline.json in under a minute; exit 1 on a REGRESSION line
+bench-quick: setup
+	$(BIN)/python benchmarks/bench_quick.py
 
 clean:
 	rm -rf $(VENV) out

@@ -179,14 +179,16 @@ def num_stages_for(name: str, P: int) -> int:
     return P if TORCH_SCHEDULES[name][1] == "single" else 2 * P
 
 
-def build_torch_schedule(name: str, modules: Sequence[nn.Module], P: int, rank: int, M: int, loss_fn: Any) -> Any:
-    """torch's schedule `name` over this rank's stages of `modules` (the whole list, one per stage)."""
+def build_torch_schedule(name: str, modules: Sequence[nn.Module], P: int, rank: int, M: int, loss_fn: Any,
+                         device: torch.device | str = "cpu") -> Any:
+    """torch's schedule `name` over this rank's stages of `modules` (one per stage), moved to `device`."""
     from torch.distributed import pipelining as tp
 
     cls_name, style = TORCH_SCHEDULES[name]
     cls = getattr(tp, cls_name)
     S = len(modules)
-    stages = [tp.PipelineStage(modules[s], s, S, torch.device("cpu")) for s in torch_stage_indices(style, P, rank)]
+    device = torch.device(device)
+    stages = [tp.PipelineStage(modules[s].to(device), s, S, device) for s in torch_stage_indices(style, P, rank)]
     if style == "single":
         return cls(stages[0], n_microbatches=M, loss_fn=loss_fn)
     return cls(stages, n_microbatches=M, loss_fn=loss_fn)
@@ -236,6 +238,23 @@ def run_steps(pipe: Any, x: Any, y: Any, steps: int, trace: bool = True) -> tupl
             if tl is not None:
                 timelines.append(tl)
     return times, timelines
+
+
+def shape_change_times(step: Any, x: torch.Tensor, y: torch.Tensor, lengths: Sequence[int],
+                       group: Any = None) -> tuple[list[float], list[float]]:
+    """Wall times of steps at the known sequence length and at each never-seen length in `lengths`, in
+    alternation (known, new, known, new ...) so drifting load reaches both; `step(x, y)` runs one step."""
+    import torch.distributed as dist
+
+    known, new = [], []
+    for L in lengths:
+        for target, xs, ys in ((known, x, y), (new, x[:, :L].contiguous(), y[:, :L].contiguous())):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            step(xs, ys)
+            dist.barrier(group=group)
+            target.append(time.perf_counter() - t0)
+    return known, new
 
 
 def fit_profile(timelines: Sequence[Any], statistic: str = "mean") -> Any:

@@ -67,8 +67,8 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
                                 recompute_filter=attention, **opts)
         opt = pipe.optimizer(torch.optim.AdamW, lr=1e-4)
 
-        def step(pipe=pipe, opt=opt) -> None:
-            pipe.step(x, y)
+        def step(xs=x, ys=y, pipe=pipe, opt=opt) -> None:
+            pipe.step(xs, ys)
             opt.step()
             opt.zero_grad()
         runs[name] = (pipe, step)
@@ -114,19 +114,9 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
                             "per_activation": mine, "peak_activations": peak_count}
 
     # shape changes: known length vs never-seen lengths (each new one is a handshake)
-    pipe, _ = runs["baseline"]
-    opt = pipe._optimizer
-    known, new = [], []
-    lengths = [T - 4 * (k + 1) for k in range(cfg["new_shapes"])]
-    for L in lengths:
-        for target, xs, ys in ((known, x, y), (new, x[:, :L].contiguous(), y[:, :L].contiguous())):
-            dist.barrier()
-            t0 = time.perf_counter()
-            pipe.step(xs, ys)
-            opt.step()
-            opt.zero_grad()
-            dist.barrier()
-            target.append(time.perf_counter() - t0)
+    pipe, step = runs["baseline"]
+    known, new = _bench.shape_change_times(step, x, y,
+                                           [T - 4 * (k + 1) for k in range(cfg["new_shapes"])])
     key = torch.zeros(2, dtype=torch.int64)
     dist.barrier()
     t0 = time.perf_counter()

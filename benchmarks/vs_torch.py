@@ -54,14 +54,17 @@ def _stage_modules(workload: str, S: int, cfg: dict) -> tuple[list, Any, Any, An
 
 
 def _rank_main(rank: int, workload: str, name: str, P: int, cfg: dict) -> dict:
+    import torch
     import torch.distributed as dist
 
     import pipedsl
 
     M, S = cfg["M"], _bench.num_stages_for(name, P)
+    device = torch.device(cfg.get("device", "cpu"))  # gpu_check.py: "cuda" (pipedsl picks it on NCCL itself)
     modules, x, y, loss_fn = _stage_modules(workload, S, cfg)
     torch_modules = copy.deepcopy(modules)
-    sched = _bench.build_torch_schedule(name, torch_modules, P, rank, M, loss_fn)
+    sched = _bench.build_torch_schedule(name, torch_modules, P, rank, M, loss_fn, device)
+    tx, ty = x.to(device), y.to(device)  # torch's runtime wants its inputs on the stage's device
     if _bench.TORCH_SCHEDULES[name][1] == "single":
         # torch's Schedule1F1B/ScheduleGPipe run a hand-written loop (their `pipeline_order` is only a
         # drawing, off by one on the last rank); pipedsl's built-ins are that loop's order (tests/pipedsl)
@@ -78,7 +81,7 @@ def _rank_main(rank: int, workload: str, name: str, P: int, cfg: dict) -> dict:
             p.grad = None
 
     def run_torch() -> None:
-        sched.step(x, target=y, return_outputs=False)
+        sched.step(tx, target=ty, return_outputs=False)
         for p in torch_params:
             p.grad = None
 
@@ -89,6 +92,8 @@ def _rank_main(rank: int, workload: str, name: str, P: int, cfg: dict) -> dict:
         t0 = time.perf_counter()
         for _ in range(steps):
             runners[which]()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         dist.barrier()
         return (time.perf_counter() - t0) / steps
 

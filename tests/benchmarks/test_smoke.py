@@ -93,3 +93,33 @@ def test_schedules_v(tmp_path):
     for r in rows.values():  # the runtime counted what the simulator predicts, and saved bytes for each
         assert r["measured_peak_activations"] == r["sim_peak_activations"] and min(r["measured_peak_bytes"]) > 0
         assert r["gpt_step_s"]["n"] == 1 and r["sleep_step_vs_1f1b"] > 0
+
+
+@pytest.mark.slow
+def test_bench_quick_gates_on_its_baseline(tmp_path):
+    """Against a baseline no run can meet, every figure is a REGRESSION line and the exit status is 1."""
+    base = tmp_path / "baseline.json"
+    names = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2"]
+    base.write_text(json.dumps({"figures": dict.fromkeys(names, 1e-9)}))
+    out = tmp_path / "bench_quick.json"
+    env = {**os.environ, "PIPEDSL_RESULTS_MD": str(tmp_path / "RESULTS.md")}
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_quick.py"), "--tiny", "--baseline", str(base),
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    flagged = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("REGRESSION")]
+    assert flagged == names
+    got = json.loads(out.read_text())
+    assert got["benchmark"] == "bench_quick" and list(got["ratios"]) == names and len(got["regressions"]) == 4
+    assert all(r > 0 for r in got["ratios"].values()) and all(got["figures"][n]["yardstick"] for n in names)
+    assert got["figures"]["compile_200k"]["pinned"] and got["figures"]["shape_change_P2"]["learned"] == 2
+    assert "bench_quick.py" in (tmp_path / "RESULTS.md").read_text().splitlines()[-1]
+
+
+def test_bench_quick_compare():
+    sys.path.insert(0, str(BENCH))
+    import bench_quick
+
+    lines = bench_quick.compare({"compile_200k": 1.25, "op_cpu_P2": 1.2, "shape_change_P2": 0.5},
+                                {"compile_200k": 1.0, "op_cpu_P2": 1.0})
+    assert [line.split()[0] for line in lines] == ["REGRESSION", "ok", "new"]
+    assert json.loads((BENCH / "baseline.json").read_text())["figures"].keys() == bench_quick.YARDSTICKS.keys()
