@@ -123,3 +123,29 @@ def test_bench_quick_compare():
                                 {"compile_200k": 1.0, "op_cpu_P2": 1.0})
     assert [line.split()[0] for line in lines] == ["REGRESSION", "ok", "new"]
     assert json.loads((BENCH / "baseline.json").read_text())["figures"].keys() == bench_quick.YARDSTICKS.keys()
+
+
+def test_gpu_check_without_a_gpu_says_so():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py")], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("gpu_check: no GPU") and "--device cpu" in proc.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_gloo(tmp_path):
+    """`--device cpu`: the GPU checks' code on gloo — every built-in equal to one process, every vs_torch
+    schedule, CPU per op and plan --calibrate, into one JSON file and its markdown table."""
+    import pipedsl
+
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--device", "cpu", "--tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["backend"] == "gloo" and got["device"] == "cpu" and got["failed"] == []
+    assert [r["schedule"] for r in got["schedules"]] == pipedsl.builtin_names() and all(r["ok"] for r in got["schedules"])
+    assert [r["schedule"] for r in got["vs_torch"]] == ["gpipe", "1f1b", "interleaved", "interleaved-zb", "zb-v"]
+    assert got["op_cpu"]["ratio"] > 0 and got["calibrate"]["ok"] and got["calibrate"]["calibration"]
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("# gpu_check: cpu (gloo), P=2") and "| zb-v | 4 | equal |" in md

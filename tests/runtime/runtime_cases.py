@@ -64,13 +64,14 @@ def equivalence(rank: int, program_json: str, steps: int = 3, options: dict[str,
     model = make_model(S)
     ref = copy.deepcopy(model)
     pipe = pipedsl.Pipeline(split_sequential(model, S), program=program, loss_fn=F.mse_loss, **(options or {}))
+    ref.to(pipe.device)  # on NCCL (benchmarks/gpu_check.py) one process on the same GPU
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     problems, losses, peaks = [], [], []
     for step in range(steps):
         x, y = batch(step, 2 * M)
         loss = pipe.step(x, y)
-        ref_loss = reference_step(ref, F.mse_loss, x, y, M)
+        ref_loss = reference_step(ref, F.mse_loss, x.to(pipe.device), y.to(pipe.device), M)
         losses.append((loss, ref_loss))
         if abs(loss - ref_loss) > RTOL * abs(ref_loss):
             problems.append(f"step {step}: loss {loss} != reference {ref_loss}")

@@ -1,0 +1,191 @@
+"""GPU readiness in one command: every built-in schedule on NCCL against one process, vs_torch on the
+same stages, the runtime's CPU per op, and `pipedsl plan --calibrate`, into one JSON file and a table.
+
+The CUDA + NCCL path cannot run on the machine this was written on, so the checks are the code the
+CPU tests and benchmarks run, on the device `pipedsl.launch` picks: tests/runtime/runtime_cases.py's
+equivalence (loss, every gradient and the parameters after Adam equal one process on the same
+device), vs_torch.py's rank function (GPT workload), op_cpu.py.  `--device cpu` runs exactly these
+on gloo (the dry run that proves the logic here); with no GPU and no `--device cpu` it says so and
+exits 0.  Exit status 1 if any check failed.
+
+    python benchmarks/gpu_check.py                       # on a machine with >= 2 GPUs
+    python benchmarks/gpu_check.py --device cpu --tiny   # the same checks on gloo, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "runtime"))  # runtime_cases: the tests' equivalence check
+
+import _bench  # noqa: E402
+
+CHECKS = ("schedules", "vs_torch", "op_cpu", "calibrate")
+SIZES = {"full": {"steps": 3, "vs_torch": {"gpt_rows": 4, "steps": 10, "reps": 7, "warmup": 2},
+                  "op_cpu": {"M": 16, "steps": 1, "reps": 40, "warmup": 2}},
+         "tiny": {"steps": 1, "vs_torch": {"gpt_rows": 1, "steps": 1, "reps": 1, "warmup": 0},
+                  "op_cpu": {"M": 4, "steps": 1, "reps": 1, "warmup": 0}}}
+
+
+def compile_for(name: str, P: int) -> Any:
+    """The schedule at P with the first M (2P, P, 4P, 3P) its `require`s accept (as tests/runtime does)."""
+    import pipedsl
+    from pipedsl.errors import PipeSemanticError
+
+    for M in (2 * P, P, 4 * P, 3 * P):
+        try:
+            return pipedsl.load(name).compile(P=P, M=M)
+        except PipeSemanticError:
+            continue
+    return None
+
+
+def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import op_cpu
+    import runtime_cases
+    import torch
+    import torch.distributed as dist
+    import vs_torch
+
+    cuda = dist.get_backend() == "nccl"
+    device = str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"
+    out: dict[str, Any] = {"device": device, "backend": dist.get_backend()}
+    if "schedules" in cfg["checks"]:
+        out["schedules"] = {}
+        for name, program_json in cfg["programs"].items():
+            try:
+                res = runtime_cases.equivalence(rank, program_json, cfg["steps"])
+                out["schedules"][name] = {"problems": res["problems"], "peaks": res["peaks"]}
+            except Exception as err:  # noqa: BLE001 - reported in the table; the other ranks fail alike or time out
+                out["schedules"][name] = {"problems": [f"{type(err).__name__}: {err}"], "peaks": []}
+    if "vs_torch" in cfg["checks"]:
+        out["vs_torch"] = {name: vs_torch._rank_main(rank, "gpt", name, P, {**cfg["vs_torch"], "M": 2 * P,
+                                                                             "device": device})
+                           for name in vs_torch.SCHEDULE_NAMES}
+    if "op_cpu" in cfg["checks"]:
+        out["op_cpu"] = op_cpu.measure(rank, P, {**cfg["op_cpu"], "device": device})
+    return out
+
+
+def calibrate(P: int, device: str) -> dict[str, Any]:
+    """`pipedsl plan --calibrate` on P local processes (on the CPU with CUDA hidden in the dry run)."""
+    env = dict(os.environ)
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-m", "pipedsl.cli", "plan", "--calibrate", "--gpus", str(P)],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    lines = proc.stdout.splitlines()
+    said = next((line for line in lines if line.startswith("calibrated on")), "")
+    return {"ok": proc.returncode == 0, "exit": proc.returncode, "calibration": said,
+            "stdout": proc.stdout[-4000:], "stderr": proc.stderr[-2000:]}
+
+
+def table(result: dict[str, Any]) -> str:
+    """The markdown report: one section per check."""
+    out = [f"# gpu_check: {result['device']} ({result['backend']}), P={result['P']}", "",
+           f"{result['machine']}; {result['date']}; `{result['command']}`", ""]
+    if "schedules" in result:
+        out += ["| schedule | M | loss, gradients, Adam vs one process |", "|---|---|---|"]
+        for row in result["schedules"]:
+            verdict = "equal" if row["ok"] else "; ".join(row["problems"][:3]) or row.get("skipped", "")
+            out.append(f"| {row['schedule']} | {row.get('M', '')} | {verdict} |")
+        out.append("")
+    if "vs_torch" in result:
+        out += ["| vs_torch (GPT) | pipedsl ms | torch ms | throughput ratio (paired) |", "|---|---|---|---|"]
+        for row in result["vs_torch"]:
+            out.append(f"| {row['schedule']} | {row['step_s']['pipedsl']['median'] * 1e3:.2f} | "
+                       f"{row['step_s']['torch']['median'] * 1e3:.2f} | {row['ratio_paired_median']:.3f} |")
+        out.append("")
+    if "op_cpu" in result:
+        c = result["op_cpu"]
+        out += ["| CPU per op beyond compute | pipedsl µs | torch µs | pipedsl / torch |", "|---|---|---|---|",
+                f"| 1F1B, Linear(8, 8) | {c['beyond_compute_s_per_op']['pipedsl'] * 1e6:.0f} | "
+                f"{c['beyond_compute_s_per_op']['torch'] * 1e6:.0f} | {c['ratio']:.3f} |", ""]
+    if "calibrate" in result:
+        c = result["calibrate"]
+        verdict = "ok" if c["ok"] else f"FAILED, exit {c['exit']}"
+        said = c["calibration"] or " ".join(c["stderr"].strip().splitlines()[-1:])
+        out += [f"`pipedsl plan --calibrate --gpus {result['P']}`: {verdict}; {said}", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    import pipedsl
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda (default: NCCL, one process a GPU) or cpu (the same checks on gloo: a dry run)")
+    ap.add_argument("--P", type=int, help="ranks (default: min(4, GPUs) on cuda, 2 on cpu)")
+    ap.add_argument("--tiny", action="store_true", help="one step, one repetition (the smoke test)")
+    ap.add_argument("--skip", nargs="+", choices=CHECKS, default=[], help="checks not to run")
+    ap.add_argument("--json", help="output file (default benchmarks/results/gpu_check.json; the table beside it, .md)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < 2:
+            print(f"gpu_check: no GPU to check ({count} CUDA device(s) visible, 2 needed; torch {torch.__version__}, "
+                  f"CUDA build {torch.version.cuda}). `--device cpu` runs the same checks on gloo.")
+            return 0
+        P, backend = args.P or min(4, count), "nccl"
+    else:
+        P, backend = args.P or 2, "gloo"
+    sizes = SIZES["tiny" if args.tiny else "full"]
+    checks = [c for c in CHECKS if c not in args.skip]
+    programs, rows = {}, []
+    for name in pipedsl.builtin_names():
+        program = compile_for(name, P)
+        if program is None:
+            rows.append({"schedule": name, "ok": True, "problems": [], "skipped": f"no M accepted at P={P}"})
+        else:
+            programs[name] = program
+    cfg = {**sizes, "checks": checks, "programs": {n: p.to_json() for n, p in programs.items()}}
+    command = "python benchmarks/gpu_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    result: dict[str, Any] = {"benchmark": "gpu_check", "command": command, "machine": _bench.machine(),
+                              "date": _bench.today(), "P": P, "backend": backend,
+                              "gpus": [torch.cuda.get_device_name(i) for i in range(P)] if backend == "nccl" else []}
+    ranks = []
+    if {"schedules", "vs_torch", "op_cpu"} & set(checks):
+        ranks = pipedsl.launch(_rank_main, P, P, cfg, backend=backend, threads=1, timeout=600)
+    result["device"] = ranks[0]["device"] if ranks else args.device
+    if "schedules" in checks:
+        for name, program in programs.items():
+            problems = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["schedules"][name]["problems"]]
+            predicted = pipedsl.simulate(program).peak_activations
+            problems += [f"rank {r}: peak activations {out['schedules'][name]['peaks']}, simulated {predicted[r]}"
+                         for r, out in enumerate(ranks) if set(out["schedules"][name]["peaks"]) != {predicted[r]}]
+            rows.append({"schedule": name, "M": program.num_microbatches, "ok": not problems, "problems": problems})
+        result["schedules"] = sorted(rows, key=lambda r: r["schedule"])
+    if "vs_torch" in checks:
+        import vs_torch
+
+        vs_cfg = {**sizes["vs_torch"], "M": 2 * P}
+        result["vs_torch"] = [vs_torch._row("gpt", name, P, vs_cfg, ranks[0]["vs_torch"][name])
+                              for name in vs_torch.SCHEDULE_NAMES]
+    if "op_cpu" in checks:
+        import op_cpu
+
+        result["op_cpu"] = op_cpu.summarize([r["op_cpu"] for r in ranks])
+    if "calibrate" in checks:
+        result["calibrate"] = calibrate(P, args.device)
+    failed = [r["schedule"] for r in result.get("schedules", []) if not r["ok"]]
+    failed += ["plan --calibrate"] if "calibrate" in result and not result["calibrate"]["ok"] else []
+    result["failed"] = failed
+    path = _bench.write_json("gpu_check", result, args.json)
+    md = table(result)
+    path.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {path} and {path.with_suffix('.md')}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
