@@ -31,6 +31,7 @@ from pipedsl.limits import (
     load_json,
     shorten,
 )
+from pipedsl.perf import no_gc
 
 
 class Op(StrEnum):
@@ -213,6 +214,49 @@ def _op(value: object) -> Op:
         raise ValueError(f"unknown op {value!r} (known: {known})") from None
 
 
+_OPS = {op.value: op for op in Op}
+# (needs mb, needs stage, needs peer) of each single op: what check_fields demands
+_SHAPES = {op: (op not in (Op.REDUCE_GRAD, Op.OPTIMIZER_STEP), op is not Op.OPTIMIZER_STEP, op in COMMS)
+           for op in Op if op is not Op.OVERLAP}
+_new = tuple.__new__
+
+
+def _plain(op: Op, mb: object, stage: object, peer: object, replica: object) -> Instr | None:
+    """The instruction when every field is what `check_fields` and `check_ranges` accept (an int in
+    range, present exactly when `op` needs it), else None: the loaders' cheap common case, leaving
+    the full checks to say what is wrong.  `type(x) is int` refuses bools as the full checks do."""
+    shape = _SHAPES.get(op)
+    if shape is None or type(replica) is not int or not 0 <= replica < MAX_STAGES:
+        return None
+    need_mb, need_stage, need_peer = shape
+    if not ((type(mb) is int and 0 <= mb < MAX_MICROBATCHES) if need_mb else mb is None):
+        return None
+    if not ((type(stage) is int and 0 <= stage < MAX_STAGES) if need_stage else stage is None):
+        return None
+    if not ((type(peer) is int and 0 <= peer < MAX_RANKS) if need_peer else peer is None):
+        return None
+    return _new(Instr, (op, mb, stage, peer, replica, None))
+
+
+# F2.3, SEND_F2.3>1, RECV_B0.1r1<4: the text form of nearly every instruction, at most 9 digits a number
+_PLAIN_TEXT = re.compile(r"(SEND_F|SEND_B|RECV_F|RECV_B|F|B|I|W)(\d{1,9})\.(\d{1,9})(?:r(\d{1,9}))?"
+                         r"(?:([<>])(\d{1,9}))?")
+_ARROW = {Op.SEND_F: ">", Op.SEND_B: ">", Op.RECV_F: "<", Op.RECV_B: "<"}
+
+
+def _parse_token(token: str) -> Instr:
+    """`Instr.parse` for a whitespace-free token, the common forms without its general regex."""
+    m = _PLAIN_TEXT.fullmatch(token)
+    if m is not None:
+        name, mb, stage, replica, arrow, peer = m.groups()
+        op = _OPS[name]
+        if arrow == _ARROW.get(op):
+            instr = _plain(op, int(mb), int(stage), int(peer) if peer else None, int(replica) if replica else 0)
+            if instr is not None:
+                return instr
+    return Instr.parse(token)
+
+
 @dataclass(frozen=True)
 class Program:
     """One instruction stream per rank, with the placement and routing it was built for.
@@ -274,6 +318,7 @@ class Program:
         return "\n".join([header, *(f"r{r}: " + " ".join(map(str, s)) for r, s in enumerate(self.ranks))]) + "\n"
 
     @classmethod
+    @no_gc()  # a million tuples without cycles: collections would only rescan them
     def from_text(cls, text: str, name: str = "program") -> Program:
         """Parse `to_text` output; placement and routing are read off the compute ops."""
         streams: list[list[Instr]] = []
@@ -290,7 +335,7 @@ class Program:
             if len(streams) >= MAX_RANKS:
                 raise ValidationError(f"line {lineno}: more than {MAX_RANKS:,} ranks (MAX_RANKS)")
             try:
-                streams.append([Instr.parse(tok) for tok in rest.split()])
+                streams.append(list(map(_parse_token, rest.split())))
             except ValueError as err:
                 raise ValidationError(f"line {lineno}: {err}") from None
         return cls.from_streams(streams, name)
@@ -303,20 +348,20 @@ class Program:
         check_size(len(ranks), 1, 1, 1, sum(map(len, ranks)))
         placement: dict[tuple[int, int], int] = {}
         routes: dict[int, int] = {}
-        where: dict[tuple[int, int], tuple[int, int]] = {}
+        place, route, single = placement.setdefault, routes.setdefault, _SINGLE_COMPUTE
         for r, stream in enumerate(ranks):
-            for idx, i in ((idx, part) for idx, ins in enumerate(stream) for part in ins.parts):
-                if i.op not in COMPUTE:
-                    continue
-                k = (i.replica, i.stage)
-                if placement.setdefault(k, r) != r:
-                    first = where[k]
-                    raise ValidationError(
-                        f"rank {r} instruction {idx} ({i}): stage {i.stage} replica {i.replica} also has ops on "
-                        f"rank {first[0]} (instruction {first[1]}); a stage lives on one rank")
-                where.setdefault(k, (r, idx))
-                if routes.setdefault(i.mb, i.replica) != i.replica:
-                    raise ValidationError(f"rank {r} instruction {idx} ({i}): microbatch {i.mb} runs on two replicas")
+            for idx, ins in enumerate(stream):
+                for i in (ins,) if ins.sub is None else ins.sub:
+                    if i.op not in single:
+                        continue
+                    _, m, s, _, c, _ = i
+                    if place((c, s), r) != r:
+                        first = _first_compute(ranks, c, s)
+                        raise ValidationError(
+                            f"rank {r} instruction {idx} ({i}): stage {s} replica {c} also has ops on "
+                            f"rank {first[0]} (instruction {first[1]}); a stage lives on one rank")
+                    if route(m, c) != c:
+                        raise ValidationError(f"rank {r} instruction {idx} ({i}): microbatch {m} runs on two replicas")
         num_mb = max(routes, default=-1) + 1
         check_size(len(ranks), num_mb, max((s for _, s in placement), default=0) + 1,
                    max((c for c, _ in placement), default=0) + 1)
@@ -359,11 +404,20 @@ class Program:
             if not isinstance(stream, list):
                 raise ValidationError(f"rank {r}: expected a list of instructions")
             instrs = []
+            append = instrs.append
             for idx, item in enumerate(stream):
-                try:
-                    instrs.append(Instr.from_dict(item))
-                except ValueError as err:
-                    raise ValidationError(f"rank {r} instruction {idx}: {err}") from None
+                instr = None
+                if type(item) is dict:  # the common case first: no Instr.from_dict and its checks by name
+                    op = item.get("op")
+                    op = _OPS.get(op) if type(op) is str else None
+                    if op is not None:
+                        instr = _plain(op, item.get("mb"), item.get("stage"), item.get("peer"), item.get("replica", 0))
+                if instr is None:
+                    try:
+                        instr = Instr.from_dict(item)
+                    except ValueError as err:
+                        raise ValidationError(f"rank {r} instruction {idx}: {err}") from None
+                append(instr)
             streams.append(instrs)
         derived = cls.from_streams(streams, str(d.get("schedule", "program")))
         if "placement" not in d:
@@ -374,12 +428,13 @@ class Program:
             params = {str(k): int(v) for k, v in d.get("params", derived.params).items()}
             num_stages = int(d.get("num_stages", derived.num_stages))
             num_replicas = int(d.get("num_replicas", derived.num_replicas))
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:  # inf: OverflowError
             raise ValidationError(f"malformed program header: {shorten(err)}") from None
         check_size(len(derived.ranks), len(routes), num_stages, num_replicas)
         return cls(derived.name, params, num_stages, num_replicas, placement, routes, derived.ranks)
 
     @classmethod
+    @no_gc()  # a million tuples without cycles: collections would only rescan them
     def from_json(cls, text: str) -> Program:
         return cls.from_dict(load_json(text, error=ValidationError))
 
@@ -402,6 +457,7 @@ class Program:
         return out.getvalue()
 
     @classmethod
+    @no_gc()  # a million tuples without cycles: collections would only rescan them
     def from_csv(cls, text: str, name: str = "program") -> Program:
         try:
             rows = list(csv.reader(io.StringIO(text, newline="")))
@@ -413,24 +469,21 @@ class Program:
         for lineno, row in enumerate(rows[1:], 2):
             if not row:
                 continue
-            try:
-                if len(row) != len(cls.CSV_COLUMNS):
-                    raise ValueError(f"expected {len(cls.CSV_COLUMNS)} columns, got {len(row)}")
-                rank, index = int(row[0]), int(row[1])
-                if rank < 0 or index < 0:
-                    raise ValueError(f"rank and index are non-negative, got {shorten(rank)} and {shorten(index)}")
-                if rank >= MAX_RANKS:
-                    raise ValueError(f"rank {shorten(rank)} is over the limit: below {MAX_RANKS:,} (MAX_RANKS)")
-                if row[2].strip() == Op.OVERLAP.value:
-                    instr = _csv_pair(row)
-                else:
-                    d = {"op": row[2].strip(), "replica": int(row[5] or 0)}
-                    for col, key in ((3, "mb"), (4, "stage"), (6, "peer")):
-                        if row[col].strip():
-                            d[key] = int(row[col])
-                    instr = Instr.from_dict(d)
-            except ValueError as err:
-                raise ValidationError(f"CSV line {lineno}: {err}") from None
+            instr = None
+            if len(row) == 7 and row[2] in _OPS:  # the common case, without building a dict
+                try:
+                    rank, index, _, mb, stage, replica, peer = row
+                    rank, index = int(rank), int(index)
+                    if 0 <= rank < MAX_RANKS and index >= 0:
+                        instr = _plain(_OPS[row[2]], int(mb) if mb else None, int(stage) if stage else None,
+                                       int(peer) if peer else None, int(replica) if replica else 0)
+                except ValueError:
+                    instr = None
+            if instr is None:
+                try:
+                    rank, index, instr = _csv_row(row)
+                except ValueError as err:
+                    raise ValidationError(f"CSV line {lineno}: {err}") from None
             while len(streams) <= rank:
                 streams.append([])
             if index != len(streams[rank]):
@@ -455,8 +508,35 @@ def check_size(ranks: int, microbatches: int, stages: int, replicas: int, instru
                               f"replica(s) is over the limit of {MAX_COMPUTE_OPS:,} forwards (MAX_COMPUTE_OPS)")
 
 
+_SINGLE_COMPUTE = frozenset({Op.F, Op.B, Op.I, Op.W})
+
+
+def _first_compute(ranks: Sequence[Sequence[Instr]], replica: int, stage: int) -> tuple[int, int]:
+    """Rank and index of the first compute op of a stage copy (for an error message)."""
+    return next((r, idx) for r, stream in enumerate(ranks) for idx, ins in enumerate(stream)
+                for i in ins.parts if i.op in _SINGLE_COMPUTE and (i.replica, i.stage) == (replica, stage))
+
+
 def _blank(v: int | None) -> str | int:
     return "" if v is None else v
+
+
+def _csv_row(row: list[str]) -> tuple[int, int, Instr]:
+    """A CSV row's rank, index and instruction; ValueError says what is wrong."""
+    if len(row) != len(Program.CSV_COLUMNS):
+        raise ValueError(f"expected {len(Program.CSV_COLUMNS)} columns, got {len(row)}")
+    rank, index = int(row[0]), int(row[1])
+    if rank < 0 or index < 0:
+        raise ValueError(f"rank and index are non-negative, got {shorten(rank)} and {shorten(index)}")
+    if rank >= MAX_RANKS:
+        raise ValueError(f"rank {shorten(rank)} is over the limit: below {MAX_RANKS:,} (MAX_RANKS)")
+    if row[2].strip() == Op.OVERLAP.value:
+        return rank, index, _csv_pair(row)
+    d = {"op": row[2].strip(), "replica": int(row[5] or 0)}
+    for col, key in ((3, "mb"), (4, "stage"), (6, "peer")):
+        if row[col].strip():
+            d[key] = int(row[col])
+    return rank, index, Instr.from_dict(d)
 
 
 def _csv_pair(row: list[str]) -> Instr:

@@ -76,6 +76,16 @@ def read_bounded(path: str | os.PathLike, limit: int, what: str) -> str:
         raise PipeDSLError(f"{name} is not UTF-8 text") from None
 
 
+_DIGIT_BYTES = bytes(49 if 48 <= b <= 57 else 48 for b in range(256))  # ASCII digit -> "1", any other byte -> "0"
+
+
+def _long_digit_run(text: str) -> bool:
+    """Whether `text` has more than MAX_NUMBER_DIGITS ASCII digits in a row, which every integer too long
+    for `load_json` has (JSON numbers are ASCII; UTF-8 never puts an ASCII byte inside another character)."""
+    mask = text.encode("utf-8", "surrogatepass").translate(_DIGIT_BYTES)
+    return b"1" * (MAX_NUMBER_DIGITS + 1) in mask
+
+
 def load_json(text: str, what: str = "", error: type[PipeDSLError] = PipeDSLError) -> Any:
     """`json.loads` for files from anywhere: integers of at most MAX_NUMBER_DIGITS digits (Python's
     own 4,300-digit refusal would escape as a ValueError), and nesting that exhausts the decoder's
@@ -88,8 +98,8 @@ def load_json(text: str, what: str = "", error: type[PipeDSLError] = PipeDSLErro
                         f"(MAX_NUMBER_DIGITS)")
         return int(digits)
 
-    try:
-        return json.loads(text, parse_int=bounded_int)
+    try:  # checking every integer costs a call each: only when some run of digits is long enough to need it
+        return json.loads(text, parse_int=bounded_int if _long_digit_run(text) else None)
     except json.JSONDecodeError as err:
         raise error(f"{where}not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
     except (ValueError, RecursionError) as err:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import csv
 import io
 import re
+from collections import Counter
 from typing import NamedTuple
 
 from pipedsl.errors import ValidationError
 from pipedsl.ir import Instr, Op, Program, check_size
 from pipedsl.limits import MAX_MICROBATCHES, MAX_RANKS, MAX_STAGES, shorten
 from pipedsl.lowering import ComputeOp, ComputePlan, lower, parts
+from pipedsl.perf import no_gc
 from pipedsl.validate import validate
 
 _ACTION = re.compile(r"(\d+)(F|B|I|W)(\d+)")
@@ -71,6 +73,7 @@ def _action(i: Instr, number: tuple[int, ...]) -> str:
     return f"{i.stage}{_KINDS[i.op]}{number[i.mb]}"
 
 
+@no_gc()  # a million tuples without cycles: collections would only rescan them
 def from_torch_csv(text: str, name: str = "torch") -> Program:
     """A torch CSV schedule (one row per rank) as a lowered, validated program."""
     try:
@@ -87,11 +90,13 @@ def from_torch_csv(text: str, name: str = "torch") -> Program:
         order: list[ComputeOp] = []
         for col, cell in enumerate(row, 1):
             cell = cell.strip()
-            if not cell or _COMMS.fullmatch(cell):
+            if not cell:
                 continue
             try:
                 op = _compute(cell)
             except ValueError as err:
+                if _COMMS.fullmatch(cell):
+                    continue  # torch's communication: lowering derives pipedsl's own
                 raise ValidationError(f"torch CSV row {r + 1} (rank {r}) cell {col}: {err}") from None
             where = _Cell(r, col, cell)
             for kind, mb, s, _ in parts(op):
@@ -134,14 +139,21 @@ def _name(kind: Op, mb: int, stage: int) -> str:
     return f"{stage}{_KINDS[kind]}{mb}"
 
 
-def _needs(kind: Op, s: int, S: int) -> list[tuple[tuple[Op, ...], int, str]]:
-    """What an action on stage s consumes: (the kinds that make it, their stage, what it is)."""
+def _needs(kind: Op, s: int, S: int) -> tuple[tuple[tuple[Op, ...], int], ...]:
+    """What an action on stage s consumes: (the kinds that make it, their stage) for each input."""
     if kind is Op.F:
-        return [((Op.F,), s - 1, f"its input (the forward of stage {s - 1})")] if s > 0 else []
+        return (((Op.F,), s - 1),) if s > 0 else ()
     if kind is Op.W:
-        return [((Op.I,), s, "its input-gradient backward")]
-    grad = [((Op.B, Op.I), s + 1, f"its output gradient (the backward of stage {s + 1})")] if s < S - 1 else []
-    return [((Op.F,), s, "its forward"), *grad]
+        return (((Op.I,), s),)
+    return (((Op.F,), s), ((Op.B, Op.I), s + 1)) if s < S - 1 else (((Op.F,), s),)
+
+
+def _what(kinds: tuple[Op, ...], src: int, s: int) -> str:
+    if kinds == (Op.I,):
+        return "its input-gradient backward"
+    if kinds != (Op.F,):
+        return f"its output gradient (the backward of stage {src})"
+    return "its forward" if src == s else f"its input (the forward of stage {src})"
 
 
 def _check_orders(orders: list[list[ComputeOp]], cells: dict[tuple[Op, int, int], _Cell],
@@ -149,24 +161,30 @@ def _check_orders(orders: list[list[ComputeOp]], cells: dict[tuple[Op, int, int]
     """Before lowering: every action's inputs are somewhere in the CSV and, when made on the same
     rank, earlier in its row; every microbatch and stage gets a forward and one backward, full (B)
     or split (I then W).  Waits between ranks are the validator's (a dry run after lowering)."""
+    rank_of = [placement[(0, s)] for s in range(S)]
     for r, order in enumerate(orders):
         done: set[tuple[Op, int, int]] = set()
         for entry in order:
             halves = parts(entry)
             for kind, mb, s, _ in halves:
-                at = cells[(kind, mb, s)]
-                for kinds, src, what in _needs(kind, s, S):
-                    have = [cells[(k, mb, src)] for k in kinds if (k, mb, src) in cells]
-                    wanted = " or ".join(_name(k, mb, src) for k in kinds)
-                    home = placement[(0, src)]
-                    if not have:
+                for kinds, src in _needs(kind, s, S):
+                    home = rank_of[src]
+                    if any((k, mb, src) in (done if home == r else cells) for k in kinds):
+                        continue  # made earlier on this rank, or on another (when it arrives is the dry run's)
+                    made = [cells[(k, mb, src)] for k in kinds if (k, mb, src) in cells]
+                    at, wanted = cells[(kind, mb, s)], " or ".join(_name(k, mb, src) for k in kinds)
+                    what = _what(kinds, src, s)
+                    if not made:
                         raise ValidationError(f"{at}: needs {wanted}, {what}, which no row runs (rank {home} "
                                               f"holds stage {src})")
-                    if home == r and not any((k, mb, src) in done for k in kinds):
-                        where = ("in the same pair: the halves of a pair run together, so neither may need the other"
-                                 if have[0] == at else f"later, in cell {have[0].col} ({have[0].text})")
-                        raise ValidationError(f"{at}: runs before {wanted}, {what}, which this rank runs {where}")
+                    where = ("in the same pair: the halves of a pair run together, so neither may need the other"
+                             if made[0] == at else f"later, in cell {made[0].col} ({made[0].text})")
+                    raise ValidationError(f"{at}: runs before {wanted}, {what}, which this rank runs {where}")
             done.update((kind, mb, s) for kind, mb, s, _ in halves)
+    counts = Counter(kind for kind, _, _ in cells)
+    if (counts[Op.F] == M * S and counts[Op.B] + counts[Op.I] == M * S and counts[Op.W] == counts[Op.I]
+            and all((Op.W, m, s) in cells and (Op.B, m, s) not in cells for k, m, s in cells if k is Op.I)):
+        return  # the keys are distinct and in range: the counts prove every action is there once
     for mb in range(M):
         for s in range(S):
             home = placement[(0, s)]
@@ -183,9 +201,17 @@ def _check_orders(orders: list[list[ComputeOp]], cells: dict[tuple[Op, int, int]
                                       f"rank {home} holds stage {s})")
             if split and (Op.W, mb, s) not in cells:
                 raise ValidationError(f"{split}: no row runs its weight gradient {_name(Op.W, mb, s)} (rank {home})")
+    raise AssertionError("the counts disagree but nothing is missing")  # pragma: no cover
 
 
 def _compute(cell: str) -> ComputeOp:
+    m = _ACTION.fullmatch(cell)
+    if m:
+        stage, mb = int(m[1]), int(m[3])
+        if stage >= MAX_STAGES or mb >= MAX_MICROBATCHES:
+            raise ValueError(f"{shorten(cell)}: stages are below {MAX_STAGES:,} (MAX_STAGES), microbatches below "
+                             f"{MAX_MICROBATCHES:,} (MAX_MICROBATCHES)")
+        return (_BY_LETTER[m[2]], mb, stage, 0)
     pair = _PAIR.fullmatch(cell)
     if pair:
         halves = pair[1].split(";")
@@ -193,11 +219,7 @@ def _compute(cell: str) -> ComputeOp:
         if len(parts) != 2 or parts[0][0] is not Op.F or parts[1][0] is not Op.B:
             raise ValueError(f"{shorten(cell)}: an OVERLAP_F_B pair is a forward and a full backward")
         return (Op.OVERLAP, parts[0], parts[1], 0)  # type: ignore[return-value]
-    m = _ACTION.fullmatch(cell)
-    if not m:
-        raise ValueError(f"{shorten(cell)} is not a torch action (e.g. 2F0, 5I3, (0F3;7B1)OVERLAP_F_B)")
-    stage, mb = int(m[1]), int(m[3])
-    if stage >= MAX_STAGES or mb >= MAX_MICROBATCHES:
-        raise ValueError(f"{shorten(cell)}: stages are below {MAX_STAGES:,} (MAX_STAGES), microbatches below "
-                         f"{MAX_MICROBATCHES:,} (MAX_MICROBATCHES)")
-    return ({"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}[m[2]], mb, stage, 0)
+    raise ValueError(f"{shorten(cell)} is not a torch action (e.g. 2F0, 5I3, (0F3;7B1)OVERLAP_F_B)")
+
+
+_BY_LETTER = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}

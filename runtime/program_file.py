@@ -44,7 +44,7 @@ def read_program(path: str | os.PathLike, ranks: int | None = None) -> Program:
         validate(program)
     except ValidationError as err:
         raise type(err)(f"{name}: {err.message}", notes=err.notes) from None
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:  # belt and braces
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError) as err:  # belt, braces
         raise ValidationError(f"{name}: malformed {fmt} program: {type(err).__name__}: {err}") from None
     if ranks is not None and ranks != program.num_ranks:
         raise PipeDSLError(f"{name}: the program has {program.num_ranks} rank(s), but {ranks} were asked for "

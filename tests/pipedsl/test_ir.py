@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 import pipedsl
 from pipedsl import Instr, Op, Program, ValidationError
+from pipedsl.ir import _parse_token, _plain  # the loaders' fast paths
+from pipedsl.limits import MAX_MICROBATCHES, MAX_RANKS, MAX_STAGES
 
 compute = st.builds(lambda op, m, s, c: Instr(op, m, s, None, c), st.sampled_from([Op.F, Op.B, Op.I, Op.W]),
                     st.integers(0, 99), st.integers(0, 99), st.integers(0, 3))
@@ -82,3 +84,60 @@ def test_malformed_csv_names_the_line():
     lines[2] = lines[2].replace("SEND_F", "SEND_X")
     with pytest.raises(ValidationError, match="CSV line 3: unknown op 'SEND_X'"):
         Program.from_csv("\n".join(lines))
+
+
+# ---------------------------------------------------------------- the loaders' fast paths (issue 25)
+
+edge = st.sampled_from([0, 1, -1, MAX_MICROBATCHES - 1, MAX_MICROBATCHES, MAX_STAGES, MAX_RANKS - 1, MAX_RANKS])
+field = st.one_of(st.none(), st.integers(-5, 120), edge, st.booleans(), st.floats(-1, 5), st.text(max_size=2))
+single_ops = st.sampled_from([op for op in Op if op is not Op.OVERLAP])
+
+
+@given(single_ops, field, field, field, st.one_of(field, st.just("absent")))
+def test_the_fast_instruction_check_accepts_exactly_what_the_full_checks_accept(op, mb, stage, peer, replica):
+    d = {"op": op.value, "mb": mb, "stage": stage, "peer": peer}
+    if replica != "absent":
+        d["replica"] = replica
+    fast = _plain(op, mb, stage, peer, d.get("replica", 0))
+    try:
+        full = Instr.from_dict(d)
+    except ValueError:
+        assert fast is None
+    else:
+        assert fast == full and type(fast.mb) is type(full.mb)
+
+
+tokens = st.one_of(instrs.map(str), st.builds(lambda ins, at, junk: (s := str(ins))[:at % (len(s) + 1)] + junk
+                                                + s[at % (len(s) + 1):], instrs, st.integers(0, 40),
+                                                st.sampled_from(["0", "9" * 9, "9" * 10, ">1", "<1", "r", ".", "&"])))
+
+
+@given(tokens)
+def test_a_text_token_parses_alike_on_the_fast_path(token):
+    try:
+        full = Instr.parse(token)
+    except ValueError as err:
+        with pytest.raises(ValueError) as fast_err:
+            _parse_token(token)
+        assert str(fast_err.value) == str(err)
+    else:
+        assert _parse_token(token) == full
+
+
+@pytest.mark.parametrize("name", ["interleaved", "zb-v", "dualpipev", "chimera"])
+def test_every_loader_gives_back_the_compiled_program(name):
+    """JSON, CSV and text of programs with messages, split backwards, pairs and replicas."""
+    program = pipedsl.load(name).compile(P=4, M=8)
+    for loaded in (Program.from_json(program.to_json()), Program.from_csv(program.to_csv()),
+                   Program.from_text(program.to_text())):
+        assert loaded.ranks == program.ranks and loaded.placement == program.placement
+        assert all(type(i) is Instr for stream in loaded.ranks for i in stream)
+    assert Program.from_json(program.to_json()).to_json() == program.to_json()
+
+
+def test_a_header_number_json_cannot_hold_as_an_integer_is_a_clear_error():
+    """Infinity in the header escaped as an OverflowError (found by the fuzzer)."""
+    d = json.loads(pipedsl.load("gpipe").compile(P=2, M=2).to_json())
+    d["microbatch_replica"][0] = float("inf")
+    with pytest.raises(ValidationError, match="malformed program header: cannot convert float infinity"):
+        Program.from_json(json.dumps(d))

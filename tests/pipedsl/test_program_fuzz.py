@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import pipedsl
-from pipedsl import Program, ValidationError
+from pipedsl import PipeDSLError, Program, ValidationError
+from pipedsl.limits import MAX_NUMBER_DIGITS, load_json
 
 BASE = [pipedsl.load(name).compile(P=P, M=M) for name in ("gpipe", "1f1b") for P, M in ((2, 2), (3, 4))]
 values = st.one_of(st.integers(-3, 9), st.none(), st.text(max_size=3), st.booleans(), st.floats(allow_nan=True),
@@ -136,3 +138,15 @@ def test_json_nested_past_the_decoders_recursion_fails_cleanly(depth, opener):
         pipedsl.Timeline.from_json(opener * depth)
     except ValidationError as err:
         assert "JSON" in str(err) or "timeline" in str(err)
+
+
+@given(st.lists(st.tuples(st.integers(1, 25), st.sampled_from(["int", "negative", "string", "float"])), max_size=5))
+def test_json_integers_past_the_digit_limit_are_refused_wherever_they_are(numbers):
+    """load_json parses in C unless some run of digits is long enough to need the per-integer check."""
+    cells = {"int": "{}", "negative": "-{}", "string": '"{}"', "float": "1.{}"}
+    text = "[" + ",".join(cells[kind].format("9" * digits) for digits, kind in numbers) + "]"
+    if any(digits > MAX_NUMBER_DIGITS and kind in ("int", "negative") for digits, kind in numbers):
+        with pytest.raises(PipeDSLError, match=r"more than 18 digits \(MAX_NUMBER_DIGITS\)"):
+            load_json(text)
+    else:
+        assert load_json(text) == json.loads(text)
