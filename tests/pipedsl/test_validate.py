@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipedsl
-from pipedsl import DeadlockError, Instr, Program, ValidationError
+from pipedsl import DeadlockError, Instr, Op, Program, ValidationError
+from pipedsl.fastcheck import streams_pass
+from pipedsl.validate import _check_header, _check_streams
 
 
 def base() -> Program:
@@ -79,3 +83,67 @@ def test_routing_must_name_existing_replicas():
 def test_optimizer_step_ends_each_rank():
     with pytest.raises(ValidationError, match="rank 1 instruction 0 \\(OPTIMIZER_STEP\\)"):
         pipedsl.validate(with_streams(base(), {0: R0, 1: "OPTIMIZER_STEP " + R1}))
+
+
+# ---------------------------------------------------------------- the array checks (fastcheck, issue 25)
+
+FAST_BASE = [pipedsl.load(name).compile(P=P, M=M) for name, P, M in (
+    ("1f1b", 2, 3), ("interleaved", 2, 4), ("zb-h1", 3, 3), ("zb-v", 2, 4), ("dualpipev", 2, 4), ("chimera", 2, 2),
+    ("dualpipe", 2, 4), ("hanayo", 2, 2))]
+fields = st.one_of(st.integers(-1, 8), st.none(), st.booleans(), st.just(2 ** 60), st.floats(0, 3))
+edit = st.tuples(st.sampled_from(["op", "mb", "stage", "peer", "replica", "swap", "drop", "dup", "move", "pair",
+                                  "unpair"]), st.integers(0, 10 ** 6), st.integers(0, 10 ** 6), fields,
+                 st.sampled_from(list(Op)))
+
+
+def _edited(program: Program, edits) -> Program:
+    ranks = [list(s) for s in program.ranks]
+    for what, a, b, value, op in edits:
+        stream = ranks[a % len(ranks)]
+        if not stream:
+            continue
+        at, to = a % len(stream), b % len(stream)
+        ins = stream[at]
+        if what in ("mb", "stage", "peer", "replica"):
+            stream[at] = ins._replace(**{what: value})
+        elif what == "op":
+            stream[at] = ins._replace(op=op)
+        elif what == "swap":
+            stream[at], stream[to] = stream[to], stream[at]
+        elif what == "drop":
+            del stream[at]
+        elif what == "dup":
+            stream.insert(to, ins)
+        elif what == "move":
+            ranks[b % len(ranks)].insert(to, stream.pop(at))
+        elif what == "pair" and ins.sub is None and to != at:  # two ops become one (possibly odd) pair
+            stream[at] = Instr(Op.OVERLAP, sub=(ins, stream[to]))
+            del stream[to]
+        elif what == "unpair" and ins.sub is not None:
+            stream[at:at + 1] = list(ins.sub)
+    return dataclasses.replace(program, ranks=tuple(map(tuple, ranks)), meta={})
+
+
+@settings(max_examples=400)
+@given(st.sampled_from(FAST_BASE), st.lists(edit, min_size=1, max_size=3))
+def test_the_array_checks_pass_only_what_the_instruction_passes_pass(program, edits):
+    """streams_pass saying yes skips the per-instruction passes: it must never say yes to a program they refuse."""
+    broken = _edited(program, edits)
+    try:
+        _check_header(broken)
+    except ValidationError:
+        return
+    if streams_pass(broken):
+        _check_streams(broken)  # raises if the array checks let a broken program through
+
+
+@pytest.mark.parametrize("name", pipedsl.builtin_names())
+def test_every_builtin_passes_the_array_checks(name):
+    """So that validating a compiled or loaded program takes the fast path."""
+    for P, M in ((2, 4), (4, 8), (3, 6), (4, 4)):
+        try:
+            program = pipedsl.load(name).compile(P=P, M=M)
+        except pipedsl.PipeDSLError:
+            continue
+        assert streams_pass(program), (name, P, M)
+        assert streams_pass(Program.from_json(program.to_json()))
