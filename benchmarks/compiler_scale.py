@@ -1,12 +1,22 @@
-"""How compile + validate + simulate time and memory grow with program size.
+"""How compile + validate + simulate time and memory grow with program size, and how fast a program
+near the file size limit loads back from a file.
 
 Each size runs in a fresh process (so peak RSS is its own), timing the public API:
 `schedule.plan` (bind + order), `lower`, `validate`, `simulate`.  Prints a table, writes
 JSON, appends a row to benchmarks/RESULTS.md, and reports time per instruction and the
 growth exponent (slope of log time over log instructions).
 
+The program of 1.18·10^6 instructions (the largest whose JSON fits MAX_PROGRAM_BYTES; with
+--quick the largest quick one) is also written as JSON, CSV, text and torch CSV, and each file
+is loaded and validated (`read_program`, what `pipedsl run --program` and `Pipeline(program=path)` do)
+in a fresh process, `--load-reps` times: instructions per second beside the compiler's own
+(plan + lower + validate) speed in the same run.  `--baseline REV` loads the same files with
+the code of git revision REV too, alternating with this tree, so a speed-up is measured in one
+run (this machine's speed moves 1.5-3x between runs).
+
     python benchmarks/compiler_scale.py                      # 10^3 … 1.6·10^6 instructions
-    python benchmarks/compiler_scale.py --quick              # up to ~10^5
+    python benchmarks/compiler_scale.py --quick              # up to ~2·10^5
+    python benchmarks/compiler_scale.py --baseline HEAD~3 --load-reps 3   # loading: before and after
 """
 
 from __future__ import annotations
@@ -15,22 +25,30 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+FILES = {"json": "program.json", "csv": "program.csv", "text": "program.txt", "torch-csv": "program_torch.csv"}
 
 # (P, M, V): interleaved 1F1B sizes from ~10^3 to ~1.6·10^6 instructions.
-SIZES = [(4, 8, 2), (8, 32, 2), (16, 64, 4), (32, 256, 4), (64, 512, 4), (64, 1024, 4)]
+SIZES = [(4, 8, 2), (8, 32, 2), (16, 64, 4), (32, 256, 4), (64, 512, 4), (64, 768, 4), (64, 1024, 4)]
 QUICK = SIZES[:4]
+# The program written to files and loaded back: 1.18·10^6 instructions, the largest whose JSON (55 MB) stays
+# under MAX_PROGRAM_BYTES; with --quick, the largest quick size.
+FILES_AT, QUICK_FILES_AT = (64, 768, 4), QUICK[-1]
 
 
-def measure(schedule: str, P: int, M: int, V: int) -> dict:
-    """Run in the child process: time each phase once."""
+def measure(schedule: str, P: int, M: int, V: int, files: str | None = None) -> dict:
+    """Run in the child process: time each phase once; with `files`, then write the program there
+    in every format (after the peak RSS is read: writing is not compiling)."""
     import pipedsl
     from pipedsl.lowering import lower
     from pipedsl.perf import no_gc
@@ -48,13 +66,31 @@ def measure(schedule: str, P: int, M: int, V: int) -> dict:
     timeline = pipedsl.simulate(program)
     t4 = time.perf_counter()
     n = program.num_instructions()
-    return {
+    row = {
         "P": P, "M": M, "V": V, "instructions": n,
         "plan_s": t1 - t0, "lower_s": t2 - t1, "validate_s": t3 - t2, "simulate_s": t4 - t3,
         "total_s": t4 - t0, "us_per_instruction": (t4 - t0) / n * 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "bubble_ratio": timeline.bubble_ratio,
     }
+    if files:
+        write = {"json": program.to_json, "csv": program.to_csv, "text": program.to_text,
+                 "torch-csv": lambda: pipedsl.to_torch_csv(program)}
+        for fmt, name in FILES.items():
+            if fmt != "torch-csv" or program.num_replicas == 1:
+                Path(files, name).write_text(write[fmt]())
+    return row
+
+
+def load(path: str) -> dict:
+    """Run in the child process: load and validate one program file, as `pipedsl run --program` does."""
+    from pipedsl.runtime.program_file import read_program
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    program = read_program(path)
+    return {"load_s": time.perf_counter() - t0, "load_cpu_s": time.process_time() - c0,
+            "instructions": program.num_instructions(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def growth_exponent(rows: list[dict]) -> float:
@@ -70,18 +106,31 @@ def main() -> None:
     parser.add_argument("--schedule", default="interleaved")
     parser.add_argument("--quick", action="store_true", help="sizes up to ~10^5 instructions")
     parser.add_argument("--json", default=str(HERE / "results" / "compiler_scale.json"))
+    parser.add_argument("--load-reps", type=int, default=1, help="loads of each program file (median)")
+    parser.add_argument("--formats", nargs="+", choices=list(FILES), default=list(FILES),
+                        help="program file formats to load (default: all)")
+    parser.add_argument("--baseline", metavar="REV", help="also load the files with git revision REV's code, "
+                        "alternating with this tree's")
     parser.add_argument("--child", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--files", help=argparse.SUPPRESS)
+    parser.add_argument("--load", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.schedule, *args.child)))
+        print(json.dumps(measure(args.schedule, *args.child, files=args.files)))
+        return
+    if args.load:
+        print(json.dumps(load(args.load)))
         return
 
     rows = []
     print(f"{'P':>4} {'M':>5} {'V':>2} {'instr':>9} {'plan':>6} {'lower':>6} {'valid':>6} {'sim':>6} "
           f"{'total s':>8} {'µs/instr':>9} {'RSS MB':>7}")
-    for P, M, V in QUICK if args.quick else SIZES:
-        out = subprocess.run([sys.executable, __file__, "--schedule", args.schedule, "--child", str(P), str(M), str(V)],
-                             capture_output=True, text=True, check=True)
+    sizes, files_at = (QUICK, QUICK_FILES_AT) if args.quick else (SIZES, FILES_AT)
+    files = tempfile.TemporaryDirectory(prefix="pipedsl-programs-")
+    for P, M, V in sizes:
+        keep = ["--files", files.name] if (P, M, V) == files_at else []
+        out = subprocess.run([sys.executable, __file__, "--schedule", args.schedule, "--child", str(P), str(M), str(V),
+                              *keep], capture_output=True, text=True, check=True)
         r = json.loads(out.stdout)
         rows.append(r)
         print(f"{P:>4} {M:>5} {V:>2} {r['instructions']:>9} {r['plan_s']:>6.2f} {r['lower_s']:>6.2f} "
@@ -91,16 +140,82 @@ def main() -> None:
     exponent = growth_exponent(big)
     print(f"growth exponent (time ~ n^k, n ≥ 10^4): k = {exponent:.3f}")
 
+    with files:
+        loading = program_files(files.name, next(r for r in rows if (r["P"], r["M"], r["V"]) == files_at), args)
     result = {"benchmark": "compiler_scale", "schedule": args.schedule, "machine": _machine(),
-              "date": datetime.date.today().isoformat(), "rows": rows, "growth_exponent": exponent}
+              "date": datetime.date.today().isoformat(), "rows": rows, "growth_exponent": exponent,
+              "program_files": loading}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     last = rows[-1]
+    speeds = ", ".join(f"{fmt} {f['instructions_per_s'] / 1e3:.0f}k" for fmt, f in loading["formats"].items())
+    before = loading.get("baseline")
+    was = (f" (at {before['revision']}, same run: " + ", ".join(
+        f"{fmt} {f['instructions_per_s'] / 1e3:.0f}k" for fmt, f in before["formats"].items()) + ")") if before else ""
     _append_results(
-        f"| {result['date']} | `python benchmarks/compiler_scale.py{' --quick' if args.quick else ''}` | "
+        f"| {result['date']} | `python benchmarks/compiler_scale.py{' --quick' if args.quick else ''}"
+        f"{f' --baseline {args.baseline}' if args.baseline else ''}` | "
         f"{result['machine']} | {last['instructions']:,} instructions ({args.schedule} P={last['P']} M={last['M']} "
         f"V={last['V']}): {last['total_s']:.2f} s end to end, {last['us_per_instruction']:.2f} µs/instruction, "
-        f"peak RSS {last['peak_rss_mb']:.0f} MB; growth exponent {exponent:.2f} |")
+        f"peak RSS {last['peak_rss_mb']:.0f} MB; growth exponent {exponent:.2f}; compiled at "
+        f"{loading['compile_instructions_per_s'] / 1e3:.0f}k instructions/s (plan + lower + validate), "
+        f"the {loading['instructions']:,}-instruction program loaded from files at {speeds} instructions/s{was} |")
+
+
+def program_files(directory: str, row: dict, args: argparse.Namespace) -> dict:
+    """Load each file of the program `--load-reps` times in fresh processes (with `--baseline`, alternately
+    with that revision's code); print and return the median speed per format."""
+    n = row["instructions"]
+    variants = {"this tree": {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}}
+    old = tempfile.TemporaryDirectory(prefix="pipedsl-baseline-") if args.baseline else None
+    if old:
+        variants[args.baseline] = {**os.environ, "PYTHONPATH": str(_tree_at(args.baseline, Path(old.name)))}
+    formats = [f for f in args.formats if Path(directory, FILES[f]).exists()]
+    times: dict[str, dict[str, list[float]]] = {v: {f: [] for f in formats} for v in variants}
+    for rep in range(args.load_reps):
+        for variant in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
+            for fmt in formats:
+                out = subprocess.run([sys.executable, __file__, "--load", str(Path(directory, FILES[fmt]))],
+                                     capture_output=True, text=True, env=variants[variant], cwd=directory)
+                if out.returncode:
+                    raise SystemExit(f"compiler_scale: loading {fmt} with {variant}'s code failed:\n"
+                                     f"{out.stderr[-2000:]}")
+                got = json.loads(out.stdout)
+                if got["instructions"] != n:
+                    raise SystemExit(f"compiler_scale: {variant} loaded {got['instructions']} instructions, not {n}")
+                times[variant][fmt].append(got["load_s"])
+    if old:
+        old.cleanup()
+    compile_speed = n / (row["plan_s"] + row["lower_s"] + row["validate_s"])
+    print(f"\nprogram files of {n:,} instructions ({args.schedule} P={row['P']} M={row['M']} V={row['V']}): load + "
+          f"validate, median of {args.load_reps}; compiled at {compile_speed:,.0f} instructions/s in this run")
+    print(f"{'format':>10} {'MB':>6} " + " ".join(f"{v[:12] + ' s':>14} {'instr/s':>10}" for v in variants)
+          + (f" {'speed-up':>9}" if old else ""))
+    summary: dict = {"instructions": n, "compile_instructions_per_s": compile_speed, "formats": {}}
+    for fmt in formats:
+        size = Path(directory, FILES[fmt]).stat().st_size / 2 ** 20
+        med = {v: statistics.median(times[v][fmt]) for v in variants}
+        cells = " ".join(f"{med[v]:>14.2f} {n / med[v]:>10,.0f}" for v in variants)
+        gain = f" {med[args.baseline] / med['this tree']:>8.2f}x" if old else ""
+        print(f"{fmt:>10} {size:>6.1f} {cells}{gain}")
+        summary["formats"][fmt] = {"megabytes": size, "load_s": med["this tree"], "runs": times["this tree"][fmt],
+                                   "instructions_per_s": n / med["this tree"]}
+    if old:
+        summary["baseline"] = {"revision": args.baseline, "formats": {
+            fmt: {"load_s": statistics.median(times[args.baseline][fmt]), "runs": times[args.baseline][fmt],
+                  "instructions_per_s": n / statistics.median(times[args.baseline][fmt])} for fmt in formats}}
+    return summary
+
+
+def _tree_at(revision: str, into: Path) -> Path:
+    """`pipedsl` as of a git revision, importable from `into` (schedules and runtime where the install maps them)."""
+    archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", revision, "pipedsl", "schedules", "runtime"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    for name in ("schedules", "runtime"):
+        (into / name).rename(into / "pipedsl" / name)
+    (into / "pipedsl" / "schedules" / "__init__.py").touch()
+    return into
 
 
 def _machine() -> str:

@@ -62,8 +62,14 @@ def test_schedules(tmp_path):
 
 @pytest.mark.slow
 def test_compiler_scale_appends_to_the_same_table(tmp_path):
-    got = run(tmp_path, "compiler_scale", "--quick")
+    got = run(tmp_path, "compiler_scale", "--quick", "--formats", "json", "torch-csv", "--baseline", "HEAD")
     assert got["benchmark"] == "compiler_scale" and got["rows"] and got["growth_exponent"] > 0
+    files = got["program_files"]  # the largest program, loaded back from files by this tree and by HEAD's code
+    assert files["instructions"] == got["rows"][-1]["instructions"] and files["compile_instructions_per_s"] > 0
+    assert set(files["formats"]) == set(files["baseline"]["formats"]) == {"json", "torch-csv"}
+    assert all(f["instructions_per_s"] > 0 and len(f["runs"]) == 1 for f in files["formats"].values())
+    assert files["baseline"]["revision"] == "HEAD"
+    assert "-instruction program loaded from files at json" in (tmp_path / "RESULTS.md").read_text().splitlines()[-1]
 
 
 @pytest.mark.slow
