@@ -154,7 +154,8 @@ def main() -> None:
         f"{fmt} {f['instructions_per_s'] / 1e3:.0f}k" for fmt, f in before["formats"].items()) + ")") if before else ""
     _append_results(
         f"| {result['date']} | `python benchmarks/compiler_scale.py{' --quick' if args.quick else ''}"
-        f"{f' --baseline {args.baseline}' if args.baseline else ''}` | "
+        f"{f' --baseline {args.baseline}' if args.baseline else ''}"
+        f"{f' --load-reps {args.load_reps}' if args.load_reps != 1 else ''}` | "
         f"{result['machine']} | {last['instructions']:,} instructions ({args.schedule} P={last['P']} M={last['M']} "
         f"V={last['V']}): {last['total_s']:.2f} s end to end, {last['us_per_instruction']:.2f} µs/instruction, "
         f"peak RSS {last['peak_rss_mb']:.0f} MB; growth exponent {exponent:.2f}; compiled at "
