@@ -269,7 +269,7 @@ def causal_lm_stages(model: nn.Module, num_stages: int, *, by: str = "count", po
     takes the position ids next; both travel to every stage (see the module docstring).
     Pair with `causal_lm_loss` and the targets `shift_labels(labels)`.
     """
-    _require_transformers()
+    require_transformers()
     parts = _Parts(model)
     units: list[nn.Module] = [parts.embed, *parts.layers, parts.head]
     if points is None and num_stages > len(units):
@@ -312,12 +312,14 @@ def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8,
     return diff
 
 
-def _require_transformers() -> None:
+def require_transformers() -> Any:
+    """The transformers module, 5.x (its masking_utils and decoder layers), or one line saying how to get it."""
     try:
         import transformers
     except ImportError:
-        raise PipeRuntimeError("causal_lm_stages needs transformers (pip install 'pipedsl[examples]')") from None
+        raise PipeRuntimeError("Hugging Face models need transformers (pip install 'pipedsl[hf]')") from None
     major = int(transformers.__version__.split(".")[0])
     if major < 5:
-        raise PipeRuntimeError(f"causal_lm_stages needs transformers 5.x (its masking_utils and decoder layers); "
+        raise PipeRuntimeError(f"Hugging Face models need transformers 5.x (its masking_utils and decoder layers); "
                                f"found {transformers.__version__}")
+    return transformers

@@ -29,10 +29,14 @@ from torch import nn
 
 from pipedsl.errors import PipeDSLError
 
+from . import data
+from .hf import require_transformers
+
 CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+# what travels with a checkpoint to the export: every file data.py reads a tokenizer from, and their companions
+TOKENIZER_FILES = (*data.TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,17 +68,9 @@ class ModelDir:
         return f"{self.kind} from {self.path} ({layers} layers, hidden {hidden}, vocab {self.vocab_size}; {init})"
 
 
-def _require_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ModelDirError("--model needs transformers: pip install 'pipedsl[hf]'") from None
-    return transformers
-
-
 def inspect_model_dir(path: str | os.PathLike) -> ModelDir:
     """The directory's config, checked; one `ModelDirError` line for anything wrong."""
-    tf = _require_transformers()
+    tf = require_transformers()
     p = Path(path)
     if not os.path.isdir(p):
         raise ModelDirError(f"--model {path}: no such directory (a local Hugging Face model directory with "
@@ -110,7 +106,7 @@ def _one_line(err: BaseException) -> str:
 
 def build_model(model_dir: str | os.PathLike, *, seed: int = 0, attn: str = "sdpa") -> nn.Module:
     """The causal LM of a checked directory, in fp32 on the CPU: its weights, or a seeded random init."""
-    tf = _require_transformers()
+    tf = require_transformers()
     path = str(model_dir)
     kwargs = {"attn_implementation": attn}
     if any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS):
@@ -146,7 +142,7 @@ class LocalStages:
         from .hf import causal_lm_stages
         from .ties import find_ties
 
-        tf = _require_transformers()
+        tf = require_transformers()
         config = tf.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         with torch.device("meta"):
             model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
@@ -241,17 +237,20 @@ def _module_seed(seed: int, name: str) -> int:
 
 
 class _Weights:
-    """The tensors of a directory's safetensors files, read one at a time by name."""
+    """The tensors of a directory's safetensors files, read one at a time by name (each file opened once)."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files  # tensor name -> file
         self.keys = set(files)
+        self._open: dict[Path, Any] = {}
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name).float()
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path].get_tensor(name).float()
 
 
 def _weights_reader(model_dir: str | os.PathLike) -> _Weights | None:
@@ -292,7 +291,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     from . import checkpoint
     from .hf import causal_lm_stages
 
-    tf = _require_transformers()
+    tf = require_transformers()
     tf.utils.logging.disable_progress_bar()
     saved = checkpoint.read_model(source)
     meta = saved.extra.get("hf") if isinstance(saved.extra, dict) else None
@@ -321,7 +320,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
-    for name, data in meta.get("tokenizer", {}).items():
-        (target / name).write_bytes(data)
+    for name, content in meta.get("tokenizer", {}).items():
+        (target / name).write_bytes(content)
     return target, saved.info.step
 

@@ -62,10 +62,12 @@ def hf_config(args: argparse.Namespace, program: Any, batch: int, out: Path) -> 
             data.eval_batches(heldout, batch, 0, args.dp)  # raises, naming the sizes
         eval_at_end = False
         notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
-    _check_memory(args, md)
-    local = _check_architecture(md, split, args.attn or _attention(md))
+    attn = args.attn or _attention(md)
+    meta = _meta_model(md.config)  # shapes only: counted for memory, named for the weights files
+    _check_memory(args, md, meta)
+    local = _check_architecture(md, split, attn, meta)
     described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_cache else "held out")
-    return {"model": str(md.path.resolve()), "local": local, "attn": args.attn or _attention(md),
+    return {"model": str(md.path.resolve()), "local": local, "attn": attn,
             "packing": args.packing,
             "doc_mask": args.doc_mask, "eval_fraction": eval_fraction, "eval_every": args.eval_every,
             "eval_cache": eval_cache.path if eval_cache is not None else None,
@@ -94,12 +96,12 @@ def _attention(md: Any) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def _check_memory(args: argparse.Namespace, md: Any) -> None:
+def _check_memory(args: argparse.Namespace, md: Any, meta: Any) -> None:
     """Each rank builds only its stages (hf_io.LocalStages): in all, every dp replica holds the model once, with
     its gradients and Adam's two moments — 16 bytes a parameter in fp32, before ZeRO shards any of it."""
     if args.allow_oversubscribe:
         return
-    params = _count_parameters(md.config)
+    params = sum(p.numel() for p in meta.parameters())
     need, memory = 16 * params * args.dp, total_memory()
     if memory and need > memory:
         raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {args.dp} data-parallel replica(s) need "
@@ -131,7 +133,7 @@ def _shallow(config: Any) -> Any:
     return config
 
 
-def _check_architecture(md: Any, split: dict[str, Any], attn: str) -> bool:
+def _check_architecture(md: Any, split: dict[str, Any], attn: str, meta: Any = None) -> bool:
     """The model's stages reproduce its own forward (`hf.check_split`), tried once here on the shallow copy
     with random weights, so that an architecture pipedsl does not split exactly is refused before any rank
     starts.  Returns whether the ranks can build only their own stages (`hf_io.LocalStages`): every tensor
@@ -148,7 +150,7 @@ def _check_architecture(md: Any, split: dict[str, Any], attn: str) -> bool:
     if 4 * _count_parameters(config) > MAX_CHECK_BYTES:
         print(f"note: the architecture check is skipped (one layer of {md.path.name} is larger than "
               f"{MAX_CHECK_BYTES / 2**30:g} GiB)", flush=True)
-        return _weights_cover(md)
+        return _weights_cover(md, meta)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
@@ -164,21 +166,18 @@ def _check_architecture(md: Any, split: dict[str, Any], attn: str) -> bool:
         except LocalStages.NotLocal as why:
             print(f"note: every rank builds the whole model ({why})", flush=True)
             return False
-    return _weights_cover(md)
+    return _weights_cover(md, meta)
 
 
-def _weights_cover(md: Any) -> bool:
-    """Every parameter of the model is in its safetensors files under one of its names (or there are none)."""
-    import torch
-    import transformers as tf
-
+def _weights_cover(md: Any, model: Any = None) -> bool:
+    """Every parameter of the model (`model`: its meta-device copy) is in its safetensors files under one of its
+    names (or there are none)."""
     from .hf_io import _weights_reader
 
     weights = _weights_reader(md.path)
     if weights is None:
         return True
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(md.config, dtype=torch.float32)
+    model = model if model is not None else _meta_model(md.config)
     names: dict[int, list[str]] = {}
     for n, t in model.state_dict(keep_vars=True).items():
         names.setdefault(id(t), []).append(n)
@@ -190,24 +189,26 @@ def _weights_cover(md: Any) -> bool:
     return not missing
 
 
-def _count_parameters(config: Any) -> int:
+def _meta_model(config: Any) -> Any:
+    """The causal LM of `config` on the meta device: its shapes and names, no memory."""
     import torch
     import transformers as tf
 
     with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return sum(p.numel() for p in model.parameters())
+        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _count_parameters(config: Any) -> int:
+    return sum(p.numel() for p in _meta_model(config).parameters())
 
 
 def meta_stages(cfg: dict[str, Any], num_stages: int) -> tuple[list, str]:
     """The run's stages on the meta device (shapes only), to compare with a checkpoint's partition."""
-    import torch
     import transformers as tf
 
     from .hf import causal_lm_stages
 
     hfc = cfg["hf"]
-    config = tf.AutoConfig.from_pretrained(hfc["model"], local_files_only=True)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _meta_model(tf.AutoConfig.from_pretrained(hfc["model"], local_files_only=True))
     return causal_lm_stages(model, num_stages, **hfc["split"]), f"{os.path.basename(hfc['model'])} cut into " \
                                                                  f"{num_stages} stages"

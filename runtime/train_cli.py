@@ -280,12 +280,10 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
     if cfg["resume"]:
         print(f"resuming from {cfg['resume']}", flush=True)
     nprocs = dp * program.num_ranks
-    if cfg["peak_flops"] is None:
-        from .metrics import peak_flops
+    from .metrics import peak_flops
 
-        cfg["peak_flops"], cfg["peak_source"] = peak_flops(nprocs, min(nprocs * args.threads, usable_cores()),
-                                                           args.peak_tflops)
-        print(f"MFU against {cfg['peak_source']}", flush=True)
+    cfg["peak_flops"], source = peak_flops(nprocs, min(nprocs * args.threads, usable_cores()), args.peak_tflops)
+    print(f"MFU against {source}", flush=True)
     try:
         from .trainer import train
 
@@ -352,7 +350,7 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
            "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps, "recompute": args.recompute,
            "loss_reduction": args.loss_reduction or ("token" if hf else "microbatch"),
            "pad_fraction": args.pad_fraction, "split": args.split, "out": str(out),
-           "peak_flops": args.peak_tflops * 1e12 * dp * program.num_ranks if args.peak_tflops else None,
+           "peak_flops": None,  # the hardware's, found in _execute (metrics.peak_flops)
            "logging": {"tensorboard": args.tensorboard, "wandb": args.wandb},
            "record": {k: v for k, v in vars(args).items() if not k.startswith("_") and _plain(v)}}
     if args.wandb:

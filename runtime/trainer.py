@@ -238,7 +238,7 @@ def _logger(cfg: dict[str, Any], start: int) -> Any:
 def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: dict[str, Any], start: int, log: Any) -> dict[int, float]:
     clip = cfg.get("clip_grad")
     every, directory = cfg["checkpoint_every"], cfg["checkpoint_dir"]
-    eval_every = cfg.get("hf", {}).get("eval_every", 0) if cfg.get("hf") else 0
+    eval_every = (cfg.get("hf") or {}).get("eval_every", 0)
     peak = cfg.get("peak_flops") or 0.0
     losses: dict[int, float] = {}
     for step in range(start + 1, cfg["steps"] + 1):
