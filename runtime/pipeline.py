@@ -76,7 +76,7 @@ from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
 from .groups import PipelineGroups
 from .p2p import Channels, TensorMeta, describe
-from .precision import LossScaler, MixedPrecision, policy
+from .precision import LossScaler, LossScaling, MixedPrecision, policy
 from .recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
 from .reduce import DataParallelReducer, GradReducer, Hook
 from .stage import ActivationCounter, LossFn, Stage, warm_up_shape_inference
@@ -149,9 +149,7 @@ class Pipeline:
         self._copies = {(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
         for st in self._stages.values():
             st.precision, st.device = self.precision, self.device
-        self.scaler = LossScaler(self.precision) if self.precision.scales_loss else None
-        self._found_inf = False  # this step's global overflow verdict (fp16)
-        self._grads_scaled = self._scale_update_due = False
+        self.loss_scaling = LossScaling(self.precision)
         self.groups = PipelineGroups(group, self.mesh)
         self.channels = Channels(group, self.device, self.groups)
         self._loss_group = self.groups.new(range(self.size))  # the step's loss sum, reduced while the step runs
@@ -173,7 +171,7 @@ class Pipeline:
         self.strict_pair_order = backend == "nccl" if strict_pair_order is None else strict_pair_order
         # fp16 with loss scaling: a non-finite loss is an overflow like any other, and the step is skipped on
         # every rank (torch.amp.GradScaler's behaviour) instead of failing the run
-        self.check_finite = check_finite and self.scaler is None
+        self.check_finite = check_finite and self.loss_scaling.scaler is None
         self._executor: Executor | None = None
         # by (microbatch shapes, forward only)
         self._executors: OrderedDict[tuple[tuple[TensorMeta, ...], bool], Executor] = OrderedDict()
@@ -432,12 +430,14 @@ class Pipeline:
 
     def _scale_loss(self) -> None:
         """fp16: this step's loss is multiplied by the current scale (its gradients are unscaled by `unscale_`)."""
-        if self.scaler is None:
-            return
+        scale = self.loss_scaling.begin_step()
         for st in self._stages.values():
-            st.loss_scale = self.scaler.scale
-        self._grads_scaled = self._scale_update_due = True
-        self._found_inf = False
+            st.loss_scale = scale
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """fp16's dynamic loss scale (`loss_scaling` owns it), or None."""
+        return self.loss_scaling.scaler
 
     def _norm_group(self) -> dist.ProcessGroup | None:
         return None if self.mesh is not None else self.group  # the whole world under parallel=
@@ -454,20 +454,16 @@ class Pipeline:
     def unscale_(self) -> bool:
         """fp16: divide this step's gradients by the loss scale, once; returns whether any rank of the world
         found an inf/NaN (then every rank skips the step).  Collective; no-op (False) without loss scaling."""
-        if self.scaler is None or not self._grads_scaled:
-            return self._found_inf
-        self._found_inf = clip.unscale_(self.gradients().stepped, self.scaler.scale, self._norm_group(), self.device)
-        self._grads_scaled = False
-        return self._found_inf
+        return self.loss_scaling.unscale_(self._stepped, self._norm_group(), self.device)
 
     def update_scale(self) -> None:
         """fp16: after the optimizer step (or its skip), grow or back off the loss scale, once per step.
         `pipe.optimizer()`'s step calls it; with an optimizer of your own: `if not pipe.unscale_():
         optimizer.step()`, then `pipe.update_scale()`."""
-        if self.scaler is not None and self._scale_update_due:
-            self.unscale_()
-            self.scaler.update(self._found_inf)
-            self._scale_update_due = False
+        self.loss_scaling.update(self._stepped, self._norm_group(), self.device)
+
+    def _stepped(self) -> list[torch.Tensor]:
+        return self.gradients().stepped
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm (every stage, tp shard, ZeRO slice, tie and replica once), the

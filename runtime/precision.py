@@ -50,6 +50,8 @@ from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
 
+from . import clip
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -63,6 +65,8 @@ class MixedPrecision:
 
     compute: str = "fp32"
     output: str | None = None  # the dtype of stage outputs sent on; default: the compute dtype
+    params: str = "fp32"  # the model's parameters: fp32 (autocast mode) or the compute dtype (fp32 main copies)
+    grads: str | None = None  # accumulation and reduction over microbatches; default fp32 (Megatron's)
     loss_scaling: bool | None = None
     init_scale: float = 2.0 ** 16
     growth_factor: float = 2.0
@@ -73,6 +77,12 @@ class MixedPrecision:
         for what, name in (("compute", self.compute), ("output", self.output)):
             if name is not None and name not in DTYPES:
                 raise PipeRuntimeError(f"precision {what}={name!r}: expected one of {', '.join(map(repr, DTYPES))}")
+        if self.params not in ("fp32", self.compute):
+            raise PipeRuntimeError(f"precision params={self.params!r}: the parameters are held in fp32 (autocast) or in "
+                                   f"the compute dtype {self.compute!r}")
+        if self.grads is not None and self.grads not in ("fp32", self.params):
+            raise PipeRuntimeError(f"precision grads={self.grads!r}: gradients accumulate in fp32 or in the parameters' "
+                                   f"dtype {self.params!r}")
         if not (self.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1
                 and self.growth_interval >= 1):
             raise PipeRuntimeError(f"loss scaling needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
@@ -86,6 +96,19 @@ class MixedPrecision:
     @property
     def output_dtype(self) -> torch.dtype:
         return DTYPES[self.output or self.compute]
+
+    @property
+    def keeps_main(self) -> bool:
+        """Low-precision parameters: the optimizer steps fp32 main copies (sharded by ZeRO) and writes them back."""
+        return self.params != "fp32"
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return DTYPES[self.params]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return DTYPES[self.grads or "fp32"]
 
     @property
     def scales_loss(self) -> bool:
@@ -167,3 +190,49 @@ class LossScaler:
         self.growth_tracker = int(state["growth_tracker"])
         self.skipped = int(state.get("skipped", 0))
 
+
+
+class LossScaling:
+    """The one owner of fp16 loss scaling: the dynamic scale and this step's unscale / overflow verdict.
+
+    The pipeline multiplies each step's loss by `begin_step()`; before the optimizer reads the
+    gradients, `unscale_` divides them once and decides, for every rank of the world at once,
+    whether the step overflowed; `update()` (after the optimizer step or its skip) grows or backs
+    off the scale, once.  Without loss scaling every call is a no-op and the scale is 1.
+    """
+
+    def __init__(self, pol: MixedPrecision) -> None:
+        self.scaler = LossScaler(pol) if pol.scales_loss else None
+        self.found_inf = False  # this step's global overflow verdict
+        self._scaled = False  # the step's gradients still carry the scale
+        self._update_due = False
+
+    def begin_step(self) -> float:
+        """The factor this step's loss is multiplied by."""
+        if self.scaler is None:
+            return 1.0
+        self._scaled = self._update_due = True
+        self.found_inf = False
+        return self.scaler.scale
+
+    def unscale_(self, gradients: Callable[[], list[torch.Tensor]], group: Any, device: torch.device) -> bool:
+        """Divide `gradients()` (the tensors the optimizer steps) by the scale, once a step; whether any rank
+        overflowed.  Collective over `group` when there is something to unscale."""
+        if self.scaler is not None and self._scaled:
+            self.found_inf = clip.unscale_(gradients(), self.scaler.scale, group, device)
+            self._scaled = False
+        return self.found_inf
+
+    def update(self, gradients: Callable[[], list[torch.Tensor]], group: Any, device: torch.device) -> None:
+        """After the optimizer step (or its skip): grow or back off the scale, once a step."""
+        if self.scaler is not None and self._update_due:
+            self.unscale_(gradients, group, device)
+            self.scaler.update(self.found_inf)
+            self._update_due = False
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if self.scaler is not None and state is not None:
+            self.scaler.load_state_dict(state)
