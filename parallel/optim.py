@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .zero import MemoryReport, ZeroOptimizer
+from .zero import MemoryReport, ZeroOptimizer, unique_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipedsl.runtime.pipeline import Pipeline
@@ -79,16 +79,21 @@ class PipelineOptimizer:
         self.zero: dict[int, ZeroOptimizer] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self._modules = pipe.local_stages()
-        if self.zero_stage == 0:  # frozen parameters stay out: no optimizer (weight decay included) touches them
+        pol = pipe.precision
+        if self.zero_stage == 0 and not pol.keeps_main:
+            # frozen parameters stay out: no optimizer (weight decay included) touches them
             self.optimizer = optimizer_class([p for p in pipe.parameters() if p.requires_grad], **kwargs)
             return
-        assert pipe.mesh is not None and cfg is not None
+        # ZeRO 1-3, or low-precision parameters (ZeRO 0 then keeps unsharded fp32 main parameters in the
+        # same flat buffers: one implementation of main parameters for every stage)
+        lowp = {"param_dtype": pol.param_dtype, "grad_dtype": pol.grad_dtype} if pol.keeps_main else {}
         for s, module in sorted(self._modules.items()):  # the same order on every dp peer
-            self.zero[s] = ZeroOptimizer(module, optimizer_class, group=pipe.mesh.dp_group, stage=cfg.zero,
-                                         reduce=cfg.zero_reduce, separate=pipe.ties.separate(s), **kwargs)
+            self.zero[s] = ZeroOptimizer(module, optimizer_class, group=pipe.dp_group, stage=self.zero_stage,
+                                         reduce=cfg.zero_reduce if cfg is not None else "step",
+                                         separate=pipe.ties.separate(s), **lowp, **kwargs)
         pipe.ties.use_zero(self.zero)  # a tie's copies are now the stages' own units of it (ties.py)
         pipe.register_reduce_grad_hook(self._reduce)
-        if cfg.zero == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
+        if self.zero_stage == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
             for s, zero in sorted(self.zero.items()):
                 pipe.register_weight_pass_hook(s, zero.before_weight_pass, zero.after_weight_pass)
 
@@ -127,12 +132,13 @@ class PipelineOptimizer:
         for zero in self.zero.values():
             zero.zero_grad()
 
-    def stage_parameters(self) -> dict[int, dict[str, torch.Tensor]]:
-        """{stage: {parameter name: a copy of its values on this rank}} (collective over dp for ZeRO-3)."""
+    def stage_parameters(self, main: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+        """{stage: {parameter name: a copy of its values on this rank}} (collective over dp for ZeRO-3); `main`:
+        the fp32 main parameters where the model holds low-precision ones (collective over dp)."""
         out = {}
         for s, module in sorted(self._modules.items()):
             if s in self.zero:
-                out[s] = self.zero[s].state_dict_full()
+                out[s] = self.zero[s].state_dict_full(main)
             else:
                 out[s] = {k: v.detach().clone() for k, v in module.named_parameters()}
         return out
@@ -140,3 +146,16 @@ class PipelineOptimizer:
     def memory(self) -> dict[int, MemoryReport]:
         """ZeRO's per-stage memory report (empty without ZeRO)."""
         return {s: z.memory() for s, z in sorted(self.zero.items())}
+
+    def measured_bytes(self) -> MemoryReport:
+        """Bytes of every parameter, gradient, main-parameter and optimizer-state tensor this rank holds now,
+        each storage once (what `pipedsl.plan.memory.model_states` predicts)."""
+        reports = list(self.memory().values())
+        if self.optimizer is not None:
+            params = list(self._pipe.parameters())
+            state = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            reports.append(MemoryReport(unique_bytes(params), unique_bytes(p.grad for p in params),
+                                        unique_bytes(state), sum(p.numel() for p in params),
+                                        sum(p.numel() for p in params), 0))
+        fields = ("params", "grads", "optimizer", "numel", "padded_numel", "peak_grads", "main")
+        return MemoryReport(*(sum(getattr(r, f) for r in reports) for f in fields))

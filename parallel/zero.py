@@ -125,7 +125,8 @@ class _Unit:
 
     def __init__(self, index: int, module: nn.Module, entries: list[_Entry], group: ProcessGroup,
                  stage: int, dtype: torch.dtype, trainable: bool = True,
-                 hooked: Iterable[nn.Module] = ()) -> None:
+                 hooked: Iterable[nn.Module] = (), param_dtype: torch.dtype | None = None,
+                 grad_dtype: torch.dtype | None = None) -> None:
         self.index, self.module, self.entries, self.stage = index, module, entries, stage
         self.trainable = trainable
         self.hooked = list(hooked) or [module]  # the modules whose forward enters the unit
@@ -137,14 +138,25 @@ class _Unit:
         self.numel = sum(e.numel for e in entries)
         self.padded = -(-max(self.numel, 1) // self.n) * self.n
         self.size = self.padded // self.n  # S: this rank's slice
-        self.dtype = dtype
-        full = torch.zeros(self.padded, dtype=dtype)
+        # low-precision parameters (`param_dtype`): the flat buffer holds them, the optimizer steps fp32 main
+        # copies of this rank's slice (made from the original values, not the rounded ones)
+        self.dtype = param_dtype or dtype
+        self.main_dtype = dtype if param_dtype is not None and trainable else None
+        self.grad_dtype = grad_dtype or self.dtype  # gradients accumulate and are reduced in it
+        source = torch.zeros(self.padded, dtype=dtype)
         with torch.no_grad():
             for e in entries:
-                full[e.offset:e.offset + e.numel].copy_(getattr(e.owner, e.attr).detach().reshape(-1))
+                source[e.offset:e.offset + e.numel].copy_(getattr(e.owner, e.attr).detach().reshape(-1))
+        full = source.to(self.dtype)
         self.flat = nn.Parameter(full, requires_grad=trainable)  # [padded]; the module's parameters are views of it
         own = slice(self.rank * self.size, (self.rank + 1) * self.size)
         self.own = own
+        self.main: nn.Parameter | None = None
+        if self.main_dtype is not None:
+            self.main = nn.Parameter(source if stage == 0 else source[own].clone())
+        del source
+        if self.separate_grad:  # gradients in another dtype than the parameters accumulate here (Megatron's name)
+            self.flat.main_grad = None
         if stage == 0:
             self.shard: nn.Parameter | None = None
         elif stage in (1, 2):
@@ -153,9 +165,9 @@ class _Unit:
             self.shard = nn.Parameter(full[own].clone(), requires_grad=trainable)  # [S], the only persistent copy
         self.shard_grad: torch.Tensor | None = None
         if stage >= 2 and trainable:
-            self.shard_grad = torch.zeros(self.size, dtype=dtype)
+            self.shard_grad = torch.zeros(self.size, dtype=self.grad_dtype)
         if stage <= 1 and trainable:
-            self.flat.grad = torch.zeros_like(full)  # persistent full gradient buffer
+            self.grad = torch.zeros(self.padded, dtype=self.grad_dtype)  # persistent full gradient buffer
         self.gathered = stage != 3
         self.pending: dist.Work | None = None
         self.reduced_this_step = False
@@ -213,21 +225,48 @@ class _Unit:
 
     # ---------------------------------------------------------------- gradients
 
+    @property
+    def separate_grad(self) -> bool:
+        """Gradients accumulate in another dtype than the parameters' (fp32 under bf16 parameters)."""
+        return self.trainable and self.grad_dtype != self.dtype
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The full gradient accumulated so far: the flat buffer's `.grad`, or its `main_grad` (another dtype)."""
+        return self.flat.main_grad if self.separate_grad else self.flat.grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        if self.separate_grad:
+            self.flat.main_grad = value
+        else:
+            self.flat.grad = value
+
+    def accumulate(self) -> None:
+        """After a backward: move the parameters' gradient into the accumulation dtype (fp32 main gradients)."""
+        g, self.flat.grad = self.flat.grad, None
+        if g is None:
+            return
+        if self.flat.main_grad is None:
+            self.flat.main_grad = g.to(self.grad_dtype)
+        else:
+            self.flat.main_grad.add_(g)
+
     def full_grad(self) -> torch.Tensor:
-        g = self.flat.grad
-        return g if g is not None else torch.zeros(self.padded, dtype=self.dtype)
+        g = self.grad
+        return g if g is not None else torch.zeros(self.padded, dtype=self.grad_dtype)
 
     def reduce_scatter_grad(self, accumulate: bool) -> None:
         """Sum the full gradient over the group into this rank's slice (averaged), free the full one."""
         assert self.shard_grad is not None
-        out = torch.empty(self.size, dtype=self.dtype)
+        out = torch.empty(self.size, dtype=self.grad_dtype)
         reduce_scatter_into(out, self.full_grad(), self.group)
         out.div_(self.n)
         if accumulate:
             self.shard_grad.add_(out)
         else:
             self.shard_grad.copy_(out)
-        self.flat.grad = None
+        self.grad = None
 
 
 class _InputsPassed(torch.autograd.Function):
@@ -269,10 +308,11 @@ class MemoryReport:
     numel: int  # Ψ: parameters of the wrapped module
     padded_numel: int  # Σ padded unit sizes
     peak_grads: int  # largest gradient bytes seen since the last `reset_peak()`
+    main: int = 0  # fp32 main parameters (low-precision parameters only)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.main
 
 
 class ZeroOptimizer:
@@ -288,6 +328,7 @@ class ZeroOptimizer:
     def __init__(self, module: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], *,
                  group: ProcessGroup | None, stage: int = 2, reduce: str = "step",
                  units: Iterable[nn.Module] | None = None, prefetch: bool = True, separate: Iterable[str] = (),
+                 param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
                  **optimizer_kwargs) -> None:
         if stage not in (0, 1, 2, 3):
             raise ParallelConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -304,10 +345,16 @@ class ZeroOptimizer:
         if len(dtypes) != 1:
             raise ParallelConfigError(f"ZeroOptimizer keeps one flat buffer dtype per unit; the module mixes {dtypes}")
         dtype = dtypes.pop()
+        if param_dtype == dtype:
+            param_dtype = None  # nothing to cast: the parameters are the main parameters
+        if param_dtype is not None and not dtype.is_floating_point:
+            raise ParallelConfigError(f"param_dtype={param_dtype} needs floating-point parameters, got {dtype}")
+        self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
         if units is None:
             units = default_units(module) if stage == 3 or reduce == "microbatch" else []
         unit_modules = [m for m in units if m is not module] + [module]
         self.units = self._build_units(unit_modules, group, dtype, separate)
+        self.main = param_dtype is not None  # the optimizer steps fp32 main copies of the owned slices
         self.numel = sum(u.numel for u in self.units)
         # one explicit group: a stage whose parameters are all frozen still has an optimizer (stepping nothing)
         self.optimizer = optimizer_class([{"params": [self._param_of(u) for u in self.units if u.trainable]}],
@@ -400,7 +447,7 @@ class ZeroOptimizer:
                 for (path, _, _), home in zip(places, homes):
                     hooked.update((id(m), m) for m in chain(home, path))
             u = _Unit(len(units), unit_modules[k], entries, group, self.stage, dtype, trainable=kind != 2,
-                      hooked=hooked.values())
+                      hooked=hooked.values(), param_dtype=self.param_dtype, grad_dtype=self.grad_dtype)
             units.append(u)
             if kind != 1:
                 buffers[(k, kind)] = u
@@ -494,6 +541,8 @@ class ZeroOptimizer:
     def _make_post_backward(self, u: _Unit):
         def hook(flat: torch.Tensor) -> None:
             self._note_memory()
+            if u.separate_grad:
+                u.accumulate()
             if self.reduce == "microbatch":
                 u.reduce_scatter_grad(accumulate=True)
                 u.reduced_this_step = True
@@ -546,21 +595,22 @@ class ZeroOptimizer:
                     g.div_(u.n)
                 self._pending_reduce.append((work, average))
             elif self.stage == 1:
-                out = torch.empty(u.size, dtype=u.dtype)
+                out = torch.empty(u.size, dtype=u.grad_dtype)
                 work = reduce_scatter_into(out, u.full_grad(), self.group, async_op=True)
 
                 def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
-                    grad_slice = u.flat.grad[u.own]
+                    grad_slice = u.grad[u.own]
                     grad_slice.copy_(out).div_(u.n)
-                    u.shard.grad = grad_slice  # a view: no extra memory
+                    if u.main is None:
+                        u.shard.grad = grad_slice  # a view: no extra memory
                 self._pending_reduce.append((work, finish))
             else:
-                out = torch.empty(u.size, dtype=u.dtype)
+                out = torch.empty(u.size, dtype=u.grad_dtype)
                 work = reduce_scatter_into(out, u.full_grad(), self.group, async_op=True)
 
                 def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
                     u.shard_grad.copy_(out).div_(u.n)
-                    u.flat.grad = None
+                    u.grad = None
                 self._pending_reduce.append((work, finish))
         if not async_op:
             self.wait()
@@ -576,13 +626,20 @@ class ZeroOptimizer:
 
     def _owned(self, u: _Unit) -> tuple[torch.Tensor, int]:
         """A trainable unit's reduced gradient as `step()` uses it — this rank's [S] slice (stage 0: the whole
-        buffer), a view into what the optimizer reads — and where it starts in the flat buffer."""
+        buffer), a view into what the optimizer reads — and where it starts in the flat buffer.  With main
+        parameters it is their `.grad`: that view, or its fp32 copy when gradients were reduced in bf16."""
         if self.stage == 0:
-            return u.full_grad(), 0
-        if self.stage == 1:
-            return u.full_grad()[u.own], u.own.start
-        assert u.shard_grad is not None
-        return u.shard_grad, u.own.start
+            grad, lo = u.full_grad(), 0
+        elif self.stage == 1:
+            grad, lo = u.full_grad()[u.own], u.own.start
+        else:
+            assert u.shard_grad is not None
+            grad, lo = u.shard_grad, u.own.start
+        if u.main is None:
+            return grad, lo
+        if u.main.grad is None:
+            u.main.grad = grad if grad.dtype == u.main.dtype else grad.to(u.main.dtype)
+        return u.main.grad, lo
 
     def owned_gradients(self) -> list[tuple[torch.Tensor, list[tuple[str, int, int]]]]:
         """After the reduction, per trainable unit: the gradient `step()` uses — this rank's [S] slice (stage 0:
@@ -618,13 +675,21 @@ class ZeroOptimizer:
         self.wait()
         for u in self.units:
             u.wait()  # a prefetch still in flight
-            if self.stage >= 2 and u.trainable:
+            if u.main is not None:
+                self._owned(u)  # binds the main parameters' gradient
+            elif self.stage >= 2 and u.trainable:
                 u.shard.grad = u.shard_grad
             if self.stage == 3 and u.gathered:
                 u.release()  # its values are about to go stale (skip: regathered at the next forward anyway)
         if skip:
             return
         self.optimizer.step()
+        with torch.no_grad():
+            for u in self.units:  # the stepped main parameters, rounded into the model's (Megatron's copy-back)
+                if u.main is not None:
+                    (u.flat if self.stage == 0 else u.shard).copy_(u.main)
+                    if u.grad_dtype != u.main.dtype:
+                        u.main.grad = None  # an fp32 copy of a bf16 gradient: dead once stepped
         if self.stage in (1, 2):
             for u in self.units:
                 if u.trainable:
@@ -635,10 +700,12 @@ class ZeroOptimizer:
             if not u.trainable:
                 continue
             if self.stage <= 1:
-                u.flat.grad.zero_()
+                u.grad.zero_()
             else:
                 u.shard_grad.zero_()
-                u.flat.grad = None
+                u.grad = None
+            if u.main is not None:
+                u.main.grad = None  # rebound to this step's reduced gradient by `_owned`
             u.reduced_this_step = False
 
     # ------------------------------------------------------------------ inspection
@@ -658,10 +725,24 @@ class ZeroOptimizer:
             for u in gathered:
                 u.release()
 
-    def state_dict_full(self) -> dict[str, torch.Tensor]:
-        """A dense copy of the parameters (collective for stage 3)."""
-        with self.full_parameters() as params:
-            return {k: v.clone() for k, v in params.items()}
+    def state_dict_full(self, main: bool = False) -> dict[str, torch.Tensor]:
+        """A dense copy of the parameters (collective for stage 3); `main`: of the fp32 main parameters where
+        there are some (collective over the group for stages 1-3)."""
+        if not main or not self.main:
+            with self.full_parameters() as params:
+                return {k: v.clone() for k, v in params.items()}
+        out = {}
+        for u in self.units:
+            if u.main is None:
+                with self.full_parameters() as params:
+                    out.update({e.name: params[e.name].clone() for e in u.entries})
+                continue
+            full = u.main.detach()
+            if self.stage > 0:
+                full = torch.empty(u.padded, dtype=u.main.dtype, device=u.main.device)
+                all_gather_into(full, u.main.detach(), self.group)
+            out.update({e.name: full[e.offset:e.offset + e.numel].view(e.shape).clone() for e in u.entries})
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -674,12 +755,17 @@ class ZeroOptimizer:
             entries = [[e.name, list(e.shape), e.offset, e.numel, *([list(e.also)] if e.also else [])]
                        for e in u.entries]
             out.append({"entries": entries, "numel": u.numel, "padded": u.padded, "n": u.n,
-                        "dtype": str(u.dtype).removeprefix("torch."), **({} if u.trainable else {"frozen": True})})
+                        "dtype": str(u.dtype).removeprefix("torch."), **({} if u.trainable else {"frozen": True}),
+                        **({"main": str(u.main.dtype).removeprefix("torch.")} if u.main is not None else {})})
         return out
 
-    def _param_of(self, u: _Unit) -> nn.Parameter:
-        """What holds this rank's values of unit `u` (and what the optimizer steps, if `u` is trainable)."""
+    def _model_of(self, u: _Unit) -> nn.Parameter:
+        """What holds this rank's values of unit `u` in the model's dtype."""
         return u.flat if self.stage == 0 else u.shard
+
+    def _param_of(self, u: _Unit) -> nn.Parameter:
+        """What the optimizer steps for unit `u`: its fp32 main parameters, or the model's own values."""
+        return u.main if u.main is not None else self._model_of(u)
 
     def shard_state(self, optimizer: bool = True) -> dict[str, Any]:
         """This rank's slice [r·S, (r+1)·S) of every unit's parameters and (with `optimizer`) optimizer state,
@@ -702,7 +788,9 @@ class ZeroOptimizer:
             def piece(t: torch.Tensor, whole: bool = whole, u: _Unit = u) -> torch.Tensor:
                 return (t.detach()[u.own] if whole else t.detach()).clone()
 
-            unit: dict[str, Any] = {"params": piece(p)}
+            unit: dict[str, Any] = {"params": piece(self._model_of(u))}
+            if u.main is not None:
+                unit["main"] = piece(u.main)
             if sd is not None and u.trainable:
                 gi, idx = index[id(p)]
                 sharded, scalar = {}, {}
@@ -749,6 +837,8 @@ class ZeroOptimizer:
                 if self.stage == 3 and u.gathered:
                     u.release()  # the full values are about to go stale
                 u.shard.data.copy_(unit["params"])
+                if u.main is not None:
+                    u.main.data.copy_(unit["main"])
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
 
@@ -761,7 +851,7 @@ class ZeroOptimizer:
         (nothing changed) when a name is missing or the state is not elementwise."""
         fulls, states = [], []
         for u in self.units:
-            full = torch.zeros(u.padded, dtype=u.dtype)
+            full = torch.zeros(u.padded, dtype=u.main_dtype or u.dtype)  # main parameters: the exact saved values
             for e in u.entries:
                 if e.name not in params:
                     raise ValueError(f"no saved values for parameter {e.name!r}")
@@ -790,6 +880,8 @@ class ZeroOptimizer:
         with torch.no_grad():
             for u, full, mine in zip(self.units, fulls, own):
                 u.wait()
+                if u.main is not None:
+                    u.main.data.copy_(mine)
                 if self.stage == 3:
                     if u.gathered:
                         u.release()
@@ -843,8 +935,9 @@ class ZeroOptimizer:
                 all_gather_into(u.flat.data, u.shard.detach().clone(), self.group)
 
     def _grad_bytes(self) -> int:
-        return _unique_bytes(t for u in self.units for t in (u.flat.grad, u.shard_grad, u.shard.grad if u.shard is
-                                                              not None else None))
+        return unique_bytes(t for u in self.units for t in (u.flat.grad, getattr(u.flat, "main_grad", None), u.shard_grad,
+                                                              u.shard.grad if u.shard is not None else None,
+                                                              u.main.grad if u.main is not None else None))
 
     def _note_memory(self) -> None:
         self._peak_grads = max(self._peak_grads, self._grad_bytes())
@@ -854,11 +947,12 @@ class ZeroOptimizer:
 
     def memory(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds right now."""
-        params = _unique_bytes(t for u in self.units for t in (u.flat, u.shard))
-        opt = _unique_bytes(v for st in self.optimizer.state.values() for v in st.values()
+        params = unique_bytes(t for u in self.units for t in (u.flat, u.shard))
+        opt = unique_bytes(v for st in self.optimizer.state.values() for v in st.values()
                             if isinstance(v, torch.Tensor))
+        main = unique_bytes(u.main for u in self.units)
         return MemoryReport(params, self._grad_bytes(), opt, self.numel, sum(u.padded for u in self.units),
-                            max(self._peak_grads, self._grad_bytes()))
+                            max(self._peak_grads, self._grad_bytes()), main)
 
 
 def memory_report(zero: ZeroOptimizer) -> MemoryReport:
@@ -866,7 +960,8 @@ def memory_report(zero: ZeroOptimizer) -> MemoryReport:
     return zero.memory()
 
 
-def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+def unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """The bytes of the storages behind `tensors`, each counted once (views and aliases share one)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None:

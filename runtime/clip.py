@@ -50,7 +50,7 @@ class GradientOwnership:
     def __init__(self, program: Program, rank: int, modules: dict[int, nn.Module],
                  ties: Sequence[Sequence[tuple[int, str]]], dp_rank: int, zero: int) -> None:
         self.modules = modules
-        self.zero = zero
+        self.zero, self.dp_rank = zero, dp_rank
         self.dp_owner = zero > 0 or dp_rank == 0  # without ZeRO, dp replica 0 counts the replicated gradients
         tied = {(s, name) for tie in ties for s, name in tie}
         first = {min(tie, key=lambda m: m[0]) for tie in ties}  # a tie is counted in its first stage
@@ -70,9 +70,10 @@ class GradientOwnership:
             names = self.counted[s]
             z = zero_optimizers.get(s)
             if z is not None:
+                owns = z.stage > 0 or self.dp_rank == 0  # a stage-0 flat buffer is whole on every dp replica
                 for grad, entries in z.owned_gradients():
                     stepped.append(grad)
-                    counted += [grad[lo:hi] for name, lo, hi in entries if name in names]
+                    counted += [grad[lo:hi] for name, lo, hi in entries if name in names and owns]
                 continue
             for name, p in module.named_parameters():
                 if p.grad is None or id(p) in seen:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.plan.memory import model_states, state_bytes
 
 from .capacity import total_memory
 
@@ -97,16 +98,19 @@ def _attention(md: Any) -> str:
 
 
 def _check_memory(args: argparse.Namespace, md: Any, meta: Any) -> None:
-    """Each rank builds only its stages (hf_io.LocalStages): in all, every dp replica holds the model once, with
-    its gradients and Adam's two moments — 16 bytes a parameter in fp32, before ZeRO shards any of it."""
+    """Each rank builds only its stages (hf_io.LocalStages): in all, every dp replica holds its share of the
+    model states — parameters, gradients, fp32 main parameters and AdamW's moments under the run's precision
+    and ZeRO stage, as the planner counts them (`pipedsl.plan.memory.model_states`)."""
     if args.allow_oversubscribe:
         return
     params = sum(p.numel() for p in meta.parameters())
-    need, memory = 16 * params * args.dp, total_memory()
+    mode = state_bytes(args.param_dtype, args.grad_dtype if args.param_dtype != "fp32" else "fp32", "adamw")
+    need, memory = args.dp * model_states(params, args.dp, args.zero, mode).total, total_memory()
     if memory and need > memory:
         raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {args.dp} data-parallel replica(s) need "
-                           f"about {need / 2**30:.3g} GiB (16 bytes a parameter), more than this machine's "
-                           f"{memory / 2**30:.3g} GiB (--allow-oversubscribe to run anyway)")
+                           f"about {need / 2**30:.3g} GiB of model states ({mode.total} bytes a parameter before "
+                           f"ZeRO {args.zero} shards them), more than this machine's {memory / 2**30:.3g} GiB "
+                           f"(--allow-oversubscribe to run anyway)")
 
 
 MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's model: at most this much, or it is skipped with a note

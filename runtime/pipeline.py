@@ -155,6 +155,10 @@ class Pipeline:
         self._loss_group = self.groups.new(range(self.size))  # the step's loss sum, reduced while the step runs
         self.dp = self.parallel.dp if self.parallel is not None else 1
         self.dp_rank = self.mesh.coords.dp if self.mesh is not None else 0
+        # the gradients' owner: flat buffers (ZeroOptimizer: ZeRO 1-3, or fp32 main parameters beside
+        # low-precision ones) or the parameters' own .grad, reduced over dp by DataParallelReducer
+        self.flat_buffers = (self.parallel is not None and self.parallel.zero > 0) or self.precision.keeps_main
+        self.dp_group = self.mesh.dp_group if self.mesh is not None else self._solo_group()
         self.ties = self._ties(stages, ties)
         self._check_parallel_support()
         self.reducer = GradReducer(prog, rank, self._modules, self.groups, self.ties)
@@ -162,7 +166,7 @@ class Pipeline:
                                                 self.parallel.zero if self.parallel is not None else 0)
         self.reducer.broadcast_replicas()
         self.ties.broadcast()
-        if self.parallel is not None and self.parallel.zero == 0 and self.dp > 1:
+        if not self.flat_buffers and self.dp > 1:
             self.reducer.add_hook(DataParallelReducer(self.mesh.dp_group, self.ties.skip))
         self._optimizer = None
         self._checked_batch = False
@@ -205,10 +209,18 @@ class Pipeline:
         else:
             found = []
         reducer = TieReducer(found, self.program, self.rank, self._modules, self.groups, self.dp,
-                             self.parallel.zero if self.parallel is not None else 0)
+                             self.parallel.zero if self.parallel is not None else 0, flat=self.flat_buffers)
         if found:
             reducer.agree(self.group, self.size)
         return reducer
+
+    def _solo_group(self) -> dist.ProcessGroup | None:
+        """Without a mesh, low-precision parameters still live in a `ZeroOptimizer` (stage 0): over a group of
+        this rank alone (one per program rank, made collectively)."""
+        if not self.precision.keeps_main:
+            return None
+        groups = [self.groups.new([r]) for r in range(self.size)]
+        return groups[self.rank]
 
     def _check_parallel_support(self) -> None:
         """Refuse the ZeRO settings this program cannot run, with the reason (every rank alike)."""
@@ -311,9 +323,9 @@ class Pipeline:
 
         if self._optimizer is not None:
             raise PipeRuntimeError("this pipeline already has its optimizer (pipe.optimizer() makes one per pipeline)")
-        if self.parallel is not None and self.parallel.zero and self._executor is not None:
-            raise PipeRuntimeError(f"zero={self.parallel.zero}: create the optimizer before the first step (ZeRO "
-                                   f"takes over the stages' parameters)")
+        if self.flat_buffers and self._executor is not None:
+            raise PipeRuntimeError(f"{self._flat_reason()}: create the optimizer before the first step (it takes over "
+                                   f"the stages' parameters)")
         self._optimizer = PipelineOptimizer(self, optimizer_class, **kwargs)
         return self._optimizer
 
@@ -370,8 +382,17 @@ class Pipeline:
         self.steps += 1
         return float(total.item())
 
+    def _flat_reason(self) -> str:
+        if self.parallel is not None and self.parallel.zero:
+            return f"zero={self.parallel.zero}"
+        return f"params={self.precision.params!r} (fp32 main parameters)"
+
     def _microbatches(self, inputs: Any, targets: Any) -> tuple[list[list[torch.Tensor]], list[Any]]:
         """This rank's share of the batch (dp) cut into the M microbatches, on the device."""
+        if self.flat_buffers and self._optimizer is None:
+            raise PipeRuntimeError(f"{self._flat_reason()}: create the optimizer with pipe.optimizer("
+                                   f"torch.optim.Adam, lr=...) before the first step (it takes over the stages' "
+                                   f"parameters: flat buffers, sharded over dp by ZeRO)")
         M = self.num_microbatches
         if self.parallel is not None:
             inputs, targets = self._data_parallel_share(inputs, targets)
@@ -520,9 +541,6 @@ class Pipeline:
     def _data_parallel_share(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
         """This dp replica's samples (batch="global") or the local batch as given; checks the sizes."""
         cfg, M, d, dp = self.parallel, self.num_microbatches, self.dp_rank, self.dp
-        if cfg.zero and self._optimizer is None:
-            raise PipeRuntimeError(f"zero={cfg.zero}: create the optimizer with pipe.optimizer(torch.optim.Adam, "
-                                   f"lr=...) before the first step (ZeRO shards the stages' parameters over dp)")
         ins = _tensors(inputs)
         tgts = [] if targets is None else _tensors(targets) if isinstance(targets, (tuple, list)) else [targets]
         glob = self.batch_mode == "global"

@@ -175,6 +175,11 @@ def _grads(module: nn.Module, skip: set[int]) -> list[torch.Tensor]:
     for p in module.parameters():
         if not p.requires_grad or id(p) in skip:
             continue
+        if hasattr(p, "main_grad"):  # ZeRO's flat buffer of low-precision parameters: fp32 gradients beside it
+            if p.main_grad is None:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            grads.append(p.main_grad)
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)

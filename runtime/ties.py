@@ -94,11 +94,13 @@ class TieReducer:
     """The gradient sum of each tie over the ranks holding it (without ZeRO: and their dp replicas)."""
 
     def __init__(self, ties: list[Tie], program: Program, rank: int, modules: dict[int, nn.Module],
-                 groups: PipelineGroups, dp: int, zero: int = 0) -> None:
+                 groups: PipelineGroups, dp: int, zero: int = 0, flat: bool | None = None) -> None:
         """`modules` are this rank's stage modules; each tie's group spans the pipeline ranks holding
         it — without ZeRO in every data-parallel replica, with ZeRO in this one — at this rank's
-        tensor-parallel coordinate."""
+        tensor-parallel coordinate.  `flat`: the stages' parameters go into ZeroOptimizer's flat buffers
+        (ZeRO 1-3, or zero=0 with fp32 main parameters; default: zero > 0)."""
         self.dp, self.zero = dp, zero
+        self.flat = bool(zero) if flat is None else flat
         self.names = list(ties)  # every tie of the model (the same on every rank)
         self.held: list[_Held] = []
         self.skip: set[int] = set()  # ids of tied parameters on this rank: other reductions leave them alone
@@ -109,7 +111,7 @@ class TieReducer:
             stages = {s for s, _ in tie}
             holders = sorted({r for (_, s), r in program.placement.items() if s in stages})
             first = program.placement[(0, min(stages))]
-            if zero:
+            if self.flat:
                 group = groups.new(holders) if len(holders) > 1 else None
                 made.append((holders, group, groups.global_rank(first)))
             else:
@@ -120,7 +122,7 @@ class TieReducer:
                 continue
             try:
                 local = _local_copies(tie, modules)
-                if zero:
+                if self.flat:
                     _check_unshared(tie, modules, zero)
             except PipeRuntimeError as err:
                 self.problem = self.problem or f"rank {rank}: {err.message}"
@@ -185,7 +187,7 @@ class TieReducer:
     def reduce(self) -> None:
         """After the last backward and the dp reductions: each copy's gradient becomes the sum over the copies
         (without ZeRO: the mean over dp in the same all-reduce)."""
-        if self.zero:
+        if self.flat:
             self._reduce_slices()
             return
         works = []

@@ -133,7 +133,15 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage over the dp replicas (default 0: an averaging all-reduce)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="compute dtype (autocast; weights and gradients stay fp32; fp16 scales the loss; default fp32)")
+                   help="compute dtype (autocast; fp16 scales the loss; default fp32)")
+    p.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the model's parameters: fp32 (default; autocast casts them per op) or the --precision dtype, "
+                        "with fp32 main parameters in the optimizer, sharded by --zero (Megatron's distributed "
+                        "optimizer: 6 + 12/dp bytes a parameter at --zero 1)")
+    p.add_argument("--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="with --param-dtype bf16/fp16: gradients accumulate over microbatches and are reduced in fp32 "
+                        "(default, Megatron's) or in the parameters' dtype (2 bytes a parameter less, the ZeRO "
+                        "paper's; the sums round in bf16)")
     p.add_argument("--clip-grad", type=positive_float, metavar="MAX_NORM",
                    help="clip the whole model's gradient norm (over every rank) to MAX_NORM (default: no clipping)")
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
@@ -339,6 +347,12 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
                            f"cosine schedule (it decays after the warmup, until --steps)")
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
+    if args.param_dtype not in ("fp32", args.precision):
+        raise PipeDSLError(f"--param-dtype {args.param_dtype} needs --precision {args.param_dtype} (parameters are held "
+                           f"in fp32 or in the compute dtype)")
+    if args.grad_dtype not in ("fp32", args.param_dtype):
+        raise PipeDSLError(f"--grad-dtype {args.grad_dtype}: gradients accumulate in fp32 or in the parameters' dtype "
+                           f"(--param-dtype {args.param_dtype})")
     hf = args.model is not None and args.model != "gpt"
     if not hf and (args.data or args.eval_data):
         raise PipeDSLError("--data needs --model DIR (a Hugging Face model directory; the built-in GPT trains on "
@@ -346,7 +360,8 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
     cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "lr": args.lr, "weight_decay": args.weight_decay,
            "dropout": args.dropout, "seed": args.seed, "timeout": args.checkpoint_timeout or args.timeout,
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None,
-           "dp": dp, "zero": args.zero, "precision": args.precision, "clip_grad": args.clip_grad,
+           "dp": dp, "zero": args.zero, "precision": args.precision, "param_dtype": args.param_dtype,
+           "grad_dtype": args.grad_dtype, "clip_grad": args.clip_grad,
            "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps, "recompute": args.recompute,
            "loss_reduction": args.loss_reduction or ("token" if hf else "microbatch"),
            "pad_fraction": args.pad_fraction, "split": args.split, "out": str(out),

@@ -34,7 +34,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
              "pad_fraction"),
     "schedule": ("schedule", "ranks", "microbatches", "param"),
     "parallel": ("dp", "zero"),
-    "training": ("steps", "batch", "lr", "weight_decay", "precision", "clip_grad", "lr_schedule", "warmup_steps",
+    "training": ("steps", "batch", "lr", "weight_decay", "precision", "param_dtype", "grad_dtype", "clip_grad", "lr_schedule", "warmup_steps",
                  "recompute", "loss_reduction", "threads"),
     "eval": ("eval_every", "eval_batches"),
     "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume"),

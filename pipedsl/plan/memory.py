@@ -1,23 +1,67 @@
-"""Memory per GPU: model states per ZeRO stage (Rajbhandari et al., SC'20) plus activations.
+"""Memory per GPU: model states per precision mode and ZeRO stage (Rajbhandari et al., SC'20) plus activations.
 
-Mixed-precision Adam keeps, per parameter, 2 bytes of fp16 weights, 2 of fp16 gradients and
-K = 12 of optimizer state (fp32 weights, momentum, variance).  Over Nd data-parallel ranks:
-stage 0 (2 + 2 + K)Ψ, stage 1 (2 + 2)Ψ + KΨ/Nd, stage 2 2Ψ + (2 + K)Ψ/Nd, stage 3 (2 + 2 + K)Ψ/Nd
-(the ZeRO paper's Figure 1: Ψ = 7.5B, Nd = 64 gives 120, 31.4, 16.6 and 1.9 GB).
+One function, `model_states`, gives the bytes of parameters, gradients and optimizer state (fp32
+main parameters included) one rank holds; the planner ranks layouts with it, `pipedsl train`
+checks a run fits with it, and tests/parallel/test_state_bytes.py checks it against the bytes of
+every tensor the runtime really keeps, per mode and stage.  A parameter costs, before sharding
+(`StateBytes`):
+
+    mode (runtime precision=)                          param  grad  main  Adam   total
+    AUTOCAST   fp32 params, bf16 autocast              4      4     0     8      16
+    MEGATRON   bf16 params, fp32 main + fp32 grads     2      4     4     8      18
+    ZERO_PAPER bf16 params, fp32 main + bf16 grads     2      2     4     8      16
+
+Over Nd data-parallel ranks ZeRO 1 shards main + optimizer state, 2 also gradients, 3 also
+parameters: MEGATRON at stage 1 is Megatron-LM's distributed optimizer, 6 + 12/Nd bytes;
+ZERO_PAPER is the paper's (2 + 2 + K)Ψ with K = 12 (its Figure 1: Ψ = 7.5B, Nd = 64 gives 120,
+31.4, 16.6 and 1.9 GB).  Gradients are counted between steps: under ZeRO 2/3 the full
+gradient of a stage also lives from its first backward to its reduction (reduce="step").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARAM_BYTES = 2
-GRAD_BYTES = 2
-OPTIMIZER_BYTES = 12  # the ZeRO paper's K
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one parameter costs in each piece of training state, before sharding."""
+
+    param: int  # the model's copy
+    grad: int  # the gradient accumulated over microbatches
+    main: int  # fp32 main copy (0: the parameters are fp32 themselves)
+    optimizer: int  # optimizer state (Adam: two fp32 moments)
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.main + self.optimizer
+
+
+AUTOCAST = StateBytes(4, 4, 0, 8)
+MEGATRON = StateBytes(2, 4, 4, 8)
+ZERO_PAPER = StateBytes(2, 2, 4, 8)
+_OPTIMIZER_STATE = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
+
+# the ZeRO paper's accounting (the planner's default): the per-parameter constants other modules use
+PARAM_BYTES = ZERO_PAPER.param
+GRAD_BYTES = ZERO_PAPER.grad
+OPTIMIZER_BYTES = ZERO_PAPER.main + ZERO_PAPER.optimizer  # the ZeRO paper's K
+
+
+def state_bytes(params: str = "bf16", grads: str = "fp32", optimizer: str = "adam") -> StateBytes:
+    """The bytes of a runtime precision mode: `params` the model's dtype ("fp32": autocast), `grads` the
+    accumulation dtype, `optimizer` "adam"/"adamw" (8), "sgd-momentum" (4) or "sgd" (0)."""
+    size = {"fp32": 4, "bf16": 2, "fp16": 2}
+    if params not in size or grads not in size:
+        raise ValueError(f"params and grads are fp32, bf16 or fp16, got {params!r}, {grads!r}")
+    if optimizer not in _OPTIMIZER_STATE:
+        raise ValueError(f"optimizer is one of {', '.join(_OPTIMIZER_STATE)}, got {optimizer!r}")
+    return StateBytes(size[params], size[grads], 0 if params == "fp32" else 4, _OPTIMIZER_STATE[optimizer])
 
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of parameters, gradients and optimizer state one GPU holds."""
+    """Bytes of parameters, gradients and optimizer state (fp32 main parameters included) one rank holds."""
 
     params: float
     grads: float
@@ -28,13 +72,13 @@ class ModelStates:
         return self.params + self.grads + self.optimizer
 
 
-def model_states(psi: float, dp: int, zero: int) -> ModelStates:
-    """Model-state bytes per GPU for `psi` parameters replicated over `dp` ranks under ZeRO `zero`."""
+def model_states(psi: float, dp: int, zero: int, mode: StateBytes = ZERO_PAPER) -> ModelStates:
+    """Model-state bytes per rank for `psi` parameters replicated over `dp` ranks under ZeRO `zero`."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage is 0..3, got {zero}")
-    params = PARAM_BYTES * psi / (dp if zero >= 3 else 1)
-    grads = GRAD_BYTES * psi / (dp if zero >= 2 else 1)
-    optimizer = OPTIMIZER_BYTES * psi / (dp if zero >= 1 else 1)
+    params = mode.param * psi / (dp if zero >= 3 else 1)
+    grads = mode.grad * psi / (dp if zero >= 2 else 1)
+    optimizer = (mode.main + mode.optimizer) * psi / (dp if zero >= 1 else 1)
     return ModelStates(params, grads, optimizer)
 
 
