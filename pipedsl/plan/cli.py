@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--schedule", action="append", metavar="NAME_OR_PIPE",
                    help="only these schedules (repeatable; a built-in name or a .pipe file); default: every built-in")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
+    p.add_argument("--grad-dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 parameters with fp32 main parameters (pipedsl train --param-dtype bf16); gradients "
+                        "accumulated in bf16 (default: 2+2+12 bytes a parameter, the ZeRO paper's) or fp32 "
+                        "(2+4+12, Megatron's default)")
     p.add_argument("--top", type=int_in(1, MAX_PLAN_TOP, "MAX_PLAN_TOP"), default=10,
                    help=f"rows in the ranked table (default 10, at most {MAX_PLAN_TOP})")
     p.add_argument("--rejected", type=int_in(1, 1000, "1000 lines"), default=8,
@@ -101,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None  # each once
     for name in schedules or ():
         load(name)  # an unknown name or a broken .pipe is one error up front, not every layout rejected
-    result = search(model, cluster, top=args.top, schedules=schedules, zero=_zero_stages(args.zero))
+    result = search(model, cluster, top=args.top, schedules=schedules, zero=_zero_stages(args.zero),
+                    grads=args.grad_dtype)
     print_result(result, args.rejected)
     return 0 if result.ranked else 1
 

@@ -23,6 +23,7 @@ class Layout:
     recompute: bool = True
     tp_mode: str = "1d"  # or "3d" (tp = q³)
     params: tuple[tuple[str, int], ...] = ()
+    grads: str = "bf16"  # bf16 parameters, fp32 main parameters; gradients in bf16 (the ZeRO paper) or fp32 (Megatron)
 
     @property
     def gpus(self) -> int:
@@ -36,4 +37,4 @@ class Layout:
         extra = "".join(f" {k}={v}" for k, v in self.params)
         tp = f"tp{self.tp}" + ("(3d)" if self.tp_mode == "3d" else "")
         return (f"dp{self.dp} pp{self.pp} {tp} {self.schedule}{extra} b{self.microbatch} M{self.microbatches} "
-                f"zero{self.zero}{' recompute' if self.recompute else ''}")
+                f"zero{self.zero}{' recompute' if self.recompute else ''}{' fp32-grads' if self.grads == 'fp32' else ''}")

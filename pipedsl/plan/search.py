@@ -20,7 +20,7 @@ from pipedsl.library import builtin_names
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import StageCosts, stage_costs, tp_degree_3d
-from pipedsl.plan.memory import MemoryReport, model_states
+from pipedsl.plan.memory import MemoryReport, model_states, state_bytes
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.pipeline import compiled, program_peaks, run_pipeline, simulation_sizes, skeleton, stage_ranks
 
@@ -103,7 +103,7 @@ def _check_shape(model: ModelSpec, layout: Layout) -> None:
 def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> None:
     """Before compiling anything: even the lightest rank's model states must fit."""
     psi = model.layers // layout.pp * model.layer_params / layout.tp
-    states = model_states(psi, layout.dp, layout.zero)
+    states = model_states(psi, layout.dp, layout.zero, state_bytes("bf16", layout.grads))
     if states.total > cluster.memory - cluster.reserved_memory:
         raise LayoutError(f"out of memory: the model states alone take {states.total / 1e9:.1f} GB "
                         f"> {(cluster.memory - cluster.reserved_memory) / 1e9:.0f} GB usable")
@@ -197,7 +197,8 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[i
     layers = model.layers // stages
     worst: MemoryReport | None = None
     for r, st in on_rank.items():
-        states = model_states(sum(costs.stage_params[s] for s in st), layout.dp, layout.zero)
+        states = model_states(sum(costs.stage_params[s] for s in st), layout.dp, layout.zero,
+                              state_bytes("bf16", layout.grads))
         working = model.layer_activation_bytes(b, t, False) if layout.recompute else 0.0  # one block recomputed
         if stages - 1 in st:
             working += 4 * b * model.seq * model.vocab / t  # fp32 logits of the microbatch in flight
@@ -249,8 +250,10 @@ def _divisors(n: int) -> list[int]:
 def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | None = None,
             zero: Iterable[int] = (0, 1, 2, 3), microbatch_sizes: Iterable[int] = MICROBATCH_SIZES,
             recompute: Iterable[bool] = (True, False), tp: Iterable[int] | None = None,
-            pp: Iterable[int] | None = None, tp_modes: Iterable[str] = ("1d", "3d")) -> list[Layout]:
-    """Every candidate with dp · pp · tp = cluster.gpus and dp · M · microbatch = global batch."""
+            pp: Iterable[int] | None = None, tp_modes: Iterable[str] = ("1d", "3d"),
+            grads: str = "bf16") -> list[Layout]:
+    """Every candidate with dp · pp · tp = cluster.gpus and dp · M · microbatch = global batch; `grads`: the
+    gradients' dtype under bf16 parameters with fp32 main parameters (runtime: --grad-dtype)."""
     names = list(schedules) if schedules is not None else builtin_names()
     N = cluster.gpus
     tps = [t for t in _divisors(N) if t <= cluster.gpus_per_node] if tp is None else list(tp)
@@ -271,7 +274,7 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
                         for params in VARIANTS.get(name, ((),)):
                             for z in (zero if d > 1 else (0,)):
                                 for rc in recompute:
-                                    out.append(Layout(d, p, t, name, b, M, z, rc, mode, params))
+                                    out.append(Layout(d, p, t, name, b, M, z, rc, mode, params, grads))
     return out
 
 

@@ -33,6 +33,26 @@ def test_zero_memory_per_stage_is_the_zero_papers_figure1(stage):
     assert states.total / 1e9 == pytest.approx(exact, rel=1e-12)
 
 
+def test_megatron_distributed_optimizer_bytes_and_the_planner_use_the_same_function():
+    """Megatron-LM's distributed optimizer (bf16 parameters, fp32 gradients, fp32 main parameters and Adam
+    sharded over dp): 6 + 12/dp bytes a parameter (its docs' table); the planner's memory for a Llama-70B layout
+    moves by exactly the gradients' extra 2 bytes (sharded under ZeRO 2) when it plans fp32 gradients."""
+    import dataclasses
+
+    from pipedsl.plan.memory import MEGATRON, state_bytes
+
+    assert state_bytes("bf16", "fp32") == MEGATRON
+    assert model_states(1.0, 8, 1, MEGATRON).total == pytest.approx(6 + 12 / 8)
+    model, cluster = model_preset("llama-70b"), dataclasses.replace(cluster_preset("h100"), gpus=512)
+    for zero in (1, 2):
+        bf16 = evaluate(model, cluster, Layout(64, 2, 4, "1f1b", 1, 8, zero))
+        fp32 = evaluate(model, cluster, Layout(64, 2, 4, "1f1b", 1, 8, zero, grads="fp32"))
+        psi = bf16.memory.states.params / 2  # the fullest GPU's parameters (bf16, unsharded below ZeRO 3)
+        extra = fp32.memory.states.total - bf16.memory.states.total
+        assert extra == pytest.approx(2 * psi / (64 if zero >= 2 else 1), rel=1e-9)
+        assert bf16.memory.states == model_states(psi, 64, zero, state_bytes("bf16", "bf16"))
+
+
 sizes = st.fixed_dictionaries({"layers": st.integers(1, 128), "heads": st.sampled_from([1, 8, 32, 96]),
                                "head_dim": st.sampled_from([64, 128]), "seq": st.sampled_from([512, 2048, 8192]),
                                "vocab": st.integers(1000, 260000), "batch": st.integers(1, 4096)})
