@@ -72,35 +72,14 @@ class PipelineOptimizer:
     """step() / zero_grad() for every stage this rank holds (see the module docstring)."""
 
     def __init__(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> None:
-        cfg = pipe.parallel
         self._pipe = pipe
         self.lr_schedule: LRSchedule | None = None
-        self.zero_stage = cfg.zero if cfg is not None else 0
-        self.zero: dict[int, ZeroOptimizer] = {}
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.zero_stage = pipe.parallel.zero if pipe.parallel is not None else 0
         self._modules = pipe.local_stages()
-        pol = pipe.precision
-        if self.zero_stage == 0 and not pol.keeps_main:
-            # frozen parameters stay out: no optimizer (weight decay included) touches them
-            self.optimizer = optimizer_class([p for p in pipe.parameters() if p.requires_grad], **kwargs)
-            return
-        # ZeRO 1-3, or low-precision parameters (ZeRO 0 then keeps unsharded fp32 main parameters in the
-        # same flat buffers: one implementation of main parameters for every stage)
-        lowp = {"param_dtype": pol.param_dtype, "grad_dtype": pol.grad_dtype} if pol.keeps_main else {}
-        for s, module in sorted(self._modules.items()):  # the same order on every dp peer
-            self.zero[s] = ZeroOptimizer(module, optimizer_class, group=pipe.dp_group, stage=self.zero_stage,
-                                         reduce=cfg.zero_reduce if cfg is not None else "step",
-                                         separate=pipe.ties.separate(s), **lowp, **kwargs)
-        pipe.ties.use_zero(self.zero)  # a tie's copies are now the stages' own units of it (ties.py)
-        pipe.register_reduce_grad_hook(self._reduce)
-        if self.zero_stage == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
-            for s, zero in sorted(self.zero.items()):
-                pipe.register_weight_pass_hook(s, zero.before_weight_pass, zero.after_weight_pass)
-
-    def _reduce(self, stage: int, module: torch.nn.Module) -> ZeroOptimizer:
-        zero = self.zero[stage]
-        zero.reduce_gradients(async_op=True)
-        return zero  # its wait() completes the reduction at the step end
+        # the pipeline's data-parallel strategy makes it: one torch optimizer over the parameters, or a ZeroOptimizer
+        # per stage over flat buffers (ZeRO 1-3, or fp32 main parameters beside low-precision ones)
+        self.optimizer: torch.optim.Optimizer | None = pipe.data_parallel.build(pipe, optimizer_class, kwargs)
+        self.zero: dict[int, ZeroOptimizer] = pipe.data_parallel.zero
 
     def step(self) -> bool:
         """Unscale and check (fp16), set the scheduled lr, step unless some rank overflowed, update the loss

@@ -78,7 +78,8 @@ from .groups import PipelineGroups
 from .p2p import Channels, TensorMeta, describe
 from .precision import LossScaler, LossScaling, MixedPrecision, policy
 from .recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
-from .reduce import DataParallelReducer, GradReducer, Hook
+from .data_parallel import strategy_for
+from .reduce import GradReducer, Hook
 from .stage import ActivationCounter, LossFn, Stage, warm_up_shape_inference
 from .ties import TieReducer, check_ties, find_ties
 from .tracer import Tracer
@@ -155,10 +156,8 @@ class Pipeline:
         self._loss_group = self.groups.new(range(self.size))  # the step's loss sum, reduced while the step runs
         self.dp = self.parallel.dp if self.parallel is not None else 1
         self.dp_rank = self.mesh.coords.dp if self.mesh is not None else 0
-        # the gradients' owner: flat buffers (ZeroOptimizer: ZeRO 1-3, or fp32 main parameters beside
-        # low-precision ones) or the parameters' own .grad, reduced over dp by DataParallelReducer
-        self.flat_buffers = (self.parallel is not None and self.parallel.zero > 0) or self.precision.keeps_main
         self.dp_group = self.mesh.dp_group if self.mesh is not None else self._solo_group()
+        self.data_parallel = strategy_for(self.parallel, self.precision, self.dp_group, self.dp)  # grads' owner
         self.ties = self._ties(stages, ties)
         self._check_parallel_support()
         self.reducer = GradReducer(prog, rank, self._modules, self.groups, self.ties)
@@ -166,8 +165,7 @@ class Pipeline:
                                                 self.parallel.zero if self.parallel is not None else 0)
         self.reducer.broadcast_replicas()
         self.ties.broadcast()
-        if not self.flat_buffers and self.dp > 1:
-            self.reducer.add_hook(DataParallelReducer(self.mesh.dp_group, self.ties.skip))
+        self.data_parallel.install(self.reducer, self.ties)
         self._optimizer = None
         self._checked_batch = False
         self.tracer = Tracer(group)
@@ -209,7 +207,7 @@ class Pipeline:
         else:
             found = []
         reducer = TieReducer(found, self.program, self.rank, self._modules, self.groups, self.dp,
-                             self.parallel.zero if self.parallel is not None else 0, flat=self.flat_buffers)
+                             self.parallel.zero if self.parallel is not None else 0, flat=self.data_parallel.flat)
         if found:
             reducer.agree(self.group, self.size)
         return reducer
@@ -323,9 +321,9 @@ class Pipeline:
 
         if self._optimizer is not None:
             raise PipeRuntimeError("this pipeline already has its optimizer (pipe.optimizer() makes one per pipeline)")
-        if self.flat_buffers and self._executor is not None:
-            raise PipeRuntimeError(f"{self._flat_reason()}: create the optimizer before the first step (it takes over "
-                                   f"the stages' parameters)")
+        if self.data_parallel.flat and self._executor is not None:
+            raise PipeRuntimeError(f"{self.data_parallel.reason}: create the optimizer before the first step (it "
+                                   f"takes over the stages' parameters)")
         self._optimizer = PipelineOptimizer(self, optimizer_class, **kwargs)
         return self._optimizer
 
@@ -382,15 +380,10 @@ class Pipeline:
         self.steps += 1
         return float(total.item())
 
-    def _flat_reason(self) -> str:
-        if self.parallel is not None and self.parallel.zero:
-            return f"zero={self.parallel.zero}"
-        return f"params={self.precision.params!r} (fp32 main parameters)"
-
     def _microbatches(self, inputs: Any, targets: Any) -> tuple[list[list[torch.Tensor]], list[Any]]:
         """This rank's share of the batch (dp) cut into the M microbatches, on the device."""
-        if self.flat_buffers and self._optimizer is None:
-            raise PipeRuntimeError(f"{self._flat_reason()}: create the optimizer with pipe.optimizer("
+        if self.data_parallel.flat and self._optimizer is None:
+            raise PipeRuntimeError(f"{self.data_parallel.reason}: create the optimizer with pipe.optimizer("
                                    f"torch.optim.Adam, lr=...) before the first step (it takes over the stages' "
                                    f"parameters: flat buffers, sharded over dp by ZeRO)")
         M = self.num_microbatches
@@ -466,11 +459,7 @@ class Pipeline:
     def gradients(self) -> clip.Gradients:
         """This rank's gradients as its optimizer will use them (ZeRO: the owned slices, after the step's
         reduction) and the views it counts in global norms (runtime/clip.py)."""
-        zero = self._optimizer.zero if self._optimizer is not None else {}
-        if self.parallel is not None and self.parallel.zero and not zero:
-            raise PipeRuntimeError(f"zero={self.parallel.zero}: the gradients live in the ZeRO optimizer; create "
-                                   f"it with pipe.optimizer(...) first")
-        return self.ownership.gradients(zero)
+        return self.data_parallel.gradients(self.ownership)
 
     def unscale_(self) -> bool:
         """fp16: divide this step's gradients by the loss scale, once; returns whether any rank of the world

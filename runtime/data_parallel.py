@@ -1,0 +1,108 @@
+"""How a pipeline holds its gradients and reduces them over data parallelism: one strategy per pipeline.
+
+The choice is made once, when the pipeline is built (`strategy_for`), and everything that depends
+on it asks the strategy instead of deciding again:
+
+    Replicated  every parameter keeps its own `.grad`; at each stage's REDUCE_GRAD an averaging
+                all-reduce over dp (reduce.py's DataParallelReducer); any torch optimizer steps them
+    Flat        one `ZeroOptimizer` per stage (parallel/zero.py) packs the parameters into flat
+                buffers: ZeRO 1-3, or ZeRO 0 when the model holds bf16/fp16 parameters and the
+                optimizer fp32 main copies; its reduction is the REDUCE_GRAD hook, its gathers the
+                ZeRO-3 weight-pass hooks, and it steps the owned slices
+
+It owns the reduction hooks, the optimizer's construction over the right tensors, the gradients
+a global norm counts and clipping scales (clip.py), and tells the ties (ties.py) whether a tie sums
+dp-reduced slices within one replica (flat) or averages full gradients over every replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.parallel.config import ParallelConfig
+from pipedsl.parallel.zero import ZeroOptimizer
+
+from . import clip
+from .precision import MixedPrecision
+from .reduce import DataParallelReducer, GradReducer
+from .ties import TieReducer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pipeline import Pipeline
+
+
+class Replicated:
+    """Parameters with their own `.grad`, averaged over dp at REDUCE_GRAD (without dp: nothing to reduce)."""
+
+    flat = False
+
+    def __init__(self, group: dist.ProcessGroup | None, dp: int) -> None:
+        self.group, self.dp = group, dp
+        self.zero: dict[int, ZeroOptimizer] = {}  # none: the optimizer steps the parameters themselves
+
+    def install(self, reducer: GradReducer, ties: TieReducer) -> None:
+        if self.dp > 1:
+            reducer.add_hook(DataParallelReducer(self.group, ties.skip))
+
+    def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
+              kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
+        # frozen parameters stay out: no optimizer (weight decay included) touches them
+        return optimizer_class([p for p in pipe.parameters() if p.requires_grad], **kwargs)
+
+    def gradients(self, ownership: clip.GradientOwnership) -> clip.Gradients:
+        return ownership.gradients({})
+
+
+class Flat:
+    """A `ZeroOptimizer` per local stage over the dp group (made with the optimizer, which it needs)."""
+
+    flat = True
+
+    def __init__(self, group: dist.ProcessGroup | None, level: int, reduce: str, precision: MixedPrecision,
+                 reason: str) -> None:
+        self.group, self.level, self.reduce, self.reason = group, level, reduce, reason
+        self.lowp = ({"param_dtype": precision.param_dtype, "grad_dtype": precision.grad_dtype}
+                     if precision.keeps_main else {})
+        self.zero: dict[int, ZeroOptimizer] = {}
+
+    def install(self, reducer: GradReducer, ties: TieReducer) -> None:
+        reducer.add_hook(self._reduce)
+
+    def _reduce(self, stage: int, module: nn.Module) -> ZeroOptimizer:
+        zero = self.zero[stage]
+        zero.reduce_gradients(async_op=True)
+        return zero  # its wait() completes the reduction at the step end
+
+    def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
+              kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
+        for s, module in sorted(pipe.local_stages().items()):  # the same order on every dp peer
+            self.zero[s] = ZeroOptimizer(module, optimizer_class, group=self.group, stage=self.level,
+                                         reduce=self.reduce, separate=pipe.ties.separate(s), **self.lowp, **kwargs)
+        pipe.ties.use_zero(self.zero)  # a tie's copies are now the stages' own units of it (ties.py)
+        if self.level == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
+            for s, zero in sorted(self.zero.items()):
+                pipe.register_weight_pass_hook(s, zero.before_weight_pass, zero.after_weight_pass)
+        return None
+
+    def gradients(self, ownership: clip.GradientOwnership) -> clip.Gradients:
+        if not self.zero:
+            raise PipeRuntimeError(f"{self.reason}: the gradients live in the optimizer's flat buffers; create it "
+                                   f"with pipe.optimizer(...) first")
+        return ownership.gradients(self.zero)
+
+
+def strategy_for(parallel: ParallelConfig | None, precision: MixedPrecision, group: dist.ProcessGroup | None,
+                 dp: int) -> Replicated | Flat:
+    """Flat buffers for ZeRO 1-3 and for low-precision parameters (their fp32 main copies live there);
+    replicated parameters otherwise."""
+    level = parallel.zero if parallel is not None else 0
+    if level == 0 and not precision.keeps_main:
+        return Replicated(group, dp)
+    reason = f"zero={level}" if level else f"params={precision.params!r} (fp32 main parameters)"
+    return Flat(group, level, parallel.zero_reduce if parallel is not None else "step", precision, reason)
