@@ -207,7 +207,7 @@ class Executor:
             if self.check_finite and not torch.isfinite(loss):
                 raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): the loss of microbatch {m} "
                                   f"is {loss.item()} (not finite)", self.rank, self.index, ins)
-            self.loss_sum += loss.double().cpu() * stage.scale
+            self.loss_sum += loss.double().cpu() * stage.loss.factor
             self._losses_left -= 1
             if not self._losses_left and self.on_loss is not None:
                 self.on_loss(self.loss_sum)

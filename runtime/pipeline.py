@@ -80,13 +80,13 @@ from .precision import LossScaler, LossScaling, MixedPrecision, policy
 from .recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
 from .data_parallel import strategy_for
 from .reduce import GradReducer, Hook
-from .stage import ActivationCounter, LossFn, Stage, warm_up_shape_inference
+from .loss import LOSS_REDUCTIONS, LossPolicy
+from .stage import ActivationCounter, LossFn, Stage, StageOptions, warm_up_shape_inference
 from .ties import TieReducer, check_ties, find_ties
 from .tracer import Tracer
 
 StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
 BATCH_MODES = ("global", "local")
-LOSS_REDUCTIONS = ("microbatch", "token")
 _MAX_SHAPES = 8  # input shapes whose executors are kept (length bucketing alternates between a few)
 
 
@@ -121,7 +121,6 @@ class Pipeline:
                                    "modules whose activations are recomputed (e.g. the attention modules)")
         self.batch_mode = batch
         self.precision = policy(precision)
-        self.loss_reduction, self.ignore_index = loss_reduction, ignore_index
         self.recompute = recompute
         self.mesh = self._mesh(parallel, group)
         self.parallel: ParallelConfig | None = self.mesh.config if self.mesh is not None else None
@@ -142,14 +141,13 @@ class Pipeline:
         held = sorted({s for (c, s), r in prog.placement.items() if r == rank})
         self._modules = {s: self._build(stages, s).to(self.device) for s in held}
         self.counter = ActivationCounter()
+        self.loss = LossPolicy(loss_reduction, self.num_microbatches, ignore_index)  # one, shared by the stages
+        options = StageOptions(self.precision, self.device)
         self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter,
-                                 None if recompute is None else Recompute(m, recompute, recompute_filter))
+                                 None if recompute is None else Recompute(m, recompute, recompute_filter),
+                                 options=options, loss=self.loss)
                         for s, m in self._modules.items()}
-        for st in self._stages.values():
-            st.sum_loss = loss_reduction == "token"
         self._copies = {(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
-        for st in self._stages.values():
-            st.precision, st.device = self.precision, self.device
         self.loss_scaling = LossScaling(self.precision)
         self.groups = PipelineGroups(group, self.mesh)
         self.channels = Channels(group, self.device, self.groups)
@@ -444,9 +442,7 @@ class Pipeline:
 
     def _scale_loss(self) -> None:
         """fp16: this step's loss is multiplied by the current scale (its gradients are unscaled by `unscale_`)."""
-        scale = self.loss_scaling.begin_step()
-        for st in self._stages.values():
-            st.loss_scale = scale
+        self.loss.loss_scale = self.loss_scaling.begin_step()
 
     @property
     def scaler(self) -> LossScaler | None:
@@ -494,32 +490,23 @@ class Pipeline:
         return norm
 
     def _count_tokens(self, targets: Any) -> None:
-        """Per-token mode: the last stage scales each microbatch's summed token losses by dp/N.
+        """Per-token mode: the last stage's ranks count the targets of the global batch (loss.py)."""
+        if self.program.num_stages - 1 in self._stages:
+            local = self.batch_mode == "local" and self.dp > 1
+            self.loss.count_tokens(targets, self.dp, self.mesh.dp_group if local else None, self.rank, self.device)
 
-        N is the number of targets != ignore_index in the *global* batch: counted from the global
-        batch (batch="global", every rank has it) or summed over the dp group (batch="local").
-        The dp gradient reduction averages (divides by dp), so the gradients and the returned
-        loss are exactly sum/N — Megatron's and torchtitan's per-token normalisation — however
-        unevenly padding falls over microbatches and replicas.  Ranks without the last stage
-        count nothing."""
-        last = self._stages.get(self.program.num_stages - 1)
-        if last is None:
-            return
-        t = targets[0] if isinstance(targets, (tuple, list)) and targets else targets
-        if not isinstance(t, torch.Tensor):
-            raise PipeRuntimeError(f"rank {self.rank}: loss_reduction='token' counts the targets that are not "
-                                   f"ignore_index={self.ignore_index}, but this rank (which holds the last stage) "
-                                   f"got targets of type {type(t).__name__}; pass a tensor (or a tuple whose first "
-                                   f"element is the token targets)")
-        n = (t != self.ignore_index).sum().reshape(1).to(self.device, torch.int64)
-        if self.batch_mode == "local" and self.dp > 1:
-            try:
-                dist.all_reduce(n, group=self.mesh.dp_group)
-            except Exception as err:  # noqa: BLE001
-                raise RankFailure(f"rank {self.rank}: summing the token count over dp failed: {err}", self.rank,
-                                  peer_failure=True) from err
-        self.tokens = int(n)
-        last.scale = self.dp / max(self.tokens, 1)  # no token at all: the loss and gradients are 0
+    @property
+    def tokens(self) -> int | None:
+        """Per-token mode: the last step's targets != ignore_index over the global batch (last-stage ranks)."""
+        return self.loss.tokens
+
+    @property
+    def loss_reduction(self) -> str:
+        return self.loss.reduction
+
+    @property
+    def ignore_index(self) -> int:
+        return self.loss.ignore_index
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> None:
         """Start summing the loss over the pipeline as soon as this rank's part is final (async: the

@@ -31,12 +31,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
+from .loss import LossPolicy
 from .p2p import TensorMeta
 from .precision import MixedPrecision
 from .recompute import Recompute
@@ -143,29 +145,35 @@ def as_list(value: Any) -> list:
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
+@dataclass(frozen=True)
+class StageOptions:
+    """What every stage of a pipeline runs under: the precision policy (autocast, output casts) and the device."""
+
+    precision: MixedPrecision = MixedPrecision()
+    device: torch.device | str = "cpu"
+
+
 class Stage:
     """One global stage of the model on this rank (replica copies on one rank share it)."""
 
     def __init__(self, module: nn.Module, index: int, num_stages: int, loss_fn: LossFn | None,
-                 num_microbatches: int, counter: ActivationCounter, recompute: Recompute | None = None) -> None:
+                 num_microbatches: int, counter: ActivationCounter, recompute: Recompute | None = None, *,
+                 options: StageOptions | None = None, loss: LossPolicy | None = None) -> None:
         self.module = module
         self.recompute = recompute  # None: autograd keeps everything the forward saved
         self.index = index
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.loss_fn = loss_fn
-        self.scale = 1.0 / num_microbatches  # per step in the per-token mode: dp / (non-ignored tokens of the batch)
-        self.sum_loss = False  # per-token mode: the loss function's value is summed (per-token losses or a sum)
+        self.loss = loss if loss is not None else LossPolicy("microbatch", num_microbatches)  # the pipeline's, shared
         self.counter = counter
         self._params: list[nn.Parameter] | None = None
         self._param_nodes: dict[Node, int] | None = None
         self._plans: dict[tuple, _WeightPlan] = {}  # graph signature -> plan
         # (before, after) around every W: e.g. ZeRO-3 gathers the parameters W's saved views point into
         self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
-        # mixed precision (precision.py): autocast for the forward and loss, outputs cast, fp16 loss scale
-        self.precision = MixedPrecision()
-        self.device: torch.device | str = "cpu"
-        self.loss_scale = 1.0
+        options = options or StageOptions()
+        self.precision, self.device = options.precision, options.device
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -204,9 +212,7 @@ class Stage:
         def with_loss(out: Any) -> tuple[Any, torch.Tensor | None]:
             if not self.is_last:
                 return out, None
-            loss = out if self.loss_fn is None else self.loss_fn(out, target)
-            if self.sum_loss and isinstance(loss, torch.Tensor):
-                loss = loss.sum()  # per-token mode: the microbatch's summed token losses
+            loss = self.loss.reduce(out if self.loss_fn is None else self.loss_fn(out, target))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise TypeError(f"the loss must be a scalar tensor, got {what}")
@@ -224,9 +230,7 @@ class Stage:
             else:  # recomputation re-runs the plain forward, never an overlapped pair's other backward
                 out, loss = self.recompute.run(compute, tuple(inputs), token, again=plain)
             if self.is_last:
-                scaled = loss * self.scale
-                if self.loss_scale != 1.0:  # fp16: the dynamic loss scale (unscaled before the optimizer step)
-                    scaled = scaled * self.loss_scale
+                scaled = self.loss.scaled(loss)
         if self.is_last:
             act = Activation(inputs, [scaled], token, buffers or [])
             act.loss = loss.detach()
@@ -246,8 +250,7 @@ class Stage:
             if not self.is_last:
                 return self.precision.cast_outputs(as_list(out))
             loss = out if self.loss_fn is None else self.loss_fn(out, target)
-        if self.sum_loss:
-            loss = loss.sum()
+        loss = self.loss.reduce(loss)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TypeError(f"the loss must be a scalar tensor, got {what}")

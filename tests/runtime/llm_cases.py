@@ -240,6 +240,7 @@ def bytes_prediction(rank: int, program_json: str, mode: str | None) -> dict[str
     """Peak saved-activation bytes measured on this rank, and the prediction: the simulator's peak count of
     live activations × the bytes one activation of this rank's stage keeps, plus (recomputation) the bytes
     one recomputed forward brings back during its backward."""
+    from pipedsl.runtime.loss import LossPolicy
     from pipedsl.runtime.recompute import Recompute
     from pipedsl.runtime.stage import ActivationCounter, Stage
 
@@ -254,8 +255,7 @@ def bytes_prediction(rank: int, program_json: str, mode: str | None) -> dict[str
     def kept(policy: str | None) -> int:
         module = copy.deepcopy(stages[stage])
         rc = None if policy is None else Recompute(module, policy, is_attention)
-        st = Stage(module, stage, S, token_sum, M, ActivationCounter(), rc)
-        st.sum_loss = True
+        st = Stage(module, stage, S, token_sum, M, ActivationCounter(), rc, loss=LossPolicy("token", M))
         act, _ = st.forward([one], ym)
         return act.token.nbytes
 
