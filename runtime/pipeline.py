@@ -177,7 +177,6 @@ class Pipeline:
         self._executors: OrderedDict[tuple[tuple[TensorMeta, ...], bool], Executor] = OrderedDict()
         self._forward_program = self.program.forward_only()  # evaluation passes
         self.shape_handshakes = 0  # input shapes learned so far (one handshake each)
-        self.tokens: int | None = None  # per-token mode: the last step's non-ignored targets (last-stage ranks)
         self.eval_count = 0  # the last evaluate()'s microbatches (or tokens, per-token mode) over the global batch
         self.steps = 0
         self.closed = False
