@@ -1,13 +1,13 @@
 """`PipelineOptimizer`: the optimizer of one rank's pipeline stages, with or without ZeRO.
 
-Made by `Pipeline.optimizer(torch.optim.Adam, lr=…)`, it follows the pipeline's
-`ParallelConfig.zero`:
+Made by `Pipeline.optimizer(torch.optim.Adam, lr=…)` through the pipeline's data-parallel
+strategy (runtime/data_parallel.py), which decides what it steps:
 
-    zero 0   one `optimizer_class` over the local stages' parameters; the pipeline itself
-             averages gradients over the dp group at each stage's REDUCE_GRAD
-    zero ≥ 1 one `ZeroOptimizer` per local stage over the dp group (`zero_reduce` "step" or
-             "microbatch"); its `reduce_gradients(async_op=True)` is the stage's REDUCE_GRAD
-             hook and is waited at the step end
+    replicated  one `optimizer_class` over the local stages' parameters; the pipeline averages
+                gradients over the dp group at each stage's REDUCE_GRAD
+    flat        one `ZeroOptimizer` per local stage over the dp group: ZeRO 1-3 (`zero_reduce`
+                "step" or "microbatch"), or ZeRO 0 with bf16/fp16 parameters and fp32 main
+                parameters; its reduction is the stage's REDUCE_GRAD hook, waited at the step end
 
 `step()` then `zero_grad()` after every `pipe.step`.  `step()` does what a training step
 needs in the right order: under fp16 it unscales the gradients (unless `pipe.clip_grad_norm_`

@@ -30,12 +30,12 @@ output_dtype)` and of Megatron-LM's fp32 main parameters and gradients:
   together and back the scale off (`Pipeline.unscale_`).  bf16 has fp32's range and needs no
   scaling.
 
-Why autocast rather than low-precision parameters with separate fp32 main copies (Megatron's
-`Float16Module` + distributed optimizer, FSDP2's sharded fp32 + bf16 all-gather): those save
-the per-op weight casts and keep half-size weights for the forward, but need a second copy of
-every parameter, a copy-back after every step and their own ZeRO buffers; autocast composes
-with everything the runtime has (split backward, ZeRO 0-3, 1-D/3-D tensor parallelism, ties,
-replicas, checkpoints) without touching any of it.
+Low-precision parameters (`MixedPrecision("bf16", params="bf16")`, Megatron's `Float16Module` +
+distributed optimizer, FSDP2's bf16 parameters over fp32 shards): the model holds bf16
+parameters and the optimizer fp32 main copies, sharded by ZeRO, in `ZeroOptimizer`'s flat
+buffers (parallel/zero.py); gradients accumulate and are reduced in fp32 (`grads`, default) or in
+bf16.  Autocast still wraps the forward (norms and softmax stay fp32).  Bytes per parameter and
+tolerances: docs/training-state.md.  fp16 loss scaling has one owner, `LossScaling`.
 """
 
 from __future__ import annotations
