@@ -1,8 +1,9 @@
 """Mixed precision and global clipping on the small GPT: step time and point-to-point bytes, vs fp32.
 
 One group of P local processes (gloo, one thread per rank) builds the same GPT stages once per
-variant — fp32, bf16, fp16 (dynamic loss scaling), fp32 + `clip_grad_norm_(1.0)`, bf16 + clip —
-each a `Pipeline` with `pipe.optimizer(AdamW)`.  After a warmup, repetitions run every variant
+variant — fp32, bf16, fp16 (dynamic loss scaling), fp32 + `clip_grad_norm_(1.0)`, bf16 + clip, and
+bf16 parameters with fp32 main parameters (gradients accumulated in fp32 or in bf16) — each a
+`Pipeline` with `pipe.optimizer(AdamW)`.  After a warmup, repetitions run every variant
 in turn (the order rotates each repetition, so load drifting during the run hits all alike);
 each repetition times `--steps` full training steps (pipe.step, clip, opt.step, zero_grad)
 between two barriers.  Reported per variant: median step time, its ratio to fp32 (ratio of the
@@ -23,8 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench  # noqa: E402
 
-VARIANTS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "fp16": ("fp16", None),
-            "fp32+clip": ("fp32", 1.0), "bf16+clip": ("bf16", 1.0)}
+# name: ((compute dtype, parameters' dtype, gradients' dtype), clip); "bf16-main": bf16 parameters with fp32
+# main parameters and fp32 gradients (Megatron's), "bf16-main-g16": gradients accumulated in bf16 (the ZeRO paper's)
+VARIANTS = {"fp32": (("fp32", "fp32", None), None), "bf16": (("bf16", "fp32", None), None),
+            "fp16": (("fp16", "fp32", None), None), "fp32+clip": (("fp32", "fp32", None), 1.0),
+            "bf16+clip": (("bf16", "fp32", None), 1.0), "bf16-main": (("bf16", "bf16", "fp32"), None),
+            "bf16-main-g16": (("bf16", "bf16", "bf16"), None)}
 
 
 def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
@@ -40,11 +45,13 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
     x, y = synthetic_batch(cfg["M"] * cfg["rows"], gcfg.block_size, gcfg.vocab_size, torch.Generator().manual_seed(1))
     prog = pipedsl.load(schedule).compile(P=P, M=cfg["M"], **cfg["params"])
     runs = {}
-    for name, (precision, clip) in VARIANTS.items():
+    from pipedsl.runtime.precision import MixedPrecision
+
+    for name, ((compute, params, grads), clip) in VARIANTS.items():
         import copy
 
         pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(prog.num_stages), program=prog, loss_fn=gpt_loss,
-                                precision=precision)
+                                precision=MixedPrecision(compute, params=params, grads=grads))
         opt = pipe.optimizer(torch.optim.AdamW, lr=1e-4)
 
         def step(pipe=pipe, opt=opt, clip=clip) -> None:
@@ -98,9 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python benchmarks/precision.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"benchmark": "precision", "command": command.strip(), "machine": _bench.machine(),
               "date": _bench.today(), "schedule": args.schedule, "P": args.P, "config": cfg, "rows": rows}
-    print(f"{'variant':<10} {'step ms':>8} {'vs fp32':>8} {'paired':>8} {'P2P bytes/step':>15} {'vs fp32':>8}")
+    print(f"{'variant':<14} {'step ms':>8} {'vs fp32':>8} {'paired':>8} {'P2P bytes/step':>15} {'vs fp32':>8}")
     for r in rows:
-        print(f"{r['variant']:<10} {r['step_s']['median'] * 1e3:8.2f} {r['vs_fp32']:8.3f} "
+        print(f"{r['variant']:<14} {r['step_s']['median'] * 1e3:8.2f} {r['vs_fp32']:8.3f} "
               f"{r['vs_fp32_paired_median']:8.3f} {r['p2p_bytes_per_step']:15d} {r['p2p_vs_fp32']:8.3f}")
     _bench.write_json("precision", result, args.json)
     summary = ", ".join(f"{r['variant']} {r['vs_fp32_paired_median']:.2f}x" for r in rows[1:])
