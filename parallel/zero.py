@@ -40,6 +40,14 @@ every microbatch, into the [S] slice and frees the full one: true stage-2/3 grad
 Gradients are averaged over the group (divided by N), like DDP; the runtime scales each
 microbatch's loss by 1/M, so the result is the mean over the global batch.
 
+Low-precision parameters (`param_dtype=torch.bfloat16`, Megatron's distributed optimizer): the
+flat buffers hold bf16 values and each trainable unit keeps `main`, fp32 copies of this rank's
+slice (of the whole buffer at stage 0) made from the original values, which the optimizer steps;
+after the step they are rounded into the flat buffer (stage 3: the bf16 shard) and all-gathered
+as bf16.  Gradients accumulate in `grad_dtype`: fp32 (each backward's bf16 gradient is added into
+`flat.main_grad`, Megatron's name) or bf16 (autograd's `.grad`, converted to fp32 for the step).
+Bytes per parameter for every stage and mode: docs/training-state.md.
+
 Frozen parameters (`requires_grad=False`: a frozen base under trainable adapters) go into a
 second buffer per unit with no gradient, no optimizer state and no reduction, so they cost
 neither traffic nor optimizer memory and no optimizer (weight decay included) ever touches
