@@ -358,6 +358,7 @@ class ZeroOptimizer:
         if param_dtype is not None and not dtype.is_floating_point:
             raise ParallelConfigError(f"param_dtype={param_dtype} needs floating-point parameters, got {dtype}")
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
+        self.dtype = dtype  # the module's own dtype: the main parameters' (and what checkpoints describe)
         if units is None:
             units = default_units(module) if stage == 3 or reduce == "microbatch" else []
         unit_modules = [m for m in units if m is not module] + [module]

@@ -43,8 +43,12 @@ def _entries(unit: dict[str, Any]) -> Iterator[tuple[str, list, int, int, list[s
 
 
 def describe(zero: ZeroOptimizer) -> dict[str, list]:
-    """{parameter name: [shape, dtype]} by the original names (aliases too), though ZeRO holds flat buffers."""
-    return {n: [shape, unit["dtype"]] for unit in zero.layout() for name, shape, *_, also in _entries(unit)
+    """{parameter name: [shape, dtype]} by the original names (aliases too), though ZeRO holds flat buffers.  With
+    bf16 parameters over fp32 main parameters the dtype is the module's own (fp32): a stage partition does not
+    change with the precision mode, and checkpoints move between modes."""
+    def dtype(unit: dict[str, Any]) -> str:
+        return str(zero.dtype).removeprefix("torch.") if zero.main else unit["dtype"]
+    return {n: [shape, dtype(unit)] for unit in zero.layout() for name, shape, *_, also in _entries(unit)
             for n in [name, *also]}
 
 

@@ -18,7 +18,7 @@ part holds it.  A different partition is refused with one clear error.  RNG stat
 CPU and CUDA, Python `random`, NumPy when imported) and `extra` are per rank: restored on
 the same rank index when the checkpoint has one.  `shards` is a free-form per-rank section.
 Each part also holds the training state a bit-exact resume needs: the fp16 loss scale and its
-growth counter (`pipe.scaler`, the same on every rank) and the learning-rate schedule of
+growth counter (`pipe.loss_scaling`, the same on every rank) and the learning-rate schedule of
 `pipe.optimizer()`'s optimizer (a function of `pipe.steps`, which is restored too).
 
 Data × pipeline × tensor parallelism (`Pipeline(parallel=…)`): save and load are collective
@@ -243,17 +243,14 @@ def _check_plain(obj: Any, where: str) -> None:
 def _training_state(pipe: Any, optimizer: Any) -> dict[str, Any]:
     """What a resumed step needs besides weights and optimizer state: the fp16 loss scale (the same on every
     rank) and the learning-rate schedule of `pipe.optimizer()`'s optimizer."""
-    scaler = getattr(pipe, "scaler", None)
     schedule = getattr(optimizer, "lr_schedule", None)
-    return {"loss_scale": scaler.state_dict() if scaler is not None else None,
+    return {"loss_scale": pipe.loss_scaling.state_dict(),
             "lr_schedule": asdict(schedule) if schedule is not None else None}
 
 
 def _restore_training_state(pipe: Any, optimizer: Any, state: dict[str, Any] | None) -> None:
     state = state or {}
-    scaler = getattr(pipe, "scaler", None)
-    if scaler is not None and state.get("loss_scale") is not None:
-        scaler.load_state_dict(state["loss_scale"])
+    pipe.loss_scaling.load_state_dict(state.get("loss_scale"))
     if isinstance(optimizer, PipelineOptimizer) and state.get("lr_schedule") is not None:
         optimizer.lr_schedule = LRSchedule(**state["lr_schedule"])
 

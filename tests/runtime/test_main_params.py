@@ -93,6 +93,22 @@ def test_measured_bytes_equal_the_formula_for_every_mode_and_zero_stage(pool):
     assert per_param[("megatron", 0)] == 6 and per_param[("zero-paper", 0)] == 4 and per_param[("autocast", 0)] == 8
 
 
+def test_checkpoints_move_between_precision_modes_and_zero_stages(pool, tmp_path):
+    """Resuming a main-parameter run under the same layout is bit-exact; under ZeRO-3 (resharded) and in
+    autocast mode (fp32 weights read from the fp32 main parameters) it continues from the same values; an
+    autocast checkpoint starts a main-parameter run from its fp32 weights."""
+    results = pool.run(cases.checkpoint_job, 4, str(tmp_path))
+    for res in results:
+        straight = res["straight"]
+        assert res["same"]["losses"] == {k: v for k, v in straight["losses"].items() if k > 2}
+        for s, named in res["same"]["main"].items():
+            for k, v in named.items():
+                assert v.equal(straight["main"][s][k]), (res["rank"], s, k)
+        assert _close(list(res["zero3"]["losses"].values()), [straight["losses"][k] for k in (3, 4)], 1e-5)
+        assert res["as_autocast"]["losses"][3] == pytest.approx(straight["losses"][3], rel=2e-2)
+        assert all(math.isfinite(v) for v in res["from_autocast"]["losses"].values())
+
+
 def test_main_parameters_need_the_optimizer_first_and_a_valid_policy():
     with pytest.raises(PipeRuntimeError, match="held in fp32 .autocast. or in the compute dtype"):
         MixedPrecision("bf16", params="fp16")

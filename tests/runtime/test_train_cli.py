@@ -41,11 +41,13 @@ def _train(tmp_path, name: str, *args: str) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_train_with_data_parallel_zero_resumes_exactly(tmp_path) -> None:
-    """dp=2 x pp=2 with ZeRO-1, fp16 with clipping and a warmup + cosine lr schedule: a run resumed from its
-    step-2 checkpoint (under GPipe: same partition) gives the losses of the run that went on, bit for bit
-    (the loss scale, its growth counter and the schedule are restored)."""
+    """dp=2 x pp=2 with ZeRO-1, fp16 parameters with fp32 main parameters (sharded), clipping and a warmup +
+    cosine lr schedule: a run resumed from its step-2 checkpoint (under GPipe: same partition) gives the losses
+    of the run that went on, bit for bit (main parameters, the loss scale, its growth counter and the schedule
+    are restored)."""
     ckpt = tmp_path / "ckpt"
-    llm = ["--precision", "fp16", "--clip-grad", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "1"]
+    llm = ["--precision", "fp16", "--param-dtype", "fp16", "--clip-grad", "0.5", "--lr-schedule", "cosine",
+           "--warmup-steps", "1"]
     whole = _train(tmp_path, "whole", "--schedule", "1f1b", "--dp", "2", "--zero", "1", "--steps", "4",
                    "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", *llm)
     assert sorted(whole) == ["1", "2", "3", "4"] and len(set(whole.values())) == 4
@@ -73,3 +75,12 @@ def test_train_batch_must_split_over_dp_and_microbatches(capsys) -> None:
 
     assert main(["train", "-P", "2", "-M", "2", "--dp", "2", "--batch", "6"]) == 2
     assert "--batch 6 does not split into dp*M = 2*2 = 4 equal microbatches" in capsys.readouterr().err
+
+
+def test_train_param_and_grad_dtypes_must_fit_the_precision(capsys) -> None:
+    from pipedsl.cli import main
+
+    assert main(["train", "-P", "2", "--param-dtype", "bf16"]) == 2
+    assert "--param-dtype bf16 needs --precision bf16" in capsys.readouterr().err
+    assert main(["train", "-P", "2", "--precision", "bf16", "--grad-dtype", "bf16"]) == 2
+    assert "--grad-dtype bf16: gradients accumulate in fp32 or in the parameters' dtype" in capsys.readouterr().err
