@@ -85,8 +85,8 @@ it, with the reason), mixed dtypes, non-elementwise optimizers.
 Under a fake-tensor mode (the pipeline's shape handshake) the hooks only install views:
 no gathers, no change of state.
 
-Checkpoints (runtime/checkpoint.py): `shard_state()` is this rank's slices of parameters and
-optimizer state with the `layout()` that gives them meaning; `load_shard_state()` puts them
+Checkpoints (runtime/checkpoint.py, parallel/zero_checkpoint.py): `shard_state()` is this rank's
+slices of parameters and optimizer state with the `layout()` that gives them meaning; `load_shard_state()` puts them
 back under the same layout (then `sync_parameters()`, collective), `load_full_state()` takes
 full tensors by name and keeps this rank's slices (resharding to another dp size or stage).
 """
@@ -944,9 +944,10 @@ class ZeroOptimizer:
                 all_gather_into(u.flat.data, u.shard.detach().clone(), self.group)
 
     def _grad_bytes(self) -> int:
-        return unique_bytes(t for u in self.units for t in (u.flat.grad, getattr(u.flat, "main_grad", None), u.shard_grad,
-                                                              u.shard.grad if u.shard is not None else None,
-                                                              u.main.grad if u.main is not None else None))
+        def grads(u: _Unit) -> tuple[torch.Tensor | None, ...]:
+            return (u.flat.grad, getattr(u.flat, "main_grad", None), u.shard_grad,
+                    u.shard.grad if u.shard is not None else None, u.main.grad if u.main is not None else None)
+        return unique_bytes(t for u in self.units for t in grads(u))
 
     def _note_memory(self) -> None:
         self._peak_grads = max(self._peak_grads, self._grad_bytes())

@@ -72,15 +72,15 @@ from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
 from . import clip
+from .data_parallel import strategy_for
 from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
 from .groups import PipelineGroups
+from .loss import LOSS_REDUCTIONS, LossPolicy
 from .p2p import Channels, TensorMeta, describe
 from .precision import LossScaler, LossScaling, MixedPrecision, policy
 from .recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
-from .data_parallel import strategy_for
 from .reduce import GradReducer, Hook
-from .loss import LOSS_REDUCTIONS, LossPolicy
 from .stage import ActivationCounter, LossFn, Stage, StageOptions, warm_up_shape_inference
 from .ties import TieReducer, check_ties, find_ties
 from .tracer import Tracer

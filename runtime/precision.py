@@ -78,11 +78,11 @@ class MixedPrecision:
             if name is not None and name not in DTYPES:
                 raise PipeRuntimeError(f"precision {what}={name!r}: expected one of {', '.join(map(repr, DTYPES))}")
         if self.params not in ("fp32", self.compute):
-            raise PipeRuntimeError(f"precision params={self.params!r}: the parameters are held in fp32 (autocast) or in "
-                                   f"the compute dtype {self.compute!r}")
+            raise PipeRuntimeError(f"precision params={self.params!r}: the parameters are held in fp32 (autocast) or "
+                                   f"in the compute dtype {self.compute!r}")
         if self.grads is not None and self.grads not in ("fp32", self.params):
-            raise PipeRuntimeError(f"precision grads={self.grads!r}: gradients accumulate in fp32 or in the parameters' "
-                                   f"dtype {self.params!r}")
+            raise PipeRuntimeError(f"precision grads={self.grads!r}: gradients accumulate in fp32 or in the "
+                                   f"parameters' dtype {self.params!r}")
         if not (self.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1
                 and self.growth_interval >= 1):
             raise PipeRuntimeError(f"loss scaling needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "

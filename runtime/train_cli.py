@@ -348,8 +348,8 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
     if args.resume == "latest" and not args.checkpoint_dir:
         raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
     if args.param_dtype not in ("fp32", args.precision):
-        raise PipeDSLError(f"--param-dtype {args.param_dtype} needs --precision {args.param_dtype} (parameters are held "
-                           f"in fp32 or in the compute dtype)")
+        raise PipeDSLError(f"--param-dtype {args.param_dtype} needs --precision {args.param_dtype} (parameters are "
+                           f"held in fp32 or in the compute dtype)")
     if args.grad_dtype not in ("fp32", args.param_dtype):
         raise PipeDSLError(f"--grad-dtype {args.grad_dtype}: gradients accumulate in fp32 or in the parameters' dtype "
                            f"(--param-dtype {args.param_dtype})")

@@ -196,9 +196,10 @@ def train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] |
         parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, zero=zero))
     pp_rank = parallel.coords.pp if parallel is not None else rank
     source = HFSource(cfg, program, pp_rank) if cfg.get("hf") else GPTSource(cfg, program)
+    precision = MixedPrecision(cfg.get("precision", "fp32"), params=cfg.get("param_dtype", "fp32"),
+                               grads=cfg.get("grad_dtype", "fp32"))
     pipe = pipedsl.Pipeline(source.stages, program=program, loss_fn=source.loss_fn, parallel=parallel,
-                            ties=source.ties, batch=source.batch_mode, precision=MixedPrecision(cfg.get("precision", "fp32"), params=cfg.get("param_dtype", "fp32"),
-                                                     grads=cfg.get("grad_dtype", "fp32")),
+                            ties=source.ties, batch=source.batch_mode, precision=precision,
                             loss_reduction="token" if source.token else "microbatch",
                             recompute=cfg.get("recompute", "none"), recompute_filter=source.recompute_filter)
     del source.stages

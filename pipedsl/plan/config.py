@@ -36,5 +36,6 @@ class Layout:
     def __str__(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in self.params)
         tp = f"tp{self.tp}" + ("(3d)" if self.tp_mode == "3d" else "")
+        grads = " fp32-grads" if self.grads == "fp32" else ""
         return (f"dp{self.dp} pp{self.pp} {tp} {self.schedule}{extra} b{self.microbatch} M{self.microbatches} "
-                f"zero{self.zero}{' recompute' if self.recompute else ''}{' fp32-grads' if self.grads == 'fp32' else ''}")
+                f"zero{self.zero}{' recompute' if self.recompute else ''}{grads}")
