@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +93,15 @@ class PipelineOptimizer:
             zero.step(skip=skip)
         self._pipe.update_scale()
         return not skip
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of this object itself: the lr schedule (the torch optimizers' state is saved with
+        the stages it belongs to)."""
+        return asdict(self.lr_schedule) if self.lr_schedule is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is not None:
+            self.lr_schedule = LRSchedule(**state)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -46,7 +46,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedsl.parallel import zero_checkpoint
-from pipedsl.parallel.optim import LRSchedule, PipelineOptimizer
+from pipedsl.parallel.optim import PipelineOptimizer
 from pipedsl.parallel.zero import ZeroOptimizer
 from pipedsl.parallel.zero_checkpoint import FullState, ReshardError
 
@@ -240,19 +240,21 @@ def _check_plain(obj: Any, where: str) -> None:
                               f"and lists, tuples and dicts of them (convert it, e.g. a NumPy array to a tensor)")
 
 
+def _stateful(pipe: Any, optimizer: Any) -> dict[str, Any]:
+    """The components whose `state_dict()` a resumed step needs besides weights and optimizer state, by the key
+    each is saved under: the fp16 loss scale (the same on every rank) and `pipe.optimizer()`'s lr schedule."""
+    return {"loss_scale": pipe.loss_scaling, **({"lr_schedule": optimizer} if isinstance(optimizer, PipelineOptimizer)
+                                                else {})}
+
+
 def _training_state(pipe: Any, optimizer: Any) -> dict[str, Any]:
-    """What a resumed step needs besides weights and optimizer state: the fp16 loss scale (the same on every
-    rank) and the learning-rate schedule of `pipe.optimizer()`'s optimizer."""
-    schedule = getattr(optimizer, "lr_schedule", None)
-    return {"loss_scale": pipe.loss_scaling.state_dict(),
-            "lr_schedule": asdict(schedule) if schedule is not None else None}
+    return {"lr_schedule": None, **{k: c.state_dict() for k, c in _stateful(pipe, optimizer).items()}}
 
 
 def _restore_training_state(pipe: Any, optimizer: Any, state: dict[str, Any] | None) -> None:
     state = state or {}
-    pipe.loss_scaling.load_state_dict(state.get("loss_scale"))
-    if isinstance(optimizer, PipelineOptimizer) and state.get("lr_schedule") is not None:
-        optimizer.lr_schedule = LRSchedule(**state["lr_schedule"])
+    for key, component in _stateful(pipe, optimizer).items():
+        component.load_state_dict(state.get(key))
 
 
 def _part(pipe: Any, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], plain: list[torch.optim.Optimizer],
