@@ -8,9 +8,9 @@ Times are seconds per microbatch.  Communication follows what the runtime does:
   (q-1)/q³ of each tensor per rank, forward and backward alike;
 - pipeline: one [b, s, h]/t message per hop (Megatron's scatter/gather over InfiniBand, then an
   all-gather over NVLink inside the node);
-- data parallel: the stage's gradient all-reduce (ZeRO 1-2: reduce-scatter, then the updated
-  parameters all-gathered after the step) issued at REDUCE_GRAD and overlapping the rest of the
-  cooldown, as `runtime.reduce` does; ZeRO-3 gathers the stage's parameters inside every F, B, I
+- data parallel: the stage's gradient all-reduce in the gradients' dtype (`Layout.grads`; ZeRO 1-2:
+  reduce-scatter, then the updated parameters all-gathered after the step) issued at REDUCE_GRAD and
+  overlapping the rest of the cooldown, as `runtime.reduce` does; ZeRO-3 gathers the stage's parameters inside every F, B, I
   and W (the runtime's hooks do not prefetch) and reduce-scatters gradients at REDUCE_GRAD.
 Ring collectives over N ranks: all-reduce 2(N-1)/N·bytes/bw + 2(N-1)·latency, all-gather and
 reduce-scatter half of that (Patarasuk & Yuan; NCCL's ring model).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES
+from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES, state_bytes
 from pipedsl.plan.model import BYTES_FP16, ModelSpec
 from pipedsl.simulate import Cost
 
@@ -128,7 +128,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         split = (cluster.split_backward - 1) * 3 * fwd / 2  # a split backward's extra work, shared by I and W
         I.append((gemm + 2 * attn) / rate + fixed + split + tp_bwd + recompute + gather + op)
         W.append(gemm / rate + fixed + split + gather + op)
-        grad_bytes = BYTES_FP16 * p_gpu
+        grad_bytes = state_bytes("bf16", layout.grads).grad * p_gpu  # reduced in the dtype they accumulate in
         replica = all_reduce(grad_bytes, replicas, pp_bw, pp_lat)
         if layout.zero == 0:
             reduce.append(replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat))

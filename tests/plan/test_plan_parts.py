@@ -36,7 +36,8 @@ def test_zero_memory_per_stage_is_the_zero_papers_figure1(stage):
 def test_megatron_distributed_optimizer_bytes_and_the_planner_use_the_same_function():
     """Megatron-LM's distributed optimizer (bf16 parameters, fp32 gradients, fp32 main parameters and Adam
     sharded over dp): 6 + 12/dp bytes a parameter (its docs' table); the planner's memory for a Llama-70B layout
-    moves by exactly the gradients' extra 2 bytes (sharded under ZeRO 2) when it plans fp32 gradients."""
+    moves by exactly the gradients' extra 2 bytes (sharded under ZeRO 2) when it plans fp32 gradients, whose
+    reduction then moves twice the bytes."""
     import dataclasses
 
     from pipedsl.plan.memory import MEGATRON, state_bytes
@@ -51,6 +52,7 @@ def test_megatron_distributed_optimizer_bytes_and_the_planner_use_the_same_funct
         extra = fp32.memory.states.total - bf16.memory.states.total
         assert extra == pytest.approx(2 * psi / (64 if zero >= 2 else 1), rel=1e-9)
         assert bf16.memory.states == model_states(psi, 64, zero, state_bytes("bf16", "bf16"))
+        assert fp32.comm["dp"] > bf16.comm["dp"]  # fp32 gradients are reduced in fp32: twice the bytes
 
 
 sizes = st.fixed_dictionaries({"layers": st.integers(1, 128), "heads": st.sampled_from([1, 8, 32, 96]),
