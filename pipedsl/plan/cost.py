@@ -10,8 +10,9 @@ Times are seconds per microbatch.  Communication follows what the runtime does:
   all-gather over NVLink inside the node);
 - data parallel: the stage's gradient all-reduce in the gradients' dtype (`Layout.grads`; ZeRO 1-2:
   reduce-scatter, then the updated parameters all-gathered after the step) issued at REDUCE_GRAD and
-  overlapping the rest of the cooldown, as `runtime.reduce` does; ZeRO-3 gathers the stage's parameters inside every F, B, I
-  and W (the runtime's hooks do not prefetch) and reduce-scatters gradients at REDUCE_GRAD.
+  overlapping the rest of the cooldown, as `runtime.reduce` does; ZeRO-3 gathers the stage's
+  parameters inside every F, B, I and W (the runtime's hooks do not prefetch) and reduce-scatters
+  gradients at REDUCE_GRAD.
 Ring collectives over N ranks: all-reduce 2(N-1)/N·bytes/bw + 2(N-1)·latency, all-gather and
 reduce-scatter half of that (Patarasuk & Yuan; NCCL's ring model).
 """
