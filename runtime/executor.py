@@ -20,6 +20,12 @@ An overlapped pair F&B waits for both halves' inputs, then runs `stage.overlappe
 With `strict_pair_order` (default on NCCL, where the sends and receives between two ranks
 share one stream and run in issue order) a receive is never posted ahead of an earlier send
 to the same peer, so every pair's operations are issued exactly in program order.
+
+State is keyed by the named tuples of keys.py: per microbatch, a `Slot` (microbatch, stage,
+replica) — activations, gradient buffers, and per direction the tensors handed over, waiting in a
+receive or waiting for their send; a stage copy by `Copy` (replica, stage: `Program.placement`'s
+order); the handshake's shapes by `ShapeKey`.  They are built positionally here (once per op where
+possible: this runs per instruction) and always read by field name.
 """
 
 from __future__ import annotations
@@ -34,19 +40,18 @@ import torch
 from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
 
 from .errors import RankFailure, failure_at
+from .keys import Copy, ShapeKey, Slot
 from .p2p import Channels, Recv, TensorMeta, describe
 from .reduce import GradReducer
 from .stage import Activation, Stage, overlapped_forward_backward
-
-Key = tuple[int, int, int]  # (mb, stage, replica)
 
 
 class Executor:
     """Interprets `program.ranks[rank]` once per `run`."""
 
-    def __init__(self, program: Program, rank: int, stages: dict[tuple[int, int], Stage], channels: Channels,
-                 reducer: GradReducer, in_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]],
-                 out_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]], lookahead: int = 16,
+    def __init__(self, program: Program, rank: int, stages: dict[Copy, Stage], channels: Channels,
+                 reducer: GradReducer, in_meta: dict[ShapeKey, tuple[TensorMeta, ...]],
+                 out_meta: dict[ShapeKey, tuple[TensorMeta, ...]], lookahead: int = 16,
                  strict_pair_order: bool = False, check_finite: bool = True, kinds: list[int] | None = None,
                  count: Callable[[Any], int] | None = None) -> None:
         """`count(target)`: a forward-only program (`Program.forward_only()`, evaluation) runs each stage
@@ -54,17 +59,17 @@ class Executor:
         self.program = program
         self.rank = rank
         self.stream = program.ranks[rank]
-        self.stages = stages  # (replica, stage) -> Stage
+        self.stages = stages  # Copy -> Stage (copies of a stage on this rank share one)
         self.channels = channels
         self.reducer = reducer
-        self.in_meta, self.out_meta = in_meta, out_meta  # (shape kind, replica, stage) -> metas
+        self.in_meta, self.out_meta = in_meta, out_meta  # ShapeKey -> metas
         self.kinds = kinds or [0] * program.num_microbatches  # per microbatch: which shapes it has
         self.grad_meta = {k: tuple(m for m in v if m.is_float) for k, v in out_meta.items()}
         self.lookahead = max(0, lookahead)
         self.strict = strict_pair_order
         self.check_finite = check_finite
         self.last = program.num_stages - 1
-        self.rank_of = program.placement
+        self.rank_of = program.placement  # the IR's (replica, stage) -> rank: read with a Copy
         self.num_losses = sum(1 for whole in self.stream for ins in whole.parts
                               if ins.op is Op.F and ins.stage == self.last)
         n = len(self.stream)
@@ -92,11 +97,14 @@ class Executor:
         """
         self.mb_inputs, self.targets = inputs, targets
         self.on_loss, self._losses_left = on_loss, self.num_losses
-        self.local: dict[tuple[Op, int, int, int], list[torch.Tensor]] = {}  # hand-over between local stages
-        self.outbox: dict[tuple[Op, int, int, int], list[torch.Tensor]] = {}  # tensors waiting for their SEND
-        self.posted: dict[tuple[Op, int, int, int], Recv] = {}
-        self.acts: dict[Key, Activation] = {}
-        self.grad_buffers: dict[Key, list[torch.Tensor]] = {}
+        # per direction (F: activations, B: gradients): tensors a stage on this rank handed to the slot
+        # that takes them, tensors waiting for their SEND by the slot that sends them, receives posted
+        # by the slot they are for
+        self.local: dict[Op, dict[Slot, list[torch.Tensor]]] = {Op.F: {}, Op.B: {}}
+        self.outbox: dict[Op, dict[Slot, list[torch.Tensor]]] = {Op.F: {}, Op.B: {}}
+        self.posted: dict[Op, dict[Slot, Recv]] = {Op.RECV_F: {}, Op.RECV_B: {}}
+        self.acts: dict[Slot, Activation] = {}
+        self.grad_buffers: dict[Slot, list[torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.counted = 0
         self._scan = 0
@@ -136,34 +144,34 @@ class Executor:
             ins = stream[j]
             op = ins.op
             if op in RECVS:
-                key = (op, ins.mb, ins.stage, ins.replica)
-                if key not in self.posted:
+                slot = Slot(ins.mb, ins.stage, ins.replica)
+                if slot not in self.posted[op]:
                     peer = ins.peer
                     if self._held[peer] or (self.strict and self._pending_sends[peer]):
                         self._held[peer].append(j)
                     else:
-                        self._post(ins)
+                        self._post(ins, slot)
             elif op in SENDS:
                 self._pending_sends[ins.peer] += 1
             self._scan += 1
 
-    def _post(self, ins: Instr) -> None:
-        key = (self.kinds[ins.mb], ins.replica, ins.stage)
-        meta = self.in_meta[key] if ins.op is Op.RECV_F else self.grad_meta[key]
-        self.posted[(ins.op, ins.mb, ins.stage, ins.replica)] = self.channels.post_recv(ins.peer, meta)
+    def _post(self, ins: Instr, slot: Slot) -> None:
+        shapes = ShapeKey(self.kinds[slot.microbatch], slot.replica, slot.stage)
+        meta = self.in_meta[shapes] if ins.op is Op.RECV_F else self.grad_meta[shapes]
+        self.posted[ins.op][slot] = self.channels.post_recv(ins.peer, meta)
 
     def _recv(self, ins: Instr) -> None:
-        key = (ins.op, ins.mb, ins.stage, ins.replica)
-        if key in self.posted:
+        slot = Slot(ins.mb, ins.stage, ins.replica)
+        if slot in self.posted[ins.op]:
             return
         held = self._held[ins.peer]
         if held and held[0] == self.index:
             held.popleft()
-        self._post(ins)
+        self._post(ins, slot)
 
-    def _take(self, op: Op, m: int, s: int, c: int) -> list[torch.Tensor]:
-        """The tensors of a received message, waiting for them now."""
-        recv = self.posted.pop((op, m, s, c))
+    def _take(self, op: Op, slot: Slot) -> list[torch.Tensor]:
+        """The tensors of a received message (`op`: RECV_F or RECV_B) for `slot`, waiting for them now."""
+        recv = self.posted[op].pop(slot)
         if self._scan <= self.index + self.lookahead and not recv.ready():
             self._post_ahead(self.index)  # about to wait: post the look-ahead now, while idle
         t0 = time.perf_counter()
@@ -171,9 +179,9 @@ class Executor:
             out = recv.wait()
         except Exception as err:  # noqa: BLE001
             ins = self.stream[self.index]
-            raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): waiting for "
-                              f"{'the activation' if op is Op.RECV_F else 'the gradient'} of microbatch {m} "
-                              f"from rank {recv.peer} failed: {err}", self.rank, self.index, ins,
+            what = "the activation" if op is Op.RECV_F else "the gradient"
+            raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): waiting for {what} of microbatch "
+                              f"{slot.microbatch} from rank {recv.peer} failed: {err}", self.rank, self.index, ins,
                               peer=recv.peer, peer_failure=True) from err
         t1 = time.perf_counter()
         self.wait_time += t1 - t0
@@ -182,56 +190,57 @@ class Executor:
 
     # ------------------------------------------------------------ compute
 
-    def _forward_inputs(self, m: int, s: int, c: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _forward_inputs(self, slot: Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A forward's inputs and the receive buffers holding them (to give back on release)."""
+        s = slot.stage
         if s == 0:
-            return self.mb_inputs[m], []
-        if self.rank_of[(c, s - 1)] == self.rank:
-            return self.local.pop((Op.F, m, s, c)), []
-        buffers = self._take(Op.RECV_F, m, s, c)
+            return self.mb_inputs[slot.microbatch], []
+        if self.rank_of[Copy(slot.replica, s - 1)] == self.rank:
+            return self.local[Op.F].pop(slot), []
+        buffers = self._take(Op.RECV_F, slot)
         return buffers, buffers
 
     def _forward(self, ins: Instr) -> None:
-        m, s, c = ins.mb, ins.stage, ins.replica
-        inputs, buffers = self._forward_inputs(m, s, c)
-        act, outs = self.stages[(c, s)].forward(inputs, self.targets[m] if s == self.last else None, buffers)
-        self._forward_done(ins, act, outs)
+        slot = Slot(ins.mb, ins.stage, ins.replica)
+        inputs, buffers = self._forward_inputs(slot)
+        act, outs = self.stages[Copy(ins.replica, ins.stage)].forward(
+            inputs, self.targets[ins.mb] if ins.stage == self.last else None, buffers)
+        self._forward_done(ins, slot, act, outs)
 
-    def _forward_done(self, ins: Instr, act: Activation, outs: list[torch.Tensor]) -> None:
+    def _forward_done(self, ins: Instr, slot: Slot, act: Activation, outs: list[torch.Tensor]) -> None:
         """Keep the activation; count the loss (last stage) or hand the outputs on."""
-        m, s, c = ins.mb, ins.stage, ins.replica
-        stage = self.stages[(c, s)]
-        self.acts[(m, s, c)] = act
+        m, s, c = slot.microbatch, slot.stage, slot.replica
+        self.acts[slot] = act
         if s == self.last:
             loss = act.loss
             if self.check_finite and not torch.isfinite(loss):
                 raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): the loss of microbatch {m} "
                                   f"is {loss.item()} (not finite)", self.rank, self.index, ins)
-            self.loss_sum += loss.double().cpu() * stage.loss.factor
+            self.loss_sum += loss.double().cpu() * self.stages[Copy(c, s)].loss.factor
             self._losses_left -= 1
             if not self._losses_left and self.on_loss is not None:
                 self.on_loss(self.loss_sum)
             return
-        self._check_meta(ins, outs, self.out_meta[(self.kinds[m], c, s)])
-        if self.rank_of[(c, s + 1)] == self.rank:
-            self.local[(Op.F, m, s + 1, c)] = outs
+        self._check_meta(ins, outs, self.out_meta[ShapeKey(self.kinds[m], c, s)])
+        if self.rank_of[Copy(c, s + 1)] == self.rank:
+            self.local[Op.F][Slot(m, s + 1, c)] = outs
         else:
-            self.outbox[(Op.F, m, s, c)] = outs
+            self.outbox[Op.F][slot] = outs
         self.channels.reap_sends()
 
     def _forward_only(self, ins: Instr) -> None:
         """Evaluation: no autograd graph and no activation kept; the receive buffers are given back at the end
         (an output may alias its input until its send completes)."""
-        m, s, c = ins.mb, ins.stage, ins.replica
-        inputs, buffers = self._forward_inputs(m, s, c)
-        stage = self.stages[(c, s)]
-        if s == self.last:
-            target = self.targets[m]
+        slot = Slot(ins.mb, ins.stage, ins.replica)
+        inputs, buffers = self._forward_inputs(slot)
+        stage = self.stages[Copy(ins.replica, ins.stage)]
+        if ins.stage == self.last:
+            target = self.targets[ins.mb]
             self.loss_sum += stage.evaluate(inputs, target).double().cpu()
             self.counted += self.count(target)
-            self.acts[(m, s, c)] = Activation(inputs, [], None, buffers)
+            self.acts[slot] = Activation(inputs, [], None, buffers)
         else:
-            self._forward_done(ins, Activation(inputs, [], None, buffers), stage.evaluate(inputs))
+            self._forward_done(ins, slot, Activation(inputs, [], None, buffers), stage.evaluate(inputs))
 
     def _forward_only_end(self, ins: Instr) -> None:
         try:
@@ -239,63 +248,65 @@ class Executor:
         except Exception as err:  # noqa: BLE001
             raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): completing this evaluation's "
                               f"sends failed: {err}", self.rank, self.index, ins, peer_failure=True) from err
-        for key in list(self.acts):
-            self._release(key)
+        for slot in list(self.acts):
+            self._release(slot)
 
-    def _output_grads(self, m: int, s: int, c: int) -> list[torch.Tensor] | None:
+    def _output_grads(self, slot: Slot) -> list[torch.Tensor] | None:
+        s = slot.stage
         if s == self.last:
             return None
-        if self.rank_of[(c, s + 1)] == self.rank:
-            return self.local.pop((Op.B, m, s, c))
-        grads = self._take(Op.RECV_B, m, s, c)
-        self.grad_buffers[(m, s, c)] = grads
+        if self.rank_of[Copy(slot.replica, s + 1)] == self.rank:
+            return self.local[Op.B].pop(slot)
+        grads = self._take(Op.RECV_B, slot)
+        self.grad_buffers[slot] = grads
         return grads
 
-    def _pass_back(self, m: int, s: int, c: int, grads: list[torch.Tensor]) -> None:
+    def _pass_back(self, slot: Slot, grads: list[torch.Tensor]) -> None:
+        s = slot.stage
         if s == 0:
             return
-        if self.rank_of[(c, s - 1)] == self.rank:
-            self.local[(Op.B, m, s - 1, c)] = grads
+        if self.rank_of[Copy(slot.replica, s - 1)] == self.rank:
+            self.local[Op.B][Slot(slot.microbatch, s - 1, slot.replica)] = grads
         else:
-            self.outbox[(Op.B, m, s, c)] = grads
+            self.outbox[Op.B][slot] = grads
 
-    def _release(self, key: Key) -> None:
-        act = self.acts.pop(key)
+    def _release(self, slot: Slot) -> None:
+        act = self.acts.pop(slot)
         pool = self.channels.pool
         for b in act.buffers:
             pool.give(b)
-        for b in self.grad_buffers.pop(key, ()):
+        for b in self.grad_buffers.pop(slot, ()):
             pool.give(b)
 
     def _backward(self, ins: Instr) -> None:
-        m, s, c = ins.mb, ins.stage, ins.replica
-        grads = self._output_grads(m, s, c)
-        self._pass_back(m, s, c, self.stages[(c, s)].backward(self.acts[(m, s, c)], grads))
-        self._release((m, s, c))
+        slot = Slot(ins.mb, ins.stage, ins.replica)
+        grads = self._output_grads(slot)
+        self._pass_back(slot, self.stages[Copy(ins.replica, ins.stage)].backward(self.acts[slot], grads))
+        self._release(slot)
         self.channels.reap_sends()
 
     def _overlapped(self, ins: Instr) -> None:
         f, b = ins.sub
-        inputs, buffers = self._forward_inputs(f.mb, f.stage, f.replica)
-        grads = self._output_grads(b.mb, b.stage, b.replica)
-        key = (b.mb, b.stage, b.replica)
+        fwd, bwd = Slot(f.mb, f.stage, f.replica), Slot(b.mb, b.stage, b.replica)
+        inputs, buffers = self._forward_inputs(fwd)
+        grads = self._output_grads(bwd)
         act, outs, input_grads = overlapped_forward_backward(
-            self.stages[(f.replica, f.stage)], inputs, self.targets[f.mb] if f.stage == self.last else None, buffers,
-            self.stages[(b.replica, b.stage)], self.acts[key], grads)
-        self._pass_back(b.mb, b.stage, b.replica, input_grads)
-        self._release(key)
-        self._forward_done(f, act, outs)
+            self.stages[Copy(f.replica, f.stage)], inputs, self.targets[f.mb] if f.stage == self.last else None,
+            buffers, self.stages[Copy(b.replica, b.stage)], self.acts[bwd], grads)
+        self._pass_back(bwd, input_grads)
+        self._release(bwd)
+        self._forward_done(f, fwd, act, outs)
 
     def _backward_input(self, ins: Instr) -> None:
-        m, s, c = ins.mb, ins.stage, ins.replica
-        grads = self._output_grads(m, s, c)
-        self._pass_back(m, s, c, self.stages[(c, s)].backward_input(self.acts[(m, s, c)], grads))
+        slot = Slot(ins.mb, ins.stage, ins.replica)
+        grads = self._output_grads(slot)
+        self._pass_back(slot, self.stages[Copy(ins.replica, ins.stage)].backward_input(self.acts[slot], grads))
         self.channels.reap_sends()
 
     def _backward_weight(self, ins: Instr) -> None:
-        m, s, c = ins.mb, ins.stage, ins.replica
-        self.stages[(c, s)].backward_weight(self.acts[(m, s, c)])
-        self._release((m, s, c))
+        slot = Slot(ins.mb, ins.stage, ins.replica)
+        self.stages[Copy(ins.replica, ins.stage)].backward_weight(self.acts[slot])
+        self._release(slot)
 
     def _check_meta(self, ins: Instr, outs: list[torch.Tensor], expected: tuple[TensorMeta, ...]) -> None:
         got = tuple(TensorMeta.of(t) for t in outs)
@@ -307,8 +318,8 @@ class Executor:
     # ------------------------------------------------------------ messages, reduction, step end
 
     def _send(self, ins: Instr) -> None:
-        kind = Op.F if ins.op is Op.SEND_F else Op.B
-        self.channels.send(ins.peer, self.outbox.pop((kind, ins.mb, ins.stage, ins.replica)))
+        direction = Op.F if ins.op is Op.SEND_F else Op.B
+        self.channels.send(ins.peer, self.outbox[direction].pop(Slot(ins.mb, ins.stage, ins.replica)))
         self._pending_sends[ins.peer] -= 1
 
     def _reduce_grad(self, ins: Instr) -> None:
@@ -322,6 +333,9 @@ class Executor:
             raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): completing this step's "
                               f"sends and gradient reductions failed: {err}", self.rank, self.index, ins,
                               peer_failure=True) from err
-        left = [k for d in (self.acts, self.local, self.outbox, self.posted) for k in d]
+        left = [f"activation {slot}" for slot in self.acts]
+        left += [f"{what} {op} {slot}" for what, by_op in (("hand-over", self.local), ("outbox", self.outbox),
+                                                            ("posted", self.posted))
+                 for op, d in by_op.items() for slot in d]
         if left:  # pragma: no cover - the validator rules this out
             raise RankFailure(f"rank {self.rank}: the step ended with state left over: {left[:4]}", self.rank)
