@@ -664,39 +664,43 @@ class Pipeline:
     def _handshake(self, mb_metas: tuple[tuple[TensorMeta, ...], ...]) -> tuple[dict, dict, list[int]]:
         """Learn every stage's input and output shapes once per distinct microbatch shape (fake tensors; one
         metadata message per hop and shape): (input metas, output metas, each microbatch's shape kind)."""
+        from .keys import Copy, ShapeKey
+
         prog, rank = self.program, self.rank
         S = prog.num_stages
         warm_up_shape_inference()
         kinds_of = list(dict.fromkeys(mb_metas))  # distinct microbatch shapes, in order (the same on every rank)
-        in_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]] = {}
-        out_meta: dict[tuple[int, int, int], tuple[TensorMeta, ...]] = {}
+        in_meta: dict[ShapeKey, tuple[TensorMeta, ...]] = {}
+        out_meta: dict[ShapeKey, tuple[TensorMeta, ...]] = {}
         for k, c in ((k, c) for k in range(len(kinds_of)) for c in sorted(set(prog.microbatch_replica))):
             meta = kinds_of[k]
             for s in range(S):
-                if prog.placement[(c, s)] != rank:
+                if prog.placement[Copy(replica=c, stage=s)] != rank:
                     continue
-                if s > 0 and prog.placement[(c, s - 1)] != rank:
-                    peer = prog.placement[(c, s - 1)]
+                key = ShapeKey(kind=k, replica=c, stage=s)
+                peer = prog.placement[Copy(replica=c, stage=s - 1)] if s > 0 else rank
+                if peer != rank:
                     try:
                         meta = self.channels.recv_meta(peer)
                     except Exception as err:  # noqa: BLE001
                         raise RankFailure(f"rank {rank}: shape handshake: receiving stage {s}'s input shapes "
                                           f"from rank {peer} failed: {err}", rank, peer=peer,
                                           peer_failure=True) from err
-                in_meta[(k, c, s)] = meta
+                in_meta[key] = meta
                 try:  # the last stage too: a mismatch shows here, named, rather than inside the step
                     out = self._stages[s].infer_outputs(meta, self.device)
                 except Exception as err:  # noqa: BLE001
-                    i, ins = _first(prog, rank, Op.F, s, c)
+                    i, ins = _first(prog, rank, Op.F, stage=s, replica=c)
                     source = "the microbatch" if s == 0 else f"stage {s - 1}"
                     raise RankFailure(f"rank {rank} instruction {i} ({ins}): stage {s} cannot take its input "
                                       f"{describe(meta)} from {source}: {type(err).__name__}: {err}",
                                       rank, i, ins) from err
                 if s == S - 1:
                     continue
-                out_meta[(k, c, s)] = out
-                if prog.placement[(c, s + 1)] != rank:
-                    self.channels.send_meta(prog.placement[(c, s + 1)], out)
+                out_meta[key] = out
+                peer = prog.placement[Copy(replica=c, stage=s + 1)]
+                if peer != rank:
+                    self.channels.send_meta(peer, out)
                 meta = out
         return in_meta, out_meta, [kinds_of.index(m) for m in mb_metas]
 
