@@ -76,6 +76,7 @@ from .data_parallel import strategy_for
 from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
 from .groups import PipelineGroups
+from .keys import Copy, ShapeKey
 from .loss import LOSS_REDUCTIONS, LossPolicy
 from .p2p import Channels, TensorMeta, describe
 from .precision import LossScaler, LossScaling, MixedPrecision, policy
@@ -147,7 +148,7 @@ class Pipeline:
                                  None if recompute is None else Recompute(m, recompute, recompute_filter),
                                  options=options, loss=self.loss)
                         for s, m in self._modules.items()}
-        self._copies = {(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
+        self._copies = {Copy(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
         self.loss_scaling = LossScaling(self.precision)
         self.groups = PipelineGroups(group, self.mesh)
         self.channels = Channels(group, self.device, self.groups)
@@ -664,8 +665,6 @@ class Pipeline:
     def _handshake(self, mb_metas: tuple[tuple[TensorMeta, ...], ...]) -> tuple[dict, dict, list[int]]:
         """Learn every stage's input and output shapes once per distinct microbatch shape (fake tensors; one
         metadata message per hop and shape): (input metas, output metas, each microbatch's shape kind)."""
-        from .keys import Copy, ShapeKey
-
         prog, rank = self.program, self.rank
         S = prog.num_stages
         warm_up_shape_inference()
