@@ -7,7 +7,8 @@ size N, so rank r owns the contiguous slice [r·S, (r+1)·S) of every unit, S = 
 module's parameters become views of that buffer, recreated at every forward so gradients
 land in one contiguous flat gradient.  The user's optimizer class runs on the owned slices
 only, which equals running it on the whole model for any elementwise optimizer (SGD, Adam,
-AdamW, …; not LAMB or Adafactor, whose updates use per-tensor norms).
+AdamW, …; LAMB, Adafactor, LBFGS, Muon and the like, whose updates use per-tensor statistics, are
+refused by name).
 
     stage 0   plain data parallel: full gradients all-reduced and averaged, full optimizer
     stage 1   optimizer state sharded: gradients reduce-scattered into the owned slice of the
@@ -149,9 +150,10 @@ class _Unit:
         # low-precision parameters (`param_dtype`): the flat buffer holds them, the optimizer steps fp32 main
         # copies of this rank's slice (made from the original values, not the rounded ones)
         self.dtype = param_dtype or dtype
-        self.main_dtype = dtype if param_dtype is not None and trainable else None
+        self.main_dtype = torch.float32 if param_dtype is not None and trainable else None
         self.grad_dtype = grad_dtype or self.dtype  # gradients accumulate and are reduced in it
-        source = torch.zeros(self.padded, dtype=dtype)
+        self.device = getattr(entries[0].owner, entries[0].attr).device if entries else torch.device("cpu")
+        source = torch.zeros(self.padded, dtype=self.main_dtype or dtype, device=self.device)
         with torch.no_grad():
             for e in entries:
                 source[e.offset:e.offset + e.numel].copy_(getattr(e.owner, e.attr).detach().reshape(-1))
@@ -173,9 +175,9 @@ class _Unit:
             self.shard = nn.Parameter(full[own].clone(), requires_grad=trainable)  # [S], the only persistent copy
         self.shard_grad: torch.Tensor | None = None
         if stage >= 2 and trainable:
-            self.shard_grad = torch.zeros(self.size, dtype=self.grad_dtype)
+            self.shard_grad = torch.zeros(self.size, dtype=self.grad_dtype, device=self.device)
         if stage <= 1 and trainable:
-            self.grad = torch.zeros(self.padded, dtype=self.grad_dtype)  # persistent full gradient buffer
+            self.grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)  # persistent, full
         self.gathered = stage != 3
         self.pending: dist.Work | None = None
         self.reduced_this_step = False
@@ -187,7 +189,7 @@ class _Unit:
     def _storage_alias(self) -> torch.Tensor:
         # a fresh tensor on the flat buffer's storage: writing through it does not bump the version
         # counter that autograd checks on the views saved for backward
-        return torch.empty(0, dtype=self.dtype).set_(self.flat.untyped_storage(), 0, (self.padded,))
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(self.flat.untyped_storage(), 0, (self.padded,))
 
     def _free(self) -> None:
         self.flat.untyped_storage().resize_(0)
@@ -262,12 +264,12 @@ class _Unit:
 
     def full_grad(self) -> torch.Tensor:
         g = self.grad
-        return g if g is not None else torch.zeros(self.padded, dtype=self.grad_dtype)
+        return g if g is not None else torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
 
     def reduce_scatter_grad(self, accumulate: bool) -> None:
         """Sum the full gradient over the group into this rank's slice (averaged), free the full one."""
         assert self.shard_grad is not None
-        out = torch.empty(self.size, dtype=self.grad_dtype)
+        out = torch.empty(self.size, dtype=self.grad_dtype, device=self.device)
         reduce_scatter_into(out, self.full_grad(), self.group)
         out.div_(self.n)
         if accumulate:
@@ -353,12 +355,16 @@ class ZeroOptimizer:
         if len(dtypes) != 1:
             raise ParallelConfigError(f"ZeroOptimizer keeps one flat buffer dtype per unit; the module mixes {dtypes}")
         dtype = dtypes.pop()
-        if param_dtype == dtype:
-            param_dtype = None  # nothing to cast: the parameters are the main parameters
         if param_dtype is not None and not dtype.is_floating_point:
             raise ParallelConfigError(f"param_dtype={param_dtype} needs floating-point parameters, got {dtype}")
+        if not _elementwise(optimizer_class):
+            raise ParallelConfigError(f"{optimizer_class.__name__} computes per-tensor statistics: on ZeRO's flat "
+                                      f"slices its update would differ from one process; use an elementwise optimizer "
+                                      f"(SGD, Adam, AdamW, ...) or fp32 parameters without ZeRO")
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
-        self.dtype = dtype  # the module's own dtype: the main parameters' (and what checkpoints describe)
+        # what checkpoints describe a parameter as: its main parameters' fp32 with low-precision parameters (a
+        # stage partition does not change with the precision mode), else the module's own dtype
+        self.dtype = torch.float32 if param_dtype is not None else dtype
         if units is None:
             units = default_units(module) if stage == 3 or reduce == "microbatch" else []
         unit_modules = [m for m in units if m is not module] + [module]
@@ -604,7 +610,7 @@ class ZeroOptimizer:
                     g.div_(u.n)
                 self._pending_reduce.append((work, average))
             elif self.stage == 1:
-                out = torch.empty(u.size, dtype=u.grad_dtype)
+                out = torch.empty(u.size, dtype=u.grad_dtype, device=u.device)
                 work = reduce_scatter_into(out, u.full_grad(), self.group, async_op=True)
 
                 def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
@@ -614,7 +620,7 @@ class ZeroOptimizer:
                         u.shard.grad = grad_slice  # a view: no extra memory
                 self._pending_reduce.append((work, finish))
             else:
-                out = torch.empty(u.size, dtype=u.grad_dtype)
+                out = torch.empty(u.size, dtype=u.grad_dtype, device=u.device)
                 work = reduce_scatter_into(out, u.full_grad(), self.group, async_op=True)
 
                 def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
@@ -860,7 +866,7 @@ class ZeroOptimizer:
         (nothing changed) when a name is missing or the state is not elementwise."""
         fulls, states = [], []
         for u in self.units:
-            full = torch.zeros(u.padded, dtype=u.main_dtype or u.dtype)  # main parameters: the exact saved values
+            full = torch.zeros(u.padded, dtype=u.main_dtype or u.dtype, device=u.device)  # main: the exact values
             for e in u.entries:
                 if e.name not in params:
                     raise ValueError(f"no saved values for parameter {e.name!r}")
@@ -916,7 +922,8 @@ class ZeroOptimizer:
             vals = [st[k] for st in per]
             elementwise = [isinstance(v, torch.Tensor) and v.dim() > 0 for v in vals]
             if any(elementwise):
-                flat = torch.zeros(u.padded, dtype=next(v for v in vals if isinstance(v, torch.Tensor)).dtype)
+                first = next(v for v in vals if isinstance(v, torch.Tensor))
+                flat = torch.zeros(u.padded, dtype=first.dtype, device=first.device)
                 for e, v in zip(u.entries, vals):
                     if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(e.shape):
                         shape = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
@@ -968,6 +975,14 @@ class ZeroOptimizer:
 def memory_report(zero: ZeroOptimizer) -> MemoryReport:
     """Bytes of parameters, gradients and optimizer state held by this rank (see `ZeroOptimizer.memory`)."""
     return zero.memory()
+
+
+_NOT_ELEMENTWISE = {"Adafactor", "LBFGS", "Lamb", "LAMB", "FusedLAMB", "Muon", "Shampoo", "SparseAdam"}
+
+
+def _elementwise(optimizer_class: Callable[..., Any]) -> bool:
+    """False for the optimizers known to use per-tensor statistics (norms, factored moments, matrices)."""
+    return getattr(optimizer_class, "__name__", "") not in _NOT_ELEMENTWISE
 
 
 def unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

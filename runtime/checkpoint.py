@@ -210,13 +210,13 @@ def _save_tag(pipe: Any, lay: _Layout) -> str:
 
 def _optimizers(pipe: Any, optimizer: Any) -> tuple[dict[int, ZeroOptimizer], list[torch.optim.Optimizer]]:
     """({stage: ZeroOptimizer}, [plain optimizers]) from what the user passed; ZeRO needs `pipe.optimizer()`'s."""
-    cfg = getattr(pipe, "parallel", None)
     if isinstance(optimizer, PipelineOptimizer):
         return dict(optimizer.zero), [optimizer.optimizer] if optimizer.optimizer is not None else []
-    if cfg is not None and cfg.zero:
+    strategy = getattr(pipe, "data_parallel", None)
+    if strategy is not None and strategy.flat:
         got = "none" if optimizer is None else type(optimizer).__name__
-        raise CheckpointError(f"zero={cfg.zero}: the stages' parameters live in the ZeRO optimizer; pass the "
-                              f"optimizer pipe.optimizer(...) returned (got {got})")
+        raise CheckpointError(f"{strategy.reason}: the stages' parameters live in the optimizer's flat buffers; pass "
+                              f"the optimizer pipe.optimizer(...) returned (got {got})")
     return {}, _as_list(optimizer)
 
 

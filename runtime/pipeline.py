@@ -311,9 +311,11 @@ class Pipeline:
     def optimizer(self, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any):
         """The optimizer of this rank's stages: a `PipelineOptimizer` with `step()` and `zero_grad()`.
 
-        zero=0 (or no `parallel=`): `optimizer_class` over `parameters()`.  zero ≥ 1: one
-        `ZeroOptimizer` per local stage over the dp group, which shards the stage's parameters
-        now (so call this before the first step) and reduces its gradients at REDUCE_GRAD.
+        The pipeline's data-parallel strategy (data_parallel.py) decides what it steps: without ZeRO
+        and with fp32 parameters, `optimizer_class` over `parameters()`; under ZeRO 1-3 or with
+        bf16/fp16 parameters, one `ZeroOptimizer` per local stage over the dp group, which takes
+        the stage's parameters over now (so call this before the first step) and reduces its
+        gradients at REDUCE_GRAD.
         """
         from pipedsl.parallel.optim import PipelineOptimizer
 

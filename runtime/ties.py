@@ -258,10 +258,11 @@ def _check_unshared(tie: Tie, modules: dict[int, nn.Module], zero: int) -> None:
             owner = modules[s].get_submodule(path) if path else modules[s]
             t = holder.setdefault(id(owner), s)
             if t != s:
-                raise PipeRuntimeError(f"zero={zero}: stages {t} and {s} share the module holding the tied {name!r}; "
-                                       f"ZeRO gives each stage its own copy of the weight, which one module cannot "
-                                       f"hold: tie the Parameter instead (head.weight = embedding.weight), as "
-                                       f"transformers does")
+                raise PipeRuntimeError(f"{f'zero={zero}' if zero else 'fp32 main parameters'}: stages {t} and {s} "
+                                       f"share the module holding the tied {name!r}; the optimizer's flat buffers "
+                                       f"give each stage its own copy of the weight, which one module cannot hold: "
+                                       f"tie the Parameter instead (head.weight = embedding.weight), as transformers "
+                                       f"does")
 
 
 def _label(tie: Tie) -> str:

@@ -438,13 +438,18 @@ def _check_run_numbers(args: argparse.Namespace, layers: int, batch: int, nprocs
 
 
 def _memory_estimate(args: argparse.Namespace, layers: int, batch: int, nprocs: int) -> int:
-    """Bytes a run needs at least, fp32: every process builds the whole GPT before keeping its stages;
-    gradients and Adam's two moments once more, x3; activations of the whole batch (Korthikanti et al.
-    2022: 34·s·b·h + 5·a·s²·b bytes per layer in fp16, doubled for fp32)."""
+    """Bytes a run needs at least: every process builds the whole GPT in fp32 before keeping its stages;
+    each dp replica's model states under the run's precision and ZeRO stage (`pipedsl.plan.memory`);
+    activations of the whole batch (Korthikanti et al. 2022: 34·s·b·h + 5·a·s²·b bytes per layer in fp16,
+    doubled for fp32)."""
+    from pipedsl.plan.memory import model_states, state_bytes
+
     C, T, L, B = args.embd, args.seq, layers, batch
     params = 2 * VOCAB * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
     activations = L * (68 * T * B * C + 10 * N_HEAD * T * T * B) + 16 * B * T
-    return 4 * params * nprocs + 12 * params + activations
+    mode = state_bytes(args.param_dtype, args.grad_dtype if args.param_dtype != "fp32" else "fp32", "adamw")
+    states = args.dp * model_states(params, args.dp, args.zero, mode).total
+    return int(4 * params * nprocs + states + activations)
 
 
 def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str | None) -> str | None:

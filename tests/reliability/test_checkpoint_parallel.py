@@ -280,6 +280,6 @@ def test_a_parallel_checkpoint_without_its_manifest_is_skipped(dp2, root, tmp_pa
 
 def test_zero_without_its_optimizer_is_refused_on_every_rank(world8, root) -> None:
     messages = {r["no_optimizer"] for r in world8}
-    assert messages == {"checkpoint error: zero=1: the stages' parameters live in the ZeRO optimizer; pass the "
-                        "optimizer pipe.optimizer(...) returned (got none)"}, messages
+    assert messages == {"checkpoint error: zero=1: the stages' parameters live in the optimizer's flat buffers; "
+                        "pass the optimizer pipe.optimizer(...) returned (got none)"}, messages
     assert checkpoint.latest(root / "none") is None

@@ -33,7 +33,7 @@ def reference(stages, data, M: int, pol: MixedPrecision, max_norm: float | None 
     is dp·M microbatches, each loss scaled 1/(dp·M) (the pipeline's 1/M, averaged over dp)."""
     stages = copy.deepcopy(stages)
     params = cases._params(stages)
-    main = [p.detach().clone() for p in params]
+    main = [p.detach().float().clone() for p in params]  # fp32, also when the model came in bf16
     for p in params:
         p.data = p.data.to(pol.param_dtype)
     opt = torch.optim.SGD(main, lr=cases.LR, momentum=cases.MOMENTUM)
@@ -106,12 +106,15 @@ def _train(pipe, opt, data, max_norm: float | None = MAX_NORM) -> dict:
     return {"losses": losses, "norms": norms, "stepped": stepped}
 
 
-def schedule_job(schedule: str, grads: str, compute: str = "bf16", steps: int = 3) -> dict:
-    """One schedule on P=2 (no dp), M=4, SGD with momentum and global-norm clipping, against `reference`."""
+def schedule_job(schedule: str, grads: str, compute: str = "bf16", steps: int = 3, module_dtype=None) -> dict:
+    """One schedule on P=2 (no dp), M=4, SGD with momentum and global-norm clipping, against `reference`;
+    `module_dtype`: the stages come in that dtype (a model loaded in bf16)."""
     P, M = 2, 4
     pol = MixedPrecision(compute, params=compute, grads=grads)
     prog = pipedsl.load(schedule).compile(P=P, M=M, **cases.SCHEDULE_PARAMS.get(schedule, {}))
     stages = cases.conv_stages(prog.num_stages)
+    if module_dtype is not None:
+        stages = [s.to(module_dtype) for s in stages]
     data = cases.batches(steps, 4 * M)
     ref = reference(stages, data, M, pol)
     pipe = pipedsl.Pipeline(copy.deepcopy(stages), program=prog, loss_fn=F.cross_entropy, precision=pol)
@@ -119,7 +122,8 @@ def schedule_job(schedule: str, grads: str, compute: str = "bf16", steps: int = 
     got = _train(pipe, opt, data)
     fp32 = reference(stages, data, M, MixedPrecision())  # fp32 training ends elsewhere: the policy really ran
     out = {**got, **_compare(pipe, opt, ref), "ref_losses": ref["losses"], "ref_norms": ref["norms"],
-           "fp32_losses": fp32["losses"], "scale": pipe.scaler.scale if pipe.scaler else None}
+           "fp32_losses": fp32["losses"], "scale": pipe.scaler.scale if pipe.scaler else None,
+           "main_dtypes": sorted({str(u.main.dtype) for z in opt.zero.values() for u in z.units if u.main is not None})}
     pipe.close()
     return out
 
@@ -129,6 +133,29 @@ def every_schedule_job(steps: int = 3) -> dict:
            for name in pipedsl.builtin_names() for grads in ("fp32", "bf16")}
     for name in ("1f1b", "zb-h1"):
         out[(name, "fp16")] = schedule_job(name, "fp32", compute="fp16", steps=steps)
+    out[("1f1b", "bf16-module")] = schedule_job("1f1b", "fp32", steps=steps, module_dtype=torch.bfloat16)
+    return out
+
+
+def refusals_job(directory: str) -> dict:
+    """What main parameters refuse, on every rank alike: a checkpoint without the optimizer that holds the
+    parameters, and an optimizer whose update uses per-tensor statistics."""
+    prog = pipedsl.load("1f1b").compile(P=2, M=2)
+    pol = MixedPrecision("bf16", params="bf16")
+    out = {}
+    pipe = pipedsl.Pipeline(cases.conv_stages(2), program=prog, loss_fn=F.cross_entropy, precision=pol)
+    pipe.optimizer(torch.optim.SGD, lr=0.1)
+    try:
+        checkpoint.save(pipe, directory, 1)
+    except checkpoint.CheckpointError as err:
+        out["weights_only"] = str(err)
+    pipe.close()
+    pipe = pipedsl.Pipeline(cases.conv_stages(2), program=prog, loss_fn=F.cross_entropy, precision=pol)
+    try:
+        pipe.optimizer(torch.optim.Adafactor, lr=0.1)
+    except Exception as err:  # noqa: BLE001
+        out["adafactor"] = str(err)
+    pipe.close()
     return out
 
 

@@ -109,6 +109,20 @@ def test_checkpoints_move_between_precision_modes_and_zero_stages(pool, tmp_path
         assert all(math.isfinite(v) for v in res["from_autocast"]["losses"].values())
 
 
+def test_a_model_loaded_in_bf16_still_gets_fp32_main_parameters(every_schedule):
+    for out in every_schedule:
+        res = out[("1f1b", "bf16-module")]
+        assert res["main_dtypes"] == ["torch.float32"] and res["dtypes"] == ["torch.bfloat16"]
+        assert res["ulps"] <= 1.0 and res["main_err"] <= 1e-7, (res["ulps"], res["main_err"])
+
+
+def test_weights_only_checkpoints_and_per_tensor_optimizers_are_refused(pool, tmp_path):
+    for res in pool.run(cases.refusals_job, 2, str(tmp_path)):
+        assert "params='bf16' (fp32 main parameters): the stages' parameters live in the optimizer's flat buffers; " \
+               "pass the optimizer pipe.optimizer(...) returned (got none)" in res["weights_only"]
+        assert "Adafactor computes per-tensor statistics" in res["adafactor"]
+
+
 def test_main_parameters_need_the_optimizer_first_and_a_valid_policy():
     with pytest.raises(PipeRuntimeError, match="held in fp32 .autocast. or in the compute dtype"):
         MixedPrecision("bf16", params="fp16")
