@@ -357,8 +357,9 @@ class ZeroOptimizer:
         dtype = dtypes.pop()
         if param_dtype is not None and not dtype.is_floating_point:
             raise ParallelConfigError(f"param_dtype={param_dtype} needs floating-point parameters, got {dtype}")
-        if not _elementwise(optimizer_class):
-            raise ParallelConfigError(f"{optimizer_class.__name__} computes per-tensor statistics: on ZeRO's flat "
+        name = _class_name(optimizer_class)
+        if name in _NOT_ELEMENTWISE:
+            raise ParallelConfigError(f"{name} computes per-tensor statistics: on ZeRO's flat "
                                       f"slices its update would differ from one process; use an elementwise optimizer "
                                       f"(SGD, Adam, AdamW, ...) or fp32 parameters without ZeRO")
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
@@ -980,9 +981,10 @@ def memory_report(zero: ZeroOptimizer) -> MemoryReport:
 _NOT_ELEMENTWISE = {"Adafactor", "LBFGS", "Lamb", "LAMB", "FusedLAMB", "Muon", "Shampoo", "SparseAdam"}
 
 
-def _elementwise(optimizer_class: Callable[..., Any]) -> bool:
-    """False for the optimizers known to use per-tensor statistics (norms, factored moments, matrices)."""
-    return getattr(optimizer_class, "__name__", "") not in _NOT_ELEMENTWISE
+def _class_name(optimizer_class: Callable[..., Any]) -> str:
+    """The optimizer class's name, also through a functools.partial (checked against `_NOT_ELEMENTWISE`: the
+    optimizers known to use per-tensor statistics — norms, factored moments, matrices)."""
+    return getattr(getattr(optimizer_class, "func", optimizer_class), "__name__", "")
 
 
 def unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

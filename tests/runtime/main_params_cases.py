@@ -12,6 +12,7 @@ fp32 values rounded back into the model.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import precision_cases as cases
@@ -28,7 +29,8 @@ from pipedsl.runtime.precision import MixedPrecision, run_stages
 MAX_NORM = 0.5
 
 
-def reference(stages, data, M: int, pol: MixedPrecision, max_norm: float | None = MAX_NORM, dp: int = 1) -> dict:
+def reference(stages, data, M: int, pol: MixedPrecision, max_norm: float | None = MAX_NORM, dp: int = 1,
+              loss_fn=F.cross_entropy, optimizer=None) -> dict:
     """One process: the losses, norms and final (model, main) parameters of `data`'s steps; each global batch
     is dp·M microbatches, each loss scaled 1/(dp·M) (the pipeline's 1/M, averaged over dp)."""
     stages = copy.deepcopy(stages)
@@ -36,7 +38,8 @@ def reference(stages, data, M: int, pol: MixedPrecision, max_norm: float | None 
     main = [p.detach().float().clone() for p in params]  # fp32, also when the model came in bf16
     for p in params:
         p.data = p.data.to(pol.param_dtype)
-    opt = torch.optim.SGD(main, lr=cases.LR, momentum=cases.MOMENTUM)
+    opt = (optimizer(main, lr=cases.LR) if optimizer is not None else
+           torch.optim.SGD(main, lr=cases.LR, momentum=cases.MOMENTUM))
     scale = pol.init_scale if pol.scales_loss else 1.0
     n = dp * M
     losses, norms = [], []
@@ -44,7 +47,7 @@ def reference(stages, data, M: int, pol: MixedPrecision, max_norm: float | None 
         acc = [torch.zeros_like(m) for m in main]
         total = 0.0
         for xm, ym in zip(x.chunk(n), y.chunk(n)):
-            loss = run_stages(stages, xm, pol, F.cross_entropy, ym) * (1.0 / n)
+            loss = run_stages(stages, xm, pol, loss_fn, ym) * (1.0 / n)
             (loss * scale).backward()
             total += loss.item()
             if pol.grad_dtype == torch.float32:
@@ -246,3 +249,34 @@ def checkpoint_job(directory: str) -> dict:
 
 def finite(xs) -> bool:
     return all(math.isfinite(x) for x in xs)
+
+
+def tp_job(tp_mode: str, zero: int, steps: int = 3) -> dict:
+    """The built-in GPT with tensor parallelism (1-D: dp2 × pp2 × tp2 under ZeRO `zero`; 3-D: tp8) and bf16
+    parameters over fp32 main parameters, against the dense model in one process under the same policy; and
+    the same layout in fp32, to show the tolerance tells the two apart."""
+    from pipedsl.parallel import tp_gpt_loss
+    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    dims = {"dp": 2, "pp": 2, "tp": 2} if tp_mode == "1d" else {"tp": 8, "tp_mode": "3d"}
+    M = 2
+    # eps 1e-4: the attention key bias has an exactly-zero gradient, whose rounding noise Adam with eps 1e-8
+    # would turn into full steps (tests/parallel/test_pipeline_parallel.py)
+    adam = functools.partial(torch.optim.Adam, eps=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    data = [synthetic_batch(dims.get("dp", 1) * M * 4, cfg.block_size, cfg.vocab_size, gen) for _ in range(steps)]
+    out = {}
+    for name, pol in (("bf16", MixedPrecision("bf16", params="bf16")), ("fp32", MixedPrecision())):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        ref = reference(model.stages(dims.get("pp", 1)), data, M, pol, max_norm=None, dp=dims.get("dp", 1),
+                        loss_fn=gpt_loss, optimizer=adam)
+        mesh = ParallelMesh(ParallelConfig(zero=zero, **dims))
+        pipe = pipedsl.Pipeline(model.tp_stages(dims.get("pp", 1), mesh), "1f1b", microbatches=M,
+                                loss_fn=tp_gpt_loss(mesh), parallel=mesh, precision=pol)
+        opt = pipe.optimizer(adam, lr=cases.LR)
+        got = _train(pipe, opt, data, max_norm=None)
+        out[name] = {"losses": got["losses"], "ref_losses": ref["losses"]}
+        pipe.close()
+    return out
