@@ -123,7 +123,8 @@ def schedule_job(schedule: str, grads: str, compute: str = "bf16", steps: int = 
     pipe = pipedsl.Pipeline(copy.deepcopy(stages), program=prog, loss_fn=F.cross_entropy, precision=pol)
     opt = pipe.optimizer(torch.optim.SGD, lr=cases.LR, momentum=cases.MOMENTUM)
     got = _train(pipe, opt, data)
-    fp32 = reference(stages, data, M, MixedPrecision())  # fp32 training ends elsewhere: the policy really ran
+    # fp32 training ends elsewhere: the policy really ran (once a schedule)
+    fp32 = reference(stages, data, M, MixedPrecision()) if grads == "fp32" else {"losses": []}
     out = {**got, **_compare(pipe, opt, ref), "ref_losses": ref["losses"], "ref_norms": ref["norms"],
            "fp32_losses": fp32["losses"], "scale": pipe.scaler.scale if pipe.scaler else None,
            "main_dtypes": sorted({str(u.main.dtype) for z in opt.zero.values() for u in z.units if u.main is not None})}
@@ -249,6 +250,10 @@ def checkpoint_job(directory: str) -> dict:
 
 def finite(xs) -> bool:
     return all(math.isfinite(x) for x in xs)
+
+
+def tp_jobs(layouts) -> dict:
+    return {layout: tp_job(*layout) for layout in layouts}
 
 
 def tp_job(tp_mode: str, zero: int, steps: int = 3) -> dict:
