@@ -748,10 +748,11 @@ class ZeroOptimizer:
             with self.full_parameters() as params:
                 return {k: v.clone() for k, v in params.items()}
         out = {}
+        if any(u.main is None for u in self.units):  # frozen units have no main copy: their model values, one gather
+            with self.full_parameters() as params:
+                out.update({e.name: params[e.name].clone() for u in self.units if u.main is None for e in u.entries})
         for u in self.units:
             if u.main is None:
-                with self.full_parameters() as params:
-                    out.update({e.name: params[e.name].clone() for e in u.entries})
                 continue
             full = u.main.detach()
             if self.stage > 0:

@@ -104,7 +104,7 @@ def _check_memory(args: argparse.Namespace, md: Any, meta: Any) -> None:
     if args.allow_oversubscribe:
         return
     params = sum(p.numel() for p in meta.parameters())
-    mode = state_bytes(args.param_dtype, args.grad_dtype if args.param_dtype != "fp32" else "fp32", "adamw")
+    mode = state_bytes(args.param_dtype, args.grad_dtype, "adamw")
     need, memory = args.dp * model_states(params, args.dp, args.zero, mode).total, total_memory()
     if memory and need > memory:
         raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {args.dp} data-parallel replica(s) need "

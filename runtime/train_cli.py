@@ -447,7 +447,7 @@ def _memory_estimate(args: argparse.Namespace, layers: int, batch: int, nprocs: 
     C, T, L, B = args.embd, args.seq, layers, batch
     params = 2 * VOCAB * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
     activations = L * (68 * T * B * C + 10 * N_HEAD * T * T * B) + 16 * B * T
-    mode = state_bytes(args.param_dtype, args.grad_dtype if args.param_dtype != "fp32" else "fp32", "adamw")
+    mode = state_bytes(args.param_dtype, args.grad_dtype, "adamw")
     states = args.dp * model_states(params, args.dp, args.zero, mode).total
     return int(4 * params * nprocs + states + activations)
 

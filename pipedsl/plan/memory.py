@@ -50,13 +50,15 @@ OPTIMIZER_BYTES = ZERO_PAPER.main + ZERO_PAPER.optimizer  # the ZeRO paper's K
 
 def state_bytes(params: str = "bf16", grads: str = "fp32", optimizer: str = "adam") -> StateBytes:
     """The bytes of a runtime precision mode: `params` the model's dtype ("fp32": autocast), `grads` the
-    accumulation dtype, `optimizer` "adam"/"adamw" (8), "sgd-momentum" (4) or "sgd" (0)."""
+    accumulation dtype (fp32 parameters always have fp32 gradients), `optimizer` "adam"/"adamw" (8),
+    "sgd-momentum" (4) or "sgd" (0)."""
     size = {"fp32": 4, "bf16": 2, "fp16": 2}
     if params not in size or grads not in size:
         raise ValueError(f"params and grads are fp32, bf16 or fp16, got {params!r}, {grads!r}")
     if optimizer not in _OPTIMIZER_STATE:
         raise ValueError(f"optimizer is one of {', '.join(_OPTIMIZER_STATE)}, got {optimizer!r}")
-    return StateBytes(size[params], size[grads], 0 if params == "fp32" else 4, _OPTIMIZER_STATE[optimizer])
+    grad = 4 if params == "fp32" else size[grads]
+    return StateBytes(size[params], grad, 0 if params == "fp32" else 4, _OPTIMIZER_STATE[optimizer])
 
 
 @dataclass(frozen=True)
