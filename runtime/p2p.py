@@ -1,18 +1,21 @@
-"""Point-to-point channels: tag-0 `isend`/`irecv` with reusable receive buffers.
+"""Point-to-point channels: `isend`/`irecv`-style messages with reusable receive buffers.
 
-Everything here is keyed by *program* ranks (0 … P−1 of the pipeline group) and translated
-once to global ranks.  Messages carry no metadata: both ends know every tensor's shape and
-dtype from `TensorMeta` exchanged once (`exchange_meta`), so a receive is one `irecv` per
-tensor into a buffer taken from a pool keyed by (shape, dtype).  Tag 0 only: messages
-between a pair of ranks match in issue order, which the program's per-pair order makes
-correct on NCCL as on gloo.
+Everything here is keyed by *program* ranks (0 … P−1 of the pipeline group).  Messages carry
+no metadata: both ends know every tensor's shape and dtype from `TensorMeta`, so a receive is
+posted into buffers taken from a pool keyed by (shape, dtype).  Messages between a pair of
+ranks match in issue order, which the program's per-pair order makes correct.
 
-On gloo, messages travel on two process groups of their own, one per direction: from a lower
-to a higher rank on one, back on the other.  Gloo keeps one socket and one lock per pair of
-ranks and group; when both directions share it, an `isend`/`irecv` call now and then waits
-for the transport thread handling the other direction — 2–6 ms stalls, measured on an idle
-machine, about one call in ten when two ranks exchange messages; with a group per direction,
-none (max 0.2 ms).  Per-pair order is kept: all messages from a to b use one group.
+Two transports behind one interface (`post_recv` → a receive with `ready`/`wait`, `send`,
+`push_all`, `wait_sends`):
+
+- on CPU between processes of one machine, Unix-domain sockets (socket_p2p.py): one system call
+  per message and side, no transport thread — gloo's per-call hand-over to its thread was most of
+  the runtime's CPU per op.  `PIPEDSL_P2P=dist` turns it off.
+- otherwise torch.distributed, one tag-0 `isend`/`irecv` per tensor (NCCL on GPUs, gloo between
+  machines).  On gloo, messages travel on two process groups of their own, one per direction:
+  gloo keeps one socket and one lock per pair of ranks and group, and when both directions share
+  it an `isend`/`irecv` call now and then waits for the transport thread handling the other
+  direction — 2–6 ms stalls, about one call in ten; with a group per direction, none.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import socket_p2p
 from .groups import PipelineGroups
 
 # A fixed-size int64 vector describes one message (count, then dtype, ndim, dims per tensor).
@@ -93,7 +97,7 @@ class BufferPool:
 
 
 class Recv:
-    """A posted receive of one message: its buffers and the works to wait on."""
+    """A posted receive of one message through torch.distributed: its buffers and the works to wait on."""
 
     __slots__ = ("buffers", "works", "peer")
 
@@ -110,8 +114,47 @@ class Recv:
         return self.buffers
 
 
+class DistTransport:
+    """Messages as one `isend`/`irecv` per tensor (NCCL; gloo between machines)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, groups: PipelineGroups) -> None:
+        self._global = groups.members  # program rank -> global rank
+        self._sends: list[tuple[object, torch.Tensor]] = []
+        up = down = group
+        if size > 1 and dist.get_backend(group) == "gloo":
+            up, down = (groups.new(range(size)) for _ in range(2))
+        # messages from a lower to a higher rank on `up`, the others on `down`
+        self._send_group = [up if peer > rank else down for peer in range(size)]
+        self._recv_group = [down if peer > rank else up for peer in range(size)]
+
+    def post_recv(self, peer: int, buffers: list[torch.Tensor]) -> Recv:
+        src, group = self._global[peer], self._recv_group[peer]
+        return Recv(buffers, [dist.irecv(b, src=src, group=group, tag=0) for b in buffers], peer)
+
+    def send(self, peer: int, tensors: list[torch.Tensor]) -> None:
+        dst, group = self._global[peer], self._send_group[peer]
+        for t in tensors:
+            self._sends.append((dist.isend(t, dst=dst, group=group, tag=0), t))
+
+    def push_all(self) -> None:
+        """Drop the sends that have completed."""
+        if self._sends:
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+
+    def wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for w, _ in sends:
+            w.wait()
+
+    def close(self) -> None:
+        self._sends = []
+
+
 class Channels:
-    """Tag-0 point-to-point messages between the ranks of one pipeline group."""
+    """Tag-0 point-to-point messages between the ranks of one pipeline group.
+
+    On CPU, between processes of one machine, over Unix-domain sockets (socket_p2p.py: a fraction
+    of gloo's CPU per message); otherwise through torch.distributed."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, groups: PipelineGroups) -> None:
         self.group = group
@@ -120,43 +163,38 @@ class Channels:
         self.size = dist.get_world_size(group)
         self._global = groups.members  # program rank -> global rank
         self.pool = BufferPool(device)
-        self._sends: list[tuple[object, torch.Tensor]] = []
         self.sent_bytes = 0  # payload of every data message sent so far (activations and gradients)
-        up = down = group
-        if self.size > 1 and dist.get_backend(group) == "gloo":
-            up, down = (groups.new(range(self.size)) for _ in range(2))
-        # messages from a lower to a higher rank on `up`, the others on `down`
-        self._send_group = [up if peer > self.rank else down for peer in range(self.size)]
-        self._recv_group = [down if peer > self.rank else up for peer in range(self.size)]
+        # made on every rank and in one order whatever the transport: group creation is collective
+        dist_transport = DistTransport(group, self.rank, self.size, groups)
+        sockets = socket_p2p.connect(group, self.rank, self.size, groups.timeout) if device.type == "cpu" else None
+        self.transport: DistTransport | socket_p2p.SocketTransport = sockets or dist_transport
+        self.kind = "socket" if sockets is not None else "dist"
 
     # ------------------------------------------------------------ data
 
-    def post_recv(self, peer: int, metas: tuple[TensorMeta, ...]) -> Recv:
-        src = self._global[peer]
-        buffers = [self.pool.take(m) for m in metas]
-        group = self._recv_group[peer]
-        works = [dist.irecv(b, src=src, group=group, tag=0) for b in buffers]
-        return Recv(buffers, works, peer)
+    def post_recv(self, peer: int, metas: tuple[TensorMeta, ...]) -> Recv | socket_p2p.SocketRecv:
+        return self.transport.post_recv(peer, [self.pool.take(m) for m in metas])
 
     def send(self, peer: int, tensors: list[torch.Tensor]) -> None:
         """Start sending; the tensors are kept alive until the send completes."""
-        dst, group = self._global[peer], self._send_group[peer]
+        out = []
         for t in tensors:
             t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
             self.sent_bytes += t.numel() * t.element_size()
-            self._sends.append((dist.isend(t, dst=dst, group=group, tag=0), t))
+            out.append(t)
+        self.transport.send(peer, out)
 
     def reap_sends(self) -> None:
-        """Drop the sends that have completed (cheap; called between compute ops)."""
-        if self._sends:
-            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        """Move sends on (cheap; called between compute ops)."""
+        self.transport.push_all()
 
     def wait_sends(self) -> None:
-        sends, self._sends = self._sends, []
-        for w, _ in sends:
-            w.wait()
+        self.transport.wait_sends()
+
+    def close(self) -> None:
+        self.transport.close()
 
     # ------------------------------------------------------------ shapes (before the first step)
 

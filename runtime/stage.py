@@ -357,7 +357,9 @@ class Stage:
     # ------------------------------------------------------------ shapes
 
     def infer_outputs(self, metas: tuple[TensorMeta, ...], device: torch.device) -> tuple[TensorMeta, ...]:
-        """Output shapes and dtypes for inputs of `metas`, without computing (fake tensors)."""
+        """Output shapes and dtypes for inputs of `metas`, without computing (fake tensors; a real forward on
+        zeros for a module fake tensors cannot run).  The step that learns a new shape (discovery.py) calls
+        it only when a forward failed: raising here means the stage cannot take inputs of these shapes."""
         saved = [b.detach().clone() for b in self.module.buffers()]
         try:
             try:
@@ -414,21 +416,14 @@ def overlapped_forward_backward(fwd: Stage, inputs: list[torch.Tensor], target: 
     return act0, outs, [] if bwd.is_first else bwd._input_grads(act, None)
 
 
-def warm_up_shape_inference() -> None:
-    """Pay fake tensors' one-time start-up (~1 s of lazy imports) now, on every rank at once: the
-    shape handshake then chains the ranks one after another at ~30 ms each, instead of P × 1 s."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        with FakeTensorMode() as mode:
-            x = mode.from_tensor(torch.zeros(2, 2))
-            torch.nn.functional.linear(x, x).sum()
-    except (ImportError, NotImplementedError, RuntimeError):  # infer_outputs falls back to a real forward
-        return
-
-
 def _storage(t: Any) -> tuple[int, int] | None:
-    """(storage address, bytes) of an activation tensor; None for parameters and views of them."""
-    if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+    """(storage address, bytes) of an activation tensor; None for parameters and views of them.
+
+    Runs for every tensor autograd saves: a plain tensor (almost all of them) is told apart by its
+    type alone, since `isinstance(t, nn.Parameter)` goes through Parameter's metaclass."""
+    plain = type(t) is torch.Tensor and (t._base is None or type(t._base) is torch.Tensor)
+    if not plain and (not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter)
+                      or isinstance(t._base, nn.Parameter)):
         return None
     try:
         storage = t.untyped_storage()

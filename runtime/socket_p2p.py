@@ -1,0 +1,321 @@
+"""Point-to-point messages between the processes of one machine over Unix-domain sockets.
+
+On CPU, gloo's `isend`/`irecv` cost more than the work they move for small stages: every call
+hands the message to gloo's transport thread and back (lock, condition variable, thread wake-up),
+and `is_completed` polls it.  Measured on this repository's op_cpu benchmark that is most of the
+runtime's CPU per op.  Here a message is one `sendmsg` of a small header and its tensors' bytes,
+straight from the tensors' memory, and one `recvmsg_into` straight into the receive buffers: no
+thread, no copy, no polling.  Sockets are non-blocking; a send the kernel cannot take at once
+(more than the socket buffer) stays queued and is pushed on whenever the rank calls in — between
+compute ops and while it waits for a receive — so no rank ever blocks in a send, as with `isend`.
+
+A connection per pair of ranks carries both directions; each direction is a byte stream, so
+messages between a pair arrive in send order (the program's per-pair order).  Abstract-namespace
+addresses (Linux): nothing is left on the file system, and the kernel frees the names with the
+process.  `connect` returns None where this cannot be used (another OS, ranks on other machines,
+or in another network namespace): the caller then keeps torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import socket
+import struct
+import sys
+import time
+from collections import deque
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_HEADER = struct.Struct("<q")  # the message's payload bytes: checked against what the receiver expects
+_HELLO = struct.Struct("<q")  # a connecting rank's program rank
+_SOCKET_BUFFER = 4 << 20  # per direction; larger messages go through in pieces as both sides call in
+_MAX_IOV = 512  # buffers per sendmsg/recvmsg (the kernel's limit is 1024)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (any dtype, bf16 included)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _machine() -> str:
+    """Who shares abstract socket names: the same kernel (boot) and host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class SocketRecv:
+    """A posted receive: the header and the buffers its bytes are read into, in order."""
+
+    __slots__ = ("buffers", "peer", "_views", "_header", "_expected", "_link", "done")
+
+    def __init__(self, buffers: list[torch.Tensor], peer: int, link: Link) -> None:
+        self.buffers, self.peer, self._link = buffers, peer, link
+        self._header = bytearray(_HEADER.size)
+        payload = [_bytes_of(b) for b in buffers]
+        self._expected = sum(len(v) for v in payload)
+        self._views: list[memoryview] = [memoryview(self._header), *(v for v in payload if len(v))]
+        self.done = False
+
+    def ready(self) -> bool:
+        if not self.done:
+            self._link.read()
+        return self.done
+
+    def wait(self) -> list[torch.Tensor]:
+        if not self.done:
+            self._link.wait_for(self)
+        return self.buffers
+
+    def _advance(self, n: int) -> None:
+        """`n` more bytes arrived."""
+        views = self._views
+        while n:
+            first = views[0]
+            if n >= len(first):
+                n -= len(first)
+                views.pop(0)
+                if first.obj is self._header:
+                    self._check_header()
+            else:
+                views[0] = first[n:]
+                n = 0
+        if not views:
+            self.done = True
+
+    def _check_header(self) -> None:
+        (sent,) = _HEADER.unpack(self._header)
+        if sent != self._expected:
+            raise ConnectionError(f"rank {self.peer} sent a message of {sent} bytes where {self._expected} bytes "
+                                  f"were expected (the two ranks disagree on this message's tensors)")
+
+
+class Link:
+    """The connection to one peer: its queue of unsent bytes and its queue of posted receives."""
+
+    __slots__ = ("sock", "peer", "out", "recvs", "owner")
+
+    def __init__(self, sock: socket.socket, peer: int, owner: SocketTransport) -> None:
+        self.sock, self.peer, self.owner = sock, peer, owner
+        self.out: deque[memoryview] = deque()  # bytes not yet taken by the kernel, in order
+        self.recvs: deque[SocketRecv] = deque()  # posted and not yet complete, in post order
+
+    # ---------------------------------------------------------------- sending
+
+    def send(self, views: list[memoryview]) -> None:
+        if self.out:
+            self.out.extend(views)
+            return
+        try:
+            n = self.sock.sendmsg(views) if len(views) <= _MAX_IOV else 0
+        except BlockingIOError:
+            n = 0
+        except OSError as err:
+            raise self._lost(err) from err
+        total = sum(len(v) for v in views)
+        if n < total:
+            self.out.extend(views)
+            self._consume(n)
+            self.owner.backlog.add(self)
+
+    def push(self) -> None:
+        """Give the kernel as much of the queued bytes as it takes now."""
+        out = self.out
+        while out:
+            views = [out[i] for i in range(min(len(out), _MAX_IOV))]
+            try:
+                n = self.sock.sendmsg(views)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                raise self._lost(err) from err
+            self._consume(n)
+            if n < sum(len(v) for v in views):
+                return
+        self.owner.backlog.discard(self)
+
+    def _consume(self, n: int) -> None:
+        out = self.out
+        while n:
+            first = out[0]
+            if n >= len(first):
+                n -= len(first)
+                out.popleft()
+            else:
+                out[0] = first[n:]
+                n = 0
+
+    # ---------------------------------------------------------------- receiving
+
+    def read(self) -> None:
+        """Read what has arrived into the posted receives, in order, without blocking."""
+        recvs = self.recvs
+        while recvs:
+            head = recvs[0]
+            try:
+                n = self.sock.recvmsg_into(head._views[:_MAX_IOV])[0]
+            except BlockingIOError:
+                return
+            except OSError as err:
+                raise self._lost(err) from err
+            if n == 0:
+                raise self._lost(None)
+            head._advance(n)
+            if head.done:
+                recvs.popleft()
+            else:
+                return  # the rest has not arrived yet
+
+    def wait_for(self, recv: SocketRecv) -> None:
+        """Block until `recv` is complete, pushing every queued send meanwhile (a peer may be waiting for it)."""
+        owner = self.owner
+        deadline = time.monotonic() + owner.timeout
+        while True:
+            self.read()
+            if recv.done:
+                return
+            owner.push_all()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no message from rank {self.peer} within {owner.timeout:g} s "
+                                   f"(the process group's timeout)")
+            writers = [link.sock for link in owner.backlog]
+            select.select([self.sock], writers, [], left)
+
+    def _lost(self, err: OSError | None) -> ConnectionError:
+        why = f": {err}" if err is not None else ""
+        return ConnectionError(f"the connection to rank {self.peer} was closed (its process ended or failed){why}")
+
+
+class SocketTransport:
+    """Non-blocking messages to and from every rank of one pipeline group on this machine."""
+
+    def __init__(self, links: dict[int, socket.socket], timeout: float) -> None:
+        self.timeout = timeout
+        self.links = {peer: Link(sock, peer, self) for peer, sock in links.items()}
+        self.backlog: set[Link] = set()  # links with bytes the kernel has not taken yet
+
+    def post_recv(self, peer: int, buffers: list[torch.Tensor]) -> SocketRecv:
+        link = self.links[peer]
+        recv = SocketRecv(buffers, peer, link)
+        if recv._views:
+            link.recvs.append(recv)
+        else:  # pragma: no cover - a message always has a header
+            recv.done = True
+        return recv
+
+    def send(self, peer: int, tensors: list[torch.Tensor]) -> None:
+        """`tensors`: contiguous CPU tensors, not modified until `wait_sends` (they are sent from their memory)."""
+        payload = [_bytes_of(t) for t in tensors]
+        header = memoryview(_HEADER.pack(sum(len(v) for v in payload)))
+        self.links[peer].send([header, *(v for v in payload if len(v))])
+
+    def push_all(self) -> None:
+        for link in list(self.backlog):
+            link.push()
+
+    def wait_sends(self) -> None:
+        """Block until the kernel has taken every queued byte (the tensors may then change)."""
+        deadline = time.monotonic() + self.timeout
+        while self.backlog:
+            self.push_all()
+            if not self.backlog:
+                return
+            for link in self.links.values():  # a peer may need our reads to make room: take what we can
+                link.read()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                peers = sorted(link.peer for link in self.backlog)
+                raise TimeoutError(f"sends to rank(s) {peers} not taken within {self.timeout:g} s")
+            select.select([link.sock for link in self.links.values() if link.recvs],
+                          [link.sock for link in self.backlog], [], left)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.sock.close()
+        self.links = {}
+
+
+def connect(group: dist.ProcessGroup | None, rank: int, size: int,
+            timeout: timedelta | None) -> SocketTransport | None:
+    """Connect every pair of the group's ranks (collective), or None where they cannot all be connected.
+
+    `PIPEDSL_P2P=dist` keeps torch.distributed's point-to-point calls instead."""
+    seconds = timeout.total_seconds() if timeout is not None else 1800.0
+    usable = sys.platform.startswith("linux") and os.environ.get("PIPEDSL_P2P", "auto") != "dist" and size > 1
+    listener = None
+    address = None
+    if usable:
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address = f"\0pipedsl-{os.getpid()}-{secrets.token_hex(8)}"
+            listener.bind(address)
+            listener.listen(size)
+        except OSError:
+            listener, address = None, None
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, (_machine(), address), group=group)
+    socks: dict[int, socket.socket] = {}
+    ok = all(a is not None and m == everyone[0][0] for m, a in everyone)
+    if ok:
+        ok = _connect_all(listener, rank, size, [a for _, a in everyone], socks, min(seconds, 60.0))
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if listener is not None:
+        listener.close()
+    if not int(flag):
+        for s in socks.values():
+            s.close()
+        return None
+    for s in socks.values():
+        s.setblocking(False)
+    return SocketTransport(socks, seconds)
+
+
+def _connect_all(listener: socket.socket | None, rank: int, size: int, addresses: list[str],
+                 socks: dict[int, socket.socket], seconds: float) -> bool:
+    """Connect to every higher rank, then accept every lower one (connect does not wait for accept)."""
+    assert listener is not None
+    try:
+        for peer in range(rank + 1, size):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            socks[peer] = s
+            s.settimeout(seconds)
+            s.connect(addresses[peer])
+            s.sendall(_HELLO.pack(rank))
+        listener.settimeout(seconds)
+        for _ in range(rank):
+            s, _ = listener.accept()
+            s.settimeout(seconds)
+            hello = _recv_exactly(s, _HELLO.size)
+            (peer,) = _HELLO.unpack(hello)
+            if not 0 <= peer < rank or peer in socks:
+                s.close()
+                return False
+            socks[peer] = s
+        for s in socks.values():
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        return True
+    except OSError:
+        return False
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed during connection setup")
+        data += chunk
+    return data

@@ -1,0 +1,112 @@
+"""The Unix-socket transport (runtime/socket_p2p.py), in one process over socket pairs, and against
+torch.distributed's point-to-point path in a pipeline."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import pipedsl
+from pipedsl.runtime.socket_p2p import SocketTransport
+
+
+def _pair(timeout: float = 20.0) -> tuple[SocketTransport, SocketTransport]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for s in (a, b):
+        s.setblocking(False)
+    return SocketTransport({1: a}, timeout), SocketTransport({0: b}, timeout)
+
+
+def test_every_dtype_and_empty_tensors_arrive_bit_exact() -> None:
+    a, b = _pair()
+    g = torch.Generator().manual_seed(0)
+    sent = [torch.randn(3, 5, generator=g).to(torch.bfloat16), torch.randn(7, generator=g).half(),
+            torch.randint(-5, 5, (4, 2), generator=g), torch.rand(6, generator=g) > 0.5, torch.empty(0, 3),
+            torch.randn(2, 2, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.complex64)]
+    recv = b.post_recv(0, [torch.empty_like(t) for t in sent])
+    a.send(1, sent)
+    got = recv.wait()
+    for s, r in zip(sent, got):
+        assert s.dtype == r.dtype and torch.equal(s.view(-1).view(torch.uint8) if s.numel() else s,
+                                                  r.view(-1).view(torch.uint8) if r.numel() else r)
+
+
+def test_messages_keep_their_order_and_a_late_receive_finds_its_message() -> None:
+    a, b = _pair()
+    for i in range(5):
+        a.send(1, [torch.full((4,), float(i))])
+    recvs = [b.post_recv(0, [torch.empty(4)]) for _ in range(5)]
+    assert [float(r.wait()[0][0]) for r in reversed(recvs)] == [4.0, 3.0, 2.0, 1.0, 0.0]
+
+
+def test_messages_larger_than_the_socket_buffer_cross_both_ways_at_once() -> None:
+    """Both ranks send 24 MB to each other before either receives: sends never block, each rank's wait pushes its
+    own backlog, and the bytes arrive intact."""
+    a, b = _pair()
+    n = 6 << 20
+    x, y = torch.arange(n, dtype=torch.float32), -torch.arange(n, dtype=torch.float32)
+    out: dict[str, torch.Tensor] = {}
+
+    def other() -> None:
+        b.send(0, [y])
+        out["b"] = b.post_recv(0, [torch.empty(n)]).wait()[0]
+        b.wait_sends()
+
+    t = threading.Thread(target=other)
+    a.send(1, [x])  # returns at once with most of it queued
+    assert a.backlog
+    t.start()
+    got = a.post_recv(1, [torch.empty(n)]).wait()[0]
+    a.wait_sends()
+    t.join(30)
+    assert torch.equal(got, y) and torch.equal(out["b"], x) and not a.backlog
+
+
+def test_a_message_of_the_wrong_size_is_a_named_error() -> None:
+    a, b = _pair()
+    a.send(1, [torch.zeros(3)])
+    with pytest.raises(ConnectionError, match="rank 0 sent a message of 12 bytes where 16 bytes were expected"):
+        b.post_recv(0, [torch.empty(4)]).wait()
+
+
+def test_a_closed_peer_and_a_silent_peer_are_named_errors() -> None:
+    a, b = _pair(timeout=0.3)
+    with pytest.raises(TimeoutError, match="no message from rank 0 within 0.3 s"):
+        b.post_recv(0, [torch.empty(4)]).wait()
+    a.close()
+    with pytest.raises(ConnectionError, match="connection to rank 0 was closed"):
+        b.post_recv(0, [torch.empty(4)]).wait()
+
+
+# ------------------------------------------------------------------ in a pipeline, against torch.distributed
+
+
+def _train(rank: int, transport: str) -> dict:
+    os.environ["PIPEDSL_P2P"] = transport
+    torch.manual_seed(0)
+    modules = [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(4)]
+    with pipedsl.Pipeline(modules, "interleaved", microbatches=4, loss_fn=F.mse_loss) as pipe:
+        opt = pipe.optimizer(torch.optim.SGD, lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+        losses = []
+        for _ in range(3):
+            losses.append(float(pipe.step(x, y)))
+            opt.step()
+            opt.zero_grad()
+        return {"kind": pipe.channels.kind, "losses": losses,
+                "params": [p.detach().clone() for p in pipe.parameters()]}
+
+
+def test_a_pipeline_trains_the_same_over_sockets_and_over_gloo() -> None:
+    sock = pipedsl.launch(_train, 2, "auto", threads=1, timeout=120)
+    gloo = pipedsl.launch(_train, 2, "dist", threads=1, timeout=120)
+    assert [r["kind"] for r in sock] == ["socket"] * 2 and [r["kind"] for r in gloo] == ["dist"] * 2
+    for s, g in zip(sock, gloo):
+        assert s["losses"] == g["losses"]
+        assert all(torch.equal(p, q) for p, q in zip(s["params"], g["params"]))
