@@ -343,6 +343,7 @@ class Pipeline:
         """
         if not self.closed:
             self.closed = True
+            self.channels.close()
             self.groups.close()
 
     def __enter__(self) -> Pipeline:
