@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from pipedsl.engine import dry_run
 from pipedsl.errors import PipeDSLError
@@ -193,13 +194,14 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
         raise PipeDSLError(f"simulate: cost is a Cost, a string like 'F=1,B=2' or None, got {type(cost).__name__}")
     if not isinstance(program, Program):
         raise PipeDSLError(f"simulate: program is a Program, got {type(program).__name__}")
-    table: dict[tuple[Op, int | None], float] = {}
+    table: dict[Op, dict[int | None, float]] = {op: {} for op in Op}  # op -> stage -> cost; a pair: by itself
 
     def compute_time(ins: Instr) -> float:
-        k = (ins.op, ins.stage) if ins.sub is None else ins
-        t = table.get(k)
+        by_stage = table[ins[0]]
+        k = ins[2] if ins[5] is None else ins
+        t = by_stage.get(k)
         if t is None:
-            t = table[k] = cost.compute_time(ins)
+            t = by_stage[k] = cost.compute_time(ins)
         return t
 
     with no_gc():
@@ -211,5 +213,6 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
 def simulated_timeline(program: Program, starts: list[list[float]], ends: list[list[float]],
                        meta: dict) -> Timeline:
     """The predicted `Timeline` of `program` from each instruction's start and end (a replay's output)."""
-    ranks = tuple(tuple(map(Event, stream, st, en)) for stream, st, en in zip(program.ranks, starts, ends))
+    new = partial(tuple.__new__, Event)  # without NamedTuple's Python-level __new__: 10⁶ events
+    ranks = tuple(tuple(map(new, zip(stream, st, en))) for stream, st, en in zip(program.ranks, starts, ends))
     return Timeline(program.name, dict(program.params), ranks, "simulated", meta)

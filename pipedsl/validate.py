@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pipedsl.engine import dry_run
+from pipedsl.engine import run_to_end
 from pipedsl.errors import ValidationError
 from pipedsl.ir import COMPUTE, Instr, Op, Program
 from pipedsl.perf import no_gc
@@ -37,7 +37,7 @@ def validate(program: Program) -> Program:
         _check_header(program)
         if program.num_instructions() < ARRAYS_FROM or not _arrays_pass(program):
             _check_streams(program)  # small (numpy's per-call cost would dominate), or a failure to locate
-        dry_run(program, lambda _: 1.0, lambda _: 0.0, check_pairs=True)
+        run_to_end(program)
     program.meta["validated"] = True
     return program
 
