@@ -24,8 +24,9 @@ to the same peer, so every pair's operations are issued exactly in program order
 State is keyed by the named tuples of keys.py: per microbatch, a `Slot` (microbatch, stage,
 replica) — activations, gradient buffers, and per direction the tensors handed over, waiting in a
 receive or waiting for their send; a stage copy by `Copy` (replica, stage: `Program.placement`'s
-order); the handshake's shapes by `ShapeKey`.  They are built positionally here (once per op where
-possible: this runs per instruction) and always read by field name.
+order); the shapes learned per input shape by `ShapeKey` (discovery.py learns them in the first
+step at a shape).  They are built positionally here (once per op where possible: this runs per
+instruction) and always read by field name.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class Executor:
             if not self._losses_left and self.on_loss is not None:
                 self.on_loss(self.loss_sum)
             return
-        self._check_meta(ins, outs, self.out_meta[ShapeKey(self.kinds[m], c, s)])
+        self._check_meta(ins, outs, ShapeKey(self.kinds[m], c, s))
         if self.rank_of[Copy(c, s + 1)] == self.rank:
             self.local[Op.F][Slot(m, s + 1, c)] = outs
         else:
@@ -308,12 +309,13 @@ class Executor:
         self.stages[Copy(ins.replica, ins.stage)].backward_weight(self.acts[slot])
         self._release(slot)
 
-    def _check_meta(self, ins: Instr, outs: list[torch.Tensor], expected: tuple[TensorMeta, ...]) -> None:
-        got = tuple(TensorMeta.of(t) for t in outs)
+    def _check_meta(self, ins: Instr, outs: list[torch.Tensor], key: ShapeKey) -> None:
+        got, expected = tuple(TensorMeta.of(t) for t in outs), self.out_meta[key]
         if got != expected:
             raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): stage {ins.stage} produced "
-                              f"{describe(got)} for microbatch {ins.mb}, but its shape handshake announced "
-                              f"{describe(expected)} to the next stage", self.rank, self.index, ins)
+                              f"{describe(got)} for microbatch {ins.mb}, but {describe(expected)} for the first "
+                              f"microbatch of this input shape (a stage's output shapes must follow from its input "
+                              f"shapes: the pipeline learns them once per input shape)", self.rank, self.index, ins)
 
     # ------------------------------------------------------------ messages, reduction, step end
 

@@ -46,7 +46,7 @@ share: see `pipedsl.parallel.tp_gpt`).
 the step's loss and gradients are the mean over every target != `ignore_index` of the global
 batch (see `_count_tokens`).  `recompute="full"|"selective"` (with `recompute_filter`):
 activation recomputation per stage (recompute.py).  Input shapes may change between steps:
-the ranks agree on them every step and learn a new one once (see `_use_shapes`).
+the ranks agree on them every step and learn a new one in the step that meets it (see `_use_shapes`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from torch import nn
 
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeRuntimeError
-from pipedsl.ir import Op, Program
+from pipedsl.ir import Program
 from pipedsl.library import load
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.mesh import ParallelMesh
@@ -73,16 +73,17 @@ from pipedsl.validate import validate
 
 from . import clip
 from .data_parallel import strategy_for
+from .discovery import Discovery
 from .errors import RankFailure, explain_peer_failure, record_failure
 from .executor import Executor
 from .groups import PipelineGroups
-from .keys import Copy, ShapeKey
+from .keys import Copy
 from .loss import LOSS_REDUCTIONS, LossPolicy
 from .p2p import Channels, TensorMeta, describe
 from .precision import LossScaler, LossScaling, MixedPrecision, policy
 from .recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
 from .reduce import GradReducer, Hook
-from .stage import ActivationCounter, LossFn, Stage, StageOptions, warm_up_shape_inference
+from .stage import ActivationCounter, LossFn, Stage, StageOptions
 from .ties import TieReducer, check_ties, find_ties
 from .tracer import Tracer
 
@@ -177,7 +178,7 @@ class Pipeline:
         # by (microbatch shapes, forward only)
         self._executors: OrderedDict[tuple[tuple[TensorMeta, ...], bool], Executor] = OrderedDict()
         self._forward_program = self.program.forward_only()  # evaluation passes
-        self.shape_handshakes = 0  # input shapes learned so far (one handshake each)
+        self.shape_handshakes = 0  # input shapes learned so far (one discovery step each, discovery.py)
         self.eval_count = 0  # the last evaluate()'s microbatches (or tokens, per-token mode) over the global batch
         self.steps = 0
         self.closed = False
@@ -364,11 +365,13 @@ class Pipeline:
             if self.loss_reduction == "token":
                 self._count_tokens(targets)
             mb_inputs, tgt = self._microbatches(inputs, targets)
-            self._use_shapes(tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs))
+            shapes = tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs)
+            ex = self._use_shapes(shapes)
             self.counter.reset()
             self.reducer.start_step()
             self._scale_loss()
-            self._executor.run(mb_inputs, tgt, self._reduce_loss)
+            ex.run(mb_inputs, tgt, self._reduce_loss)
+            self._learned(ex, shapes)
             total, work = self._loss_reduction
             try:
                 work.wait()
@@ -422,11 +425,12 @@ class Pipeline:
         try:
             with self._failures_told():
                 mb_inputs, tgt = self._microbatches(inputs, targets)
-                ex = self._use_shapes(tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs),
-                                      forward_only=True)
+                shapes = tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs)
+                ex = self._use_shapes(shapes, forward_only=True)
                 for m in modes:
                     m.eval()
                 loss_sum = ex.run(mb_inputs, tgt)
+                self._learned(ex, shapes, forward_only=True)
                 totals = torch.tensor([float(loss_sum), float(ex.counted)], dtype=torch.float64, device=self.device)
                 try:
                     dist.all_reduce(totals, group=self._loss_group)
@@ -610,17 +614,18 @@ class Pipeline:
     # ------------------------------------------------------------ shapes
 
     def _use_shapes(self, meta: tuple[tuple[TensorMeta, ...], ...], forward_only: bool = False) -> Executor:
-        """The executor for this step's microbatch shapes, learning them if they are new.
+        """The executor for this step's microbatch shapes: a cached one, or for a new shape a `Discovery`
+        (discovery.py) that learns the shapes while it runs the step (then `_learned` caches the executor).
 
         Shapes may change between steps (a last partial batch, length bucketing).  Every rank of
         the pipeline first agrees on them — one all-reduce of an 8-byte fingerprint (max of it and
         of its negation) — so a rank passed other shapes than its peers is a named error on every
-        rank, never a handshake one side waits for.  Executors of the last few shapes are kept (the
-        same on every rank, since every rank saw the same agreed sequence), so returning to a known
-        shape costs nothing but the agreement.  `meta`: per microbatch, its tensors' shapes (they
-        differ by a sample when the batch does not split evenly: loss_reduction="token").
-        `forward_only`: the evaluation pass's executor (not the training one), sharing the shapes
-        learned by either."""
+        rank, never a receive one side waits for.  Executors of the last few shapes are kept (the
+        same on every rank, since every rank saw the same agreed sequence), so every rank meets a
+        new shape in the same step, and returning to a known shape costs nothing but the agreement.
+        `meta`: per microbatch, its tensors' shapes (they differ by a sample when the batch does not
+        split evenly: loss_reduction="token").  `forward_only`: the evaluation pass's executor (not
+        the training one), sharing the shapes learned by either."""
         key = _shape_key(meta)
         both = torch.tensor([key, -key], dtype=torch.int64, device=self.device)  # NCCL: a device tensor
         try:
@@ -639,22 +644,34 @@ class Pipeline:
         if ex is None:
             known = self._executors.get((meta, not forward_only))
             if known is None:
-                shapes = self._handshake(meta)
-                self.shape_handshakes += 1
+                kinds_of = list(dict.fromkeys(meta))  # distinct microbatch shapes, in order (the same on every rank)
+                ex = self._make_executor({}, {}, [kinds_of.index(m) for m in meta], forward_only, Discovery)
             else:
-                shapes = known.in_meta, known.out_meta, known.kinds
-            ex = self._executors[(meta, forward_only)] = self._make_executor(*shapes, forward_only)
-            if len(self._executors) > _MAX_SHAPES:
-                self._executors.popitem(last=False)
-        self._executors.move_to_end((meta, forward_only))
+                ex = self._cache(meta, forward_only, known.in_meta, known.out_meta, known.kinds)
+        else:
+            self._executors.move_to_end((meta, forward_only))
         if not forward_only:
             self._executor = ex
         return ex
 
-    def _make_executor(self, in_meta: dict, out_meta: dict, kinds: list[int], forward_only: bool) -> Executor:
+    def _learned(self, ex: Executor, meta: tuple[tuple[TensorMeta, ...], ...], forward_only: bool = False) -> None:
+        """After a step run by a `Discovery`: the executor for its shapes, from what it learned."""
+        if isinstance(ex, Discovery):
+            self._cache(meta, forward_only, ex.in_meta, ex.out_meta, ex.kinds)
+            self.shape_handshakes += 1
+
+    def _cache(self, meta: tuple[tuple[TensorMeta, ...], ...], forward_only: bool, in_meta: dict, out_meta: dict,
+               kinds: list[int]) -> Executor:
+        ex = self._executors[(meta, forward_only)] = self._make_executor(in_meta, out_meta, kinds, forward_only)
+        if len(self._executors) > _MAX_SHAPES:
+            self._executors.popitem(last=False)
+        return ex
+
+    def _make_executor(self, in_meta: dict, out_meta: dict, kinds: list[int], forward_only: bool,
+                       kind: type[Executor] = Executor) -> Executor:
         if not forward_only:
-            return Executor(self.program, self.rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
-                            self.lookahead, self.strict_pair_order, self.check_finite, kinds)
+            return kind(self.program, self.rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
+                        self.lookahead, self.strict_pair_order, self.check_finite, kinds)
         if self.loss_reduction == "token":
             def count(target: Any) -> int:
                 t = target[0] if isinstance(target, (tuple, list)) else target
@@ -662,49 +679,8 @@ class Pipeline:
         else:
             def count(target: Any) -> int:
                 return 1
-        return Executor(self._forward_program, self.rank, self._copies, self.channels, self.reducer, in_meta,
-                        out_meta, self.lookahead, self.strict_pair_order, False, kinds, count=count)
-
-    def _handshake(self, mb_metas: tuple[tuple[TensorMeta, ...], ...]) -> tuple[dict, dict, list[int]]:
-        """Learn every stage's input and output shapes once per distinct microbatch shape (fake tensors; one
-        metadata message per hop and shape): (input metas, output metas, each microbatch's shape kind)."""
-        prog, rank = self.program, self.rank
-        S = prog.num_stages
-        warm_up_shape_inference()
-        kinds_of = list(dict.fromkeys(mb_metas))  # distinct microbatch shapes, in order (the same on every rank)
-        in_meta: dict[ShapeKey, tuple[TensorMeta, ...]] = {}
-        out_meta: dict[ShapeKey, tuple[TensorMeta, ...]] = {}
-        for k, c in ((k, c) for k in range(len(kinds_of)) for c in sorted(set(prog.microbatch_replica))):
-            meta = kinds_of[k]
-            for s in range(S):
-                if prog.placement[Copy(replica=c, stage=s)] != rank:
-                    continue
-                key = ShapeKey(kind=k, replica=c, stage=s)
-                peer = prog.placement[Copy(replica=c, stage=s - 1)] if s > 0 else rank
-                if peer != rank:
-                    try:
-                        meta = self.channels.recv_meta(peer)
-                    except Exception as err:  # noqa: BLE001
-                        raise RankFailure(f"rank {rank}: shape handshake: receiving stage {s}'s input shapes "
-                                          f"from rank {peer} failed: {err}", rank, peer=peer,
-                                          peer_failure=True) from err
-                in_meta[key] = meta
-                try:  # the last stage too: a mismatch shows here, named, rather than inside the step
-                    out = self._stages[s].infer_outputs(meta, self.device)
-                except Exception as err:  # noqa: BLE001
-                    i, ins = _first(prog, rank, Op.F, stage=s, replica=c)
-                    source = "the microbatch" if s == 0 else f"stage {s - 1}"
-                    raise RankFailure(f"rank {rank} instruction {i} ({ins}): stage {s} cannot take its input "
-                                      f"{describe(meta)} from {source}: {type(err).__name__}: {err}",
-                                      rank, i, ins) from err
-                if s == S - 1:
-                    continue
-                out_meta[key] = out
-                peer = prog.placement[Copy(replica=c, stage=s + 1)]
-                if peer != rank:
-                    self.channels.send_meta(peer, out)
-                meta = out
-        return in_meta, out_meta, [kinds_of.index(m) for m in mb_metas]
+        return kind(self._forward_program, self.rank, self._copies, self.channels, self.reducer, in_meta,
+                    out_meta, self.lookahead, self.strict_pair_order, False, kinds, count=count)
 
 
 def _shape_key(metas: tuple[tuple[TensorMeta, ...], ...]) -> int:
@@ -730,13 +706,6 @@ def _as_program(program: Any) -> Program:
         return read_program(program)
     raise PipeRuntimeError(f"program= takes a Program or the path of a program file (JSON, CSV or text), "
                            f"got {type(program).__name__}")
-
-
-def _first(prog: Program, rank: int, op: Op, stage: int, replica: int):
-    for i, ins in enumerate(prog.ranks[rank]):
-        if ins.op is op and ins.stage == stage and ins.replica == replica:
-            return i, ins
-    return None, None  # pragma: no cover
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
