@@ -10,9 +10,12 @@ repetition times `--steps` steps between two barriers.  Reported: median step ti
 throughput (samples/s) and the pipedsl/torch throughput ratio, as the ratio of the medians and
 as the median of the per-repetition ratios (paired, robust to load drifting during the run).
 
-Workloads: `sleep` — the synthetic stage (benchmarks/_bench.py) sleeping F forward and B
-backward around a small matmul, at P = 2, 4, 8; `gpt` — the small GPT (pipedsl.runtime.gpt),
-one thread per rank, at P = 2.
+Workloads (`--P` sets the ranks of every workload; default 2 4 8 for `sleep`, 2 for the others):
+`sleep` — the synthetic stage (benchmarks/_bench.py) sleeping F forward and B backward around a
+small matmul; `mlp` — an 8-block MLP (Linear(64, 64) + GELU) per stage plus a synthetic stage
+sleeping F/5 and B/5, CPU compute and a stand-in for accelerator time together; `tiny` — one
+`Linear(8, 8)` per stage and nothing else, where the runtimes' own cost per op decides; `gpt` —
+the small GPT (pipedsl.runtime.gpt).  One thread per rank.
 
     python benchmarks/vs_torch.py                   # both workloads, every schedule
     python benchmarks/vs_torch.py --quick           # P = 2, 4, fewer repetitions
@@ -33,16 +36,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # noqa: E402
 
 SCHEDULE_NAMES = list(_bench.TORCH_SCHEDULES)
+WORKLOADS = ("sleep", "mlp", "tiny", "gpt")
 
 
 def _stage_modules(workload: str, S: int, cfg: dict) -> tuple[list, Any, Any, Any]:
     """(modules, inputs, targets, loss_fn) — identical on every rank and for both runtimes."""
     import torch
 
+    M = cfg["M"]
     if workload == "sleep":
-        M = cfg["M"]
         x, y = _bench.sleep_batch(M)
         return _bench.sleep_stages(S, cfg["F"], cfg["B"]), x, y, _bench.sleep_loss
+    if workload == "mlp":
+        torch.manual_seed(0)
+        x, y = _bench.sleep_batch(M)
+        sleeps = _bench.sleep_stages(S, cfg["F"] / 5, cfg["B"] / 5)
+        blocks = [[m for _ in range(8) for m in (torch.nn.Linear(_bench.WIDTH, _bench.WIDTH), torch.nn.GELU())]
+                  for _ in range(S)]
+        return [torch.nn.Sequential(*b, sl) for b, sl in zip(blocks, sleeps)], x, y, _bench.sleep_loss
+    if workload == "tiny":
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(M * 2, 8, generator=g), torch.randn(M * 2, 8, generator=g)
+        return [torch.nn.Linear(8, 8) for _ in range(S)], x, y, torch.nn.functional.mse_loss
     from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
 
     torch.manual_seed(0)
@@ -112,7 +128,7 @@ def _rank_main(rank: int, workload: str, name: str, P: int, cfg: dict) -> dict:
 
 def _row(workload: str, name: str, P: int, cfg: dict, out: dict) -> dict:
     t = out["times"]
-    rows_per_step = cfg["M"] * (_bench.ROWS_PER_MB if workload == "sleep" else cfg["gpt_rows"])
+    rows_per_step = cfg["M"] * {"gpt": cfg["gpt_rows"], "tiny": 2}.get(workload, _bench.ROWS_PER_MB)
     med = {k: _bench.median(v) for k, v in t.items()}
     paired = [tt / pp for pp, tt in zip(t["pipedsl"], t["torch"])]
     return {
@@ -129,8 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
     import pipedsl
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=["sleep", "gpt", "both"], default="both")
-    ap.add_argument("--P", type=int, nargs="+", help="sleep workload ranks (default 2 4 8; --quick 2 4)")
+    ap.add_argument("--workload", nargs="+", choices=[*WORKLOADS, "both"], default=["both"],
+                    help="workloads (default: sleep and gpt; 'both' is those two)")
+    ap.add_argument("--P", type=int, nargs="+", help="ranks for every workload (default: sleep 2 4 8, others 2; "
+                                                     "--quick: sleep 2 4)")
     ap.add_argument("--M", type=int, help="microbatches (default 2P)")
     ap.add_argument("--F", type=float, default=0.010, help="synthetic forward sleep, s")
     ap.add_argument("--B", type=float, default=0.020, help="synthetic backward sleep (I + W), s")
@@ -145,18 +163,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-append", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 7)
-    sleep_P = args.P or ([2, 4] if args.quick else [2, 4, 8])
-    jobs = []
-    if args.workload in ("sleep", "both"):
-        jobs += [("sleep", P) for P in sleep_P]
-    if args.workload in ("gpt", "both"):
-        jobs.append(("gpt", 2))
+    workloads = [w for w in WORKLOADS if w in args.workload or ("both" in args.workload and w in ("sleep", "gpt"))]
+    default_P = {"sleep": [2, 4] if args.quick else [2, 4, 8]}
+    jobs = [(w, P) for w in workloads for P in (args.P or default_P.get(w, [2]))]
     rows = []
     print(f"{'workload':>8} {'P':>2} {'M':>3} {'schedule':>15} {'pipedsl ms':>11} {'torch ms':>9} "
           f"{'ratio':>6} {'paired':>6}")
     for workload, P in jobs:
         M = args.M or 2 * P
-        steps = args.steps if workload == "sleep" else args.gpt_steps
+        steps = args.gpt_steps if workload == "gpt" else args.steps
         cfg = {"M": M, "F": args.F, "B": args.B, "reps": reps, "steps": steps, "warmup": args.warmup,
                "gpt_rows": args.gpt_rows}
         for name in args.schedules:
