@@ -31,6 +31,7 @@ instruction) and always read by field name.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -107,6 +108,7 @@ class Executor:
         self.acts: dict[Slot, Activation] = {}
         self.grad_buffers: dict[Slot, list[torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self._losses: list[tuple[torch.Tensor, float, int, Instr]] = []  # (loss, factor, index, F) until the last
         self.counted = 0
         self._scan = 0
         self._pending_sends: dict[int, int] = defaultdict(int)  # peer -> sends scanned but not issued
@@ -213,14 +215,10 @@ class Executor:
         m, s, c = slot.microbatch, slot.stage, slot.replica
         self.acts[slot] = act
         if s == self.last:
-            loss = act.loss
-            if self.check_finite and not torch.isfinite(loss):
-                raise RankFailure(f"rank {self.rank} instruction {self.index} ({ins}): the loss of microbatch {m} "
-                                  f"is {loss.item()} (not finite)", self.rank, self.index, ins)
-            self.loss_sum += loss.double().cpu() * self.stages[Copy(c, s)].loss.factor
+            self._losses.append((act.loss, self.stages[Copy(c, s)].loss.factor, self.index, ins))
             self._losses_left -= 1
-            if not self._losses_left and self.on_loss is not None:
-                self.on_loss(self.loss_sum)
+            if not self._losses_left:
+                self._sum_losses()
             return
         self._check_meta(ins, outs, ShapeKey(self.kinds[m], c, s))
         if self.rank_of[Copy(c, s + 1)] == self.rank:
@@ -228,6 +226,21 @@ class Executor:
         else:
             self.outbox[Op.F][slot] = outs
         self.channels.reap_sends()
+
+    def _sum_losses(self) -> None:
+        """The rank's loss sum once its last loss is there: one device-to-host copy a step, not one (and a finite
+        check) a microbatch; summed in float64 in microbatch order, as one process would."""
+        losses, self._losses = self._losses, []
+        values = torch.stack([loss.to(torch.float64) for loss, *_ in losses]).cpu().tolist()
+        total = 0.0
+        for v, (_, factor, i, ins) in zip(values, losses):
+            if self.check_finite and not math.isfinite(v):
+                raise RankFailure(f"rank {self.rank} instruction {i} ({ins}): the loss of microbatch {ins.mb} is {v} "
+                                  f"(not finite)", self.rank, i, ins)
+            total += v * factor
+        self.loss_sum = torch.tensor(total, dtype=torch.float64)
+        if self.on_loss is not None:
+            self.on_loss(self.loss_sum)
 
     def _forward_only(self, ins: Instr) -> None:
         """Evaluation: no autograd graph and no activation kept; the receive buffers are given back at the end
