@@ -10,13 +10,14 @@ The program of 1.18·10^6 instructions (the largest whose JSON fits MAX_PROGRAM_
 --quick the largest quick one) is also written as JSON, CSV, text and torch CSV, and each file
 is loaded and validated (`read_program`, what `pipedsl run --program` and `Pipeline(program=path)` do)
 in a fresh process, `--load-reps` times: instructions per second beside the compiler's own
-(plan + lower + validate) speed in the same run.  `--baseline REV` loads the same files with
-the code of git revision REV too, alternating with this tree, so a speed-up is measured in one
-run (this machine's speed moves 1.5-3x between runs).
+(plan + lower + validate) speed in the same run.  `--baseline REV` compiles every size and loads
+the same files with the code of git revision REV too, alternating with this tree (`--compile-reps`
+times per size, medians), so a speed-up is measured in one run (this machine's speed moves 1.5-3x
+between runs); the largest size's phases are printed side by side.
 
     python benchmarks/compiler_scale.py                      # 10^3 … 1.6·10^6 instructions
     python benchmarks/compiler_scale.py --quick              # up to ~2·10^5
-    python benchmarks/compiler_scale.py --baseline HEAD~3 --load-reps 3   # loading: before and after
+    python benchmarks/compiler_scale.py --baseline HEAD~3 --load-reps 3   # before and after
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ QUICK = SIZES[:4]
 # The program written to files and loaded back: 1.18·10^6 instructions, the largest whose JSON (55 MB) stays
 # under MAX_PROGRAM_BYTES; with --quick, the largest quick size.
 FILES_AT, QUICK_FILES_AT = (64, 768, 4), QUICK[-1]
+THIS = "this tree"
 
 
 def measure(schedule: str, P: int, M: int, V: int, files: str | None = None) -> dict:
@@ -109,8 +111,9 @@ def main() -> None:
     parser.add_argument("--load-reps", type=int, default=1, help="loads of each program file (median)")
     parser.add_argument("--formats", nargs="+", choices=list(FILES), default=list(FILES),
                         help="program file formats to load (default: all)")
-    parser.add_argument("--baseline", metavar="REV", help="also load the files with git revision REV's code, "
-                        "alternating with this tree's")
+    parser.add_argument("--baseline", metavar="REV", help="also compile every size and load the files with git "
+                        "revision REV's code, alternating with this tree's")
+    parser.add_argument("--compile-reps", type=int, default=1, help="runs of each size per variant (median)")
     parser.add_argument("--child", nargs=3, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--files", help=argparse.SUPPRESS)
     parser.add_argument("--load", help=argparse.SUPPRESS)
@@ -122,29 +125,27 @@ def main() -> None:
         print(json.dumps(load(args.load)))
         return
 
-    rows = []
-    print(f"{'P':>4} {'M':>5} {'V':>2} {'instr':>9} {'plan':>6} {'lower':>6} {'valid':>6} {'sim':>6} "
-          f"{'total s':>8} {'µs/instr':>9} {'RSS MB':>7}")
     sizes, files_at = (QUICK, QUICK_FILES_AT) if args.quick else (SIZES, FILES_AT)
     files = tempfile.TemporaryDirectory(prefix="pipedsl-programs-")
-    for P, M, V in sizes:
-        keep = ["--files", files.name] if (P, M, V) == files_at else []
-        out = subprocess.run([sys.executable, __file__, "--schedule", args.schedule, "--child", str(P), str(M), str(V),
-                              *keep], capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout)
-        rows.append(r)
-        print(f"{P:>4} {M:>5} {V:>2} {r['instructions']:>9} {r['plan_s']:>6.2f} {r['lower_s']:>6.2f} "
-              f"{r['validate_s']:>6.2f} {r['simulate_s']:>6.2f} {r['total_s']:>8.2f} "
-              f"{r['us_per_instruction']:>9.2f} {r['peak_rss_mb']:>7.0f}", flush=True)
+    old = tempfile.TemporaryDirectory(prefix="pipedsl-baseline-") if args.baseline else None
+    variants = {THIS: {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}}
+    if old:
+        variants[args.baseline] = {**os.environ, "PYTHONPATH": str(_tree_at(args.baseline, Path(old.name)))}
+    rows, base_rows = compile_sizes(sizes, files_at, files.name, variants, args)
     big = [r for r in rows if r["instructions"] >= 10_000]
     exponent = growth_exponent(big)
     print(f"growth exponent (time ~ n^k, n ≥ 10^4): k = {exponent:.3f}")
 
     with files:
-        loading = program_files(files.name, next(r for r in rows if (r["P"], r["M"], r["V"]) == files_at), args)
+        loading = program_files(files.name, next(r for r in rows if (r["P"], r["M"], r["V"]) == files_at), variants,
+                                args)
+    if old:
+        old.cleanup()
     result = {"benchmark": "compiler_scale", "schedule": args.schedule, "machine": _machine(),
               "date": datetime.date.today().isoformat(), "rows": rows, "growth_exponent": exponent,
-              "program_files": loading}
+              "program_files": loading, "compile_reps": args.compile_reps}
+    if args.baseline:
+        result["baseline"] = {"revision": args.baseline, "rows": base_rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     last = rows[-1]
@@ -152,25 +153,68 @@ def main() -> None:
     before = loading.get("baseline")
     was = (f" (at {before['revision']}, same run: " + ", ".join(
         f"{fmt} {f['instructions_per_s'] / 1e3:.0f}k" for fmt, f in before["formats"].items()) + ")") if before else ""
+    then = (f" ({args.baseline}'s code, same run: {base_rows[-1]['total_s']:.2f} s, this tree "
+            f"{last['total_s'] / base_rows[-1]['total_s']:.2f}x its time)") if base_rows else ""
     _append_results(
         f"| {result['date']} | `python benchmarks/compiler_scale.py{' --quick' if args.quick else ''}"
         f"{f' --baseline {args.baseline}' if args.baseline else ''}"
+        f"{f' --compile-reps {args.compile_reps}' if args.compile_reps != 1 else ''}"
         f"{f' --load-reps {args.load_reps}' if args.load_reps != 1 else ''}` | "
         f"{result['machine']} | {last['instructions']:,} instructions ({args.schedule} P={last['P']} M={last['M']} "
-        f"V={last['V']}): {last['total_s']:.2f} s end to end, {last['us_per_instruction']:.2f} µs/instruction, "
+        f"V={last['V']}): {last['total_s']:.2f} s end to end{then}, {last['us_per_instruction']:.2f} µs/instruction, "
         f"peak RSS {last['peak_rss_mb']:.0f} MB; growth exponent {exponent:.2f}; compiled at "
         f"{loading['compile_instructions_per_s'] / 1e3:.0f}k instructions/s (plan + lower + validate), "
         f"the {loading['instructions']:,}-instruction program loaded from files at {speeds} instructions/s{was} |")
 
 
-def program_files(directory: str, row: dict, args: argparse.Namespace) -> dict:
+def compile_sizes(sizes: list[tuple[int, int, int]], files_at: tuple[int, int, int], files: str,
+                  variants: dict[str, dict[str, str]], args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Each size `--compile-reps` times per variant in fresh processes, the variants' order alternating;
+    print a row of medians per variant (with a baseline, its time over this tree's) and return this tree's
+    rows and the baseline's."""
+    print(f"{'P':>4} {'M':>5} {'V':>2} {'instr':>9} {'code':>10} {'plan':>6} {'lower':>6} {'valid':>6} {'sim':>6} "
+          f"{'total s':>8} {'µs/instr':>9} {'RSS MB':>7}" + ("  this/baseline" if len(variants) > 1 else ""))
+    rows, base_rows = [], []
+    for k, (P, M, V) in enumerate(sizes):
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for rep in range(args.compile_reps):
+            for variant in (list(variants) if (k + rep) % 2 == 0 else list(variants)[::-1]):
+                keep = ["--files", files] if (P, M, V) == files_at and variant == THIS and not runs[THIS] else []
+                out = subprocess.run([sys.executable, __file__, "--schedule", args.schedule, "--child", str(P), str(M),
+                                      str(V), *keep], capture_output=True, text=True, env=variants[variant], cwd=files)
+                if out.returncode:
+                    raise SystemExit(f"compiler_scale: compiling with {variant}'s code failed:\n{out.stderr[-2000:]}")
+                runs[variant].append(json.loads(out.stdout))
+        med = {v: _median_row(got) for v, got in runs.items()}
+        rows.append(med[THIS])
+        for variant, r in med.items():
+            if r["instructions"] != med[THIS]["instructions"]:
+                raise SystemExit(f"compiler_scale: {variant}'s code made {r['instructions']} instructions, this tree "
+                                 f"{med[THIS]['instructions']}: not the same input")
+            ratio = f"  {med[THIS]['total_s'] / r['total_s']:>13.2f}x" if variant != THIS else ""
+            print(f"{P:>4} {M:>5} {V:>2} {r['instructions']:>9} {variant[:10]:>10} {r['plan_s']:>6.2f} "
+                  f"{r['lower_s']:>6.2f} {r['validate_s']:>6.2f} {r['simulate_s']:>6.2f} {r['total_s']:>8.2f} "
+                  f"{r['us_per_instruction']:>9.2f} {r['peak_rss_mb']:>7.0f}{ratio}", flush=True)
+            if variant != THIS:
+                base_rows.append({**r, "runs": [x["total_s"] for x in runs[variant]]})
+        med[THIS]["runs"] = [x["total_s"] for x in runs[THIS]]
+    return rows, base_rows
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """Per phase, the median over repetitions of one size."""
+    row = dict(runs[0])
+    for key in ("plan_s", "lower_s", "validate_s", "simulate_s", "total_s", "peak_rss_mb"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["us_per_instruction"] = row["total_s"] / row["instructions"] * 1e6
+    return row
+
+
+def program_files(directory: str, row: dict, variants: dict[str, dict[str, str]], args: argparse.Namespace) -> dict:
     """Load each file of the program `--load-reps` times in fresh processes (with `--baseline`, alternately
     with that revision's code); print and return the median speed per format."""
     n = row["instructions"]
-    variants = {"this tree": {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}}
-    old = tempfile.TemporaryDirectory(prefix="pipedsl-baseline-") if args.baseline else None
-    if old:
-        variants[args.baseline] = {**os.environ, "PYTHONPATH": str(_tree_at(args.baseline, Path(old.name)))}
+    old = len(variants) > 1
     formats = [f for f in args.formats if Path(directory, FILES[f]).exists()]
     times: dict[str, dict[str, list[float]]] = {v: {f: [] for f in formats} for v in variants}
     for rep in range(args.load_reps):
@@ -185,8 +229,6 @@ def program_files(directory: str, row: dict, args: argparse.Namespace) -> dict:
                 if got["instructions"] != n:
                     raise SystemExit(f"compiler_scale: {variant} loaded {got['instructions']} instructions, not {n}")
                 times[variant][fmt].append(got["load_s"])
-    if old:
-        old.cleanup()
     compile_speed = n / (row["plan_s"] + row["lower_s"] + row["validate_s"])
     print(f"\nprogram files of {n:,} instructions ({args.schedule} P={row['P']} M={row['M']} V={row['V']}): load + "
           f"validate, median of {args.load_reps}; compiled at {compile_speed:,.0f} instructions/s in this run")
@@ -197,10 +239,10 @@ def program_files(directory: str, row: dict, args: argparse.Namespace) -> dict:
         size = Path(directory, FILES[fmt]).stat().st_size / 2 ** 20
         med = {v: statistics.median(times[v][fmt]) for v in variants}
         cells = " ".join(f"{med[v]:>14.2f} {n / med[v]:>10,.0f}" for v in variants)
-        gain = f" {med[args.baseline] / med['this tree']:>8.2f}x" if old else ""
+        gain = f" {med[args.baseline] / med[THIS]:>8.2f}x" if old else ""
         print(f"{fmt:>10} {size:>6.1f} {cells}{gain}")
-        summary["formats"][fmt] = {"megabytes": size, "load_s": med["this tree"], "runs": times["this tree"][fmt],
-                                   "instructions_per_s": n / med["this tree"]}
+        summary["formats"][fmt] = {"megabytes": size, "load_s": med[THIS], "runs": times[THIS][fmt],
+                                   "instructions_per_s": n / med[THIS]}
     if old:
         summary["baseline"] = {"revision": args.baseline, "formats": {
             fmt: {"load_s": statistics.median(times[args.baseline][fmt]), "runs": times[args.baseline][fmt],
