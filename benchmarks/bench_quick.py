@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default=str(BASELINE), help="baseline file (default benchmarks/baseline.json)")
     ap.add_argument("--write-baseline", action="store_true", help="write this run's ratios as the baseline")
     ap.add_argument("--json", help="output file (default benchmarks/results/bench_quick.json)")
-    ap.add_argument("--no-append", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--no-append", action="store_true", help="a look, not a record: write neither RESULTS.md nor "
+                    "the default JSON (only --json's file, if given)")
     args = ap.parse_args(argv)
     sizes = SIZES["tiny" if args.tiny else "full"]
     figs = figures(sizes)
@@ -195,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "bench_quick", "command": command, "machine": _bench.machine(), "date": _bench.today(),
               "threshold": THRESHOLD, "baseline": baseline, "ratios": ratios, "regressions": regressions,
               "figures": figs}
-    _bench.write_json("bench_quick", result, args.json)
+    if args.json or not args.no_append:
+        _bench.write_json("bench_quick", result, args.json)
     if args.write_baseline:
         baseline_path.write_text(json.dumps({"date": _bench.today(), "machine": _bench.machine(), "command": command,
                                              "pinned_compiler": PINNED, "figures": ratios}, indent=2) + "\n")

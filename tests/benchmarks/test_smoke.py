@@ -131,6 +131,27 @@ def test_bench_quick_compare():
     assert json.loads((BENCH / "baseline.json").read_text())["figures"].keys() == bench_quick.YARDSTICKS.keys()
 
 
+def test_bench_quick_no_append_writes_no_results(tmp_path, monkeypatch):
+    """--no-append is a look, not a record: neither RESULTS.md nor the default JSON is written (the figures are
+    stubbed: what is measured does not matter here, only where it goes)."""
+    sys.path.insert(0, str(BENCH))
+    import _bench
+    import bench_quick
+
+    figs = {name: {"ratio": 1.0, "yardstick": yardstick} for name, yardstick in bench_quick.YARDSTICKS.items()}
+    monkeypatch.setattr(bench_quick, "figures", lambda sizes: {k: dict(v) for k, v in figs.items()})
+    monkeypatch.setattr(_bench, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setenv("PIPEDSL_RESULTS_MD", str(tmp_path / "RESULTS.md"))
+    base = tmp_path / "baseline.json"
+    base.write_text(json.dumps({"figures": dict.fromkeys(figs, 1.0)}))
+    assert bench_quick.main(["--tiny", "--no-append", "--baseline", str(base)]) == 0
+    assert not (tmp_path / "RESULTS.md").exists() and not (tmp_path / "results").exists()
+    assert bench_quick.main(["--tiny", "--no-append", "--baseline", str(base), "--json", str(tmp_path / "a.json")]) == 0
+    assert (tmp_path / "a.json").exists() and not (tmp_path / "RESULTS.md").exists()
+    assert bench_quick.main(["--tiny", "--baseline", str(base)]) == 0  # without it, both: the paths are the real ones
+    assert (tmp_path / "results" / "bench_quick.json").exists() and (tmp_path / "RESULTS.md").exists()
+
+
 def test_gpu_check_without_a_gpu_says_so():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py")], capture_output=True, text=True, env=env,
