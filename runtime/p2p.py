@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -193,8 +194,41 @@ class Channels:
     def wait_sends(self) -> None:
         self.transport.wait_sends()
 
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
+                   async_op: bool = False) -> Any:
+        """Reduce a small tensor (`op`: "sum" or "max") over the pipeline's ranks, in place; with `async_op` a
+        handle to `wait()` on.  Over the sockets a message to and from each peer, reduced in rank order
+        (the same bits on every rank), run at `wait()` — call that between steps, on every rank alike;
+        otherwise `dist.all_reduce` on `group` (default: the pipeline's)."""
+        if isinstance(self.transport, socket_p2p.SocketTransport) and t.device.type == "cpu":
+            work = _SocketReduce(self.transport, t, op)
+            if not async_op:
+                work.wait()
+            return work
+        return dist.all_reduce(t, op=_OPS[op], group=group if group is not None else self.group, async_op=async_op)
+
     def close(self) -> None:
         self.transport.close()
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class _SocketReduce:
+    """An all-reduce over the socket transport, run when waited for."""
+
+    def __init__(self, transport: socket_p2p.SocketTransport, t: torch.Tensor, op: str) -> None:
+        self.transport, self.t, self.op, self.done = transport, t, op, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.done = True
+            parts = self.transport.all_gather(self.t.contiguous())
+            out = parts[0].clone()
+            for part in parts[1:]:
+                out = out + part if self.op == "sum" else torch.maximum(out, part)
+            self.t.copy_(out)
+        return True
 
     # ------------------------------------------------------------ shapes (before the first step)
 

@@ -433,7 +433,7 @@ class Pipeline:
                 self._learned(ex, shapes, forward_only=True)
                 totals = torch.tensor([float(loss_sum), float(ex.counted)], dtype=torch.float64, device=self.device)
                 try:
-                    dist.all_reduce(totals, group=self._loss_group)
+                    self.channels.all_reduce(totals, group=self._loss_group)
                     if self.dp > 1:
                         dist.all_reduce(totals, group=self.mesh.dp_group)
                 except Exception as err:  # noqa: BLE001
@@ -516,10 +516,10 @@ class Pipeline:
         return self.loss.ignore_index
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> None:
-        """Start summing the loss over the pipeline as soon as this rank's part is final (async: the
-        reduction overlaps the rest of the step instead of following it)."""
+        """Start summing the loss over the pipeline as soon as this rank's part is final (with torch.distributed
+        the reduction overlaps the rest of the step; over the sockets it runs at the step's end, a few µs)."""
         total = loss_sum.to(self.device, copy=True)
-        self._loss_reduction = (total, dist.all_reduce(total, group=self._loss_group, async_op=True))
+        self._loss_reduction = (total, self.channels.all_reduce(total, group=self._loss_group, async_op=True))
 
     def _data_parallel_share(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
         """This dp replica's samples (batch="global") or the local batch as given; checks the sizes."""
@@ -629,7 +629,7 @@ class Pipeline:
         key = _shape_key(meta)
         both = torch.tensor([key, -key], dtype=torch.int64, device=self.device)  # NCCL: a device tensor
         try:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+            self.channels.all_reduce(both, "max")
         except Exception as err:  # noqa: BLE001
             raise RankFailure(f"rank {self.rank}: agreeing on this step's input shapes failed: {err}", self.rank,
                               peer_failure=True) from err

@@ -208,8 +208,9 @@ class Link:
 class SocketTransport:
     """Non-blocking messages to and from every rank of one pipeline group on this machine."""
 
-    def __init__(self, links: dict[int, socket.socket], timeout: float) -> None:
+    def __init__(self, links: dict[int, socket.socket], timeout: float, rank: int = 0) -> None:
         self.timeout = timeout
+        self.rank = rank
         self.links = {peer: Link(sock, peer, self) for peer, sock in links.items()}
         self.backlog: set[Link] = set()  # links with bytes the kernel has not taken yet
 
@@ -247,6 +248,18 @@ class SocketTransport:
                 raise TimeoutError(f"sends to rank(s) {peers} not taken within {self.timeout:g} s")
             select.select([link.sock for link in self.links.values() if link.recvs],
                           [link.sock for link in self.backlog], [], left)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (a small CPU tensor of the same shape everywhere), by rank: a message to and from each
+        peer.  Collective over the group, called between steps: every pair's earlier messages are consumed by
+        then, so these are the next ones in both directions."""
+        recvs = {peer: self.post_recv(peer, [torch.empty_like(t)]) for peer in self.links}
+        for peer in self.links:
+            self.send(peer, [t])
+        out = {peer: recv.wait()[0] for peer, recv in recvs.items()}
+        self.wait_sends()
+        out[self.rank] = t
+        return [out[r] for r in sorted(out)]
 
     def close(self) -> None:
         for link in self.links.values():
@@ -287,7 +300,7 @@ def connect(group: dist.ProcessGroup | None, rank: int, size: int,
         return None
     for s in socks.values():
         s.setblocking(False)
-    return SocketTransport(socks, seconds)
+    return SocketTransport(socks, seconds, rank)
 
 
 def _connect_all(listener: socket.socket | None, rank: int, size: int, addresses: list[str],
