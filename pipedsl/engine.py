@@ -65,13 +65,15 @@ def run_to_end(program: Program) -> None:
     _raise_if_stuck(program, pc)
 
 
-def dry_run(program: Program, compute_time: Duration, message_time: Duration,
+def dry_run(program: Program, compute_time: Duration, message_time: Duration | float,
             send_time: float = 0.0) -> tuple[list[list[float]], list[list[float]]]:
     """Start and end time of every instruction of a program that `run_to_end` accepts.
 
-    A message arrives `message_time` after its send starts; the send itself keeps its rank busy
-    for `send_time` (issuing it: a runtime's cost, not the wire's).  The k-th receive on b from a
-    takes the k-th message a sent to b."""
+    A message arrives `message_time` after its send starts (a number: the same for every
+    message, without a call per message); the send itself keeps its rank busy for `send_time`
+    (issuing it: a runtime's cost, not the wire's).  The k-th receive on b from a takes the k-th
+    message a sent to b."""
+    latency = None if callable(message_time) else float(message_time)
     P, ranks = program.num_ranks, program.ranks
     starts = [[0.0] * len(s) for s in ranks]
     ends = [[0.0] * len(s) for s in ranks]
@@ -101,7 +103,7 @@ def dry_run(program: Program, compute_time: Duration, message_time: Duration,
                 q = inbox[dst].get(r)
                 if q is None:
                     q = inbox[dst][r] = deque()
-                q.append(t + message_time(ins))
+                q.append(t + (latency if latency is not None else message_time(ins)))  # type: ignore[operator]
                 if waiting[dst] == r:
                     waiting[dst] = -1
                     ready.append(dst)

@@ -206,7 +206,10 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
 
     with no_gc():
         validate(program)
-        starts, ends = dry_run(program, compute_time, cost.message_time, send_time=cost.send)
+        # Cost's message time is the same for every message (a subclass may say otherwise): one number, no call each
+        per_message = type(cost).message_time is not Cost.message_time
+        latency = cost.message_time if per_message else cost.message_time(None)  # type: ignore[arg-type]
+        starts, ends = dry_run(program, compute_time, latency, send_time=cost.send)
         return simulated_timeline(program, starts, ends, {"cost": {k: getattr(cost, k) for k in _NAMES}})
 
 

@@ -23,6 +23,17 @@ def test_bandwidth_adds_bytes_over_bandwidth():
     assert t.makespan == pytest.approx(4 + 2 * 0.2)
 
 
+def test_a_cost_subclass_may_price_each_message():
+    """simulate asks Cost for one message time; a subclass that overrides message_time is asked per message."""
+
+    class ForwardOnly(Cost):
+        def message_time(self, ins):
+            return 0.5 if ins.op is pipedsl.Op.SEND_F else 0.0
+
+    program = pipedsl.load("gpipe").compile(P=3, M=1)
+    assert pipedsl.simulate(program, ForwardOnly(F=1, B=1)).makespan == pytest.approx(6 + 2 * 0.5)
+
+
 def test_per_stage_costs_and_reduce_and_step():
     program = pipedsl.load("gpipe").compile(P=2, M=2)
     t = pipedsl.simulate(program, Cost(F=1, B=1, reduce=0.25, step=0.5, per_stage={1: {"F": 2, "B": 3}}))
