@@ -21,8 +21,7 @@ Two transports behind one interface (`post_recv` → a receive with `ready`/`wai
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,9 +35,8 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """Shape and dtype of one tensor of a message."""
+class TensorMeta(NamedTuple):
+    """Shape and dtype of one tensor of a message (a named tuple: hashed per message, in C)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype

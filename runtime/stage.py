@@ -206,24 +206,15 @@ class Stage:
         for t in inputs:
             token.add(t)  # kept for the backward
 
-        def with_loss(out: Any) -> tuple[Any, torch.Tensor | None]:
-            if not self.is_last:
-                return out, None
-            loss = self.loss.reduce(out if self.loss_fn is None else self.loss_fn(out, target))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise TypeError(f"the loss must be a scalar tensor, got {what}")
-            return out, loss.reshape(())
-
         def plain(*xs: Any) -> tuple[Any, torch.Tensor | None]:
-            return with_loss(self.module(*xs))
+            return self._with_loss(self.module(*xs), target)
 
         def compute(*xs: Any) -> tuple[Any, torch.Tensor | None]:
-            return plain(*xs) if run is None else with_loss(run(list(xs)))
+            return plain(*xs) if run is None else self._with_loss(run(list(xs)), target)
 
         with torch.autograd.graph.saved_tensors_hooks(token.pack, _unpack), self.precision.autocast(self.device):
             if self.recompute is None:
-                out, loss = compute(*inputs)
+                out, loss = self._with_loss(self.module(*inputs) if run is None else run(inputs), target)
             else:  # recomputation re-runs the plain forward, never an overlapped pair's other backward
                 out, loss = self.recompute.run(compute, tuple(inputs), token, again=plain)
             if self.is_last:
@@ -238,6 +229,16 @@ class Stage:
                 raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
                                 f"or a tuple of tensors")
         return Activation(inputs, outputs, token, buffers or []), outputs
+
+    def _with_loss(self, out: Any, target: Any) -> tuple[Any, torch.Tensor | None]:
+        """(out, the microbatch's loss as a 0-d tensor) on the last stage, (out, None) elsewhere."""
+        if not self.is_last:
+            return out, None
+        loss = self.loss.reduce(out if self.loss_fn is None else self.loss_fn(out, target))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"the loss must be a scalar tensor, got {what}")
+        return out, loss.reshape(())
 
     def evaluate(self, inputs: list[torch.Tensor], target: Any = None) -> Any:
         """Forward without autograd (evaluation): the outputs cast as for training, or on the last stage
