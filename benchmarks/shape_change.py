@@ -1,0 +1,180 @@
+"""What a change of input shape costs a training step: a never-seen shape and a shape seen before, over a steady step.
+
+The small GPT under 1F1B (M=8 by default) at P=2 and P=4, gloo, one thread per rank.  After a
+warmup at the base sequence length T and at a second length T-1, each round times (barrier
+before and after each step, rank 0's clock):
+
+- *steady*: a step at T after a step at T;
+- *seen*: a step at T-1 (known: its executor is cached) after one at T;
+- *new*: a step at a length never seen before (T-2, T-3, ...).
+
+Reported per P: the median steady step and the median per-round extra of a seen and of a new
+shape over that round's steady step (paired, so the machine's drifting load reaches all three).
+
+A/B against another commit in one run: `--against REF` checks REF out in a temporary git
+worktree and runs the same measurement on both trees, alternating them round by round (each
+tree's measurement runs in fresh processes that import pipedsl from that tree; this script
+is the same for both).  `--tree PATH` (repeatable) measures other checkouts instead of this one.
+
+    python benchmarks/shape_change.py                      # this checkout, P=2 and P=4
+    python benchmarks/shape_change.py --against HEAD~3     # before/after, one run
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+_PACKAGES = {"pipedsl": "pipedsl", "pipedsl.runtime": "runtime", "pipedsl.parallel": "parallel",
+             "pipedsl.visualize": "visualize", "pipedsl.schedules": "schedules"}  # pyproject.toml's package-dir
+
+
+class _TreeFinder:
+    """Imports pipedsl's packages from another checkout (`PIPEDSL_TREE`), ahead of the installed one."""
+
+    def __init__(self, tree: str) -> None:
+        self.tree = Path(tree)
+
+    def find_spec(self, name: str, path: object = None, target: object = None):  # noqa: ANN201
+        if name not in _PACKAGES:
+            return None
+        where = self.tree / _PACKAGES[name]
+        return importlib.util.spec_from_file_location(name, where / "__init__.py", submodule_search_locations=[
+            str(where)])
+
+
+if os.environ.get("PIPEDSL_TREE"):  # also in the spawned ranks, which import this file again
+    sys.meta_path.insert(0, _TreeFinder(os.environ["PIPEDSL_TREE"]))
+
+sys.path.insert(0, str(HERE))
+
+import _bench  # noqa: E402
+
+
+def _rank_main(rank: int, P: int, cfg: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import pipedsl
+    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+
+    gcfg = GPTConfig(n_layer=cfg["layers"], n_embd=cfg["embd"], block_size=cfg["seq"])
+    torch.manual_seed(0)
+    pipe = pipedsl.Pipeline(GPT(gcfg).stages(P), "1f1b", microbatches=cfg["M"], loss_fn=gpt_loss)
+    T = gcfg.block_size
+    x, y = synthetic_batch(cfg["M"] * cfg["rows"], T, gcfg.vocab_size, torch.Generator().manual_seed(1))
+
+    def step(L: int) -> float:
+        xs, ys = x[:, :L].contiguous(), y[:, :L].contiguous()
+        dist.barrier(group=pipe.group)
+        t0 = time.perf_counter()
+        pipe.step(xs, ys)
+        dist.barrier(group=pipe.group)
+        dt = time.perf_counter() - t0
+        for p in pipe.parameters():
+            p.grad = None
+        return dt
+
+    for L in [T] * cfg["warmup"] + [T - 1, T]:
+        step(L)
+    out: dict[str, list[float]] = {"steady": [], "seen": [], "new": []}
+    for k in range(cfg["rounds"]):
+        step(T)  # back from the last round's new shape
+        out["steady"].append(step(T))
+        out["seen"].append(step(T - 1))
+        out["new"].append(step(T - 2 - k))
+    out["learned"] = pipe.shape_handshakes
+    pipe.close()
+    return out
+
+
+def measure(P: int, cfg: dict) -> dict:
+    """One measurement at P in this process's tree: the raw times and the paired medians."""
+    import pipedsl
+
+    res = pipedsl.launch(_rank_main, P, P, cfg, threads=1, timeout=300)[0]
+    steady = res["steady"]
+    return {"P": P, "steady_s": _bench.median(steady),
+            "seen_extra_s": _bench.median([a - b for a, b in zip(res["seen"], steady)]),
+            "new_extra_s": _bench.median([a - b for a, b in zip(res["new"], steady)]), "raw": res}
+
+
+def _child(tree: str, P: int, cfg: dict) -> dict:
+    env = {**os.environ, "PIPEDSL_TREE": tree}
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        subprocess.run([sys.executable, __file__, "--child", str(P), "--json", f.name, "--config", json.dumps(cfg)],
+                       env=env, check=True)
+        return json.load(open(f.name))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--P", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--M", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--embd", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
+    ap.add_argument("--rounds", type=int, default=8, help="never-seen shapes per measurement")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2, help="measurements per tree and P (alternating trees)")
+    ap.add_argument("--against", help="a commit to compare with (checked out in a temporary worktree)")
+    ap.add_argument("--tree", action="append", help="a checkout to measure (repeatable; default: this one)")
+    ap.add_argument("--json")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        result = measure(args.child, json.loads(args.config))
+        Path(args.json).write_text(json.dumps(result))
+        return result
+    cfg = {k: getattr(args, k) for k in ("M", "layers", "embd", "seq", "rows", "rounds", "warmup")}
+    paths = [str(Path(t).resolve()) for t in (args.tree or [ROOT])]
+    trees = {("this" if p == str(ROOT) else Path(p).name): p for p in paths}
+    worktree = None
+    if args.against:
+        worktree = tempfile.mkdtemp(prefix="pipedsl-shape-ab-")
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", worktree, args.against], check=True,
+                       capture_output=True)
+        trees = {args.against: worktree, **trees}
+    runs: dict[tuple[str, int], list[dict]] = {}
+    try:
+        for rep in range(args.reps):
+            for P in args.P:
+                for name in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
+                    runs.setdefault((name, P), []).append(_child(trees[name], P, cfg))
+    finally:
+        if worktree is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", worktree], check=False)
+    rows = []
+    for (name, P), rs in runs.items():
+        steady = [t for r in rs for t in r["raw"]["steady"]]
+        pairs = {k: [a - b for r in rs for a, b in zip(r["raw"][k], r["raw"]["steady"])] for k in ("seen", "new")}
+        rows.append({"tree": name, "P": P, "steady_ms": 1e3 * _bench.median(steady),
+                     "seen_extra_ms": 1e3 * _bench.median(pairs["seen"]),
+                     "new_extra_ms": 1e3 * _bench.median(pairs["new"]), "learned": rs[0]["raw"]["learned"]})
+    rows.sort(key=lambda r: (r["P"], r["tree"] != args.against))
+    print(f"1F1B M={args.M}, GPT {args.layers} layers C={args.embd} T={args.seq}, {args.rows} rows/microbatch; "
+          f"medians over {args.reps} x {args.rounds} rounds")
+    print(f"{'tree':<14} {'P':>2} {'steady ms':>10} {'seen +ms':>9} {'new +ms':>9} {'new/steady':>10}")
+    for r in rows:
+        print(f"{r['tree'][:14]:<14} {r['P']:>2} {r['steady_ms']:10.1f} {r['seen_extra_ms']:9.1f} "
+              f"{r['new_extra_ms']:9.1f} {r['new_extra_ms'] / r['steady_ms']:10.2f}")
+    result = {"benchmark": "shape_change", "machine": _bench.machine(), "date": _bench.today(), "config": cfg,
+              "trees": trees, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
