@@ -168,17 +168,17 @@ def _columns(p: Program) -> tuple[np.ndarray, ...] | None:
             where.append((r, range(len(stream))))
     every = list(chain.from_iterable(parts))
     ops, mbs, stages, peers, reps = (list(map(itemgetter(k), every)) for k in range(5))  # zip(*every) is slower
-    types = set(chain(*(map(type, v) for v in (mbs, stages, peers, reps))))
-    if set(map(type, ops)) != {Op} or not types <= _PLAIN_TYPES:
+    if set(map(type, ops)) != {Op} or not set(map(type, chain(mbs, stages, peers, reps))) <= _PLAIN_TYPES:
         return None
     try:
-        op = np.array(list(map(_CODE.__getitem__, ops)), dtype=np.int64)
-        fields = [np.nan_to_num(np.array(v, dtype=float), nan=-1.0) for v in (mbs, stages, peers, reps)]
+        op = np.fromiter(map(_CODE.__getitem__, ops), dtype=np.int64, count=len(ops))
+        fields = np.array([mbs, stages, peers, reps], dtype=float)  # one call: None becomes nan, then -1
     except (KeyError, TypeError, OverflowError):
         return None
-    if max(np.abs(a).max() for a in fields) >= 2 ** 52:  # ints beyond this lose digits as floats
+    np.nan_to_num(fields, copy=False, nan=-1.0)
+    if len(every) and np.abs(fields).max() >= 2 ** 52:  # ints beyond this lose digits as floats
         return None
-    mb, stage, peer, rep = (a.astype(np.int64) for a in fields)
+    mb, stage, peer, rep = fields.astype(np.int64)
     rank = np.repeat(np.arange(len(where), dtype=np.int64), [len(ix) for _, ix in where])
     idx = np.fromiter(chain.from_iterable(ix for _, ix in where), dtype=np.int64, count=len(every))
     return rank, idx, op, mb, stage, peer, rep
