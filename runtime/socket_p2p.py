@@ -5,9 +5,9 @@ hands the message to gloo's transport thread and back (lock, condition variable,
 and `is_completed` polls it.  Measured on this repository's op_cpu benchmark that is most of the
 runtime's CPU per op.  Here a message is one `sendmsg` of a small header and its tensors' bytes,
 straight from the tensors' memory, and one `recvmsg_into` straight into the receive buffers: no
-thread, no copy, no polling.  Sockets are non-blocking; a send the kernel cannot take at once
-(more than the socket buffer) stays queued and is pushed on whenever the rank calls in — between
-compute ops and while it waits for a receive — so no rank ever blocks in a send, as with `isend`.
+thread hand-over, no copy, no polling.  Sockets are non-blocking, so no rank ever blocks in a send,
+as with `isend`: what the kernel does not take at once (more than the socket buffer,
+`net.core.wmem_max`) is queued and sent by a writer thread while the rank goes on.
 
 A connection per pair of ranks carries both directions; each direction is a byte stream, so
 messages between a pair arrive in send order (the program's per-pair order).  Abstract-namespace
@@ -24,6 +24,7 @@ import select
 import socket
 import struct
 import sys
+import threading
 import time
 from collections import deque
 from datetime import timedelta
@@ -109,7 +110,10 @@ class SocketRecv:
 
 
 class Link:
-    """The connection to one peer: its queue of unsent bytes and its queue of posted receives."""
+    """The connection to one peer: its queue of unsent bytes and its queue of posted receives.
+
+    `out` is non-empty exactly while the link is in its transport's `backlog`; both change only
+    under the transport's lock (the writer thread drains `out`)."""
 
     __slots__ = ("sock", "peer", "out", "recvs", "owner")
 
@@ -121,23 +125,26 @@ class Link:
     # ---------------------------------------------------------------- sending
 
     def send(self, views: list[memoryview]) -> None:
-        if self.out:
-            self.out.extend(views)
-            return
-        try:
+        owner = self.owner
+        with owner.lock:
+            owner.raise_failure()
+            if self.out:  # behind queued bytes: the writer thread sends it in order
+                self.out.extend(views)
+                return
+        try:  # nothing queued, so the writer leaves this socket alone
             n = self.sock.sendmsg(views) if len(views) <= _MAX_IOV else 0
         except BlockingIOError:
             n = 0
         except OSError as err:
             raise self._lost(err) from err
-        total = sum(len(v) for v in views)
-        if n < total:
-            self.out.extend(views)
-            self._consume(n)
-            self.owner.backlog.add(self)
+        if n < sum(len(v) for v in views):
+            with owner.lock:
+                self.out.extend(views)
+                self._consume(n)
+                owner.queue(self)
 
     def push(self) -> None:
-        """Give the kernel as much of the queued bytes as it takes now."""
+        """Give the kernel as much of the queued bytes as it takes now (under the transport's lock)."""
         out = self.out
         while out:
             views = [out[i] for i in range(min(len(out), _MAX_IOV))]
@@ -150,7 +157,6 @@ class Link:
             self._consume(n)
             if n < sum(len(v) for v in views):
                 return
-        self.owner.backlog.discard(self)
 
     def _consume(self, n: int) -> None:
         out = self.out
@@ -185,20 +191,19 @@ class Link:
                 return  # the rest has not arrived yet
 
     def wait_for(self, recv: SocketRecv) -> None:
-        """Block until `recv` is complete, pushing every queued send meanwhile (a peer may be waiting for it)."""
+        """Block until `recv` is complete (queued sends go on meanwhile, in the writer thread)."""
         owner = self.owner
         deadline = time.monotonic() + owner.timeout
         while True:
             self.read()
             if recv.done:
                 return
-            owner.push_all()
+            owner.raise_failure()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no message from rank {self.peer} within {owner.timeout:g} s "
                                    f"(the process group's timeout)")
-            writers = [link.sock for link in owner.backlog]
-            select.select([self.sock], writers, [], left)
+            select.select([self.sock], [], [], min(left, 1.0))
 
     def _lost(self, err: OSError | None) -> ConnectionError:
         why = f": {err}" if err is not None else ""
@@ -206,21 +211,26 @@ class Link:
 
 
 class SocketTransport:
-    """Non-blocking messages to and from every rank of one pipeline group on this machine."""
+    """Non-blocking messages to and from every rank of one pipeline group on this machine.
+
+    A message the kernel takes whole (anything up to the socket buffer) costs one system call on
+    the caller's thread.  The rest of a larger one is queued and sent by a writer thread, started
+    the first time that happens, so it flows while the rank computes, as gloo's does."""
 
     def __init__(self, links: dict[int, socket.socket], timeout: float, rank: int = 0) -> None:
         self.timeout = timeout
         self.rank = rank
         self.links = {peer: Link(sock, peer, self) for peer, sock in links.items()}
+        self.lock = threading.Condition()
         self.backlog: set[Link] = set()  # links with bytes the kernel has not taken yet
+        self.failure: ConnectionError | None = None  # the writer thread's, raised on the rank's next call
+        self._writer: threading.Thread | None = None
+        self._closing = False
 
     def post_recv(self, peer: int, buffers: list[torch.Tensor]) -> SocketRecv:
         link = self.links[peer]
         recv = SocketRecv(buffers, peer, link)
-        if recv._views:
-            link.recvs.append(recv)
-        else:  # pragma: no cover - a message always has a header
-            recv.done = True
+        link.recvs.append(recv)
         return recv
 
     def send(self, peer: int, tensors: list[torch.Tensor]) -> None:
@@ -229,25 +239,57 @@ class SocketTransport:
         header = memoryview(_HEADER.pack(sum(len(v) for v in payload)))
         self.links[peer].send([header, *(v for v in payload if len(v))])
 
+    def queue(self, link: Link) -> None:
+        """`link` has queued bytes (under the lock): wake the writer, starting it the first time."""
+        self.backlog.add(link)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="pipedsl-socket-writer", daemon=True)
+            self._writer.start()
+        self.lock.notify_all()
+
+    def _write(self) -> None:
+        """The writer thread: push every queued byte as the sockets take them."""
+        lock = self.lock
+        while True:
+            with lock:
+                while not self.backlog and not self._closing:
+                    lock.wait()
+                if self._closing:
+                    return
+                socks = [link.sock for link in self.backlog]
+            try:
+                select.select([], socks, [], 0.5)
+            except (OSError, ValueError):  # closed under us
+                return
+            with lock:
+                for link in list(self.backlog):
+                    try:
+                        link.push()
+                    except ConnectionError as err:
+                        self.failure = err
+                        self.backlog.clear()
+                    if not link.out:
+                        self.backlog.discard(link)
+                lock.notify_all()
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
     def push_all(self) -> None:
-        for link in list(self.backlog):
-            link.push()
+        """Nothing to do between compute ops: the writer thread sends what is queued."""
 
     def wait_sends(self) -> None:
         """Block until the kernel has taken every queued byte (the tensors may then change)."""
         deadline = time.monotonic() + self.timeout
-        while self.backlog:
-            self.push_all()
-            if not self.backlog:
-                return
-            for link in self.links.values():  # a peer may need our reads to make room: take what we can
-                link.read()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                peers = sorted(link.peer for link in self.backlog)
-                raise TimeoutError(f"sends to rank(s) {peers} not taken within {self.timeout:g} s")
-            select.select([link.sock for link in self.links.values() if link.recvs],
-                          [link.sock for link in self.backlog], [], left)
+        with self.lock:
+            while self.backlog and self.failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    peers = sorted(link.peer for link in self.backlog)
+                    raise TimeoutError(f"sends to rank(s) {peers} not taken within {self.timeout:g} s")
+                self.lock.wait(min(left, 1.0))
+            self.raise_failure()
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (a small CPU tensor of the same shape everywhere), by rank: a message to and from each
@@ -262,6 +304,11 @@ class SocketTransport:
         return [out[r] for r in sorted(out)]
 
     def close(self) -> None:
+        with self.lock:
+            self._closing = True
+            self.lock.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=2.0)
         for link in self.links.values():
             link.sock.close()
         self.links = {}

@@ -44,9 +44,18 @@ def test_messages_keep_their_order_and_a_late_receive_finds_its_message() -> Non
     assert [float(r.wait()[0][0]) for r in reversed(recvs)] == [4.0, 3.0, 2.0, 1.0, 0.0]
 
 
+def test_a_message_larger_than_the_socket_buffer_flows_while_its_sender_does_something_else() -> None:
+    a, b = _pair()
+    x = torch.arange(6 << 20, dtype=torch.float32)
+    a.send(1, [x])  # returns at once; the writer thread sends the rest without `a` being called again
+    assert a.backlog
+    assert torch.equal(b.post_recv(0, [torch.empty_like(x)]).wait()[0], x)
+    a.wait_sends()
+    assert not a.backlog
+
+
 def test_messages_larger_than_the_socket_buffer_cross_both_ways_at_once() -> None:
-    """Both ranks send 24 MB to each other before either receives: sends never block, each rank's wait pushes its
-    own backlog, and the bytes arrive intact."""
+    """Both ranks send 24 MB to each other before either receives: sends never block and the bytes arrive intact."""
     a, b = _pair()
     n = 6 << 20
     x, y = torch.arange(n, dtype=torch.float32), -torch.arange(n, dtype=torch.float32)
@@ -81,6 +90,14 @@ def test_a_closed_peer_and_a_silent_peer_are_named_errors() -> None:
     a.close()
     with pytest.raises(ConnectionError, match="connection to rank 0 was closed"):
         b.post_recv(0, [torch.empty(4)]).wait()
+
+
+def test_a_peer_that_closes_while_a_large_send_is_queued_is_a_named_error() -> None:
+    a, b = _pair()
+    a.send(1, [torch.zeros(6 << 20)])
+    b.close()
+    with pytest.raises(ConnectionError, match="connection to rank 1 was closed"):
+        a.wait_sends()
 
 
 # ------------------------------------------------------------------ in a pipeline, against torch.distributed
