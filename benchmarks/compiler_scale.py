@@ -212,16 +212,23 @@ def _median_row(runs: list[dict]) -> dict:
 
 def program_files(directory: str, row: dict, variants: dict[str, dict[str, str]], args: argparse.Namespace) -> dict:
     """Load each file of the program `--load-reps` times in fresh processes (with `--baseline`, alternately
-    with that revision's code); print and return the median speed per format."""
+    with that revision's code, which may predate a format: then that cell is empty); print and return the
+    median speed per format."""
     n = row["instructions"]
     old = len(variants) > 1
     formats = [f for f in args.formats if Path(directory, FILES[f]).exists()]
     times: dict[str, dict[str, list[float]]] = {v: {f: [] for f in formats} for v in variants}
+    unreadable: set[tuple[str, str]] = set()  # (baseline, format) its code cannot read
     for rep in range(args.load_reps):
         for variant in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
             for fmt in formats:
+                if (variant, fmt) in unreadable:
+                    continue
                 out = subprocess.run([sys.executable, __file__, "--load", str(Path(directory, FILES[fmt]))],
                                      capture_output=True, text=True, env=variants[variant], cwd=directory)
+                if out.returncode and variant != THIS and "ValidationError" in out.stderr:
+                    unreadable.add((variant, fmt))
+                    continue
                 if out.returncode:
                     raise SystemExit(f"compiler_scale: loading {fmt} with {variant}'s code failed:\n"
                                      f"{out.stderr[-2000:]}")
@@ -237,16 +244,17 @@ def program_files(directory: str, row: dict, variants: dict[str, dict[str, str]]
     summary: dict = {"instructions": n, "compile_instructions_per_s": compile_speed, "formats": {}}
     for fmt in formats:
         size = Path(directory, FILES[fmt]).stat().st_size / 2 ** 20
-        med = {v: statistics.median(times[v][fmt]) for v in variants}
-        cells = " ".join(f"{med[v]:>14.2f} {n / med[v]:>10,.0f}" for v in variants)
-        gain = f" {med[args.baseline] / med[THIS]:>8.2f}x" if old else ""
+        med = {v: statistics.median(times[v][fmt]) if times[v][fmt] else None for v in variants}
+        cells = " ".join(f"{med[v]:>14.2f} {n / med[v]:>10,.0f}" if med[v] else f"{'unreadable':>25}" for v in variants)
+        gain = (f" {med[args.baseline] / med[THIS]:>8.2f}x" if med[args.baseline] else f" {'-':>9}") if old else ""
         print(f"{fmt:>10} {size:>6.1f} {cells}{gain}")
         summary["formats"][fmt] = {"megabytes": size, "load_s": med[THIS], "runs": times[THIS][fmt],
                                    "instructions_per_s": n / med[THIS]}
     if old:
         summary["baseline"] = {"revision": args.baseline, "formats": {
             fmt: {"load_s": statistics.median(times[args.baseline][fmt]), "runs": times[args.baseline][fmt],
-                  "instructions_per_s": n / statistics.median(times[args.baseline][fmt])} for fmt in formats}}
+                  "instructions_per_s": n / statistics.median(times[args.baseline][fmt])}
+            for fmt in formats if times[args.baseline][fmt]}, "unreadable": sorted(f for _, f in unreadable)}
     return summary
 
 
