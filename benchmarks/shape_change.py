@@ -18,6 +18,7 @@ is the same for both).  `--tree PATH` (repeatable) measures other checkouts inst
 
     python benchmarks/shape_change.py                      # this checkout, P=2 and P=4
     python benchmarks/shape_change.py --against HEAD~3     # before/after, one run
+    python benchmarks/shape_change.py --quick --no-append  # structure only, ~30 s
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=2, help="measurements per tree and P (alternating trees)")
     ap.add_argument("--against", help="a commit to compare with (checked out in a temporary worktree)")
     ap.add_argument("--tree", action="append", help="a checkout to measure (repeatable; default: this one)")
-    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, P=2 only, one measurement (structure only)")
+    ap.add_argument("--json", help="output file (default benchmarks/results/shape_change.json)")
+    ap.add_argument("--no-append", action="store_true", help="no row in RESULTS.md")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = measure(args.child, json.loads(args.config))
         Path(args.json).write_text(json.dumps(result))
         return result
+    if args.quick:
+        args.P, args.layers, args.embd, args.seq, args.rounds, args.reps, args.warmup = [2], 2, 16, 16, 2, 1, 1
     cfg = {k: getattr(args, k) for k in ("M", "layers", "embd", "seq", "rows", "rounds", "warmup")}
     paths = [str(Path(t).resolve()) for t in (args.tree or [ROOT])]
     trees = {("this" if p == str(ROOT) else Path(p).name): p for p in paths}
@@ -169,10 +174,15 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(f"{r['tree'][:14]:<14} {r['P']:>2} {r['steady_ms']:10.1f} {r['seen_extra_ms']:9.1f} "
               f"{r['new_extra_ms']:9.1f} {r['new_extra_ms'] / r['steady_ms']:10.2f}")
-    result = {"benchmark": "shape_change", "machine": _bench.machine(), "date": _bench.today(), "config": cfg,
-              "trees": trees, "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    command = "python benchmarks/shape_change.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"benchmark": "shape_change", "command": command.strip(), "machine": _bench.machine(),
+              "date": _bench.today(), "config": cfg, "trees": trees, "rows": rows}
+    _bench.write_json("shape_change", result, args.json)
+    if not args.no_append:
+        summary = "; ".join(f"{r['tree']} P={r['P']}: steady {r['steady_ms']:.1f} ms, seen {r['seen_extra_ms']:+.1f}, "
+                            f"new {r['new_extra_ms']:+.1f}" for r in rows)
+        _bench.append_results(_bench.results_row(result["command"], f"1F1B M={args.M}, extra ms of a step at a "
+                                                 f"seen-before / never-seen input shape over a steady step: {summary}"))
     return result
 
 
