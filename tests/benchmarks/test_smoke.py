@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,21 +16,62 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = ["--F", "0.0005", "--B", "0.001", "--reps", "1", "--warmup", "0"]
 
+# The slow tests' commands (script, its arguments), by test.  They are independent and about half of each one's
+# time is one busy core (imports, compiling, a launcher waiting on its ranks), so `runs` starts them two at a time
+# as soon as the first is needed and each test checks its own when it comes (suite time).  No test asserts a time.
+RUNS = {
+    "test_vs_torch": ("vs_torch", ["--workload", "both", "--P", "2", "--schedules", "1f1b", "--steps", "1",
+                                   "--gpt-steps", "1", *TINY]),
+    "test_fidelity": ("fidelity", ["--P", "2", "--M", "2", "--schedules", "1f1b", "chimera", "interleaved",
+                                   "--zero-M", "2", "--zero-steps", "1", *TINY]),
+    "test_schedules": ("schedules", ["--P", "2", "--M-factors", "2", "--png", "{tmp}/cmp.png", *TINY]),
+    "test_compiler_scale_appends_to_the_same_table": ("compiler_scale", ["--quick", "--formats", "json", "torch-csv",
+                                                                         "--baseline", "HEAD"]),
+    "test_precision": ("precision", ["--steps", "1", "--reps", "1", "--warmup", "0", "--layers", "2", "--seq", "16"]),
+    "test_recompute": ("recompute", ["--quick"]),
+    "test_schedules_v": ("schedules_v", ["--P", "2", "--M", "4", "--schedules", "1f1b", "dualpipev", "--width", "32",
+                                         *TINY]),
+    "test_bench_quick_gates_on_its_baseline": ("bench_quick", ["--tiny", "--baseline", "{tmp}/baseline.json"]),
+    "test_gpu_check_dry_run_on_gloo": ("gpu_check", ["--device", "cpu", "--tiny"]),
+}
+QUICK_NAMES = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2"]
 
-def run(tmp_path: Path, script: str, *args: str) -> dict:
-    out = tmp_path / f"{script}.json"
-    env = {**os.environ, "PIPEDSL_RESULTS_MD": str(tmp_path / "RESULTS.md")}
-    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args, "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=240)
+
+def _start(tmp: Path, script: str, args: list[str]) -> subprocess.CompletedProcess:
+    if script == "bench_quick":  # against a baseline no run can meet
+        (tmp / "baseline.json").write_text(json.dumps({"figures": dict.fromkeys(QUICK_NAMES, 1e-9)}))
+    env = None if script == "gpu_check" else {**os.environ, "PIPEDSL_RESULTS_MD": str(tmp / "RESULTS.md")}
+    argv = [sys.executable, str(BENCH / f"{script}.py"), *(a.format(tmp=tmp) for a in args),
+            "--json", str(tmp / f"{script}.json")]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300 if script == "gpu_check" else 240)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """test name -> (its directory, a Future of its completed process), for the selected slow tests."""
+    pool = ThreadPoolExecutor(2)
+    selected = {item.originalname for item in request.session.items}
+    started: dict[str, tuple[Path, Future]] = {}
+    for test, (script, args) in RUNS.items():
+        if test in selected:
+            tmp = tmp_path_factory.mktemp(script)
+            started[test] = (tmp, pool.submit(_start, tmp, script, args))
+    yield started
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def run(runs, request, script: str) -> dict:
+    tmp, future = runs[request.node.originalname]
+    proc = future.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = (tmp_path / "RESULTS.md").read_text().splitlines()
+    table = (tmp / "RESULTS.md").read_text().splitlines()
     assert table[5] == "|---|---|---|---|" and table[-1].startswith("| ") and f"benchmarks/{script}.py" in table[-1]
-    return json.loads(out.read_text())
+    return json.loads((tmp / f"{script}.json").read_text())
 
 
 @pytest.mark.slow
-def test_vs_torch(tmp_path):
-    got = run(tmp_path, "vs_torch", "--workload", "both", "--P", "2", "--schedules", "1f1b", "--steps", "1", "--gpt-steps", "1", *TINY)
+def test_vs_torch(runs, request):
+    got = run(runs, request, "vs_torch")
     assert got["benchmark"] == "vs_torch" and got["machine"] and got["date"]
     assert [(r["workload"], r["schedule"], r["P"]) for r in got["rows"]] == [("sleep", "1f1b", 2), ("gpt", "1f1b", 2)]
     for r in got["rows"]:
@@ -38,9 +80,8 @@ def test_vs_torch(tmp_path):
 
 
 @pytest.mark.slow
-def test_fidelity(tmp_path):
-    got = run(tmp_path, "fidelity", "--P", "2", "--M", "2", "--schedules", "1f1b", "chimera", "interleaved",
-              "--zero-M", "2", "--zero-steps", "1", *TINY)
+def test_fidelity(runs, request):
+    got = run(runs, request, "fidelity")
     rows = {r["schedule"]: r for r in got["rows"]}
     assert set(rows) == {"1f1b", "chimera", "interleaved"}
     assert "skipped" in rows["interleaved"] or rows["interleaved"]["ratio"] > 0  # interleaved needs M % P == 0: runs
@@ -50,9 +91,9 @@ def test_fidelity(tmp_path):
 
 
 @pytest.mark.slow
-def test_schedules(tmp_path):
-    png = tmp_path / "cmp.png"
-    got = run(tmp_path, "schedules", "--P", "2", "--M-factors", "2", "--png", str(png), *TINY)
+def test_schedules(runs, request):
+    got = run(runs, request, "schedules")
+    png = runs[request.node.originalname][0] / "cmp.png"
     rows = {r["schedule"]: r for r in got["rows"]}
     assert set(rows) == {"1f1b", "interleaved", "chimera", "hanayo-W1", "hanayo-W2"}
     assert all(r["M"] == 4 and r["predicted_makespan_s"] > 0 and "measured_makespan_s" in r for r in rows.values())
@@ -61,8 +102,9 @@ def test_schedules(tmp_path):
 
 
 @pytest.mark.slow
-def test_compiler_scale_appends_to_the_same_table(tmp_path):
-    got = run(tmp_path, "compiler_scale", "--quick", "--formats", "json", "torch-csv", "--baseline", "HEAD")
+def test_compiler_scale_appends_to_the_same_table(runs, request):
+    got = run(runs, request, "compiler_scale")
+    tmp_path = runs[request.node.originalname][0]
     assert got["benchmark"] == "compiler_scale" and got["rows"] and got["growth_exponent"] > 0
     files = got["program_files"]  # the largest program, loaded back from files by this tree and by HEAD's code
     assert files["instructions"] == got["rows"][-1]["instructions"] and files["compile_instructions_per_s"] > 0
@@ -73,8 +115,8 @@ def test_compiler_scale_appends_to_the_same_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_precision(tmp_path):
-    got = run(tmp_path, "precision", "--steps", "1", "--reps", "1", "--warmup", "0", "--layers", "2", "--seq", "16")
+def test_precision(runs, request):
+    got = run(runs, request, "precision")
     assert got["benchmark"] == "precision" and [r["variant"] for r in got["rows"]][:3] == ["fp32", "bf16", "fp16"]
     by = {r["variant"]: r for r in got["rows"]}
     assert by["fp32"]["p2p_bytes_per_step"] > 0 and by["bf16"]["p2p_vs_fp32"] == by["fp16"]["p2p_vs_fp32"] == 0.5
@@ -82,8 +124,8 @@ def test_precision(tmp_path):
 
 
 @pytest.mark.slow
-def test_recompute(tmp_path):
-    got = run(tmp_path, "recompute", "--quick")
+def test_recompute(runs, request):
+    got = run(runs, request, "recompute")
     assert got["benchmark"] == "recompute" and [r["variant"] for r in got["rows"]] == ["baseline", "full",
                                                                                       "selective", "token"]
     for m in got["memory"]:  # one stage per rank: the measured bytes are the prediction
@@ -92,8 +134,8 @@ def test_recompute(tmp_path):
 
 
 @pytest.mark.slow
-def test_schedules_v(tmp_path):
-    got = run(tmp_path, "schedules_v", "--P", "2", "--M", "4", "--schedules", "1f1b", "dualpipev", "--width", "32", *TINY)
+def test_schedules_v(runs, request):
+    got = run(runs, request, "schedules_v")
     rows = {r["schedule"]: r for r in got["rows"]}
     assert set(rows) == {"1f1b", "dualpipev"} and rows["1f1b"]["sleep_step_vs_1f1b"] == 1.0
     for r in rows.values():  # the runtime counted what the simulator predicts, and saved bytes for each
@@ -102,15 +144,12 @@ def test_schedules_v(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_quick_gates_on_its_baseline(tmp_path):
+def test_bench_quick_gates_on_its_baseline(runs, request):
     """Against a baseline no run can meet, every figure is a REGRESSION line and the exit status is 1."""
-    base = tmp_path / "baseline.json"
-    names = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2"]
-    base.write_text(json.dumps({"figures": dict.fromkeys(names, 1e-9)}))
+    tmp_path, future = runs[request.node.originalname]
+    names = QUICK_NAMES
     out = tmp_path / "bench_quick.json"
-    env = {**os.environ, "PIPEDSL_RESULTS_MD": str(tmp_path / "RESULTS.md")}
-    proc = subprocess.run([sys.executable, str(BENCH / "bench_quick.py"), "--tiny", "--baseline", str(base),
-                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=240)
+    proc = future.result()
     assert proc.returncode == 1, proc.stderr[-3000:]
     flagged = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("REGRESSION")]
     assert flagged == names
@@ -160,14 +199,14 @@ def test_gpu_check_without_a_gpu_says_so():
 
 
 @pytest.mark.slow
-def test_gpu_check_dry_run_on_gloo(tmp_path):
+def test_gpu_check_dry_run_on_gloo(runs, request):
     """`--device cpu`: the GPU checks' code on gloo — every built-in equal to one process, every vs_torch
     schedule, CPU per op and plan --calibrate, into one JSON file and its markdown table."""
     import pipedsl
 
+    tmp_path, future = runs[request.node.originalname]
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--device", "cpu", "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = future.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["backend"] == "gloo" and got["device"] == "cpu" and got["failed"] == []
