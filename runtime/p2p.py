@@ -195,7 +195,7 @@ class Channels:
     def all_reduce(self, t: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
                    async_op: bool = False) -> Any:
         """Reduce a small tensor (`op`: "sum" or "max") over the pipeline's ranks, in place; with `async_op` a
-        handle to `wait()` on.  Over the sockets a message to and from each peer, reduced in rank order
+        handle to `wait()` on.  Over the sockets gathered by rank 0 and sent back, reduced in rank order
         (the same bits on every rank), run at `wait()` — call that between steps, on every rank alike;
         otherwise `dist.all_reduce` on `group` (default: the pipeline's)."""
         if isinstance(self.transport, socket_p2p.SocketTransport) and t.device.type == "cpu":
@@ -213,7 +213,8 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 class _SocketReduce:
-    """An all-reduce over the socket transport, run when waited for."""
+    """An all-reduce over the socket transport, run when waited for; reduced in rank order (the same bits on every
+    rank, whatever the timing)."""
 
     def __init__(self, transport: socket_p2p.SocketTransport, t: torch.Tensor, op: str) -> None:
         self.transport, self.t, self.op, self.done = transport, t, op, False
@@ -221,12 +222,14 @@ class _SocketReduce:
     def wait(self) -> bool:
         if not self.done:
             self.done = True
-            parts = self.transport.all_gather(self.t.contiguous())
-            out = parts[0].clone()
-            for part in parts[1:]:
-                out = out + part if self.op == "sum" else torch.maximum(out, part)
-            self.t.copy_(out)
+            self.t.copy_(self.transport.all_reduce(self.t.contiguous(), self._combine))
         return True
+
+    def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        out = parts[0].clone()
+        for part in parts[1:]:
+            out = out + part if self.op == "sum" else torch.maximum(out, part)
+        return out
 
     # ------------------------------------------------------------ shapes (before the first step)
 

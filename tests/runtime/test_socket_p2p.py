@@ -100,6 +100,31 @@ def test_a_peer_that_closes_while_a_large_send_is_queued_is_a_named_error() -> N
         a.wait_sends()
 
 
+def test_all_reduce_combines_every_rank_in_rank_order_on_every_rank() -> None:
+    P = 3
+    socks: dict[int, dict[int, socket.socket]] = {r: {} for r in range(P)}
+    for r in range(P):
+        for q in range(r + 1, P):
+            socks[r][q], socks[q][r] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for links in socks.values():
+        for s in links.values():
+            s.setblocking(False)
+    transports = [SocketTransport(socks[r], 20.0, rank=r) for r in range(P)]
+    got: dict[int, list] = {}
+
+    def run(r: int) -> None:
+        got[r] = [transports[r].all_reduce(torch.tensor([float(r + 1), 10.0 * r]), lambda ps: torch.stack(ps))
+                  for _ in range(2)]
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    want = torch.tensor([[1.0, 0.0], [2.0, 10.0], [3.0, 20.0]])
+    assert all(torch.equal(x, want) for r in range(P) for x in got[r])
+
+
 # ------------------------------------------------------------------ in a pipeline, against torch.distributed
 
 
