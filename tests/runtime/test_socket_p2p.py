@@ -3,6 +3,7 @@ torch.distributed's point-to-point path in a pipeline."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -113,15 +114,17 @@ def test_all_reduce_combines_every_rank_in_rank_order_on_every_rank() -> None:
     got: dict[int, list] = {}
 
     def run(r: int) -> None:
-        got[r] = [transports[r].all_reduce(torch.tensor([float(r + 1), 10.0 * r]), lambda ps: torch.stack(ps))
-                  for _ in range(2)]
+        def in_order(parts: list[torch.Tensor]) -> torch.Tensor:  # digits: any other order gives another number
+            return functools.reduce(lambda a, b: a * 10 + b, parts)
+
+        got[r] = [transports[r].all_reduce(torch.tensor([float(r + 1), float(P - r)]), in_order) for _ in range(2)]
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(P)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    want = torch.tensor([[1.0, 0.0], [2.0, 10.0], [3.0, 20.0]])
+    want = torch.tensor([123.0, 321.0])
     assert all(torch.equal(x, want) for r in range(P) for x in got[r])
 
 
