@@ -39,9 +39,9 @@ from pipedsl.ir import Instr, Op
 from .errors import RankFailure
 from .executor import Executor
 from .keys import Copy, ShapeKey, Slot
-from .p2p import _META_LEN, Recv, TensorMeta, decode_meta, describe, encode_meta
+from .p2p import META_LEN, Recv, TensorMeta, decode_meta, describe, encode_meta
 
-_SHAPES = (TensorMeta((_META_LEN,), torch.int64),)  # the shape message
+_SHAPES = (TensorMeta((META_LEN,), torch.int64),)  # the shape message
 
 
 class Discovery(Executor):
@@ -176,9 +176,7 @@ class Discovery(Executor):
             self._announced.add(key)
             outs = self.outbox[Op.F][Slot(ins.mb, ins.stage, ins.replica)]
             vector = encode_meta(tuple(TensorMeta.of(t) for t in outs)).to(self.channels.device)
-            channels = self.channels
-            channels.send(ins.peer, [vector])
-            channels.sent_bytes -= vector.numel() * vector.element_size()  # counts the payload only
+            self.channels.send(ins.peer, [vector], payload=False)
         super()._send(ins)
 
     def _forward_inputs(self, slot: Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -30,7 +30,7 @@ from . import socket_p2p
 from .groups import PipelineGroups
 
 # A fixed-size int64 vector describes one message (count, then dtype, ndim, dims per tensor).
-_META_LEN = 64
+META_LEN = 64
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 
@@ -61,9 +61,9 @@ def encode_meta(metas: tuple[TensorMeta, ...]) -> torch.Tensor:
     out = [len(metas)]
     for m in metas:
         out += [_DTYPES.index(m.dtype), len(m.shape), *m.shape]
-    if len(out) > _META_LEN:
+    if len(out) > META_LEN:
         raise ValueError(f"a stage message of {len(metas)} tensors is too large to describe")
-    return torch.tensor(out + [0] * (_META_LEN - len(out)), dtype=torch.int64)
+    return torch.tensor(out + [0] * (META_LEN - len(out)), dtype=torch.int64)
 
 
 def decode_meta(v: torch.Tensor) -> tuple[TensorMeta, ...]:
@@ -174,14 +174,16 @@ class Channels:
     def post_recv(self, peer: int, metas: tuple[TensorMeta, ...]) -> Recv | socket_p2p.SocketRecv:
         return self.transport.post_recv(peer, [self.pool.take(m) for m in metas])
 
-    def send(self, peer: int, tensors: list[torch.Tensor]) -> None:
-        """Start sending; the tensors are kept alive until the send completes."""
+    def send(self, peer: int, tensors: list[torch.Tensor], payload: bool = True) -> None:
+        """Start sending; the tensors are kept alive until the send completes.  `payload`: counted in `sent_bytes`
+        (not a discovery step's shape message)."""
         out = []
         for t in tensors:
             t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
-            self.sent_bytes += t.numel() * t.element_size()
+            if payload:
+                self.sent_bytes += t.numel() * t.element_size()
             out.append(t)
         self.transport.send(peer, out)
 
@@ -231,13 +233,3 @@ class _SocketReduce:
             out = out + part if self.op == "sum" else torch.maximum(out, part)
         return out
 
-    # ------------------------------------------------------------ shapes (before the first step)
-
-    def send_meta(self, peer: int, metas: tuple[TensorMeta, ...]) -> None:
-        v = encode_meta(metas).to(self.device)
-        dist.send(v, dst=self._global[peer], group=self.group, tag=0)
-
-    def recv_meta(self, peer: int) -> tuple[TensorMeta, ...]:
-        v = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(v, src=self._global[peer], group=self.group, tag=0)
-        return decode_meta(v.cpu())
