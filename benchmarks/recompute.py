@@ -12,8 +12,8 @@ prediction: the simulator's peak count of live activations × the bytes one acti
 rank's stage keeps, plus what one recomputation brings back during its backward.
 
 Shape changes: a baseline pipeline alternates steps at the known sequence length with steps at
-lengths it has never seen (each needs a shape handshake); reported: the median extra time of a
-new-shape step over a known-shape step, and the per-step shape agreement (one all-reduce).
+lengths it has never seen (each learned by a discovery step, runtime/discovery.py); reported: the
+median extra time of a new-shape step over a known-shape step, and the per-step shape agreement (one all-reduce).
 
     python benchmarks/recompute.py                 # P=2, 1F1B, M=4
     python benchmarks/recompute.py --schedule zb-h1 --reps 9
@@ -113,7 +113,7 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
         bytes_rows[name] = {"measured": runs[name][0].counter.peak_bytes, "predicted": predicted,
                             "per_activation": mine, "peak_activations": peak_count}
 
-    # shape changes: known length vs never-seen lengths (each new one is a handshake)
+    # shape changes: known length vs never-seen lengths (each new one is a discovery step)
     pipe, step = runs["baseline"]
     known, new = _bench.shape_change_times(step, x, y,
                                            [T - 4 * (k + 1) for k in range(cfg["new_shapes"])])

@@ -1,7 +1,7 @@
 """The runtime's dictionary keys, with named fields: which microbatch, stage, replica or shape kind a key is about.
 
 Bare tuples came in several orders — (microbatch, stage, replica) for activations, (op, microbatch, stage,
-replica) for messages, (shape kind, replica, stage) for the shape handshake, (replica, stage) for
+replica) for messages, (shape kind, replica, stage) for the shapes learned per input shape, (replica, stage) for
 `Program.placement` — so a swapped pair of fields was a silent miss or a wrong hit.  These are named
 tuples: they hash and compare as the plain tuple of their fields in the order declared here, and cost
 what a tuple costs to look up.  Read them by name (`key.stage`).  Build them by name
@@ -34,7 +34,7 @@ class Slot(NamedTuple):
 
 
 class ShapeKey(NamedTuple):
-    """One stage copy's tensors for the microbatches of one shape kind (the shape handshake's input and output
+    """One stage copy's tensors for the microbatches of one shape kind (the input and output
     metadata; kind k is the k-th distinct microbatch shape of a step)."""
 
     kind: int
