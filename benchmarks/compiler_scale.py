@@ -13,7 +13,8 @@ in a fresh process, `--load-reps` times: instructions per second beside the comp
 (plan + lower + validate) speed in the same run.  `--baseline REV` compiles every size and loads
 the same files with the code of git revision REV too, alternating with this tree (`--compile-reps`
 times per size, medians), so a speed-up is measured in one run (this machine's speed moves 1.5-3x
-between runs); the largest size's phases are printed side by side.
+between runs); each size prints both rows, phase by phase, and this tree's total and CPU time over
+the baseline's (CPU time moves less with other users' load).
 
     python benchmarks/compiler_scale.py                      # 10^3 … 1.6·10^6 instructions
     python benchmarks/compiler_scale.py --quick              # up to ~2·10^5
@@ -57,7 +58,7 @@ def measure(schedule: str, P: int, M: int, V: int, files: str | None = None) -> 
     from pipedsl.validate import validate
 
     sched = pipedsl.load(schedule)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with no_gc():
         plan = sched.plan(P=P, M=M, V=V)
         t1 = time.perf_counter()
@@ -66,12 +67,12 @@ def measure(schedule: str, P: int, M: int, V: int, files: str | None = None) -> 
         validate(program)
         t3 = time.perf_counter()
     timeline = pipedsl.simulate(program)
-    t4 = time.perf_counter()
+    t4, c4 = time.perf_counter(), time.process_time()
     n = program.num_instructions()
     row = {
         "P": P, "M": M, "V": V, "instructions": n,
         "plan_s": t1 - t0, "lower_s": t2 - t1, "validate_s": t3 - t2, "simulate_s": t4 - t3,
-        "total_s": t4 - t0, "us_per_instruction": (t4 - t0) / n * 1e6,
+        "total_s": t4 - t0, "cpu_s": c4 - c0, "us_per_instruction": (t4 - t0) / n * 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "bubble_ratio": timeline.bubble_ratio,
     }
@@ -154,7 +155,8 @@ def main() -> None:
     was = (f" (at {before['revision']}, same run: " + ", ".join(
         f"{fmt} {f['instructions_per_s'] / 1e3:.0f}k" for fmt, f in before["formats"].items()) + ")") if before else ""
     then = (f" ({args.baseline}'s code, same run: {base_rows[-1]['total_s']:.2f} s, this tree "
-            f"{last['total_s'] / base_rows[-1]['total_s']:.2f}x its time)") if base_rows else ""
+            f"{last['total_s'] / base_rows[-1]['total_s']:.2f}x its time, "
+            f"{last['cpu_s'] / base_rows[-1]['cpu_s']:.2f}x its CPU time)") if base_rows else ""
     _append_results(
         f"| {result['date']} | `python benchmarks/compiler_scale.py{' --quick' if args.quick else ''}"
         f"{f' --baseline {args.baseline}' if args.baseline else ''}"
@@ -173,7 +175,8 @@ def compile_sizes(sizes: list[tuple[int, int, int]], files_at: tuple[int, int, i
     print a row of medians per variant (with a baseline, its time over this tree's) and return this tree's
     rows and the baseline's."""
     print(f"{'P':>4} {'M':>5} {'V':>2} {'instr':>9} {'code':>10} {'plan':>6} {'lower':>6} {'valid':>6} {'sim':>6} "
-          f"{'total s':>8} {'µs/instr':>9} {'RSS MB':>7}" + ("  this/baseline" if len(variants) > 1 else ""))
+          f"{'total s':>8} {'cpu s':>6} {'µs/instr':>9} {'RSS MB':>7}"
+          + ("  this/baseline (cpu)" if len(variants) > 1 else ""))
     rows, base_rows = [], []
     for k, (P, M, V) in enumerate(sizes):
         runs: dict[str, list[dict]] = {v: [] for v in variants}
@@ -191,9 +194,11 @@ def compile_sizes(sizes: list[tuple[int, int, int]], files_at: tuple[int, int, i
             if r["instructions"] != med[THIS]["instructions"]:
                 raise SystemExit(f"compiler_scale: {variant}'s code made {r['instructions']} instructions, this tree "
                                  f"{med[THIS]['instructions']}: not the same input")
-            ratio = f"  {med[THIS]['total_s'] / r['total_s']:>13.2f}x" if variant != THIS else ""
+            ratio = (f"  {med[THIS]['total_s'] / r['total_s']:>13.2f}x ({med[THIS]['cpu_s'] / r['cpu_s']:.2f}x)"
+                     if variant != THIS else "")
             print(f"{P:>4} {M:>5} {V:>2} {r['instructions']:>9} {variant[:10]:>10} {r['plan_s']:>6.2f} "
                   f"{r['lower_s']:>6.2f} {r['validate_s']:>6.2f} {r['simulate_s']:>6.2f} {r['total_s']:>8.2f} "
+                  f"{r['cpu_s']:>6.2f} "
                   f"{r['us_per_instruction']:>9.2f} {r['peak_rss_mb']:>7.0f}{ratio}", flush=True)
             if variant != THIS:
                 base_rows.append({**r, "runs": [x["total_s"] for x in runs[variant]]})
