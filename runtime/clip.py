@@ -12,7 +12,9 @@ exactly one rank — and one all-reduce over the world gives the norm everywhere
 
 - a stage's elements are owned by the rank holding its replica-0 copy;
 - a tie's by that rank for the tie's first stage (the other copies are skipped);
-- a tensor-parallel copy by the first rank of its group;
+- a tensor-parallel copy by the first rank of its group; a DTensor parameter (torch's tensor
+  parallelism, parallel/tp_hf.py) by each rank for its local shard, and along every mesh
+  dimension it is `Replicate` on, by that dimension's first rank only (counted once);
 - without ZeRO, by data-parallel replica 0; with ZeRO 1-3 each dp rank owns its slice of
   every flat buffer (the gradients the ZeroOptimizer steps with after the reduce-scatter).
 
@@ -29,10 +31,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import Program
 from pipedsl.parallel.replicated import is_duplicate
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of its storage: scaling it in place scales the DTensor), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def dtensor_owner(p: torch.Tensor) -> bool:
+    """False for a DTensor whose elements this rank holds as a copy: `Replicate` on a mesh dimension
+    where this rank is not at coordinate 0.  (Shards are counted by every rank: each holds its own.)"""
+    if not isinstance(p, DTensor):
+        return True
+    coord = p.device_mesh.get_coordinate() or []
+    return all(c == 0 for c, pl in zip(coord, p.placements) if not isinstance(pl, Shard))
 
 
 @dataclass
@@ -58,7 +75,7 @@ class GradientOwnership:
         for s, module in modules.items():
             owner = program.placement[(0, s)] == rank
             self.counted[s] = {name for name, p in module.named_parameters()
-                               if owner and p.requires_grad and not is_duplicate(p)
+                               if owner and p.requires_grad and not is_duplicate(p) and dtensor_owner(p)
                                and ((s, name) not in tied or (s, name) in first)}
 
     def gradients(self, zero_optimizers: dict) -> Gradients:
@@ -79,9 +96,10 @@ class GradientOwnership:
                 if p.grad is None or id(p) in seen:
                     continue
                 seen.add(id(p))
-                stepped.append(p.grad)
+                grad = _local(p.grad)
+                stepped.append(grad)
                 if name in names and self.dp_owner:
-                    counted.append(p.grad)
+                    counted.append(grad)
         return Gradients(stepped, counted)
 
 

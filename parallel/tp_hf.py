@@ -1,0 +1,253 @@
+"""Tensor (and sequence) parallelism for Hugging Face decoder stages, with torch's DTensor TP API.
+
+    mesh = ParallelMesh(ParallelConfig(pp=2, tp=2))
+    stages = causal_lm_stages(model, program.num_stages)            # same seeded dense model on every rank
+    tp_hf_stages(stages, mesh, sequence_parallel=True)              # in place, over mesh's tp dimension
+    pipe = Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh)
+
+The plan is torchtitan's for Llama, applied with `parallelize_module` on the stages' own modules
+(so parameter names and ties stay those of the HF model):
+
+    embed_tokens   RowwiseParallel: vocabulary-split table [V/t, C], partial lookups summed
+    q/k/v_proj     ColwiseParallel: heads split; GQA works because query and key/value heads are
+                   split in the same proportion (head i's kv head i // groups stays on its rank)
+    q_norm/k_norm  (Qwen3, per head) replicated weights on the local heads, gradient summed over tp
+    o_proj         RowwiseParallel
+    gate/up_proj   ColwiseParallel;  down_proj RowwiseParallel
+    lm_head        ColwiseParallel → logits [mb, T, V/t] as a local tensor, never gathered;
+                   `tp_hf_loss` is the vocabulary-parallel cross-entropy (tp1d's explicit one)
+
+Without sequence parallelism the hidden states are plain tensors [mb, T, C], the same on every
+tp rank; norms are plain modules whose weights are copies over tp (`mark_replicated`), and the
+row-parallel outputs are all-reduced.  With `sequence_parallel=True` the hidden states between
+the blocks are DTensors sharded on the sequence, [mb, T/t, C] per rank: the norms run under
+`SequenceParallel` on the shard, the attention and MLP inputs are all-gathered
+(`PrepareModuleInput` Shard(1) → Replicate) and the row-parallel outputs reduce-scattered back
+to the shard (Korthikanti et al. 2022).  Rotary embeddings and masks need the whole sequence:
+the stage computes them from the DTensor's global shape and the position ids, which every rank
+has whole, and attention runs on the gathered sequence.
+
+Stage boundaries carry plain tensors (the runtime sends no DTensors): with SP a stage takes and
+gives the local sequence shard [mb, T/t, C]; without, the replicated [mb, T, C].  A pre-hook wraps
+the received shard with `DTensor.from_local`, a post-hook returns `to_local()`.  Sequence
+parallelism needs T % t == 0.
+
+Gradients are given their weight's placements by a hook as they are computed: replicated
+DTensor weights used on sharded activations (SP norms, Qwen3's q/k norms) receive a `Partial`
+gradient from DTensor, all-reduced at once, so every tp rank holds the whole gradient, as
+Megatron's SP all-reduce of LayerNorm gradients does; the vocabulary-split embedding receives a
+`Replicate` [V, C] gradient (DTensor's embedding backward), sliced to the rank's rows.  Global
+norms count a replicated weight once over the tp group (runtime/clip.py).
+
+Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
+`mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
+Qwen2, Qwen3.  Others are refused by name.  Not yet: tied embeddings, dropout, 3-D tp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from .config import ParallelConfigError
+from .mesh import ParallelMesh
+from .replicated import mark_replicated
+from .tp1d import vocab_parallel_cross_entropy
+
+ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+MLP = {"gate_proj", "up_proj", "down_proj"}
+LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+def _check(stages: Sequence[nn.Module], mesh: ParallelMesh) -> tuple[int, Any]:
+    """The tp size and the model config; refuse what this plan cannot split, with the reason."""
+    if mesh.config.tp_mode != "1d":
+        raise ParallelConfigError("tp_hf_stages: Hugging Face stages support 1-D tensor parallelism only")
+    t = mesh.config.tp
+    config = stages[0].config
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("vocab_size", config.vocab_size),
+                    ("intermediate_size", config.intermediate_size)):
+        if n % t:
+            raise ParallelConfigError(f"tp_hf_stages: {what}={n} is not divisible by tp={t}")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ParallelConfigError("tp_hf_stages: tied input/output embeddings are not supported with tensor "
+                                  "parallelism yet (set tie_word_embeddings=False)")
+    for name in ("attention_dropout", "hidden_dropout", "embd_pdrop"):
+        if float(getattr(config, name, 0.0) or 0.0):
+            raise ParallelConfigError(f"tp_hf_stages: {name} must be 0 (tensor-parallel dropout needs per-rank RNG)")
+    for stage in stages:
+        for i, layer in stage.layers.items():
+            kids = {n for n, _ in layer.named_children()}
+            attn = {n for n, _ in getattr(layer, "self_attn", nn.Module()).named_children()}
+            mlp = {n for n, _ in getattr(layer, "mlp", nn.Module()).named_children()}
+            if kids != LAYER or not ATTN <= attn or not attn <= ATTN | {"q_norm", "k_norm"} or not MLP <= mlp:
+                raise ParallelConfigError(f"tp_hf_stages: layer {i} ({type(layer).__name__}) is not in the Llama "
+                                          f"layout (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj, two norms)")
+            head_dim = layer.self_attn.head_dim
+            for n in ("q_norm", "k_norm"):
+                norm = getattr(layer.self_attn, n, None)
+                if norm is not None and any(p.shape != (head_dim,) for p in norm.parameters()):
+                    raise ParallelConfigError(f"tp_hf_stages: layer {i}'s {n} is not per head (Qwen3 style)")
+    return t, config
+
+
+_HOOKED = "_pipedsl_grad_like_param"  # on the parameter object; moves away with its old payload under swap_tensors
+
+
+def _grad_like_param(p: nn.Parameter) -> None:
+    """Give a DTensor weight's gradient the weight's own placements, as soon as it is computed.
+
+    DTensor does not: a replicated weight used on sharded activations (SP norms, Qwen3's q/k
+    norms) gets a `Partial` gradient (all-reduced here), and the vocabulary-split embedding a
+    `Replicate` one (sliced here).  Optimizers, clipping and the dp reduction then see each
+    rank's shard, or the whole gradient of a copy, like the weight itself.
+    """
+    placements = tuple(p.placements)
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        if isinstance(g, DTensor) and tuple(g.placements) != placements:
+            return g.redistribute(placements=placements)
+        return g
+    p.register_hook(hook)
+    setattr(p, _HOOKED, True)
+
+
+def _hook_grads(stage: nn.Module, args: tuple) -> None:
+    """Pre-hook: (re)install the gradient hooks of the stage's DTensor weights before each forward.
+
+    `module.to(device)` — which `Pipeline` calls — swaps a DTensor parameter's payload
+    (`torch.utils.swap_tensors`) and with it the gradient accumulator its hooks hang on, so hooks
+    installed once at parallelisation would be lost; a marker attribute travels with the payload.
+    """
+    for p in stage.parameters():
+        if isinstance(p, DTensor) and not getattr(p, _HOOKED, False):
+            _grad_like_param(p)
+
+
+def _layer_plan(sp: bool) -> dict[str, Any]:
+    seq = Shard(1)
+    if sp:
+        return {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                            use_local_output=True),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        }
+    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+
+
+def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
+                 sequence_parallel: bool = False) -> list[nn.Module]:
+    """Tensor-parallelise this rank's `causal_lm_stages` in place over `mesh`'s tp dimension; returns them.
+
+    Every rank must have built the stages from the same seeded dense model: each keeps its slices.
+    """
+    stages = list(stages)
+    if not stages:
+        return stages
+    t, _ = _check(stages, mesh)
+    if t == 1:
+        return stages
+    tp_mesh: DeviceMesh = mesh.device_mesh["tp"]
+    group = mesh.tp_group
+    sp = sequence_parallel
+    for stage in stages:
+        if getattr(stage, "_pipedsl_tp", None) is not None:
+            raise ParallelConfigError("tp_hf_stages: this stage is already tensor-parallel")
+        stage._pipedsl_tp = "sp" if sp else "tp"
+        if stage.embed is not None:
+            parallelize_module(stage.embed, tp_mesh, {"embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)})
+            if stage.embed.wpe is not None:
+                raise ParallelConfigError("tp_hf_stages: learned position embeddings (wpe) are not supported")
+        for layer in stage.layers.values():
+            parallelize_module(layer, tp_mesh, _layer_plan(sp))
+            for n in ("q_norm", "k_norm"):
+                if getattr(layer.self_attn, n, None) is not None:
+                    parallelize_module(layer.self_attn, tp_mesh, {n: SequenceParallel(sequence_dim=2,
+                                                                                      use_local_output=True)})
+            if not sp:
+                mark_replicated([*layer.input_layernorm.parameters(), *layer.post_attention_layernorm.parameters()],
+                                group)
+        if stage.head is not None:
+            if sp:
+                parallelize_module(stage.head, tp_mesh, {
+                    "norm": SequenceParallel(),
+                    "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                               use_local_output=True)})
+            else:
+                parallelize_module(stage.head, tp_mesh, {"lm_head": ColwiseParallel(use_local_output=True)})
+                mark_replicated(stage.head.norm, group)
+        stage.register_forward_pre_hook(_hook_grads)
+        if sp:
+            stage.register_forward_pre_hook(_shard_input(tp_mesh, t))
+            stage.register_forward_hook(_local_output)
+    return stages
+
+
+def _shard_input(tp_mesh: DeviceMesh, t: int) -> Callable:
+    """Pre-hook: a received hidden-state shard [mb, T/t, C] becomes a DTensor sharded on the sequence."""
+    def hook(stage: nn.Module, args: tuple) -> tuple | None:
+        if stage.embed is not None:
+            ids = args[0]
+            if ids.shape[1] % t:
+                raise ParallelConfigError(f"sequence parallelism needs the sequence length ({ids.shape[1]}) "
+                                          f"divisible by tp={t}")
+            return None
+        h = args[0]
+        if isinstance(h, DTensor):
+            return None
+        return (DTensor.from_local(h, tp_mesh, [Shard(1)], run_check=False), *args[1:])
+    return hook
+
+
+def _local_output(stage: nn.Module, args: tuple, out: Any) -> Any:
+    """Post-hook: what leaves a stage is a plain tensor (the runtime sends no DTensors)."""
+    if isinstance(out, tuple):
+        return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
+    return out.to_local() if isinstance(out, DTensor) else out
+
+
+def tp_hf_loss(mesh: ParallelMesh, reduction: str = "mean",
+               ignore_index: int = -100) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """HF's causal-LM cross-entropy of this rank's logits block [mb, T, V/t] against targets [mb, T].
+
+    The value is the microbatch's loss on every tp rank (no logits gathered: a max, a sum-exp and
+    the target logit are all-reduced); `reduction="sum"` is for `Pipeline(loss_reduction="token")`.
+    Logits are upcast to fp32, as `causal_lm_loss` does.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    group = mesh.tp_group
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        keep = targets != ignore_index
+        safe = targets.masked_fill(~keep, 0)  # an ignored target's id is irrelevant: its loss is zeroed
+        per_token = vocab_parallel_cross_entropy(logits.float(), safe, group)  # [mb, T]
+        total = per_token.masked_fill(~keep, 0.0).sum()
+        return total if reduction == "sum" else total / keep.sum()
+
+    return loss
