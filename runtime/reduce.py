@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipedsl.ir import Program
 
@@ -182,7 +183,8 @@ def _grads(module: nn.Module, skip: set[int]) -> list[torch.Tensor]:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        # a DTensor's (parallel/tp_hf.py) local shard: each tp rank reduces its own over dp
+        grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
     return grads
 
 

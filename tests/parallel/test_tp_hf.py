@@ -1,0 +1,58 @@
+"""Tensor (+ sequence) parallel Hugging Face stages (parallel/tp_hf.py) train exactly like one dense process.
+
+Tiny Llama and Qwen3 (grouped-query attention: 4 query heads, 2 key/value heads; Qwen3's
+per-head q/k norms) at tp2, pp1 and pp2, with and without sequence parallelism, and at
+dp2 × pp2 × tp2, through `Pipeline(..., parallel=mesh)`: two SGD steps, every step's loss,
+every parameter's gradient (DTensor shards gathered) and the global gradient norm against the
+dense model's, then the parameters (tp_hf_cases.py).  fp32; measured differences ≤ 1.5e-6
+relative (summation order only).
+"""
+
+from __future__ import annotations
+
+import pytest
+from tp_hf_cases import refusals, tp_equivalence
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5  # relative: of the loss; of each gradient / parameter tensor's largest entry; of the norm
+C, T, MB = 32, 8, 2  # tiny_model's hidden size, the batch's sequence length, rows per microbatch (M=2)
+
+
+def _check(results: list[dict], sp: bool, pp: int) -> None:
+    for r in results:
+        for key in ("loss_err", "grad_err", "param_err", "norm_err"):
+            assert r[key] < TOL, (key, r)
+        assert r["dtensors"] > 0 and r["checked"]
+    first = [r for r in results if r["sent"]]  # ranks holding a stage that is not the last
+    assert bool(first) == (pp > 1)
+    for r in first:  # the runtime sends plain tensors: the sequence shard with SP, the whole sequence without
+        assert r["sent"] == [("Tensor", MB, T // 2 if sp else T, C)], r["sent"]
+    assert len({tuple(r["losses"]) for r in results}) == 1  # the same loss on every rank
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tp2_equals_dense(run_once, family: str, pp: int, sp: bool) -> None:
+    _check(run_once(tp_equivalence, 2 * pp, family, 1, pp, 2, sp), sp, pp)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_dp2_pp2_tp2_sp_equals_dense(run_once, family: str) -> None:
+    _check(run_once(tp_equivalence, 8, family, 2, 2, 2, True), True, 2)
+
+
+def test_clip_counts_dtensor_shards_once(run_once) -> None:
+    """`pipe.clip_grad_norm_` with a max norm below the gradient norm: the clipped steps equal
+    `torch.nn.utils.clip_grad_norm_` on the dense model (a shard counted twice, or a replicated
+    norm weight counted on both tp ranks, would change the factor and every parameter)."""
+    _check(run_once(tp_equivalence, 4, "qwen3", 1, 2, 2, True, 2, 2, "1f1b", 0.5, 2, 0.3), True, 2)
+
+
+def test_refusals(run_once) -> None:
+    out = run_once(refusals, 2)[0]
+    assert "num_attention_heads=3 is not divisible by tp=2" in out["heads"]
+    assert "num_key_value_heads=1 is not divisible by tp=2" in out["kv_heads"]
+    assert "not in the Llama layout" in out["layout"]
+    assert "tied" in out["tied"]

@@ -1,0 +1,129 @@
+"""Worker side of test_tp_hf.py: tiny HF Llama / Qwen3 (GQA) at tp × pp (× dp) against one dense process.
+
+Every rank builds the same seeded dense model (tests/runtime/hf_cases.py's `tiny_model`), keeps a
+deep copy as the one-process reference, tensor-parallelises its stages with `tp_hf_stages` and
+trains `steps` SGD steps through `Pipeline(..., parallel=mesh)`.  Each step compares the loss,
+every local parameter's gradient (DTensor shards gathered with `full_tensor()`, in the same order
+on every tp rank) and the global gradient norm with the dense model's; at the end the parameters.
+Returns the largest differences, for the test to report and check.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import pipedsl
+from pipedsl.parallel import ParallelConfig, ParallelMesh
+from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
+from pipedsl.runtime.hf import causal_lm_stages, shift_labels
+
+
+def _hf_cases():
+    """tests/runtime/hf_cases.py, loaded by path (tests/ must not go on sys.path: tests/pipedsl shadows the package)."""
+    path = Path(__file__).resolve().parents[1] / "runtime" / "hf_cases.py"
+    spec = importlib.util.spec_from_file_location("_pipedsl_hf_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int = 2, M: int = 2,
+                   schedule: str = "1f1b", lr: float = 0.5, layers: int = 2, clip: float | None = None) -> dict:
+    """`steps` SGD steps of the tensor-parallel pipeline against the dense model; the max differences."""
+    hf = _hf_cases()
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp))
+    program = pipedsl.load(schedule).compile(P=pp, M=M)
+    model = hf.tiny_model(family, layers=layers)
+    ref = copy.deepcopy(model)
+    ref_params = dict(ref.named_parameters())
+    x = torch.randint(hf.VOCAB, (2 * M * dp, hf.T), generator=torch.Generator().manual_seed(3))
+    labels = x.clone()
+    labels[:, : hf.T // 4] = -100  # a prompt: ignored targets must count for nothing
+    stages = tp_hf_stages(causal_lm_stages(model, program.num_stages), mesh, sequence_parallel=sp)
+    names = {id(p): n for n, p in model.named_parameters()}  # after: the DTensor parameters replaced the dense ones
+    sent: list[tuple[int, ...]] = []  # what a stage gives the next one (after tp_hf's own hook: local tensors)
+    for st in stages:
+        if st.head is None:
+            st.register_forward_hook(lambda _m, _a, o: sent.append((type(o[0] if isinstance(o, tuple) else o).__name__,
+                                                                    *(o[0] if isinstance(o, tuple) else o).shape)))
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh)
+    opt = pipe.optimizer(torch.optim.SGD, lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    # by HF name, in the same order on every rank (full_tensor() is a collective over tp)
+    local = sorted((names[id(p)], p) for m in pipe.local_stages().values() for p in m.parameters()
+                   if id(p) in names)
+    out = {"loss_err": 0.0, "grad_err": 0.0, "param_err": 0.0, "norm_err": 0.0, "losses": [], "checked": [],
+           "dtensors": sum(isinstance(p, DTensor) for _, p in local)}
+    for _ in range(steps):
+        loss = pipe.step(x, shift_labels(labels))
+        want = ref(x, labels=labels, use_cache=False).loss
+        want.backward()
+        out["losses"].append(float(loss))
+        out["loss_err"] = max(out["loss_err"], abs(float(loss) - want.item()) / abs(want.item()))
+        for name, p in local:
+            q = ref_params[name].grad
+            err = ((_whole(p.grad) - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
+            out["grad_err"] = max(out["grad_err"], err)
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+        if clip is None:
+            norm = pipe.grad_norm().item()
+        else:
+            norm = pipe.clip_grad_norm_(clip).item()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        out["norm_err"] = max(out["norm_err"], abs(norm - ref_norm) / ref_norm)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for name, p in local:
+        q = ref_params[name].detach()
+        out["param_err"] = max(out["param_err"], ((_whole(p.detach()) - q).abs().max()
+                                                  / q.abs().max().clamp_min(1e-12)).item())
+    out["checked"] = [n for n, _ in local]
+    out["sent"] = sorted(set(sent))
+    out["rank"] = dist.get_rank()
+    return out
+
+
+def refusals() -> dict[str, str]:
+    """The one-line errors for head counts tp does not divide and for a model outside the Llama layout."""
+    from pipedsl.parallel import ParallelConfigError
+
+    hf = _hf_cases()
+    mesh = ParallelMesh(ParallelConfig(tp=2))
+    out = {}
+    import transformers as tf
+
+    def llama(**kw):
+        common = dict(vocab_size=96, hidden_size=24, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        common.update(kw)
+        torch.manual_seed(0)
+        return tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**common))
+
+    cases = {"heads": lambda: llama(num_attention_heads=3, num_key_value_heads=3),
+             "kv_heads": lambda: llama(num_attention_heads=6, num_key_value_heads=1, hidden_size=24),
+             "layout": lambda: hf.tiny_model("phi3", layers=1),
+             "tied": lambda: hf.tiny_model("llama", layers=1, tie=True)}
+    for key, make in cases.items():
+        try:
+            tp_hf_stages(causal_lm_stages(make(), 1), mesh)
+            out[key] = "no error"
+        except ParallelConfigError as err:
+            out[key] = str(err)
+    return out
+
+
+def _launched(rank: int, fn_name: str, *args):  # for pipedsl.launch in ad-hoc runs
+    return globals()[fn_name](*args)
+
