@@ -37,6 +37,7 @@ _HEADER = struct.Struct("<q")  # the message's payload bytes: checked against wh
 _HELLO = struct.Struct("<q")  # a connecting rank's program rank
 _SOCKET_BUFFER = 4 << 20  # per direction; larger messages go through in pieces as both sides call in
 _MAX_IOV = 512  # buffers per sendmsg/recvmsg (the kernel's limit is 1024)
+_WRITER_IDLE = 1.0  # seconds the writer thread waits for more to send before it ends
 
 
 # dtypes numpy has no type for, read as integers of their size
@@ -204,7 +205,7 @@ class Link:
             if left <= 0:
                 raise TimeoutError(f"no message from rank {self.peer} within {owner.timeout:g} s "
                                    f"(the process group's timeout)")
-            select.select([self.sock], [], [], min(left, 1.0))
+            _poll([self.sock], select.POLLIN, min(left, 1.0))
 
     def _lost(self, err: OSError | None) -> ConnectionError:
         why = f": {err}" if err is not None else ""
@@ -241,7 +242,7 @@ class SocketTransport:
         self.links[peer].send([header, *(v for v in payload if len(v))])
 
     def queue(self, link: Link) -> None:
-        """`link` has queued bytes (under the lock): wake the writer, starting it the first time."""
+        """`link` has queued bytes (under the lock): wake the writer, starting it if it is not running."""
         self.backlog.add(link)
         if self._writer is None:
             self._writer = threading.Thread(target=self._write, name="pipedsl-socket-writer", daemon=True)
@@ -249,18 +250,22 @@ class SocketTransport:
         self.lock.notify_all()
 
     def _write(self) -> None:
-        """The writer thread: push every queued byte as the sockets take them."""
+        """The writer thread: push every queued byte as the sockets take them.  It ends after a second with
+        nothing to send (so a transport nobody closes is not kept alive by it); `queue` starts another."""
         lock = self.lock
         while True:
             with lock:
-                while not self.backlog and not self._closing:
-                    lock.wait()
-                if self._closing:
+                if not self.backlog and not self._closing:
+                    lock.wait(_WRITER_IDLE)
+                if self._closing or not self.backlog:
+                    self._writer = None
                     return
                 socks = [link.sock for link in self.backlog]
             try:
-                select.select([], socks, [], 0.5)
+                _poll(socks, select.POLLOUT, 0.5)
             except (OSError, ValueError):  # closed under us
+                with lock:
+                    self._writer = None
                 return
             with lock:
                 for link in list(self.backlog):
@@ -318,6 +323,15 @@ class SocketTransport:
         for link in self.links.values():
             link.sock.close()
         self.links = {}
+
+
+def _poll(socks: list[socket.socket], events: int, seconds: float) -> None:
+    """Wait until one of `socks` is ready for `events` or `seconds` pass (poll: no limit on descriptor numbers,
+    which select has at 1024 — a long-lived process that built many pipelines goes past it)."""
+    poller = select.poll()
+    for s in socks:
+        poller.register(s, events)
+    poller.poll(max(0, int(seconds * 1000)))
 
 
 def connect(group: dist.ProcessGroup | None, rank: int, size: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import socket
 import threading
 
@@ -75,6 +76,32 @@ def test_messages_larger_than_the_socket_buffer_cross_both_ways_at_once() -> Non
     a.wait_sends()
     t.join(30)
     assert torch.equal(got, y) and torch.equal(out["b"], x) and not a.backlog
+
+
+def test_descriptors_above_1024_wait_and_send_like_any_other() -> None:
+    """A long-lived process that built many pipelines has socket descriptors past select()'s limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft <= 2100:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    high = []
+    for s, fd in ((a, 2000), (b, 2001)):
+        os.dup2(s.fileno(), fd)
+        s.close()
+        high.append(socket.socket(fileno=fd))
+    try:
+        for s in high:
+            s.setblocking(False)
+        ta, tb = SocketTransport({1: high[0]}, 20.0), SocketTransport({0: high[1]}, 20.0, rank=1)
+        x = torch.arange(6 << 20, dtype=torch.float32)  # larger than the socket buffer: the writer thread polls too
+        recv = tb.post_recv(0, [torch.empty_like(x)])
+        ta.send(1, [x])
+        assert torch.equal(recv.wait()[0], x)
+        ta.wait_sends()
+    finally:
+        for s in high:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_message_of_the_wrong_size_is_a_named_error() -> None:
