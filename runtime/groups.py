@@ -38,6 +38,14 @@ class PipelineGroups:
             parent = group if not self.whole else dist.group.WORLD
             self.timeout = parent._get_backend(torch.device("cpu")).options._timeout
 
+    def everywhere(self, flag: bool) -> bool:
+        """Whether `flag` holds on every process that makes groups together with this one (the world when groups
+        are world-collective, else this pipeline's members): a choice that decides which groups to make must be
+        the same on all of them.  Collective over those processes."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=None if (self.whole or self.mesh is not None) else self.group)
+        return bool(int(t))
+
     def global_rank(self, rank: int) -> int:
         """The global rank of program rank `rank` of this pipeline."""
         return self.members[rank]

@@ -163,11 +163,16 @@ class Channels:
         self._global = groups.members  # program rank -> global rank
         self.pool = BufferPool(device)
         self.sent_bytes = 0  # payload of every data message sent so far (activations and gradients)
-        # made on every rank and in one order whatever the transport: group creation is collective
-        dist_transport = DistTransport(group, self.rank, self.size, groups)
         sockets = socket_p2p.connect(group, self.rank, self.size, groups.timeout) if device.type == "cpu" else None
-        self.transport: DistTransport | socket_p2p.SocketTransport = sockets or dist_transport
-        self.kind = "socket" if sockets is not None else "dist"
+        # gloo's message groups are made only where no pipeline uses sockets: making a group is collective over
+        # every process that makes groups together, so they all decide alike
+        if device.type == "cpu" and groups.everywhere(sockets is not None):
+            self.transport: DistTransport | socket_p2p.SocketTransport = sockets
+        else:
+            if sockets is not None:
+                sockets.close()
+            self.transport = DistTransport(group, self.rank, self.size, groups)
+        self.kind = "socket" if isinstance(self.transport, socket_p2p.SocketTransport) else "dist"
 
     # ------------------------------------------------------------ data
 

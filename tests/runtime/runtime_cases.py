@@ -183,7 +183,8 @@ def closing(rank: int) -> dict:
         loss = pipe.step(*batch(0, 8))
         made = len(set(c10d._world.pg_map) - before)
     out = {"made": made, "left": len(set(c10d._world.pg_map) - before), "kept": before <= set(c10d._world.pg_map),
-           "loss": loss}
+           "loss": loss, "transport": pipe.channels.kind,
+           "sockets_left": len(getattr(pipe.channels.transport, "links", {}))}
     pipe.close()  # twice is fine
     timeline = pipe.timeline()  # the last step's, still (gathered over the world, not a closed group)
     out["timeline_events"] = sum(map(len, timeline.ranks)) if timeline is not None else None

@@ -85,7 +85,8 @@ def test_close_destroys_the_pipelines_groups_and_refuses_steps(pool2) -> None:
     results = pool2.run(cases.closing)
     assert results[0]["timeline_events"] > 0 and results[1]["timeline_events"] is None  # on the first rank
     for out in results:
-        assert out["made"] >= 3  # two message directions and the loss group at least
+        assert out["transport"] == "socket" and out["sockets_left"] == 0  # CPU, one machine: its sockets closed
+        assert out["made"] >= 1  # the loss group at least (message groups only when messages go through gloo)
         assert out["left"] == 0 and out["kept"]  # its own groups gone, the world's untouched
         assert "closed pipeline" in out["error"] and "rank " in out["error"]
         assert out["loss_again"] == pytest.approx(out["loss"], rel=1e-6)
