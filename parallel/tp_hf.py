@@ -41,7 +41,8 @@ norms count a replicated weight once over the tp group (runtime/clip.py).
 
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
 `mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
-Qwen2, Qwen3.  Others are refused by name.  Not yet: tied embeddings, dropout, 3-D tp.
+Qwen2, Qwen3.  Others are refused by name.  Not yet: tied embeddings, dropout, 3-D tp, ZeRO
+(refused), low-precision parameters (`param_dtype`: they need ZeRO's flat buffers).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def _check(stages: Sequence[nn.Module], mesh: ParallelMesh) -> tuple[int, Any]:
     if mesh.config.tp_mode != "1d":
         raise ParallelConfigError("tp_hf_stages: Hugging Face stages support 1-D tensor parallelism only")
     t = mesh.config.tp
+    if mesh.config.zero and t > 1:
+        raise ParallelConfigError(f"tp_hf_stages: ZeRO (zero={mesh.config.zero}) does not take DTensor parameters yet "
+                                  f"(its flat buffers hold plain tensors); use zero=0 with tensor parallelism")
     config = stages[0].config
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("vocab_size", config.vocab_size),
@@ -142,15 +146,15 @@ def _layer_plan(sp: bool) -> dict[str, Any]:
     if sp:
         return {
             "input_layernorm": SequenceParallel(),
+            # DTensor outputs (use_local_output=False): the hook is then idempotent, so a module called
+            # again with the arguments it already converted (recomputation, runtime/recompute.py) is right
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                            use_local_output=True),
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
             "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
         }

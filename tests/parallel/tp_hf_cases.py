@@ -37,12 +37,19 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _attention(module: torch.nn.Module) -> bool:
+    """Selective recomputation's modules: the attention (what Megatron recomputes)."""
+    return type(module).__name__.endswith("Attention")
+
+
 def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int = 2, M: int = 2,
-                   schedule: str = "1f1b", lr: float = 0.5, layers: int = 2, clip: float | None = None) -> dict:
+                   schedule: str = "1f1b", lr: float = 0.5, layers: int = 2, clip: float | None = None,
+                   zero: int = 0, recompute: str | None = None, params: dict | None = None,
+                   precision: str | None = None) -> dict:
     """`steps` SGD steps of the tensor-parallel pipeline against the dense model; the max differences."""
     hf = _hf_cases()
-    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp))
-    program = pipedsl.load(schedule).compile(P=pp, M=M)
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, zero=zero))
+    program = pipedsl.load(schedule).compile(P=pp, M=M, **(params or {}))
     model = hf.tiny_model(family, layers=layers)
     ref = copy.deepcopy(model)
     ref_params = dict(ref.named_parameters())
@@ -56,7 +63,9 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
         if st.head is None:
             st.register_forward_hook(lambda _m, _a, o: sent.append((type(o[0] if isinstance(o, tuple) else o).__name__,
                                                                     *(o[0] if isinstance(o, tuple) else o).shape)))
-    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh)
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh,
+                            recompute=recompute, precision=precision,
+                            recompute_filter=_attention if recompute == "selective" else None)
     opt = pipe.optimizer(torch.optim.SGD, lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     # by HF name, in the same order on every rank (full_tensor() is a collective over tp)
@@ -66,7 +75,8 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
            "dtensors": sum(isinstance(p, DTensor) for _, p in local)}
     for _ in range(steps):
         loss = pipe.step(x, shift_labels(labels))
-        want = ref(x, labels=labels, use_cache=False).loss
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            want = ref(x, labels=labels, use_cache=False).loss
         want.backward()
         out["losses"].append(float(loss))
         out["loss_err"] = max(out["loss_err"], abs(float(loss) - want.item()) / abs(want.item()))
@@ -121,6 +131,12 @@ def refusals() -> dict[str, str]:
             out[key] = "no error"
         except ParallelConfigError as err:
             out[key] = str(err)
+    try:
+        tp_hf_stages(causal_lm_stages(hf.tiny_model("llama", layers=1), 1),
+                     ParallelMesh(ParallelConfig(dp=1, tp=2, zero=1)))
+        out["zero"] = "no error"
+    except ParallelConfigError as err:
+        out["zero"] = str(err)
     return out
 
 
