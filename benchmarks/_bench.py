@@ -16,13 +16,16 @@ is empty and its W does all the work, in pipedsl and torch alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,63 @@ def sleep_batch(M: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sleep_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
+
+
+# ---------------------------------------------------------------- A/B against another checkout, in one run
+
+_PACKAGES = {"pipedsl": "pipedsl", "pipedsl.runtime": "runtime", "pipedsl.parallel": "parallel",
+             "pipedsl.visualize": "visualize", "pipedsl.schedules": "schedules"}  # pyproject.toml's package-dir
+
+
+class _TreeFinder:
+    """Imports pipedsl's packages from another checkout (`PIPEDSL_TREE`), ahead of the installed one."""
+
+    def __init__(self, tree: str) -> None:
+        self.tree = Path(tree)
+
+    def find_spec(self, name: str, path: object = None, target: object = None):  # noqa: ANN201
+        if name not in _PACKAGES:
+            return None
+        import importlib.util
+
+        where = self.tree / _PACKAGES[name]
+        return importlib.util.spec_from_file_location(name, where / "__init__.py", submodule_search_locations=[
+            str(where)])
+
+
+if os.environ.get("PIPEDSL_TREE"):  # in a benchmark's child process and in the ranks it spawns (they import us)
+    import sys
+
+    sys.meta_path.insert(0, _TreeFinder(os.environ["PIPEDSL_TREE"]))
+
+
+@contextlib.contextmanager
+def trees(against: str | None, paths: Sequence[str] | None = None) -> Iterator[dict[str, str]]:
+    """{name: checkout} to measure: this one (or `paths`), and with `against` that commit in a temporary git
+    worktree, removed afterwards.  Run each tree's measurement with `in_tree`."""
+    root = HERE.parent
+    resolved = [str(Path(t).resolve()) for t in (paths or [root])]
+    out = {("this" if p == str(root) else Path(p).name): p for p in resolved}
+    if against is None:
+        yield out
+        return
+    worktree = tempfile.mkdtemp(prefix="pipedsl-ab-")
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", worktree, against], check=True,
+                   capture_output=True)
+    try:
+        yield {against: worktree, **out}
+    finally:
+        subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", worktree], check=False)
+
+
+def in_tree(script: str, tree: str, args: Sequence[str]) -> Any:
+    """Run `script args --json F` in a fresh process importing pipedsl from `tree`; returns F's JSON."""
+    import sys
+
+    env = {**os.environ, "PIPEDSL_TREE": tree}
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        subprocess.run([sys.executable, script, *args, "--json", f.name], env=env, check=True)
+        return json.load(open(f.name))
 
 
 # ---------------------------------------------------------------- statistics

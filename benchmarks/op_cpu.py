@@ -7,12 +7,17 @@ gloo's included), not wall time, so waiting for a message or for a core shared w
 costs nothing, and subtracts the CPU its stage's forwards and backwards take when run alone.  What
 is left, over the rank's 2M compute ops, is the runtime's cost per op; the figure is the median over
 short repetitions of pipedsl's cost over torch's in the same repetition.  Used by bench_quick.py
-and gpu_check.py (run `measure` on every rank, then `summarize` the ranks' results).
+and gpu_check.py (run `measure` on every rank, then `summarize` the ranks' results), and on its own:
+
+    python benchmarks/op_cpu.py                       # P = 2, 4, 8
+    python benchmarks/op_cpu.py --against 9a2d8da     # and that commit's runtime, alternating, one run
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import sys
 import time
 from pathlib import Path
@@ -110,3 +115,65 @@ def summarize(outs: list[dict[str, Any]]) -> dict[str, Any]:
             "own_compute_s_per_op": _bench.median([sum(o["cpu_per_step"]["own"][i] for o in outs) / ops
                                                    for i in reps]),
             "per_rank": outs}
+
+
+def run(P: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One measurement at P in this process's tree."""
+    import pipedsl
+
+    out = summarize(pipedsl.launch(measure, P, P, cfg, threads=1, timeout=600))
+    out.pop("per_rank")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--P", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--M", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=20, help="repetitions per measurement (each times both runtimes)")
+    ap.add_argument("--rounds", type=int, default=2, help="measurements per tree and P (alternating trees)")
+    ap.add_argument("--against", help="a commit to measure too (a temporary worktree), alternating with this tree")
+    ap.add_argument("--quick", action="store_true", help="P=2, few repetitions (structure only)")
+    ap.add_argument("--json", help="output file (default benchmarks/results/op_cpu.json)")
+    ap.add_argument("--no-append", action="store_true", help="no row in RESULTS.md")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        result = run(args.child, json.loads(args.config))
+        Path(args.json).write_text(json.dumps(result))
+        return result
+    if args.quick:
+        args.P, args.reps, args.rounds = [2], 2, 1
+    cfg = {"M": args.M, "steps": 1, "reps": args.reps, "warmup": 2}
+    got: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    with _bench.trees(args.against) as trees:
+        for k in range(args.rounds):
+            for P in args.P:
+                for name in (list(trees) if k % 2 == 0 else list(trees)[::-1]):
+                    got.setdefault((name, P), []).append(
+                        _bench.in_tree(__file__, trees[name], ["--child", str(P), "--config", json.dumps(cfg)]))
+    rows = []
+    for (name, P), rs in sorted(got.items(), key=lambda kv: (kv[0][1], kv[0][0] != args.against)):
+        rows.append({"tree": name, "P": P, "ratio": _bench.median([r["ratio"] for r in rs]),
+                     **{f"{k}_ms_per_op": 1e3 * _bench.median([r["beyond_compute_s_per_op"][k] for r in rs])
+                        for k in ("pipedsl", "torch")},
+                     "own_ms_per_op": 1e3 * _bench.median([r["own_compute_s_per_op"] for r in rs])})
+    print(f"CPU per op beyond the stage's compute, 1F1B M={args.M}, Linear({WIDTH}, {WIDTH}) stages")
+    print(f"{'tree':<14} {'P':>2} {'pipedsl ms':>10} {'torch ms':>9} {'ratio':>6} {'own ms':>7}")
+    for r in rows:
+        print(f"{r['tree'][:14]:<14} {r['P']:>2} {r['pipedsl_ms_per_op']:10.3f} {r['torch_ms_per_op']:9.3f} "
+              f"{r['ratio']:6.3f} {r['own_ms_per_op']:7.3f}")
+    command = ("python benchmarks/op_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    result = {"benchmark": "op_cpu", "command": command, "machine": _bench.machine(), "date": _bench.today(),
+              "config": cfg, "trees": trees, "rows": rows}
+    _bench.write_json("op_cpu", result, args.json)
+    if not args.no_append:
+        cells = "; ".join(f"{r['tree']} P={r['P']}: {r['pipedsl_ms_per_op']:.3f} vs torch {r['torch_ms_per_op']:.3f} "
+                          f"ms ({r['ratio']:.2f}x)" for r in rows)
+        _bench.append_results(_bench.results_row(command, f"CPU per op beyond compute, pipedsl vs torch: {cells}"))
+    return result
+
+
+if __name__ == "__main__":
+    main()

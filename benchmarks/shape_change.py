@@ -24,38 +24,12 @@ is the same for both).  `--tree PATH` (repeatable) measures other checkouts inst
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-_PACKAGES = {"pipedsl": "pipedsl", "pipedsl.runtime": "runtime", "pipedsl.parallel": "parallel",
-             "pipedsl.visualize": "visualize", "pipedsl.schedules": "schedules"}  # pyproject.toml's package-dir
-
-
-class _TreeFinder:
-    """Imports pipedsl's packages from another checkout (`PIPEDSL_TREE`), ahead of the installed one."""
-
-    def __init__(self, tree: str) -> None:
-        self.tree = Path(tree)
-
-    def find_spec(self, name: str, path: object = None, target: object = None):  # noqa: ANN201
-        if name not in _PACKAGES:
-            return None
-        where = self.tree / _PACKAGES[name]
-        return importlib.util.spec_from_file_location(name, where / "__init__.py", submodule_search_locations=[
-            str(where)])
-
-
-if os.environ.get("PIPEDSL_TREE"):  # also in the spawned ranks, which import this file again
-    sys.meta_path.insert(0, _TreeFinder(os.environ["PIPEDSL_TREE"]))
-
 sys.path.insert(0, str(HERE))
 
 import _bench  # noqa: E402
@@ -110,11 +84,7 @@ def measure(P: int, cfg: dict) -> dict:
 
 
 def _child(tree: str, P: int, cfg: dict) -> dict:
-    env = {**os.environ, "PIPEDSL_TREE": tree}
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
-        subprocess.run([sys.executable, __file__, "--child", str(P), "--json", f.name, "--config", json.dumps(cfg)],
-                       env=env, check=True)
-        return json.load(open(f.name))
+    return _bench.in_tree(__file__, tree, ["--child", str(P), "--config", json.dumps(cfg)])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -143,23 +113,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.P, args.layers, args.embd, args.seq, args.rounds, args.reps, args.warmup = [2], 2, 16, 16, 2, 1, 1
     cfg = {k: getattr(args, k) for k in ("M", "layers", "embd", "seq", "rows", "rounds", "warmup")}
-    paths = [str(Path(t).resolve()) for t in (args.tree or [ROOT])]
-    trees = {("this" if p == str(ROOT) else Path(p).name): p for p in paths}
-    worktree = None
-    if args.against:
-        worktree = tempfile.mkdtemp(prefix="pipedsl-shape-ab-")
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", worktree, args.against], check=True,
-                       capture_output=True)
-        trees = {args.against: worktree, **trees}
     runs: dict[tuple[str, int], list[dict]] = {}
-    try:
+    with _bench.trees(args.against, args.tree) as trees:
         for rep in range(args.reps):
             for P in args.P:
                 for name in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
                     runs.setdefault((name, P), []).append(_child(trees[name], P, cfg))
-    finally:
-        if worktree is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", worktree], check=False)
     rows = []
     for (name, P), rs in runs.items():
         steady = [t for r in rs for t in r["raw"]["steady"]]

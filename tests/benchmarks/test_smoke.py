@@ -33,6 +33,8 @@ RUNS = {
                                          *TINY]),
     "test_bench_quick_gates_on_its_baseline": ("bench_quick", ["--tiny", "--baseline", "{tmp}/baseline.json"]),
     "test_gpu_check_dry_run_on_gloo": ("gpu_check", ["--device", "cpu", "--tiny"]),
+    "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--against", "HEAD"]),
+    "test_shape_change": ("shape_change", ["--quick"]),
 }
 QUICK_NAMES = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2"]
 
@@ -131,6 +133,20 @@ def test_recompute(runs, request):
     for m in got["memory"]:  # one stage per rank: the measured bytes are the prediction
         assert all(m[v]["measured"] == m[v]["predicted"] > 0 for v in ("baseline", "full", "selective"))
     assert got["memory"][0]["full_vs_baseline"] < 1 and got["shapes"]["learned"] == 1 + 2
+
+
+@pytest.mark.slow
+def test_op_cpu_against_another_tree(runs, request):
+    got = run(runs, request, "op_cpu")
+    assert [(r["tree"], r["P"]) for r in got["rows"]] == [("HEAD", 2), ("this", 2)]  # HEAD from a worktree
+    assert all(r["pipedsl_ms_per_op"] > 0 and r["torch_ms_per_op"] > 0 and r["ratio"] > 0 for r in got["rows"])
+
+
+@pytest.mark.slow
+def test_shape_change(runs, request):
+    got = run(runs, request, "shape_change")
+    (row,) = got["rows"]
+    assert row["tree"] == "this" and row["P"] == 2 and row["steady_ms"] > 0 and row["learned"] == 2 + 2  # T and T-1 in the warmup, a new length in each of 2 rounds
 
 
 @pytest.mark.slow
