@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 _HEADER = struct.Struct("<q")  # the message's payload bytes: checked against what the receiver expects
 _HELLO = struct.Struct("<q")  # a connecting rank's program rank
-_SOCKET_BUFFER = 4 << 20  # per direction; larger messages go through in pieces as both sides call in
+_SOCKET_BUFFER = 4 << 20  # asked per direction (capped at net.core.wmem_max); the writer thread sends the rest
 _MAX_IOV = 512  # buffers per sendmsg/recvmsg (the kernel's limit is 1024)
 _WRITER_IDLE = 1.0  # seconds the writer thread waits for more to send before it ends
 
