@@ -142,6 +142,37 @@ def in_tree(script: str, tree: str, args: Sequence[str]) -> Any:
         return json.load(open(f.name))
 
 
+def ab_arguments(ap: argparse.ArgumentParser, name: str) -> None:
+    """The flags of a benchmark that measures this tree against another (`alternate`), and its child's."""
+    ap.add_argument("--against", help="a commit to measure too (a temporary worktree), alternating with this tree")
+    ap.add_argument("--json", help=f"output file (default benchmarks/results/{name}.json)")
+    ap.add_argument("--no-append", action="store_true", help="no row in RESULTS.md")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+
+
+def child_result(args: argparse.Namespace, measure: Any) -> dict | None:
+    """In a child process (`--child P`): `measure(P, config)` written to `--json`; None in the parent."""
+    if not args.child:
+        return None
+    result = measure(args.child, json.loads(args.config))
+    Path(args.json).write_text(json.dumps(result))
+    return result
+
+
+def alternate(script: str, tree_paths: dict[str, str], Ps: Sequence[int], rounds: int,
+              cfg: dict) -> dict[tuple[str, int], list[Any]]:
+    """{(tree, P): results}: `script --child P` in each tree, `rounds` times, the trees' order swapped each round
+    (what drifts with the machine's load reaches every tree alike)."""
+    got: dict[tuple[str, int], list[Any]] = {}
+    for k in range(rounds):
+        for P in Ps:
+            for name in (list(tree_paths) if k % 2 == 0 else list(tree_paths)[::-1]):
+                got.setdefault((name, P), []).append(
+                    in_tree(script, tree_paths[name], ["--child", str(P), "--config", json.dumps(cfg)]))
+    return got
+
+
 # ---------------------------------------------------------------- statistics
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -132,27 +131,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--M", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20, help="repetitions per measurement (each times both runtimes)")
     ap.add_argument("--rounds", type=int, default=2, help="measurements per tree and P (alternating trees)")
-    ap.add_argument("--against", help="a commit to measure too (a temporary worktree), alternating with this tree")
     ap.add_argument("--quick", action="store_true", help="P=2, few repetitions (structure only)")
-    ap.add_argument("--json", help="output file (default benchmarks/results/op_cpu.json)")
-    ap.add_argument("--no-append", action="store_true", help="no row in RESULTS.md")
-    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--config", help=argparse.SUPPRESS)
+    _bench.ab_arguments(ap, "op_cpu")
     args = ap.parse_args(argv)
-    if args.child:
-        result = run(args.child, json.loads(args.config))
-        Path(args.json).write_text(json.dumps(result))
-        return result
+    child = _bench.child_result(args, run)
+    if child is not None:
+        return child
     if args.quick:
         args.P, args.reps, args.rounds = [2], 2, 1
     cfg = {"M": args.M, "steps": 1, "reps": args.reps, "warmup": 2}
-    got: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with _bench.trees(args.against) as trees:
-        for k in range(args.rounds):
-            for P in args.P:
-                for name in (list(trees) if k % 2 == 0 else list(trees)[::-1]):
-                    got.setdefault((name, P), []).append(
-                        _bench.in_tree(__file__, trees[name], ["--child", str(P), "--config", json.dumps(cfg)]))
+        got = _bench.alternate(__file__, trees, args.P, args.rounds, cfg)
     rows = []
     for (name, P), rs in sorted(got.items(), key=lambda kv: (kv[0][1], kv[0][0] != args.against)):
         rows.append({"tree": name, "P": P, "ratio": _bench.median([r["ratio"] for r in rs]),

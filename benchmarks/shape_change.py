@@ -24,7 +24,6 @@ is the same for both).  `--tree PATH` (repeatable) measures other checkouts inst
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -83,10 +82,6 @@ def measure(P: int, cfg: dict) -> dict:
             "new_extra_s": _bench.median([a - b for a, b in zip(res["new"], steady)]), "raw": res}
 
 
-def _child(tree: str, P: int, cfg: dict) -> dict:
-    return _bench.in_tree(__file__, tree, ["--child", str(P), "--config", json.dumps(cfg)])
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--P", type=int, nargs="+", default=[2, 4])
@@ -98,27 +93,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=8, help="never-seen shapes per measurement")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2, help="measurements per tree and P (alternating trees)")
-    ap.add_argument("--against", help="a commit to compare with (checked out in a temporary worktree)")
     ap.add_argument("--tree", action="append", help="a checkout to measure (repeatable; default: this one)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, P=2 only, one measurement (structure only)")
-    ap.add_argument("--json", help="output file (default benchmarks/results/shape_change.json)")
-    ap.add_argument("--no-append", action="store_true", help="no row in RESULTS.md")
-    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--config", help=argparse.SUPPRESS)
+    _bench.ab_arguments(ap, "shape_change")
     args = ap.parse_args(argv)
-    if args.child:
-        result = measure(args.child, json.loads(args.config))
-        Path(args.json).write_text(json.dumps(result))
-        return result
+    child = _bench.child_result(args, measure)
+    if child is not None:
+        return child
     if args.quick:
         args.P, args.layers, args.embd, args.seq, args.rounds, args.reps, args.warmup = [2], 2, 16, 16, 2, 1, 1
     cfg = {k: getattr(args, k) for k in ("M", "layers", "embd", "seq", "rows", "rounds", "warmup")}
-    runs: dict[tuple[str, int], list[dict]] = {}
     with _bench.trees(args.against, args.tree) as trees:
-        for rep in range(args.reps):
-            for P in args.P:
-                for name in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
-                    runs.setdefault((name, P), []).append(_child(trees[name], P, cfg))
+        runs = _bench.alternate(__file__, trees, args.P, args.reps, cfg)
     rows = []
     for (name, P), rs in runs.items():
         steady = [t for r in rs for t in r["raw"]["steady"]]
