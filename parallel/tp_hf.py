@@ -41,7 +41,8 @@ norms count a replicated weight once over the tp group (runtime/clip.py).
 
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
 `mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
-Qwen2, Qwen3.  Others are refused by name.  Not yet: tied embeddings, dropout, 3-D tp, ZeRO
+Qwen2, Qwen3.  Tied embeddings stay one parameter (embedding and head hold the same row block).
+Others are refused by name.  Not yet: dropout, 3-D tp, ZeRO
 (refused), low-precision parameters (`param_dtype`: they need ZeRO's flat buffers).
 """
 
@@ -86,9 +87,6 @@ def _check(stages: Sequence[nn.Module], mesh: ParallelMesh) -> tuple[int, Any]:
                     ("intermediate_size", config.intermediate_size)):
         if n % t:
             raise ParallelConfigError(f"tp_hf_stages: {what}={n} is not divisible by tp={t}")
-    if getattr(config, "tie_word_embeddings", False):
-        raise ParallelConfigError("tp_hf_stages: tied input/output embeddings are not supported with tensor "
-                                  "parallelism yet (set tie_word_embeddings=False)")
     for name in ("attention_dropout", "hidden_dropout", "embd_pdrop"):
         if float(getattr(config, name, 0.0) or 0.0):
             raise ParallelConfigError(f"tp_hf_stages: {name} must be 0 (tensor-parallel dropout needs per-rank RNG)")
@@ -178,6 +176,10 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
     tp_mesh: DeviceMesh = mesh.device_mesh["tp"]
     group = mesh.tp_group
     sp = sequence_parallel
+    first = next((st for st in stages if st.embed is not None), None)
+    last = next((st for st in stages if st.head is not None), None)
+    tied = (first is not None and last is not None
+            and first.embed.embed_tokens.weight is last.head.lm_head.weight)
     for stage in stages:
         if getattr(stage, "_pipedsl_tp", None) is not None:
             raise ParallelConfigError("tp_hf_stages: this stage is already tensor-parallel")
@@ -209,6 +211,8 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
         if sp:
             stage.register_forward_pre_hook(_shard_input(tp_mesh, t))
             stage.register_forward_hook(_local_output)
+    if tied:  # both are [V/t, C] row blocks of the one weight (vocabulary-parallel): one DTensor parameter again
+        last.head.lm_head.weight = first.embed.embed_tokens.weight
     return stages
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import Program
@@ -180,7 +181,7 @@ class TieReducer:
             for held in self.held:
                 local = held.copies
                 if held.group is not None:
-                    dist.broadcast(local[0].data, src=held.source, group=held.group)
+                    dist.broadcast(_local(local[0].data), src=held.source, group=held.group)
                 for p in local[1:]:
                     p.copy_(local[0])
 
@@ -200,7 +201,7 @@ class TieReducer:
                     total = p.grad.clone() if total is None else total.add_(p.grad)
             if total is None:
                 total = torch.zeros_like(local[0])
-            work = dist.all_reduce(total, group=held.group, async_op=True) if held.group is not None else None
+            work = dist.all_reduce(_local(total), group=held.group, async_op=True) if held.group is not None else None
             works.append((local, total, work))
         for local, total, work in works:
             if work is not None:
@@ -224,7 +225,7 @@ class TieReducer:
             total = slices[0].clone()
             for g in slices[1:]:
                 total.add_(g)
-            work = dist.all_reduce(total, group=held.group, async_op=True) if held.group is not None else None
+            work = dist.all_reduce(_local(total), group=held.group, async_op=True) if held.group is not None else None
             works.append((slices, total, work))
         for slices, total, work in works:
             if work is not None:
@@ -276,3 +277,9 @@ def _parameter(module: nn.Module, stage: int, name: str) -> nn.Parameter:
         names = [n for n, _ in module.named_parameters()]
         raise PipeRuntimeError(f"ties: stage {stage} has no parameter {name!r} (it has {', '.join(names[:6])}"
                                f"{' …' if len(names) > 6 else ''})") from None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (parallel/tp_hf.py: each tp rank's copies hold the same row block), else `t`;
+    a view, so a collective on it updates the DTensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
