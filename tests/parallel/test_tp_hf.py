@@ -11,7 +11,7 @@ relative (summation order only).
 from __future__ import annotations
 
 import pytest
-from tp_hf_cases import refusals, tp_equivalence
+from tp_hf_cases import checkpoint_resume, refusals, tp_equivalence
 
 pytestmark = pytest.mark.slow
 
@@ -82,3 +82,10 @@ def test_refusals(run_once) -> None:
     assert "num_key_value_heads=1 is not divisible by tp=2" in out["kv_heads"]
     assert "not in the Llama layout" in out["layout"]
     assert "ZeRO (zero=1) does not take DTensor parameters yet" in out["zero"]
+
+
+def test_checkpoint_resume_same_layout(run_once, tmp_path) -> None:
+    """A checkpoint of DTensor shards resumes bit-exactly on the same dp × pp × tp layout (each rank's file
+    holds its shards; resharding to another tp and HF export of tp checkpoints are not supported yet)."""
+    for r in run_once(checkpoint_resume, 4, str(tmp_path)):
+        assert r["saved"] == r["loaded"], r

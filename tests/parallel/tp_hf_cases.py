@@ -142,3 +142,35 @@ def refusals() -> dict[str, str]:
 def _launched(rank: int, fn_name: str, *args):  # for pipedsl.launch in ad-hoc runs
     return globals()[fn_name](*args)
 
+
+
+def checkpoint_resume(directory: str) -> dict:
+    """Save a tp2 × pp2 + SP pipeline (DTensor parameters, Adam state) after one step, load it into one
+    built from another seed, and take two more steps with each: the losses must be the same."""
+    from pipedsl.runtime import checkpoint
+
+    hf = _hf_cases()
+    mesh = ParallelMesh(ParallelConfig(pp=2, tp=2))
+    program = pipedsl.load("1f1b").compile(P=2, M=2)
+
+    def build(seed: int):
+        model = hf.tiny_model("qwen3", layers=2, seed=seed)
+        stages = tp_hf_stages(causal_lm_stages(model, 2), mesh, sequence_parallel=True)
+        pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh)
+        return pipe, pipe.optimizer(torch.optim.Adam, lr=1e-2)
+
+    x = torch.randint(hf.VOCAB, (4, hf.T), generator=torch.Generator().manual_seed(3))
+    pipe, opt = build(0)
+    pipe.step(x, shift_labels(x))
+    opt.step()
+    opt.zero_grad()
+    checkpoint.save(pipe, directory, 1, opt)
+    other, other_opt = build(5)
+    checkpoint.load(other, directory, other_opt)
+    losses: dict[str, list[float]] = {"saved": [], "loaded": []}
+    for _ in range(2):
+        for key, p, o in (("saved", pipe, opt), ("loaded", other, other_opt)):
+            losses[key].append(float(p.step(x, shift_labels(x))))
+            o.step()
+            o.zero_grad()
+    return losses
