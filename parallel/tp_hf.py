@@ -42,8 +42,8 @@ norms count a replicated weight once over the tp group (runtime/clip.py).
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
 `mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
 Qwen2, Qwen3.  Tied embeddings stay one parameter (embedding and head hold the same row block).
-Others are refused by name.  Not yet: dropout, 3-D tp, ZeRO
-(refused), low-precision parameters (`param_dtype`: they need ZeRO's flat buffers).
+Others are refused by name.  Not yet: dropout, 3-D tp, ZeRO (refused), low-precision parameters
+(`param_dtype`: they need ZeRO's flat buffers), resharding a checkpoint to another tp, HF export.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ def _check(stages: Sequence[nn.Module], mesh: ParallelMesh) -> tuple[int, Any]:
         if float(getattr(config, name, 0.0) or 0.0):
             raise ParallelConfigError(f"tp_hf_stages: {name} must be 0 (tensor-parallel dropout needs per-rank RNG)")
     for stage in stages:
+        if stage.embed is not None and stage.embed.wpe is not None:
+            raise ParallelConfigError("tp_hf_stages: learned position embeddings (wpe) are not supported")
         for i, layer in stage.layers.items():
             kids = {n for n, _ in layer.named_children()}
             attn = {n for n, _ in getattr(layer, "self_attn", nn.Module()).named_children()}
@@ -187,8 +189,6 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
         if stage.embed is not None:
             parallelize_module(stage.embed, tp_mesh, {"embed_tokens": RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)})
-            if stage.embed.wpe is not None:
-                raise ParallelConfigError("tp_hf_stages: learned position embeddings (wpe) are not supported")
         for layer in stage.layers.values():
             parallelize_module(layer, tp_mesh, _layer_plan(sp))
             for n in ("q_norm", "k_norm"):

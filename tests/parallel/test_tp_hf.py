@@ -69,6 +69,14 @@ def test_tied_embeddings(run_once, dp: int, pp: int) -> None:
                     None, None, True), True, pp)
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_padding_mask(run_once, sp: bool) -> None:
+    """Left- and right-padded rows: the [mb, T] padding mask travels whole beside the (sharded) hidden
+    states and every stage builds the masks of the whole sequence; `loss_reduction="token"`."""
+    _check(run_once(tp_equivalence, 4, "qwen3", 1, 2, 2, sp, 2, 2, "1f1b", 0.5, 2, None, 0, None, None, None, None,
+                    True), sp, 2)
+
+
 def test_bf16_autocast(run_once) -> None:
     """precision="bf16" (fp32 parameters, bf16 compute) against the dense model under autocast: within
     bf16's tolerance (tests/runtime/hf_cases.py's: 1e-3 of the loss, 6e-2 of each gradient's scale)."""

@@ -45,7 +45,7 @@ def _attention(module: torch.nn.Module) -> bool:
 def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int = 2, M: int = 2,
                    schedule: str = "1f1b", lr: float = 0.5, layers: int = 2, clip: float | None = None,
                    zero: int = 0, recompute: str | None = None, params: dict | None = None,
-                   precision: str | None = None, tie: bool | None = None) -> dict:
+                   precision: str | None = None, tie: bool | None = None, padded: bool = False) -> dict:
     """`steps` SGD steps of the tensor-parallel pipeline against the dense model; the max differences."""
     hf = _hf_cases()
     mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, zero=zero))
@@ -56,14 +56,21 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
     x = torch.randint(hf.VOCAB, (2 * M * dp, hf.T), generator=torch.Generator().manual_seed(3))
     labels = x.clone()
     labels[:, : hf.T // 4] = -100  # a prompt: ignored targets must count for nothing
-    stages = tp_hf_stages(causal_lm_stages(model, program.num_stages), mesh, sequence_parallel=sp)
+    mask = None
+    if padded:  # left- and right-padded rows (hf_cases' batch), the padding mask travelling with every stage
+        assert dp == 1, "hf_cases.batch makes one replica's rows"
+        x, mask, labels = hf.batch(M, True)
+    stages = tp_hf_stages(causal_lm_stages(model, program.num_stages, attention_mask=padded), mesh,
+                          sequence_parallel=sp)
     names = {id(p): n for n, p in model.named_parameters()}  # after: the DTensor parameters replaced the dense ones
     sent: list[tuple[int, ...]] = []  # what a stage gives the next one (after tp_hf's own hook: local tensors)
     for st in stages:
         if st.head is None:
             st.register_forward_hook(lambda _m, _a, o: sent.append((type(o[0] if isinstance(o, tuple) else o).__name__,
                                                                     *(o[0] if isinstance(o, tuple) else o).shape)))
-    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh,
+    # padded rows: microbatches hold different token counts, so the mean is over the global batch's tokens
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh, "sum" if padded else "mean"),
+                            loss_reduction="token" if padded else "microbatch", parallel=mesh,
                             recompute=recompute, precision=precision,
                             recompute_filter=_attention if recompute == "selective" else None)
     opt = pipe.optimizer(torch.optim.SGD, lr=lr)
@@ -74,9 +81,9 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
     out = {"loss_err": 0.0, "grad_err": 0.0, "param_err": 0.0, "norm_err": 0.0, "losses": [], "checked": [],
            "dtensors": sum(isinstance(p, DTensor) for _, p in local)}
     for _ in range(steps):
-        loss = pipe.step(x, shift_labels(labels))
+        loss = pipe.step((x, mask) if padded else x, shift_labels(labels))
         with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
-            want = ref(x, labels=labels, use_cache=False).loss
+            want = ref(x, attention_mask=mask, labels=labels, use_cache=False).loss
         want.backward()
         out["losses"].append(float(loss))
         out["loss_err"] = max(out["loss_err"], abs(float(loss) - want.item()) / abs(want.item()))
