@@ -64,7 +64,7 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
     for name, opts in VARIANTS.items():
         loss = token_sum if opts.get("loss_reduction") == "token" else gpt_loss
         pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(S), program=prog, loss_fn=loss,
-                                recompute_filter=attention, **opts)
+                                recompute_filter=attention, activation_bytes=True, **opts)
         opt = pipe.optimizer(torch.optim.AdamW, lr=1e-4)
 
         def step(xs=x, ys=y, pipe=pipe, opt=opt) -> None:

@@ -57,7 +57,8 @@ def _rank_main(rank: int, cfg: dict) -> dict:
     gpt, sleep = {}, {}
     for name, program in programs.items():
         torch.manual_seed(0)  # the same weights for every schedule
-        gpt[name] = pipedsl.Pipeline(GPT(gcfg).stages(program.num_stages), program=program, loss_fn=gpt_loss)
+        gpt[name] = pipedsl.Pipeline(GPT(gcfg).stages(program.num_stages), program=program, loss_fn=gpt_loss,
+                                     activation_bytes=True)
         k = P / program.num_stages
         sleep[name] = pipedsl.Pipeline(_bench.sleep_stages(program.num_stages, F * k, B * k), program=program,
                                        loss_fn=_bench.sleep_loss)

@@ -45,7 +45,10 @@ share: see `pipedsl.parallel.tp_gpt`).
 `loss_reduction="token"`: the loss function returns the microbatch's summed token losses and
 the step's loss and gradients are the mean over every target != `ignore_index` of the global
 batch (see `_count_tokens`).  `recompute="full"|"selective"` (with `recompute_filter`):
-activation recomputation per stage (recompute.py).  Input shapes may change between steps:
+activation recomputation per stage (recompute.py).  `activation_bytes=True` counts the bytes every
+stage's saved tensors hold (`pipe.counter.peak_bytes`): a Python hook on every tensor autograd
+saves, ~6 % of a small GPT's step on CPU, so it is off unless asked for; the number of live
+activations (`peak_activations`) is always counted.  Input shapes may change between steps:
 the ranks agree on them every step and learn a new one in the step that meets it (see `_use_shapes`).
 """
 
@@ -104,7 +107,8 @@ class Pipeline:
                  ties: Sequence[Sequence[tuple[int, str]]] | None = None,
                  precision: str | MixedPrecision | None = None, loss_reduction: str = "microbatch",
                  ignore_index: int = -100, recompute: str | None = None,
-                 recompute_filter: ModulePredicate | None = None, **schedule_params: int) -> None:
+                 recompute_filter: ModulePredicate | None = None, activation_bytes: bool = False,
+                 **schedule_params: int) -> None:
         if not dist.is_initialized():
             raise PipeRuntimeError("torch.distributed is not initialised: start the ranks with "
                                    "pipedsl.launch(fn, nprocs) or torchrun")
@@ -142,7 +146,7 @@ class Pipeline:
         prog, rank = self.program, self.rank
         held = sorted({s for (c, s), r in prog.placement.items() if r == rank})
         self._modules = {s: self._build(stages, s).to(self.device) for s in held}
-        self.counter = ActivationCounter()
+        self.counter = ActivationCounter(count_bytes=activation_bytes)
         self.loss = LossPolicy(loss_reduction, self.num_microbatches, ignore_index)  # one, shared by the stages
         options = StageOptions(self.precision, self.device)
         self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter,

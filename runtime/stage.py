@@ -43,6 +43,7 @@ from .precision import MixedPrecision
 from .recompute import Recompute
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+_NO_HOOKS = contextlib.nullcontext()
 _MAX_PLANS = 16  # split-backward plans kept per stage (one per graph shape seen)
 
 
@@ -55,7 +56,8 @@ class ActivationCounter:
     them) not at all.  They count until the activation is dead (released and freed by autograd).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, count_bytes: bool = True) -> None:
+        self.count_bytes = count_bytes  # off: no hook on saved tensors, the byte fields stay 0
         self.live = 0
         self.peak = 0
         self.live_bytes = 0
@@ -111,8 +113,10 @@ class ActivationToken:
                 self._count(key_n[1])
 
     def _count(self, n: int) -> None:
-        self.nbytes += n
         counter = self.counter
+        if not counter.count_bytes:
+            return
+        self.nbytes += n
         counter.live_bytes += n
         if counter.live_bytes > counter.peak_bytes:
             counter.peak_bytes = counter.live_bytes
@@ -203,8 +207,10 @@ class Stage:
         if not self.is_first:
             inputs = [t.detach().requires_grad_() if _is_float(t) else t for t in inputs]
         token = self.counter.token()
-        for t in inputs:
-            token.add(t)  # kept for the backward
+        count_bytes = self.counter.count_bytes
+        if count_bytes:
+            for t in inputs:
+                token.add(t)  # kept for the backward
 
         def plain(*xs: Any) -> tuple[Any, torch.Tensor | None]:
             return self._with_loss(self.module(*xs), target)
@@ -212,7 +218,8 @@ class Stage:
         def compute(*xs: Any) -> tuple[Any, torch.Tensor | None]:
             return plain(*xs) if run is None else self._with_loss(run(list(xs)), target)
 
-        with torch.autograd.graph.saved_tensors_hooks(token.pack, _unpack), self.precision.autocast(self.device):
+        saving = torch.autograd.graph.saved_tensors_hooks(token.pack, _unpack) if count_bytes else _NO_HOOKS
+        with saving, self.precision.autocast(self.device):
             if self.recompute is None:
                 out, loss = self._with_loss(self.module(*inputs) if run is None else run(inputs), target)
             else:  # recomputation re-runs the plain forward, never an overlapped pair's other backward

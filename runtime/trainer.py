@@ -201,7 +201,8 @@ def train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] |
     pipe = pipedsl.Pipeline(source.stages, program=program, loss_fn=source.loss_fn, parallel=parallel,
                             ties=source.ties, batch=source.batch_mode, precision=precision,
                             loss_reduction="token" if source.token else "microbatch",
-                            recompute=cfg.get("recompute", "none"), recompute_filter=source.recompute_filter)
+                            recompute=cfg.get("recompute", "none"), recompute_filter=source.recompute_filter,
+                            activation_bytes=True)  # the run's report gives each rank's peak bytes
     del source.stages
     source.bind(pipe)
     opt = pipe.optimizer(torch.optim.AdamW, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.01))

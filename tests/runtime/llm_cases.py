@@ -171,7 +171,7 @@ def recompute_check(rank: int, program_json: str, modes: tuple[str, ...], option
     results = {}
     for mode in (None, *modes):
         stages = _model(model, S, dropout=0.3)
-        pipe = pipedsl.Pipeline(stages, program=program, recompute=mode,
+        pipe = pipedsl.Pipeline(stages, program=program, recompute=mode, activation_bytes=True,
                                 recompute_filter=is_attention if mode == "selective" else None, **opts)
         losses = []
         for step in range(2):
@@ -261,7 +261,7 @@ def bytes_prediction(rank: int, program_json: str, mode: str | None) -> dict[str
 
     full, mine = kept(None), kept(mode)
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=token_sum, loss_reduction="token", recompute=mode,
-                            recompute_filter=is_attention if mode == "selective" else None)
+                            recompute_filter=is_attention if mode == "selective" else None, activation_bytes=True)
     pipe.step(x, y)
     peak = pipedsl.simulate(program).peak_activations[rank]
     predicted = peak * mine + (full - mine)

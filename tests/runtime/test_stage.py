@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipedsl.runtime.stage import ActivationCounter, Stage
+from pipedsl.runtime.stage import ActivationCounter, ActivationToken, Stage
 
 
 class Shared(nn.Module):
@@ -65,6 +65,24 @@ def test_split_backward_equals_full(name: str, last: bool) -> None:
         torch.testing.assert_close(a, b)
     for (n, p), q in zip(module.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_byte_counting_is_a_hook_only_when_asked_for(monkeypatch) -> None:
+    """Off (the Pipeline default): no saved-tensor hook runs and no byte is counted; activations are still counted.
+    On: the saved input and tanh's output, each storage once (the weight is a parameter)."""
+    packed: list[torch.Tensor] = []
+    real = ActivationToken.pack
+    monkeypatch.setattr(ActivationToken, "pack", lambda self, t: (packed.append(t), real(self, t))[1])
+    results = {}
+    for count_bytes in (False, True):
+        packed.clear()
+        counter = ActivationCounter(count_bytes=count_bytes)
+        stage = Stage(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), 1, 3, None, 1, counter)
+        act, outs = stage.forward([torch.randn(2, 4)])
+        results[count_bytes] = (counter.live, counter.peak_bytes, len(packed))
+        stage.backward(act, [torch.ones_like(outs[0])])
+    assert results[False] == (1, 0, 0)
+    assert results[True][0] == 1 and results[True][2] >= 2 and results[True][1] == 2 * (2 * 4 * 4)
 
 
 def test_activation_lives_until_backward_frees_the_graph() -> None:
