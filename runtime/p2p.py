@@ -160,7 +160,6 @@ class Channels:
         self.device = device
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self._global = groups.members  # program rank -> global rank
         self.pool = BufferPool(device)
         self.sent_bytes = 0  # payload of every data message sent so far (activations and gradients)
         sockets = socket_p2p.connect(group, self.rank, self.size, groups.timeout) if device.type == "cpu" else None

@@ -29,9 +29,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
+from itertools import islice
 
 import torch
 import torch.distributed as dist
+
+from .tracer import host_id  # who shares abstract socket names: one kernel (boot) and host name
 
 _HEADER = struct.Struct("<q")  # the message's payload bytes: checked against what the receiver expects
 _HELLO = struct.Struct("<q")  # a connecting rank's program rank
@@ -55,27 +58,30 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview((t if alias is None else t.view(alias)).numpy()).cast("B")
 
 
-def _machine() -> str:
-    """Who shares abstract socket names: the same kernel (boot) and host name."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+def _consume(views: deque[memoryview], n: int) -> None:
+    """Drop the first `n` bytes of a queue of byte views (sent or received)."""
+    while n:
+        first = views[0]
+        if n >= len(first):
+            n -= len(first)
+            views.popleft()
+        else:
+            views[0] = first[n:]
+            n = 0
 
 
 class SocketRecv:
     """A posted receive: the header and the buffers its bytes are read into, in order."""
 
-    __slots__ = ("buffers", "peer", "_views", "_header", "_expected", "_link", "done")
+    __slots__ = ("buffers", "peer", "_views", "_header", "_expected", "_link", "_checked", "done")
 
     def __init__(self, buffers: list[torch.Tensor], peer: int, link: Link) -> None:
         self.buffers, self.peer, self._link = buffers, peer, link
         self._header = bytearray(_HEADER.size)
         payload = [_bytes_of(b) for b in buffers]
         self._expected = sum(len(v) for v in payload)
-        self._views: list[memoryview] = [memoryview(self._header), *(v for v in payload if len(v))]
+        self._views: deque[memoryview] = deque([memoryview(self._header), *(v for v in payload if len(v))])
+        self._checked = False
         self.done = False
 
     def ready(self) -> bool:
@@ -89,20 +95,12 @@ class SocketRecv:
         return self.buffers
 
     def _advance(self, n: int) -> None:
-        """`n` more bytes arrived."""
-        views = self._views
-        while n:
-            first = views[0]
-            if n >= len(first):
-                n -= len(first)
-                views.pop(0)
-                if first.obj is self._header:
-                    self._check_header()
-            else:
-                views[0] = first[n:]
-                n = 0
-        if not views:
-            self.done = True
+        """`n` more bytes arrived; the size header is checked as soon as it is complete."""
+        _consume(self._views, n)
+        if not self._checked and (not self._views or self._views[0].obj is not self._header):
+            self._checked = True
+            self._check_header()
+        self.done = not self._views
 
     def _check_header(self) -> None:
         (sent,) = _HEADER.unpack(self._header)
@@ -142,34 +140,23 @@ class Link:
         if n < sum(len(v) for v in views):
             with owner.lock:
                 self.out.extend(views)
-                self._consume(n)
+                _consume(self.out, n)
                 owner.queue(self)
 
     def push(self) -> None:
         """Give the kernel as much of the queued bytes as it takes now (under the transport's lock)."""
         out = self.out
         while out:
-            views = [out[i] for i in range(min(len(out), _MAX_IOV))]
+            views = list(islice(out, _MAX_IOV))
             try:
                 n = self.sock.sendmsg(views)
             except BlockingIOError:
                 return
             except OSError as err:
                 raise self._lost(err) from err
-            self._consume(n)
+            _consume(self.out, n)
             if n < sum(len(v) for v in views):
                 return
-
-    def _consume(self, n: int) -> None:
-        out = self.out
-        while n:
-            first = out[0]
-            if n >= len(first):
-                n -= len(first)
-                out.popleft()
-            else:
-                out[0] = first[n:]
-                n = 0
 
     # ---------------------------------------------------------------- receiving
 
@@ -179,7 +166,7 @@ class Link:
         while recvs:
             head = recvs[0]
             try:
-                n = self.sock.recvmsg_into(head._views[:_MAX_IOV])[0]
+                n = self.sock.recvmsg_into(list(islice(head._views, _MAX_IOV)))[0]
             except BlockingIOError:
                 return
             except OSError as err:
@@ -352,7 +339,7 @@ def connect(group: dist.ProcessGroup | None, rank: int, size: int,
         except OSError:
             listener, address = None, None
     everyone: list = [None] * size
-    dist.all_gather_object(everyone, (_machine(), address), group=group)
+    dist.all_gather_object(everyone, (host_id(), address), group=group)
     socks: dict[int, socket.socket] = {}
     ok = all(a is not None and m == everyone[0][0] for m, a in everyone)
     if ok:
