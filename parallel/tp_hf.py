@@ -78,9 +78,6 @@ def _check(stages: Sequence[nn.Module], mesh: ParallelMesh) -> tuple[int, Any]:
     if mesh.config.tp_mode != "1d":
         raise ParallelConfigError("tp_hf_stages: Hugging Face stages support 1-D tensor parallelism only")
     t = mesh.config.tp
-    if mesh.config.zero and t > 1:
-        raise ParallelConfigError(f"tp_hf_stages: ZeRO (zero={mesh.config.zero}) does not take DTensor parameters yet "
-                                  f"(its flat buffers hold plain tensors); use zero=0 with tensor parallelism")
     config = stages[0].config
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("vocab_size", config.vocab_size),

@@ -104,6 +104,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._guards import detect_fake_mode
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
@@ -122,10 +123,40 @@ class _Entry:
     numel: int
     aliases: tuple[tuple[nn.Module, str], ...] = ()  # other modules holding the same parameter
     also: tuple[str, ...] = ()  # its other qualified names (state_dict lists every one)
+    dtensor: _DTensorSpec | None = None  # a DTensor parameter's: shape and numel above are its local shard's
 
     def places(self) -> Iterator[tuple[nn.Module, str]]:
         yield self.owner, self.attr
         yield from self.aliases
+
+    def as_param(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` (this entry's values in the flat buffer, shaped) as the module holds it: a DTensor parameter
+        becomes a DTensor again, whose backward hands the flat buffer its local gradient."""
+        if self.dtensor is None:
+            return local
+        return DTensor.from_local(local, self.dtensor.mesh, self.dtensor.placements, run_check=False,
+                                  shape=self.dtensor.shape, stride=self.dtensor.stride)
+
+
+@dataclass(frozen=True)
+class _DTensorSpec:
+    """Where a DTensor parameter's local shard sits in the whole tensor (torch's tensor parallelism)."""
+
+    mesh: Any
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @staticmethod
+    def of(p: torch.Tensor) -> _DTensorSpec | None:
+        if not isinstance(p, DTensor):
+            return None
+        return _DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride()))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what ZeRO packs and shards over dp), else `p`."""
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 class _Unit:
@@ -156,7 +187,7 @@ class _Unit:
         source = torch.zeros(self.padded, dtype=self.main_dtype or dtype, device=self.device)
         with torch.no_grad():
             for e in entries:
-                source[e.offset:e.offset + e.numel].copy_(getattr(e.owner, e.attr).detach().reshape(-1))
+                source[e.offset:e.offset + e.numel].copy_(_local(getattr(e.owner, e.attr).detach()).reshape(-1))
         full = source.to(self.dtype)
         self.flat = nn.Parameter(full, requires_grad=trainable)  # [padded]; the module's parameters are views of it
         own = slice(self.rank * self.size, (self.rank + 1) * self.size)
@@ -229,7 +260,7 @@ class _Unit:
     def install_views(self) -> None:
         """Point the module's parameter names at views of the flat buffer (a new autograd edge per forward)."""
         for e in self.entries:
-            view = self.flat.narrow(0, e.offset, e.numel).view(e.shape)
+            view = e.as_param(self.flat.narrow(0, e.offset, e.numel).view(e.shape))
             for owner, attr in e.places():
                 setattr(owner, attr, view)
 
@@ -457,9 +488,10 @@ class ZeroOptimizer:
             entries, hooked, offset = [], {}, 0
             for p, places, quals, homes in members:
                 (_, owner, attr), *others = places
-                entries.append(_Entry(quals[0], owner, attr, p.shape, offset, p.numel(),
-                                      tuple((m, a) for _, m, a in others), tuple(quals[1:])))
-                offset += p.numel()
+                local = _local(p)
+                entries.append(_Entry(quals[0], owner, attr, local.shape, offset, local.numel(),
+                                      tuple((m, a) for _, m, a in others), tuple(quals[1:]), _DTensorSpec.of(p)))
+                offset += local.numel()
                 for (path, _, _), home in zip(places, homes):
                     hooked.update((id(m), m) for m in chain(home, path))
             u = _Unit(len(units), unit_modules[k], entries, group, self.stage, dtype, trainable=kind != 2,
@@ -735,7 +767,7 @@ class ZeroOptimizer:
                 u.gather()
                 gathered.append(u)
         try:
-            yield {e.name: u.flat.detach()[e.offset:e.offset + e.numel].view(e.shape)
+            yield {e.name: e.as_param(u.flat.detach()[e.offset:e.offset + e.numel].view(e.shape))
                    for u in self.units for e in u.entries}
         finally:
             for u in gathered:
@@ -758,7 +790,7 @@ class ZeroOptimizer:
             if self.stage > 0:
                 full = torch.empty(u.padded, dtype=u.main.dtype, device=u.main.device)
                 all_gather_into(full, u.main.detach(), self.group)
-            out.update({e.name: full[e.offset:e.offset + e.numel].view(e.shape).clone() for e in u.entries})
+            out.update({e.name: e.as_param(full[e.offset:e.offset + e.numel].view(e.shape).clone()) for e in u.entries})
         return out
 
     # ------------------------------------------------------------------ checkpoints

@@ -11,6 +11,7 @@ Returns the largest differences, for the test to report and check.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pipedsl
 from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
 from pipedsl.runtime.hf import causal_lm_stages, shift_labels
+from pipedsl.runtime.precision import MixedPrecision
 
 
 def _hf_cases():
@@ -45,10 +47,20 @@ def _attention(module: torch.nn.Module) -> bool:
 def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int = 2, M: int = 2,
                    schedule: str = "1f1b", lr: float = 0.5, layers: int = 2, clip: float | None = None,
                    zero: int = 0, recompute: str | None = None, params: dict | None = None,
-                   precision: str | None = None, tie: bool | None = None, padded: bool = False) -> dict:
-    """`steps` SGD steps of the tensor-parallel pipeline against the dense model; the max differences."""
+                   precision: str | None = None, tie: bool | None = None, padded: bool = False,
+                   optimizer: str = "sgd") -> dict:
+    """`steps` optimizer steps of the tensor-parallel pipeline against the dense model; the max differences.
+
+    `precision="bf16-params"`: bf16 parameters with fp32 main parameters (Megatron's); the reference
+    then runs under autocast on its fp32 main values rounded to bf16 before every step.  With ZeRO or
+    main parameters the gradients live in flat buffers: the parameters are compared after every step
+    instead (`opt.stage_parameters`, fp32 main values where there are some)."""
     hf = _hf_cases()
     mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, zero=zero))
+    main = precision == "bf16-params"
+    flat = zero > 0 or main
+    if main:
+        precision = MixedPrecision("bf16", params="bf16")
     program = pipedsl.load(schedule).compile(P=pp, M=M, **(params or {}))
     model = hf.tiny_model(family, layers=layers, tie=tie)
     ref = copy.deepcopy(model)
@@ -63,6 +75,7 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
     stages = tp_hf_stages(causal_lm_stages(model, program.num_stages, attention_mask=padded), mesh,
                           sequence_parallel=sp)
     names = {id(p): n for n, p in model.named_parameters()}  # after: the DTensor parameters replaced the dense ones
+    hf_name = {(s, n): names[id(p)] for s, st in enumerate(stages) for n, p in st.named_parameters()}
     sent: list[tuple[int, ...]] = []  # what a stage gives the next one (after tp_hf's own hook: local tensors)
     for st in stages:
         if st.head is None:
@@ -73,21 +86,26 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
                             loss_reduction="token" if padded else "microbatch", parallel=mesh,
                             recompute=recompute, precision=precision,
                             recompute_filter=_attention if recompute == "selective" else None)
-    opt = pipe.optimizer(torch.optim.SGD, lr=lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    make = torch.optim.SGD if optimizer == "sgd" else functools.partial(torch.optim.AdamW, weight_decay=0.1)
+    opt = pipe.optimizer(make, lr=lr)
+    ref_main = [p.detach().clone() for p in ref.parameters()] if main else list(ref.parameters())
+    ref_opt = make(ref_main, lr=lr)
     # by HF name, in the same order on every rank (full_tensor() is a collective over tp)
     local = sorted((names[id(p)], p) for m in pipe.local_stages().values() for p in m.parameters()
                    if id(p) in names)
-    out = {"loss_err": 0.0, "grad_err": 0.0, "param_err": 0.0, "norm_err": 0.0, "losses": [], "checked": [],
-           "dtensors": sum(isinstance(p, DTensor) for _, p in local)}
+    out = {"loss_err": 0.0, "grad_err": 0.0, "param_err": 0.0, "norm_err": 0.0, "losses": [], "checked": []}
     for _ in range(steps):
         loss = pipe.step((x, mask) if padded else x, shift_labels(labels))
-        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+        if main:  # the model's bf16 values: the main parameters rounded
+            with torch.no_grad():
+                for p, m in zip(ref.parameters(), ref_main):
+                    p.copy_(m.to(torch.bfloat16))
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision is not None):
             want = ref(x, attention_mask=mask, labels=labels, use_cache=False).loss
         want.backward()
         out["losses"].append(float(loss))
         out["loss_err"] = max(out["loss_err"], abs(float(loss) - want.item()) / abs(want.item()))
-        for name, p in local:
+        for name, p in local if not flat else ():
             q = ref_params[name].grad
             err = ((_whole(p.grad) - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
             out["grad_err"] = max(out["grad_err"], err)
@@ -98,18 +116,31 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
             norm = pipe.clip_grad_norm_(clip).item()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         out["norm_err"] = max(out["norm_err"], abs(norm - ref_norm) / ref_norm)
+        if main:
+            for p, m in zip(ref.parameters(), ref_main):
+                m.grad, p.grad = p.grad, None
         opt.step()
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-    for name, p in local:
-        q = ref_params[name].detach()
-        out["param_err"] = max(out["param_err"], ((_whole(p.detach()) - q).abs().max()
-                                                  / q.abs().max().clamp_min(1e-12)).item())
+        if flat:  # every step: the gradients are not on the modules to compare
+            local = sorted((hf_name[(s, n)], v) for s, got in opt.stage_parameters(main=main).items()
+                           for n, v in got.items())
+            _param_err(out, local, dict(zip((n for n, _ in ref.named_parameters()), ref_main)))
+    if not flat:
+        _param_err(out, local, {n: p.detach() for n, p in ref_params.items()})
     out["checked"] = [n for n, _ in local]
+    out["dtensors"] = sum(isinstance(p, DTensor) for _, p in local)
     out["sent"] = sorted(set(sent))
     out["rank"] = dist.get_rank()
     return out
+
+
+def _param_err(out: dict, local: list, want: dict) -> None:
+    for name, p in local:
+        q = want[name].detach()
+        out["param_err"] = max(out["param_err"], ((_whole(p.detach()) - q).abs().max()
+                                                  / q.abs().max().clamp_min(1e-12)).item())
 
 
 def refusals() -> dict[str, str]:
