@@ -280,6 +280,7 @@ def _part(pipe: Any, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], p
             "modules": sorted(modules), "buffers": sorted(buffers), "zero": sorted(zero),
             "copies": sorted([s, c] for c, s in copies),
             "stages": {str(s): _describe(m, zeros.get(s)) for s, m in stages.items()} if first else {},
+            **({"tp_dims": {str(s): tp_dims(m) for s, m in stages.items()}} if lay.parallel["tp"] > 1 else {}),
             "optimizers": n_opt, "shards": sorted(shards) if isinstance(shards, dict) else None}
     return data, meta
 
@@ -291,6 +292,21 @@ def _buffers(module: nn.Module, zero: ZeroOptimizer | None = None) -> dict[str, 
     flat = {id(t) for t in zero.parameters()} if zero is not None else set()
     held = module.state_dict(keep_vars=True)  # the tensors themselves, where state_dict() gives detached ones
     return {k: v for k, v in module.state_dict().items() if k not in params and id(held[k]) not in flat}
+
+
+def tp_dims(module: nn.Module) -> dict[str, int | None]:
+    """{state-dict name: the dimension its tensor-parallel shards split, None for a copy} of a stage's DTensor
+    parameters (parallel/tp_hf.py): what `read_model` concatenates the tp ranks' tensors along.  A plain
+    tensor of a tp run has no entry: the same on every tp rank (a replicated norm) or, for layers that slice
+    without DTensor (parallel/tp_gpt.py), not gatherable by name."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dims: dict[str, int | None] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if isinstance(t, DTensor):
+            shard = [p.dim for p in t.placements if isinstance(p, Shard)]
+            dims[name] = shard[0] if shard else None
+    return dims
 
 
 def _describe(module: nn.Module, zero: ZeroOptimizer | None) -> dict[str, list]:
@@ -646,30 +662,80 @@ class SavedModel:
 
 
 def read_model(source: str | os.PathLike) -> SavedModel:
-    """The model state of the checkpoint at `source` (or the latest under it), from any dp × pp layout and
-    ZeRO stage; tensor-parallel checkpoints are refused (their shards would need the layers' split rule)."""
+    """The model state of the checkpoint at `source` (or the latest under it), from any dp × pp × tp layout and
+    ZeRO stage: ZeRO slices reassembled, tensor-parallel shards concatenated along the dimension each part
+    recorded (`tp_dims`)."""
     info = resolve(source)
     manifest, path = info.manifest, info.path
     par = saved_parallel(manifest)
-    if par["tp"] > 1:
-        raise CheckpointError(f"{path}: saved with tp={par['tp']}; reading the whole model back needs tp=1")
-    read = part_reader(path)
-
-    stages: dict[int, dict[str, torch.Tensor]] = {}
-    sliced: dict[int, dict[int, dict[str, Any]]] = {}
+    read = _offline(part_reader(path))
+    by_tp: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # tp coordinate → stage → tensors
+    sliced: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
+    dims: dict[int, dict[str, int | None]] = {}
     for part in manifest["parts"]:
+        tp = part_coords(part)[2]
+        stages = by_tp.setdefault(tp, {})
         for key in part.get("modules", []):
             stages.setdefault(int(key.split("/")[0]), {}).update(read(part)["modules"][key])
         for key in part.get("buffers", []):
             stages.setdefault(int(key.split("/")[0]), {}).update(read(part)["buffers"][key])
         for key in part.get("zero", []):
-            sliced.setdefault(int(key), {}).setdefault(part_coords(part)[0], part)
-    for s, slices in sorted(sliced.items()):
+            sliced.setdefault((int(key), tp), {}).setdefault(part_coords(part)[0], part)
+        for s, d in part.get("tp_dims", {}).items():
+            dims.setdefault(int(s), {}).update(d)
+    for (s, tp), slices in sorted(sliced.items()):
         with _resharding(f"{path}: "):
             full = zero_checkpoint.assemble(s, _zero_states(read, s, slices), False)
-        stages.setdefault(s, {}).update(full.params)
+        by_tp[tp].setdefault(s, {}).update(full.params)
+    stages = _gather_tp(path, by_tp, dims) if par["tp"] > 1 else by_tp.get(0, {})
     missing = sorted(set(range(manifest["partition"]["num_stages"])) - set(stages))
     if missing:
         raise CheckpointError(f"{path}: no part holds stage {missing[0]}")
     first = next(p for p in manifest["parts"] if p["rank"] == 0)
     return SavedModel(info, stages, read(first).get("extra"))
+
+
+def _offline(read: Any) -> Any:
+    """`read`, quiet about the DTensor shards it unpickles with no process group (the warning that their
+    DeviceMesh has none concerns torch.compile; only the local tensors are used here)."""
+    import logging
+
+    def quiet(part: dict[str, Any]) -> dict[str, Any]:
+        log = logging.getLogger("torch.distributed.device_mesh")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            return read(part)
+        finally:
+            log.setLevel(level)
+    return quiet
+
+
+def _gather_tp(path: Path, by_tp: dict[int, dict[int, dict[str, torch.Tensor]]],
+               dims: dict[int, dict[str, int | None]]) -> dict[int, dict[str, torch.Tensor]]:
+    """Each stage's whole tensors from its tp ranks' shards: concatenated in tp order along the recorded
+    dimension; a copy (a replicated norm) taken once, after checking every tp rank holds the same values."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    ranks = sorted(by_tp)
+    whole: dict[int, dict[str, torch.Tensor]] = {}
+    for s in sorted(by_tp[ranks[0]]):
+        shards = [by_tp[tp].get(s) for tp in ranks]
+        if any(sh is None for sh in shards):
+            raise CheckpointError(f"{path}: stage {s} is missing at tp rank {ranks[shards.index(None)]}")
+        out = whole.setdefault(s, {})
+        for name in shards[0]:
+            pieces = [local(sh[name]) for sh in shards]
+            dim = dims.get(s, {}).get(name, "copy")
+            if dim not in ("copy", None):
+                out[name] = torch.cat(pieces, dim=dim)
+            elif all(torch.equal(pieces[0], p) for p in pieces[1:]):
+                out[name] = pieces[0]
+            else:
+                raise CheckpointError(f"{path}: stage {s}'s {name!r} differs between tp ranks and no split "
+                                      f"dimension was recorded for it: its shards cannot be put together by name "
+                                      f"(a layer that slices without DTensor, e.g. the built-in GPT's)")
+    return whole

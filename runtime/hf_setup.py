@@ -67,6 +67,7 @@ def hf_config(args: argparse.Namespace, program: Any, batch: int, out: Path) -> 
     meta = _meta_model(md.config)  # shapes only: counted for memory, named for the weights files
     _check_memory(args, md, meta)
     local = _check_architecture(md, split, attn, meta)
+    _check_tensor_parallel(args, md, meta, split, S)
     described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_cache else "held out")
     return {"model": str(md.path.resolve()), "local": local, "attn": attn,
             "packing": args.packing,
@@ -111,6 +112,27 @@ def _check_memory(args: argparse.Namespace, md: Any, meta: Any) -> None:
                            f"about {need / 2**30:.3g} GiB of model states ({mode.total} bytes a parameter before "
                            f"ZeRO {args.zero} shards them), more than this machine's {memory / 2**30:.3g} GiB "
                            f"(--allow-oversubscribe to run anyway)")
+
+
+def _check_tensor_parallel(args: argparse.Namespace, md: Any, meta: Any, split: dict[str, Any], S: int) -> None:
+    """`--tp`: the model's stages split as parallel/tp_hf.py splits them — its own checks (the Llama layout,
+    heads, kv heads, vocabulary and MLP divisible by tp, no dropout, what it composes with), run here on the
+    meta-device stages, so that a model it refuses is one line before any rank starts."""
+    if args.tp == 1:
+        return
+    from types import SimpleNamespace
+
+    from pipedsl.parallel import ParallelConfig
+    from pipedsl.parallel.config import ParallelConfigError
+    from pipedsl.parallel.tp_hf import _check as check_stages  # the one rule of what it splits
+
+    from .hf import causal_lm_stages
+
+    layout = SimpleNamespace(config=ParallelConfig(dp=args.dp, pp=S, tp=args.tp, zero=args.zero))
+    try:
+        check_stages(causal_lm_stages(meta, S, **split), layout)
+    except ParallelConfigError as err:
+        raise PipeDSLError(f"--tp {args.tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
 
 
 MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's model: at most this much, or it is skipped with a note

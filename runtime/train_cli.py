@@ -6,6 +6,7 @@
     pipedsl run --program prog.json --steps 20          # a compiled program file (JSON, CSV or text)
     pipedsl train … --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
     pipedsl train --schedule zb-v -P 2 -M 4 --dp 2 --zero 1      # dp x P processes, ZeRO over dp
+    pipedsl train --model DIR --data docs/ -P 2 --dp 2 --tp 2 --sequence-parallel   # dp x P x tp processes
     pipedsl train --precision bf16 --clip-grad 1.0 --lr-schedule cosine --warmup-steps 5
     pipedsl train --recompute full --loss-reduction token --pad-fraction 0.3
 
@@ -132,6 +133,13 @@ def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
                    help="data-parallel replicas of the pipeline: dp x P processes (default 1)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage over the dp replicas (default 0: an averaging all-reduce)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks per pipeline stage (Megatron's 1-D split: attention by heads, the MLP "
+                        "column- then row-wise, vocabulary-parallel embedding, head and loss): dp x P x tp "
+                        "processes (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: norms and residuals on 1/tp of the sequence, reduce-scatter and all-gather in "
+                        "place of the all-reduces (Korthikanti et al. 2022); --seq must divide by --tp")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="compute dtype (autocast; fp16 scales the loss; default fp32)")
     p.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -276,9 +284,7 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
 
     if under_torchrun() and os.environ.get("RANK") != "0":  # every process runs this command; one of them speaks
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
-    dp = cfg["dp"]
-    layout = f"{dp} x {program.num_ranks} = {dp * program.num_ranks} processes (dp x pp, zero={cfg['zero']})" \
-        if dp > 1 or cfg["zero"] else f"{program.num_ranks} processes"
+    layout = _layout_text(program.num_ranks, cfg)
     what = cfg["hf"]["describe"] if cfg.get("hf") else \
         f"a {cfg['layers']}-block GPT (C={cfg['embd']}, T={cfg['seq']})"
     print(f"training {what} with {program.name} {' '.join(f'{k}={v}' for k, v in program.params.items())}: "
@@ -287,7 +293,7 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
         print(f"data: {cfg['hf']['data_describe']}", flush=True)
     if cfg["resume"]:
         print(f"resuming from {cfg['resume']}", flush=True)
-    nprocs = dp * program.num_ranks
+    nprocs = cfg["dp"] * program.num_ranks * cfg["tp"]
     from .metrics import peak_flops
 
     cfg["peak_flops"], source = peak_flops(nprocs, min(nprocs * args.threads, usable_cores()), args.peak_tflops)
@@ -327,12 +333,29 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
     return 0
 
 
+def _layout_text(ranks: int, cfg: dict[str, Any]) -> str:
+    """"2 x 2 x 2 = 8 processes (dp x pp x tp, zero=1, sequence parallel)" — or "4 processes" for a pipeline."""
+    dp, tp = cfg["dp"], cfg["tp"]
+    if dp == 1 and tp == 1 and not cfg["zero"]:
+        return f"{ranks} processes"
+    dims = [("dp", dp), ("pp", ranks)] + ([("tp", tp)] if tp > 1 else [])
+    notes = [f"zero={cfg['zero']}"] + (["sequence parallel"] if cfg.get("sequence_parallel") else [])
+    return (f"{' x '.join(str(n) for _, n in dims)} = {dp * ranks * tp} processes "
+            f"({' x '.join(d for d, _ in dims)}, {', '.join(notes)})")
+
+
 def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The per-rank training configuration; every input error here, before any process starts."""
     from pipedsl.errors import PipeDSLError
 
     M, S, dp = program.num_microbatches, program.num_stages, args.dp
     _check_local(program.num_ranks, args)
+    if args.sequence_parallel and args.tp == 1:
+        raise PipeDSLError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp 2 "
+                           "or more")
+    if args.sequence_parallel and args.seq % args.tp:
+        raise PipeDSLError(f"--sequence-parallel: --seq {args.seq} does not divide by --tp {args.tp} (each tp rank "
+                           f"holds an equal part of the sequence)")
     batch = args.batch or 4 * M * dp
     if batch % (M * dp):
         what = f"dp*M = {dp}*{M} = {dp * M}" if dp > 1 else f"M={M}"
@@ -360,7 +383,8 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
     cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "lr": args.lr, "weight_decay": args.weight_decay,
            "dropout": args.dropout, "seed": args.seed, "timeout": args.checkpoint_timeout or args.timeout,
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None,
-           "dp": dp, "zero": args.zero, "precision": args.precision, "param_dtype": args.param_dtype,
+           "dp": dp, "zero": args.zero, "tp": args.tp, "sequence_parallel": args.sequence_parallel,
+           "precision": args.precision, "param_dtype": args.param_dtype,
            "grad_dtype": args.grad_dtype, "clip_grad": args.clip_grad,
            "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps, "recompute": args.recompute,
            "loss_reduction": args.loss_reduction or ("token" if hf else "microbatch"),
@@ -373,7 +397,7 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
 
         _import_wandb()  # not installed: one line now, not a failed rank later
     if hf:
-        _check_run_numbers(args, 0, batch, dp * program.num_ranks)
+        _check_run_numbers(args, 0, batch, dp * program.num_ranks * args.tp)
         from .hf_setup import hf_config
 
         cfg["hf"] = hf_config(args, program, batch, out)
@@ -388,7 +412,8 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
         if layers + 2 < S:
             raise PipeDSLError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} "
                                f"pieces, fewer than the program's {S} stages")
-        _check_run_numbers(args, layers, batch, dp * program.num_ranks)
+        _check_run_numbers(args, layers, batch, dp * program.num_ranks * args.tp)
+        _check_gpt_tp(args)
         cfg.update(layers=layers, embd=args.embd, vocab=VOCAB, heads=N_HEAD)
     if args.resume:
         cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
@@ -405,11 +430,27 @@ MAX_SEED = 2**63 - 2  # torch.manual_seed takes 64-bit seeds; the data generator
 
 
 def _check_local(ranks: int, args: argparse.Namespace) -> None:
-    """dp x ranks local processes: within what this machine runs (capacity.py) unless --allow-oversubscribe."""
-    dp = args.dp
-    what = f"--dp {dp} x {ranks} pipeline ranks" if dp > 1 else f"{ranks} pipeline ranks"
-    check_local_ranks(dp * ranks, limit=10**9 if args.allow_oversubscribe else None, what=what,
+    """dp x ranks x tp local processes: within what this machine runs (capacity.py) unless --allow-oversubscribe."""
+    dp, tp = args.dp, args.tp
+    what = " x ".join([*([f"--dp {dp}"] if dp > 1 else []), f"{ranks} pipeline ranks", *([f"--tp {tp}"] if tp > 1
+                                                                                          else [])])
+    check_local_ranks(dp * ranks * tp, limit=10**9 if args.allow_oversubscribe else None, what=what,
                       override="--allow-oversubscribe")
+
+
+def _check_gpt_tp(args: argparse.Namespace) -> None:
+    """The GPT's heads, width, MLP and vocabulary split evenly over --tp (parallel/tp_gpt.py's rule)."""
+    from pipedsl.errors import PipeDSLError
+
+    t = args.tp
+    if t == 1:
+        return
+    for what, n in (("attention heads", N_HEAD), ("--embd", args.embd), ("vocabulary", VOCAB)):
+        if n % t:
+            raise PipeDSLError(f"--tp {t}: the GPT's {what} ({n}) does not divide by {t}")
+    if args.dropout:
+        raise PipeDSLError(f"--tp {t} with --dropout {args.dropout}: tensor-parallel dropout needs a random stream "
+                           f"per tp rank, which the layers do not keep; use --dropout 0")
 
 
 def _check_run_numbers(args: argparse.Namespace, layers: int, batch: int, nprocs: int) -> None:
@@ -465,6 +506,13 @@ def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str
             return None
     else:
         found = checkpoint.resolve(resume)
+    saved_tp = checkpoint.saved_parallel(found.manifest)["tp"]
+    if saved_tp != cfg["tp"]:
+        raise checkpoint.CheckpointError(f"{found.path} was saved with --tp {saved_tp}, this run has --tp {cfg['tp']}: "
+                                         f"tensor-parallel shards load only under the same tp (pipedsl export "
+                                         f"writes the whole model, which any layout can fine-tune from)")
+    if cfg["tp"] > 1 and not cfg.get("hf"):  # the GPT's tp layers have names of their own: ranks compare shards
+        return str(found.path)
     with torch.device("meta"):  # shapes only: compare the partition before any process starts
         if cfg.get("hf"):
             from .hf_setup import meta_stages

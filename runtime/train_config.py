@@ -33,7 +33,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("data", "eval_data", "text_field", "seq", "packing", "doc_mask", "eval_fraction", "cache_dir",
              "pad_fraction"),
     "schedule": ("schedule", "ranks", "microbatches", "param"),
-    "parallel": ("dp", "zero"),
+    "parallel": ("dp", "zero", "tp", "sequence_parallel"),
     "training": ("steps", "batch", "lr", "weight_decay", "precision", "param_dtype", "grad_dtype", "clip_grad",
                  "lr_schedule", "warmup_steps", "recompute", "loss_reduction", "threads"),
     "eval": ("eval_every", "eval_batches"),

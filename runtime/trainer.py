@@ -43,17 +43,25 @@ class GPTSource:
     batch_mode = "global"
     ties = None  # found in the stage list
 
-    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program) -> None:
-        from .gpt import GPT, CausalSelfAttention, gpt_loss
+    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program, mesh: Any = None) -> None:
+        from .gpt import GPT, gpt_loss
 
         self.cfg = cfg
         self.gcfg = gpt_config(cfg)
         torch.manual_seed(cfg["seed"])
-        self.model = GPT(self.gcfg)  # the same weights on every rank; each keeps only its stages
-        self.stages = self.model.stages(program.num_stages, by=cfg.get("split", "count"))
+        self.model = GPT(self.gcfg)  # the same weights on every rank; each keeps only its stages (or slices)
         self.token = cfg.get("loss_reduction", "microbatch") == "token"
-        self.loss_fn = _token_loss_sum if self.token else gpt_loss
-        self.recompute_filter = lambda m: isinstance(m, CausalSelfAttention)
+        by = cfg.get("split", "count")
+        if cfg.get("tp", 1) > 1:  # Megatron's 1-D slices of the same dense model (parallel/tp_gpt.py)
+            from pipedsl.parallel.tp_gpt import tp_gpt_loss
+
+            sp = {"sequence_parallel": True} if cfg.get("sequence_parallel") else {}
+            self.stages = self.model.tp_stages(program.num_stages, mesh, by=by, **sp)
+            self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
+        else:
+            self.stages = self.model.stages(program.num_stages, by=by)
+            self.loss_fn = _token_loss_sum if self.token else gpt_loss
+        self.recompute_filter = _is_attention
         self.gen = torch.Generator().manual_seed(cfg["seed"] + 1)
         self.samples_per_step = cfg["batch"]
         self.tokens_per_step = cfg["batch"] * cfg["seq"]
@@ -96,7 +104,7 @@ class HFSource:
 
     batch_mode = "local"
 
-    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program, pp_rank: int) -> None:
+    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program, pp_rank: int, mesh: Any = None) -> None:
         from . import data, hf, hf_io
 
         self.cfg = cfg
@@ -117,6 +125,8 @@ class HFSource:
             self.stages = hf.causal_lm_stages(model, program.num_stages, **hfc["split"])
         self.token = cfg.get("loss_reduction", "token") == "token"
         self.loss_fn = functools.partial(hf.causal_lm_loss, reduction="sum") if self.token else hf.causal_lm_loss
+        if cfg.get("tp", 1) > 1:
+            self._tensor_parallel(mesh, held)
         self.recompute_filter = _is_attention
         params = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings().weight.numel()
@@ -134,6 +144,18 @@ class HFSource:
         self.tokens_per_step = cfg["batch"] * cfg["seq"]
         self.meta = hfc["export"]
         self.loader: Any = None
+
+    def _tensor_parallel(self, mesh: Any, held: set[int]) -> None:
+        """This rank's stages sliced in place over the mesh's tp dimension (parallel/tp_hf.py), with the
+        vocabulary-parallel loss.  Only the held stages: the ranks of one tp group hold the same ones, and
+        slicing is collective among them."""
+        from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
+
+        build = self.stages
+        local = {s: build[s] if isinstance(build, list) else build(s) for s in sorted(held)}
+        tp_hf_stages(list(local.values()), mesh, sequence_parallel=bool(self.cfg.get("sequence_parallel")))
+        self.stages = local.__getitem__
+        self.loss_fn = tp_hf_loss(mesh, "sum" if self.token else "mean")
 
     def bind(self, pipe: pipedsl.Pipeline) -> None:
         from . import data
@@ -168,7 +190,8 @@ class HFSource:
 
 
 def _is_attention(module: nn.Module) -> bool:
-    """Selective recomputation's regions in an HF decoder: its attention modules (Korthikanti et al.)."""
+    """Selective recomputation's regions: the attention modules (Korthikanti et al.) — an HF decoder's, the
+    GPT's `CausalSelfAttention` and its tensor-parallel `ParallelSelfAttention`."""
     name = type(module).__name__
     return name.endswith("Attention") and not name.endswith("FlashAttention2")
 
@@ -190,12 +213,12 @@ def train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] |
     """Every rank: build the pipeline, restore a checkpoint if asked, train to `cfg["steps"]`."""
     program = pipedsl.Program.from_json(program_json)
     parallel = None
-    dp, zero = cfg.get("dp", 1), cfg.get("zero", 0)
-    if dp > 1 or zero:
+    dp, zero, tp = cfg.get("dp", 1), cfg.get("zero", 0), cfg.get("tp", 1)
+    if dp > 1 or zero or tp > 1:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
-        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, zero=zero))
+        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero))
     pp_rank = parallel.coords.pp if parallel is not None else rank
-    source = HFSource(cfg, program, pp_rank) if cfg.get("hf") else GPTSource(cfg, program)
+    source = HFSource(cfg, program, pp_rank, parallel) if cfg.get("hf") else GPTSource(cfg, program, parallel)
     precision = MixedPrecision(cfg.get("precision", "fp32"), params=cfg.get("param_dtype", "fp32"),
                                grads=cfg.get("grad_dtype", "fp32"))
     pipe = pipedsl.Pipeline(source.stages, program=program, loss_fn=source.loss_fn, parallel=parallel,

@@ -181,7 +181,6 @@ def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpu
     (Suite time: this was a Llama run plus a Gemma 3 parameter of the test above with the same layout and the same
     one-process comparison; one Gemma 3 run now asserts both.  Llama under dp2 x pp2 ZeRO-3 ZB-H1 is
     tests/runtime/test_hf_zero.py's.)"""
-    import transformers as tf
 
     from pipedsl.runtime import data
 
@@ -223,20 +222,70 @@ def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpu
     assert {s: cut[s] for s in (3, 4)} == {s: got[s] for s in (3, 4)}  # bit for bit
     assert evals(tmp_path / "cut")[4] == evals(tmp_path / "whole")[4]
 
-    exported = pipedsl("export", str(ckpt), "--hf", str(tmp_path / "hf"))
-    assert exported.returncode == 0, exported.stderr[-3000:]
-    assert "exported step 4" in exported.stdout
-    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     caches = [data.TokenCache.open(p) for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     [heldout] = [c for c in caches if c.num_documents == 1]  # eval.txt's cache (the corpus has 12 documents)
+    assert exported_loss(ckpt, tmp_path / "hf", data.PackedSequences(heldout, 32)) == pytest.approx(
+        evals(tmp_path / "cut")[4], rel=1e-5)
+
+
+def exported_loss(ckpt: Path, out: Path, heldout) -> float:
+    """`pipedsl export` of the latest checkpoint under `ckpt` to `out`, loaded with `from_pretrained`: its mean
+    next-token loss over the held-out samples, batch by batch as the pipeline evaluates them."""
+    import transformers as tf
+
+    from pipedsl.runtime import data
+
+    exported = pipedsl("export", str(ckpt), "--hf", str(out))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "exported step 4" in exported.stdout
+    assert "Traceback" not in exported.stderr and "pickling" not in exported.stderr, exported.stderr[-2000:]
+    ref = tf.AutoModelForCausalLM.from_pretrained(out)
     total = count = 0.0
     with torch.no_grad():
-        for x, y in data.eval_batches(data.PackedSequences(heldout, 32), 8):
+        for x, y in data.eval_batches(heldout, 8):
             logits = ref(x).logits.float()
             total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
                                                        reduction="sum").item()
             count += y.numel()
-    assert total / count == pytest.approx(evals(tmp_path / "cut")[4], rel=1e-5)
+    return total / count
+
+
+TP_SP = ["-P", "2", "--dp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1", "--recompute", "selective",
+         "--lr-schedule", "constant"]
+
+
+@pytest.mark.slow
+def test_llama_dp2_pp2_tp2_sequence_parallel_equals_one_process_resumes_and_exports(corpus, tmp_path):
+    """Llama (grouped-query heads, tied embeddings) on dp2 x pp2 x tp2 with sequence parallelism: heads and MLP split
+    over tp, vocabulary-parallel embedding, head and loss (parallel/tp_hf.py), ZB-H1, selective recomputation and
+    clipping.  Two steps, a checkpoint of tp shards, --resume to step 4 in a second command: every step's loss and
+    the held-out losses equal one process that never stopped (fp32: 2e-5); `pipedsl export` puts the shards back
+    together into a model `from_pretrained` loads with the pipeline's final held-out loss."""
+    from pipedsl.runtime import data
+
+    model = model_dir(tmp_path, "llama")
+    ckpt = tmp_path / "ckpt"
+    par = [*common_flags(model, corpus, tmp_path / "par"), *TP_SP, "--checkpoint-dir", str(ckpt)]
+    one, first = pipedsl_together([*common_flags(model, corpus, tmp_path / "one"), "-P", "1", "--lr-schedule",
+                                   "constant"], [*par, "--steps", "2"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "2 x 2 x 2 = 8 processes (dp x pp x tp, zero=0, sequence parallel)" in first.stdout
+    resumed = pipedsl(*par, "-o", str(tmp_path / "par2"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    assert want[4] < want[1]  # it learns
+    got_eval = {**evals(tmp_path / "par"), **evals(tmp_path / "par2")}
+    assert got_eval.keys() == evals(tmp_path / "one").keys() == {2, 4}
+    for step, loss in evals(tmp_path / "one").items():
+        assert got_eval[step] == pytest.approx(loss, rel=2e-5), step
+
+    [cache] = [data.TokenCache.open(p) for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    _, heldout = data.PackedSequences(cache, 32).split(0.1)
+    assert exported_loss(ckpt, tmp_path / "hf", heldout) == pytest.approx(got_eval[4], rel=1e-5)
 
 
 def _refused(*argv: str) -> str:
@@ -290,6 +339,10 @@ def test_bad_input_is_one_line_before_any_rank(corpus, tmp_path):
     (tmp_path / "type.toml").write_text('[training]\nsteps = "ten"\n')
     assert "[training] steps" in train(good, corpus, "--config", str(tmp_path / "type.toml"))
     assert "--data needs --model" in _refused("train", "--data", str(corpus), "-P", "2")
+    assert "needs --tp 2 or more" in train(good, corpus, "--sequence-parallel")
+    assert "--seq 30 does not divide by --tp 4" in train(good, corpus, "--tp", "4", "--seq", "30", "--sequence-parallel")
+    assert "num_key_value_heads=2 is not divisible by tp=4" in train(good, corpus, "--tp", "4", "-P", "1")
+    assert "--tp 3: the GPT's attention heads (4) does not divide by 3" in _refused("train", "--tp", "3", "-P", "1")
     assert "no such checkpoint directory" in _refused("export", str(tmp_path / "nope"), "--hf", str(tmp_path / "x"))
 
 
