@@ -90,7 +90,6 @@ def test_refusals(run_once) -> None:
     assert "num_attention_heads=3 is not divisible by tp=2" in out["heads"]
     assert "num_key_value_heads=1 is not divisible by tp=2" in out["kv_heads"]
     assert "not in the Llama layout" in out["layout"]
-    assert "ZeRO (zero=1) does not take DTensor parameters yet" in out["zero"]
 
 
 def test_checkpoint_resume_same_layout(run_once, tmp_path) -> None:
@@ -100,14 +99,28 @@ def test_checkpoint_resume_same_layout(run_once, tmp_path) -> None:
         assert r["saved"] == r["loaded"], r
 
 
-@pytest.mark.parametrize(("zero", "schedule", "family", "clip"), [
-    (1, "1f1b", "qwen3", 0.3),  # clipping over flat slices: a tp shard counted on each tp rank, a norm weight once
-    (2, "1f1b", "llama", None),
-    (3, "zb-h1", "qwen3", None),  # split backward: W runs on DTensor views of gathered, then freed, flat buffers
+@pytest.mark.parametrize(("zero", "schedule", "family", "clip", "tie"), [
+    (1, "1f1b", "qwen3", 0.3, None),  # clipping over flat slices: a tp shard counted on each tp rank, a norm weight once
+    (2, "1f1b", "qwen3", None, True),  # tied embeddings: each end's copy a unit of its own, its row blocks summed
+    (3, "zb-h1", "llama", None, None),  # split backward: W runs on DTensor views of gathered, then freed, flat buffers
 ])
-def test_zero_dp2_pp2_tp2_sp(run_once, zero: int, schedule: str, family: str, clip: float | None) -> None:
+def test_zero_dp2_pp2_tp2_sp(run_once, zero: int, schedule: str, family: str, clip: float | None,
+                             tie: bool | None) -> None:
     """ZeRO over each DTensor parameter's local shard: AdamW, the parameters after every step equal the dense
     model's.  Adam's first steps (≈ lr · sign(g)) amplify fp32 summation-order noise in tiny gradients: 5.6e-5
     measured at zero=0 and at zero=1 alike, hence ADAM_TOL."""
     _check(run_once(tp_equivalence, 8, family, 2, 2, 2, True, 2, 2, schedule, 1e-2, 2, clip, zero, None, None, None,
-                    None, False, "adamw"), True, 2, {"param_err": ADAM_TOL})
+                    tie, False, "adamw"), True, 2, {"param_err": ADAM_TOL})
+
+
+BF16 = {"loss_err": 1e-3, "grad_err": 6e-2, "param_err": 6e-2, "norm_err": 1e-3}  # test_bf16_autocast's
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_bf16_params_dp2_pp2_tp2_sp(run_once, zero: int) -> None:
+    """bf16 parameters with fp32 main parameters (Megatron's): ZeRO 0 (flat buffers, not sharded) and ZeRO 1; the
+    fp32 main parameters after every SGD step against the dense model stepping fp32 values it rounds to bf16
+    before each forward, under autocast."""
+    results = run_once(tp_equivalence, 8, "qwen3", 2, 2, 2, True, 2, 2, "1f1b", 0.5, 2, None, zero, None,
+                       None, "bf16-params")
+    _check(results, True, 2, BF16)
