@@ -92,11 +92,13 @@ def test_refusals(run_once) -> None:
     assert "not in the Llama layout" in out["layout"]
 
 
-def test_checkpoint_resume_same_layout(run_once, tmp_path) -> None:
-    """A checkpoint of DTensor shards resumes bit-exactly on the same dp × pp × tp layout (each rank's file
-    holds its shards; resharding to another tp and HF export of tp checkpoints are not supported yet)."""
-    for r in run_once(checkpoint_resume, 4, str(tmp_path)):
-        assert r["saved"] == r["loaded"], r
+@pytest.mark.parametrize(("dp", "zero"), [(1, 0), (2, 3)])
+def test_checkpoint_resume_same_layout(run_once, tmp_path, dp: int, zero: int) -> None:
+    """A checkpoint of DTensor shards (zero=0) or of ZeRO-3's dp slices of them resumes bit-exactly on the same
+    dp × pp × tp layout (each rank's file holds its own; resharding to another tp and HF export of tp
+    checkpoints are not supported yet)."""
+    for r in run_once(checkpoint_resume, 4 * dp, str(tmp_path), dp, zero):
+        assert r["saved"] == r["loaded"] and r["same_params"], r
 
 
 @pytest.mark.parametrize(("zero", "schedule", "family", "clip", "tie"), [

@@ -176,13 +176,14 @@ def _launched(rank: int, fn_name: str, *args):  # for pipedsl.launch in ad-hoc r
 
 
 
-def checkpoint_resume(directory: str) -> dict:
-    """Save a tp2 × pp2 + SP pipeline (DTensor parameters, Adam state) after one step, load it into one
-    built from another seed, and take two more steps with each: the losses must be the same."""
+def checkpoint_resume(directory: str, dp: int = 1, zero: int = 0) -> dict:
+    """Save a dp × pp2 × tp2 + SP pipeline (DTensor parameters or ZeRO's slices of their shards, Adam state) after
+    one step, load it into one built from another seed, and take two more steps with each: the losses and the
+    parameters must be the same."""
     from pipedsl.runtime import checkpoint
 
     hf = _hf_cases()
-    mesh = ParallelMesh(ParallelConfig(pp=2, tp=2))
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=2, tp=2, zero=zero))
     program = pipedsl.load("1f1b").compile(P=2, M=2)
 
     def build(seed: int):
@@ -191,7 +192,7 @@ def checkpoint_resume(directory: str) -> dict:
         pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh)
         return pipe, pipe.optimizer(torch.optim.Adam, lr=1e-2)
 
-    x = torch.randint(hf.VOCAB, (4, hf.T), generator=torch.Generator().manual_seed(3))
+    x = torch.randint(hf.VOCAB, (4 * dp, hf.T), generator=torch.Generator().manual_seed(3))
     pipe, opt = build(0)
     pipe.step(x, shift_labels(x))
     opt.step()
@@ -205,4 +206,7 @@ def checkpoint_resume(directory: str) -> dict:
             losses[key].append(float(p.step(x, shift_labels(x))))
             o.step()
             o.zero_grad()
-    return losses
+    same = [torch.equal(_whole(a), _whole(b)) for (s, got), want in zip(opt.stage_parameters().items(),
+                                                                        other_opt.stage_parameters().values())
+            for (_, a), b in zip(sorted(got.items()), (v for _, v in sorted(want.items())))]
+    return {**losses, "same_params": all(same) and bool(same)}
