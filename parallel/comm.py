@@ -21,6 +21,13 @@ their gather/scatter relatives used by 3-D parallelism:
     gather_along        all-gather forward, reduce-scatter backward (each rank uses the whole differently)
     gather_replicated   all-gather forward, keep-own-slice backward (every rank then computes the same)
     scatter_along       reduce-scatter forward, all-gather backward
+    split_along         this rank's slice forward, all-gather backward
+
+Sequence parallelism (Korthikanti et al. 2022) uses the last four along the sequence dimension,
+as Megatron-LM's mappings: `gather_along` is its gather_from_sequence_parallel_region (before a
+column-parallel layer), `scatter_along` its reduce_scatter_to_sequence_parallel_region (after a
+row-parallel one), `split_along` its scatter_to_sequence_parallel_region (a whole tensor every
+rank holds, cut to the rank's shard).
 """
 
 from __future__ import annotations
@@ -244,4 +251,10 @@ def gather_replicated(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1
 def scatter_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
     """Reduce-scatter along `dim` forward; all-gather of the gradient backward."""
     return x if group_size(group) == 1 else _Collective.apply(x, partial(reduce_scatter, group=group, dim=dim),
+                                                       partial(all_gather, group=group, dim=dim))
+
+
+def split_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """This rank's slice along `dim` forward; all-gather of the gradient backward (the slices are disjoint)."""
+    return x if group_size(group) == 1 else _Collective.apply(x, partial(chunk_of, group=group, dim=dim),
                                                        partial(all_gather, group=group, dim=dim))

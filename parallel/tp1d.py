@@ -8,9 +8,21 @@ linear) and one backward (the f operator before the column-parallel one).  Atten
 by heads the same way; the embedding and the loss split the vocabulary, and the loss never
 gathers the logits: max, sum of exponentials and the target's logit are all-reduced instead.
 
+Sequence parallelism (`sequence_parallel=True`, Korthikanti et al. 2022) keeps the activations
+*between* the tensor-parallel regions as sequence shards [b, s/t, h]: LayerNorms and residual
+adds run on the shard, the column-parallel input is all-gathered along the sequence (its
+gradient reduce-scattered) and the row-parallel output reduce-scattered (its gradient
+all-gathered), so each all-reduce becomes a reduce-scatter plus an all-gather of the same
+bytes.  The column-parallel linear saves only the shard for its weight gradient and gathers
+it again in backward (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication): the
+saved activations of a block drop from (replicated + split/t) to (all)/t.  Weights kept whole
+on every rank but applied to a shard — LayerNorms, the row-parallel bias — get only the
+shard's part of their gradient, so their gradient is summed over the group in backward
+(`copy_to_group` on the weight; Megatron sums them once per step in finalize_model_grads).
+
 Every layer is built from its dense counterpart by slicing (`from_dense`), so a model has
 the same values at any t.  Activations in comments: `[b, s, h]` replicated on every rank,
-`[b, s, h/t]` this rank's block.
+`[b, s, h/t]` this rank's block, `[b, s/t, h]` this rank's sequence shard.
 """
 
 from __future__ import annotations
@@ -22,12 +34,15 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from . import gpt
 from .comm import (
+    all_gather,
     all_reduce,
     copy_to_group,
     gather_replicated,
     group_rank,
     group_size,
     reduce_from_group,
+    reduce_scatter,
+    scatter_along,
 )
 from .config import ParallelConfigError
 from .replicated import mark_replicated
@@ -45,17 +60,84 @@ def _block(n: int, group: ProcessGroup | None) -> slice:
     return slice(r * size, (r + 1) * size)
 
 
+SEQ = 1  # the sequence dimension of [b, s, h] activations
+
+
+def check_sequence(length: int, group: ProcessGroup | None) -> None:
+    """Sequence parallelism cuts the sequence into t equal shards."""
+    t = group_size(group)
+    if length % t:
+        raise ParallelConfigError(f"sequence parallelism needs the sequence length {length} divisible by the "
+                                  f"{t} tensor-parallel ranks")
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """y = all-gather(x) Wᵀ + b along the sequence, saving only the shard x (gathered again in backward).
+
+    Backward: the input gradient g W is reduce-scattered back to the shard (every rank used the
+    whole sequence with its own columns); the weight gradient gᵀ all-gather(x) is this rank's.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: ProcessGroup | None) -> torch.Tensor:
+        total = all_gather(x, group, SEQ)  # [b, s, in]
+        y = F.linear(total, weight, bias)  # [b, s, out/t] (autocast: in the compute dtype)
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)  # the shard [b, s/t, in], not the gathered input
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        total = all_gather(x, ctx.group, SEQ).to(grad.dtype)  # [b, s, in] again
+        grad_total = grad.matmul(weight.to(grad.dtype))  # [b, s, in]: this rank's columns' share
+        grad_x = reduce_scatter(grad_total, ctx.group, SEQ).to(x.dtype)  # [b, s/t, in], summed over the group
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1])).to(weight.dtype)  # [out/t, in]
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """A LayerNorm on the sequence shard [b, s/t, h]; weights replicated, their gradients summed over `group`."""
+
+    def __init__(self, shape: int, group: ProcessGroup | None, eps: float = 1e-5) -> None:
+        super().__init__(shape, eps=eps)
+        self.group = group
+
+    @classmethod
+    def from_dense(cls, ln: nn.LayerNorm, group: ProcessGroup | None) -> SequenceParallelLayerNorm:
+        layer = cls(ln.normalized_shape[0], group, ln.eps)
+        layer.load_state_dict(ln.state_dict())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s/t, h]
+        return F.layer_norm(x, self.normalized_shape, copy_to_group(self.weight, self.group),
+                            copy_to_group(self.bias, self.group), self.eps)
+
+
+def layer_norm_for(ln: nn.LayerNorm, group: ProcessGroup | None, sequence_parallel: bool) -> nn.LayerNorm:
+    """A copy of `ln` for this rank: on the sequence shard with `sequence_parallel`, else plain (replicated input)."""
+    import copy
+    return SequenceParallelLayerNorm.from_dense(ln, group) if sequence_parallel else copy.deepcopy(ln)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X Aᵀ + b with A [out, in] split by output features: this rank holds A[block, :] [out/t, in].
 
     Input [..., in] replicated (f: identity forward, all-reduce of the input gradient backward);
-    output [..., out/t], or [..., out] replicated with `gather_output`.
+    output [..., out/t], or [..., out] replicated with `gather_output`.  With `sequence_parallel`
+    the input is the shard [b, s/t, in], all-gathered along the sequence (reduce-scatter backward).
     """
 
     def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None, bias: bool = True,
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        if gather_output and sequence_parallel:
+            raise ParallelConfigError("a column-parallel linear cannot both gather its output and take a sequence "
+                                      "shard")
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = _split(out_features, group_size(group), "output features")
         self.weight = nn.Parameter(torch.empty(local, in_features))  # [out/t, in]
@@ -64,9 +146,10 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group: ProcessGroup | None, gather_output: bool = False,
-                   out_order: torch.Tensor | None = None) -> ColumnParallelLinear:
+                   out_order: torch.Tensor | None = None, sequence_parallel: bool = False) -> ColumnParallelLinear:
         """Slice a dense `nn.Linear`; `out_order` permutes its output features first (qkv head grouping)."""
-        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, gather_output)
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, gather_output,
+                    sequence_parallel)
         w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
         if out_order is not None:
             w, b = w[out_order], None if b is None else b[out_order]
@@ -78,6 +161,8 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and group_size(self.group) > 1:
+            return _GatheredLinear.apply(x, self.weight, self.bias, self.group)  # [b, s/t, in] → [b, s, out/t]
         x = copy_to_group(x, self.group)  # [..., in], gradient all-reduced
         y = F.linear(x, self.weight, self.bias)  # [..., out/t]
         return gather_replicated(y, self.group, -1) if self.gather_output else y
@@ -88,12 +173,15 @@ class RowParallelLinear(nn.Module):
 
     Input [..., in/t] (the output of a column-parallel layer); the partial products are
     summed by g (all-reduce forward, identity backward) and the bias is added once, after
-    the sum, so it is not counted t times; output [..., out] replicated.
+    the sum, so it is not counted t times; output [..., out] replicated.  With `sequence_parallel`
+    the partial sums are reduce-scattered along the sequence to [b, s/t, out] (all-gather
+    backward) and the bias, added on the shard, has its gradient summed over the group.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None, bias: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = _split(in_features, group_size(group), "input features")
         self.weight = nn.Parameter(torch.empty(out_features, local))  # [out, in/t]
@@ -102,8 +190,9 @@ class RowParallelLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: ProcessGroup | None) -> RowParallelLinear:
-        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None)
+    def from_dense(cls, linear: nn.Linear, group: ProcessGroup | None,
+                   sequence_parallel: bool = False) -> RowParallelLinear:
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, sequence_parallel)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.detach()[:, _block(linear.in_features, group)])
             if linear.bias is not None:
@@ -111,6 +200,9 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/t]
+        if self.sequence_parallel:
+            y = scatter_along(F.linear(x, self.weight), self.group, SEQ)  # [b, s/t, out], summed over the group
+            return y if self.bias is None else y + copy_to_group(self.bias, self.group)
         y = reduce_from_group(F.linear(x, self.weight), self.group)  # [..., out], summed over the group
         return y if self.bias is None else y + self.bias
 
@@ -123,11 +215,13 @@ class ParallelMLP(nn.Module):
         self.fc, self.proj = fc, proj
 
     @classmethod
-    def from_dense(cls, mlp: gpt.MLP, group: ProcessGroup | None) -> ParallelMLP:
-        return cls(ColumnParallelLinear.from_dense(mlp.fc, group), RowParallelLinear.from_dense(mlp.proj, group))
+    def from_dense(cls, mlp: gpt.MLP, group: ProcessGroup | None, sequence_parallel: bool = False) -> ParallelMLP:
+        sp = sequence_parallel
+        return cls(ColumnParallelLinear.from_dense(mlp.fc, group, sequence_parallel=sp),
+                   RowParallelLinear.from_dense(mlp.proj, group, sequence_parallel=sp))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
-        return self.proj(F.gelu(self.fc(x)))  # [b, s, ffn/t] inside, [b, s, h] out
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] (SP: [b, s/t, h])
+        return self.proj(F.gelu(self.fc(x)))  # [b, s, ffn/t] inside, [b, s, h] (SP: [b, s/t, h]) out
 
 
 def qkv_order(hidden: int, parts: int) -> torch.Tensor:
@@ -147,19 +241,25 @@ class ParallelSelfAttention(nn.Module):
         self.local_heads = _split(heads, group_size(qkv.group), "attention heads")
 
     @classmethod
-    def from_dense(cls, attn: gpt.SelfAttention, group: ProcessGroup | None) -> ParallelSelfAttention:
+    def from_dense(cls, attn: gpt.SelfAttention, group: ProcessGroup | None,
+                   sequence_parallel: bool = False) -> ParallelSelfAttention:
         hidden, t = attn.proj.in_features, group_size(group)
         _split(attn.heads, t, "attention heads")
-        qkv = ColumnParallelLinear.from_dense(attn.qkv, group, out_order=qkv_order(hidden, t))
-        return cls(qkv, RowParallelLinear.from_dense(attn.proj, group), attn.heads)
+        qkv = ColumnParallelLinear.from_dense(attn.qkv, group, out_order=qkv_order(hidden, t),
+                                              sequence_parallel=sequence_parallel)
+        return cls(qkv, RowParallelLinear.from_dense(attn.proj, group, sequence_parallel), attn.heads)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [b, s, h/t] each: this rank's heads
-        return self.proj(gpt.causal_attention(q, k, v, self.local_heads))  # [b, s, h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] (SP: [b, s/t, h])
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [b, s, h/t] each: this rank's heads, the whole sequence
+        return self.proj(gpt.causal_attention(q, k, v, self.local_heads))  # [b, s, h] (SP: [b, s/t, h])
 
 
 class ParallelBlock(nn.Module):
-    """A pre-LN GPT block; LayerNorms are replicated (their inputs and gradients are identical on every rank)."""
+    """A pre-LN GPT block; LayerNorms are replicated (their inputs and gradients are identical on every rank).
+
+    With `sequence_parallel` the block maps the shard [b, s/t, h] to the shard: LayerNorms and
+    residual adds on it, attention and MLP on the gathered sequence.
+    """
 
     def __init__(self, ln1: nn.LayerNorm, attn: ParallelSelfAttention, ln2: nn.LayerNorm, mlp: ParallelMLP) -> None:
         super().__init__()
@@ -168,12 +268,12 @@ class ParallelBlock(nn.Module):
         mark_replicated(ln2, attn.qkv.group)
 
     @classmethod
-    def from_dense(cls, block: gpt.Block, group: ProcessGroup | None) -> ParallelBlock:
-        import copy
-        return cls(copy.deepcopy(block.ln1), ParallelSelfAttention.from_dense(block.attn, group),
-                   copy.deepcopy(block.ln2), ParallelMLP.from_dense(block.mlp, group))
+    def from_dense(cls, block: gpt.Block, group: ProcessGroup | None, sequence_parallel: bool = False) -> ParallelBlock:
+        sp = sequence_parallel
+        return cls(layer_norm_for(block.ln1, group, sp), ParallelSelfAttention.from_dense(block.attn, group, sp),
+                   layer_norm_for(block.ln2, group, sp), ParallelMLP.from_dense(block.mlp, group, sp))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] replicated
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] replicated (SP: [b, s/t, h])
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -181,19 +281,21 @@ class ParallelBlock(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [V, h] split by vocabulary: this rank holds rows [V/t block, h].
 
-    Ids outside the block look up zeros; the g operator sums the t partial results.
+    Ids outside the block look up zeros; the g operator sums the t partial results (with
+    `sequence_parallel` a reduce-scatter along the sequence gives this rank's shard of the sum).
     """
 
-    def __init__(self, vocab: int, hidden: int, group: ProcessGroup | None) -> None:
+    def __init__(self, vocab: int, hidden: int, group: ProcessGroup | None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group, self.vocab = group, vocab
+        self.group, self.vocab, self.sequence_parallel = group, vocab, sequence_parallel
         local = _split(vocab, group_size(group), "vocabulary size")
         self.start = group_rank(group) * local
         self.weight = nn.Parameter(torch.randn(local, hidden))  # [V/t, h]
 
     @classmethod
-    def from_dense(cls, emb: nn.Embedding, group: ProcessGroup | None) -> VocabParallelEmbedding:
-        layer = cls(emb.num_embeddings, emb.embedding_dim, group)
+    def from_dense(cls, emb: nn.Embedding, group: ProcessGroup | None,
+                   sequence_parallel: bool = False) -> VocabParallelEmbedding:
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel)
         with torch.no_grad():
             layer.weight.copy_(emb.weight.detach()[_block(emb.num_embeddings, group)])
         return layer
@@ -203,6 +305,9 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         y = F.embedding(local.masked_fill(outside, 0), self.weight)  # [b, s, h]
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            check_sequence(ids.shape[SEQ], self.group)
+            return scatter_along(y, self.group, SEQ)  # [b, s/t, h] this rank's shard of the sum
         return reduce_from_group(y, self.group)  # [b, s, h] replicated
 
 

@@ -1,6 +1,6 @@
 """The runtime's small GPT (`pipedsl.runtime.gpt.GPT`) as tensor-parallel pipeline stages.
 
-`tp_gpt_stages(model, num_stages, mesh)` slices a dense `GPT` — built on every rank from the
+`tp_gpt_stages(model, num_stages, mesh, sequence_parallel=False)` slices a dense `GPT` — built on every rank from the
 same seed — into the layers of `pipedsl.parallel` and cuts them into pipeline stages like
 `GPT.stages`; `tp_gpt_loss(mesh)` is the matching loss.  Because every weight is a slice of
 the dense model, the one-process reference of a parallel run is that dense model.
@@ -13,6 +13,14 @@ the same on every tp rank.
     head       ln_f replicated, lm_head column-parallel → logits [mb, T, V/t], never gathered
     loss       vocabulary-parallel cross-entropy: the same per-token loss on every tp rank
 
+1-D with `sequence_parallel=True` (Korthikanti et al. 2022): activations between blocks and
+between stages are this rank's sequence shard [mb, T/t, C] (T % t == 0).
+
+    embedding  partial lookups reduce-scattered along the sequence → the shard of the sum;
+               positions: this shard's rows of the replicated table (gradient all-gathered)
+    blocks     `ParallelBlock(sequence_parallel=True)`: LayerNorms and residuals on the shard
+    head       ln_f on the shard, lm_head's input all-gathered → logits [mb, T, V/t] as above
+
 3-D (Bian et al. 2021, `mesh.cube`, q³ ranks): the first stage takes the whole microbatch of
 ids [mb, T] and keeps its rows, so activations between stages are [mb/q², T, C/q].
 
@@ -23,7 +31,8 @@ ids [mb, T] and keeps its rows, so activations between stages are [mb/q², T, C/
                whole microbatch's loss (an all-reduce over the cube), as the pipeline expects
 
 Dropout must be 0: tensor-parallel dropout needs an RNG state per tp rank, which these
-layers do not track.
+layers do not track (with sequence parallelism every shard needs its own stream, Megatron's
+RNG tracker).
 """
 
 from __future__ import annotations
@@ -35,11 +44,18 @@ import torch
 from torch import nn
 
 from . import gpt
-from .comm import copy_to_group
+from .comm import copy_to_group, split_along
 from .config import ParallelConfigError
 from .mesh import Cube3D, ParallelMesh
 from .replicated import mark_replicated
-from .tp1d import ColumnParallelLinear, ParallelBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .tp1d import (
+    SEQ,
+    ColumnParallelLinear,
+    ParallelBlock,
+    VocabParallelEmbedding,
+    layer_norm_for,
+    vocab_parallel_cross_entropy,
+)
 from .tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, loss_value
 
 
@@ -57,7 +73,11 @@ def dense_block(block: nn.Module) -> gpt.Block:
 
 
 class Embedding1D(nn.Module):
-    """ids [mb, T] → [mb, T, C] on every tp rank: vocabulary-parallel tokens + replicated positions."""
+    """ids [mb, T] → [mb, T, C] on every tp rank: vocabulary-parallel tokens + replicated positions.
+
+    With sequence parallelism → this rank's shard [mb, T/t, C]: the positions of the shard are
+    its rows of the table, whose gradient rows the other ranks complete (all-gather backward).
+    """
 
     def __init__(self, wte: VocabParallelEmbedding, wpe: nn.Embedding) -> None:
         super().__init__()
@@ -65,12 +85,15 @@ class Embedding1D(nn.Module):
         mark_replicated(wpe, wte.group)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)  # [mb, T, C] (SP: [mb, T/t, C])
+        if self.wte.sequence_parallel:
+            return x + split_along(self.wpe.weight[:idx.shape[SEQ]], self.wte.group, 0)  # + [T/t, C]
         pos = torch.arange(idx.shape[1], device=idx.device)  # [T]
-        return self.wte(idx) + self.wpe(pos)  # [mb, T, C]
+        return x + self.wpe(pos)  # [mb, T, C]
 
 
 class Head1D(nn.Module):
-    """[mb, T, C] → logits [mb, T, V/t] (this rank's vocabulary block)."""
+    """[mb, T, C] (SP: [mb, T/t, C]) → logits [mb, T, V/t] (this rank's vocabulary block, the whole sequence)."""
 
     def __init__(self, ln_f: nn.LayerNorm, lm_head: ColumnParallelLinear) -> None:
         super().__init__()
@@ -113,19 +136,24 @@ class Head3D(nn.Module):
 # ------------------------------------------------------------------------------------------ building
 
 
-def tp_gpt_units(model: nn.Module, mesh: ParallelMesh) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+def tp_gpt_units(model: nn.Module, mesh: ParallelMesh,
+                 sequence_parallel: bool = False) -> tuple[nn.Module, list[nn.Module], nn.Module]:
     """(embedding, blocks, head) of the dense runtime `GPT`, sliced for this rank of `mesh`."""
     cfg = model.cfg
     if cfg.dropout:
         raise ParallelConfigError(f"tensor-parallel GPT stages need dropout=0, got {cfg.dropout}")
     pc = mesh.config
+    if sequence_parallel and pc.tp_mode != "1d":
+        raise ParallelConfigError("sequence parallelism needs 1-D tensor parallelism (tp_mode='1d'), "
+                                  f"got tp_mode={pc.tp_mode!r}")
     pc.check_model(hidden=cfg.n_embd, heads=cfg.n_head, vocab=cfg.vocab_size, ffn=4 * cfg.n_embd)
     emb, head = model.embed, model.head
     if pc.tp_mode == "1d":
-        g = mesh.tp_group
-        embed = Embedding1D(VocabParallelEmbedding.from_dense(emb.wte, g), copy.deepcopy(emb.wpe))
-        blocks = [ParallelBlock.from_dense(dense_block(b), g) for b in model.blocks]
-        out = Head1D(copy.deepcopy(head.ln_f), ColumnParallelLinear.from_dense(head.lm_head, g))
+        g, sp = mesh.tp_group, sequence_parallel
+        embed = Embedding1D(VocabParallelEmbedding.from_dense(emb.wte, g, sp), copy.deepcopy(emb.wpe))
+        blocks = [ParallelBlock.from_dense(dense_block(b), g, sp) for b in model.blocks]
+        out = Head1D(layer_norm_for(head.ln_f, g, sp),
+                     ColumnParallelLinear.from_dense(head.lm_head, g, sequence_parallel=sp))
         return embed, blocks, out
     cube = mesh.cube
     assert cube is not None
@@ -136,11 +164,16 @@ def tp_gpt_units(model: nn.Module, mesh: ParallelMesh) -> tuple[nn.Module, list[
     return embed, blocks, out
 
 
-def tp_gpt_stages(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str = "count") -> list[nn.Sequential]:
-    """The dense `GPT` as `num_stages` tensor-parallel stages for this rank (cut like `GPT.stages`)."""
+def tp_gpt_stages(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str = "count",
+                  sequence_parallel: bool = False) -> list[nn.Sequential]:
+    """The dense `GPT` as `num_stages` tensor-parallel stages for this rank (cut like `GPT.stages`).
+
+    `sequence_parallel=True` (1-D only): stages exchange sequence shards [mb, T/t, C]; the parameters,
+    their names and shapes are those without it, so checkpoints are interchangeable.
+    """
     from pipedsl.runtime.split import split_gpt
 
-    embed, blocks, head = tp_gpt_units(model, mesh)
+    embed, blocks, head = tp_gpt_units(model, mesh, sequence_parallel)
     return split_gpt(embed, blocks, head, num_stages, by=by)
 
 

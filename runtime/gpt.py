@@ -113,15 +113,17 @@ class GPT(nn.Module):
         """This model as `num_stages` pipeline stages (sharing its modules)."""
         return split_gpt(self.embed, list(self.blocks), self.head, num_stages, by=by)
 
-    def tp_stages(self, num_stages: int, mesh, by: str = "count") -> list[nn.Sequential]:
+    def tp_stages(self, num_stages: int, mesh, by: str = "count",
+                  sequence_parallel: bool = False) -> list[nn.Sequential]:
         """This model as `num_stages` tensor-parallel stages for this rank of a `ParallelMesh` (1-D or 3-D).
 
         The weights are slices of this dense model, so it is the one-process reference; pair the
-        stages with `pipedsl.parallel.tp_gpt.tp_gpt_loss(mesh)` (see that module).
+        stages with `pipedsl.parallel.tp_gpt.tp_gpt_loss(mesh)` (see that module).  With
+        `sequence_parallel` (1-D) the stages exchange sequence shards [mb, T/t, C].
         """
         from pipedsl.parallel.tp_gpt import tp_gpt_stages
 
-        return tp_gpt_stages(self, num_stages, mesh, by=by)
+        return tp_gpt_stages(self, num_stages, mesh, by=by, sequence_parallel=sequence_parallel)
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

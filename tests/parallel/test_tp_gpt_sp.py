@@ -1,0 +1,242 @@
+"""Sequence parallelism for the built-in GPT's 1-D tensor parallelism trains exactly like one process.
+
+Each run builds the runtime's small GPT from one seed on every rank, slices it with
+`GPT.tp_stages(..., sequence_parallel=True)`, trains it a few Adam steps in a pipeline and,
+beside it, the dense model in one process on the whole global batch.  Checked: the loss of
+every step, the gradients of the first step and the parameters after the last — every rank's
+shards put back into the dense layout through test_pipeline_parallel's index model (every
+element covered, replicated copies equal) — and the global gradient norm when clipping.
+Also: the collectives (each all-reduce of activations becomes a reduce-scatter and an
+all-gather of the same bytes) and the saved-activation bytes per rank (Korthikanti et al.).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import test_pipeline_parallel as grid
+import torch
+import torch.distributed as dist
+
+import pipedsl
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh, count_comm, tp_gpt_loss
+from pipedsl.parallel.tp1d import ParallelSelfAttention
+from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss
+
+pytestmark = pytest.mark.slow
+
+GPT_CFG, LR, EPS = grid.GPT_CFG, grid.LR, grid.EPS  # T = 8: shards of 4 tokens at tp 2
+GRAD_ATOL = 2e-6
+BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-3, 6e-2  # tests/parallel/test_tp_hf.py's bf16 tolerances
+
+
+# ----------------------------------------------------------------------------------- worker side
+
+
+def _dense(model: GPT, batches, clip: float | None, bf16: bool) -> dict:
+    """One process, the whole global batch per step: losses, first-step gradients, norms, final parameters."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(ref.parameters(), lr=LR, eps=EPS)
+    out: dict = {"losses": [], "norms": []}
+    for x, y in batches:
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = gpt_loss(ref(x), y)
+        loss.backward()
+        out["losses"].append(loss.item())
+        if "grads" not in out:
+            out["grads"] = torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).double()
+        if clip is not None:
+            out["norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    out["params"] = grid._flat(ref)
+    return out
+
+
+def _selective(module: torch.nn.Module) -> bool:
+    return isinstance(module, ParallelSelfAttention)
+
+
+def _train(mesh: ParallelMesh, model: GPT, run: dict, batches) -> dict:
+    """One pipeline run of `run` (schedule, sp, zero, recompute, clip, bf16) on `mesh`, gathered to dense layout."""
+    program = pipedsl.load(run["schedule"]).compile(P=mesh.config.pp, M=run["M"],
+                                                     **grid.SCHEDULE_PARAMS.get(run["schedule"], {}))
+    S, sp, zero = program.num_stages, run["sp"], run.get("zero", 0)
+    stages = copy.deepcopy(model).tp_stages(S, mesh, sequence_parallel=sp)
+    shapes = []  # what stage 0 hands on: the sequence shard with SP
+    if S > 1:
+        stages[0].register_forward_hook(lambda _m, _a, out: shapes.append(tuple(out.shape)))
+    recompute = run.get("recompute")
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_gpt_loss(mesh), parallel=mesh.with_zero(zero),
+                            recompute=recompute, recompute_filter=_selective if recompute == "selective" else None,
+                            precision="bf16" if run.get("bf16") else None, activation_bytes=True)
+    opt = pipe.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
+    index, n = grid._index_model(model)
+    index_stages = index.tp_stages(S, mesh, sequence_parallel=sp)
+    out: dict = {"losses": [], "norms": [], "peak_bytes": 0}
+    with count_comm() as comm:
+        for step, (x, y) in enumerate(batches):
+            out["losses"].append(pipe.step(x, y))
+            out["peak_bytes"] = max(out["peak_bytes"], pipe.counter.peak_bytes)
+            if step == 0 and zero == 0:  # ZeRO keeps its gradients in flat buffers
+                grads = {s: {k: p.grad for k, p in m.named_parameters()} for s, m in pipe.local_stages().items()}
+                out["grads"] = grid._gather_dense(grads, index_stages, n)
+            if run.get("clip") is not None:
+                out["norms"].append(float(pipe.clip_grad_norm_(run["clip"])))
+            opt.step()
+            opt.zero_grad()
+    out["comm"] = dict(comm.sent), dict(comm.calls)
+    out["params"] = grid._gather_dense(opt.stage_parameters(), index_stages, n)
+    out["shapes"] = sorted(set(shapes))
+    out["keys"] = {s: {k: tuple(v.shape) for k, v in m.state_dict().items()} for s, m in pipe.local_stages().items()}
+    pipe.close()
+    return out
+
+
+def _problems(got: dict, want: dict, bf16: bool) -> list[str]:
+    bad = []
+    rtol = BF16_LOSS_RTOL if bf16 else grid.LOSS_RTOL
+    for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        if not abs(a - b) <= rtol * abs(b):
+            bad.append(f"step {step}: loss {a!r} != one process {b!r}")
+    for a, b in zip(got["norms"], want["norms"], strict=True):
+        if not abs(a - b) <= rtol * b:
+            bad.append(f"gradient norm {a!r} != one process {b!r}")
+    if "grads" in got:
+        g = got["grads"]
+        err = float((g["values"] - want["grads"]).abs().max())
+        tol = BF16_GRAD_RTOL * float(want["grads"].abs().max()) if bf16 else GRAD_ATOL
+        if g["uncovered"] or not err <= tol or not g["spread"] <= tol:
+            bad.append(f"first-step gradients: max error {err:.3g}, copies differ by {g['spread']:.3g}, "
+                       f"{g['uncovered']} elements uncovered")
+    if not bf16:  # Adam turns bf16's rounding of tiny gradients into full steps: losses and gradients say it
+        bad += grid._compare({"losses": [], **got["params"]}, [], want["params"])
+    return bad
+
+
+def sp_job(dp: int, pp: int, runs: tuple, steps: int) -> dict:
+    """Each run on a dp × pp × tp2 mesh against the dense model; rank 0: {name: problems and measurements}."""
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=2))
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    out = {}
+    for name, run in runs:
+        run = dict(run)
+        batches = grid._batches(steps, run["batch"])
+        want = _dense(model, batches, run.get("clip"), bool(run.get("bf16")))
+        got = _train(mesh, model, run, batches)
+        peak = torch.tensor([got["peak_bytes"]], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out[name] = {"problems": _problems(got, want, bool(run.get("bf16"))), "losses": got["losses"],
+                     "moved": float((want["params"] - grid._flat(model)).abs().max()), "shapes": got["shapes"],
+                     "peak_bytes": int(peak.item()), "comm": got["comm"], "keys": got["keys"]}
+    return out if dist.get_rank() == 0 else {}
+
+
+def sp_error_job() -> dict:
+    """tp2 on 2 ranks: a sequence the tp ranks cannot share equally, dropout, 3-D: one-line errors."""
+    mesh = ParallelMesh(ParallelConfig(tp=2))
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    pipe = pipedsl.Pipeline(model.tp_stages(1, mesh, sequence_parallel=True), "1f1b", microbatches=2,
+                            loss_fn=tp_gpt_loss(mesh), parallel=mesh)
+    x, y = grid._batches(1, 4)[0]
+    out = {"odd": grid._message(lambda: pipe.step(x[:, :7], y[:, :7]))}
+    try:
+        GPT(GPTConfig(**{**GPT_CFG.__dict__, "dropout": 0.1})).tp_stages(1, mesh, sequence_parallel=True)
+        out["dropout"] = "no error"
+    except (PipeRuntimeError, ParallelConfigError) as err:
+        out["dropout"] = err.message
+    return out
+
+
+# ----------------------------------------------------------------------------------- tests
+
+B, M = 8, 2  # per dp replica: 2 microbatches of 4 samples
+
+
+def _runs(**common) -> tuple:
+    return tuple((name, tuple(sorted({**common, **run}.items()))) for name, run in [
+        ("tp", {"sp": False}),
+        ("sp", {"sp": True}),
+        ("sp zb-h1", {"sp": True, "schedule": "zb-h1"}),
+        ("sp full recompute", {"sp": True, "recompute": "full"}),
+        ("sp selective recompute", {"sp": True, "recompute": "selective"}),
+        ("sp bf16", {"sp": True, "bf16": True}),
+    ])
+
+
+PP2_TP2 = _runs(schedule="1f1b", M=M, batch=B)
+# one 8-process run covering several things: dp, ZeRO-3, interleaved 1F1B, global clipping
+DP2_PP2_TP2 = (("sp zero3 interleaved clip", (("M", 4), ("batch", 2 * 8), ("clip", 0.05), ("schedule", "interleaved"),
+                                              ("sp", True), ("zero", 3))),)
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PP2_TP2 if name != "tp"])
+def test_pp2_tp2_sequence_parallel_equals_one_process(run_once, name):
+    res = run_once(sp_job, 4, 1, 2, PP2_TP2, 2)[0][name]
+    assert res["moved"] > 1000 * grid.PARAM_ATOL
+    assert res["shapes"] == [(B // M, GPT_CFG.block_size // 2, GPT_CFG.n_embd)]  # stage 0 sends its shard
+    assert not res["problems"], "\n".join(res["problems"])
+
+
+def test_dp2_pp2_tp2_sequence_parallel_zero3_interleaved_clipping_equals_one_process(run_once):
+    res = run_once(sp_job, 8, 2, 2, DP2_PP2_TP2, 2)[0]["sp zero3 interleaved clip"]
+    assert not res["problems"], "\n".join(res["problems"])
+
+
+def test_sequence_parallel_keeps_the_checkpoint_layout(run_once):
+    """Same parameter names and shapes with and without SP: a checkpoint of one loads into the other."""
+    results = run_once(sp_job, 4, 1, 2, PP2_TP2, 2)[0]
+    assert results["sp"]["keys"] == results["tp"]["keys"]
+
+
+def test_sequence_parallel_replaces_all_reduces_by_reduce_scatter_and_all_gather(run_once):
+    """Per microbatch and block, tp's four all-reduces of [mb, T, C] (2 forward, 2 backward) become two
+    all-gathers and two reduce-scatters forward, the same backward, plus the all-gather again of each
+    column-parallel input in backward (Megatron saves the shard, not the gathered input).  The only
+    all-reduces left are the loss's and the gradients of the weights applied to shards (LayerNorms,
+    row-parallel biases), and the position table's gradient rows are all-gathered."""
+    results = run_once(sp_job, 4, 1, 2, PP2_TP2, 2)[0]  # rank 0: stage 0 = the embedding and one block
+    assert sorted({k.split(".")[0] for k in results["sp"]["keys"][0]}) == ["0", "1"]
+    tp_sent, sp_sent = results["tp"]["comm"][0], results["sp"]["comm"][0]
+
+    def tp_bytes(sent: dict, op: str) -> int:
+        return sum(n for (o, g), n in sent.items() if o == op and g == "tp")
+
+    C, T, microbatches = GPT_CFG.n_embd, GPT_CFG.block_size, 2 * M  # 2 steps
+    act = (2 - 1) / 2 * (B // M) * T * C * 4  # one all-gather or reduce-scatter of [mb, T, C] fp32 at t = 2
+    n_ar = 4 + 1  # per microbatch: the block's 4 all-reduces and the embedding's
+    assert tp_bytes(tp_sent, "all_reduce") == microbatches * n_ar * 2 * act
+    assert tp_bytes(tp_sent, "all_gather") == tp_bytes(tp_sent, "reduce_scatter") == 0
+    # sequence parallelism: every all-reduce is a reduce-scatter and an all-gather ...
+    assert tp_bytes(sp_sent, "reduce_scatter") == microbatches * n_ar * act
+    regather = 2  # ... and the block's two column-parallel inputs are gathered again in backward
+    positions = (2 - 1) / 2 * T * C * 4  # the position table's gradient rows [T, C]
+    assert tp_bytes(sp_sent, "all_gather") == microbatches * ((n_ar + regather) * act + positions)
+    shard_weights = 2 * 2 * C + 2 * C  # ln1, ln2 (weight, bias) and the two row-parallel biases
+    assert tp_bytes(sp_sent, "all_reduce") == microbatches * 2 * (2 - 1) / 2 * 4 * shard_weights
+    print(f"tp bytes per step on stage 0 (embedding + 1 block, M={M}): tp {tp_bytes(tp_sent, 'all_reduce') / 2:.0f} "
+          f"all-reduce; SP {tp_bytes(sp_sent, 'reduce_scatter') / 2:.0f} reduce-scatter + "
+          f"{tp_bytes(sp_sent, 'all_gather') / 2:.0f} all-gather + {tp_bytes(sp_sent, 'all_reduce') / 2:.0f} all-reduce")
+
+
+def test_sequence_parallel_saves_fewer_activation_bytes(run_once):
+    """Korthikanti et al. 2022: a block saves 10 + 24/t (fp16 bytes, ·s·b·h) with tp, 34/t with SP.
+    Counted for these layers in fp32 (no dropout, attention saving q, k, v, its output and a log-sum-exp):
+    the replicated part is the two LayerNorm inputs and the two column-parallel inputs, 16 bytes,
+    the split part 52/t; with SP all of it is /t: at t = 2, (16 + 26)/t ... SP / tp = 34 / 42."""
+    results = run_once(sp_job, 4, 1, 2, PP2_TP2, 2)[0]
+    tp, sp = results["tp"]["peak_bytes"], results["sp"]["peak_bytes"]
+    ratio = sp / tp
+    print(f"peak saved-activation bytes per rank, pp2 tp2 1F1B M={M}: tp {tp}, tp+SP {sp}, ratio {ratio:.3f}")
+    assert abs(ratio - 34 / 42) <= 0.05, (tp, sp, ratio)
+
+
+def test_sequence_parallel_errors_are_one_line(run_once):
+    for out in run_once(sp_error_job, 2):
+        assert out["odd"].endswith("ParallelConfigError: invalid parallel configuration: sequence parallelism needs "
+                                   "the sequence length 7 divisible by the 2 tensor-parallel ranks")
+        assert out["dropout"] == "tensor-parallel GPT stages need dropout=0, got 0.1"
