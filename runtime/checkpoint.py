@@ -280,7 +280,8 @@ def _part(pipe: Any, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], p
             "modules": sorted(modules), "buffers": sorted(buffers), "zero": sorted(zero),
             "copies": sorted([s, c] for c, s in copies),
             "stages": {str(s): _describe(m, zeros.get(s)) for s, m in stages.items()} if first else {},
-            **({"tp_dims": {str(s): tp_dims(m) for s, m in stages.items()}} if lay.parallel["tp"] > 1 else {}),
+            **({"tp_dims": {str(s): tp_dims(m, zeros.get(s)) for s, m in stages.items()}} if lay.parallel["tp"] > 1
+               else {}),
             "optimizers": n_opt, "shards": sorted(shards) if isinstance(shards, dict) else None}
     return data, meta
 
@@ -294,18 +295,24 @@ def _buffers(module: nn.Module, zero: ZeroOptimizer | None = None) -> dict[str, 
     return {k: v for k, v in module.state_dict().items() if k not in params and id(held[k]) not in flat}
 
 
-def tp_dims(module: nn.Module) -> dict[str, int | None]:
+def tp_dims(module: nn.Module, zero: ZeroOptimizer | None = None) -> dict[str, int | None]:
     """{state-dict name: the dimension its tensor-parallel shards split, None for a copy} of a stage's DTensor
-    parameters (parallel/tp_hf.py): what `read_model` concatenates the tp ranks' tensors along.  A plain
-    tensor of a tp run has no entry: the same on every tp rank (a replicated norm) or, for layers that slice
-    without DTensor (parallel/tp_gpt.py), not gatherable by name."""
+    parameters (parallel/tp_hf.py) — ZeRO's packed ones by the placements it kept: what `read_model`
+    concatenates the tp ranks' tensors along.  A plain tensor of a tp run has no entry: the same on every tp
+    rank (a replicated norm) or, for layers that slice without DTensor (parallel/tp_gpt.py), not gatherable
+    by name."""
     from torch.distributed.tensor import DTensor, Shard
 
-    dims: dict[str, int | None] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        if isinstance(t, DTensor):
-            shard = [p.dim for p in t.placements if isinstance(p, Shard)]
-            dims[name] = shard[0] if shard else None
+    def dim(placements: Sequence[Any]) -> int | None:
+        shard = [p.dim for p in placements if isinstance(p, Shard)]
+        return shard[0] if shard else None
+
+    dims = {name: dim(t.placements) for name, t in module.state_dict(keep_vars=True).items()
+            if isinstance(t, DTensor)}
+    for unit in zero.units if zero is not None else ():
+        for e in unit.entries:
+            if e.dtensor is not None:
+                dims.update(dict.fromkeys((e.name, *e.also), dim(e.dtensor.placements)))
     return dims
 
 
@@ -313,7 +320,13 @@ def _describe(module: nn.Module, zero: ZeroOptimizer | None) -> dict[str, list]:
     """`describe_stage` by the original parameter names, also when ZeRO has packed them into flat buffers."""
     if zero is None:
         return describe_stage(module)
-    return {**zero_checkpoint.describe(zero), **describe_stage_tensors(_buffers(module, zero))}
+    described = {**zero_checkpoint.describe(zero), **describe_stage_tensors(_buffers(module, zero))}
+    for unit in zero.units:  # a DTensor parameter by its whole shape, as describe_stage gives it without ZeRO
+        for e in unit.entries:
+            if e.dtensor is not None:
+                for name in (e.name, *e.also):
+                    described[name] = [list(e.dtensor.shape), described[name][1]]
+    return described
 
 
 def describe_stage_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
