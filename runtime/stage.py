@@ -430,6 +430,8 @@ def _storage(t: Any) -> tuple[int, int] | None:
     if not plain and (not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter)
                       or isinstance(t._base, nn.Parameter)):
         return None
+    if not plain:
+        t = getattr(t, "_local_tensor", t)  # a DTensor keeps its local shard (its numel is the global one)
     try:
         storage = t.untyped_storage()
         return storage.data_ptr(), storage.nbytes()

@@ -46,6 +46,9 @@ class ClusterSpec:
     # (F, B, I or W of one microbatch on one stage: the runtime's executor, messages, autograd bookkeeping).
     layer_overhead: float = 0.0
     op_overhead: float = 0.0
+    # The attention kernel the search assumes unless told: FlashAttention-style (no s² tensor stored, QKᵀ
+    # recomputed in the backward) on the H100/H200 presets; eager on the A100 preset, as SC'21's Megatron ran.
+    fused_attention: bool = False
 
     def __post_init__(self) -> None:
         for field_name in ("gpus", "gpus_per_node"):
@@ -101,9 +104,9 @@ class ClusterSpec:
 CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     ClusterSpec("a100-80gb", 1024, 8, 312e12, 80 * GB, 240 * GB, 5e-6, 23 * GB, 8e-6, 1.6e12),
     # DGX H100: 989 TFLOP/s dense bf16, NVLink4 450 GB/s per direction, NDR 400 Gb/s per GPU, HBM3 3.35 TB/s.
-    ClusterSpec("h100", 1024, 8, 989e12, 80 * GB, 360 * GB, 4e-6, 45 * GB, 6e-6, 2.8e12),
+    ClusterSpec("h100", 1024, 8, 989e12, 80 * GB, 360 * GB, 4e-6, 45 * GB, 6e-6, 2.8e12, fused_attention=True),
     # H200: the H100's compute and links with 141 GB HBM3e at 4.8 TB/s.
-    ClusterSpec("h200", 1024, 8, 989e12, 141 * GB, 360 * GB, 4e-6, 45 * GB, 6e-6, 4.0e12),
+    ClusterSpec("h200", 1024, 8, 989e12, 141 * GB, 360 * GB, 4e-6, 45 * GB, 6e-6, 4.0e12, fused_attention=True),
 )}
 
 

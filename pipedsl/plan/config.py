@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipedsl.plan.activations import RECOMPUTE_MODES
+
+ATTENTION = ("eager", "fused")
+
 
 @dataclass(frozen=True)
 class Layout:
     """dp × pp × tp ranks, ZeRO stage, pipeline schedule and its batch split.
 
     `microbatch` samples per microbatch and `microbatches` (M) per pipeline and iteration, so
-    global batch = dp · M · microbatch.  `params` are the schedule's parameters (V, W).
+    global batch = dp · M · microbatch.  `params` are the schedule's parameters (V, W).  `recompute`
+    "none", "selective" or "full" (True/False read as "full"/"none"); `sequence_parallel` only with
+    1-D tp > 1; `attention` "eager" (s² scores stored) or "fused" (FlashAttention-style).
     """
 
     dp: int
@@ -20,10 +26,29 @@ class Layout:
     microbatch: int
     microbatches: int
     zero: int = 0
-    recompute: bool = True
+    recompute: str = "full"
     tp_mode: str = "1d"  # or "3d" (tp = q³)
     params: tuple[tuple[str, int], ...] = ()
     grads: str = "bf16"  # bf16 parameters, fp32 main parameters; gradients in bf16 (the ZeRO paper) or fp32 (Megatron)
+    sequence_parallel: bool = False
+    attention: str = "eager"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, bool):
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute is one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention is one of {', '.join(ATTENTION)}, got {self.attention!r}")
+
+    @property
+    def fused(self) -> bool:
+        return self.attention == "fused"
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (1-D tp > 1 only)."""
+        return self.sequence_parallel and self.tp > 1 and self.tp_mode == "1d"
 
     @property
     def gpus(self) -> int:
@@ -37,5 +62,7 @@ class Layout:
         extra = "".join(f" {k}={v}" for k, v in self.params)
         tp = f"tp{self.tp}" + ("(3d)" if self.tp_mode == "3d" else "")
         grads = " fp32-grads" if self.grads == "fp32" else ""
-        return (f"dp{self.dp} pp{self.pp} {tp} {self.schedule}{extra} b{self.microbatch} M{self.microbatches} "
-                f"zero{self.zero}{' recompute' if self.recompute else ''}{grads}")
+        recompute = {"none": "", "full": " recompute", "selective": " selective"}[self.recompute]
+        return (f"dp{self.dp} pp{self.pp} {tp}{'+sp' if self.sequence_parallel else ''} {self.schedule}{extra} "
+                f"b{self.microbatch} M{self.microbatches} zero{self.zero}{recompute}"
+                f"{' flash' if self.fused else ''}{grads}")

@@ -2,29 +2,42 @@
 
 Times are seconds per microbatch.  Communication follows what the runtime does:
 - tensor parallel (Megatron 1-D): two all-reduces of the [b, s, h] activation per block in the
-  forward, two in the backward, two more in the recomputed forward — on the critical path; one
-  more for the vocabulary-parallel embedding, three small ones ([b, s]) for the cross-entropy;
+  forward, two in the backward, two more in a fully recomputed forward (one in the attention module
+  an HF decoder's selective recomputation runs again) — on the critical path; one more for the
+  vocabulary-parallel embedding, three small ones ([b, s]) for the cross-entropy.  Sequence
+  parallelism replaces each all-reduce with a reduce-scatter and an all-gather (the same ring
+  time) and runs the norms and dropout on 1/t of the sequence (their stored bytes, hence their
+  memory-bound time, shrink: `plan/activations.py`);
   3-D (Bian et al.): per linear, gathers of input and weight and a reduce-scatter of the output,
   (q-1)/q³ of each tensor per rank, forward and backward alike;
 - pipeline: one [b, s, h]/t message per hop (Megatron's scatter/gather over InfiniBand, then an
   all-gather over NVLink inside the node);
 - data parallel: the stage's gradient all-reduce in the gradients' dtype (`Layout.grads`; ZeRO 1-2:
   reduce-scatter, then the updated parameters all-gathered after the step) issued at REDUCE_GRAD and
-  overlapping the rest of the cooldown, as `runtime.reduce` does; ZeRO-3 gathers the stage's
-  parameters inside every F, B, I and W (the runtime's hooks do not prefetch) and reduce-scatters
-  gradients at REDUCE_GRAD.
+  overlapping the rest of the cooldown, as `runtime.reduce` does.  ZeRO-3 gathers unit by unit
+  (embedding, each block, head) on entry to its forward and again to its backward and prefetches
+  the next unit in execution order (`parallel/zero.py`), so a F, B or I is charged the first
+  unit's gather and each later gather's excess over the unit it overlaps (`prefetched`); W
+  gathers every unit first (`before_weight_pass`, not overlapped).  Its gradients are
+  reduce-scattered at REDUCE_GRAD (reduce="step", the default), overlapping the rest of the
+  cooldown: at pp = 1 nothing is left to overlap, as in the runtime.
+- compute: forward FLOPs at the tp group's rate; the memory-bound kernels stream the bytes a
+  block stores (`plan/activations.py`, so fused attention and SP shrink them); a fused attention
+  backward recomputes QKᵀ (half the attention core); a recomputed block or module runs again in B and I.
 Ring collectives over N ranks: all-reduce 2(N-1)/N·bytes/bw + 2(N-1)·latency, all-gather and
 reduce-scatter half of that (Patarasuk & Yuan; NCCL's ring model).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES, state_bytes
+from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES
 from pipedsl.plan.model import BYTES_FP16, ModelSpec
+from pipedsl.plan.runnable import state_mode
 from pipedsl.simulate import Cost
 
 # Adam's step per parameter: fp32 weight, momentum, variance read and written, the fp16 gradient read, the
@@ -74,12 +87,22 @@ class StageCosts:
         return Cost(F=self.F[0], B=self.B[0], I=self.I[0], W=self.W[0], comm=self.message, per_stage=per_stage)
 
 
+def prefetched(gathers: Sequence[float], computes: Sequence[float]) -> float:
+    """Seconds of ZeRO-3 gathers left on the critical path when each unit's gather is issued as the
+    previous unit starts computing (`parallel/zero.py` prefetches the next unit in execution order):
+    the first gather whole, then each one's excess over the compute it overlaps."""
+    if not gathers:
+        return 0.0
+    return gathers[0] + sum(max(0.0, g - c) for g, c in zip(gathers[1:], computes))
+
+
 def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int = 1) -> StageCosts:
     """Costs of each of `stages` program stages (layers split evenly; embedding on the first,
     output layer on the last) for `layout` on `cluster`."""
     b, t, h, s = layout.microbatch, layout.tp, model.hidden, model.seq
     per_stage_layers = model.layers // stages
     q = tp_degree_3d(t) if layout.tp_mode == "3d" else 0
+    sp, fused, mode = layout.sp, layout.fused, layout.recompute
     rate = cluster.peak_flops * cluster.gemm_efficiency * t  # FLOP/s of the tp group
 
     act = BYTES_FP16 * b * s * h  # one [b, s, h] activation
@@ -87,62 +110,98 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     if q:  # per block: activations 16·[b,s,h], weights 12h²; (q-1)/q³ of each moved, 3 collectives per linear
         moved = (q - 1) / q ** 3 * (16 * act + BYTES_FP16 * 12 * h * h)
         tp_block_fwd = moved / tp_bw + 12 * (q - 1) * tp_lat
-        tp_block_bwd = tp_block_fwd
-    else:
+    else:  # two all-reduces, or with SP two all-gathers + two reduce-scatters: the same ring time
         tp_block_fwd = 2 * all_reduce(act, t, tp_bw, tp_lat)
-        tp_block_bwd = tp_block_fwd
+    tp_block_bwd = tp_block_fwd
 
     dp_bw, dp_lat = cluster.link(t * layout.dp)
     pp_hops_cross_nodes = layout.gpus > cluster.gpus_per_node
     pp_bw, pp_lat = (cluster.inter_bandwidth, cluster.inter_latency) if pp_hops_cross_nodes else \
         (cluster.intra_bandwidth, cluster.intra_latency)
     message = pp_lat + act / t / pp_bw
-    if t > 1 and not q:
+    if t > 1 and not q and not sp:  # Megatron's scatter/gather; with SP a stage passes its sequence shard
         message += all_gather(act, t, *cluster.link(t))
+
+    # one block: GEMMs and attention at the tp group's rate, the memory-bound kernels streaming what it stores
+    core = model.attention_core_flops(b)
+    stored = model.layer_activation_bytes(b, t, "none", sp, fused)
+    block = model.layer_flops(b) / rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
+    fixed = cluster.layer_overhead / 3  # per pass of a block: F 1, B 2 (I 1 + W 1)
+    if mode == "full":
+        again = block + fixed + tp_block_fwd
+    elif mode == "selective":  # what it recomputes, and the memory-bound kernels on what it no longer stores
+        dropped = stored - model.layer_activation_bytes(b, t, "selective", sp, fused)
+        again = model.recomputed_flops("selective", fused, b) / rate + \
+            dropped * cluster.activation_passes / cluster.hbm_bandwidth
+        if model.hf:  # the attention module again, with its collective (all-reduce, or all-gather + reduce-scatter)
+            again += tp_block_fwd / 2
+    else:
+        again = 0.0
+    flash_backward = core / 2 / rate if fused else 0.0  # a fused kernel's backward recomputes QKᵀ
 
     F, B, I, W, reduce, after, step, psi, tpc, zg, waits = ([] for _ in range(11))
     for st in range(stages):
-        gemm = per_stage_layers * (model.layer_flops(b) - 4 * b * s * s * h)
-        attn = per_stage_layers * 4 * b * s * s * h
-        params = per_stage_layers * model.layer_params
+        n = per_stage_layers
+        gemm = n * (model.layer_flops(b) - core)
+        params = n * model.layer_params
+        head = 0.0
         if st == 0:
             params += model.embedding_params
         if st == stages - 1:
+            head = model.logit_flops(b) / rate
             gemm += model.logit_flops(b)
-            params += model.vocab * h + 2 * h  # the output layer's copy of the word embedding, final LayerNorm
+            params += model.vocab * h + 2 * h  # the output layer (the GPT's copy of the word embedding), final norm
         p_gpu = params / t
-        tp_fwd = per_stage_layers * tp_block_fwd
+        tp_fwd = n * tp_block_fwd
         if t > 1 and not q and st == 0:  # the vocabulary-parallel embedding sums its partial lookups
             tp_fwd += all_reduce(act, t, tp_bw, tp_lat)
         if t > 1 and not q and st == stages - 1:  # vocabulary-parallel cross-entropy: max, Σexp, target logit
             tp_fwd += 3 * all_reduce(4 * b * s, t, tp_bw, tp_lat)
-        tp_bwd = per_stage_layers * tp_block_bwd
-        gather = all_gather(PARAM_BYTES * p_gpu, layout.dp, dp_bw, dp_lat) if layout.zero >= 3 else 0.0
-        # memory-bound kernels (LayerNorm, softmax, dropout, GeLU, residuals) stream the block's activations
-        elementwise = per_stage_layers * model.layer_activation_bytes(b, t, False) * cluster.activation_passes
-        fixed = per_stage_layers * cluster.layer_overhead / 3  # per pass of the blocks: F 1, B 2 (I 1 + W 1)
-        fwd = (gemm + attn) / rate + elementwise / cluster.hbm_bandwidth + fixed
-        recompute = (fwd + tp_fwd) if layout.recompute else 0.0
+        tp_bwd = n * tp_block_bwd
+        fwd = n * (block + fixed) + head
+        recompute = n * again
         op = cluster.op_overhead
-        F.append(fwd + tp_fwd + gather + op)
-        B.append(2 * fwd + tp_bwd + recompute + gather + op)
-        split = (cluster.split_backward - 1) * 3 * fwd / 2  # a split backward's extra work, shared by I and W
-        I.append((gemm + 2 * attn) / rate + fixed + split + tp_bwd + recompute + gather + op)
-        W.append(gemm / rate + fixed + split + gather + op)
-        grad_bytes = state_bytes("bf16", layout.grads).grad * p_gpu  # reduced in the dtype they accumulate in
+        layer_f = block + fixed + tp_block_fwd
+        layer_b = 2 * (block + fixed) + flash_backward + tp_block_bwd + again
+        split = (cluster.split_backward - 1) * 3 * (block + fixed) / 2  # a split backward's extra work, on I and W
+        layer_i = (model.layer_flops(b) + core) / rate + fixed + split + flash_backward + tp_block_bwd + again
+        zero_f = zero_b = zero_i = zero_w = 0.0
+        if layout.zero >= 3:  # per unit (embedding, each block, head): gathered on entry, the next one prefetched
+            unit = [PARAM_BYTES * model.layer_params / t] * n
+            embed_first, head_last = st == 0, st == stages - 1
+            if embed_first:
+                unit = [PARAM_BYTES * model.embedding_params / t] + unit
+            if head_last:
+                unit = unit + [PARAM_BYTES * (model.vocab * h + 2 * h) / t]
+            g = [all_gather(x, layout.dp, dp_bw, dp_lat) for x in unit]
+            c_f = ([0.0] if embed_first else []) + [layer_f] * n + ([head] if head_last else [])
+            zero_f = prefetched(g, c_f)
+            back_order = g[::-1]
+            zero_b = prefetched(back_order, ([2 * head] if head_last else []) + [layer_b] * n)
+            zero_i = prefetched(back_order, ([head] if head_last else []) + [layer_i] * n)
+            zero_w = sum(g)  # before_weight_pass gathers every unit, one after another
+        F.append(fwd + tp_fwd + zero_f + op)
+        B.append(2 * fwd + n * flash_backward + tp_bwd + recompute + zero_b + op)
+        stage_split = (cluster.split_backward - 1) * 3 * fwd / 2
+        I.append((gemm + 2 * n * core) / rate + n * (fixed + flash_backward) + stage_split + tp_bwd + recompute
+                 + zero_i + op)
+        W.append(gemm / rate + n * fixed + stage_split + zero_w + op)
+        grad_bytes = state_mode(model, layout).grad * p_gpu  # reduced in the dtype they accumulate in
         replica = all_reduce(grad_bytes, replicas, pp_bw, pp_lat)
         if layout.zero == 0:
             reduce.append(replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat))
             after.append(0.0)
-        else:
+        else:  # reduce-scatter at REDUCE_GRAD (ZeRO's reduce="step"), overlapping the rest of the cooldown
             reduce.append(replica + all_gather(grad_bytes, layout.dp, dp_bw, dp_lat))
             after.append(all_gather(PARAM_BYTES * p_gpu, layout.dp, dp_bw, dp_lat) if layout.zero < 3 else 0.0)
         shard = p_gpu / (layout.dp if layout.zero >= 1 else 1)
         step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
         psi.append(p_gpu)
-        tpc.append(tp_fwd + tp_bwd + (tp_fwd if layout.recompute else 0.0))
-        zg.append(2 * gather)
-        back = tp_bwd + (tp_fwd if layout.recompute else 0.0) + gather
-        waits.append({"F": tp_fwd + gather, "B": back, "I": back, "W": gather})
+        tp_again = n * (tp_block_fwd if mode == "full" else tp_block_fwd / 2 if mode == "selective" and model.hf
+                        else 0.0)
+        tpc.append(tp_fwd + tp_bwd + tp_again)
+        zg.append(zero_f + zero_b)
+        waits.append({"F": tp_fwd + zero_f, "B": tp_bwd + tp_again + zero_b, "I": tp_bwd + tp_again + zero_i,
+                      "W": zero_w})
     return StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
                       tuple(psi), tuple(tpc), tuple(zg), tuple(waits))

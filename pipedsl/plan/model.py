@@ -1,12 +1,18 @@
 """Transformer models as the planner sees them: sizes, parameters, FLOPs and activation bytes.
 
-Formulas (GPT with a 4h MLP; `gated`/`kv_heads`/`ffn` generalise them to LLaMA):
-- parameters: 12·l·h² + 13·l·h + (V + s)·h (Narayanan et al., SC'21, §5.1);
+Two layouts, because the runtime runs two kinds of decoder (and their tensor parallelism differs):
+- "gpt": Megatron's GPT, pipedsl's built-in GPT (`runtime/gpt.py`, `parallel/tp_gpt.py`): 4h GeLU
+  MLP, LayerNorms, biases, learned positions, the output layer tied to the word embedding;
+- "hf": a Hugging Face decoder in the Llama layout (`parallel/tp_hf.py`): SwiGLU MLP (`ffn`),
+  grouped-query attention (`kv_heads`), RMSNorm, rotary positions, no biases, an untied head.
+
+Formulas:
+- parameters: 12·l·h² + 13·l·h + (V + s)·h for the GPT (Narayanan et al., SC'21, §5.1);
 - FLOPs per iteration: 72·B·s·l·h²·(1 + s/6h + V/12lh) without recomputation and
-  96·B·s·l·h²·(1 + s/6h + V/16lh) with it (SC'21 eq. 3: one more forward of every layer);
-- activation bytes per layer and sample: s·h·(10 + 24/t + 5·a·s/(h·t)) with t-way tensor
-  parallelism, s·h·(34 + 5as/h) at t = 1 (Korthikanti et al., "Reducing Activation
-  Recomputation", 2022, eq. 2); with full recomputation only the layer input, 2·s·h.
+  96·B·s·l·h²·(1 + s/6h + V/16lh) with full recomputation (SC'21 eq. 3: one more forward of every
+  layer); selective recomputation adds what it recomputes (`recomputed_flops`);
+- activation bytes per layer: `plan/activations.py` (Korthikanti et al. 2022, Table 2, and the
+  Llama layer as pipedsl runs it).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_PLAN_SIZE, shorten
+from pipedsl.plan.activations import LAYOUTS, layer_activation_bytes
 
 BYTES_FP16 = 2
 
@@ -33,8 +40,11 @@ class ModelSpec:
     ffn: int = 0  # 0: 4·hidden
     gated: bool = False  # SwiGLU MLP: three ffn×hidden matrices instead of two
     kv_heads: int = 0  # 0: = heads (no grouped-query attention)
+    layout: str = "gpt"  # "gpt" (built-in/Megatron GPT) or "hf" (a Hugging Face decoder in the Llama layout)
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise PipeDSLError(f"model {self.name}: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         for field_name in ("layers", "hidden", "heads", "seq", "vocab", "global_batch"):
             if getattr(self, field_name) < 1:
                 raise PipeDSLError(f"model {self.name}: {field_name} must be at least 1")
@@ -57,21 +67,28 @@ class ModelSpec:
     # ------------------------------------------------------------ parameters
 
     @property
+    def hf(self) -> bool:
+        return self.layout == "hf"
+
+    @property
     def layer_params(self) -> int:
-        """One block: QKV + output projection, the MLP, two LayerNorms, biases."""
+        """One block: QKV + output projection, the MLP, two norms (GPT: LayerNorms and biases; HF: RMSNorms)."""
         h, f, kv = self.hidden, self.ffn_size, self.kv_size
+        mlp = (3 if self.gated else 2) * h * f
+        if self.hf:
+            return h * (h + 2 * kv) + h * h + mlp + 2 * h
         attention = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h
-        mlp = (3 if self.gated else 2) * h * f + f + h
-        return attention + mlp + 4 * h
+        return attention + mlp + f + h + 4 * h
 
     @property
     def embedding_params(self) -> int:
-        """Token and position embeddings (the output layer shares the token table, as in Megatron)."""
-        return (self.vocab + self.seq) * self.hidden
+        """Token (and, for the GPT, position) embeddings; the GPT's output layer shares the token table."""
+        return (self.vocab + (0 if self.hf else self.seq)) * self.hidden
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + 2 * self.hidden  # + final LayerNorm
+        head = self.vocab * self.hidden if self.hf else 0  # the HF Llama head is its own matrix
+        return self.layers * self.layer_params + self.embedding_params + head + (1 if self.hf else 2) * self.hidden
 
     # ------------------------------------------------------------ FLOPs
 
@@ -81,24 +98,43 @@ class ModelSpec:
         gemm = 2 * s * (h * (h + 2 * kv) + h * h + (3 if self.gated else 2) * h * f)
         return samples * (gemm + 4 * s * s * h)
 
+    def attention_core_flops(self, samples: int = 1) -> float:
+        """Forward FLOPs of one block's QKᵀ and attention over V (2·b·s²·h each): what Megatron's selective
+        recomputation recomputes."""
+        return samples * 4 * self.seq * self.seq * self.hidden
+
+    def recomputed_flops(self, recompute: str, fused: bool = False, samples: int = 1) -> float:
+        """Forward FLOPs one block recomputes in its backward: full, the whole block; selective, Megatron's
+        attention core for the GPT (nothing with a fused kernel, which keeps no s² tensor), the whole
+        attention module for an HF decoder (pipedsl's `recompute_filter`: the attention modules)."""
+        if recompute == "full":
+            return self.layer_flops(samples)
+        if recompute != "selective":
+            return 0.0
+        if not self.hf:
+            return 0.0 if fused else self.attention_core_flops(samples)
+        h, kv, s = self.hidden, self.kv_size, self.seq
+        return samples * 2 * s * (h * (h + 2 * kv) + h * h) + self.attention_core_flops(samples)
+
     def logit_flops(self, samples: int = 1) -> float:
         """Forward FLOPs of the output layer (h × V) on `samples` sequences."""
         return samples * 2 * self.seq * self.hidden * self.vocab
 
-    def iteration_flops(self, recompute: bool) -> float:
-        """FLOPs of one iteration of the global batch: forward + 2× backward (+ 1 more forward of
-        every block when recomputing), as SC'21 counts them."""
-        layer_passes = 4 if recompute else 3
-        return self.global_batch * (layer_passes * self.layers * self.layer_flops() + 3 * self.logit_flops())
+    def iteration_flops(self, recompute: bool | str = "none", fused: bool = False) -> float:
+        """FLOPs of one iteration of the global batch: forward + 2× backward (+ what each block recomputes),
+        as SC'21 counts them (`True`: full recomputation, `False`: none)."""
+        mode = {True: "full", False: "none"}.get(recompute, recompute)  # type: ignore[call-overload]
+        layer = 3 * self.layer_flops() + self.recomputed_flops(mode, fused)
+        return self.global_batch * (self.layers * layer + 3 * self.logit_flops())
 
     # ------------------------------------------------------------ activations
 
-    def layer_activation_bytes(self, samples: int, tp: int, recompute: bool) -> float:
-        """Bytes a block keeps for its backward, per microbatch of `samples` (Korthikanti et al.)."""
-        s, h, a = self.seq, self.hidden, self.heads
-        if recompute:
-            return BYTES_FP16 * s * samples * h  # only the block's input
-        return s * samples * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    def layer_activation_bytes(self, samples: int, tp: int, recompute: bool | str = "none",
+                               sequence_parallel: bool = False, fused: bool = False) -> float:
+        """Bytes a block keeps for its backward per microbatch of `samples` on one GPU (`plan/activations.py`)."""
+        mode = {True: "full", False: "none"}.get(recompute, recompute)  # type: ignore[call-overload]
+        return layer_activation_bytes(self.seq, samples, self.hidden, self.heads, tp, sequence_parallel, mode, fused,
+                                      self.layout, self.ffn_size, self.kv_size, BYTES_FP16)
 
     def with_batch(self, global_batch: int) -> ModelSpec:
         return replace(self, global_batch=global_batch)
@@ -122,9 +158,11 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     gpt("gpt-310b", 96, 16384, 128, 2160),
     gpt("gpt-530b", 105, 20480, 128, 2520),
     gpt("gpt-1t", 128, 25600, 160, 3072),
-    # LLaMA 3 (Meta, 2024): SwiGLU, grouped-query attention, 128K vocabulary; batch 4M tokens.
-    ModelSpec("llama-8b", 32, 4096, 32, 8192, 128256, 512, ffn=14336, gated=True, kv_heads=8),
-    ModelSpec("llama-70b", 80, 8192, 64, 8192, 128256, 512, ffn=28672, gated=True, kv_heads=8),
+    # Llama 3 (Meta, 2024, "The Llama 3 Herd of Models" Table 3): HF Llama layout (SwiGLU, grouped-query
+    # attention, RMSNorm, RoPE, untied head), 128K vocabulary, sequence 8192; batch 4M tokens (405B: 16M).
+    ModelSpec("llama-8b", 32, 4096, 32, 8192, 128256, 512, ffn=14336, gated=True, kv_heads=8, layout="hf"),
+    ModelSpec("llama-70b", 80, 8192, 64, 8192, 128256, 512, ffn=28672, gated=True, kv_heads=8, layout="hf"),
+    ModelSpec("llama-405b", 126, 16384, 128, 8192, 128256, 2048, ffn=53248, gated=True, kv_heads=8, layout="hf"),
 )}
 
 

@@ -1,12 +1,13 @@
 """The search: every layout of a model on a cluster, checked, costed, simulated and ranked.
 
 Candidates are dp × pp × tp (1-D, and 3-D when tp is a cube), ZeRO 0-3, each schedule with
-its chunk variants, microbatch sizes (the count follows from the global batch) and
-recomputation on or off.  Cheap checks reject first (divisibility, schedule requirements,
-memory, with the reason); the survivors get a lower bound — the busiest rank's compute plus
-its optimizer step, which no schedule can beat — and are simulated best bound first until the
-bound exceeds the `top`-th best simulated time: the ranking of the top is exact, the rest are
-counted as pruned.
+its chunk variants, microbatch sizes (the count follows from the global batch), recomputation
+(none, selective, full), sequence parallelism (with 1-D tp > 1) and the attention kernel (eager
+or fused).  Cheap checks reject first (divisibility, what the runtime can run for this model
+(`plan/runnable.py`), schedule requirements, memory, with the reason); the survivors get a lower
+bound — the busiest rank's compute plus its optimizer step, which no schedule can beat — and are
+simulated best bound first until the bound exceeds the `top`-th best simulated time: the ranking
+of the top is exact, the rest are counted as pruned.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from dataclasses import dataclass, field
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import builtin_names
+from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import StageCosts, stage_costs, tp_degree_3d
-from pipedsl.plan.memory import MemoryReport, model_states, state_bytes
+from pipedsl.plan.memory import MemoryReport, model_states
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.pipeline import compiled, program_peaks, run_pipeline, simulation_sizes, skeleton, stage_ranks
+from pipedsl.plan.runnable import NotRunnableError, check_runnable, state_mode
 
 # Chunk variants searched per built-in (parameter name, values); others run with their defaults.
 VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], ...]] = {
@@ -98,12 +101,16 @@ def _check_shape(model: ModelSpec, layout: Layout) -> None:
         raise LayoutError(f"divisibility: tp {t} must divide heads {model.heads}, kv heads and hidden {model.hidden}")
     if model.layers % layout.pp:
         raise LayoutError(f"divisibility: {model.layers} layers do not split evenly over pp {layout.pp}")
+    try:
+        check_runnable(model, layout)
+    except NotRunnableError as err:
+        raise LayoutError(err.message) from None
 
 
 def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> None:
     """Before compiling anything: even the lightest rank's model states must fit."""
     psi = model.layers // layout.pp * model.layer_params / layout.tp
-    states = model_states(psi, layout.dp, layout.zero, state_bytes("bf16", layout.grads))
+    states = model_states(psi, layout.dp, layout.zero, state_mode(model, layout))
     if states.total > cluster.memory - cluster.reserved_memory:
         raise LayoutError(f"out of memory: the model states alone take {states.total / 1e9:.1f} GB "
                         f"> {(cluster.memory - cluster.reserved_memory) / 1e9:.0f} GB usable")
@@ -191,18 +198,21 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepare
 
 def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]],
             peaks: Sequence[float], stages: int) -> MemoryReport:
-    """The fullest rank: model states of its stages, plus its peak live microbatch activations."""
-    t, b = layout.tp, layout.microbatch
-    per_layer = model.layer_activation_bytes(b, t, layout.recompute)
+    """The fullest rank: model states of its stages (`memory.model_states`, the function the runtime's
+    byte tests check), plus its peak live microbatch activations and one recomputed region's working set."""
+    t, b, sp, fused = layout.tp, layout.microbatch, layout.sp, layout.fused
+    per_layer = model.layer_activation_bytes(b, t, layout.recompute, sp, fused)
+    whole = model.layer_activation_bytes(b, t, "none", sp, fused)
+    working = whole - per_layer if layout.recompute != "none" else 0.0  # one block (or attention module) again
     layers = model.layers // stages
     worst: MemoryReport | None = None
     for r, st in on_rank.items():
         states = model_states(sum(costs.stage_params[s] for s in st), layout.dp, layout.zero,
-                              state_bytes("bf16", layout.grads))
-        working = model.layer_activation_bytes(b, t, False) if layout.recompute else 0.0  # one block recomputed
+                              state_mode(model, layout))
+        extra = working
         if stages - 1 in st:
-            working += 4 * b * model.seq * model.vocab / t  # fp32 logits of the microbatch in flight
-        report = MemoryReport(states, peaks[r] * layers * per_layer + working, round(peaks[r]))
+            extra += 4 * b * model.seq * model.vocab / t  # fp32 logits of the microbatch in flight
+        report = MemoryReport(states, peaks[r] * layers * per_layer + extra, round(peaks[r]))
         if worst is None or report.total > worst.total:
             worst = report
     assert worst is not None
@@ -222,8 +232,8 @@ def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate
     layout, costs = prep.layout, prep.costs
     run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, _sharing(cluster, layout))
     gpus = layout.gpus
-    hardware = model.iteration_flops(layout.recompute)
-    useful = model.iteration_flops(False)
+    hardware = model.iteration_flops(layout.recompute, layout.fused)
+    useful = model.iteration_flops("none")
     stages = prep.on_rank[0]
     M = layout.microbatches
     comm = {"tp": M * sum(costs.tp_comm[s] for s in stages),
@@ -249,11 +259,14 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | None = None,
             zero: Iterable[int] = (0, 1, 2, 3), microbatch_sizes: Iterable[int] = MICROBATCH_SIZES,
-            recompute: Iterable[bool] = (True, False), tp: Iterable[int] | None = None,
+            recompute: Iterable[str | bool] = RECOMPUTE_MODES, tp: Iterable[int] | None = None,
             pp: Iterable[int] | None = None, tp_modes: Iterable[str] = ("1d", "3d"),
-            grads: str = "bf16") -> list[Layout]:
+            grads: str = "bf16", sequence_parallel: Iterable[bool] = (False, True),
+            attention: Iterable[str] | None = None) -> list[Layout]:
     """Every candidate with dp · pp · tp = cluster.gpus and dp · M · microbatch = global batch; `grads`: the
-    gradients' dtype under bf16 parameters with fp32 main parameters (runtime: --grad-dtype)."""
+    gradients' dtype under bf16 parameters with fp32 main parameters (runtime: --grad-dtype).  Sequence
+    parallelism is tried only with 1-D tp > 1; `attention` defaults to the cluster's (`fused_attention`)."""
+    kernels = list(attention) if attention is not None else ["fused" if cluster.fused_attention else "eager"]
     names = list(schedules) if schedules is not None else builtin_names()
     N = cluster.gpus
     tps = [t for t in _divisors(N) if t <= cluster.gpus_per_node] if tp is None else list(tp)
@@ -274,7 +287,10 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
                         for params in VARIANTS.get(name, ((),)):
                             for z in (zero if d > 1 else (0,)):
                                 for rc in recompute:
-                                    out.append(Layout(d, p, t, name, b, M, z, rc, mode, params, grads))
+                                    for sp in (sequence_parallel if t > 1 and mode == "1d" else (False,)):
+                                        for kernel in kernels:
+                                            out.append(Layout(d, p, t, name, b, M, z, rc, mode, params, grads,
+                                                              sp, kernel))
     return out
 
 

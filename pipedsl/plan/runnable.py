@@ -1,0 +1,63 @@
+"""What pipedsl's runtime can run: the rules a layout must meet for the model it is given.
+
+The planner recommends only layouts the runtime runs, so every rule the runtime enforces at
+setup is mirrored here, each with the module that enforces it; a layout that breaks one is
+rejected with a reason beginning "runtime:" (listed by `pipedsl plan --rejected N`).  The shape
+rules every layout meets (batch split, tp divides the sizes, layers split over stages) are in
+`search._check_shape`.
+
+Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `_check` and its docstring):
+- 1-D tensor parallelism only (no 3-D);
+- heads, key/value heads, vocabulary and intermediate size divisible by tp;
+- sequence parallelism needs the sequence divisible by tp (`tp_hf.py`'s stage pre-hook);
+- no ZeRO with tp > 1 (its flat buffers hold plain tensors, not DTensors);
+- no bf16 parameters with tp > 1 (`param_dtype` needs ZeRO's flat buffers): such a run keeps fp32
+  parameters under bf16 autocast, 4 + 4 + 8 bytes a parameter (`state_mode`).
+
+The built-in GPT (`ModelSpec.layout == "gpt"`, `parallel/tp_gpt.py`, `parallel/tp1d.py`,
+`parallel/config.py` `check_model`):
+- 1-D or 3-D tensor parallelism (3-D: tp = q³, sizes divisible by q or q², microbatch by q²);
+- sequence parallelism with 1-D only, the sequence divisible by tp (`tp1d.py`).
+"""
+
+from __future__ import annotations
+
+from pipedsl.errors import PipeDSLError
+from pipedsl.plan.config import Layout
+from pipedsl.plan.memory import StateBytes, state_bytes
+from pipedsl.plan.model import ModelSpec
+
+
+class NotRunnableError(PipeDSLError):
+    """A layout the runtime refuses for this model; the message names the rule and the module enforcing it."""
+
+
+def check_runnable(model: ModelSpec, layout: Layout) -> None:
+    """Raise `NotRunnableError` if pipedsl's runtime would refuse `layout` for `model`."""
+    t = layout.tp
+    if layout.sequence_parallel and t > 1:
+        if layout.tp_mode != "1d":
+            raise NotRunnableError("runtime: sequence parallelism needs 1-D tensor parallelism (parallel/tp_gpt.py)")
+        if model.seq % t:
+            raise NotRunnableError(f"runtime: sequence parallelism needs the sequence {model.seq} divisible by tp {t} "
+                              f"({'parallel/tp_hf.py' if model.hf else 'parallel/tp1d.py'})")
+    if not model.hf or t == 1:
+        return
+    if layout.tp_mode != "1d":
+        raise NotRunnableError("runtime: Hugging Face stages support 1-D tensor parallelism only (parallel/tp_hf.py)")
+    for what, n in (("heads", model.heads), ("kv heads", model.kv_heads or model.heads), ("vocab", model.vocab),
+                    ("ffn", model.ffn_size)):
+        if n % t:
+            raise NotRunnableError(f"runtime: {what} {n} is not divisible by tp {t} (parallel/tp_hf.py)")
+    if layout.zero:
+        raise NotRunnableError(f"runtime: ZeRO-{layout.zero} does not take the DTensor parameters of tensor-parallel "
+                          f"Hugging Face stages (parallel/tp_hf.py)")
+
+
+def state_mode(model: ModelSpec, layout: Layout) -> StateBytes:
+    """The bytes a parameter costs as the runtime trains this layout: bf16 parameters with fp32 main
+    copies and `layout.grads` gradients, except tensor-parallel HF stages, which keep fp32 parameters
+    (bf16 autocast) because their bf16 parameters would need ZeRO's flat buffers."""
+    if model.hf and layout.tp > 1:
+        return state_bytes("fp32", "fp32")
+    return state_bytes("bf16", layout.grads)
