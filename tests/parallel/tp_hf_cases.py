@@ -124,8 +124,12 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
         ref_opt.step()
         ref_opt.zero_grad()
         if flat:  # every step: the gradients are not on the modules to compare
+            held = opt.measured_bytes()  # between steps: ZeRO-3 holds its slices of the shards only
             local = sorted((hf_name[(s, n)], v) for s, got in opt.stage_parameters(main=main).items()
                            for n, v in got.items())
+            out["bytes"] = {"params": held.params, "padded": held.padded_numel,
+                            "shards": sum(v.to_local().numel() if isinstance(v, DTensor) else v.numel()
+                                          for _, v in local), "whole": sum(v.numel() for _, v in local)}
             _param_err(out, local, dict(zip((n for n, _ in ref.named_parameters()), ref_main)))
     if not flat:
         _param_err(out, local, {n: p.detach() for n, p in ref_params.items()})
