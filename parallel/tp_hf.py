@@ -39,11 +39,18 @@ Megatron's SP all-reduce of LayerNorm gradients does; the vocabulary-split embed
 `Replicate` [V, C] gradient (DTensor's embedding backward), sliced to the rank's rows.  Global
 norms count a replicated weight once over the tp group (runtime/clip.py).
 
+ZeRO (1–3, and 0 with bf16 parameters over fp32 main parameters) takes the DTensor parameters
+as their local shards, the way FSDP2's `fully_shard` composes with torch's TP: every dp replica
+at one tp coordinate has the same shard shapes, so its flat buffers line up over dp; the views it
+installs before each forward are wrapped back into DTensors with `DTensor.from_local`, whose
+backward gives the gradient the weight's placements exactly as `_grad_like_param` does here
+(parallel/zero.py).
+
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
 `mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
 Qwen2, Qwen3.  Tied embeddings stay one parameter (embedding and head hold the same row block).
-Others are refused by name.  Not yet: dropout, 3-D tp, ZeRO (refused), low-precision parameters
-(`param_dtype`: they need ZeRO's flat buffers), resharding a checkpoint to another tp, HF export.
+Others are refused by name.  Not yet: dropout, 3-D tp, resharding a checkpoint to another tp,
+HF export.
 """
 
 from __future__ import annotations

@@ -77,6 +77,13 @@ through private state, as torch.distributed.pipelining's stage does
 accounting.  One flat-buffer implementation keeps all four stages, their memory and their
 traffic on the formulas (benchmarks/parallel_memory_comm.py).
 
+DTensor parameters (torch's tensor parallelism, parallel/tp_hf.py) go in as their local shards, as
+FSDP2 composes with TP: the flat buffers, slices, optimizer state and checkpoint layouts are those
+of this tp rank's shards (the same shapes on every dp peer), and each installed view is wrapped
+back with `DTensor.from_local` (the parameter's mesh, placements and global shape), whose backward
+redistributes the gradient to the weight's placements and hands the flat buffer its local part.
+ZeRO-3 frees the storage under those views like any other.
+
 Split backward (I/W, zero-bubble schedules) under stage 3: I regathers through the usual
 pre-backward hooks; W reads saved views of the parameters, so the pipeline calls
 `before_weight_pass` (gather every unit) and `after_weight_pass` (free them) around each W.
