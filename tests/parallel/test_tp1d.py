@@ -133,6 +133,38 @@ def tp1d_job(tp: int) -> Errors:
     errs["mlp comm: bytes"] = (abs(c.total - want), want)
     errs["mlp comm: all-reduce calls"] = (abs(sum(c.calls.values()) - 2), 2.0)
 
+    # sequence parallelism: sequence shards [b, s/t, h] in and out, the whole sequence inside (s = 8 splits at t 2, 4)
+    xs, x4s, S8 = torch.randn(B, 8, H, generator=g), torch.randn(B, 8, 4 * H, generator=g), 8
+
+    def seq(a):
+        return a[:, r * S8 // t:(r + 1) * S8 // t]
+
+    _check_layer(errs, "sp column", col, ColumnParallelLinear.from_dense(col, group, sequence_parallel=True), xs,
+                 seq(xs), cols(3 * H), seq)
+    _check_layer(errs, "sp row", row, RowParallelLinear.from_dense(row, group, sequence_parallel=True), x4s,
+                 cols(4 * H)(x4s), seq, cols(4 * H))
+    _check_layer(errs, "sp block", block, ParallelBlock.from_dense(block, group, sequence_parallel=True), xs, seq(xs),
+                 seq, seq)
+    ids8 = torch.randint(0, V, (B, S8), generator=g)
+    emb.zero_grad()
+    w_out = torch.randn(B, S8, H, generator=g)
+    (emb(ids8) * w_out).sum().backward()
+    semb = VocabParallelEmbedding.from_dense(emb, group, sequence_parallel=True)
+    ys = semb(ids8)
+    (ys * seq(w_out)).sum().backward()
+    errs["sp embedding: output"] = diff(ys, seq(emb(ids8)))
+    errs["sp embedding: grad weight"] = diff(semb.weight.grad, emb.weight.grad[r * V // t:(r + 1) * V // t])
+    # an MLP with SP: all-gather + reduce-scatter forward, reduce-scatter + all-gather + the input gathered again
+    # backward: 5 (t-1)/t of [b, s, h] against tp's 2 all-reduces each way, 4 (t-1)/t; the only all-reduce left
+    # is the gradient of the row-parallel bias [h], added on the shard
+    with count_comm() as c:
+        ParallelMLP.from_dense(mlp, group, sequence_parallel=True)(seq(xs).clone().requires_grad_()).sum().backward()
+    want = 5 * (t - 1) / t * B * S8 * H * 4
+    got = c.by_op()
+    errs["sp mlp comm: bytes"] = (abs(got["all_gather"] + got["reduce_scatter"] - want), want)
+    errs["sp mlp comm: bias all-reduce"] = (abs(got["all_reduce"] - 2 * (t - 1) / t * H * 4), 0.0)
+    errs["sp mlp comm: calls"] = (abs(sum(c.calls.values()) - 6), 0.0)
+
     # torch DTensor tensor parallel as a second oracle
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     ref = parallelize_module(copy.deepcopy(mlp), mesh.device_mesh["tp"],
@@ -154,7 +186,7 @@ def tp1d_job(tp: int) -> Errors:
 
 
 CHECKS = ["column", "column gathered", "row", "mlp", "attention", "block", "embedding", "cross-entropy", "lm head",
-          "dtensor mlp"]
+          "dtensor mlp", "sp column", "sp row", "sp block", "sp embedding"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -168,6 +200,12 @@ def test_layer_equals_dense(run_once, tp, check):
 def test_mlp_communication_is_two_all_reduces_of_b_s_h(run_once, tp):
     per_rank = run_once(tp1d_job, tp, tp)
     assert not failures(per_rank, "mlp comm", atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_mlp_communication_is_reduce_scatters_and_all_gathers(run_once, tp):
+    per_rank = run_once(tp1d_job, tp, tp)
+    assert not failures(per_rank, "sp mlp comm", atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
