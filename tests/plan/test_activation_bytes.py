@@ -1,0 +1,107 @@
+"""Activation bytes per layer (pipedsl/plan/activations.py): Korthikanti et al. 2022's Table 2 and
+worked figures, and the HF Llama formula against the bytes the runtime measures at tp1/tp2/tp2+SP.
+
+Paper figures used (arXiv 2205.05198): GPT-3 175B (a = 96, h = 12288, s = 2048) has 5as/h = 80;
+at t = 8 selective recomputation with SP saves 70 % of the activations (MT-NLG 530B, a = 128,
+h = 20480: 65 %); tp + SP + selective is ~5x less than tp alone; full recomputation costs a third
+more FLOPs (33-36 % measured), selective recomputation's attention core is s/6h of the GEMM FLOPs
+(2.7 % for GPT-3, 1.6 % for MT-NLG).
+"""
+
+from __future__ import annotations
+
+import pytest
+from activation_cases import SIZES, layer_bytes
+
+from pipedsl.plan.activations import layer_activation_bytes
+from pipedsl.plan.model import ModelSpec, model_preset
+
+GPT3 = dict(seq=2048, hidden=12288, heads=96)
+MTNLG = dict(seq=2048, hidden=20480, heads=128)
+
+
+def gpt(s: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none", fused: bool = False,
+        b: int = 1) -> float:
+    """Per s·b·h, as Table 2 writes it."""
+    return layer_activation_bytes(s, b, h, a, t, sp, recompute, fused) / (s * b * h)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize(("s", "h", "a"), [(2048, 12288, 96), (2048, 20480, 128), (1024, 4096, 32)])
+def test_table2_rows(s: int, h: int, a: int, t: int) -> None:
+    x = 5 * a * s / h
+    assert gpt(s, h, a) == pytest.approx(34 + x)
+    assert gpt(s, h, a, t) == pytest.approx(10 + 24 / t + x / t)
+    assert gpt(s, h, a, t, True) == pytest.approx((34 + x) / t if t > 1 else 34 + x)
+    assert gpt(s, h, a, t, recompute="selective") == pytest.approx(10 + 24 / t)
+    assert gpt(s, h, a, t, True, "selective") == pytest.approx(34 / t if t > 1 else 34)
+    assert gpt(s, h, a, t, recompute="full") == pytest.approx(2)
+    assert gpt(s, h, a, t, True, "full") == pytest.approx(2 / t)
+    # a fused attention kernel keeps what selective recomputation keeps, without recomputing
+    assert gpt(s, h, a, t, True, fused=True) == gpt(s, h, a, t, True, "selective")
+    assert layer_activation_bytes(s, 4, h, a, t) == pytest.approx(4 * layer_activation_bytes(s, 1, h, a, t))
+
+
+def test_paper_worked_figures() -> None:
+    s, h, a = GPT3.values()
+    assert 5 * a * s / h == 80
+    saved = 1 - gpt(s, h, a, 8, True, "selective") / gpt(s, h, a, 8, True)
+    assert saved == pytest.approx(0.70, abs=0.005)
+    s2, h2, a2 = MTNLG.values()
+    assert 1 - gpt(s2, h2, a2, 8, True, "selective") / gpt(s2, h2, a2, 8, True) == pytest.approx(0.65, abs=0.005)
+    assert gpt(s, h, a, 8) / gpt(s, h, a, 8, True, "selective") == pytest.approx(5.4, abs=0.05)  # "5x"
+
+
+def test_recompute_flops_against_the_paper() -> None:
+    for sizes, core_share in ((GPT3, 0.027), (MTNLG, 0.016)):
+        m = ModelSpec("m", 1, sizes["hidden"], sizes["heads"], sizes["seq"], 51200, 1)
+        gemm = m.layer_flops() - m.attention_core_flops()
+        share = m.attention_core_flops() / gemm
+        assert share == pytest.approx(sizes["seq"] / (6 * sizes["hidden"]))
+        assert int(share * 1000) / 1000 == core_share  # the paper prints 2.78 % and 1.67 % to one decimal, truncated
+        assert m.recomputed_flops("selective") == m.attention_core_flops()  # QKᵀ and attention over V, once more
+        assert m.recomputed_flops("selective", fused=True) == 0.0  # nothing s² was stored
+    m = model_preset("gpt-175b")
+    assert m.iteration_flops("full") / m.iteration_flops("none") - 1 == pytest.approx(0.33, abs=0.01)
+    assert m.iteration_flops("selective") / m.iteration_flops("none") - 1 == pytest.approx(0.009, abs=0.001)
+
+
+def test_hf_formula_structure() -> None:
+    """What tp divides and what SP takes away, for the Llama-70B layer (bf16)."""
+    m = model_preset("llama-70b")
+    s, h, a, f, kv = m.seq, m.hidden, m.heads, m.ffn_size, m.kv_size
+
+    def hf(t: int, sp: bool = False, recompute: str = "none", fused: bool = False) -> float:
+        return layer_activation_bytes(s, 1, h, a, t, sp, recompute, fused, "hf", f, kv, 2) / (s * h)
+
+    norms = 2 * (10 + 4 / h)
+    split = 4 * 2 + a * s * 6 / h + 4 * 2 * f / h  # Q, K, V, output; softmax fp32 + bf16; the MLP's four
+    for t in (1, 2, 8):
+        assert hf(t) == pytest.approx(norms + split / t)
+        assert hf(t, True) == pytest.approx((norms - 2 * 2) / t + 2 * 2 + split / t if t > 1 else hf(1))
+        assert hf(t, recompute="selective") == pytest.approx(norms + 4 * 2 * f / h / t)
+    assert hf(8, fused=True) < hf(8, recompute="selective") + 4 * 2 / 8 + 1e-9  # no s² term
+    assert hf(8, True, "full") == pytest.approx(2 / 8)
+
+
+MODES = [(1, False), (2, False), (2, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("recompute", [None, "selective", "layer"])
+@pytest.mark.parametrize(("tp", "sp"), MODES, ids=["tp1", "tp2", "tp2+sp"])
+def test_measured_bytes_equal_the_formula(pool, tp: int, sp: bool, recompute: str | None, attn: str) -> None:
+    """The runtime's count (fp32: 4 bytes a value) of one tiny Llama layer's saved tensors, per rank."""
+    z = SIZES
+    mode = {None: "none", "selective": "selective", "layer": "full"}[recompute]
+    want = layer_activation_bytes(z["seq"], z["microbatch"], z["hidden"], z["heads"], tp, sp, mode, attn == "sdpa",
+                                  "hf", z["ffn"], z["hidden"] * z["kv_heads"] // z["heads"], 4)
+    for r in pool.run(layer_bytes, tp, tp, sp, recompute, attn):
+        assert r["layer"] == pytest.approx(want, rel=0.01), r
+
+
+@pytest.mark.slow
+def test_pipedsl_full_recompute_keeps_only_the_stage_input(pool) -> None:
+    """pipedsl's recompute="full" makes the stage one region: no layer keeps anything of its own."""
+    assert [r["layer"] for r in pool.run(layer_bytes, 2, 2, True, "full", "sdpa")] == [0, 0]
