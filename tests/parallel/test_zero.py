@@ -268,3 +268,47 @@ def test_tensor_parallel_block_under_zero_equals_dense(run_once, stage):
         assert len(errs) == 12
         bad = {k: v for k, v in errs.items() if not v[0] <= 2e-6 + 2e-6 * v[1]}
         assert not bad
+
+
+def fsdp2_tp_job(stage: int) -> dict:
+    """dp=2 × tp=2 with torch's DTensor tensor parallelism (`parallelize_module`, as parallel/tp_hf.py uses it):
+    ZeRO `stage` over the dp group, which packs each DTensor parameter's local shard, against torch's FSDP2
+    `fully_shard` on the same 2-D mesh (torchtitan's FSDP + TP); rowwise biases are replicated DTensors."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = ParallelMesh(ParallelConfig(dp=2, tp=2))
+    r = mesh.coords.dp
+    g = torch.Generator().manual_seed(0)
+    # 535 local parameters a tp rank: the flat buffers are padded
+    base = gpt.randomize_(nn.Sequential(nn.Linear(10, 24), nn.GELU(), nn.Linear(24, 12), nn.Tanh(),
+                                        nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 7)), g)
+    X, Y = MODELS["mlp"][1](g, 2), MODELS["mlp"][2](g, 2)
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
+    tp = mesh.device_mesh["tp"]
+    fsdp = parallelize_module(copy.deepcopy(base), tp, plan)
+    for child in fsdp.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh.device_mesh["dp"])
+    fully_shard(fsdp, mesh=mesh.device_mesh["dp"])
+    opt = torch.optim.Adam(fsdp.parameters(), lr=LR, eps=EPS)
+    for s in range(STEPS):
+        for m in range(M):
+            fsdp.set_requires_gradient_sync(m == M - 1)
+            (loss_fn(fsdp, X[s, r, m], Y[s, r, m]) / M).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {k: v.full_tensor() for k, v in fsdp.state_dict().items()}
+    model = parallelize_module(copy.deepcopy(base), tp, plan)
+    got = _train_zero(model, mesh.dp_group, stage, X[:, r], Y[:, r])
+    assert all(isinstance(v, DTensor) for v in got.values())  # named as the module's, placed as the module's
+    return {name: diff(got[name].full_tensor(), ref[name]) for name in got}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dtensor_tensor_parallel_under_zero_equals_torch_fsdp2(run_once, stage):
+    for errs in run_once(fsdp2_tp_job, 4, stage):
+        assert len(errs) == 8
+        bad = {k: v for k, v in errs.items() if not v[0] <= 2e-6 + 2e-6 * v[1]}
+        assert not bad, bad
