@@ -10,6 +10,7 @@ from pipedsl.arguments import float_in, int_in
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import load
 from pipedsl.limits import MAX_PLAN_GPUS, MAX_PLAN_SIZE, MAX_PLAN_TOP, PLAN_RATE_RANGE, shorten
+from pipedsl.plan.activations import LAYOUTS, RECOMPUTE_MODES
 from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
 from pipedsl.plan.model import MODELS, ModelSpec, model_preset
 from pipedsl.plan.search import TIES, PlanResult, search
@@ -20,8 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank dp × pp × tp, ZeRO, schedule and microbatching for a model on a cluster")
     p.add_argument("--model", help=f"a preset ({', '.join(MODELS)}); explicit sizes below override it")
     size = int_in(1, MAX_PLAN_SIZE, "MAX_PLAN_SIZE")
-    for name in ("layers", "hidden", "heads", "seq", "vocab", "global-batch", "ffn"):
+    for name in ("layers", "hidden", "heads", "seq", "vocab", "global-batch", "ffn", "kv-heads"):
         p.add_argument(f"--{name}", type=size)
+    p.add_argument("--model-layout", choices=LAYOUTS,
+                   help="which runtime model the sizes describe: gpt (the built-in GPT: 1-D or 3-D tp, ZeRO with tp) "
+                        "or hf (a Hugging Face decoder in the Llama layout: SwiGLU, RMSNorm, untied head; 1-D tp "
+                        "only, no ZeRO with tp). Presets know theirs (llama-*: hf)")
     p.add_argument("--cluster", default="a100-80gb", help=f"a preset ({', '.join(CLUSTERS)}; default a100-80gb)")
     gpus = int_in(1, MAX_PLAN_GPUS, "MAX_PLAN_GPUS")
     rate = float_in(*PLAN_RATE_RANGE, "PLAN_RATE_RANGE")
@@ -36,6 +41,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--schedule", action="append", metavar="NAME_OR_PIPE",
                    help="only these schedules (repeatable; a built-in name or a .pipe file); default: every built-in")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
+    p.add_argument("--recompute", default="none,selective,full",
+                   help="recomputation modes to try (default none,selective,full): selective recomputes attention "
+                        "(Megatron: its s² core; an HF decoder under pipedsl: the attention module), full every "
+                        "layer")
+    p.add_argument("--sequence-parallel", choices=("on", "off", "both"), default="both",
+                   help="sequence parallelism with 1-D tp > 1 (norms and dropout on 1/t of the sequence, "
+                        "reduce-scatter + all-gather instead of all-reduce; default: try both)")
+    p.add_argument("--attention", choices=("fused", "eager", "both"),
+                   help="attention kernel: fused (FlashAttention-style: no s² activations stored) or eager; "
+                        "default: the cluster's (fused on h100/h200, eager on a100-80gb)")
     p.add_argument("--grad-dtype", choices=("bf16", "fp32"), default="bf16",
                    help="bf16 parameters with fp32 main parameters (pipedsl train --param-dtype bf16); gradients "
                         "accumulated in bf16 (default: 2+2+12 bytes a parameter, the ZeRO paper's) or fp32 "
@@ -43,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--top", type=int_in(1, MAX_PLAN_TOP, "MAX_PLAN_TOP"), default=10,
                    help=f"rows in the ranked table (default 10, at most {MAX_PLAN_TOP})")
     p.add_argument("--rejected", type=int_in(1, 1000, "1000 lines"), default=8,
-                   help="rejected examples to print (default 8)")
+                   help="rejected examples to print (default 8), shared among the kinds of reason; 'runtime: …' "
+                        "names a rule of the runtime for this model and the module that enforces it")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (a GPT block's FLOP/s, gloo latency/bandwidth, AdamW) with --gpus "
                         "local processes (default 4) and plan on it; the model defaults to the small GPT")
@@ -55,7 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     explicit = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
-                "vocab": args.vocab, "global_batch": args.global_batch, "ffn": args.ffn}
+                "vocab": args.vocab, "global_batch": args.global_batch, "ffn": args.ffn, "kv_heads": args.kv_heads,
+                "layout": args.model_layout}
+    if args.model_layout == "hf" and not args.model:
+        explicit["gated"] = True  # the Llama layout's MLP is SwiGLU
     given = {k: v for k, v in explicit.items() if v is not None}
     if args.model:
         return replace(model_preset(args.model), **given)
@@ -88,6 +107,14 @@ def _zero_stages(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(stages)))  # each stage once: a repeated one would multiply the search
 
 
+def _recompute_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not modes or any(m not in RECOMPUTE_MODES for m in modes):
+        raise PipeDSLError(f"--recompute {shorten(text)}: expected comma-separated modes among "
+                           f"{','.join(RECOMPUTE_MODES)}")
+    return modes
+
+
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         model, cluster = _calibrated(args)
@@ -105,8 +132,11 @@ def run(args: argparse.Namespace) -> int:
     schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None  # each once
     for name in schedules or ():
         load(name)  # an unknown name or a broken .pipe is one error up front, not every layout rejected
+    sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sequence_parallel]
+    attention = {None: None, "fused": ("fused",), "eager": ("eager",), "both": ("eager", "fused")}[args.attention]
     result = search(model, cluster, top=args.top, schedules=schedules, zero=_zero_stages(args.zero),
-                    grads=args.grad_dtype)
+                    grads=args.grad_dtype, recompute=_recompute_modes(args.recompute), sequence_parallel=sp,
+                    attention=attention)
     print_result(result, args.rejected)
     return 0 if result.ranked else 1
 
@@ -135,9 +165,10 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
 
     m, c = result.model, result.cluster
     console = Console(width=200)
-    console.print(f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters, {m.layers} layers, h={m.hidden}, "
-                  f"a={m.heads}, s={m.seq}, V={m.vocab}, batch {m.global_batch} — on {c.gpus} × {c.name} "
-                  f"({c.gpus_per_node}/node, {scaled(c.peak_flops, FLOPS)}, {scaled(c.memory, BYTES)})")
+    console.print(f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters ({m.layout} layout), {m.layers} "
+                  f"layers, h={m.hidden}, a={m.heads}, s={m.seq}, V={m.vocab}, batch {m.global_batch} — on "
+                  f"{c.gpus} × {c.name} ({c.gpus_per_node}/node, {scaled(c.peak_flops, FLOPS)}, "
+                  f"{scaled(c.memory, BYTES)})")
     table = Table(title=f"ranked by predicted iteration time; {TIES} (pipeline simulated on each schedule's "
                         f"compiled program)")
     rows = result.ranked

@@ -32,7 +32,7 @@ def test_a_small_model_prints_in_units_that_fit_and_orders_equal_times_by_memory
     out = capsys.readouterr().out
     assert code == 0 and "custom: 209k parameters" in out
     assert "equal times: less memory first, then fewer GPUs" in out
-    head = next(line for line in out.splitlines() if "layout" in line)
+    head = next(line for line in out.splitlines() if "┃" in line and "layout" in line)
     heads = [h.strip() for h in head.split("┃")[1:-1]]
     assert heads[2:7] == ["iteration µs", "TFLOP/s/GPU", "MFU", "memory MB", "params KB"]
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│ ")]
@@ -52,7 +52,7 @@ def test_a_cpu_sized_cluster_prints_gflops(capsys):
                  "--global-batch", "8", "--gpus", "4", "--peak-tflops", "0.05", "--memory-gb", "8", "--top", "3"])
     out = capsys.readouterr().out
     assert code == 0 and "(8/node, 50.0 GFLOP/s, 8.00 GB)" in out
-    head = next(line for line in out.splitlines() if "layout" in line)
+    head = next(line for line in out.splitlines() if "┃" in line and "layout" in line)
     assert "GFLOP/s/GPU" in head and "iteration ms" in head
 
 
@@ -78,3 +78,21 @@ def test_a_pipe_file_is_planned_like_a_builtin(capsys, tmp_path, monkeypatch):
     code = main(["plan", "--model", "gpt-1.7b", "--gpus", "16", "--schedule", "mine.pipe", "--zero", "0", "--top", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│ ")]
     assert code == 0 and len(rows) == 2 and all("mine.pipe b" in row for row in rows)
+
+
+def test_plan_modes_and_runtime_rejections(capsys):
+    """--recompute/--sequence-parallel/--attention narrow the search; HF layouts the runtime refuses are listed
+    as 'runtime:' with the module that refuses them."""
+    code = main(["plan", "--model", "llama-8b", "--cluster", "h100", "--gpus", "16", "--schedule", "1f1b",
+                 "--zero", "0,1", "--recompute", "selective", "--sequence-parallel", "on", "--attention", "eager",
+                 "--top", "2", "--rejected", "40"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(hf layout)" in out
+    rows = [line for line in out.splitlines() if line.startswith("│ ") and "dp" in line]
+    assert rows and all(" selective" in r and " flash" not in r and ("+sp" in r or " tp1 " in r) for r in rows)
+    assert "runtime: ZeRO-1 does not take the DTensor parameters" in out and "parallel/tp_hf.py" in out
+
+
+def test_plan_rejects_an_unknown_recompute_mode(run_cli):
+    code, err = run_cli("plan", "--model", "gpt-1.7b", "--recompute", "some")
+    assert code == 2 and len(err) == 1 and "--recompute 'some'" in err[0]

@@ -1,0 +1,91 @@
+"""The planner models the runtime it plans for: ZeRO-3's prefetched gathers, the layouts pipedsl can
+run for the model (plan/runnable.py), sequence parallelism and fused attention in the costs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipedsl.plan import Layout, cluster_preset, evaluate, model_preset, search
+from pipedsl.plan.cost import all_gather, prefetched, stage_costs
+from pipedsl.plan.runnable import NotRunnableError, check_runnable
+from pipedsl.plan.search import LayoutError
+
+
+def test_prefetched_by_hand() -> None:
+    """Gathers 3, 3, 3 s; units computing 1, 5, 1 s: the first gather whole, the second 3 - 1 behind the
+    first unit's compute, the third hidden behind the second's 5 s."""
+    assert prefetched([3.0, 3.0, 3.0], [1.0, 5.0, 1.0]) == 3.0 + 2.0 + 0.0
+    assert prefetched([2.0], [10.0]) == 2.0
+    assert prefetched([], []) == 0.0
+
+
+@pytest.mark.parametrize("inter_gbps", [45.0, 0.05])  # gathers hidden behind compute / longer than it
+def test_zero3_forward_charges_one_gather_plus_the_excess(inter_gbps: float) -> None:
+    """A middle stage of GPT-175B at dp8 pp4 tp8 (its units: 24 blocks): ZeRO-3's forward costs over
+    ZeRO-1's the first block's gather plus 23 × max(0, gather - one block's forward), computed by hand."""
+    model = model_preset("gpt-175b")
+    cluster = dataclasses.replace(cluster_preset("a100-80gb"), gpus=256, inter_bandwidth=inter_gbps * 1e9)
+    base = Layout(8, 4, 8, "1f1b", 4, 48, zero=1, recompute="none")
+    z1 = stage_costs(model, cluster, base, 4)
+    z3 = stage_costs(model, cluster, dataclasses.replace(base, zero=3), 4)
+    n = model.layers // 4
+    g = all_gather(2 * model.layer_params / 8, 8, *cluster.link(8 * 8))
+    block = (z1.F[1] - cluster.op_overhead) / n  # compute + tp collectives of one block
+    assert z3.F[1] - z1.F[1] == pytest.approx(g + (n - 1) * max(0.0, g - block))
+    assert (g < block) == (inter_gbps > 1)
+    if inter_gbps > 1:
+        assert z3.F[1] - z1.F[1] == pytest.approx(g)  # only the first gather is exposed
+    assert z3.W[1] - z1.W[1] == pytest.approx(n * g)  # a weight pass gathers every unit first
+
+
+def test_zero3_reduce_scatter_is_exposed_at_pp1_as_in_the_runtime() -> None:
+    """ZeRO's reduce="step" reduce-scatters at REDUCE_GRAD, after the stage's last backward: at pp = 1 nothing
+    is left to overlap it, so the iteration is the pipeline plus the reduction plus the step."""
+    model = dataclasses.replace(model_preset("gpt-1.7b"), global_batch=64)
+    cluster = dataclasses.replace(cluster_preset("a100-80gb"), gpus=64)
+    e = evaluate(model, cluster, Layout(64, 1, 1, "1f1b", 1, 1, zero=3, recompute="none"))
+    costs = stage_costs(model, cluster, e.layout, 1)
+    assert e.iteration == pytest.approx(e.pipeline + costs.reduce[0] + costs.step[0])
+
+
+def test_runtime_rules_for_hf_decoders() -> None:
+    llama = model_preset("llama-70b")
+    ok = Layout(8, 8, 8, "1f1b", 1, 64, zero=0, recompute="none", sequence_parallel=True, attention="fused")
+    check_runnable(llama, ok)
+    for bad, words in ((dataclasses.replace(ok, zero=1), "ZeRO-1"),
+                       (dataclasses.replace(ok, tp_mode="3d"), "1-D"),
+                       (dataclasses.replace(ok, tp=16), "heads")):
+        with pytest.raises(NotRunnableError, match=words):
+            check_runnable(llama, bad)
+    with pytest.raises(NotRunnableError, match="sequence 8190"):
+        check_runnable(dataclasses.replace(llama, seq=8190), ok)
+    gpt = dataclasses.replace(llama, layout="gpt")
+    check_runnable(gpt, dataclasses.replace(ok, zero=1))  # the built-in GPT takes ZeRO with tp
+    with pytest.raises(LayoutError, match="runtime: ZeRO-1"):
+        evaluate(llama, cluster_preset("h100").with_gpus(512), dataclasses.replace(ok, zero=1))
+
+
+def test_sequence_parallelism_and_fused_attention_in_the_costs() -> None:
+    """SP: the same tp time, less memory-bound work and memory; fused attention: no s² bytes."""
+    model = dataclasses.replace(model_preset("llama-70b"), seq=2048)  # room for the layout without SP
+    cluster = cluster_preset("h100").with_gpus(512)
+    base = Layout(8, 8, 8, "1f1b", 1, 64, zero=0, recompute="none")
+    plain, sp = (evaluate(model, cluster, dataclasses.replace(base, sequence_parallel=x, attention="fused"))
+                 for x in (False, True))
+    assert sp.comm["tp"] == pytest.approx(plain.comm["tp"])
+    assert sp.memory.activations < plain.memory.activations and sp.iteration < plain.iteration
+    eager = evaluate(model, cluster, dataclasses.replace(base, sequence_parallel=True))
+    assert eager.memory.activations > sp.memory.activations and eager.iteration > sp.iteration
+    with pytest.raises(LayoutError, match="out of memory"):  # eager attention's s² scores at s = 8192
+        evaluate(model_preset("llama-70b"), cluster, dataclasses.replace(base, sequence_parallel=True))
+
+
+def test_llama70b_on_512_h100_first_choice_is_runnable() -> None:
+    result = search(model_preset("llama-70b"), cluster_preset("h100").with_gpus(512), top=3)
+    assert result.ranked
+    for e in result.ranked:
+        check_runnable(result.model, e.layout)
+        assert e.layout.tp_mode == "1d" and (e.layout.zero == 0 or e.layout.tp == 1)
+    assert any(r.reason.startswith("runtime:") for r in result.rejected)
