@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES
+from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES, state_bytes
 from pipedsl.plan.model import BYTES_FP16, ModelSpec
-from pipedsl.plan.runnable import state_mode
 from pipedsl.simulate import Cost
 
 # Adam's step per parameter: fp32 weight, momentum, variance read and written, the fp16 gradient read, the
@@ -186,7 +185,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         I.append((gemm + 2 * n * core) / rate + n * (fixed + flash_backward) + stage_split + tp_bwd + recompute
                  + zero_i + op)
         W.append(gemm / rate + n * fixed + stage_split + zero_w + op)
-        grad_bytes = state_mode(model, layout).grad * p_gpu  # reduced in the dtype they accumulate in
+        grad_bytes = state_bytes("bf16", layout.grads).grad * p_gpu  # reduced in the dtype they accumulate in
         replica = all_reduce(grad_bytes, replicas, pp_bw, pp_lat)
         if layout.zero == 0:
             reduce.append(replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat))

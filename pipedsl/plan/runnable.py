@@ -9,10 +9,9 @@ rules every layout meets (batch split, tp divides the sizes, layers split over s
 Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `_check` and its docstring):
 - 1-D tensor parallelism only (no 3-D);
 - heads, key/value heads, vocabulary and intermediate size divisible by tp;
-- sequence parallelism needs the sequence divisible by tp (`tp_hf.py`'s stage pre-hook);
-- no ZeRO with tp > 1 (its flat buffers hold plain tensors, not DTensors);
-- no bf16 parameters with tp > 1 (`param_dtype` needs ZeRO's flat buffers): such a run keeps fp32
-  parameters under bf16 autocast, 4 + 4 + 8 bytes a parameter (`state_mode`).
+- sequence parallelism needs the sequence divisible by tp (`tp_hf.py`'s stage pre-hook).
+ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (`tp_hf.py`,
+`parallel/zero.py`): no rule.
 
 The built-in GPT (`ModelSpec.layout == "gpt"`, `parallel/tp_gpt.py`, `parallel/tp1d.py`,
 `parallel/config.py` `check_model`):
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.config import Layout
-from pipedsl.plan.memory import StateBytes, state_bytes
 from pipedsl.plan.model import ModelSpec
 
 
@@ -49,15 +47,4 @@ def check_runnable(model: ModelSpec, layout: Layout) -> None:
                     ("ffn", model.ffn_size)):
         if n % t:
             raise NotRunnableError(f"runtime: {what} {n} is not divisible by tp {t} (parallel/tp_hf.py)")
-    if layout.zero:
-        raise NotRunnableError(f"runtime: ZeRO-{layout.zero} does not take the DTensor parameters of tensor-parallel "
-                          f"Hugging Face stages (parallel/tp_hf.py)")
 
-
-def state_mode(model: ModelSpec, layout: Layout) -> StateBytes:
-    """The bytes a parameter costs as the runtime trains this layout: bf16 parameters with fp32 main
-    copies and `layout.grads` gradients, except tensor-parallel HF stages, which keep fp32 parameters
-    (bf16 autocast) because their bf16 parameters would need ZeRO's flat buffers."""
-    if model.hf and layout.tp > 1:
-        return state_bytes("fp32", "fp32")
-    return state_bytes("bf16", layout.grads)

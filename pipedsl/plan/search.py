@@ -22,10 +22,10 @@ from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import StageCosts, stage_costs, tp_degree_3d
-from pipedsl.plan.memory import MemoryReport, model_states
+from pipedsl.plan.memory import MemoryReport, model_states, state_bytes
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.pipeline import compiled, program_peaks, run_pipeline, simulation_sizes, skeleton, stage_ranks
-from pipedsl.plan.runnable import NotRunnableError, check_runnable, state_mode
+from pipedsl.plan.runnable import NotRunnableError, check_runnable
 
 # Chunk variants searched per built-in (parameter name, values); others run with their defaults.
 VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], ...]] = {
@@ -110,7 +110,7 @@ def _check_shape(model: ModelSpec, layout: Layout) -> None:
 def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> None:
     """Before compiling anything: even the lightest rank's model states must fit."""
     psi = model.layers // layout.pp * model.layer_params / layout.tp
-    states = model_states(psi, layout.dp, layout.zero, state_mode(model, layout))
+    states = model_states(psi, layout.dp, layout.zero, state_bytes("bf16", layout.grads))
     if states.total > cluster.memory - cluster.reserved_memory:
         raise LayoutError(f"out of memory: the model states alone take {states.total / 1e9:.1f} GB "
                         f"> {(cluster.memory - cluster.reserved_memory) / 1e9:.0f} GB usable")
@@ -208,7 +208,7 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[i
     worst: MemoryReport | None = None
     for r, st in on_rank.items():
         states = model_states(sum(costs.stage_params[s] for s in st), layout.dp, layout.zero,
-                              state_mode(model, layout))
+                              state_bytes("bf16", layout.grads))
         extra = working
         if stages - 1 in st:
             extra += 4 * b * model.seq * model.vocab / t  # fp32 logits of the microbatch in flight

@@ -35,7 +35,7 @@ def test_zero_memory_per_stage_is_the_zero_papers_figure1(stage):
 
 def test_megatron_distributed_optimizer_bytes_and_the_planner_use_the_same_function():
     """Megatron-LM's distributed optimizer (bf16 parameters, fp32 gradients, fp32 main parameters and Adam
-    sharded over dp): 6 + 12/dp bytes a parameter (its docs' table); the planner's memory for a Llama-70B-shaped layout
+    sharded over dp): 6 + 12/dp bytes a parameter (its docs' table); the planner's memory for a Llama-70B layout
     moves by exactly the gradients' extra 2 bytes (sharded under ZeRO 2) when it plans fp32 gradients, whose
     reduction then moves twice the bytes."""
     import dataclasses
@@ -44,9 +44,7 @@ def test_megatron_distributed_optimizer_bytes_and_the_planner_use_the_same_funct
 
     assert state_bytes("bf16", "fp32") == MEGATRON
     assert model_states(1.0, 8, 1, MEGATRON).total == pytest.approx(6 + 12 / 8)
-    # the Llama-70B shape as the built-in GPT layout: the runtime refuses ZeRO with tensor-parallel HF stages
-    model = dataclasses.replace(model_preset("llama-70b"), layout="gpt")
-    cluster = dataclasses.replace(cluster_preset("h100"), gpus=512)
+    model, cluster = model_preset("llama-70b"), dataclasses.replace(cluster_preset("h100"), gpus=512)
     for zero in (1, 2):
         bf16 = evaluate(model, cluster, Layout(64, 2, 4, "1f1b", 1, 8, zero))
         fp32 = evaluate(model, cluster, Layout(64, 2, 4, "1f1b", 1, 8, zero, grads="fp32"))
