@@ -55,8 +55,8 @@ class GPTSource:
         if cfg.get("tp", 1) > 1:  # Megatron's 1-D slices of the same dense model (parallel/tp_gpt.py)
             from pipedsl.parallel.tp_gpt import tp_gpt_loss
 
-            sp = {"sequence_parallel": True} if cfg.get("sequence_parallel") else {}
-            self.stages = self.model.tp_stages(program.num_stages, mesh, by=by, **sp)
+            self.stages = self.model.tp_stages(program.num_stages, mesh, by=by,
+                                               sequence_parallel=bool(cfg.get("sequence_parallel")))
             self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
         else:
             self.stages = self.model.stages(program.num_stages, by=by)

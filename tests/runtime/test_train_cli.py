@@ -57,12 +57,13 @@ def test_train_with_data_parallel_zero_resumes_exactly(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_train_gpt_tensor_parallel_equals_one_process(tmp_path) -> None:
-    """--tp 2 (Megatron's 1-D split of the GPT: heads, MLP, vocabulary-parallel embedding, head and loss) on two
-    pipeline ranks with selective recomputation and clipping: every step's loss equals one process."""
+def test_train_gpt_tensor_sequence_parallel_equals_one_process(tmp_path) -> None:
+    """--tp 2 --sequence-parallel (Megatron's 1-D split of the GPT: heads, MLP, vocabulary-parallel embedding, head
+    and loss; norms on half the sequence) on two pipeline ranks with selective recomputation and clipping: every
+    step's loss equals one process."""
     common = ["--steps", "3", "--layers", "2", "--clip-grad", "0.5", "--recompute", "selective"]
     one = _train(tmp_path, "one", "-P", "1", *common)
-    tp = _train(tmp_path, "tp", "--tp", "2", *common)
+    tp = _train(tmp_path, "tp", "--tp", "2", "--sequence-parallel", *common)
     assert one.keys() == tp.keys() == {"1", "2", "3"}
     for step, loss in one.items():
         assert tp[step] == pytest.approx(loss, rel=1e-5), step
