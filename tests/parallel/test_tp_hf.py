@@ -15,7 +15,7 @@ from tp_hf_cases import checkpoint_resume, refusals, tp_equivalence
 
 pytestmark = pytest.mark.slow
 
-ADAM_TOL = 5e-4  # of the parameters after AdamW steps (see test_zero_dp2_pp2_tp2_sp)
+ADAM_TOL = 2e-5  # of the parameters after AdamW steps (see test_zero_dp2_pp2_tp2_sp)
 TOL = 1e-5  # relative: of the loss; of each gradient / parameter tensor's largest entry; of the norm
 C, T, MB = 32, 8, 2  # tiny_model's hidden size, the batch's sequence length, rows per microbatch (M=2)
 
@@ -108,10 +108,10 @@ def test_checkpoint_resume_same_layout(run_once, tmp_path, dp: int, zero: int) -
 ])
 def test_zero_dp2_pp2_tp2_sp(run_once, zero: int, schedule: str, family: str, clip: float | None,
                              tie: bool | None) -> None:
-    """ZeRO over each DTensor parameter's local shard: AdamW, the parameters after every step equal the dense
-    model's.  Adam's first steps (≈ lr · sign(g)) amplify fp32 summation-order noise in tiny gradients: up to 1.1e-4
-    measured (Llama: 9.7e-5 at zero=0 as well; Qwen3: 5.6e-5 at zero 0 and 1 alike), hence ADAM_TOL.  The flat
-    buffers hold tp shards (Llama: 5,440 of 10,816 parameters on a stage-0 rank), ZeRO-3 a dp slice of them."""
+    """ZeRO over each DTensor parameter's local shard: AdamW (eps=1e-4, as test_zero.py: Adam turns the rounding
+    noise of near-zero gradients into full-size steps), the parameters after every step equal the dense model's:
+    5.4e-6 measured (Llama) at zero 0, 1 and 3 alike, hence ADAM_TOL.  The flat buffers hold tp shards (Llama:
+    5,440 of 10,816 parameters on a stage-0 rank), ZeRO-3 a dp slice of them."""
     results = run_once(tp_equivalence, 8, family, 2, 2, 2, True, 2, 2, schedule, 1e-2, 2, clip, zero, None, None,
                        None, tie, False, "adamw")
     _check(results, True, 2, {"param_err": ADAM_TOL})

@@ -86,7 +86,7 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
                             loss_reduction="token" if padded else "microbatch", parallel=mesh,
                             recompute=recompute, precision=precision,
                             recompute_filter=_attention if recompute == "selective" else None)
-    make = torch.optim.SGD if optimizer == "sgd" else functools.partial(torch.optim.AdamW, weight_decay=0.1)
+    make = torch.optim.SGD if optimizer == "sgd" else functools.partial(torch.optim.AdamW, weight_decay=0.1, eps=1e-4)
     opt = pipe.optimizer(make, lr=lr)
     ref_main = [p.detach().clone() for p in ref.parameters()] if main else list(ref.parameters())
     ref_opt = make(ref_main, lr=lr)
