@@ -17,8 +17,11 @@ bytes.  The column-parallel linear saves only the shard for its weight gradient 
 it again in backward (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication): the
 saved activations of a block drop from (replicated + split/t) to (all)/t.  Weights kept whole
 on every rank but applied to a shard — LayerNorms, the row-parallel bias — get only the
-shard's part of their gradient, so their gradient is summed over the group in backward
-(`copy_to_group` on the weight; Megatron sums them once per step in finalize_model_grads).
+shard's part of their gradient, which must be summed over the group: in each backward
+(`copy_to_group` on the weight, the default: the layers are then correct on their own), or —
+after `defer_grad_sum(module)`, as `tp_gpt_stages` does — once per step at the pipeline's
+REDUCE_GRAD (`SequenceParallelGradSum`, which `Pipeline` installs when a stage holds such
+weights), as Megatron-LM's finalize_model_grads does.
 
 Every layer is built from its dense counterpart by slicing (`from_dense`), so a model has
 the same values at any t.  Activations in comments: `[b, s, h]` replicated on every rank,
@@ -104,7 +107,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
 
     def __init__(self, shape: int, group: ProcessGroup | None, eps: float = 1e-5) -> None:
         super().__init__(shape, eps=eps)
-        self.group = group
+        self.group, self.sum_in_backward = group, True
 
     @classmethod
     def from_dense(cls, ln: nn.LayerNorm, group: ProcessGroup | None) -> SequenceParallelLayerNorm:
@@ -113,6 +116,8 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s/t, h]
+        if not self.sum_in_backward:  # the pipeline sums the gradients once per step
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.normalized_shape, copy_to_group(self.weight, self.group),
                             copy_to_group(self.bias, self.group), self.eps)
 
@@ -121,6 +126,89 @@ def layer_norm_for(ln: nn.LayerNorm, group: ProcessGroup | None, sequence_parall
     """A copy of `ln` for this rank: on the sequence shard with `sequence_parallel`, else plain (replicated input)."""
     import copy
     return SequenceParallelLayerNorm.from_dense(ln, group) if sequence_parallel else copy.deepcopy(ln)
+
+
+_SP_ATTR = "_pipedsl_sequence_parallel"  # a plain bool, like replicated.py's mark: survives deepcopy
+
+
+def defer_grad_sum(module: nn.Module) -> int:
+    """Leave the tp sum of the gradients of `module`'s weights applied to sequence shards to the pipeline.
+
+    Their layers stop summing in each backward and the weights are marked; `Pipeline` then sums them
+    once per step (`SequenceParallelGradSum`).  Returns how many parameters were marked.
+    """
+    marked = 0
+    for m in module.modules():
+        sp = isinstance(m, SequenceParallelLayerNorm) or (isinstance(m, RowParallelLinear) and m.sequence_parallel)
+        if not sp or group_size(m.group) == 1:
+            continue
+        m.sum_in_backward = False
+        for p in (m.weight, m.bias) if isinstance(m, SequenceParallelLayerNorm) else (m.bias,):
+            if p is not None:
+                setattr(p, _SP_ATTR, True)
+                marked += 1
+    return marked
+
+
+class SequenceParallelGradSum:
+    """A REDUCE_GRAD hook: sum over tp the gradients of the weights `defer_grad_sum` marked (Megatron's
+    all-reduce of LayerNorm gradients under sequence parallelism), once per step and stage.
+
+    Its handle's `wait()` runs at the step end after the data-parallel reduction's, on the gradients
+    the optimizer steps: `.grad`, or a `ZeroOptimizer`'s owned slices, whose entries lie at the same
+    offsets on every tp rank (the tp ranks' stages hold parameters of equal shapes).  Summing after the
+    dp average is the same sum.  Names are taken now: ZeRO later replaces the parameters by views.
+    """
+
+    def __init__(self, group: ProcessGroup | None, modules: dict[int, nn.Module], zero: dict) -> None:
+        self.group, self.zero = group, zero  # zero: {stage: ZeroOptimizer}, filled when the optimizer is made
+        self.names = {s: {n for n, p in m.named_parameters() if getattr(p, _SP_ATTR, False) and p.requires_grad}
+                      for s, m in modules.items()}
+
+    @classmethod
+    def install(cls, pipe) -> None:
+        """Register on `pipe` when one of its stages holds marked weights (every tp peer holds the same stages)."""
+        if pipe.mesh is None or pipe.mesh.config.tp == 1:
+            return
+        hook = cls(pipe.mesh.tp_group, pipe.local_stages(), pipe.data_parallel.zero)
+        if any(hook.names.values()):
+            pipe.register_reduce_grad_hook(hook)
+
+    def __call__(self, stage: int, module: nn.Module) -> _PendingSum | None:
+        return _PendingSum(self, stage, module) if self.names.get(stage) else None
+
+    def gradients(self, stage: int, module: nn.Module) -> list[torch.Tensor]:
+        names = self.names[stage]
+        z = self.zero.get(stage)
+        if z is not None:
+            return [grad[lo:hi] for grad, entries in z.owned_gradients() for n, lo, hi in entries if n in names]
+        grads = []
+        for n, p in module.named_parameters():  # the same order on every tp rank
+            if n in names:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        return grads
+
+
+class _PendingSum:
+    """Waited at the step end, after the handles registered before it (the dp reduction's)."""
+
+    __slots__ = ("owner", "stage", "module")
+
+    def __init__(self, owner: SequenceParallelGradSum, stage: int, module: nn.Module) -> None:
+        self.owner, self.stage, self.module = owner, stage, module
+
+    def wait(self) -> None:
+        grads = [g for g in self.owner.gradients(self.stage, self.module) if g.numel()]
+        if not grads:  # a ZeRO slice holding none of them: the same slice, so the same answer, on every tp peer
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, self.owner.group)
+        o = 0
+        for g in grads:
+            g.copy_(flat[o:o + g.numel()].view_as(g))
+            o += g.numel()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -181,7 +269,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None, bias: bool = True,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.sum_in_backward = group, sequence_parallel, True
         self.in_features, self.out_features = in_features, out_features
         local = _split(in_features, group_size(group), "input features")
         self.weight = nn.Parameter(torch.empty(out_features, local))  # [out, in/t]
@@ -202,7 +290,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/t]
         if self.sequence_parallel:
             y = scatter_along(F.linear(x, self.weight), self.group, SEQ)  # [b, s/t, out], summed over the group
-            return y if self.bias is None else y + copy_to_group(self.bias, self.group)
+            if self.bias is None:
+                return y
+            return y + (copy_to_group(self.bias, self.group) if self.sum_in_backward else self.bias)
         y = reduce_from_group(F.linear(x, self.weight), self.group)  # [..., out], summed over the group
         return y if self.bias is None else y + self.bias
 

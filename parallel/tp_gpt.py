@@ -20,6 +20,9 @@ between stages are this rank's sequence shard [mb, T/t, C] (T % t == 0).
                positions: this shard's rows of the replicated table (gradient all-gathered)
     blocks     `ParallelBlock(sequence_parallel=True)`: LayerNorms and residuals on the shard
     head       ln_f on the shard, lm_head's input all-gathered → logits [mb, T, V/t] as above
+    gradients  of the LayerNorms and row-parallel biases (whole on every rank, applied to a
+               shard) summed over tp once per step by the pipeline (tp1d.SequenceParallelGradSum),
+               so these stages need a `Pipeline`
 
 3-D (Bian et al. 2021, `mesh.cube`, q³ ranks): the first stage takes the whole microbatch of
 ids [mb, T] and keeps its rows, so activations between stages are [mb/q², T, C/q].
@@ -53,6 +56,7 @@ from .tp1d import (
     ColumnParallelLinear,
     ParallelBlock,
     VocabParallelEmbedding,
+    defer_grad_sum,
     layer_norm_for,
     vocab_parallel_cross_entropy,
 )
@@ -174,6 +178,8 @@ def tp_gpt_stages(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str
     from pipedsl.runtime.split import split_gpt
 
     embed, blocks, head = tp_gpt_units(model, mesh, sequence_parallel)
+    for unit in (embed, *blocks, head):
+        defer_grad_sum(unit)  # the pipeline sums LayerNorm and row-bias gradients over tp once per step
     return split_gpt(embed, blocks, head, num_stages, by=by)
 
 

@@ -71,6 +71,7 @@ from pipedsl.ir import Program
 from pipedsl.library import load
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.mesh import ParallelMesh
+from pipedsl.parallel.tp1d import SequenceParallelGradSum
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
@@ -170,6 +171,7 @@ class Pipeline:
         self.reducer.broadcast_replicas()
         self.ties.broadcast()
         self.data_parallel.install(self.reducer, self.ties)
+        SequenceParallelGradSum.install(self)  # after the dp reduction: tp sums of sequence-parallel weights
         self._optimizer = None
         self._checked_batch = False
         self.tracer = Tracer(group)

@@ -251,7 +251,8 @@ def test_sequence_parallel_replaces_all_reduces_by_reduce_scatter_and_all_gather
     positions = (2 - 1) / 2 * T * C * 4  # the position table's gradient rows [T, C]
     assert tp_bytes(sp_sent, "all_gather") == microbatches * ((n_ar + regather) * act + positions)
     shard_weights = 2 * 2 * C + 2 * C  # ln1, ln2 (weight, bias) and the two row-parallel biases
-    assert tp_bytes(sp_sent, "all_reduce") == microbatches * 2 * (2 - 1) / 2 * 4 * shard_weights
+    assert tp_bytes(sp_sent, "all_reduce") == 2 * 2 * (2 - 1) / 2 * 4 * shard_weights  # summed once per step
+    assert results["sp"]["comm"][1][("all_reduce", "tp")] == 2  # one all-reduce a step
     print(f"tp bytes per step on stage 0 (embedding + 1 block, M={M}): tp {tp_bytes(tp_sent, 'all_reduce') / 2:.0f} "
           f"all-reduce; SP {tp_bytes(sp_sent, 'reduce_scatter') / 2:.0f} reduce-scatter + "
           f"{tp_bytes(sp_sent, 'all_gather') / 2:.0f} all-gather + {tp_bytes(sp_sent, 'all_reduce') / 2:.0f} all-reduce")
