@@ -15,6 +15,7 @@ the run-to-run noise).  Calibration and measurement run in the same invocation.
     python benchmarks/planner_calibration.py --ranks 2  # a core per rank: bubbles cost as on GPUs
     python benchmarks/planner_calibration.py --ranks 8  # the layouts with dp doubled (slow on 2 cores)
     python benchmarks/planner_calibration.py --repeat 3 # each layout 3 times (interleaved), medians
+    python benchmarks/planner_calibration.py --tp-only  # only the tensor-parallel rows (with and without SP)
 
 One launch of a layout measures within about ±10 % of another on this 2-core VM (which ranks
 the OS puts together on a core changes from launch to launch); `--repeat` takes the median.
@@ -36,14 +37,16 @@ from pipedsl.plan import Layout, evaluate  # noqa: E402
 from pipedsl.plan.calibrate import SmallGPT, measure_rank, summarize  # noqa: E402
 from pipedsl.runtime.capacity import usable_cores  # noqa: E402
 
-# (dp, pp, tp, schedule, params, microbatch size) at 4 ranks; 8 ranks doubles dp
+# (dp, pp, tp, schedule, params, microbatch size[, sequence parallel]) at 4 ranks; 8 ranks doubles dp
 LAYOUTS_4 = [(1, 4, 1, "1f1b", (), 2), (1, 4, 1, "gpipe", (), 2), (1, 4, 1, "zb-h1", (), 2),
              (1, 4, 1, "interleaved", (("V", 2),), 2), (2, 2, 1, "1f1b", (), 2), (2, 2, 1, "zb-h1", (), 2),
-             (1, 2, 2, "1f1b", (), 2), (4, 1, 1, "1f1b", (), 2)]
+             (1, 2, 2, "1f1b", (), 2), (4, 1, 1, "1f1b", (), 2), (1, 2, 2, "1f1b", (), 2, True),
+             (2, 1, 2, "1f1b", (), 2, True)]
 # 2 ranks on 2 cores: no core is shared, so bubbles cost what they cost on GPUs (M=2 vs M=8)
 LAYOUTS_2 = [(1, 2, 1, "1f1b", (), 2), (1, 2, 1, "1f1b", (), 8), (1, 2, 1, "gpipe", (), 2),
              (1, 2, 1, "zb-h1", (), 2), (1, 2, 1, "zb-h1", (), 8), (1, 2, 1, "interleaved", (("V", 2),), 2),
-             (2, 1, 1, "1f1b", (), 2), (1, 1, 2, "1f1b", (), 2)]
+             (2, 1, 1, "1f1b", (), 2), (1, 1, 2, "1f1b", (), 2), (1, 1, 2, "1f1b", (), 2, True),
+             (1, 1, 2, "1f1b", (), 8, True)]
 
 
 def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: int) -> tuple[dict, list[float]]:
@@ -62,7 +65,8 @@ def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: 
     if layout.tp > 1:
         from pipedsl.parallel.tp_gpt import tp_gpt_loss
 
-        stages, loss = gpt.tp_stages(program.num_stages, mesh, by="blocks"), tp_gpt_loss(mesh)
+        stages = gpt.tp_stages(program.num_stages, mesh, by="blocks", sequence_parallel=layout.sequence_parallel)
+        loss = tp_gpt_loss(mesh)
     else:
         stages, loss = gpt.stages(program.num_stages, by="blocks"), gpt_loss
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss, parallel=mesh)
@@ -109,9 +113,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="4 layouts (pp4 1F1B and GPipe, dp2xpp2, dp4), 3 steps")
     parser.add_argument("--repeat", type=int, default=1, help="launches of each layout (in turn); their median")
+    parser.add_argument("--tp-only", action="store_true", help="only the tensor-parallel layouts (tp, tp + SP)")
     args = parser.parse_args()
     table = LAYOUTS_2 if args.ranks == 2 else LAYOUTS_4
     chosen = [table[i] for i in (0, 1, 4, 7)] if args.quick else table
+    if args.tp_only:
+        chosen = [row for row in chosen if row[2] > 1]
     if args.quick:
         args.steps, args.warmup = 3, 1
     model = SmallGPT()
@@ -119,7 +126,8 @@ def main() -> None:
     began = time.perf_counter()
     scale = max(1, args.ranks // 4)
     layouts = [Layout(dp * scale, pp, tp, schedule, b, model.batch // (dp * scale * b), zero=0, recompute=False,
-                      params=params) for dp, pp, tp, schedule, params, b in chosen]
+                      params=params, sequence_parallel=bool(sp and sp[0]))
+               for dp, pp, tp, schedule, params, b, *sp in chosen]
     launches: list[list[float]] = [[] for _ in layouts]
     runs = []
     for _ in range(max(1, args.repeat)):
@@ -156,7 +164,7 @@ def main() -> None:
         "pairs_apart": len(apart), "pairs_apart_ordered_alike": alike})
     ratios = [p / m for _, m, p in rows]
     _bench.append_results(_bench.results_row(f"python benchmarks/planner_calibration.py --ranks {args.ranks} "
-                                             f"--repeat {args.repeat}",
+                                             f"--repeat {args.repeat}{' --tp-only' if args.tp_only else ''}",
                                              f"predicted/measured {min(ratios):.2f}-{max(ratios):.2f}, "
                                              f"Spearman {rho:.2f}, pairs >15 % apart ordered alike "
                                                                 f"{alike}/{len(apart)}"))

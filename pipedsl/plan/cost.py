@@ -7,7 +7,9 @@ Times are seconds per microbatch.  Communication follows what the runtime does:
   vocabulary-parallel embedding, three small ones ([b, s]) for the cross-entropy.  Sequence
   parallelism replaces each all-reduce with a reduce-scatter and an all-gather (the same ring
   time) and runs the norms and dropout on 1/t of the sequence (their stored bytes, hence their
-  memory-bound time, shrink: `plan/activations.py`);
+  memory-bound time, shrink: `plan/activations.py`); in the backward the built-in GPT gathers
+  its column-parallel inputs again (it keeps them as shards, `parallel/tp1d.py`) and an HF
+  decoder all-reduces its two norm weights' gradients (`parallel/tp_hf.py`);
   3-D (Bian et al.): per linear, gathers of input and weight and a reduce-scatter of the output,
   (q-1)/q³ of each tensor per rank, forward and backward alike;
 - pipeline: one [b, s, h]/t message per hop (Megatron's scatter/gather over InfiniBand, then an
@@ -109,9 +111,13 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     if q:  # per block: activations 16·[b,s,h], weights 12h²; (q-1)/q³ of each moved, 3 collectives per linear
         moved = (q - 1) / q ** 3 * (16 * act + BYTES_FP16 * 12 * h * h)
         tp_block_fwd = moved / tp_bw + 12 * (q - 1) * tp_lat
+        tp_block_bwd = tp_block_fwd
     else:  # two all-reduces, or with SP two all-gathers + two reduce-scatters: the same ring time
-        tp_block_fwd = 2 * all_reduce(act, t, tp_bw, tp_lat)
-    tp_block_bwd = tp_block_fwd
+        tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat)
+        if sp and model.hf:  # torch's SP: each norm weight's Partial gradient all-reduced as it is computed
+            tp_block_bwd += 2 * all_reduce(BYTES_FP16 * h, t, tp_bw, tp_lat)
+        elif sp:  # Megatron's SP (tp1d.py): the column-parallel inputs, kept as shards, gathered again
+            tp_block_bwd += 2 * all_gather(act, t, tp_bw, tp_lat)
 
     dp_bw, dp_lat = cluster.link(t * layout.dp)
     pp_hops_cross_nodes = layout.gpus > cluster.gpus_per_node
