@@ -30,6 +30,8 @@ the same values at any t.  Activations in comments: `[b, s, h]` replicated on ev
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
@@ -86,7 +88,7 @@ class _GatheredLinear(torch.autograd.Function):
                 group: ProcessGroup | None) -> torch.Tensor:
         total = all_gather(x, group, SEQ)  # [b, s, in]
         y = F.linear(total, weight, bias)  # [b, s, out/t] (autocast: in the compute dtype)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.bias_dtype = group, None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight)  # the shard [b, s/t, in], not the gathered input
         return y
 
@@ -98,7 +100,7 @@ class _GatheredLinear(torch.autograd.Function):
         grad_x = reduce_scatter(grad_total, ctx.group, SEQ).to(x.dtype)  # [b, s/t, in], summed over the group
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1])).to(weight.dtype)  # [out/t, in]
-        grad_b = g2.sum(0) if ctx.has_bias else None
+        grad_b = None if ctx.bias_dtype is None else g2.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
 
 
@@ -124,91 +126,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
 
 def layer_norm_for(ln: nn.LayerNorm, group: ProcessGroup | None, sequence_parallel: bool) -> nn.LayerNorm:
     """A copy of `ln` for this rank: on the sequence shard with `sequence_parallel`, else plain (replicated input)."""
-    import copy
     return SequenceParallelLayerNorm.from_dense(ln, group) if sequence_parallel else copy.deepcopy(ln)
-
-
-_SP_ATTR = "_pipedsl_sequence_parallel"  # a plain bool, like replicated.py's mark: survives deepcopy
-
-
-def defer_grad_sum(module: nn.Module) -> int:
-    """Leave the tp sum of the gradients of `module`'s weights applied to sequence shards to the pipeline.
-
-    Their layers stop summing in each backward and the weights are marked; `Pipeline` then sums them
-    once per step (`SequenceParallelGradSum`).  Returns how many parameters were marked.
-    """
-    marked = 0
-    for m in module.modules():
-        sp = isinstance(m, SequenceParallelLayerNorm) or (isinstance(m, RowParallelLinear) and m.sequence_parallel)
-        if not sp or group_size(m.group) == 1:
-            continue
-        m.sum_in_backward = False
-        for p in (m.weight, m.bias) if isinstance(m, SequenceParallelLayerNorm) else (m.bias,):
-            if p is not None:
-                setattr(p, _SP_ATTR, True)
-                marked += 1
-    return marked
-
-
-class SequenceParallelGradSum:
-    """A REDUCE_GRAD hook: sum over tp the gradients of the weights `defer_grad_sum` marked (Megatron's
-    all-reduce of LayerNorm gradients under sequence parallelism), once per step and stage.
-
-    Its handle's `wait()` runs at the step end after the data-parallel reduction's, on the gradients
-    the optimizer steps: `.grad`, or a `ZeroOptimizer`'s owned slices, whose entries lie at the same
-    offsets on every tp rank (the tp ranks' stages hold parameters of equal shapes).  Summing after the
-    dp average is the same sum.  Names are taken now: ZeRO later replaces the parameters by views.
-    """
-
-    def __init__(self, group: ProcessGroup | None, modules: dict[int, nn.Module], zero: dict) -> None:
-        self.group, self.zero = group, zero  # zero: {stage: ZeroOptimizer}, filled when the optimizer is made
-        self.names = {s: {n for n, p in m.named_parameters() if getattr(p, _SP_ATTR, False) and p.requires_grad}
-                      for s, m in modules.items()}
-
-    @classmethod
-    def install(cls, pipe) -> None:
-        """Register on `pipe` when one of its stages holds marked weights (every tp peer holds the same stages)."""
-        if pipe.mesh is None or pipe.mesh.config.tp == 1:
-            return
-        hook = cls(pipe.mesh.tp_group, pipe.local_stages(), pipe.data_parallel.zero)
-        if any(hook.names.values()):
-            pipe.register_reduce_grad_hook(hook)
-
-    def __call__(self, stage: int, module: nn.Module) -> _PendingSum | None:
-        return _PendingSum(self, stage, module) if self.names.get(stage) else None
-
-    def gradients(self, stage: int, module: nn.Module) -> list[torch.Tensor]:
-        names = self.names[stage]
-        z = self.zero.get(stage)
-        if z is not None:
-            return [grad[lo:hi] for grad, entries in z.owned_gradients() for n, lo, hi in entries if n in names]
-        grads = []
-        for n, p in module.named_parameters():  # the same order on every tp rank
-            if n in names:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        return grads
-
-
-class _PendingSum:
-    """Waited at the step end, after the handles registered before it (the dp reduction's)."""
-
-    __slots__ = ("owner", "stage", "module")
-
-    def __init__(self, owner: SequenceParallelGradSum, stage: int, module: nn.Module) -> None:
-        self.owner, self.stage, self.module = owner, stage, module
-
-    def wait(self) -> None:
-        grads = [g for g in self.owner.gradients(self.stage, self.module) if g.numel()]
-        if not grads:  # a ZeRO slice holding none of them: the same slice, so the same answer, on every tp peer
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce(flat, self.owner.group)
-        o = 0
-        for g in grads:
-            g.copy_(flat[o:o + g.numel()].view_as(g))
-            o += g.numel()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -438,3 +356,89 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     if vocab_start is None:
         vocab_start = group_rank(group) * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
+
+
+# ------------------------------------------------------------------------ sequence-parallel weights, once a step
+
+
+_SP_ATTR = "_pipedsl_sequence_parallel"  # a plain bool, like replicated.py's mark: survives deepcopy
+
+
+def defer_grad_sum(module: nn.Module) -> int:
+    """Leave the tp sum of the gradients of `module`'s weights applied to sequence shards to the pipeline.
+
+    Their layers stop summing in each backward and the weights are marked; `Pipeline` then sums them
+    once per step (`SequenceParallelGradSum`).  Returns how many parameters were marked.
+    """
+    marked = 0
+    for m in module.modules():
+        sp = isinstance(m, SequenceParallelLayerNorm) or (isinstance(m, RowParallelLinear) and m.sequence_parallel)
+        if not sp or group_size(m.group) == 1:
+            continue
+        m.sum_in_backward = False
+        for p in (m.weight, m.bias) if isinstance(m, SequenceParallelLayerNorm) else (m.bias,):
+            if p is not None:
+                setattr(p, _SP_ATTR, True)
+                marked += 1
+    return marked
+
+
+class SequenceParallelGradSum:
+    """A REDUCE_GRAD hook: sum over tp the gradients of the weights `defer_grad_sum` marked (Megatron's
+    all-reduce of LayerNorm gradients under sequence parallelism), once per step and stage.
+
+    Its handle's `wait()` runs at the step end after the data-parallel reduction's, on the gradients
+    the optimizer steps: `.grad`, or a `ZeroOptimizer`'s owned slices, whose entries lie at the same
+    offsets on every tp rank (the tp ranks' stages hold parameters of equal shapes).  Summing after the
+    dp average is the same sum.  Names are taken now: ZeRO later replaces the parameters by views.
+    """
+
+    def __init__(self, group: ProcessGroup | None, modules: dict[int, nn.Module], zero: dict) -> None:
+        self.group, self.zero = group, zero  # zero: {stage: ZeroOptimizer}, filled when the optimizer is made
+        self.names = {s: {n for n, p in m.named_parameters() if getattr(p, _SP_ATTR, False) and p.requires_grad}
+                      for s, m in modules.items()}
+
+    @classmethod
+    def install(cls, pipe) -> None:
+        """Register on `pipe` when one of its stages holds marked weights (every tp peer holds the same stages)."""
+        if pipe.mesh is None or pipe.mesh.config.tp == 1:
+            return
+        hook = cls(pipe.mesh.tp_group, pipe.local_stages(), pipe.data_parallel.zero)
+        if any(hook.names.values()):
+            pipe.register_reduce_grad_hook(hook)
+
+    def __call__(self, stage: int, module: nn.Module) -> _PendingSum | None:
+        return _PendingSum(self, stage, module) if self.names.get(stage) else None
+
+    def gradients(self, stage: int, module: nn.Module) -> list[torch.Tensor]:
+        names = self.names[stage]
+        z = self.zero.get(stage)
+        if z is not None:
+            return [grad[lo:hi] for grad, entries in z.owned_gradients() for n, lo, hi in entries if n in names]
+        grads = []
+        for n, p in module.named_parameters():  # the same order on every tp rank
+            if n in names:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        return grads
+
+
+class _PendingSum:
+    """Waited at the step end, after the handles registered before it (the dp reduction's)."""
+
+    __slots__ = ("owner", "stage", "module")
+
+    def __init__(self, owner: SequenceParallelGradSum, stage: int, module: nn.Module) -> None:
+        self.owner, self.stage, self.module = owner, stage, module
+
+    def wait(self) -> None:
+        grads = [g for g in self.owner.gradients(self.stage, self.module) if g.numel()]
+        if not grads:  # a ZeRO slice holding none of them: the same slice, so the same answer, on every tp peer
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, self.owner.group)
+        o = 0
+        for g in grads:
+            g.copy_(flat[o:o + g.numel()].view_as(g))
+            o += g.numel()
