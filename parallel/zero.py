@@ -804,15 +804,20 @@ class ZeroOptimizer:
 
     def layout(self) -> list[dict[str, Any]]:
         """Per unit: its entries [name, shape, offset, numel], numel, padded size, dp size `n` and dtype —
-        what a saved slice means, and what must match to restore slices directly."""
+        what a saved slice means, and what must match to restore slices directly — and for DTensor
+        parameters, whose entries are local shards, the whole shape and the placements."""
         out = []
         for u in self.units:  # the keys a unit of trainable parameters never has are added only when needed,
             # so such layouts stay what they were (their checkpoints still restore slices directly)
             entries = [[e.name, list(e.shape), e.offset, e.numel, *([list(e.also)] if e.also else [])]
                        for e in u.entries]
+            # DTensor parameters: the entries are this tp rank's shards; the whole tensors' shapes and placements
+            dtensors = {e.name: {"shape": list(e.dtensor.shape), "placements": [str(p) for p in e.dtensor.placements]}
+                        for e in u.entries if e.dtensor is not None}
             out.append({"entries": entries, "numel": u.numel, "padded": u.padded, "n": u.n,
                         "dtype": str(u.dtype).removeprefix("torch."), **({} if u.trainable else {"frozen": True}),
-                        **({"main": str(u.main.dtype).removeprefix("torch.")} if u.main is not None else {})})
+                        **({"main": str(u.main.dtype).removeprefix("torch.")} if u.main is not None else {}),
+                        **({"dtensors": dtensors} if dtensors else {})})
         return out
 
     def _model_of(self, u: _Unit) -> nn.Parameter:

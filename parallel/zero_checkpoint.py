@@ -15,8 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .zero import ZeroOptimizer
+
+
+def _local(t: Any) -> Any:
+    """A DTensor's local shard (a checkpoint holds each tp rank's), else `t` unchanged."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ReshardError(ValueError):
@@ -48,8 +54,11 @@ def describe(zero: ZeroOptimizer) -> dict[str, list]:
     change with the precision mode, and checkpoints move between modes."""
     def dtype(unit: dict[str, Any]) -> str:
         return str(zero.dtype).removeprefix("torch.") if zero.main else unit["dtype"]
-    return {n: [shape, dtype(unit)] for unit in zero.layout() for name, shape, *_, also in _entries(unit)
-            for n in [name, *also]}
+
+    def shape(unit: dict[str, Any], name: str, local: list) -> list:  # a DTensor's whole shape, as a module has it
+        return unit.get("dtensors", {}).get(name, {}).get("shape", local)
+    return {n: [shape(unit, name, local), dtype(unit)] for unit in zero.layout()
+            for name, local, *_, also in _entries(unit) for n in [name, *also]}
 
 
 def trained_names(zero: ZeroOptimizer) -> list[str]:
@@ -116,6 +125,10 @@ def from_dense(stage: int, zero: ZeroOptimizer, module_state: dict[str, torch.Te
     {trained parameter name: (its state, its group's hyperparameters)} of an `optimizer_type` optimizer."""
     entries = [e for unit in zero.layout() for e in _entries(unit)]
     aliases = {a for *_, also in entries for a in also}
+    # a tensor-parallel stage's DTensors (parallel/tp_hf.py): ZeRO packs this tp rank's shards
+    module_state = {k: _local(v) for k, v in module_state.items()}
+    if optimizer is not None:
+        optimizer = {n: ({k: _local(v) for k, v in st.items()}, hyper) for n, (st, hyper) in optimizer.items()}
     params = {name: module_state[name] for name, *_ in entries if name in module_state}
     buffers = {k: v for k, v in module_state.items() if k not in params and k not in aliases}
     if optimizer is None:

@@ -180,36 +180,42 @@ def _launched(rank: int, fn_name: str, *args):  # for pipedsl.launch in ad-hoc r
 
 
 
-def checkpoint_resume(directory: str, dp: int = 1, zero: int = 0) -> dict:
+def checkpoint_resume(directory: str, dp: int = 1, zero: int = 0, other_zero: int | None = None) -> dict:
     """Save a dp × pp2 × tp2 + SP pipeline (DTensor parameters or ZeRO's slices of their shards, Adam state) after
     one step, load it into one built from another seed, and take two more steps with each: the losses and the
-    parameters must be the same."""
+    parameters must be the same.  `other_zero`: also load it into a pipeline at that ZeRO stage ("resharded":
+    the slices reassembled into this tp rank's shards and cut again)."""
     from pipedsl.runtime import checkpoint
 
     hf = _hf_cases()
-    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=2, tp=2, zero=zero))
     program = pipedsl.load("1f1b").compile(P=2, M=2)
 
-    def build(seed: int):
+    def build(seed: int, zero: int):
+        mesh = ParallelMesh(ParallelConfig(dp=dp, pp=2, tp=2, zero=zero))
         model = hf.tiny_model("qwen3", layers=2, seed=seed)
         stages = tp_hf_stages(causal_lm_stages(model, 2), mesh, sequence_parallel=True)
         pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh)
         return pipe, pipe.optimizer(torch.optim.Adam, lr=1e-2)
 
     x = torch.randint(hf.VOCAB, (4 * dp, hf.T), generator=torch.Generator().manual_seed(3))
-    pipe, opt = build(0)
+    pipe, opt = build(0, zero)
     pipe.step(x, shift_labels(x))
     opt.step()
     opt.zero_grad()
     checkpoint.save(pipe, directory, 1, opt)
-    other, other_opt = build(5)
-    checkpoint.load(other, directory, other_opt)
-    losses: dict[str, list[float]] = {"saved": [], "loaded": []}
+    runs = {"saved": (pipe, opt), "loaded": build(5, zero)}
+    if other_zero is not None:
+        runs["resharded"] = build(5, other_zero)
+    for key, (p, o) in runs.items():
+        if key != "saved":
+            checkpoint.load(p, directory, o)
+    losses: dict[str, list[float]] = {key: [] for key in runs}
     for _ in range(2):
-        for key, p, o in (("saved", pipe, opt), ("loaded", other, other_opt)):
+        for key, (p, o) in runs.items():
             losses[key].append(float(p.step(x, shift_labels(x))))
             o.step()
             o.zero_grad()
+    other_opt = runs["loaded"][1]
     same = [torch.equal(_whole(a), _whole(b)) for (s, got), want in zip(opt.stage_parameters().items(),
                                                                         other_opt.stage_parameters().values())
             for (_, a), b in zip(sorted(got.items()), (v for _, v in sorted(want.items())))]
