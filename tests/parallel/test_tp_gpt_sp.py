@@ -279,14 +279,16 @@ def test_sequence_parallel_replaces_all_reduces_by_reduce_scatter_and_all_gather
 
 def test_sequence_parallel_saves_fewer_activation_bytes(run_once):
     """Korthikanti et al. 2022: a block saves 10 + 24/t (fp16 bytes, ·s·b·h) with tp, 34/t with SP.
-    Counted for these layers in fp32 (no dropout, attention saving q, k, v, its output and a log-sum-exp):
-    the replicated part is the two LayerNorm inputs and the two column-parallel inputs, 16 bytes,
-    the split part 52/t; with SP all of it is /t: at t = 2, (16 + 26)/t ... SP / tp = 34 / 42."""
+    Counted for these layers in fp32, without dropout: the replicated part is the two LayerNorm inputs
+    and the two column-parallel inputs, 16; the split part q, k, v, the attention output (which the
+    output projection reads as a view), the GELU input and output, 48/t; with SP all of it is /t:
+    SP / tp = 64/t / (16 + 48/t) = 32/40 at t = 2 (measured per block on a 4- vs 2-block GPT, h = 64,
+    T = 64: 40.4 and 32.3 bytes·sbh).  Here the whole stages, embedding and head included."""
     results = run_once(sp_job, 4, 1, 2, PP2_TP2, 2)[0]
     tp, sp = results["tp"]["peak_bytes"], results["sp"]["peak_bytes"]
     ratio = sp / tp
     print(f"peak saved-activation bytes per rank, pp2 tp2 1F1B M={M}: tp {tp}, tp+SP {sp}, ratio {ratio:.3f}")
-    assert abs(ratio - 34 / 42) <= 0.05, (tp, sp, ratio)
+    assert abs(ratio - 32 / 40) <= 0.03, (tp, sp, ratio)
 
 
 def test_sequence_parallel_errors_are_one_line(run_once):
