@@ -767,7 +767,8 @@ class ZeroOptimizer:
 
     @contextmanager
     def full_parameters(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Every original parameter by qualified name, at full size (gathers stage-3 slices; collective)."""
+        """Every original parameter by qualified name, at full size (gathers stage-3 slices; collective); a DTensor
+        parameter as a DTensor over this tp rank's shard, as the module held it."""
         gathered = []
         for u in self.units:
             if not u.gathered:
