@@ -122,7 +122,8 @@ class PipelineOptimizer:
 
     def stage_parameters(self, main: bool = False) -> dict[int, dict[str, torch.Tensor]]:
         """{stage: {parameter name: a copy of its values on this rank}} (collective over dp for ZeRO-3); `main`:
-        the fp32 main parameters where the model holds low-precision ones (collective over dp)."""
+        the fp32 main parameters where the model holds low-precision ones (collective over dp).  Tensor-parallel
+        DTensor parameters stay DTensors (this rank's shard; `full_tensor()` gathers them over tp)."""
         out = {}
         for s, module in sorted(self._modules.items()):
             if s in self.zero:

@@ -50,7 +50,8 @@ Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-hea
 `mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
 Qwen2, Qwen3.  Tied embeddings stay one parameter (embedding and head hold the same row block).
 Others are refused by name.  Not yet: dropout, 3-D tp, resharding a checkpoint to another tp,
-HF export.
+loading a ZeRO checkpoint into zero=0 (runtime/checkpoint.py loads plain shards into DTensor
+parameters), HF export.
 """
 
 from __future__ import annotations
