@@ -5,7 +5,9 @@ per-head q/k norms) at tp2, pp1 and pp2, with and without sequence parallelism, 
 dp2 × pp2 × tp2, through `Pipeline(..., parallel=mesh)`: two SGD steps, every step's loss,
 every parameter's gradient (DTensor shards gathered) and the global gradient norm against the
 dense model's, then the parameters (tp_hf_cases.py).  fp32; measured differences ≤ 1.5e-6
-relative (summation order only).
+relative (summation order only).  Under ZeRO 1-3 and with bf16 parameters over fp32 main
+parameters, whose gradients live in flat buffers, the parameters are compared after every step
+instead (AdamW for ZeRO; bf16 within test_bf16_autocast's tolerance).
 """
 
 from __future__ import annotations
