@@ -76,11 +76,22 @@ def check_sequence(length: int, group: ProcessGroup | None) -> None:
                                   f"{t} tensor-parallel ranks")
 
 
+def _will_run(edge: tuple) -> bool:
+    """Whether this backward pass needs the gradient flowing into `edge` (a node's next function).
+
+    Split backward asks for input gradients (I) and weight gradients (W) in two passes through the
+    same node; torch's own `register_multi_grad_hook` asks the engine the same way."""
+    node = edge[0]
+    return node is not None and torch._C._will_engine_execute_node(node)
+
+
 class _GatheredLinear(torch.autograd.Function):
     """y = all-gather(x) Wᵀ + b along the sequence, saving only the shard x (gathered again in backward).
 
     Backward: the input gradient g W is reduce-scattered back to the shard (every rank used the
     whole sequence with its own columns); the weight gradient gᵀ all-gather(x) is this rank's.
+    Each is computed only when the pass needs it, so split backward's I reduce-scatters and its W
+    gathers again, and neither does the other's collective.
     """
 
     @staticmethod
@@ -95,12 +106,18 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        total = all_gather(x, ctx.group, SEQ).to(grad.dtype)  # [b, s, in] again
-        grad_total = grad.matmul(weight.to(grad.dtype))  # [b, s, in]: this rank's columns' share
-        grad_x = reduce_scatter(grad_total, ctx.group, SEQ).to(x.dtype)  # [b, s/t, in], summed over the group
+        edges = ctx.next_functions  # x, weight and, when there is one, bias
+        to_x, to_w, to_b = _will_run(edges[0]), _will_run(edges[1]), len(edges) > 2 and _will_run(edges[2])
+        grad_x = grad_w = grad_b = None
+        if to_x:
+            grad_total = grad.matmul(weight.to(grad.dtype))  # [b, s, in]: this rank's columns' share
+            grad_x = reduce_scatter(grad_total, ctx.group, SEQ).to(x.dtype)  # [b, s/t, in], summed over the group
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1])).to(weight.dtype)  # [out/t, in]
-        grad_b = None if ctx.bias_dtype is None else g2.sum(0).to(ctx.bias_dtype)
+        if to_w:
+            total = all_gather(x, ctx.group, SEQ).to(grad.dtype)  # [b, s, in] again
+            grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1])).to(weight.dtype)  # [out/t, in]
+        if to_b and ctx.bias_dtype is not None:
+            grad_b = g2.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
 
 
