@@ -593,8 +593,10 @@ def _from_dense(s: int, z: ZeroOptimizer, part: dict[str, Any], key: str, want_o
 def _load_full(s: int, module: nn.Module, z: ZeroOptimizer | None, full: FullState, path: Path) -> None:
     """Full-size state into a ZeRO stage (re-sliced) or a plain module (its optimizer: `_load_optimizer`)."""
     if z is None:
+        held = module.state_dict(keep_vars=True)
+        params = {k: _like(held.get(k), t) for k, t in full.params.items()}
         try:
-            module.load_state_dict({**full.params, **(full.buffers if full.buffers is not None else _buffers(module))},
+            module.load_state_dict({**params, **(full.buffers if full.buffers is not None else _buffers(module))},
                                    strict=True)
         except (RuntimeError, KeyError) as err:
             raise CheckpointError(f"stage {s}: cannot load the reassembled ZeRO state of {path}: {err}") from None
@@ -603,6 +605,17 @@ def _load_full(s: int, module: nn.Module, z: ZeroOptimizer | None, full: FullSta
         zero_checkpoint.load_full(s, z, full)
     if full.buffers is not None:
         _copy_buffers(s, module, z, full.buffers, path)
+
+
+def _like(param: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """`t` (a tp shard as ZeRO's slices hold it: a plain tensor) as a DTensor like `param` when that is one, so it
+    loads into the parameter — or, being of its local shape, into its optimizer state; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or isinstance(t, DTensor) or t.shape != param.to_local().shape:
+        return t
+    return DTensor.from_local(t, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def _load_buffers(s: int, module: nn.Module, z: ZeroOptimizer | None, buffers: dict[int, tuple[dict[str, Any], str]],
@@ -644,6 +657,8 @@ def _load_optimizer(opt: torch.optim.Optimizer, k: int, stages: dict[int, nn.Mod
                     raise CheckpointError(f"stage {s}: the checkpoint holds {f.type} state, optimizer {k} is "
                                           f"{type(opt).__name__}")
                 st = f.state.get(name)
+                if st is not None:
+                    st = {key: _like(p, v) if isinstance(v, torch.Tensor) else v for key, v in st.items()}
                 entry, saved_hyper = (None if st is None else {"state": st}), f.hyper
             else:
                 saved = read(dense[s][0])["optimizers"][k]
