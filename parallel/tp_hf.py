@@ -71,7 +71,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .config import ParallelConfigError
+from .config import ParallelConfig, ParallelConfigError
 from .mesh import ParallelMesh
 from .replicated import mark_replicated
 from .tp1d import vocab_parallel_cross_entropy
@@ -81,11 +81,12 @@ MLP = {"gate_proj", "up_proj", "down_proj"}
 LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
 
-def _check(stages: Sequence[nn.Module], mesh: ParallelMesh) -> tuple[int, Any]:
-    """The tp size and the model config; refuse what this plan cannot split, with the reason."""
-    if mesh.config.tp_mode != "1d":
+def check_stages(stages: Sequence[nn.Module], config: ParallelConfig) -> tuple[int, Any]:
+    """The tp size and the model config; refuse what this plan cannot split, with the reason.  Needs only the
+    stages' shapes and names (meta-device stages do): `pipedsl train` runs it before any rank starts."""
+    if config.tp_mode != "1d":
         raise ParallelConfigError("tp_hf_stages: Hugging Face stages support 1-D tensor parallelism only")
-    t = mesh.config.tp
+    t = config.tp
     config = stages[0].config
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("vocab_size", config.vocab_size),
@@ -177,7 +178,7 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
     stages = list(stages)
     if not stages:
         return stages
-    t, _ = _check(stages, mesh)
+    t, _ = check_stages(stages, mesh.config)
     if t == 1:
         return stages
     tp_mesh: DeviceMesh = mesh.device_mesh["tp"]

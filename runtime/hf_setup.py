@@ -120,17 +120,14 @@ def _check_tensor_parallel(args: argparse.Namespace, md: Any, meta: Any, split: 
     meta-device stages, so that a model it refuses is one line before any rank starts."""
     if args.tp == 1:
         return
-    from types import SimpleNamespace
-
     from pipedsl.parallel import ParallelConfig
     from pipedsl.parallel.config import ParallelConfigError
-    from pipedsl.parallel.tp_hf import _check as check_stages  # the one rule of what it splits
+    from pipedsl.parallel.tp_hf import check_stages
 
     from .hf import causal_lm_stages
 
-    layout = SimpleNamespace(config=ParallelConfig(dp=args.dp, pp=S, tp=args.tp, zero=args.zero))
     try:
-        check_stages(causal_lm_stages(meta, S, **split), layout)
+        check_stages(causal_lm_stages(meta, S, **split), ParallelConfig(dp=args.dp, pp=S, tp=args.tp, zero=args.zero))
     except ParallelConfigError as err:
         raise PipeDSLError(f"--tp {args.tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
 
