@@ -25,7 +25,7 @@ from .tp1d import (
 )
 from .tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, Linear3D, loss_value
 from .tp_gpt import tp_gpt_loss, tp_gpt_stages
-from .tp_hf import check_stages, tp_hf_loss, tp_hf_stages
+from .tp_hf import tp_hf_loss, tp_hf_stages
 from .zero import MemoryReport, ZeroOptimizer, memory_report
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "ZeroOptimizer",
-    "check_stages",
     "count_comm",
     "gpt",
     "loss_value",
