@@ -115,7 +115,8 @@ class Calibration:
                            reserved_memory=0.0, cores_per_node=self.cores if self.shared else 0,
                            sharing_efficiency=max(self.sharing_efficiency, 1e-3), sync_latency=self.sync_latency,
                            split_backward=self.split_backward, layer_overhead=self.layer_overhead,
-                           op_overhead=self.op_overhead, collective_busy=self.collective_busy)
+                           op_overhead=self.op_overhead, collective_busy=self.collective_busy,
+                           reduce_scatter_as_all_reduce=True)  # gloo's reduce-scatter is an all-reduce
 
 
 def _median_time(fn, reps: int, clock=time.perf_counter) -> float:

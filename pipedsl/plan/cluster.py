@@ -49,6 +49,9 @@ class ClusterSpec:
     # The attention kernel the search assumes unless told: FlashAttention-style (no s² tensor stored, QKᵀ
     # recomputed in the backward) on the H100/H200 presets; eager on the A100 preset, as SC'21's Megatron ran.
     fused_attention: bool = False
+    # gloo reduce-scatters through an all-reduce (timed alike here: 1.0-1.3 ms each for 128 KB on 2 ranks), so a
+    # reduce-scatter costs an all-reduce's ring time; NCCL (the GPU presets) runs it at half that
+    reduce_scatter_as_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         for field_name in ("gpus", "gpus_per_node"):

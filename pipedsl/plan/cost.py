@@ -112,8 +112,10 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         moved = (q - 1) / q ** 3 * (16 * act + BYTES_FP16 * 12 * h * h)
         tp_block_fwd = moved / tp_bw + 12 * (q - 1) * tp_lat
         tp_block_bwd = tp_block_fwd
-    else:  # two all-reduces, or with SP two all-gathers + two reduce-scatters: the same ring time
+    else:  # two all-reduces, or with SP two all-gathers + two reduce-scatters: the same ring time (on NCCL)
         tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat)
+        if sp and cluster.reduce_scatter_as_all_reduce:  # gloo: each reduce-scatter an all-reduce
+            tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat) + 2 * all_gather(act, t, tp_bw, tp_lat)
         if sp and model.hf:  # torch's SP: each norm weight's Partial gradient all-reduced as it is computed
             tp_block_bwd += 2 * all_reduce(BYTES_FP16 * h, t, tp_bw, tp_lat)
         elif sp:  # Megatron's SP (tp1d.py): the column-parallel inputs, kept as shards, gathered again
@@ -197,7 +199,8 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
             reduce.append(replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat))
             after.append(0.0)
         else:  # reduce-scatter at REDUCE_GRAD (ZeRO's reduce="step"), overlapping the rest of the cooldown
-            reduce.append(replica + all_gather(grad_bytes, layout.dp, dp_bw, dp_lat))
+            scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
+            reduce.append(replica + scatter(grad_bytes, layout.dp, dp_bw, dp_lat))
             after.append(all_gather(PARAM_BYTES * p_gpu, layout.dp, dp_bw, dp_lat) if layout.zero < 3 else 0.0)
         shard = p_gpu / (layout.dp if layout.zero >= 1 else 1)
         step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
