@@ -49,9 +49,9 @@ backward gives the gradient the weight's placements exactly as `_grad_like_param
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
 `mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
 Qwen2, Qwen3.  Tied embeddings stay one parameter (embedding and head hold the same row block).
-Others are refused by name.  Checkpoints hold each rank's shards and load under the same tp, at any
-ZeRO stage; `pipedsl export` puts the shards back together (runtime/checkpoint.py's `read_model`).
-Not yet: dropout, 3-D tp, resharding a checkpoint to another tp.
+Others are refused by name.  Checkpoints hold each rank's shards and load under any tp and ZeRO
+stage, and `pipedsl export` puts the shards back together (runtime/checkpoint.py: `_retp`,
+`read_model`).  Not yet: dropout, 3-D tp.
 """
 
 from __future__ import annotations

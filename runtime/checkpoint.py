@@ -32,8 +32,12 @@ padded size, dp size): under the same layout the slices are restored as they are
 resume); under another dp size or ZeRO stage (or between ZeRO and plain optimizers) every
 rank reassembles the full tensors from all saved slices and keeps its new slice — elementwise
 optimizer state only (Adam, AdamW, SGD momentum; scalars such as `step` are copied), anything
-else is refused naming the state.  Tensor-parallel shards load only under the same tp size
-and mode: another one is one `CheckpointError` on every rank.
+else is refused naming the state.  Tensor-parallel DTensor stages (parallel/tp_hf.py) record
+along which dimension each tensor splits (`tp_dims`): under another 1-D tp size every tensor and
+elementwise optimizer state is put together from the saved tp ranks' shards and cut again for
+this rank (`_retp`), as torch's distributed checkpoint reshards DTensors.  Layers that slice plain
+tensors (the built-in GPT's, parallel/tp_gpt.py) and 3-D tp load only under the same tp size and
+mode: another one is one `CheckpointError` on every rank.
 """
 
 from __future__ import annotations
@@ -468,23 +472,25 @@ def _load(pipe: Any, lay: _Layout, info: CheckpointInfo, optimizer: Any) -> tupl
     manifest, path = info.manifest, info.path
     saved_par = saved_parallel(manifest)
     par, (dp, _pp, tp) = lay.parallel, lay.coords
-    if (saved_par["tp"], saved_par["tp_mode"]) != (par["tp"], par["tp_mode"]):
-        raise CheckpointError(f"the checkpoint (step {manifest['step']}, {schedule_name(manifest)}) was saved with "
-                              f"tp={saved_par['tp']} ({saved_par['tp_mode']}), this pipeline has tp={par['tp']} "
-                              f"({par['tp_mode']}): the tp sizes differ, and tensor-parallel shards load only "
-                              f"under the same tp size and layout")
     stages = pipe.local_stages()
     prog = pipe.program
     zeros, plain = _optimizers(pipe, optimizer)
+    retp = (saved_par["tp"], saved_par["tp_mode"]) != (par["tp"], par["tp_mode"])
+    if retp and not _tp_reshardable(manifest, saved_par, par, stages, zeros):
+        raise CheckpointError(f"the checkpoint (step {manifest['step']}, {schedule_name(manifest)}) was saved with "
+                              f"tp={saved_par['tp']} ({saved_par['tp_mode']}), this pipeline has tp={par['tp']} "
+                              f"({par['tp_mode']}): the tp sizes differ, and these tensor-parallel shards load only "
+                              f"under the same tp size and layout (DTensor stages, parallel/tp_hf.py, load under "
+                              f"any 1-D tp)")
     described = {s: _describe(m, zeros.get(s)) for s, m in stages.items()}
-    check_partition(manifest, stages, prog.num_stages, tp=tp, described=described)
+    check_partition(manifest, stages, prog.num_stages, tp=0 if retp else tp, described=described)
     parts = manifest["parts"]
     dense: dict[int, tuple[dict[str, Any], str]] = {}  # stage -> (part, module key) at this tp coordinate
     buffers: dict[int, tuple[dict[str, Any], str]] = {}
     sliced: dict[int, dict[int, dict[str, Any]]] = {}  # stage -> {saved dp rank: part}
     for part in parts:
         d, _, t = part_coords(part)
-        if t != tp:
+        if retp or t != tp:  # under another tp size `_retp` reads every saved tp rank's part
             continue
         for key in part.get("modules", []):
             dense.setdefault(int(key.split("/")[0]), (part, key))
@@ -504,9 +510,14 @@ def _load(pipe: Any, lay: _Layout, info: CheckpointInfo, optimizer: Any) -> tupl
     want_opt = optimizer is not None
     full: dict[int, FullState] = {}  # stage -> full-size state reassembled from ZeRO slices
     finish: list[ZeroOptimizer] = []
+    if retp and want_opt and len(plain) > 1:
+        raise CheckpointError(f"loading under another tp size takes one optimizer per rank, not {len(plain)}")
     for s, module in sorted(stages.items()):
         z = zeros.get(s)
-        if s in sliced:
+        if retp:
+            full[s] = _retp(s, module, z, parts, read, tp, par["tp"], want_opt, path)
+            _load_full(s, module, z, full[s], path)
+        elif s in sliced:
             slices = sliced[s]
             mine = slices.get(dp)
             first = next(iter(slices.values()))
@@ -554,6 +565,102 @@ def _load(pipe: Any, lay: _Layout, info: CheckpointInfo, optimizer: Any) -> tupl
             z.sync_parameters()
 
     return restored, collectives
+
+
+def _tp_reshardable(manifest: dict[str, Any], saved: dict[str, Any], now: dict[str, Any], stages: dict[int, nn.Module],
+                    zeros: dict[int, ZeroOptimizer]) -> bool:
+    """Both sides 1-D and each either without tp or with DTensor stages, whose parts record how each tensor
+    splits (`tp_dims`): the built-in GPT's tp layers (parallel/tp_gpt.py) slice plain tensors, by other names."""
+    if saved["tp_mode"] != "1d" or now["tp_mode"] != "1d":
+        return False
+    saved_ok = saved["tp"] == 1 or any(d for p in manifest["parts"] for d in p.get("tp_dims", {}).values())
+    now_ok = now["tp"] == 1 or any(tp_dims(m, zeros.get(s)) for s, m in stages.items())
+    return saved_ok and now_ok
+
+
+def _retp(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[str, Any]], read, tp: int, size: int,
+          want_opt: bool, path: Path) -> FullState:
+    """Stage `s`'s state for tp rank `tp` of `size`, from a checkpoint of another tp size: each saved tp rank's
+    state (its ZeRO slices reassembled, or its module and optimizer state), the whole tensors put together along
+    the dimension each part recorded, and this rank's shard cut along the dimension its own parameter splits
+    (torch.chunk, as DTensor's Shard does); optimizer state of a parameter's shape goes the same way."""
+    by_tp: dict[int, FullState] = {}
+    dims: dict[str, int | None] = {}
+    for t in sorted({part_coords(p)[2] for p in parts}):
+        mine = [p for p in parts if part_coords(p)[2] == t]
+        slices = {part_coords(p)[0]: p for p in mine if str(s) in p.get("zero", [])}
+        dense = next(((p, k) for p in mine for k in p.get("modules", []) if int(k.split("/")[0]) == s), None)
+        if slices:
+            with _resharding(f"{path}: "):
+                state = zero_checkpoint.assemble(s, _zero_states(read, s, slices), want_opt)
+            held = next(((p, k) for p in mine for k in p.get("buffers", []) if int(k.split("/")[0]) == s), None)
+            buffers = read(held[0])["buffers"][held[1]] if held is not None else None
+            by_tp[t] = FullState(state.params, state.state, state.type, state.hyper, buffers)
+        elif dense is not None:
+            by_tp[t] = _dense_state(s, module, z, read(dense[0]), dense[1], want_opt)
+        else:
+            raise CheckpointError(f"{path}: no part holds stage {s} at tp rank {t}")
+        for p in mine:
+            dims.update(p.get("tp_dims", {}).get(str(s), {}))
+    whole = _join_tp(s, by_tp, dims, path)
+    cut = tp_dims(module, z)
+
+    def shard(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        dim = cut.get(name)
+        if dim is None or t.shape != like.shape:
+            return t
+        return t.chunk(size, dim=dim)[tp].clone()
+
+    params = {n: shard(n, t, t) for n, t in whole.params.items()}
+    state = None if whole.state is None else {
+        n: {k: shard(n, v, whole.params[n]) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+        for n, st in whole.state.items()}
+    return FullState(params, state, whole.type, whole.hyper, whole.buffers)
+
+
+def _dense_state(s: int, module: nn.Module, z: ZeroOptimizer | None, part: dict[str, Any], key: str,
+                 want_opt: bool) -> FullState:
+    """A stage saved without ZeRO as a `FullState`: parameters (local shards of DTensors), buffers, and the
+    first plain optimizer's state by parameter name (the parameters by this stage's names: ZeRO's, if it
+    holds them)."""
+    from torch.distributed.tensor import DTensor
+
+    saved = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in part["modules"][key].items()}
+    names = ({n for unit in z.units for e in unit.entries for n in (e.name, *e.also)} if z is not None
+             else {n for n, _ in module.named_parameters(remove_duplicate=False)})
+    params = {k: v for k, v in saved.items() if k in names}
+    buffers = {k: v for k, v in saved.items() if k not in names}
+    if not want_opt:
+        return FullState(params, buffers=buffers)
+    opt = part["optimizers"][0] if part["optimizers"] else None
+    if opt is None:
+        raise CheckpointError(f"stage {s}: the checkpoint holds no optimizer state to load")
+    state, hyper = {}, None
+    for name in params:
+        entry = opt["params"].get(f"{s}/{name}")
+        if entry is None:
+            continue
+        state[name] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry["state"].items()}
+        hyper = hyper or opt["groups"][entry["group"]]
+    return FullState(params, state, opt["type"], hyper, buffers)
+
+
+def _join_tp(s: int, by_tp: dict[int, FullState], dims: dict[str, int | None], path: Path) -> FullState:
+    """One stage's whole state from its tp ranks' (`_gather_tp` for a `FullState`, optimizer state included)."""
+    ranks = sorted(by_tp)
+    first = by_tp[ranks[0]]
+    joined = _gather_tp(path, {t: {s: by_tp[t].params} for t in ranks}, {s: dims})[s]
+    state = None
+    if first.state is not None:
+        state = {}
+        for name, st in first.state.items():
+            state[name] = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.shape == first.params[name].shape and v.dim():
+                    pieces = {t: {s: {k: by_tp[t].state[name][k]}} for t in ranks}
+                    v = _gather_tp(path, pieces, {s: {k: dims.get(name, "copy")}})[s][k]
+                state[name][k] = v
+    return FullState(joined, state, first.type, first.hyper, first.buffers)
 
 
 def _zero_state(read, s: int, part: dict[str, Any]) -> dict[str, Any]:

@@ -507,10 +507,9 @@ def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str
     else:
         found = checkpoint.resolve(resume)
     saved_tp = checkpoint.saved_parallel(found.manifest)["tp"]
-    if saved_tp != cfg["tp"]:
+    if saved_tp != cfg["tp"] and not cfg.get("hf"):  # a Hugging Face model's DTensor shards are cut again on load
         raise checkpoint.CheckpointError(f"{found.path} was saved with --tp {saved_tp}, this run has --tp {cfg['tp']}: "
-                                         f"tensor-parallel shards load only under the same tp (pipedsl export "
-                                         f"writes the whole model, which any layout can fine-tune from)")
+                                         f"the built-in GPT's tensor-parallel slices load only under the same tp")
     if cfg["tp"] > 1 and not cfg.get("hf"):  # the GPT's tp layers have names of their own: ranks compare shards
         return str(found.path)
     with torch.device("meta"):  # shapes only: compare the partition before any process starts

@@ -13,7 +13,7 @@ instead (AdamW for ZeRO; bf16 within test_bf16_autocast's tolerance).
 from __future__ import annotations
 
 import pytest
-from tp_hf_cases import checkpoint_resume, refusals, tp_equivalence
+from tp_hf_cases import checkpoint_resume, refusals, retp_load, retp_save, tp_equivalence
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +103,18 @@ def test_checkpoint_resume_same_layout(run_once, tmp_path, dp: int, zero: int, o
     for r in run_once(checkpoint_resume, 4 * dp, str(tmp_path), dp, zero, other):
         assert r["saved"] == r["loaded"] and r["same_params"], r
         assert r["resharded"] == pytest.approx(r["saved"], rel=1e-6), r
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [((2, 2, 3), (1, 1, 0)), ((1, 1, 0), (1, 2, 1))])
+def test_checkpoint_loads_under_another_tp(run_once, tmp_path, saved: tuple, loaded: tuple) -> None:
+    """(dp, tp, zero) → (dp, tp, zero): a checkpoint of dp2 × pp2 × tp2 + SP ZeRO-3 slices of DTensor shards loads
+    into the dense model at tp1 without ZeRO, and one of the dense model at tp1 into tp2 + SP under ZeRO-1: each
+    tensor and Adam moment put together from its tp shards and cut again; the next two steps' losses equal those
+    of the run that saved it (1e-6)."""
+    want = run_once(retp_save, 2 * saved[0] * saved[1], str(tmp_path), *saved)[0]
+    got = run_once(retp_load, 2 * loaded[0] * loaded[1], str(tmp_path), *loaded)
+    for losses in got:
+        assert losses == pytest.approx(want, rel=1e-6), (losses, want)
 
 
 @pytest.mark.parametrize(("zero", "schedule", "family", "clip", "tie"), [

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 import pipedsl
 from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
-from pipedsl.runtime.hf import causal_lm_stages, shift_labels
+from pipedsl.runtime.hf import causal_lm_loss, causal_lm_stages, shift_labels
 from pipedsl.runtime.precision import MixedPrecision
 
 
@@ -220,3 +220,45 @@ def checkpoint_resume(directory: str, dp: int = 1, zero: int = 0, other_zero: in
                                                                         other_opt.stage_parameters().values())
             for (_, a), b in zip(sorted(got.items()), (v for _, v in sorted(want.items())))]
     return {**losses, "same_params": all(same) and bool(same)}
+
+
+def _tp_pipeline(seed: int, dp: int, tp: int, zero: int):
+    """A dp × pp2 × tp (SP when tp > 1) Qwen3 pipeline with Adam, from the dense model of `seed`."""
+    hf = _hf_cases()
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=2, tp=tp, zero=zero))
+    stages = causal_lm_stages(hf.tiny_model("qwen3", layers=2, seed=seed), 2)
+    if tp > 1:
+        stages = tp_hf_stages(stages, mesh, sequence_parallel=True)
+    pipe = pipedsl.Pipeline(stages, program=pipedsl.load("1f1b").compile(P=2, M=2),
+                            loss_fn=tp_hf_loss(mesh) if tp > 1 else causal_lm_loss, parallel=mesh)
+    return pipe, pipe.optimizer(torch.optim.Adam, lr=1e-2)
+
+
+def _steps(pipe, opt, n: int) -> list[float]:
+    hf = _hf_cases()
+    x = torch.randint(hf.VOCAB, (8, hf.T), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(n):
+        losses.append(float(pipe.step(x, shift_labels(x))))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def retp_save(directory: str, dp: int, tp: int, zero: int) -> list[float]:
+    """One step, a checkpoint, then the two steps a resumed run must repeat (their losses)."""
+    from pipedsl.runtime import checkpoint
+
+    pipe, opt = _tp_pipeline(0, dp, tp, zero)
+    _steps(pipe, opt, 1)
+    checkpoint.save(pipe, directory, 1, opt)
+    return _steps(pipe, opt, 2)
+
+
+def retp_load(directory: str, dp: int, tp: int, zero: int) -> list[float]:
+    """The checkpoint loaded under another tp size (and dp, ZeRO) into a model of another seed: two steps."""
+    from pipedsl.runtime import checkpoint
+
+    pipe, opt = _tp_pipeline(5, dp, tp, zero)
+    checkpoint.load(pipe, directory, opt)
+    return _steps(pipe, opt, 2)
