@@ -75,10 +75,9 @@ class SocketRecv:
 
     __slots__ = ("buffers", "peer", "_views", "_header", "_expected", "_link", "_checked", "done")
 
-    def __init__(self, buffers: list[torch.Tensor], peer: int, link: Link) -> None:
+    def __init__(self, buffers: list[torch.Tensor], peer: int, link: Link, payload: list[memoryview]) -> None:
         self.buffers, self.peer, self._link = buffers, peer, link
         self._header = bytearray(_HEADER.size)
-        payload = [_bytes_of(b) for b in buffers]
         self._expected = sum(len(v) for v in payload)
         self._views: deque[memoryview] = deque([memoryview(self._header), *(v for v in payload if len(v))])
         self._checked = False
@@ -126,11 +125,13 @@ class Link:
 
     def send(self, views: list[memoryview]) -> None:
         owner = self.owner
-        with owner.lock:
-            owner.raise_failure()
-            if self.out:  # behind queued bytes: the writer thread sends it in order
-                self.out.extend(views)
-                return
+        # without a writer thread (only this thread starts one) nothing else touches `out`: no lock needed
+        if owner._writer is not None or owner.failure is not None or self.out:
+            with owner.lock:
+                owner.raise_failure()
+                if self.out:  # behind queued bytes: the writer thread sends it in order
+                    self.out.extend(views)
+                    return
         try:  # nothing queued, so the writer leaves this socket alone
             n = self.sock.sendmsg(views) if len(views) <= _MAX_IOV else 0
         except BlockingIOError:
@@ -213,12 +214,22 @@ class SocketTransport:
         self.lock = threading.Condition()
         self.backlog: set[Link] = set()  # links with bytes the kernel has not taken yet
         self.failure: ConnectionError | None = None  # the writer thread's, raised on the rank's next call
+        self._views: dict[int, tuple[torch.Tensor, memoryview]] = {}  # receive buffer id -> (it, its bytes)
         self._writer: threading.Thread | None = None
         self._closing = False
 
     def post_recv(self, peer: int, buffers: list[torch.Tensor]) -> SocketRecv:
+        """`buffers`: receive buffers that live as long as this transport (the channels' pool): their byte views
+        are made once and kept with them."""
         link = self.links[peer]
-        recv = SocketRecv(buffers, peer, link)
+        views = self._views
+        payload = []
+        for b in buffers:
+            held = views.get(id(b))
+            if held is None or held[0] is not b:
+                held = views[id(b)] = (b, _bytes_of(b))
+            payload.append(held[1])
+        recv = SocketRecv(buffers, peer, link, payload)
         link.recvs.append(recv)
         return recv
 
