@@ -6,7 +6,7 @@ rejected with a reason beginning "runtime:" (listed by `pipedsl plan --rejected 
 rules every layout meets (batch split, tp divides the sizes, layers split over stages) are in
 `search._check_shape`.
 
-Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `_check` and its docstring):
+Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `check_stages` and its docstring):
 - 1-D tensor parallelism only (no 3-D);
 - heads, key/value heads, vocabulary and intermediate size divisible by tp;
 - sequence parallelism needs the sequence divisible by tp (`tp_hf.py`'s stage pre-hook).
