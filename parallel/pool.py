@@ -56,9 +56,21 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
             finally:
                 dist.destroy_process_group()
                 gc.collect()  # the job's pipelines hold their gloo groups (two threads each) in reference cycles
-            results.put((index, True, out))
+            results.put((index, True, out, _threads()))
         except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-            results.put((index, False, traceback.format_exc()))
+            results.put((index, False, traceback.format_exc(), 0))
+
+
+MAX_THREADS = 100  # a worker past this many threads is replaced before the next run
+
+
+def _threads() -> int:
+    """This process's threads (Linux; 0 elsewhere).  Some jobs leave gloo groups behind — their store, run-loop
+    and TCP threads — and idle ones still wake: hundreds of them took a third of a core per worker."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 class LocalPool:
@@ -93,9 +105,10 @@ class LocalPool:
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout + 10
         assert self._results is not None
+        threads = 0
         while len(out) < world:
             try:
-                index, ok, value = self._results.get(timeout=1.0)
+                index, ok, value, used = self._results.get(timeout=1.0)
             except queue.Empty:
                 dead = [i for i, p in enumerate(self._procs[:world]) if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
@@ -107,6 +120,9 @@ class LocalPool:
                 self.close(force=True)
                 raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on rank {index} of {world}:\n{value}")
             out[index] = value
+            threads = max(threads, used)
+        if threads > MAX_THREADS:  # what the jobs left behind goes with the processes; the next run starts new ones
+            self.close()
         return [out[i] for i in range(world)]
 
     def close(self, force: bool = False) -> None:

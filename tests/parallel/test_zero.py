@@ -194,10 +194,27 @@ def _train_zero(model: nn.Module, group, stage: int, X: torch.Tensor, Y: torch.T
     return zero.state_dict_full()
 
 
-def fsdp2_job(model_name: str) -> dict:
-    """torch's FSDP2 (`fully_shard` per child and the root) as a second oracle for stage 3, same data and steps."""
+def _train_fsdp2(model: nn.Module, mesh: ParallelMesh, X: torch.Tensor, Y: torch.Tensor) -> dict:
+    """torch's FSDP2 (`fully_shard` per child with parameters, then the root, over the mesh's dp dimension):
+    STEPS Adam steps of M microbatches accumulated locally and reduced with the last; the whole parameters after."""
     from torch.distributed.fsdp import fully_shard
 
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh.device_mesh["dp"])
+    fully_shard(model, mesh=mesh.device_mesh["dp"])
+    opt = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
+    for s in range(STEPS):
+        for m in range(M):
+            model.set_requires_gradient_sync(m == M - 1)
+            (loss_fn(model, X[s, m], Y[s, m]) / M).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def fsdp2_job(model_name: str) -> dict:
+    """torch's FSDP2 (`fully_shard` per child and the root) as a second oracle for stage 3, same data and steps."""
     n = dist.get_world_size()
     mesh = ParallelMesh(ParallelConfig(dp=n))
     r = mesh.coords.dp
@@ -205,19 +222,7 @@ def fsdp2_job(model_name: str) -> dict:
     g = torch.Generator().manual_seed(0)
     base = make(g)
     X, Y = make_x(g, n), make_y(g, n)
-    fsdp = copy.deepcopy(base)
-    for child in fsdp.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh.device_mesh["dp"])
-    fully_shard(fsdp, mesh=mesh.device_mesh["dp"])
-    opt = torch.optim.Adam(fsdp.parameters(), lr=LR, eps=EPS)
-    for s in range(STEPS):
-        for m in range(M):
-            fsdp.set_requires_gradient_sync(m == M - 1)  # accumulate locally, reduce with the last microbatch
-            (loss_fn(fsdp, X[s, r, m], Y[s, r, m]) / M).backward()
-        opt.step()
-        opt.zero_grad()
-    ref = {k: v.full_tensor() for k, v in fsdp.state_dict().items()}
+    ref = _train_fsdp2(copy.deepcopy(base), mesh, X[:, r], Y[:, r])
     model = copy.deepcopy(base)
     got = _train_zero(model, mesh.dp_group, 3, X[:, r], Y[:, r])
     return {name: diff(got[name], ref[name]) for name in got}
@@ -274,7 +279,6 @@ def fsdp2_tp_job(stage: int) -> dict:
     """dp=2 × tp=2 with torch's DTensor tensor parallelism (`parallelize_module`, as parallel/tp_hf.py uses it):
     ZeRO `stage` over the dp group, which packs each DTensor parameter's local shard, against torch's FSDP2
     `fully_shard` on the same 2-D mesh (torchtitan's FSDP + TP); rowwise biases are replicated DTensors."""
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -287,19 +291,7 @@ def fsdp2_tp_job(stage: int) -> dict:
     X, Y = MODELS["mlp"][1](g, 2), MODELS["mlp"][2](g, 2)
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
     tp = mesh.device_mesh["tp"]
-    fsdp = parallelize_module(copy.deepcopy(base), tp, plan)
-    for child in fsdp.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh.device_mesh["dp"])
-    fully_shard(fsdp, mesh=mesh.device_mesh["dp"])
-    opt = torch.optim.Adam(fsdp.parameters(), lr=LR, eps=EPS)
-    for s in range(STEPS):
-        for m in range(M):
-            fsdp.set_requires_gradient_sync(m == M - 1)
-            (loss_fn(fsdp, X[s, r, m], Y[s, r, m]) / M).backward()
-        opt.step()
-        opt.zero_grad()
-    ref = {k: v.full_tensor() for k, v in fsdp.state_dict().items()}
+    ref = _train_fsdp2(parallelize_module(copy.deepcopy(base), tp, plan), mesh, X[:, r], Y[:, r])
     model = parallelize_module(copy.deepcopy(base), tp, plan)
     got = _train_zero(model, mesh.dp_group, stage, X[:, r], Y[:, r])
     assert all(isinstance(v, DTensor) for v in got.values())  # named as the module's, placed as the module's
