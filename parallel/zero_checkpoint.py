@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from .zero import ZeroOptimizer
 
 
-def _local(t: Any) -> Any:
+def local_shard(t: Any) -> Any:
     """A DTensor's local shard (a checkpoint holds each tp rank's), else `t` unchanged."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -126,9 +126,9 @@ def from_dense(stage: int, zero: ZeroOptimizer, module_state: dict[str, torch.Te
     entries = [e for unit in zero.layout() for e in _entries(unit)]
     aliases = {a for *_, also in entries for a in also}
     # a tensor-parallel stage's DTensors (parallel/tp_hf.py): ZeRO packs this tp rank's shards
-    module_state = {k: _local(v) for k, v in module_state.items()}
+    module_state = {k: local_shard(v) for k, v in module_state.items()}
     if optimizer is not None:
-        optimizer = {n: ({k: _local(v) for k, v in st.items()}, hyper) for n, (st, hyper) in optimizer.items()}
+        optimizer = {n: ({k: local_shard(v) for k, v in st.items()}, hyper) for n, (st, hyper) in optimizer.items()}
     params = {name: module_state[name] for name, *_ in entries if name in module_state}
     buffers = {k: v for k, v in module_state.items() if k not in params and k not in aliases}
     if optimizer is None:

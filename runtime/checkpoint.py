@@ -61,7 +61,7 @@ from torch import nn
 from pipedsl.parallel import zero_checkpoint
 from pipedsl.parallel.optim import PipelineOptimizer
 from pipedsl.parallel.zero import ZeroOptimizer
-from pipedsl.parallel.zero_checkpoint import FullState, ReshardError
+from pipedsl.parallel.zero_checkpoint import FullState, ReshardError, local_shard
 
 from .checkpoint_files import (
     FORMAT,
@@ -623,9 +623,7 @@ def _dense_state(s: int, module: nn.Module, z: ZeroOptimizer | None, part: dict[
     """A stage saved without ZeRO as a `FullState`: parameters (local shards of DTensors), buffers, and the
     first plain optimizer's state by parameter name (the parameters by this stage's names: ZeRO's, if it
     holds them)."""
-    from torch.distributed.tensor import DTensor
-
-    saved = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in part["modules"][key].items()}
+    saved = {k: local_shard(v) for k, v in part["modules"][key].items()}
     names = ({n for unit in z.units for e in unit.entries for n in (e.name, *e.also)} if z is not None
              else {n for n, _ in module.named_parameters(remove_duplicate=False)})
     params = {k: v for k, v in saved.items() if k in names}
@@ -640,7 +638,7 @@ def _dense_state(s: int, module: nn.Module, z: ZeroOptimizer | None, part: dict[
         entry = opt["params"].get(f"{s}/{name}")
         if entry is None:
             continue
-        state[name] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry["state"].items()}
+        state[name] = {k: local_shard(v) for k, v in entry["state"].items()}
         hyper = hyper or opt["groups"][entry["group"]]
     return FullState(params, state, opt["type"], hyper, buffers)
 
@@ -850,11 +848,6 @@ def _gather_tp(path: Path, by_tp: dict[int, dict[int, dict[str, torch.Tensor]]],
                dims: dict[int, dict[str, int | None]]) -> dict[int, dict[str, torch.Tensor]]:
     """Each stage's whole tensors from its tp ranks' shards: concatenated in tp order along the recorded
     dimension; a copy (a replicated norm) taken once, after checking every tp rank holds the same values."""
-    from torch.distributed.tensor import DTensor
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     ranks = sorted(by_tp)
     whole: dict[int, dict[str, torch.Tensor]] = {}
     for s in sorted(by_tp[ranks[0]]):
@@ -863,7 +856,7 @@ def _gather_tp(path: Path, by_tp: dict[int, dict[int, dict[str, torch.Tensor]]],
             raise CheckpointError(f"{path}: stage {s} is missing at tp rank {ranks[shards.index(None)]}")
         out = whole.setdefault(s, {})
         for name in shards[0]:
-            pieces = [local(sh[name]) for sh in shards]
+            pieces = [local_shard(sh[name]) for sh in shards]
             dim = dims.get(s, {}).get(name, "copy")
             if dim not in ("copy", None):
                 out[name] = torch.cat(pieces, dim=dim)
