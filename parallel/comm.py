@@ -133,7 +133,7 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup | None, op: ReduceOp.RedOpTy
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
                     async_op: bool = False) -> dist.Work | None:
-    """`out` (flat, P× the numel of `t`) receives every rank's `t` in group-rank order."""
+    """`out` (contiguous, P× the numel of `t`) receives every rank's `t` in group-rank order."""
     p = group_size(group)
     if out.numel() != p * t.numel() or out.dtype != t.dtype:
         raise CollectiveShapeError(f"all-gather of {t.numel()} {t.dtype} elements on {p} ranks needs an output of "
@@ -142,12 +142,13 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | No
         out.view(-1).copy_(t.reshape(-1))
         return None
     _record("all_gather", group, (p - 1) * _nbytes(t))
-    return dist.all_gather_single(out, t.contiguous(), group=group, async_op=async_op)
+    return dist.all_gather_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op)  # gloo: flat
 
 
 def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
                         async_op: bool = False) -> dist.Work | None:
-    """`out` receives this rank's 1/P slice (in group-rank order, along dim 0) of the sum of every rank's `t`."""
+    """`out` (contiguous) receives this rank's 1/P slice of the sum of every rank's `t`, flattened (group-rank
+    order)."""
     p = group_size(group)
     if t.numel() != p * out.numel() or out.dtype != t.dtype:
         raise CollectiveShapeError(f"reduce-scatter of {t.numel()} {t.dtype} elements on {p} ranks gives "
@@ -156,32 +157,37 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup 
         out.copy_(t.reshape(out.shape))
         return None
     _record("reduce_scatter", group, (p - 1) / p * _nbytes(t))
-    return dist.reduce_scatter_single(out, t.contiguous(), group=group, async_op=async_op)
+    return dist.reduce_scatter_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op)  # gloo: flat
 
 
 def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `t` along `dim` (group-rank order)."""
+    """Concatenate every rank's `t` along `dim` (group-rank order).
+
+    The shards are gathered as they are, [P, *t.shape], then folded into `dim`: one copy for a
+    `dim` other than 0 (the sequence of [b, s, h] activations), none for dim 0, and a contiguous result."""
     p = group_size(group)
     if p == 1:
         return t
-    moved = t.movedim(dim, 0).contiguous()
-    out = torch.empty((p * moved.shape[0], *moved.shape[1:]), dtype=t.dtype, device=t.device)
-    all_gather_into(out, moved, group)
-    return out.movedim(0, dim)
+    dim %= t.dim()
+    out = torch.empty((p, *t.shape), dtype=t.dtype, device=t.device)
+    all_gather_into(out, t, group)
+    return out.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
-    """This rank's 1/P slice along `dim` of the sum over the group."""
+    """This rank's 1/P slice along `dim` of the sum over the group (contiguous; one copy of `t` for a `dim`
+    other than 0, to lay the P slices out one after another)."""
     p = group_size(group)
     if p == 1:
         return t
+    dim %= t.dim()
     if t.shape[dim] % p:
         raise CollectiveShapeError(f"reduce-scatter along dim {dim} of size {t.shape[dim]} over {p} ranks: "
                                    f"not divisible")
-    moved = t.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // p, *moved.shape[1:]), dtype=t.dtype, device=t.device)
-    reduce_scatter_into(out, moved, group)
-    return out.movedim(0, dim)
+    slices = t.unflatten(dim, (p, t.shape[dim] // p)).movedim(dim, 0)  # [P, ..., n/P, ...]
+    out = torch.empty(slices.shape[1:], dtype=t.dtype, device=t.device)
+    reduce_scatter_into(out, slices, group)
+    return out
 
 
 def chunk_of(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:

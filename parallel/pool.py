@@ -74,7 +74,7 @@ def _threads() -> int:
 
 
 class LocalPool:
-    """`size` spawned workers, started on first use; `run` any function on the first `world` of them."""
+    """`size` worker processes, started on first use; `run` any function on the first `world` of them."""
 
     def __init__(self, size: int, timeout: float = 120.0) -> None:
         self.size, self.timeout = size, timeout
@@ -83,7 +83,9 @@ class LocalPool:
         self._results: mp.Queue | None = None
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        from pipedsl.runtime.fork_server import rank_context
+
+        ctx = rank_context()  # forked from a server that imported torch once: restarting the pool is cheap
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.size)]
         self._procs = [ctx.Process(target=_worker, args=(i, self._jobs[i], self._results), daemon=True)

@@ -1,8 +1,8 @@
 """`launch(fn, nprocs, *args)`: run `fn(rank, *args)` on local processes with a process group.
 
-Locally it spawns `nprocs` processes on 127.0.0.1 and a free port, initialises gloo (NCCL
+Locally it starts `nprocs` processes on 127.0.0.1 and a free port, initialises gloo (NCCL
 when there is a GPU per process), runs `fn`, and returns what each rank's `fn` returned, in
-rank order.  Under `torchrun` (RANK, WORLD_SIZE and MASTER_ADDR set) it spawns nothing: it
+rank order.  Under `torchrun` (RANK, WORLD_SIZE and MASTER_ADDR set) it starts nothing: it
 initialises from the environment and runs `fn` for this process only, so one script serves both.
 
 Return values travel as one `torch.save` file per rank, complete before the rank exits
@@ -16,6 +16,7 @@ process-group timeout); the launcher then raises `PipeRuntimeError` naming the r
 failed first (not the ranks that stopped because of it: a rank whose own work failed outranks
 any whose error says a peer went away), the user's frames of its traceback, and every other
 rank's error as a note.
+Ranks are forked from a server that imported torch once (fork_server.py), with spawn's semantics.
 SIGTERM, SIGINT or SIGHUP to the launcher stop every rank and raise `Interrupted` (exit status
 128 + signal); a rank whose launcher died exits by itself (lifecycle.py).  More local ranks than
 the machine can sensibly run are refused before anything starts (capacity.py).
@@ -33,7 +34,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,13 +44,21 @@ from pipedsl.errors import PipeDSLError, PipeRuntimeError
 
 from .capacity import check_local_ranks, usable_cores
 from .errors import RankFailure, failure_order, is_consequence, record_failure
-from .lifecycle import STOP_GRACE, StopSignals, follow_launcher, report_interrupt, signals_held, stop_processes
+from .fork_server import rank_context
+from .lifecycle import (
+    STOP_GRACE,
+    StopSignals,
+    follow_launcher,
+    launcher_gone,
+    report_interrupt,
+    signals_held,
+    stop_processes,
+)
 from .rank_results import UnreturnableResult, has_result, read_error, read_result, write_error, write_result
 from .user_traceback import exception_line, frames_of, trace_of
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 _RANK_NAME = "pipedsl-rank"  # a rank process's name: the prefix, then its rank
-_OUTBOX_ENV = "PIPEDSL_LAUNCH_OUTBOX"  # a rank that cannot start records why in this directory
 MAX_SECONDS = 365 * 86400.0  # a year: beyond it a timeout is a typo (and overflows timedelta near 1e14 s)
 
 
@@ -79,11 +88,13 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None, t
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
            timeout: float = 300.0, join_timeout: float = 3600.0, threads: int | None = None,
-           max_local: int | None = None, stop_grace: float = STOP_GRACE) -> list[Any]:
+           max_local: int | None = None, stop_grace: float = STOP_GRACE, preload: Sequence[str] = ()) -> list[Any]:
     """Run `fn(rank, *args)` on `nprocs` ranks; their return values in rank order (see the module docstring).
 
     `max_local` lifts (or lowers) the limit on local processes (runtime/capacity.py); `stop_grace`
-    is how long a rank may take to exit after SIGTERM when the launcher is interrupted.
+    is how long a rank may take to exit after SIGTERM when the launcher is interrupted; `preload`
+    names modules every rank will import (the fork server imports them once; the first launch of
+    a process decides).
     """
     if getattr(mp.current_process(), "_inheriting", False):
         _refuse_unguarded_launch()
@@ -103,7 +114,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     for name, value in (("timeout", timeout), ("join_timeout", join_timeout), ("stop_grace", stop_grace)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_SECONDS):
             raise PipeDSLError(f"launch: {name} must be a number of seconds in (0, {MAX_SECONDS:g}], got {value!r}")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(preload)
     outbox = tempfile.mkdtemp(prefix="pipedsl-launch-")  # one result or error file per rank
     try:
         with StopSignals() as signals:
@@ -112,10 +123,11 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout))
             threads = threads or max(1, usable_cores() // nprocs)
-            procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, store.port, backend, timeout, threads,
-                                                      outbox, os.getpid(), args), name=f"{_RANK_NAME}{rank}")
-                     for rank in range(nprocs)]
-            with signals_held(), _environment(**{_OUTBOX_ENV: outbox}):  # signals recorded, not lost
+            with signals_held():  # signals recorded, not lost
+                env = dict(os.environ)
+                procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, store.port, backend, timeout, threads,
+                                                          outbox, os.getpid(), env, args), name=f"{_RANK_NAME}{rank}")
+                         for rank in range(nprocs)]
                 for p in procs:
                     p.start()
             outcome = _join(procs, signals, grace=timeout + 15.0, join_timeout=join_timeout, stop_grace=stop_grace)
@@ -128,33 +140,21 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
         shutil.rmtree(outbox, ignore_errors=True)
 
 
+UNGUARDED = ("pipedsl.launch was called while a rank imports your script: put the call under "
+             "`if __name__ == \"__main__\":` (each rank imports the script again)")
+UNGUARDED_STATUS = 86  # a rank's exit status for UNGUARDED: it exits while importing, before it can report
+
+
 def _refuse_unguarded_launch() -> None:
-    """A rank being spawned re-imports the user's script as __mp_main__: a module-level launch() there
-    would start ranks from a rank (multiprocessing's RuntimeError, a long traceback per rank).  Tell the
-    launcher why this rank exits (its outbox is in the environment the rank was started with)."""
-    message = ("pipedsl.launch was called while a rank imports your script: put the call under "
-               "`if __name__ == \"__main__\":` (ranks are spawned, and each imports the script again)")
-    outbox, name = os.environ.get(_OUTBOX_ENV), mp.current_process().name
-    if outbox and name.startswith(_RANK_NAME) and name[len(_RANK_NAME):].isdigit():
-        write_error(outbox, int(name[len(_RANK_NAME):]), message, False)
-    else:
-        print(message, file=sys.stderr, flush=True)
+    """A rank re-imports the user's script as __mp_main__: a module-level launch() there would start ranks
+    from a rank (multiprocessing's RuntimeError, a long traceback per rank).  A rank exits with
+    UNGUARDED_STATUS, which the launcher reports as UNGUARDED (the rank cannot write its outbox yet: its
+    environment is handed over after the import); anywhere else, the message and exit status 2."""
+    name = mp.current_process().name
+    if name.startswith(_RANK_NAME) and name[len(_RANK_NAME):].isdigit():
+        os._exit(UNGUARDED_STATUS)  # a forked rank's SystemExit would become status 1
+    print(UNGUARDED, file=sys.stderr, flush=True)
     raise SystemExit(2)
-
-
-@contextlib.contextmanager
-def _environment(**values: str):
-    """Set environment variables for the processes started inside (restored after)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _message(err: BaseException) -> str:
@@ -168,7 +168,9 @@ def _message(err: BaseException) -> str:
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str | None, timeout: float,
-           threads: int, outbox: str, launcher_pid: int, args: tuple) -> None:
+           threads: int, outbox: str, launcher_pid: int, env: dict[str, str], args: tuple) -> None:
+    os.environ.clear()  # a forked rank has the fork server's environment: the launcher's, as spawn gives
+    os.environ.update(env)
     follow_launcher(launcher_pid, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -178,7 +180,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
         init_process_group(rank, world, backend, timeout, store_port=port)
         value = fn(rank, *args)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, then a hard exit
-        if os.getppid() != launcher_pid:  # the launcher is gone (and its store): nobody to tell
+        if launcher_gone():  # (and its store): nobody to tell
             os._exit(1)
         consequence = is_consequence(err)
         message = _message(err)
@@ -246,6 +248,9 @@ def _report(outcome: dict[str, Any], procs: list, join_timeout: float, outbox: s
                 causes.append(rank)
         elif rank in outcome["killed"] and not outcome["timed_out"]:
             errors[rank] = f"stuck: still running {outcome['grace']:g} s after another rank stopped; killed"
+        elif p.exitcode == UNGUARDED_STATUS:
+            errors[rank] = UNGUARDED
+            causes.append(rank)
         elif p.exitcode is not None and p.exitcode < 0 and rank not in outcome["killed"]:
             errors[rank] = f"killed by signal {signal.Signals(-p.exitcode).name}"
             causes.append(rank)

@@ -14,8 +14,9 @@ Rank side: ranks ignore SIGINT and SIGHUP (Ctrl-C and a hang-up reach the whole 
 the launcher decides) and die on SIGTERM; they start with SIGINT and SIGHUP blocked
 (`signals_held`), so a Ctrl-C while a rank still imports torch is no traceback either.  A rank
 whose launcher is gone — SIGKILLed, or crashed — exits by itself: on Linux the kernel sends it
-SIGKILL (PR_SET_PDEATHSIG), and everywhere a watchdog thread notices within `WATCH_INTERVAL`
-seconds that its parent process changed.
+SIGKILL (PR_SET_PDEATHSIG; a rank's parent is the launcher's fork server, which exits with the
+launcher), and everywhere a watchdog thread wakes when the launcher's end of multiprocessing's
+parent pipe closes.
 Checkpoints need nothing here: a part or manifest is renamed into place only when complete,
 so a rank stopped while writing leaves nothing that counts.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -35,7 +37,6 @@ from typing import Any
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 STOP_GRACE = 5.0  # seconds a rank has between SIGTERM and SIGKILL
-WATCH_INTERVAL = 0.25  # seconds between a rank's checks that its launcher is still there
 
 
 class Interrupted(SystemExit):  # noqa: N818 - the name says what happened; SystemExit gives the status
@@ -161,17 +162,41 @@ def follow_launcher(launcher_pid: int, rank: int) -> None:
     if hasattr(signal, "pthread_sigmask"):  # started with SIGINT/SIGHUP blocked (signals_held); now ignored
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if str(rank) not in os.environ.get("PIPEDSL_NO_PDEATHSIG", "").split(","):  # test-only: the watchdog alone
+        _let_the_fork_server_go()
         _set_parent_death_signal(signal.SIGKILL)
-    thread = threading.Thread(target=_watch, args=(launcher_pid, rank), name="pipedsl-launcher-watch", daemon=True)
-    thread.start()
+    if str(rank) not in os.environ.get("PIPEDSL_NO_WATCHDOG", "").split(","):  # test-only: the kernel's signal alone
+        threading.Thread(target=_watch, args=(launcher_pid, rank), name="pipedsl-launcher-watch", daemon=True).start()
+
+
+def launcher_gone() -> bool:
+    """True once the launcher has exited (its end of multiprocessing's parent pipe is closed: exact for a
+    spawned rank and for one forked by the fork server, whose parent process is the server)."""
+    parent = multiprocessing.parent_process()
+    return parent is not None and not parent.is_alive()
 
 
 def _watch(launcher_pid: int, rank: int) -> None:
-    while os.getppid() == launcher_pid:
-        time.sleep(WATCH_INTERVAL)
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not started by multiprocessing: nothing to follow
+        return
+    parent.join()  # blocks until the launcher is gone: no polling
     with contextlib.suppress(Exception):
         print(f"pipedsl rank {rank}: the launcher (pid {launcher_pid}) is gone; exiting", file=sys.stderr, flush=True)
     os._exit(128 + signal.SIGHUP)
+
+
+def _let_the_fork_server_go() -> None:
+    """A forked rank holds a copy of the fork server's keep-alive pipe, which would keep the server — this
+    rank's parent — alive after the launcher died, and so the parent-death signal from ever firing.  A rank
+    that starts processes through a fork server starts its own (CPython's private name; absent: no-op)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
 
 
 def _set_parent_death_signal(signum: int) -> None:

@@ -253,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
             raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
         params[name.strip()] = int(value)
     _check_local(args.ranks, args)  # before compiling: a huge -P is refused, not compiled
+    _start_fork_server(args)
     program = pipedsl.load(args.schedule).compile(P=args.ranks, M=args.microbatches, **params)
     return _execute(program, args, started)
 
@@ -265,7 +266,16 @@ def run_program(args: argparse.Namespace) -> int:
     started = time.time()
     if _resolve(args):
         return 0
+    _start_fork_server(args)
     return _execute(read_program(args.program, ranks=args.ranks), args, started)
+
+
+def _start_fork_server(args: argparse.Namespace) -> None:
+    """The ranks' fork server imports torch, the trainer and (for --model) transformers' model code while this
+    process checks the data and the model and compiles: the two overlap (runtime/fork_server.py)."""
+    from .fork_server import start
+
+    start(["pipedsl.runtime.trainer", *(["transformers.modeling_utils"] if getattr(args, "model", None) else [])])
 
 
 def _execute(program: Any, args: argparse.Namespace, started: float) -> int:

@@ -73,3 +73,8 @@ def layer_bytes(tp: int, sp: bool, recompute: str | None, attn: str = "eager") -
     per_microbatch = {L: peaks[(L, 2)] - peaks[(L, 1)] for L in (1, 2)}
     return {"layer": per_microbatch[2] - per_microbatch[1], "rank": dist.get_rank() if dist.is_initialized() else 0,
             "peaks": {f"L{L} M{M}": v for (L, M), v in peaks.items()}}
+
+
+def layer_bytes_each(tp: int, sp: bool, variants: list[tuple[str | None, str]]) -> list[dict]:
+    """`layer_bytes` for each (recompute, attention) variant, in one job: one gloo world for all (suite time)."""
+    return [layer_bytes(tp, sp, recompute, attn) for recompute, attn in variants]

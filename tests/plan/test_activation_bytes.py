@@ -11,7 +11,7 @@ more FLOPs (33-36 % measured), selective recomputation's attention core is s/6h 
 from __future__ import annotations
 
 import pytest
-from activation_cases import SIZES, layer_bytes
+from activation_cases import SIZES, layer_bytes_each
 
 from pipedsl.plan.activations import layer_activation_bytes
 from pipedsl.plan.model import ModelSpec, model_preset
@@ -85,23 +85,24 @@ def test_hf_formula_structure() -> None:
 
 
 MODES = [(1, False), (2, False), (2, True)]
+VARIANTS = [(recompute, attn) for recompute in (None, "selective", "layer") for attn in ("eager", "sdpa")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("recompute", [None, "selective", "layer"])
 @pytest.mark.parametrize(("tp", "sp"), MODES, ids=["tp1", "tp2", "tp2+sp"])
-def test_measured_bytes_equal_the_formula(pool, tp: int, sp: bool, recompute: str | None, attn: str) -> None:
-    """The runtime's count (fp32: 4 bytes a value) of one tiny Llama layer's saved tensors, per rank."""
+def test_measured_bytes_equal_the_formula(pool, tp: int, sp: bool) -> None:
+    """The runtime's count (fp32: 4 bytes a value) of one tiny Llama layer's saved tensors, per rank, for no,
+    selective (attention modules) and layer-wise recomputation, eager and sdpa attention (one job per mode).
+    At tp2 + SP, pipedsl's recompute="full" (the whole stage one region) keeps nothing per layer."""
     z = SIZES
-    mode = {None: "none", "selective": "selective", "layer": "full"}[recompute]
-    want = layer_activation_bytes(z["seq"], z["microbatch"], z["hidden"], z["heads"], tp, sp, mode, attn == "sdpa",
-                                  "hf", z["ffn"], z["hidden"] * z["kv_heads"] // z["heads"], 4)
-    for r in pool.run(layer_bytes, tp, tp, sp, recompute, attn):
-        assert r["layer"] == pytest.approx(want, rel=0.01), r
-
-
-@pytest.mark.slow
-def test_pipedsl_full_recompute_keeps_only_the_stage_input(pool) -> None:
-    """pipedsl's recompute="full" makes the stage one region: no layer keeps anything of its own."""
-    assert [r["layer"] for r in pool.run(layer_bytes, 2, 2, True, "full", "sdpa")] == [0, 0]
+    variants = VARIANTS + ([("full", "sdpa")] if sp else [])
+    per_rank = pool.run(layer_bytes_each, tp, tp, sp, variants)
+    for k, (recompute, attn) in enumerate(variants):
+        if recompute == "full":
+            assert [r[k]["layer"] for r in per_rank] == [0, 0]
+            continue
+        mode = {None: "none", "selective": "selective", "layer": "full"}[recompute]
+        want = layer_activation_bytes(z["seq"], z["microbatch"], z["hidden"], z["heads"], tp, sp, mode,
+                                      attn == "sdpa", "hf", z["ffn"], z["hidden"] * z["kv_heads"] // z["heads"], 4)
+        for r in per_rank:
+            assert r[k]["layer"] == pytest.approx(want, rel=0.01), (recompute, attn, r[k])

@@ -76,17 +76,38 @@ def wait_until(proc: subprocess.Popen, ready, what: str) -> None:
         time.sleep(0.1)
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # exited meanwhile
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def workers(launcher: int) -> dict[int, str]:
-    """pid -> start time of the launcher's spawned ranks (not multiprocessing's resource tracker)."""
+    """pid -> start time of every process the launcher started: its fork server and the ranks forked from it
+    (or spawned ranks), not multiprocessing's resource tracker."""
     found = {}
-    for task in Path(f"/proc/{launcher}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    found[int(pid)] = _start_time(int(pid))
-            except OSError:  # exited meanwhile
-                pass
-    return found
+    for pid in _children(launcher):
+        if b"forkserver" in _cmdline(pid):
+            found[pid] = _start_time(pid)
+            found.update((rank, _start_time(rank)) for rank in _children(pid))
+        elif b"spawn_main" in _cmdline(pid):
+            found[pid] = _start_time(pid)
+    return {pid: started for pid, started in found.items() if started is not None}
+
+
+def ranks(launcher: int) -> dict[int, str]:
+    """The rank processes among `workers`: not the fork server itself."""
+    servers = {pid for pid in _children(launcher) if b"forkserver" in _cmdline(pid)}
+    return {pid: started for pid, started in workers(launcher).items() if pid not in servers}
 
 
 def _start_time(pid: int) -> str | None:
@@ -140,7 +161,7 @@ def test_sigint_to_the_process_group_stops_every_rank(tmp_path) -> None:
     proc = train(tmp_path, "--steps", "100000")
     wait_until(proc, training(tmp_path), "training")
     pids = workers(proc.pid)
-    assert len(pids) == 2
+    assert len(ranks(proc.pid)) == 2
     took = stop(proc, signal.SIGINT, pids, group=True)
     print(f"SIGINT to pipedsl train's group -> every worker gone: {max(took.values()):.2f} s")
 
@@ -153,7 +174,7 @@ def test_sighup_to_pipedsl_run_stops_every_rank(tmp_path) -> None:
     proc = train(tmp_path, "--program", str(program), "--steps", "100000", command="run")
     wait_until(proc, training(tmp_path), "training")
     pids = workers(proc.pid)
-    assert len(pids) == 2
+    assert len(ranks(proc.pid)) == 2
     took = stop(proc, signal.SIGHUP, pids)
     print(f"SIGHUP to pipedsl run -> every worker gone: {max(took.values()):.2f} s")
 
@@ -212,7 +233,7 @@ def test_a_stop_signal_to_a_users_launch_stops_every_rank_even_one_ignoring_sigt
     wait_until(proc, lambda: all((tmp_path / f"pid-{r}").exists() for r in (0, 1)), "running")
     time.sleep(0.3)  # rank 1 has installed its SIGTERM handler before writing its pid
     pids = workers(proc.pid)
-    assert sorted(pids) == sorted(int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1))
+    assert sorted(ranks(proc.pid)) == sorted(int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1))
     took = stop(proc, sig, pids)
     assert "not reached" not in (tmp_path / "stdout.txt").read_text()
     rank0, rank1 = (took[int((tmp_path / f"pid-{r}").read_text())] for r in (0, 1))
@@ -221,27 +242,31 @@ def test_a_stop_signal_to_a_users_launch_stops_every_rank_even_one_ignoring_sigt
 
 @pytest.mark.slow
 def test_ctrl_c_while_the_ranks_start_is_no_traceback(tmp_path) -> None:
-    """SIGINT to the whole process group while the ranks are still importing torch: they start with
-    the stop signals blocked, so no rank prints a KeyboardInterrupt traceback."""
+    """SIGINT to the whole process group while the launcher's fork server is still importing torch, before
+    any rank exists: the server starts with the stop signals blocked, so nothing prints a KeyboardInterrupt
+    traceback, and the launcher stops whatever it started."""
     proc = spawn(tmp_path, [sys.executable, str(HERE / "signal_script.py"), str(tmp_path)])
-    wait_until(proc, lambda: len(workers(proc.pid)) == 2, "starting ranks")
+    wait_until(proc, lambda: workers(proc.pid), "starting its fork server")
+    time.sleep(0.5)  # into the server's `import torch` (seconds), past Python's own start-up
     pids = workers(proc.pid)
-    time.sleep(0.5)  # into their `import torch` (seconds), past Python's own start-up
-    assert not any((tmp_path / f"pid-{r}").exists() for r in (0, 1)), "the ranks started too fast to test this"
-    took = stop(proc, signal.SIGINT, pids, group=True)
-    print(f"SIGINT while the ranks start -> every worker gone: {max(took.values()):.2f} s")
+    assert not ranks(proc.pid) and not any((tmp_path / f"pid-{r}").exists() for r in (0, 1)), \
+        "the ranks started too fast to test this"
+    os.killpg(proc.pid, signal.SIGINT)
+    took = wait_gone(pids)
+    finish(proc, signal.SIGINT)
+    print(f"SIGINT while the fork server starts -> every worker gone: {max(took.values(), default=0):.2f} s")
 
 
 @pytest.mark.slow
 def test_workers_of_a_sigkilled_launcher_exit_by_themselves(tmp_path) -> None:
-    """Rank 0 through the kernel's parent-death signal, rank 1 through its watchdog thread alone (the
-    test switches the parent-death signal off for rank 1).  The ranks of the script never talk to
+    """Rank 0 through the kernel's parent-death signal alone (its parent, the fork server, exits with the
+    launcher), rank 1 through its watchdog thread alone (the test switches the other way off for each).  The ranks of the script never talk to
     each other, so neither can exit because the other did."""
     proc = spawn(tmp_path, [sys.executable, str(HERE / "signal_script.py"), str(tmp_path)],
-                 env={"PIPEDSL_NO_PDEATHSIG": "1"})
+                 env={"PIPEDSL_NO_PDEATHSIG": "1", "PIPEDSL_NO_WATCHDOG": "0"})
     wait_until(proc, lambda: all((tmp_path / f"pid-{r}").exists() for r in (0, 1)), "running")
     pids = workers(proc.pid)
-    assert len(pids) == 2
+    assert len(ranks(proc.pid)) == 2
     proc.kill()
     took = wait_gone(pids)
     rank0, rank1 = (took[int((tmp_path / f"pid-{r}").read_text())] for r in (0, 1))
