@@ -8,6 +8,9 @@ A rank still gets what spawn gives it — the launcher's current environment (`l
 over), working directory and sys.path, and the user's script imported as __mp_main__ — so code
 that runs under spawn runs the same.  Where the platform has no fork server (Windows), spawn.
 
+`PIPEDSL_START_METHOD=spawn` starts every rank the old way (an escape hatch for code that must not
+be imported before a fork, and the baseline of benchmarks/startup.py).
+
 The server is started with SIGINT and SIGHUP blocked (the ranks it forks inherit that, as
 spawned ranks do from `signals_held`), ignores SIGINT itself, and exits when the process that
 started it does.  `start` may be called early — `pipedsl train` calls it before its own imports
@@ -22,15 +25,29 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pipedsl.errors import PipeDSLError
+
 from .lifecycle import signals_held
 
 ALWAYS = ("torch", "torch.distributed", "pipedsl.runtime.launcher")  # what every rank imports
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")  # under torchrun nothing is started locally
 
 
+METHOD_ENV = "PIPEDSL_START_METHOD"
+METHODS = ("forkserver", "spawn")
+
+
+def method() -> str:
+    """How ranks start here: PIPEDSL_START_METHOD (default forkserver), spawn where there is no fork server."""
+    chosen = os.environ.get(METHOD_ENV, "forkserver")
+    if chosen not in METHODS:
+        raise PipeDSLError(f"{METHOD_ENV}={chosen!r}: expected one of {', '.join(METHODS)}")
+    return chosen if chosen in mp.get_all_start_methods() else "spawn"
+
+
 def rank_context(preload: Sequence[str] = ()) -> Any:
-    """The multiprocessing context to start ranks with: the fork server's (started if needed), else spawn."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """The multiprocessing context to start ranks with: the fork server's (started if needed), or spawn's."""
+    if method() == "spawn":
         return mp.get_context("spawn")
     start(preload)
     return mp.get_context("forkserver")
@@ -40,7 +57,7 @@ def start(preload: Sequence[str] = ()) -> None:
     """Start the fork server now, importing `preload` (module names) besides torch and the launcher, unless it
     runs already or nothing will be started here (torchrun; no fork server on this platform).  Returns at once:
     the server imports in the background, and the first rank it forks waits for that."""
-    if "forkserver" not in mp.get_all_start_methods() or all(k in os.environ for k in TORCHRUN_ENV):
+    if method() == "spawn" or all(k in os.environ for k in TORCHRUN_ENV):
         return
     from multiprocessing import forkserver
 

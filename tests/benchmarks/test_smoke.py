@@ -35,6 +35,7 @@ RUNS = {
     "test_gpu_check_dry_run_on_gloo": ("gpu_check", ["--device", "cpu", "--tiny"]),
     "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--against", "HEAD"]),
     "test_shape_change": ("shape_change", ["--quick"]),
+    "test_startup": ("startup", ["--quick"]),
 }
 QUICK_NAMES = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2"]
 
@@ -147,6 +148,13 @@ def test_shape_change(runs, request):
     got = run(runs, request, "shape_change")
     (row,) = got["rows"]
     assert row["tree"] == "this" and row["P"] == 2 and row["steady_ms"] > 0 and row["learned"] == 2 + 2  # T and T-1 in the warmup, a new length in each of 2 rounds
+
+
+@pytest.mark.slow
+def test_startup(runs, request):
+    got = run(runs, request, "startup")
+    assert [r["what"] for r in got["rows"]] == ["launch N=2 first", "launch N=2 again", "pipedsl train P=2, 2 steps"]
+    assert all(r["forkserver_s"] > 0 and r["spawn_s"] > 0 and r["ratio"] > 0 for r in got["rows"])
 
 
 @pytest.mark.slow

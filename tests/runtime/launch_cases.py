@@ -40,3 +40,13 @@ def returns_unpicklable(rank: int) -> object:
     if rank == 0:
         return {"ok": torch.zeros(2), "lock": threading.Lock()}
     return [torch.ones(1), (1, lambda: rank)]
+
+
+def where_am_i(rank: int) -> dict:
+    """What a rank sees of how it was started (test_fork_server.py)."""
+    import multiprocessing as mp
+    import os
+    import sys
+
+    return {"rank": rank, "probe": os.environ.get("PIPEDSL_PROBE"), "cwd": os.getcwd(),
+            "name": mp.current_process().name, "path_has_tests": any(p.endswith("runtime") for p in sys.path)}
