@@ -116,7 +116,8 @@ class Calibration:
                            sharing_efficiency=max(self.sharing_efficiency, 1e-3), sync_latency=self.sync_latency,
                            split_backward=self.split_backward, layer_overhead=self.layer_overhead,
                            op_overhead=self.op_overhead, collective_busy=self.collective_busy,
-                           reduce_scatter_as_all_reduce=True)  # gloo's reduce-scatter is an all-reduce
+                           reduce_scatter_as_all_reduce=True,  # gloo's reduce-scatters and all-gathers
+                           all_gather_as_all_reduce=True)  # cost what its all-reduces do (cluster.py)
 
 
 def _median_time(fn, reps: int, clock=time.perf_counter) -> float:

@@ -52,6 +52,10 @@ class ClusterSpec:
     # gloo reduce-scatters through an all-reduce (timed alike here: 1.0-1.3 ms each for 128 KB on 2 ranks), so a
     # reduce-scatter costs an all-reduce's ring time; NCCL (the GPU presets) runs it at half that
     reduce_scatter_as_all_reduce: bool = False
+    # and its all-gathers too, measured where sequence parallelism runs them (a GPT stage, 2 ranks, 512 KB
+    # gathered: 1.6-1.9 ms each against 1.1-1.5 ms for the all-reduces of the same stage without SP), where the
+    # ring formula gives half an all-reduce
+    all_gather_as_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         for field_name in ("gpus", "gpus_per_node"):

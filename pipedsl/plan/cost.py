@@ -106,6 +106,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     sp, fused, mode = layout.sp, layout.fused, layout.recompute
     rate = cluster.peak_flops * cluster.gemm_efficiency * t  # FLOP/s of the tp group
 
+    gather = all_reduce if cluster.all_gather_as_all_reduce else all_gather  # gloo: as slow as an all-reduce
     act = BYTES_FP16 * b * s * h  # one [b, s, h] activation
     tp_bw, tp_lat = cluster.link(t)
     if q:  # per block: activations 16·[b,s,h], weights 12h²; (q-1)/q³ of each moved, 3 collectives per linear
@@ -115,11 +116,11 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     else:  # two all-reduces, or with SP two all-gathers + two reduce-scatters: the same ring time (on NCCL)
         tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat)
         if sp and cluster.reduce_scatter_as_all_reduce:  # gloo: each reduce-scatter an all-reduce
-            tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat) + 2 * all_gather(act, t, tp_bw, tp_lat)
+            tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat) + 2 * gather(act, t, tp_bw, tp_lat)
         if sp and model.hf:  # torch's SP: each norm weight's Partial gradient all-reduced as it is computed
             tp_block_bwd += 2 * all_reduce(BYTES_FP16 * h, t, tp_bw, tp_lat)
         elif sp:  # Megatron's SP (tp1d.py): the column-parallel inputs, kept as shards, gathered again
-            tp_block_bwd += 2 * all_gather(act, t, tp_bw, tp_lat)
+            tp_block_bwd += 2 * gather(act, t, tp_bw, tp_lat)
 
     dp_bw, dp_lat = cluster.link(t * layout.dp)
     pp_hops_cross_nodes = layout.gpus > cluster.gpus_per_node
@@ -127,7 +128,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         (cluster.intra_bandwidth, cluster.intra_latency)
     message = pp_lat + act / t / pp_bw
     if t > 1 and not q and not sp:  # Megatron's scatter/gather; with SP a stage passes its sequence shard
-        message += all_gather(act, t, *cluster.link(t))
+        message += gather(act, t, *cluster.link(t))
 
     # one block: GEMMs and attention at the tp group's rate, the memory-bound kernels streaming what it stores
     core = model.attention_core_flops(b)
@@ -180,7 +181,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
                 unit = [PARAM_BYTES * model.embedding_params / t] + unit
             if head_last:
                 unit = unit + [PARAM_BYTES * (model.vocab * h + 2 * h) / t]
-            g = [all_gather(x, layout.dp, dp_bw, dp_lat) for x in unit]
+            g = [gather(x, layout.dp, dp_bw, dp_lat) for x in unit]
             c_f = ([0.0] if embed_first else []) + [layer_f] * n + ([head] if head_last else [])
             zero_f = prefetched(g, c_f)
             back_order = g[::-1]
@@ -201,7 +202,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         else:  # reduce-scatter at REDUCE_GRAD (ZeRO's reduce="step"), overlapping the rest of the cooldown
             scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
             reduce.append(replica + scatter(grad_bytes, layout.dp, dp_bw, dp_lat))
-            after.append(all_gather(PARAM_BYTES * p_gpu, layout.dp, dp_bw, dp_lat) if layout.zero < 3 else 0.0)
+            after.append(gather(PARAM_BYTES * p_gpu, layout.dp, dp_bw, dp_lat) if layout.zero < 3 else 0.0)
         shard = p_gpu / (layout.dp if layout.zero >= 1 else 1)
         step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
         psi.append(p_gpu)
