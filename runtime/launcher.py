@@ -79,6 +79,9 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None, t
         kwargs = {"store": dist.TCPStore("127.0.0.1", store_port, is_master=False,
                                          timeout=datetime.timedelta(seconds=timeout))}
     if backend == "nccl":
+        if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
+            raise PipeDSLError("CUDA was initialised in the fork server this rank was forked from (a preloaded "
+                               "module touched the GPU): set PIPEDSL_START_METHOD=spawn")
         local = rank if local_rank is None else local_rank
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
