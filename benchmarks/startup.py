@@ -11,7 +11,7 @@ alternately with PIPEDSL_START_METHOD=forkserver and =spawn (runtime/fork_server
 Reported: the median seconds of each, and forkserver / spawn (below 1 is faster).
 
     python benchmarks/startup.py                 # N = 2, 4; 3 rounds
-    python benchmarks/startup.py --quick         # N = 2; 1 round (structure only)
+    python benchmarks/startup.py --quick         # N = 2, no train; 1 round (structure only)
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--N", type=int, nargs="+", default=[2, 4], help="ranks per launch")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="N=2, one round")
+    ap.add_argument("--quick", action="store_true", help="N=2, no train run, one round")
     ap.add_argument("--json", help="output file (default benchmarks/results/startup.json)")
     ap.add_argument("--no-append", action="store_true", help="no row in RESULTS.md")
     args = ap.parse_args(argv)
@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
                     got = launch_times(method, n, script)
                     times.setdefault((method, f"launch N={n} first"), []).append(got["first"])
                     times.setdefault((method, f"launch N={n} again"), []).append(got["again"])
-                times.setdefault((method, "pipedsl train P=2, 2 steps"), []).append(
-                    train_seconds(method, Path(tmp) / f"train-{method}"))
+                if not args.quick:
+                    times.setdefault((method, "pipedsl train P=2, 2 steps"), []).append(
+                        train_seconds(method, Path(tmp) / f"train-{method}"))
     rows = []
     for what in dict.fromkeys(w for _, w in times):
         fork, spawn = (_bench.median(times[(m, what)]) for m in METHODS)

@@ -30,9 +30,7 @@ from pipedsl.errors import PipeDSLError
 from .lifecycle import signals_held
 
 ALWAYS = ("torch", "torch.distributed", "pipedsl.runtime.launcher")  # what every rank imports
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")  # under torchrun nothing is started locally
-
-
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")  # torchrun's: then `launch` starts no process
 METHOD_ENV = "PIPEDSL_START_METHOD"
 METHODS = ("forkserver", "spawn")
 
@@ -55,9 +53,9 @@ def rank_context(preload: Sequence[str] = ()) -> Any:
 
 def start(preload: Sequence[str] = ()) -> None:
     """Start the fork server now, importing `preload` (module names) besides torch and the launcher, unless it
-    runs already or nothing will be started here (torchrun; no fork server on this platform).  Returns at once:
-    the server imports in the background, and the first rank it forks waits for that."""
-    if method() == "spawn" or all(k in os.environ for k in TORCHRUN_ENV):
+    runs already or ranks are spawned here.  Returns at once: the server imports in the background, and the
+    first rank it forks waits for that."""
+    if method() == "spawn":
         return
     from multiprocessing import forkserver
 

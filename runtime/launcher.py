@@ -44,7 +44,7 @@ from pipedsl.errors import PipeDSLError, PipeRuntimeError
 
 from .capacity import check_local_ranks, usable_cores
 from .errors import RankFailure, failure_order, is_consequence, record_failure
-from .fork_server import rank_context
+from .fork_server import TORCHRUN_ENV, rank_context
 from .lifecycle import (
     STOP_GRACE,
     StopSignals,
@@ -57,13 +57,12 @@ from .lifecycle import (
 from .rank_results import UnreturnableResult, has_result, read_error, read_result, write_error, write_result
 from .user_traceback import exception_line, frames_of, trace_of
 
-ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 _RANK_NAME = "pipedsl-rank"  # a rank process's name: the prefix, then its rank
 MAX_SECONDS = 365 * 86400.0  # a year: beyond it a timeout is a typo (and overflows timedelta near 1e14 s)
 
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in ENV) and not dist.is_initialized()
+    return all(k in os.environ for k in TORCHRUN_ENV) and not dist.is_initialized()
 
 
 def default_backend(nprocs: int) -> str:

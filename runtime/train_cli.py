@@ -273,8 +273,10 @@ def run_program(args: argparse.Namespace) -> int:
 def _start_fork_server(args: argparse.Namespace) -> None:
     """The ranks' fork server imports torch, the trainer and (for --model) transformers' model code while this
     process checks the data and the model and compiles: the two overlap (runtime/fork_server.py)."""
-    from .fork_server import start
+    from .fork_server import TORCHRUN_ENV, start
 
+    if all(k in os.environ for k in TORCHRUN_ENV):  # torchrun started this process: it starts no rank
+        return
     start(["pipedsl.runtime.trainer", *(["transformers.modeling_utils"] if getattr(args, "model", None) else [])])
 
 

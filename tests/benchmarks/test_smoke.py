@@ -153,7 +153,7 @@ def test_shape_change(runs, request):
 @pytest.mark.slow
 def test_startup(runs, request):
     got = run(runs, request, "startup")
-    assert [r["what"] for r in got["rows"]] == ["launch N=2 first", "launch N=2 again", "pipedsl train P=2, 2 steps"]
+    assert [r["what"] for r in got["rows"]] == ["launch N=2 first", "launch N=2 again"]  # --quick: no train run
     assert all(r["forkserver_s"] > 0 and r["spawn_s"] > 0 and r["ratio"] > 0 for r in got["rows"])
 
 
