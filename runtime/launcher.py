@@ -34,7 +34,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,13 +90,11 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None, t
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
            timeout: float = 300.0, join_timeout: float = 3600.0, threads: int | None = None,
-           max_local: int | None = None, stop_grace: float = STOP_GRACE, preload: Sequence[str] = ()) -> list[Any]:
+           max_local: int | None = None, stop_grace: float = STOP_GRACE) -> list[Any]:
     """Run `fn(rank, *args)` on `nprocs` ranks; their return values in rank order (see the module docstring).
 
     `max_local` lifts (or lowers) the limit on local processes (runtime/capacity.py); `stop_grace`
-    is how long a rank may take to exit after SIGTERM when the launcher is interrupted; `preload`
-    names modules every rank will import (the fork server imports them once; the first launch of
-    a process decides).
+    is how long a rank may take to exit after SIGTERM when the launcher is interrupted.
     """
     if getattr(mp.current_process(), "_inheriting", False):
         _refuse_unguarded_launch()
@@ -116,7 +114,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     for name, value in (("timeout", timeout), ("join_timeout", join_timeout), ("stop_grace", stop_grace)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_SECONDS):
             raise PipeDSLError(f"launch: {name} must be a number of seconds in (0, {MAX_SECONDS:g}], got {value!r}")
-    ctx = rank_context(preload)
+    ctx = rank_context()
     outbox = tempfile.mkdtemp(prefix="pipedsl-launch-")  # one result or error file per rank
     try:
         with StopSignals() as signals:
