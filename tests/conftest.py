@@ -14,6 +14,25 @@ settings.register_profile("dev", max_examples=30, deadline=None, suppress_health
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
+# What the suite's ranks import, imported once by the fork server every rank and pool worker is forked from
+# (`runtime/fork_server.py`): otherwise each of 8 workers imports transformers itself, again after each restart.
+RANK_IMPORTS = ("pipedsl.runtime.trainer", "pipedsl.parallel.tp_hf", "transformers.modeling_utils",
+                *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "gemma3")))
+
+
+def _start_the_fork_server() -> None:
+    """Before the first test: the server imports while the collection goes on, for the pool's workers and for
+    every rank a test launches from this process."""
+    from importlib.util import find_spec
+
+    from pipedsl.runtime.fork_server import start
+
+    start(RANK_IMPORTS if find_spec("transformers") else RANK_IMPORTS[:2])
+
+
+_start_the_fork_server()
+
+
 @pytest.fixture(scope="session")
 def pool():
     """8 worker processes started once; each `pool.run(fn, world, ...)` is a fresh gloo world on them

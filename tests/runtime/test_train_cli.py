@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_here import pipedsl_here
 
 import pipedsl
 
@@ -32,9 +33,7 @@ def test_train_command_writes_a_measured_timeline(tmp_path) -> None:
 
 def _train(tmp_path, name: str, *args: str) -> dict[str, float]:
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, "-m", "pipedsl.cli", "train", "-P", "2", "-M", "2", "--seq", "8",
-                           "--embd", "16", "-o", str(out), *args],
-                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = pipedsl_here("train", "-P", "2", "-M", "2", "--seq", "8", "--embd", "16", "-o", str(out), *args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads((out / "losses.json").read_text())["losses"]
 

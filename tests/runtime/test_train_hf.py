@@ -7,11 +7,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed (the optional `hf` extra)")
 
 import torch  # noqa: E402
+from cli_here import pipedsl_here as pipedsl  # noqa: E402
 
 from pipedsl.cli import main  # noqa: E402
 
@@ -64,35 +63,6 @@ def model_dir(root: Path, family: str, *, weights: bool = False) -> Path:
     return path
 
 
-def pipedsl(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipedsl.cli", *argv], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env={**os.environ, **(env or {})})
-
-
-def pipedsl_together(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
-    """Independent runs at once (suite time: a one-process reference is mostly one busy core, start-up and
-    joins, so it overlaps the parallel run it is compared with); each one's result, in order.  Runs sharing a
-    --cache-dir are safe: token-cache builders racing for one key write temporaries and rename."""
-    with contextlib.ExitStack() as stack:
-        files = [(stack.enter_context(tempfile.TemporaryFile("w+")), stack.enter_context(tempfile.TemporaryFile("w+")))
-                 for _ in argvs]
-        procs = [subprocess.Popen([sys.executable, "-m", "pipedsl.cli", *argv], stdout=out, stderr=err, text=True,
-                                  cwd=ROOT) for argv, (out, err) in zip(argvs, files, strict=True)]
-        try:
-            codes = [proc.wait(timeout=600) for proc in procs]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        done = []
-        for proc, code, (out, err) in zip(procs, codes, files, strict=True):
-            out.seek(0)
-            err.seek(0)
-            done.append(subprocess.CompletedProcess(proc.args, code, out.read(), err.read()))
-        return done
-
-
 def common_flags(model: Path, corpus: Path, out: Path, steps: int = 4) -> list[str]:
     return ["train", "--model", str(model), "--data", str(corpus), "--seq", "32", "--batch", "8", "-M", "2",
             "--steps", str(steps), "--lr", "3e-3", "--clip-grad", "1.0", "--lr-schedule", "cosine",
@@ -121,8 +91,8 @@ def test_qwen3_bf16_main_parameters_dp2_pp2_zero3_zbh1_equal_one_process(corpus,
     second parameter of this test: merged there, suite time)."""
     model = model_dir(tmp_path, "qwen3")
     dtypes = ["--precision", "bf16", "--param-dtype", "bf16"]
-    runs = pipedsl_together(*([*common_flags(model, corpus, tmp_path / name), *dtypes, *layout]
-                              for name, layout in (("one", ["-P", "1"]), ("par", ZERO3))))
+    runs = [pipedsl(*common_flags(model, corpus, tmp_path / name), *dtypes, *layout)
+            for name, layout in (("one", ["-P", "1"]), ("par", ZERO3))]
     for proc in runs:
         assert proc.returncode == 0, proc.stderr[-3000:]
     (want, want_eval), (got, got_eval) = ((losses(tmp_path / name), evals(tmp_path / name)) for name in ("one", "par"))
@@ -187,9 +157,9 @@ def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpu
     model = model_dir(tmp_path, "gemma3")
     (tmp_path / "eval.txt").write_text(_text(99, 400))
     heldout_file = ["--eval-data", str(tmp_path / "eval.txt")]
-    one, whole = pipedsl_together([*common_flags(model, corpus, tmp_path / "one"), "-P", "1", *heldout_file],
-                                  [*common_flags(model, corpus, tmp_path / "whole"), *ZERO3, *heldout_file,
-                                   "--tensorboard", str(tmp_path / "tb")])
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), "-P", "1", *heldout_file)
+    whole = pipedsl(*common_flags(model, corpus, tmp_path / "whole"), *ZERO3, *heldout_file,
+                    "--tensorboard", str(tmp_path / "tb"))
     assert one.returncode == 0, one.stderr[-3000:]
     assert whole.returncode == 0, whole.stderr[-3000:]
     want, got = losses(tmp_path / "one"), losses(tmp_path / "whole")
@@ -217,7 +187,7 @@ def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpu
     log.close()
     resumed = pipedsl(*flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed at step 2" in resumed.stdout
+    assert f"resuming from {ckpt}" in resumed.stdout
     cut = losses(tmp_path / "cut")
     assert {s: cut[s] for s in (3, 4)} == {s: got[s] for s in (3, 4)}  # bit for bit
     assert evals(tmp_path / "cut")[4] == evals(tmp_path / "whole")[4]
@@ -266,8 +236,8 @@ def test_llama_dp2_pp2_tp2_sequence_parallel_equals_one_process_resumes_and_expo
     model = model_dir(tmp_path, "llama")
     ckpt = tmp_path / "ckpt"
     par = [*common_flags(model, corpus, tmp_path / "par"), *TP_SP, "--checkpoint-dir", str(ckpt)]
-    one, first = pipedsl_together([*common_flags(model, corpus, tmp_path / "one"), "-P", "1", "--lr-schedule",
-                                   "constant"], [*par, "--steps", "2"])
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), "-P", "1", "--lr-schedule", "constant")
+    first = pipedsl(*par, "--steps", "2")
     assert one.returncode == 0, one.stderr[-3000:]
     assert first.returncode == 0, first.stderr[-3000:]
     assert "2 x 2 x 2 = 8 processes (dp x pp x tp, zero=0, sequence parallel)" in first.stdout
