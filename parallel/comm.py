@@ -2,7 +2,8 @@
 
 Every collective of the package goes through the five functions below, which check shapes
 before calling c10d (gloo aborts the *process* on a mismatch) and record the bytes each rank
-sends into the active `CommCounter`, if any (`with count_comm() as c: …`).  The count is
+sends into the active `CommCounter`, if any (`with count_comm() as c: …`), with the wall time spent
+inside the call (a blocking collective's wait for its peers included; an async one's issue only).  The count is
 the volume of the bandwidth-optimal (ring) algorithm for the tensors actually passed:
 
     all-reduce of n bytes on P ranks      2 (P-1)/P · n
@@ -33,6 +34,7 @@ rank holds, cut to the rank's shard).
 from __future__ import annotations
 
 import contextvars
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,10 +54,11 @@ class CollectiveShapeError(PipeRuntimeError):
 
 @dataclass
 class CommCounter:
-    """Bytes sent by this rank, by (collective, group label), and the number of calls."""
+    """Bytes sent by this rank, by (collective, group label), the number of calls and the seconds inside them."""
 
     sent: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
 
     @property
     def total(self) -> int:
@@ -73,10 +76,15 @@ class CommCounter:
             out[g] += n
         return dict(out)
 
-    def add(self, op: str, group: ProcessGroup | None, nbytes: float) -> None:
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def add(self, op: str, group: ProcessGroup | None, nbytes: float, seconds: float = 0.0) -> None:
         key = (op, _label(group))
         self.sent[key] += int(round(nbytes))
         self.calls[key] += 1
+        self.seconds[key] += seconds
 
 
 _COUNTER: contextvars.ContextVar[CommCounter | None] = contextvars.ContextVar("pipedsl_comm_counter", default=None)
@@ -100,10 +108,16 @@ def _label(group: ProcessGroup | None) -> str:
     return desc.removeprefix("mesh_") or f"group{dist.get_process_group_ranks(group)}"
 
 
-def _record(op: str, group: ProcessGroup | None, nbytes: float) -> None:
+def _counted(op: str, group: ProcessGroup | None, nbytes: float, call: Callable[[], dist.Work | None]
+             ) -> dist.Work | None:
+    """`call()`, recorded into the active counter with its bytes and the seconds it took."""
     counter = _COUNTER.get()
-    if counter is not None:
-        counter.add(op, group, nbytes)
+    if counter is None:
+        return call()
+    start = time.perf_counter()
+    work = call()
+    counter.add(op, group, nbytes, time.perf_counter() - start)
+    return work
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -127,8 +141,8 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup | None, op: ReduceOp.RedOpTy
     p = group_size(group)
     if p == 1:
         return None
-    _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(t))
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    return _counted("all_reduce", group, 2 * (p - 1) / p * _nbytes(t),
+                    lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op))
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
@@ -141,8 +155,8 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | No
     if p == 1:
         out.view(-1).copy_(t.reshape(-1))
         return None
-    _record("all_gather", group, (p - 1) * _nbytes(t))
-    return dist.all_gather_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op)  # gloo: flat
+    return _counted("all_gather", group, (p - 1) * _nbytes(t),  # gloo: flat
+                    lambda: dist.all_gather_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
 
 
 def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
@@ -156,8 +170,8 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup 
     if p == 1:
         out.copy_(t.reshape(out.shape))
         return None
-    _record("reduce_scatter", group, (p - 1) / p * _nbytes(t))
-    return dist.reduce_scatter_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op)  # gloo: flat
+    return _counted("reduce_scatter", group, (p - 1) / p * _nbytes(t),  # gloo: flat
+                    lambda: dist.reduce_scatter_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
 
 
 def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:

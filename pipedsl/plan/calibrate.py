@@ -15,10 +15,13 @@ real runtime's processes and gloo, as a `ClusterSpec` the planner predicts with.
   own CPU, over its two ops (executor, messages, autograd bookkeeping).  CPU time, not wall time,
   so a rank waiting for a message or for a core does not count;
 - blocking collectives: the same block tensor-parallel over pairs of ranks (`ParallelBlock`, t=2,
-  four all-reduces of its activation), every rank at once.  What it costs beyond half the dense
-  block is four all-reduces; beyond the link's ring cost, each all-reduce step waits for its peer
-  to be scheduled — `sync_latency` (large where ranks outnumber cores, 0 on GPUs).  Its CPU time
-  against its wall time gives the share of a collective that keeps the core busy
+  four all-reduces of its activation), every rank at once, with the seconds spent inside its
+  all-reduces counted (`parallel.comm.count_comm`): inside a step, a collective also waits for
+  its peer to arrive, which an isolated loop of all-reduces never does.  Beyond the link's ring
+  cost, each all-reduce step's wait is `sync_latency` (large where ranks outnumber cores, 0 on
+  GPUs).  The rest of what the block costs beyond half the dense one is tensor parallelism's own
+  work (the split layers' copies and extra autograd functions): `tp_layer_overhead`, per block.
+  The collectives' CPU time against their wall time gives the share that keeps the core busy
   (`collective_busy`: gloo's copies, reductions and wake-ups; the rest of the wait leaves the
   core to other ranks);
 - link: gloo send/recv ping-pong between ranks 0 and 1 at two sizes: latency and bandwidth of
@@ -45,6 +48,8 @@ SIZES = (4 * 1024, 4 * 1024 * 1024)  # ping-pong message bytes: latency-bound, b
 LARGE = 4  # the block's second microbatch size, in multiples of the first
 PIPELINE_MICROBATCHES = (4, 8)  # the two step sizes whose difference is one microbatch's cost (x4)
 FP32_OVER_COUNTED = 2  # the runtime's fp32 bytes per value over the planner's fp16 bytes
+FP16_BYTES = 2
+MAX_BANDWIDTH = 1e15  # bytes/s of a collective whose time did not grow with its size (the fit's noise)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,10 @@ class Calibration:
     peak_flops: float = 0.0  # FLOP/s of the rest, with a core to itself (0: flops_alone or flops)
     op_overhead: float = 0.0  # CPU seconds of the runtime per stage op (F, B, I or W), beyond the stage's module
     collective_busy: float = 0.0  # CPU / wall time of a blocking collective (tp all-reduce), on its rank
+    tp_layer_overhead: float = 0.0  # seconds of a t=2 block's F+B beyond half the dense block and its collectives
+    tp_sample_overhead: float = 0.0  # and its part per sample of the microbatch
+    tp_all_reduce: tuple[float, float] = (0.0, 0.0)  # in-step all-reduce over 2 ranks: (s per ring step, fp16 B/s)
+    tp_gather: tuple[float, float] = (0.0, 0.0)  # in-step SP all-gather / reduce-scatter over 2 ranks: the same
 
     @property
     def shared(self) -> bool:
@@ -104,7 +113,12 @@ class Calibration:
                 f"+{self.sync_latency * 1e6:.0f} us a step ({self.collective_busy:.0%} of it busy), "
                 f"split backward x{self.split_backward:.2f}, "
                 f"AdamW {self.memory_bandwidth / 1e9:.2f} GB/s; not FLOP-proportional: "
-                f"{self.layer_overhead * 1e3:.2f} ms a block (F+B), {self.op_overhead * 1e3:.2f} ms a stage op")
+                f"{self.layer_overhead * 1e3:.2f} ms a block (F+B), tensor-parallel "
+                f"+{self.tp_layer_overhead * 1e3:.2f} ms + {self.tp_sample_overhead * 1e3:.2f} ms a sample, "
+                f"{self.op_overhead * 1e3:.2f} ms a stage op; "
+                f"in a step, tp all-reduces {self.tp_all_reduce[0] * 1e3:.2f} ms a ring step + "
+                f"{self.tp_all_reduce[1] / 1e9:.2f} GB/s, SP gathers {self.tp_gather[0] * 1e3:.2f} ms + "
+                f"{self.tp_gather[1] / 1e9:.2f} GB/s")
 
     def cluster(self) -> ClusterSpec:
         """This machine as the planner's cluster: one node of `ranks` processes on `cores` processors."""
@@ -116,6 +130,8 @@ class Calibration:
                            sharing_efficiency=max(self.sharing_efficiency, 1e-3), sync_latency=self.sync_latency,
                            split_backward=self.split_backward, layer_overhead=self.layer_overhead,
                            op_overhead=self.op_overhead, collective_busy=self.collective_busy,
+                           tp_layer_overhead=self.tp_layer_overhead, tp_sample_overhead=self.tp_sample_overhead,
+                           tp_all_reduce=self.tp_all_reduce, tp_gather=self.tp_gather,
                            reduce_scatter_as_all_reduce=True,  # gloo's reduce-scatters and all-gathers
                            all_gather_as_all_reduce=True)  # cost what its all-reduces do (cluster.py)
 
@@ -159,7 +175,7 @@ def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] =
         dist.barrier()
     out.update(_pipeline_cpu(model, block, full, reps))
     if world % 2 == 0:
-        out["tp_block"], out["tp_block_cpu"] = _tp_block_time(model, block, x, reps)
+        out.update(_tp_block_times(model, block, reps))
 
     params = [torch.zeros(1 << 20, requires_grad=True) for _ in range(4)]
     for p in params:
@@ -231,26 +247,43 @@ def _mean_square(out: Any, target: Any) -> Any:
     return (out - target).pow(2).mean()
 
 
-def _tp_block_time(model: SmallGPT, block: Any, x: Any, reps: int) -> tuple[float, float]:
-    """Wall and CPU seconds of the block tensor-parallel over pairs of ranks (1-D, t=2), every rank at once."""
+def _tp_block_times(model: SmallGPT, block: Any, reps: int) -> dict[str, float]:
+    """The block tensor-parallel over pairs of ranks (1-D, t=2), every rank at once, at the two microbatch
+    sizes, without and with sequence parallelism: wall seconds of F+B, and the seconds of one of its collectives
+    inside that step (the all-reduces; with SP the all-gathers and reduce-scatters of the sequence), medians of
+    the timed steps; CPU seconds of the tp block at the first size."""
+    import torch
     import torch.distributed as dist
 
-    from pipedsl.parallel import ParallelConfig, ParallelMesh
+    from pipedsl.parallel import ParallelConfig, ParallelMesh, count_comm
     from pipedsl.parallel.tp1d import ParallelBlock
     from pipedsl.parallel.tp_gpt import dense_block
 
     mesh = ParallelMesh(ParallelConfig(dp=dist.get_world_size() // 2, pp=1, tp=2))
     tp_block = ParallelBlock.from_dense(dense_block(block), mesh.tp_group)
+    sp_block = ParallelBlock.from_dense(dense_block(block), mesh.tp_group, sequence_parallel=True)
+    out: dict[str, float] = {}
+    for suffix, b in (("", model.microbatch), ("_large", LARGE * model.microbatch)):
+        for name, layer, seq, kinds in (("tp", tp_block, model.seq, ("all_reduce",)),
+                                        ("sp", sp_block, model.seq // 2, ("all_gather", "reduce_scatter"))):
+            x = torch.randn(b, seq, model.embd, requires_grad=True)
+            per_call: list[float] = []
 
-    def step() -> None:
-        tp_block(x).sum().backward()
+            def step(layer: Any = layer, x: Any = x, kinds: tuple[str, ...] = kinds,
+                     per_call: list[float] = per_call) -> None:
+                with count_comm() as counter:
+                    layer(x).sum().backward()
+                timed = [(counter.seconds[k], counter.calls[k]) for k in counter.calls if k[0] in kinds]
+                per_call.append(sum(t for t, _ in timed) / max(1, sum(n for _, n in timed)))
 
+            dist.barrier()
+            out[f"{name}_block{suffix}"] = _median_time(step, reps)
+            out[f"{name}_block_collective{suffix}"] = statistics.median(per_call[1:])  # not the warm-up step
+            dist.barrier()
+    x = torch.randn(model.microbatch, model.seq, model.embd, requires_grad=True)
+    out["tp_block_cpu"] = _median_time(lambda: tp_block(x).sum().backward(), reps, time.process_time)
     dist.barrier()
-    took = _median_time(step, reps)
-    dist.barrier()
-    cpu = _median_time(step, reps, time.process_time)
-    dist.barrier()
-    return took, cpu
+    return out
 
 
 def _measure_in_pool(model: SmallGPT, reps: int, sizes: tuple[int, int], cores: int) -> dict[str, float]:
@@ -292,14 +325,31 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
     fixed, peak = _block_fit(every, model, "_alone" if alone else "")
     block_cpu = statistics.median(r["block_cpu"] for r in every)
     sync = busy = 0.0
+    own: tuple[float, float] = (0.0, 0.0)
+    all_reduce = gather = (0.0, 0.0)
     tp = [r for r in every if "tp_block" in r]
-    if tp:  # four all-reduces of the fp32 [b, T, C] activation over 2 ranks: bytes/bw + 2 steps each
-        activation = 4 * model.microbatch * model.seq * model.embd
-        # t = 2 halves the block's FLOPs, not its fixed part
-        kept = (1 + fixed / (fixed + 3 * spec.layer_flops(model.microbatch) / peak)) / 2 if peak else 0.5
-        collectives = statistics.median(r["tp_block"] for r in tp) - block * kept
-        sync = max(0.0, (collectives / 4 - activation / bandwidth) / 2 - latency)
-        collectives_cpu = statistics.median(r["tp_block_cpu"] for r in tp) - block_cpu * kept
+    if tp:
+        def med(key: str) -> float:
+            return statistics.median(r[key] for r in tp)
+
+        b = model.microbatch
+        act = FP16_BYTES * b * model.seq * model.embd  # one [b, T, C] activation, as the planner counts it
+        # over 2 ranks an all-reduce is 2 ring steps + bytes / bandwidth; a gather or scatter 1 step + half that
+        all_reduce = _fit_collective(med("tp_block_collective"), med("tp_block_collective_large"), act, 2, 1.0)
+        gather = _fit_collective(med("sp_block_collective"), med("sp_block_collective_large"), act, 1, 0.5)
+        sync = max(0.0, all_reduce[0] - latency)
+
+        def kept(samples: int) -> float:  # t = 2 halves the block's FLOPs, not its fixed part
+            flops = 3 * spec.layer_flops(samples)
+            return (1 + fixed / (fixed + flops / peak)) / 2 if peak else 0.5
+
+        collectives = 4 * med("tp_block_collective")  # two all-reduces forward, two backward
+        small = med("tp_block") - block * kept(b) - collectives
+        large = med("tp_block_large") - statistics.median(r["block_large"] for r in every) * kept(LARGE * b) - \
+            4 * med("tp_block_collective_large")
+        per_sample = max(0.0, (large - small) / ((LARGE - 1) * b))
+        own = (max(0.0, small - b * per_sample), per_sample)
+        collectives_cpu = med("tp_block_cpu") - block_cpu * kept(b) - max(small, 0.0)
         busy = min(1.0, max(0.0, collectives_cpu / collectives)) if collectives > 0 else 0.0
     split = statistics.median(r["split_block"] / r["block"] for r in every)
     m4, m8 = PIPELINE_MICROBATCHES
@@ -307,7 +357,17 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
     op = max(0.0, (statistics.median(per_microbatch) - block_cpu) / 2)
     return Calibration(len(runs[0]), block_flops / block, latency, bandwidth, ADAM_BYTES_PER_PARAM / adam,
                        cores, block_flops / statistics.median(alone) if alone else 0.0, sync, max(split, 1.0),
-                       fixed, peak, op, busy)
+                       fixed, peak, op, busy, *own, all_reduce, gather)
+
+
+def _fit_collective(small: float, large: float, act: float, steps: int, share: float) -> tuple[float, float]:
+    """(seconds per ring step, bytes/s) of a collective over 2 ranks timed at `act` and LARGE·`act` bytes, as
+    `steps` ring steps plus `share` of the bytes over the bandwidth; a flat time (noise) is all steps."""
+    slope = (large - small) / ((LARGE - 1) * act)
+    if slope <= 0:
+        return statistics.mean([small, large]) / steps, MAX_BANDWIDTH
+    bandwidth = min(share / slope, MAX_BANDWIDTH)
+    return max(0.0, (small - share * act / bandwidth) / steps), bandwidth
 
 
 def _block_fit(every: list[dict[str, float]], model: SmallGPT, suffix: str) -> tuple[float, float]:

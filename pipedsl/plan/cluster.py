@@ -46,6 +46,16 @@ class ClusterSpec:
     # (F, B, I or W of one microbatch on one stage: the runtime's executor, messages, autograd bookkeeping).
     layer_overhead: float = 0.0
     op_overhead: float = 0.0
+    # and per 1-D tensor-parallel block forward + backward, beyond its share of the block and its collectives: the
+    # split layers' copies and extra autograd functions, a fixed part and a part per sample of the microbatch
+    tp_layer_overhead: float = 0.0
+    tp_sample_overhead: float = 0.0
+    # The tensor-parallel collectives as timed inside a block's step (calibration; (0, 0): the link and the ring
+    # formulas): (seconds per ring step, bytes/s) of its blocking all-reduces, and of sequence parallelism's
+    # all-gathers and reduce-scatters.  Inside a step a collective also waits for its peer, and gloo's in-step
+    # rate is far below a ping-pong's (0.3-0.4 against 3 GB/s here, docs/planner.md)
+    tp_all_reduce: tuple[float, float] = (0.0, 0.0)
+    tp_gather: tuple[float, float] = (0.0, 0.0)
     # The attention kernel the search assumes unless told: FlashAttention-style (no s² tensor stored, QKᵀ
     # recomputed in the backward) on the H100/H200 presets; eager on the A100 preset, as SC'21's Megatron ran.
     fused_attention: bool = False
@@ -69,6 +79,12 @@ class ClusterSpec:
             if not (math.isfinite(value) and value >= 0 and (value > 0 or zero_ok)):
                 kind = "a finite number >= 0" if zero_ok else "a positive, finite number"
                 raise PipeDSLError(f"cluster {self.name}: {field_name} must be {kind}, got {shorten(value)}")
+        for field_name in ("tp_all_reduce", "tp_gather"):
+            step, bandwidth = getattr(self, field_name)
+            if not (math.isfinite(step) and math.isfinite(bandwidth) and 0 <= step <= MAX_OVERHEAD
+                    and bandwidth >= 0):
+                raise PipeDSLError(f"cluster {self.name}: {field_name} must be (seconds per step in "
+                                   f"[0, {MAX_OVERHEAD:g}], bytes/s >= 0), got {shorten(getattr(self, field_name))}")
         if not 0 <= self.collective_busy <= 1:
             raise PipeDSLError(f"cluster {self.name}: collective_busy must be in [0, 1], got "
                                f"{shorten(self.collective_busy)}")
@@ -82,11 +98,17 @@ class ClusterSpec:
         if not (math.isfinite(self.split_backward) and 1 <= self.split_backward <= 10):
             raise PipeDSLError(f"cluster {self.name}: split_backward must be in [1, 10], got "
                                f"{shorten(self.split_backward)}")
-        for field_name in ("sync_latency", "layer_overhead", "op_overhead"):
+        for field_name in ("sync_latency", "layer_overhead", "op_overhead", "tp_layer_overhead", "tp_sample_overhead"):
             value = getattr(self, field_name)
             if not (math.isfinite(value) and 0 <= value <= MAX_OVERHEAD):
                 raise PipeDSLError(f"cluster {self.name}: {field_name} must be a number of seconds in "
                                    f"[0, {MAX_OVERHEAD:g}], got {shorten(value)}")
+
+    def tp_link(self, t: int, gather: bool = False) -> tuple[float, float]:
+        """(bandwidth, latency per step) of a tensor-parallel group's all-reduces (`gather`: SP's all-gathers and
+        reduce-scatters): as calibrated inside a step, else the link's."""
+        step, bandwidth = self.tp_gather if gather else self.tp_all_reduce
+        return (bandwidth, step) if bandwidth > 0 else self.link(t)
 
     def link(self, group_span: int) -> tuple[float, float]:
         """(bandwidth, latency per step) of a ring collective over ranks `group_span` apart in the rank

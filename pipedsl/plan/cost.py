@@ -108,19 +108,26 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
 
     gather = all_reduce if cluster.all_gather_as_all_reduce else all_gather  # gloo: as slow as an all-reduce
     act = BYTES_FP16 * b * s * h  # one [b, s, h] activation
-    tp_bw, tp_lat = cluster.link(t)
+    tp_bw, tp_lat = cluster.tp_link(t)
+    in_step_gathers = cluster.tp_gather[1] > 0  # calibrated: SP's gathers and scatters priced as timed in a step
+
+    def sp_gather(n: float) -> float:
+        return all_gather(n, t, *cluster.tp_link(t, gather=True)) if in_step_gathers else gather(n, t, tp_bw, tp_lat)
+
     if q:  # per block: activations 16·[b,s,h], weights 12h²; (q-1)/q³ of each moved, 3 collectives per linear
         moved = (q - 1) / q ** 3 * (16 * act + BYTES_FP16 * 12 * h * h)
         tp_block_fwd = moved / tp_bw + 12 * (q - 1) * tp_lat
         tp_block_bwd = tp_block_fwd
     else:  # two all-reduces, or with SP two all-gathers + two reduce-scatters: the same ring time (on NCCL)
         tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat)
-        if sp and cluster.reduce_scatter_as_all_reduce:  # gloo: each reduce-scatter an all-reduce
-            tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat) + 2 * gather(act, t, tp_bw, tp_lat)
+        if sp and in_step_gathers:
+            tp_block_fwd = tp_block_bwd = 4 * sp_gather(act)
+        elif sp and cluster.reduce_scatter_as_all_reduce:  # gloo: each reduce-scatter an all-reduce
+            tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat) + 2 * sp_gather(act)
         if sp and model.hf:  # torch's SP: each norm weight's Partial gradient all-reduced as it is computed
             tp_block_bwd += 2 * all_reduce(BYTES_FP16 * h, t, tp_bw, tp_lat)
         elif sp:  # Megatron's SP (tp1d.py): the column-parallel inputs, kept as shards, gathered again
-            tp_block_bwd += 2 * gather(act, t, tp_bw, tp_lat)
+            tp_block_bwd += 2 * sp_gather(act)
 
     dp_bw, dp_lat = cluster.link(t * layout.dp)
     pp_hops_cross_nodes = layout.gpus > cluster.gpus_per_node
@@ -134,7 +141,9 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     core = model.attention_core_flops(b)
     stored = model.layer_activation_bytes(b, t, "none", sp, fused)
     block = model.layer_flops(b) / rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
-    fixed = cluster.layer_overhead / 3  # per pass of a block: F 1, B 2 (I 1 + W 1)
+    # per pass of a block: F 1, B 2 (I 1 + W 1); a 1-D tensor-parallel block's own work with it
+    tp_own = cluster.tp_layer_overhead + b * cluster.tp_sample_overhead if t > 1 and not q else 0.0
+    fixed = (cluster.layer_overhead + tp_own) / 3
     if mode == "full":
         again = block + fixed + tp_block_fwd
     elif mode == "selective":  # what it recomputes, and the memory-bound kernels on what it no longer stores

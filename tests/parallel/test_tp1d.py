@@ -132,6 +132,8 @@ def tp1d_job(tp: int) -> Errors:
     want = 2 * 2 * (t - 1) / t * B * S * H * 4
     errs["mlp comm: bytes"] = (abs(c.total - want), want)
     errs["mlp comm: all-reduce calls"] = (abs(sum(c.calls.values()) - 2), 2.0)
+    errs["mlp comm: seconds of each collective timed"] = (float(not all(c.seconds[k] > 0 for k in c.calls)), 0.0)
+    errs["mlp comm: seconds per collective only"] = (float(set(c.seconds) != set(c.calls)), 0.0)
 
     # sequence parallelism: sequence shards [b, s/t, h] in and out, the whole sequence inside (s = 8 splits at t 2, 4)
     xs, x4s, S8 = torch.randn(B, 8, H, generator=g), torch.randn(B, 8, 4 * H, generator=g), 8
