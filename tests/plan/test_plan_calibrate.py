@@ -133,3 +133,24 @@ def test_cluster_refuses_overheads_that_are_not_seconds():
     for bad in (-1.0, float("nan"), float("inf"), 1e9):
         with pytest.raises(PipeDSLError, match="op_overhead must be a number of seconds"):
             replace(cluster_preset("h100"), op_overhead=bad)
+
+
+def test_sequence_parallel_collectives_are_priced_as_calibrated_inside_a_step():
+    """With in-step prices, a 1-D tp block's forward is two all-reduces at `tp_all_reduce`, and with SP two
+    all-gathers and two reduce-scatters at `tp_gather` (ring formulas over t = 2); the GPT's SP backward gathers
+    its two column-parallel inputs again."""
+    from dataclasses import replace
+
+    from pipedsl.plan.cluster import cluster_preset
+    from pipedsl.plan.cost import all_gather, all_reduce, stage_costs
+
+    model = SmallGPT().spec()
+    cluster = replace(cluster_preset("a100-80gb"), tp_all_reduce=(1e-3, 4e8), tp_gather=(6e-4, 3e8))
+    act = 2 * 2 * model.seq * model.hidden  # fp16 [b, s, h] at microbatch 2
+    blocks = model.layers // 2
+    for sp, fwd, bwd in ((False, 2 * all_reduce(act, 2, 4e8, 1e-3), 2 * all_reduce(act, 2, 4e8, 1e-3)),
+                         (True, 4 * all_gather(act, 2, 3e8, 6e-4), 6 * all_gather(act, 2, 3e8, 6e-4))):
+        layout = Layout(1, 2, 2, "1f1b", 2, 4, recompute=False, sequence_parallel=sp)
+        middle = stage_costs(model, cluster, layout, 2).tp_comm[1]  # the last stage: no embedding all-reduce
+        loss = 3 * all_reduce(4 * 2 * model.seq, 2, 4e8, 1e-3)  # the vocabulary-parallel cross-entropy's three
+        assert math.isclose(middle, blocks * (fwd + bwd) + loss, rel_tol=1e-9), (sp, middle)
