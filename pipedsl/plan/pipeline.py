@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 
 from pipedsl.errors import PipeDSLError
-from pipedsl.ir import Instr, Op, Program
+from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
 from pipedsl.library import load
 from pipedsl.plan.cost import StageCosts
 from pipedsl.plan.shared_host import shared_dry_run
@@ -26,6 +26,7 @@ from pipedsl.simulate import Cost, simulate, simulated_timeline
 from pipedsl.timeline import Timeline
 
 M_CAP_FACTOR = 2  # simulate at most ~4P microbatches
+BACKGROUND_ROUNDS = 4  # replays to settle how much of the time the node's other pipelines compute
 
 
 @cache
@@ -164,7 +165,7 @@ def iteration_time(timeline: Timeline, program: Program, costs: StageCosts) -> f
 
 
 def _run_exact(schedule: str, P: int, M: int, params: tuple, costs: StageCosts,
-               sharing: tuple[float, float, float] | None) -> tuple[float, float, list[int], float]:
+               sharing: tuple[float, float, float, float] | None) -> tuple[float, float, list[int], float]:
     program = compiled(schedule, P, M, params)
     cost = costs.simulator_cost()
     timeline = simulate(program, cost) if sharing is None else _shared_timeline(program, cost, costs, *sharing)
@@ -172,9 +173,12 @@ def _run_exact(schedule: str, P: int, M: int, params: tuple, costs: StageCosts,
 
 
 def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: float, efficiency: float,
-                     busy: float = 0.0) -> Timeline:
-    """The program replayed on `cores` shared processors (`shared_host`): an op's blocking collectives
-    (`costs.waits`) take time, and a core for only the `busy` share of it."""
+                     busy: float = 0.0, others: float = 0.0) -> Timeline:
+    """The program replayed on `cores` shared processors (`shared_host`) beside `others` identical pipelines:
+    an op's blocking collectives (`costs.waits`) take time, and a core for only the `busy` share of it.  The
+    other pipelines compete for the cores the share of the time this one's ranks compute: while a tp pair
+    waits in its collectives the others run faster, which a fixed share of the cores would not let them.
+    That share is found by replaying again until it settles."""
     def work(ins: Instr) -> tuple[float, float]:
         if ins.sub is not None:  # an overlapped pair: its halves' work and waits
             halves = [work(x) for x in ins.sub]
@@ -184,15 +188,27 @@ def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: flo
         wait = min(waits.get(ins.op.value, 0.0), total) * (1 - busy)
         return total - wait, wait
 
-    starts, ends = shared_dry_run(program, work, cost.message_time, cores, efficiency)
+    computing = 1.0  # of the time, the share a rank occupies a core: at first, all of it
+    for _ in range(BACKGROUND_ROUNDS):
+        starts, ends = shared_dry_run(program, work, cost.message_time, cores, efficiency,
+                                      others * program.num_ranks * computing)
+        if not others:
+            break
+        makespan = max((e[-1] for e in ends if e), default=0.0)
+        occupied = sum(end - start - work(ins)[1] for stream, s_r, e_r in zip(program.ranks, starts, ends)
+                       for ins, start, end in zip(stream, s_r, e_r) if ins.op not in RECVS and ins.op not in SENDS)
+        settled = occupied / (program.num_ranks * makespan) if makespan > 0 else 1.0
+        if abs(settled - computing) < 0.01:
+            break
+        computing = settled
     return simulated_timeline(program, starts, ends, {"cores": cores})
 
 
 def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...], costs: StageCosts,
-                 sharing: tuple[float, float, float] | None = None) -> PipelineRun:
+                 sharing: tuple[float, float, float, float] | None = None) -> PipelineRun:
     """Simulate (or extend linearly from two simulations) one pipeline's iteration; with `sharing`
-    (this pipeline's cores, their efficiency, a blocking collective's busy share), on processors its
-    ranks share."""
+    (the cores, their efficiency, a blocking collective's busy share, how many other pipelines share
+    them), on processors its ranks share."""
     sizes = simulation_sizes(M, P)
     runs = [_run_exact(schedule, P, m, params, costs, sharing) for m in sizes]
     if len(runs) == 1:

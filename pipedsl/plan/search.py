@@ -219,13 +219,17 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[i
     return worst
 
 
-def _sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float, float] | None:
-    """(this pipeline's share of its node's cores, their efficiency, the busy share of a blocking collective)
-    where ranks share cores, else None: the node runs ranks / pp identical pipelines side by side."""
+def _sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float, float, float] | None:
+    """(the cores this pipeline's ranks share, their efficiency, the busy share of a blocking collective, how many
+    other pipelines share them) where ranks share cores, else None: the node runs ranks / pp identical pipelines
+    side by side (a tp group's ranks each count as one); a pipeline longer than a node gets its share of each."""
     ranks = cluster.shared_ranks(layout.gpus)
     if not ranks:
         return None
-    return cluster.cores_per_node * layout.pp / ranks, cluster.sharing_efficiency, cluster.collective_busy
+    pipelines = ranks / layout.pp
+    if pipelines <= 1:
+        return cluster.cores_per_node * layout.pp / ranks, cluster.sharing_efficiency, cluster.collective_busy, 0.0
+    return cluster.cores_per_node, cluster.sharing_efficiency, cluster.collective_busy, pipelines - 1
 
 
 def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate:

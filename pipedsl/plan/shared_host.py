@@ -5,8 +5,9 @@ share cores — the local machine `plan --calibrate` measures, 4 processes on 2 
 waiting for a message leaves its core to the others, and ranks that compute at once slow each
 other down.  This replay is a processor-sharing simulation in global time: while n ranks
 compute on c cores, each advances at min(1, c·e / n) of its own speed (e: how well the shared
-cores are used, measured); waiting inside an op (a blocking collective: tensor-parallel
-all-reduces, ZeRO-3 gathers) takes wall time but no core.  A message arrives `message_time`
+cores are used, measured; n counts the node's other pipelines' ranks by the share of the time
+they compute); waiting inside an op (a blocking collective: tensor-parallel all-reduces, ZeRO-3
+gathers) takes wall time but no core.  A message arrives `message_time`
 after its send, as in `pipedsl.engine.dry_run`.  Cost: O(instructions · ranks), for the local
 sizes it is used at.
 """
@@ -25,9 +26,10 @@ _COMPUTE, _WAITING_IN_OP, _BLOCKED, _DONE = range(4)
 
 
 def shared_dry_run(program: Program, work: Work, message_time: Callable[[Instr], float], cores: float,
-                   efficiency: float = 1.0) -> tuple[list[list[float]], list[list[float]]]:
+                   efficiency: float = 1.0, background: float = 0.0) -> tuple[list[list[float]], list[list[float]]]:
     """Start and end time of every instruction of a (validated) program whose ranks share `cores`
-    processors (fractional: this pipeline's share of a node running several)."""
+    processors with, on average, `background` computing ranks of other programs (the node's other
+    pipelines: `plan/pipeline.py` finds how much of the time they compute)."""
     P = program.num_ranks
     streams = program.ranks
     starts = [[0.0] * len(s) for s in streams]
@@ -70,7 +72,8 @@ def shared_dry_run(program: Program, work: Work, message_time: Callable[[Instr],
         advance(r)
     while True:
         running = [r for r in range(P) if state[r] == _COMPUTE]
-        speed = 1.0 if len(running) <= cores else cores * efficiency / len(running)
+        load = len(running) + background
+        speed = 1.0 if load <= cores else cores * efficiency / load
         candidates = [now + left[r] / speed for r in running]
         candidates += [wait[r] for r in range(P) if state[r] == _WAITING_IN_OP]
         for r in range(P):

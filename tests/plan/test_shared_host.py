@@ -70,3 +70,28 @@ def test_the_busy_share_of_a_collective_takes_a_core() -> None:
     free, half, busy = (_shared_timeline(program, cost, costs, 1.0, 1.0, b).makespan for b in (0.0, 0.5, 1.0))
     computed = _shared_timeline(program, cost, replace(costs, waits=()), 1.0, 1.0).makespan
     assert free < half < busy == pytest.approx(computed)
+
+
+def test_other_pipelines_take_the_cores_for_the_share_of_the_time_they_compute() -> None:
+    """A node of 2 cores running 4 one-rank pipelines (dp2 x tp2 at pp1): with no waits every pipeline
+    computes all the time and gets half a core, as a fixed share gives; when half of each op is spent
+    waiting in a collective, the others compute only part of the time, so the pipeline runs faster than on a
+    fixed half core (its waits then left the cores unused) and slower than with the cores alone."""
+    from dataclasses import replace
+
+    from pipedsl.plan import Layout
+    from pipedsl.plan.calibrate import SmallGPT
+    from pipedsl.plan.cluster import cluster_preset
+    from pipedsl.plan.cost import stage_costs
+    from pipedsl.plan.pipeline import _shared_timeline, compiled
+
+    costs = stage_costs(SmallGPT().spec(), cluster_preset("a100-80gb"), Layout(2, 1, 2, "1f1b", 2, 4), 1)
+    program, cost = compiled("1f1b", 1, 4), costs.simulator_cost()
+    computing = replace(costs, waits=())
+    fixed_share = _shared_timeline(program, cost, computing, 0.5, 1.0).makespan
+    assert _shared_timeline(program, cost, computing, 2.0, 1.0, others=3).makespan == pytest.approx(fixed_share)
+    waits = replace(costs, waits=({op: getattr(costs, op)[0] / 2 for op in "FBIW"},))
+    alone = _shared_timeline(program, cost, waits, 2.0, 1.0).makespan
+    shared = _shared_timeline(program, cost, waits, 2.0, 1.0, others=3).makespan
+    on_half_a_core = _shared_timeline(program, cost, waits, 0.5, 1.0).makespan
+    assert alone < shared < on_half_a_core
