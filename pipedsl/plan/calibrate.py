@@ -20,7 +20,8 @@ real runtime's processes and gloo, as a `ClusterSpec` the planner predicts with.
   its peer to arrive, which an isolated loop of all-reduces never does.  Beyond the link's ring
   cost, each all-reduce step's wait is `sync_latency` (large where ranks outnumber cores, 0 on
   GPUs).  The rest of what the block costs beyond half the dense one is tensor parallelism's own
-  work (the split layers' copies and extra autograd functions): `tp_layer_overhead`, per block.
+  work (the split layers' copies and extra autograd functions): `tp_own`, per block, and the SP
+  block's the same way (`sp_own`: its norms on shards, the sequence's layout copies).
   The collectives' CPU time against their wall time gives the share that keeps the core busy
   (`collective_busy`: gloo's copies, reductions and wake-ups; the rest of the wait leaves the
   core to other ranks);
@@ -89,8 +90,8 @@ class Calibration:
     peak_flops: float = 0.0  # FLOP/s of the rest, with a core to itself (0: flops_alone or flops)
     op_overhead: float = 0.0  # CPU seconds of the runtime per stage op (F, B, I or W), beyond the stage's module
     collective_busy: float = 0.0  # CPU / wall time of a blocking collective (tp all-reduce), on its rank
-    tp_layer_overhead: float = 0.0  # seconds of a t=2 block's F+B beyond half the dense block and its collectives
-    tp_sample_overhead: float = 0.0  # and its part per sample of the microbatch
+    tp_own: tuple[float, float] = (0.0, 0.0)  # t=2 block F+B beyond half the dense one and its collectives: s, s/sample
+    sp_own: tuple[float, float] = (0.0, 0.0)  # the same with sequence parallelism
     tp_all_reduce: tuple[float, float] = (0.0, 0.0)  # in-step all-reduce over 2 ranks: (s per ring step, fp16 B/s)
     tp_gather: tuple[float, float] = (0.0, 0.0)  # in-step SP all-gather / reduce-scatter over 2 ranks: the same
 
@@ -114,7 +115,8 @@ class Calibration:
                 f"split backward x{self.split_backward:.2f}, "
                 f"AdamW {self.memory_bandwidth / 1e9:.2f} GB/s; not FLOP-proportional: "
                 f"{self.layer_overhead * 1e3:.2f} ms a block (F+B), tensor-parallel "
-                f"+{self.tp_layer_overhead * 1e3:.2f} ms + {self.tp_sample_overhead * 1e3:.2f} ms a sample, "
+                f"+{self.tp_own[0] * 1e3:.2f} ms + {self.tp_own[1] * 1e3:.2f} ms a sample (SP "
+                f"+{self.sp_own[0] * 1e3:.2f} ms + {self.sp_own[1] * 1e3:.2f} ms), "
                 f"{self.op_overhead * 1e3:.2f} ms a stage op; "
                 f"in a step, tp all-reduces {self.tp_all_reduce[0] * 1e3:.2f} ms a ring step + "
                 f"{self.tp_all_reduce[1] / 1e9:.2f} GB/s, SP gathers {self.tp_gather[0] * 1e3:.2f} ms + "
@@ -130,7 +132,7 @@ class Calibration:
                            sharing_efficiency=max(self.sharing_efficiency, 1e-3), sync_latency=self.sync_latency,
                            split_backward=self.split_backward, layer_overhead=self.layer_overhead,
                            op_overhead=self.op_overhead, collective_busy=self.collective_busy,
-                           tp_layer_overhead=self.tp_layer_overhead, tp_sample_overhead=self.tp_sample_overhead,
+                           tp_own=self.tp_own, sp_own=self.sp_own,
                            tp_all_reduce=self.tp_all_reduce, tp_gather=self.tp_gather,
                            reduce_scatter_as_all_reduce=True,  # gloo's reduce-scatters and all-gathers
                            all_gather_as_all_reduce=True)  # cost what its all-reduces do (cluster.py)
@@ -268,17 +270,20 @@ def _tp_block_times(model: SmallGPT, block: Any, reps: int) -> dict[str, float]:
                                         ("sp", sp_block, model.seq // 2, ("all_gather", "reduce_scatter"))):
             x = torch.randn(b, seq, model.embd, requires_grad=True)
             per_call: list[float] = []
+            every: list[float] = []
 
-            def step(layer: Any = layer, x: Any = x, kinds: tuple[str, ...] = kinds,
-                     per_call: list[float] = per_call) -> None:
+            def step(layer: Any = layer, x: Any = x, kinds: tuple[str, ...] = kinds, per_call: list[float] = per_call,
+                     every: list[float] = every) -> None:
                 with count_comm() as counter:
                     layer(x).sum().backward()
                 timed = [(counter.seconds[k], counter.calls[k]) for k in counter.calls if k[0] in kinds]
                 per_call.append(sum(t for t, _ in timed) / max(1, sum(n for _, n in timed)))
+                every.append(counter.total_seconds)
 
             dist.barrier()
             out[f"{name}_block{suffix}"] = _median_time(step, reps)
             out[f"{name}_block_collective{suffix}"] = statistics.median(per_call[1:])  # not the warm-up step
+            out[f"{name}_block_comm{suffix}"] = statistics.median(every[1:])  # all its collectives
             dist.barrier()
     x = torch.randn(model.microbatch, model.seq, model.embd, requires_grad=True)
     out["tp_block_cpu"] = _median_time(lambda: tp_block(x).sum().backward(), reps, time.process_time)
@@ -325,8 +330,7 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
     fixed, peak = _block_fit(every, model, "_alone" if alone else "")
     block_cpu = statistics.median(r["block_cpu"] for r in every)
     sync = busy = 0.0
-    own: tuple[float, float] = (0.0, 0.0)
-    all_reduce = gather = (0.0, 0.0)
+    tp_own = sp_own = all_reduce = gather = (0.0, 0.0)
     tp = [r for r in every if "tp_block" in r]
     if tp:
         def med(key: str) -> float:
@@ -343,12 +347,16 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
             flops = 3 * spec.layer_flops(samples)
             return (1 + fixed / (fixed + flops / peak)) / 2 if peak else 0.5
 
-        collectives = 4 * med("tp_block_collective")  # two all-reduces forward, two backward
-        small = med("tp_block") - block * kept(b) - collectives
-        large = med("tp_block_large") - statistics.median(r["block_large"] for r in every) * kept(LARGE * b) - \
-            4 * med("tp_block_collective_large")
-        per_sample = max(0.0, (large - small) / ((LARGE - 1) * b))
-        own = (max(0.0, small - b * per_sample), per_sample)
+        def own_work(name: str) -> tuple[float, float]:
+            """The block's time beyond half the dense block and every collective in it, fixed and per sample."""
+            small, large = (med(f"{name}_block{s}") - statistics.median(r[f"block{s}"] for r in every) * kept(n)
+                            - med(f"{name}_block_comm{s}") for s, n in (("", b), ("_large", LARGE * b)))
+            per_sample = max(0.0, (large - small) / ((LARGE - 1) * b))
+            return max(0.0, small - b * per_sample), per_sample
+
+        tp_own, sp_own = own_work("tp"), own_work("sp")
+        collectives = med("tp_block_comm")  # two all-reduces forward, two backward
+        small = tp_own[0] + b * tp_own[1]
         collectives_cpu = med("tp_block_cpu") - block_cpu * kept(b) - max(small, 0.0)
         busy = min(1.0, max(0.0, collectives_cpu / collectives)) if collectives > 0 else 0.0
     split = statistics.median(r["split_block"] / r["block"] for r in every)
@@ -357,7 +365,7 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
     op = max(0.0, (statistics.median(per_microbatch) - block_cpu) / 2)
     return Calibration(len(runs[0]), block_flops / block, latency, bandwidth, ADAM_BYTES_PER_PARAM / adam,
                        cores, block_flops / statistics.median(alone) if alone else 0.0, sync, max(split, 1.0),
-                       fixed, peak, op, busy, *own, all_reduce, gather)
+                       fixed, peak, op, busy, tp_own, sp_own, all_reduce, gather)
 
 
 def _fit_collective(small: float, large: float, act: float, steps: int, share: float) -> tuple[float, float]:

@@ -46,10 +46,11 @@ class ClusterSpec:
     # (F, B, I or W of one microbatch on one stage: the runtime's executor, messages, autograd bookkeeping).
     layer_overhead: float = 0.0
     op_overhead: float = 0.0
-    # and per 1-D tensor-parallel block forward + backward, beyond its share of the block and its collectives: the
-    # split layers' copies and extra autograd functions, a fixed part and a part per sample of the microbatch
-    tp_layer_overhead: float = 0.0
-    tp_sample_overhead: float = 0.0
+    # and per 1-D tensor-parallel block forward + backward, beyond its share of the block and its collectives (the
+    # split layers' copies and extra autograd functions): (seconds, seconds per sample of the microbatch), without
+    # and with sequence parallelism (its norms on shards, the sequence's layout copies)
+    tp_own: tuple[float, float] = (0.0, 0.0)
+    sp_own: tuple[float, float] = (0.0, 0.0)
     # The tensor-parallel collectives as timed inside a block's step (calibration; (0, 0): the link and the ring
     # formulas): (seconds per ring step, bytes/s) of its blocking all-reduces, and of sequence parallelism's
     # all-gathers and reduce-scatters.  Inside a step a collective also waits for its peer, and gloo's in-step
@@ -79,6 +80,10 @@ class ClusterSpec:
             if not (math.isfinite(value) and value >= 0 and (value > 0 or zero_ok)):
                 kind = "a finite number >= 0" if zero_ok else "a positive, finite number"
                 raise PipeDSLError(f"cluster {self.name}: {field_name} must be {kind}, got {shorten(value)}")
+        for field_name in ("tp_own", "sp_own"):
+            if not all(math.isfinite(v) and 0 <= v <= MAX_OVERHEAD for v in getattr(self, field_name)):
+                raise PipeDSLError(f"cluster {self.name}: {field_name} must be (seconds, seconds per sample) in "
+                                   f"[0, {MAX_OVERHEAD:g}], got {shorten(getattr(self, field_name))}")
         for field_name in ("tp_all_reduce", "tp_gather"):
             step, bandwidth = getattr(self, field_name)
             if not (math.isfinite(step) and math.isfinite(bandwidth) and 0 <= step <= MAX_OVERHEAD
@@ -98,7 +103,7 @@ class ClusterSpec:
         if not (math.isfinite(self.split_backward) and 1 <= self.split_backward <= 10):
             raise PipeDSLError(f"cluster {self.name}: split_backward must be in [1, 10], got "
                                f"{shorten(self.split_backward)}")
-        for field_name in ("sync_latency", "layer_overhead", "op_overhead", "tp_layer_overhead", "tp_sample_overhead"):
+        for field_name in ("sync_latency", "layer_overhead", "op_overhead"):
             value = getattr(self, field_name)
             if not (math.isfinite(value) and 0 <= value <= MAX_OVERHEAD):
                 raise PipeDSLError(f"cluster {self.name}: {field_name} must be a number of seconds in "

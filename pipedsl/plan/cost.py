@@ -142,7 +142,8 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     stored = model.layer_activation_bytes(b, t, "none", sp, fused)
     block = model.layer_flops(b) / rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
     # per pass of a block: F 1, B 2 (I 1 + W 1); a 1-D tensor-parallel block's own work with it
-    tp_own = cluster.tp_layer_overhead + b * cluster.tp_sample_overhead if t > 1 and not q else 0.0
+    own = cluster.sp_own if sp else cluster.tp_own
+    tp_own = own[0] + b * own[1] if t > 1 and not q else 0.0
     fixed = (cluster.layer_overhead + tp_own) / 3
     if mode == "full":
         again = block + fixed + tp_block_fwd

@@ -26,10 +26,11 @@ def test_calibration_gives_positive_costs_and_a_usable_cluster(pool):
 
 def _machine_measurements(small: SmallGPT, fixed: float, per_sample: float, op: float, step: float,
                           latency: float, bandwidth: float, all_reduce: tuple[float, float],
-                          gather: tuple[float, float], tp_own: tuple[float, float]) -> list[dict[str, float]]:
+                          gather: tuple[float, float], tp_own: tuple[float, float],
+                          sp_own: tuple[float, float]) -> list[dict[str, float]]:
     """What `measure_rank` reports on a machine with these costs (2 ranks, a core each).  `all_reduce` and
     `gather`: (seconds per ring step, bytes/s per fp16 byte) of the collectives inside a tensor-parallel step;
-    `tp_own`: the tp block's own work, fixed and per sample."""
+    `tp_own`, `sp_own`: the tp and SP blocks' own work, fixed and per sample."""
     from pipedsl.plan.calibrate import LARGE, PIPELINE_MICROBATCHES, SIZES
 
     rank: dict[str, float] = {"adam": 0.01, "adam_params": 1e6}
@@ -38,9 +39,11 @@ def _machine_measurements(small: SmallGPT, fixed: float, per_sample: float, op: 
         ar = 2 * all_reduce[0] + act / all_reduce[1]
         g = gather[0] + act / 2 / gather[1]
         half = fixed + b * per_sample / 2
+        small_sums = 6e-4  # SP's gradient all-reduces of its norms and biases: not a sequence collective
         rank.update({f"block{suffix}": fixed + b * per_sample, f"tp_block_collective{suffix}": ar,
-                     f"tp_block{suffix}": half + tp_own[0] + b * tp_own[1] + 4 * ar,
-                     f"sp_block_collective{suffix}": g, f"sp_block{suffix}": half + 10 * g})
+                     f"tp_block_comm{suffix}": 4 * ar, f"tp_block{suffix}": half + tp_own[0] + b * tp_own[1] + 4 * ar,
+                     f"sp_block_collective{suffix}": g, f"sp_block_comm{suffix}": 10 * g + small_sums,
+                     f"sp_block{suffix}": half + sp_own[0] + b * sp_own[1] + 10 * g + small_sums})
     block = rank["block"]
     rank.update({"split_block": 1.1 * block, "block_cpu": block, "tp_block_cpu": rank["tp_block"] - 0.75 * 4 * (
         2 * all_reduce[0] + 2 * small.microbatch * small.seq * small.embd / all_reduce[1])})
@@ -57,7 +60,7 @@ def test_summarize_recovers_the_machine_it_was_given():
     small = SmallGPT()
     per_sample = 3 * small.spec().layer_flops(1) / 30e9  # a 30 GFLOP/s core
     machine = _machine_measurements(small, 3e-3, per_sample, 1.2e-3, 5e-3, 150e-6, 2e9, (1e-3, 4e8), (6e-4, 3e8),
-                                    (2e-3, 1e-4))
+                                    (2e-3, 1e-4), (3e-3, 2e-4))
     cal = summarize([machine], small, 2)
     assert math.isclose(cal.layer_overhead, 3e-3, rel_tol=1e-9)
     assert math.isclose(cal.peak_flops, 30e9, rel_tol=1e-9)
@@ -67,14 +70,14 @@ def test_summarize_recovers_the_machine_it_was_given():
         assert all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, want)), (got, want)
     assert math.isclose(cal.sync_latency, 1e-3 - 150e-6, rel_tol=1e-6)  # the ring step's wait beyond the link
     assert math.isclose(cal.collective_busy, 0.25, rel_tol=1e-6)  # a quarter of the collectives' time on the CPU
-    assert math.isclose(cal.tp_layer_overhead, 2e-3, rel_tol=1e-6)
-    assert math.isclose(cal.tp_sample_overhead, 1e-4, rel_tol=1e-6)
+    for got, want in ((cal.tp_own, (2e-3, 1e-4)), (cal.sp_own, (3e-3, 2e-4))):
+        assert all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, want)), (got, want)
     assert math.isclose(cal.split_backward, 1.1, rel_tol=1e-9)
     cluster = cal.cluster()
     assert (cluster.layer_overhead, cluster.op_overhead, cluster.peak_flops, cluster.collective_busy,
-            cluster.tp_layer_overhead, cluster.tp_sample_overhead, cluster.tp_all_reduce, cluster.tp_gather) == \
-        (cal.layer_overhead, cal.op_overhead, cal.peak_flops, cal.collective_busy, cal.tp_layer_overhead,
-         cal.tp_sample_overhead, cal.tp_all_reduce, cal.tp_gather)
+            cluster.tp_own, cluster.sp_own, cluster.tp_all_reduce, cluster.tp_gather) == \
+        (cal.layer_overhead, cal.op_overhead, cal.peak_flops, cal.collective_busy, cal.tp_own, cal.sp_own,
+         cal.tp_all_reduce, cal.tp_gather)
 
 
 def test_flat_collective_times_fit_as_ring_steps_only():
@@ -106,22 +109,24 @@ def test_fixed_costs_are_charged_per_block_pass_and_per_stage_op():
 
 
 def test_tensor_parallel_overhead_is_charged_per_block_pass_of_a_1d_tp_layout_only():
-    """tp_layer_overhead joins the per-block overhead where blocks are 1-D tensor-parallel; without tp
-    (or with 3-D tp, whose layers are not the ones calibrated) nothing changes."""
+    """The tp block's own work (the SP block's with SP), fixed plus per sample, joins the per-block overhead
+    where blocks are 1-D tensor-parallel; without tp (or with 3-D tp, whose layers are not the ones
+    calibrated) nothing changes."""
     from dataclasses import replace
 
     from pipedsl.plan.cluster import cluster_preset
     from pipedsl.plan.cost import stage_costs
 
     model, base = SmallGPT().spec(), cluster_preset("a100-80gb")
-    costly = replace(base, tp_layer_overhead=3e-3)
-    per_pass = model.layers // 2 * 3e-3 / 3
-    for tp, charged in ((1, False), (2, True), (8, False)):
-        layout = Layout(1, 2, tp, "1f1b", 2, 4, recompute=False, tp_mode="3d" if tp == 8 else "1d")
+    costly = replace(base, tp_own=(3e-3, 1e-4), sp_own=(5e-3, 2e-4))
+    for tp, sp, own in ((1, False, 0.0), (2, False, 3e-3 + 2 * 1e-4), (2, True, 5e-3 + 2 * 2e-4), (8, False, 0.0)):
+        layout = Layout(1, 2, tp, "1f1b", 2, 4, recompute=False, tp_mode="3d" if tp == 8 else "1d",
+                        sequence_parallel=sp)
         plain, grown = stage_costs(model, base, layout, 2), stage_costs(model, costly, layout, 2)
+        per_pass = model.layers // 2 * own / 3
         for op, passes in (("F", 1), ("B", 2)):
             extra = getattr(grown, op)[0] - getattr(plain, op)[0]
-            assert math.isclose(extra, passes * per_pass if charged else 0.0, abs_tol=1e-12), (tp, op, extra)
+            assert math.isclose(extra, passes * per_pass, abs_tol=1e-12), (tp, sp, op, extra)
 
 
 def test_cluster_refuses_overheads_that_are_not_seconds():
