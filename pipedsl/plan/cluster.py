@@ -65,7 +65,8 @@ class ClusterSpec:
     reduce_scatter_as_all_reduce: bool = False
     # and its all-gathers too, measured where sequence parallelism runs them (a GPT stage, 2 ranks, 512 KB
     # gathered: 1.6-1.9 ms each against 1.1-1.5 ms for the all-reduces of the same stage without SP), where the
-    # ring formula gives half an all-reduce
+    # ring formula gives half an all-reduce.  Both flags price ZeRO's and the tp pipeline hop's collectives; SP's
+    # own are priced by `tp_gather` where calibration measured it
     all_gather_as_all_reduce: bool = False
 
     def __post_init__(self) -> None:
