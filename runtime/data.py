@@ -560,7 +560,10 @@ def _open_if_complete(path: str) -> TokenCache | None:
 
 def _write_cache(inputs: list[_Input], tokenizer: TextTokenizer, target: str, key: str, text_field: str,
                  max_tokens: int | None) -> TokenCache:
-    os.makedirs(target, exist_ok=True)
+    try:
+        os.makedirs(target, exist_ok=True)
+    except OSError as err:  # a file where the cache directory goes, no permission, a full disk
+        raise DataError(f"cannot create the token cache {target}: {err.strerror or err}") from None
     unique = f"{os.getpid()}.{secrets.token_hex(4)}"  # builders racing for one key (even on two hosts) never collide
     temps = {name: os.path.join(target, f".{name}.{unique}.tmp")
              for name in ("tokens.npy", "doc_offsets.npy", "meta.json")}

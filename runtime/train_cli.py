@@ -373,8 +373,10 @@ def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]
         what = f"dp*M = {dp}*{M} = {dp * M}" if dp > 1 else f"M={M}"
         raise PipeDSLError(f"--batch {batch} does not split into {what} equal microbatches "
                            f"(use a multiple of {dp * M})")
-    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        raise PipeDSLError(f"--checkpoint-dir {args.checkpoint_dir}: not a directory")
+    for flag in ("checkpoint_dir", "cache_dir", "tensorboard"):
+        path = getattr(args, flag, None)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise PipeDSLError(f"--{flag.replace('_', '-')} {path}: not a directory")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise PipeDSLError("--checkpoint-every needs --checkpoint-dir")
     if args.lr_schedule == "cosine" and args.warmup_steps >= args.steps:

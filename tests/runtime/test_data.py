@@ -225,6 +225,13 @@ def test_bad_input_is_reported_by_the_cache_builder_too(tmp_path):
     assert os.listdir(tmp_path / "cache" / key) == []  # no partial files left behind
 
 
+def test_a_file_where_the_cache_directory_goes_is_a_data_error(tmp_path):
+    path = _write(tmp_path / "a.txt", "some text\n")
+    occupied = _write(tmp_path / "cache.json", "{}")
+    with pytest.raises(DataError, match=rf"cannot create the token cache {re.escape(occupied)}/\w+: Not a directory"):
+        build_token_cache([path], ByteTokenizer(), occupied)
+
+
 # ---------------------------------------------------------------- tokenizers
 
 

@@ -285,6 +285,9 @@ def test_bad_input_is_one_line_before_any_rank(corpus, tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text("{ not json")
     assert "not valid JSON" in train(broken, corpus)
+    (tmp_path / "a-file").write_text("{}")  # found by tests/reliability/test_cli_fuzz.py
+    for flag in ("--cache-dir", "--tensorboard", "--checkpoint-dir"):
+        assert f"{flag} {tmp_path / 'a-file'}: not a directory" in train(good, corpus, flag, str(tmp_path / "a-file"))
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
