@@ -42,14 +42,13 @@ from typing import Any
 
 from pipedsl.plan.cluster import GB, ClusterSpec
 from pipedsl.plan.cost import ADAM_BYTES_PER_PARAM
-from pipedsl.plan.model import ModelSpec
+from pipedsl.plan.model import BYTES_FP16, ModelSpec
 from pipedsl.runtime.capacity import usable_cores
 
 SIZES = (4 * 1024, 4 * 1024 * 1024)  # ping-pong message bytes: latency-bound, bandwidth-bound
 LARGE = 4  # the block's second microbatch size, in multiples of the first
 PIPELINE_MICROBATCHES = (4, 8)  # the two step sizes whose difference is one microbatch's cost (x4)
 FP32_OVER_COUNTED = 2  # the runtime's fp32 bytes per value over the planner's fp16 bytes
-FP16_BYTES = 2
 MAX_BANDWIDTH = 1e15  # bytes/s of a collective whose time did not grow with its size (the fit's noise)
 
 
@@ -337,7 +336,7 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
             return statistics.median(r[key] for r in tp)
 
         b = model.microbatch
-        act = FP16_BYTES * b * model.seq * model.embd  # one [b, T, C] activation, as the planner counts it
+        act = BYTES_FP16 * b * model.seq * model.embd  # one [b, T, C] activation, as the planner counts it
         # over 2 ranks an all-reduce is 2 ring steps + bytes / bandwidth; a gather or scatter 1 step + half that
         all_reduce = _fit_collective(med("tp_block_collective"), med("tp_block_collective_large"), act, 2, 1.0)
         gather = _fit_collective(med("sp_block_collective"), med("sp_block_collective_large"), act, 1, 0.5)
@@ -356,8 +355,7 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
 
         tp_own, sp_own = own_work("tp"), own_work("sp")
         collectives = med("tp_block_comm")  # two all-reduces forward, two backward
-        small = tp_own[0] + b * tp_own[1]
-        collectives_cpu = med("tp_block_cpu") - block_cpu * kept(b) - max(small, 0.0)
+        collectives_cpu = med("tp_block_cpu") - block_cpu * kept(b) - (tp_own[0] + b * tp_own[1])
         busy = min(1.0, max(0.0, collectives_cpu / collectives)) if collectives > 0 else 0.0
     split = statistics.median(r["split_block"] / r["block"] for r in every)
     m4, m8 = PIPELINE_MICROBATCHES

@@ -54,7 +54,7 @@ class ClusterSpec:
     # The tensor-parallel collectives as timed inside a block's step (calibration; (0, 0): the link and the ring
     # formulas): (seconds per ring step, bytes/s) of its blocking all-reduces, and of sequence parallelism's
     # all-gathers and reduce-scatters.  Inside a step a collective also waits for its peer, and gloo's in-step
-    # rate is far below a ping-pong's (0.3-0.4 against 3 GB/s here, docs/planner.md)
+    # rate is far below a ping-pong's (0.1-0.7 against 3 GB/s here, docs/planner.md)
     tp_all_reduce: tuple[float, float] = (0.0, 0.0)
     tp_gather: tuple[float, float] = (0.0, 0.0)
     # The attention kernel the search assumes unless told: FlashAttention-style (no s² tensor stored, QKᵀ

@@ -110,9 +110,10 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     act = BYTES_FP16 * b * s * h  # one [b, s, h] activation
     tp_bw, tp_lat = cluster.tp_link(t)
     in_step_gathers = cluster.tp_gather[1] > 0  # calibrated: SP's gathers and scatters priced as timed in a step
+    gather_bw, gather_lat = cluster.tp_link(t, gather=True)
 
     def sp_gather(n: float) -> float:
-        return all_gather(n, t, *cluster.tp_link(t, gather=True)) if in_step_gathers else gather(n, t, tp_bw, tp_lat)
+        return all_gather(n, t, gather_bw, gather_lat) if in_step_gathers else gather(n, t, tp_bw, tp_lat)
 
     if q:  # per block: activations 16·[b,s,h], weights 12h²; (q-1)/q³ of each moved, 3 collectives per linear
         moved = (q - 1) / q ** 3 * (16 * act + BYTES_FP16 * 12 * h * h)
