@@ -260,11 +260,13 @@ def test_llama_dp2_pp2_tp2_sequence_parallel_equals_one_process_resumes_and_expo
 
 def _refused(*argv: str) -> str:
     """Run the CLI in this process; it must exit 2 with one line on stderr and start no rank."""
-    proc = pipedsl(*argv)
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-500:])
-    text = proc.stderr.strip()
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    assert code == 2, (code, out.getvalue()[-500:], err.getvalue()[-500:])
+    text = err.getvalue().strip()
     assert len(text.splitlines()) == 1 and "Traceback" not in text, text
-    assert "training" not in proc.stdout  # nothing launched
+    assert "training" not in out.getvalue()  # nothing launched
     return text
 
 
