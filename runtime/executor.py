@@ -48,6 +48,15 @@ from .reduce import GradReducer
 from .stage import Activation, Stage, overlapped_forward_backward
 
 
+def _num_losses(stream: list[Instr], last: int) -> int:
+    return sum(1 for whole in stream for ins in whole.parts if ins.op is Op.F and ins.stage == last)
+
+
+def loss_ranks(program: Program) -> list[int]:
+    """The ranks that compute losses (they hold the last stage), in rank order."""
+    return [r for r, stream in enumerate(program.ranks) if _num_losses(stream, program.num_stages - 1)]
+
+
 class Executor:
     """Interprets `program.ranks[rank]` once per `run`."""
 
@@ -72,8 +81,7 @@ class Executor:
         self.check_finite = check_finite
         self.last = program.num_stages - 1
         self.rank_of = program.placement  # the IR's (replica, stage) -> rank: read with a Copy
-        self.num_losses = sum(1 for whole in self.stream for ins in whole.parts
-                              if ins.op is Op.F and ins.stage == self.last)
+        self.num_losses = _num_losses(self.stream, self.last)
         n = len(self.stream)
         self.starts = [0.0] * n
         self.ends = [0.0] * n
@@ -174,6 +182,8 @@ class Executor:
 
     def _take(self, op: Op, slot: Slot) -> list[torch.Tensor]:
         """The tensors of a received message (`op`: RECV_F or RECV_B) for `slot`, waiting for them now."""
+        if self.channels.opening is not None:
+            self.channels.settle()  # before this step first waits for a peer (p2p.py, `Channels.open_step`)
         recv = self.posted[op].pop(slot)
         if self._scan <= self.index + self.lookahead and not recv.ready():
             self._post_ahead(self.index)  # about to wait: post the look-ahead now, while idle
@@ -257,6 +267,8 @@ class Executor:
             self._forward_done(ins, slot, Activation(inputs, [], None, buffers), stage.evaluate(inputs))
 
     def _forward_only_end(self, ins: Instr) -> None:
+        if self.channels.opening is not None:
+            self.channels.settle()
         try:
             self.channels.wait_sends()
         except Exception as err:  # noqa: BLE001
@@ -341,6 +353,8 @@ class Executor:
         self.reducer.on_reduce_grad(ins.stage, ins.replica)
 
     def _step_end(self, ins: Instr) -> None:
+        if self.channels.opening is not None:
+            self.channels.settle()
         try:
             self.channels.wait_sends()
             self.reducer.finish()

@@ -21,16 +21,19 @@ Two transports behind one interface (`post_recv` → a receive with `ready`/`wai
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import socket_p2p
+from .errors import RankFailure
 from .groups import PipelineGroups
 
 # A fixed-size int64 vector describes one message (count, then dtype, ndim, dims per tensor).
 META_LEN = 64
+OPENING_BYTES = 256  # a step's opening message: its shapes' 8-byte fingerprint, then their description (cut to fit)
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 
@@ -172,6 +175,7 @@ class Channels:
                 sockets.close()
             self.transport = DistTransport(group, self.rank, self.size, groups)
         self.kind = "socket" if isinstance(self.transport, socket_p2p.SocketTransport) else "dist"
+        self.opening: tuple[int, str, dict[int, Any]] | None = None  # this step's openings, not yet checked
 
     # ------------------------------------------------------------ data
 
@@ -198,42 +202,109 @@ class Channels:
     def wait_sends(self) -> None:
         self.transport.wait_sends()
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
-                   async_op: bool = False) -> Any:
-        """Reduce a small tensor (`op`: "sum" or "max") over the pipeline's ranks, in place; with `async_op` a
-        handle to `wait()` on.  Over the sockets gathered by rank 0 and sent back, reduced in rank order
-        (the same bits on every rank), run at `wait()` — call that between steps, on every rank alike;
-        otherwise `dist.all_reduce` on `group` (default: the pipeline's)."""
-        if isinstance(self.transport, socket_p2p.SocketTransport) and t.device.type == "cpu":
-            work = _SocketReduce(self.transport, t, op)
+    # ------------------------------------------------------------ a step's opening and its loss
+
+    def open_step(self, key: int, description: str, wait: bool) -> None:
+        """Start a step whose microbatch shapes have the fingerprint `key` (`description`: them in words).
+
+        Every rank must pass the same shapes: a rank with others would send and expect other messages.
+        Over the sockets each rank sends every peer an opening message (the fingerprint and the
+        description, `OPENING_BYTES`) and, unless `wait`, goes on at once: `settle` checks the
+        peers' openings before the step first waits for a peer's message, and at its end.  So no
+        rank waits for the others to start — a rank that ends a step early (the last stage of a V)
+        starts the next one at once, as torch's runtime does.  That is safe because a rank waits
+        for a peer only after every opening has arrived, and a rank sends its openings before
+        anything else: each rank finds a disagreement by itself, and none waits for one that
+        stopped.  `wait`: check now (a rank meeting a new shape learns it with every peer, in a
+        `Discovery` step).  Over torch.distributed: one all-reduce of the fingerprint (the max of it
+        and of its negation), always waited for (NCCL's point-to-point calls between every pair of
+        ranks would open a connection per pair)."""
+        if self.kind != "socket" or self.size == 1:
+            both = torch.tensor([key, -key], dtype=torch.int64, device=self.device)  # NCCL: a device tensor
+            self._guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group))
+            if int(both[0]) != key or int(both[1]) != -key:
+                everyone: list = [None] * self.size
+                self._guard(lambda: dist.all_gather_object(everyone, description, group=self.group))
+                raise _disagreement(self.rank, everyone)
+            return
+        text = key.to_bytes(8, "little", signed=True) + description.encode()[:OPENING_BYTES - 8]
+        opening = torch.frombuffer(bytearray(text.ljust(OPENING_BYTES, b"\0")), dtype=torch.uint8)
+        meta = (TensorMeta((OPENING_BYTES,), torch.uint8),)
+        recvs = {peer: self.post_recv(peer, meta) for peer in range(self.size) if peer != self.rank}
+        for peer in recvs:
+            self.transport.send(peer, [opening])
+        self.opening = (key, description, recvs)
+        if wait:
+            self.settle()
+
+    def settle(self) -> None:
+        """Check this step's openings from every peer (waiting for them): a `RankFailure` naming every rank's shapes
+        if any differs from this rank's."""
+        key, description, recvs = self.opening
+        self.opening = None
+        said = {self.rank: description}
+        agree = True
+        for peer, recv in recvs.items():
+            buf = self._guard(lambda: recv.wait()[0])  # noqa: B023 - called at once
+            raw = buf.numpy().tobytes()
+            self.pool.give(buf)
+            agree &= int.from_bytes(raw[:8], "little", signed=True) == key
+            said[peer] = raw[8:].rstrip(b"\0").decode(errors="replace")
+        if not agree:
+            raise _disagreement(self.rank, [said[r] for r in range(self.size)])
+
+    def _guard(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Exception as err:  # noqa: BLE001
+            raise RankFailure(f"rank {self.rank}: agreeing on this step's input shapes failed: {err}", self.rank,
+                              peer_failure=True) from err
+
+    def sum_over(self, t: torch.Tensor, holders: Sequence[int], group: dist.ProcessGroup | None = None,
+                 async_op: bool = False) -> Any:
+        """Sum a small tensor, zero outside the ranks `holders`, over the pipeline's ranks, in place; with `async_op`
+        a handle to `wait()` on.  Over the sockets each holder sends its `t` to every other rank when waited for
+        (call that at the step's end, on every rank: the messages follow the step's) and the sum is taken in
+        rank order (the same bits everywhere); no rank waits for one that is not a holder.  Otherwise
+        `dist.all_reduce` on `group` (default: the pipeline's)."""
+        if self.kind == "socket" and t.device.type == "cpu":
+            work = _SocketSum(self, t, holders)
             if not async_op:
                 work.wait()
             return work
-        return dist.all_reduce(t, op=_OPS[op], group=group if group is not None else self.group, async_op=async_op)
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group if group is not None else self.group,
+                               async_op=async_op)
 
     def close(self) -> None:
         self.transport.close()
 
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+def _disagreement(rank: int, described: list[str]) -> RankFailure:
+    shapes = "; ".join(f"rank {r}: {d}" for r, d in enumerate(described))
+    return RankFailure(f"the pipeline's ranks passed inputs of different shapes this step ({shapes}): every rank "
+                       f"must pass the same batch (its microbatch shapes decide what each rank sends and receives)",
+                       rank)
 
 
-class _SocketReduce:
-    """An all-reduce over the socket transport, run when waited for; reduced in rank order (the same bits on every
-    rank, whatever the timing)."""
+class _SocketSum:
+    """`Channels.sum_over` over the sockets, run when waited for."""
 
-    def __init__(self, transport: socket_p2p.SocketTransport, t: torch.Tensor, op: str) -> None:
-        self.transport, self.t, self.op, self.done = transport, t, op, False
+    def __init__(self, channels: Channels, t: torch.Tensor, holders: Sequence[int]) -> None:
+        self.channels, self.t, self.holders, self.done = channels, t, holders, False
 
     def wait(self) -> bool:
-        if not self.done:
-            self.done = True
-            self.t.copy_(self.transport.all_reduce(self.t.contiguous(), self._combine))
-        return True
-
-    def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        if self.done:
+            return True
+        self.done = True
+        transport, rank, t = self.channels.transport, self.channels.rank, self.t.contiguous()
+        recvs = {h: transport.post_recv(h, [torch.empty_like(t)]) for h in self.holders if h != rank}
+        if rank in self.holders:
+            for peer in transport.links:
+                transport.send(peer, [t])
+        parts = [t if h == rank else recvs[h].wait()[0] for h in self.holders]
         out = parts[0].clone()
         for part in parts[1:]:
-            out = out + part if self.op == "sum" else torch.maximum(out, part)
-        return out
-
+            out = out + part
+        transport.wait_sends()
+        self.t.copy_(out)
+        return True

@@ -79,7 +79,7 @@ from . import clip
 from .data_parallel import strategy_for
 from .discovery import Discovery
 from .errors import RankFailure, explain_peer_failure, record_failure
-from .executor import Executor
+from .executor import Executor, loss_ranks
 from .groups import PipelineGroups
 from .keys import Copy
 from .loss import LOSS_REDUCTIONS, LossPolicy
@@ -183,6 +183,8 @@ class Pipeline:
         self._executor: Executor | None = None
         # by (microbatch shapes, forward only)
         self._executors: OrderedDict[tuple[tuple[TensorMeta, ...], bool], Executor] = OrderedDict()
+        self._shape_said: dict[tuple[tuple[TensorMeta, ...], ...], tuple[int, str]] = {}  # see _shape_words
+        self._loss_ranks = loss_ranks(prog)  # the ranks holding the last stage: they alone have losses to sum
         self._forward_program = self.program.forward_only()  # evaluation passes
         self.shape_handshakes = 0  # input shapes learned so far (one discovery step each, discovery.py)
         self.eval_count = 0  # the last evaluate()'s microbatches (or tokens, per-token mode) over the global batch
@@ -439,7 +441,7 @@ class Pipeline:
                 self._learned(ex, shapes, forward_only=True)
                 totals = torch.tensor([float(loss_sum), float(ex.counted)], dtype=torch.float64, device=self.device)
                 try:
-                    self.channels.all_reduce(totals, group=self._loss_group)
+                    self.channels.sum_over(totals, self._loss_ranks, group=self._loss_group)
                     if self.dp > 1:
                         dist.all_reduce(totals, group=self.mesh.dp_group)
                 except Exception as err:  # noqa: BLE001
@@ -523,9 +525,11 @@ class Pipeline:
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> None:
         """Start summing the loss over the pipeline as soon as this rank's part is final (with torch.distributed
-        the reduction overlaps the rest of the step; over the sockets it runs at the step's end, a few µs)."""
+        the reduction overlaps the rest of the step; over the sockets the last stage's ranks send theirs at
+        the step's end, and only they wait for each other)."""
         total = loss_sum.to(self.device, copy=True)
-        self._loss_reduction = (total, self.channels.all_reduce(total, group=self._loss_group, async_op=True))
+        self._loss_reduction = (total, self.channels.sum_over(total, self._loss_ranks, group=self._loss_group,
+                                                              async_op=True))
 
     def _data_parallel_share(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
         """This dp replica's samples (batch="global") or the local batch as given; checks the sizes."""
@@ -624,29 +628,18 @@ class Pipeline:
         (discovery.py) that learns the shapes while it runs the step (then `_learned` caches the executor).
 
         Shapes may change between steps (a last partial batch, length bucketing).  Every rank of
-        the pipeline first agrees on them — one all-reduce of an 8-byte fingerprint (max of it and
-        of its negation) — so a rank passed other shapes than its peers is a named error on every
+        the pipeline agrees on them (`Channels.open_step`: a fingerprint of them sent to every peer,
+        checked before the step first waits for a peer; a step at a known shape does not wait for
+        the others to start), so a rank passed other shapes than its peers is a named error on every
         rank, never a receive one side waits for.  Executors of the last few shapes are kept (the
         same on every rank, since every rank saw the same agreed sequence), so every rank meets a
         new shape in the same step, and returning to a known shape costs nothing but the agreement.
         `meta`: per microbatch, its tensors' shapes (they differ by a sample when the batch does not
         split evenly: loss_reduction="token").  `forward_only`: the evaluation pass's executor (not
         the training one), sharing the shapes learned by either."""
-        key = _shape_key(meta)
-        both = torch.tensor([key, -key], dtype=torch.int64, device=self.device)  # NCCL: a device tensor
-        try:
-            self.channels.all_reduce(both, "max")
-        except Exception as err:  # noqa: BLE001
-            raise RankFailure(f"rank {self.rank}: agreeing on this step's input shapes failed: {err}", self.rank,
-                              peer_failure=True) from err
-        if int(both[0]) != key or int(both[1]) != -key:
-            everyone: list = [None] * self.size
-            dist.all_gather_object(everyone, " | ".join(dict.fromkeys(map(describe, meta))), group=self.group)
-            shapes = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
-            raise PipeRuntimeError(f"the pipeline's ranks passed inputs of different shapes this step ({shapes}): "
-                                   f"every rank must pass the same batch (its microbatch shapes decide what each "
-                                   f"rank sends and receives)")
         ex = self._executors.get((meta, forward_only))
+        known = ex is not None or (meta, not forward_only) in self._executors
+        self.channels.open_step(*self._shape_words(meta), wait=not known)
         if ex is None:
             known = self._executors.get((meta, not forward_only))
             if known is None:
@@ -659,6 +652,15 @@ class Pipeline:
         if not forward_only:
             self._executor = ex
         return ex
+
+    def _shape_words(self, meta: tuple[tuple[TensorMeta, ...], ...]) -> tuple[int, str]:
+        """This step's shapes as (fingerprint, description), kept per shape (computed once, not every step)."""
+        said = self._shape_said.get(meta)
+        if said is None:
+            if len(self._shape_said) >= 4 * _MAX_SHAPES:
+                self._shape_said.clear()
+            said = self._shape_said[meta] = (_shape_key(meta), " | ".join(map(describe, dict.fromkeys(meta))))
+        return said
 
     def _learned(self, ex: Executor, meta: tuple[tuple[TensorMeta, ...], ...], forward_only: bool = False) -> None:
         """After a step run by a `Discovery`: the executor for its shapes, from what it learned."""

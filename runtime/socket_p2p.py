@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from datetime import timedelta
 from itertools import islice
 
@@ -294,23 +293,6 @@ class SocketTransport:
                     raise TimeoutError(f"sends to rank(s) {peers} not taken within {self.timeout:g} s")
                 self.lock.wait(min(left, 1.0))
             self.raise_failure()
-
-    def all_reduce(self, t: torch.Tensor, combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
-        """`combine` of every rank's `t` (a small CPU tensor, the same shape everywhere) in rank order, on every
-        rank: gathered by rank 0, combined there and sent back — two messages per rank, 2(P-1) on rank 0.
-        Collective over the group, called between steps: every pair's earlier messages are consumed by then,
-        so these are the next ones in both directions."""
-        if self.rank != 0:
-            recv = self.post_recv(0, [torch.empty_like(t)])
-            self.send(0, [t])
-            out = recv.wait()[0]
-        else:
-            recvs = [self.post_recv(peer, [torch.empty_like(t)]) for peer in sorted(self.links)]
-            out = combine([t, *(recv.wait()[0] for recv in recvs)])
-            for peer in self.links:
-                self.send(peer, [out])
-        self.wait_sends()
-        return out
 
     def close(self) -> None:
         with self.lock:

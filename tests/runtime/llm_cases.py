@@ -8,6 +8,7 @@ The model is one the other runtime tests do not use: a small decoder with RMSNor
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
@@ -208,13 +209,24 @@ def shapes_check(rank: int, program_json: str, shapes: list[tuple[int, int]]) ->
     return {"problems": problems, "learned": pipe.shape_handshakes}
 
 
-def disagreeing_shapes(rank: int) -> str:
-    """Rank 1 passes a longer sequence than rank 0 at the second step: every rank stops with the reason."""
+def disagreeing_shapes(rank: int, how: str) -> str:
+    """Rank 1 passes a shorter sequence than rank 0: every rank stops with the reason, whether rank 1's shape is
+    `new` (it waits for every rank's opening message), `known` to both (neither waits: each finds the other's
+    opening before it first waits for the other), or in an `evaluate` (forward only: rank 0 never waits for a
+    peer's message, and checks at the end); `dist`: over torch.distributed (an all-reduce agrees)."""
     program = pipedsl.load("1f1b").compile(P=2, M=2)
-    pipe = pipedsl.Pipeline(tiny_lm(2), program=program, loss_fn=token_sum, loss_reduction="token")
-    pipe.step(*padded_batch(0, 4, 6))
+    os.environ["PIPEDSL_P2P"] = "dist" if how == "dist" else "auto"
     try:
-        pipe.step(*padded_batch(1, 4, 6 if rank == 0 else 5))
+        pipe = pipedsl.Pipeline(tiny_lm(2), program=program, loss_fn=token_sum, loss_reduction="token")
+    finally:
+        os.environ.pop("PIPEDSL_P2P")
+    assert pipe.channels.kind == ("dist" if how == "dist" else "socket")
+    pipe.step(*padded_batch(0, 4, 6))
+    if how == "known":
+        pipe.step(*padded_batch(0, 4, 5))
+    run = pipe.evaluate if how == "evaluate" else pipe.step
+    try:
+        run(*padded_batch(1, 4, 6 if rank == 0 else 5))
     except pipedsl.PipeRuntimeError as err:
         return err.message
     return "no error"

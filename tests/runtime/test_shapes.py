@@ -27,8 +27,9 @@ def test_batch_and_length_change(schedule: str, pool2) -> None:
     assert [res["learned"] for res in results] == [5, 5]
 
 
-def test_ranks_disagreeing_on_shapes_stop_with_the_reason(pool2) -> None:
-    messages = pool2.run(cases.disagreeing_shapes)
+@pytest.mark.parametrize("how", ["new", "known", "evaluate", "dist"])
+def test_ranks_disagreeing_on_shapes_stop_with_the_reason(how: str, pool2) -> None:
+    messages = pool2.run(cases.disagreeing_shapes, how)
     for m in messages:
         assert "passed inputs of different shapes" in m, m
         assert "[2, 6]" in m and "[2, 5]" in m, m

@@ -3,17 +3,18 @@ torch.distributed's point-to-point path in a pipeline."""
 
 from __future__ import annotations
 
-import functools
 import os
 import resource
 import socket
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 import pipedsl
+from pipedsl.runtime.p2p import _SocketSum
 from pipedsl.runtime.socket_p2p import SocketTransport
 
 
@@ -128,8 +129,10 @@ def test_a_peer_that_closes_while_a_large_send_is_queued_is_a_named_error() -> N
         a.wait_sends()
 
 
-def test_all_reduce_combines_every_rank_in_rank_order_on_every_rank() -> None:
-    P = 3
+def test_a_sum_over_the_loss_ranks_is_taken_in_rank_order_on_every_rank() -> None:
+    """Ranks 0, 1 and 3 hold the values; rank 2 is not one of them (what it has is not added).  1e16 + 1
+    rounds to 1e16, so rank order, (1e16 + 1) - 1e16, gives 0 where any other order gives 1."""
+    P = 4
     socks: dict[int, dict[int, socket.socket]] = {r: {} for r in range(P)}
     for r in range(P):
         for q in range(r + 1, P):
@@ -138,21 +141,24 @@ def test_all_reduce_combines_every_rank_in_rank_order_on_every_rank() -> None:
         for s in links.values():
             s.setblocking(False)
     transports = [SocketTransport(socks[r], 20.0, rank=r) for r in range(P)]
+    values = {0: [1e16, 3.0], 1: [1.0, 0.0], 2: [5.0, 7.0], 3: [-1e16, 1.0]}
     got: dict[int, list] = {}
 
-    def run(r: int) -> None:
-        def in_order(parts: list[torch.Tensor]) -> torch.Tensor:  # digits: any other order gives another number
-            return functools.reduce(lambda a, b: a * 10 + b, parts)
+    def run(r: int, holders: list[int]) -> None:
+        channels = SimpleNamespace(transport=transports[r], rank=r)
+        out = []
+        for _ in range(2):  # a second sum on the same links: the first left nothing behind
+            t = torch.tensor(values[r], dtype=torch.float64)
+            _SocketSum(channels, t, holders).wait()
+            out.append(t)
+        got[r] = out
 
-        got[r] = [transports[r].all_reduce(torch.tensor([float(r + 1), float(P - r)]), in_order) for _ in range(2)]
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(P)]
+    threads = [threading.Thread(target=run, args=(r, [0, 1, 3])) for r in range(P)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    want = torch.tensor([123.0, 321.0])
-    assert all(torch.equal(x, want) for r in range(P) for x in got[r])
+    assert all(torch.equal(x, torch.tensor([0.0, 4.0], dtype=torch.float64)) for r in range(P) for x in got[r]), got
 
 
 # ------------------------------------------------------------------ in a pipeline, against torch.distributed
