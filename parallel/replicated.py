@@ -11,10 +11,13 @@ Unmarked parameters are this rank's own shard (counted on every rank).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Partial
 
 _ATTR = "_pipedsl_tp_duplicate"  # a plain bool: survives deepcopy and pickling
 
@@ -37,3 +40,43 @@ def mark_replicated(params: nn.Parameter | nn.Module | Iterable[nn.Parameter] | 
 def is_duplicate(p: nn.Parameter) -> bool:
     """True on every rank but the first of the group `p` is replicated over (count it elsewhere)."""
     return getattr(p, _ATTR, False)
+
+
+# ------------------------------------------------------------------------ copies whose gradients are summed once a step
+
+_SUM_LATER = "_pipedsl_tp_sum_later"  # on the module: its parameters' objects may be swapped (`module.to`), it is not
+
+
+def sum_grads_later(module: nn.Module) -> None:
+    """Mark `module`'s own weights as copies over tp applied to this rank's part of the data (a sequence shard,
+    its attention heads): each rank's gradient is a partial sum.  DTensor would all-reduce it in every backward;
+    marked, it stays partial and the pipeline sums it over tp once per step (tp1d's `SequenceParallelGradSum`,
+    Megatron's one all-reduce of the LayerNorm gradients)."""
+    setattr(module, _SUM_LATER, True)
+
+
+def sums_grads_later(module: nn.Module) -> bool:
+    return getattr(module, _SUM_LATER, False)
+
+
+def partial_local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient as this rank's local part of a sum over its mesh (no communication)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if not all(p.is_partial() for p in grad.placements):
+        grad = grad.redistribute(placements=[Partial()] * len(grad.placements))  # local: a share of a copy
+    return grad.to_local()
+
+
+class FromLocalSummedLater(torch.autograd.Function):
+    """`DTensor.from_local(local, mesh, placements, …)` whose backward hands `local` its partial gradient as it is
+    (`partial_local`), where from_local's would all-reduce it: for weights marked `sum_grads_later`."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: Any, placements: tuple, shape: torch.Size,
+                stride: tuple[int, ...]) -> DTensor:
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return partial_local(grad), None, None, None, None

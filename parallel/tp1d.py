@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed.tensor import DTensor
 
 from . import gpt
 from .comm import (
@@ -50,7 +51,7 @@ from .comm import (
     scatter_along,
 )
 from .config import ParallelConfigError
-from .replicated import mark_replicated
+from .replicated import mark_replicated, sums_grads_later
 
 
 def _split(n: int, t: int, what: str) -> int:
@@ -412,8 +413,7 @@ class SequenceParallelGradSum:
 
     def __init__(self, group: ProcessGroup | None, modules: dict[int, nn.Module], zero: dict) -> None:
         self.group, self.zero = group, zero  # zero: {stage: ZeroOptimizer}, filled when the optimizer is made
-        self.names = {s: {n for n, p in m.named_parameters() if getattr(p, _SP_ATTR, False) and p.requires_grad}
-                      for s, m in modules.items()}
+        self.names = {s: _summed_later(m) for s, m in modules.items()}
 
     @classmethod
     def install(cls, pipe) -> None:
@@ -437,8 +437,16 @@ class SequenceParallelGradSum:
             if n in names:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
+                grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)  # (to_local: a view)
         return grads
+
+
+def _summed_later(module: nn.Module) -> set[str]:
+    """The names of `module`'s weights whose tp sum waits for the step end: marked by `defer_grad_sum` (1-D tp's
+    layers), or owned by a module marked `sum_grads_later` (DTensor tp, parallel/tp_hf.py)."""
+    names = {n for n, p in module.named_parameters() if getattr(p, _SP_ATTR, False) and p.requires_grad}
+    owned = {id(p) for m in module.modules() if sums_grads_later(m) for p in m.parameters(recurse=False)}
+    return names | {n for n, p in module.named_parameters() if id(p) in owned and p.requires_grad}
 
 
 class _PendingSum:

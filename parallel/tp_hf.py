@@ -32,12 +32,15 @@ gives the local sequence shard [mb, T/t, C]; without, the replicated [mb, T, C].
 the received shard with `DTensor.from_local`, a post-hook returns `to_local()`.  Sequence
 parallelism needs T % t == 0.
 
-Gradients are given their weight's placements by a hook as they are computed: replicated
+Gradients are given their weight's placements by a hook as they are computed.  Replicated
 DTensor weights used on sharded activations (SP norms, Qwen3's q/k norms) receive a `Partial`
-gradient from DTensor, all-reduced at once, so every tp rank holds the whole gradient, as
-Megatron's SP all-reduce of LayerNorm gradients does; the vocabulary-split embedding receives a
-`Replicate` [V, C] gradient (DTensor's embedding backward), sliced to the rank's rows.  Global
-norms count a replicated weight once over the tp group (runtime/clip.py).
+gradient from DTensor, which would all-reduce it in every backward; they are marked
+`sum_grads_later` instead (parallel/replicated.py), keep each rank's partial sum through the
+step's microbatches, and the pipeline sums them over tp once per step
+(`SequenceParallelGradSum`, one all-reduce per stage), as Megatron's SP all-reduces the LayerNorm
+gradients once.  The vocabulary-split embedding receives a `Replicate` [V, C] gradient (DTensor's
+embedding backward), sliced to the rank's rows.  Global norms count a replicated weight once over
+the tp group (runtime/clip.py).
 
 ZeRO (1–3, and 0 with bf16 parameters over fp32 main parameters) takes the DTensor parameters
 as their local shards, the way FSDP2's `fully_shard` composes with torch's TP: every dp replica
@@ -73,7 +76,7 @@ from torch.distributed.tensor.parallel import (
 
 from .config import ParallelConfig, ParallelConfigError
 from .mesh import ParallelMesh
-from .replicated import mark_replicated
+from .replicated import mark_replicated, partial_local, sum_grads_later, sums_grads_later
 from .tp1d import vocab_parallel_cross_entropy
 
 ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -117,20 +120,25 @@ def check_stages(stages: Sequence[nn.Module], config: ParallelConfig) -> tuple[i
 _HOOKED = "_pipedsl_grad_like_param"  # on the parameter object; moves away with its old payload under swap_tensors
 
 
-def _grad_like_param(p: nn.Parameter) -> None:
+def _grad_like_param(p: nn.Parameter, later: bool) -> None:
     """Give a DTensor weight's gradient the weight's own placements, as soon as it is computed.
 
     DTensor does not: a replicated weight used on sharded activations (SP norms, Qwen3's q/k
-    norms) gets a `Partial` gradient (all-reduced here), and the vocabulary-split embedding a
-    `Replicate` one (sliced here).  Optimizers, clipping and the dp reduction then see each
-    rank's shard, or the whole gradient of a copy, like the weight itself.
+    norms) gets a `Partial` gradient, and the vocabulary-split embedding a `Replicate` one (sliced
+    here).  `later` (the norms, marked `sum_grads_later`): the partial gradient is kept as this
+    rank's local part, labelled with the weight's placements without communication, and the
+    pipeline sums it over tp once per step; otherwise it is all-reduced at once.  Optimizers,
+    clipping and the dp reduction then see each rank's shard, or the whole gradient of a copy.
     """
     placements = tuple(p.placements)
 
     def hook(g: torch.Tensor) -> torch.Tensor:
-        if isinstance(g, DTensor) and tuple(g.placements) != placements:
-            return g.redistribute(placements=placements)
-        return g
+        if not isinstance(g, DTensor) or tuple(g.placements) == placements:
+            return g
+        if later:
+            return DTensor.from_local(partial_local(g), g.device_mesh, placements, run_check=False,
+                                      shape=g.shape, stride=g.stride())
+        return g.redistribute(placements=placements)
     p.register_hook(hook)
     setattr(p, _HOOKED, True)
 
@@ -142,9 +150,10 @@ def _hook_grads(stage: nn.Module, args: tuple) -> None:
     (`torch.utils.swap_tensors`) and with it the gradient accumulator its hooks hang on, so hooks
     installed once at parallelisation would be lost; a marker attribute travels with the payload.
     """
-    for p in stage.parameters():
-        if isinstance(p, DTensor) and not getattr(p, _HOOKED, False):
-            _grad_like_param(p)
+    for m in stage.modules():
+        for p in m._parameters.values():
+            if isinstance(p, DTensor) and not getattr(p, _HOOKED, False):
+                _grad_like_param(p, sums_grads_later(m))
 
 
 def _layer_plan(sp: bool) -> dict[str, Any]:
@@ -201,7 +210,11 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
                 if getattr(layer.self_attn, n, None) is not None:
                     parallelize_module(layer.self_attn, tp_mesh, {n: SequenceParallel(sequence_dim=2,
                                                                                       use_local_output=True)})
-            if not sp:
+                    sum_grads_later(getattr(layer.self_attn, n))
+            if sp:
+                sum_grads_later(layer.input_layernorm)
+                sum_grads_later(layer.post_attention_layernorm)
+            else:
                 mark_replicated([*layer.input_layernorm.parameters(), *layer.post_attention_layernorm.parameters()],
                                 group)
         if stage.head is not None:
@@ -210,6 +223,7 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
                     "norm": SequenceParallel(),
                     "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                                use_local_output=True)})
+                sum_grads_later(stage.head.norm)
             else:
                 parallelize_module(stage.head, tp_mesh, {"lm_head": ColwiseParallel(use_local_output=True)})
                 mark_replicated(stage.head.norm, group)

@@ -81,7 +81,8 @@ DTensor parameters (torch's tensor parallelism, parallel/tp_hf.py) go in as thei
 FSDP2 composes with TP: the flat buffers, slices, optimizer state and checkpoint layouts are those
 of this tp rank's shards (the same shapes on every dp peer), and each installed view is wrapped
 back with `DTensor.from_local` (the parameter's mesh, placements and global shape), whose backward
-redistributes the gradient to the weight's placements and hands the flat buffer its local part.
+redistributes the gradient to the weight's placements and hands the flat buffer its local part
+(weights marked `sum_grads_later`: their partial part, summed over tp at the step end).
 ZeRO-3 frees the storage under those views like any other.
 
 Split backward (I/W, zero-bubble schedules) under stage 3: I regathers through the usual
@@ -116,6 +117,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
 from .config import REDUCE_MODES, ParallelConfigError
+from .replicated import FromLocalSummedLater, sums_grads_later
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,11 @@ class _Entry:
         becomes a DTensor again, whose backward hands the flat buffer its local gradient."""
         if self.dtensor is None:
             return local
-        return DTensor.from_local(local, self.dtensor.mesh, self.dtensor.placements, run_check=False,
-                                  shape=self.dtensor.shape, stride=self.dtensor.stride)
+        spec = self.dtensor
+        if sums_grads_later(self.owner):  # a partial gradient, summed over tp once a step (replicated.py)
+            return FromLocalSummedLater.apply(local, spec.mesh, spec.placements, spec.shape, spec.stride)
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ instead (AdamW for ZeRO; bf16 within test_bf16_autocast's tolerance).
 from __future__ import annotations
 
 import pytest
-from tp_hf_cases import checkpoint_resume, refusals, retp_load, retp_save, tp_equivalence
+from tp_hf_cases import checkpoint_resume, norm_grad_all_reduces, refusals, retp_load, retp_save, tp_equivalence
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +44,15 @@ def test_tp2_equals_dense(run_once, family: str, pp: int, sp: bool) -> None:
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_dp2_pp2_tp2_sp_equals_dense(run_once, family: str) -> None:
     _check(run_once(tp_equivalence, 8, family, 2, 2, 2, True), True, 2)
+
+
+@pytest.mark.parametrize(("family", "zero"), [("llama", 0), ("qwen3", 1)])
+def test_norm_gradients_are_summed_once_a_step(run_once, family: str, zero: int) -> None:
+    """Under SP the norms' (and Qwen3's q/k norms') gradients are partial sums; DTensor would all-reduce them in
+    every backward (5 and 9 all-reduces a microbatch here).  They are summed once per step, so one step runs no
+    DTensor all-reduce at all, at M = 2 and M = 4; the tests above check the gradients against the dense model."""
+    for counts in run_once(norm_grad_all_reduces, 2, family, zero):
+        assert counts == [0, 0], counts
 
 
 def test_clip_counts_dtensor_shards_once(run_once) -> None:

@@ -262,3 +262,32 @@ def retp_load(directory: str, dp: int, tp: int, zero: int) -> list[float]:
     pipe, opt = _tp_pipeline(5, dp, tp, zero)
     checkpoint.load(pipe, directory, opt)
     return _steps(pipe, opt, 2)
+
+
+def norm_grad_all_reduces(family: str, zero: int) -> list[int]:
+    """DTensor all-reduces in one step at M = 2 and at M = 4, tp2 + SP (a dispatch mode counts them): the norms'
+    partial gradients are summed once per step by the pipeline (a c10d all-reduce), not in every backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.n += func is torch.ops._c10d_functional.all_reduce.default
+            return func(*args, **(kwargs or {}))
+
+    hf = _hf_cases()
+    counts = []
+    for M in (2, 4):
+        mesh = ParallelMesh(ParallelConfig(tp=2, zero=zero))
+        stages = tp_hf_stages(causal_lm_stages(hf.tiny_model(family, layers=2), 1), mesh, sequence_parallel=True)
+        pipe = pipedsl.Pipeline(stages, program=pipedsl.load("1f1b").compile(P=1, M=M), loss_fn=tp_hf_loss(mesh),
+                                parallel=mesh)
+        pipe.optimizer(torch.optim.SGD, lr=0.1)
+        x = torch.randint(hf.VOCAB, (2 * M, hf.T), generator=torch.Generator().manual_seed(3))
+        with Count() as count:
+            pipe.step(x, shift_labels(x))
+        counts.append(count.n)
+    return counts
