@@ -419,6 +419,12 @@ class SequenceParallelGradSum:
     def install(cls, pipe) -> None:
         """Register on `pipe` when one of its stages holds marked weights (every tp peer holds the same stages)."""
         if pipe.mesh is None or pipe.mesh.config.tp == 1:
+            marked = sorted({f"stage {s}: {n}" for s, m in pipe.local_stages().items() for n in _summed_later(m)})
+            if marked:  # their gradients would stay partial sums: nobody sums them over tp
+                raise ParallelConfigError(f"these stages are tensor-parallel: weights such as "
+                                          f"{', '.join(marked[:3])} get partial gradients that the pipeline sums "
+                                          f"over tp at each step's end, but the pipeline has no tp dimension: "
+                                          f"pass parallel=mesh, the mesh the stages were split over")
             return
         hook = cls(pipe.mesh.tp_group, pipe.local_stages(), pipe.data_parallel.zero)
         if any(hook.names.values()):

@@ -101,6 +101,8 @@ def test_refusals(run_once) -> None:
     assert "num_attention_heads=3 is not divisible by tp=2" in out["heads"]
     assert "num_key_value_heads=1 is not divisible by tp=2" in out["kv_heads"]
     assert "not in the Llama layout" in out["layout"]
+    assert "the pipeline has no tp dimension: pass parallel=mesh" in out["no_mesh"], out["no_mesh"]
+    assert "input_layernorm.weight" in out["no_mesh"]
 
 
 @pytest.mark.parametrize(("dp", "zero", "other"), [(1, 0, 1), (2, 3, 0)])

@@ -172,6 +172,15 @@ def refusals() -> dict[str, str]:
             out[key] = "no error"
         except ParallelConfigError as err:
             out[key] = str(err)
+    # tensor-parallel stages in a pipeline without the tp dimension: their norm gradients would stay partial
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    stages = tp_hf_stages(causal_lm_stages(hf.tiny_model("llama", layers=1), 1), mesh, sequence_parallel=True)
+    try:
+        pipedsl.Pipeline(stages, program=pipedsl.load("1f1b").compile(P=1, M=2), loss_fn=tp_hf_loss(mesh),
+                         group=alone)
+        out["no_mesh"] = "no error"
+    except ParallelConfigError as err:
+        out["no_mesh"] = str(err)
     return out
 
 
