@@ -450,9 +450,9 @@ class SequenceParallelGradSum:
 def _summed_later(module: nn.Module) -> set[str]:
     """The names of `module`'s weights whose tp sum waits for the step end: marked by `defer_grad_sum` (1-D tp's
     layers), or owned by a module marked `sum_grads_later` (DTensor tp, parallel/tp_hf.py)."""
-    names = {n for n, p in module.named_parameters() if getattr(p, _SP_ATTR, False) and p.requires_grad}
     owned = {id(p) for m in module.modules() if sums_grads_later(m) for p in m.parameters(recurse=False)}
-    return names | {n for n, p in module.named_parameters() if id(p) in owned and p.requires_grad}
+    return {n for n, p in module.named_parameters()
+            if p.requires_grad and (getattr(p, _SP_ATTR, False) or id(p) in owned)}
 
 
 class _PendingSum:

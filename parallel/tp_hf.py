@@ -151,7 +151,7 @@ def _hook_grads(stage: nn.Module, args: tuple) -> None:
     installed once at parallelisation would be lost; a marker attribute travels with the payload.
     """
     for m in stage.modules():
-        for p in m._parameters.values():
+        for p in m.parameters(recurse=False):
             if isinstance(p, DTensor) and not getattr(p, _HOOKED, False):
                 _grad_like_param(p, sums_grads_later(m))
 

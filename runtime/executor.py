@@ -182,8 +182,7 @@ class Executor:
 
     def _take(self, op: Op, slot: Slot) -> list[torch.Tensor]:
         """The tensors of a received message (`op`: RECV_F or RECV_B) for `slot`, waiting for them now."""
-        if self.channels.opening is not None:
-            self.channels.settle()  # before this step first waits for a peer (p2p.py, `Channels.open_step`)
+        self.channels.settle()  # before this step first waits for a peer (p2p.py, `Channels.open_step`)
         recv = self.posted[op].pop(slot)
         if self._scan <= self.index + self.lookahead and not recv.ready():
             self._post_ahead(self.index)  # about to wait: post the look-ahead now, while idle
@@ -267,8 +266,7 @@ class Executor:
             self._forward_done(ins, slot, Activation(inputs, [], None, buffers), stage.evaluate(inputs))
 
     def _forward_only_end(self, ins: Instr) -> None:
-        if self.channels.opening is not None:
-            self.channels.settle()
+        self.channels.settle()
         try:
             self.channels.wait_sends()
         except Exception as err:  # noqa: BLE001
@@ -353,8 +351,7 @@ class Executor:
         self.reducer.on_reduce_grad(ins.stage, ins.replica)
 
     def _step_end(self, ins: Instr) -> None:
-        if self.channels.opening is not None:
-            self.channels.settle()
+        self.channels.settle()
         try:
             self.channels.wait_sends()
             self.reducer.finish()

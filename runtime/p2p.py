@@ -238,8 +238,10 @@ class Channels:
             self.settle()
 
     def settle(self) -> None:
-        """Check this step's openings from every peer (waiting for them): a `RankFailure` naming every rank's shapes
-        if any differs from this rank's."""
+        """Check this step's openings from every peer (waiting for them), once: a `RankFailure` naming every rank's
+        shapes if any differs from this rank's.  Nothing to do when they are checked (or never sent)."""
+        if self.opening is None:
+            return
         key, description, recvs = self.opening
         self.opening = None
         said = {self.rank: description}

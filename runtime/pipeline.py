@@ -183,7 +183,6 @@ class Pipeline:
         self._executor: Executor | None = None
         # by (microbatch shapes, forward only)
         self._executors: OrderedDict[tuple[tuple[TensorMeta, ...], bool], Executor] = OrderedDict()
-        self._shape_said: dict[tuple[tuple[TensorMeta, ...], ...], tuple[int, str]] = {}  # see _shape_words
         self._loss_ranks = loss_ranks(prog)  # the ranks holding the last stage: they alone have losses to sum
         self._forward_program = self.program.forward_only()  # evaluation passes
         self.shape_handshakes = 0  # input shapes learned so far (one discovery step each, discovery.py)
@@ -638,10 +637,10 @@ class Pipeline:
         split evenly: loss_reduction="token").  `forward_only`: the evaluation pass's executor (not
         the training one), sharing the shapes learned by either."""
         ex = self._executors.get((meta, forward_only))
-        known = ex is not None or (meta, not forward_only) in self._executors
-        self.channels.open_step(*self._shape_words(meta), wait=not known)
+        known = self._executors.get((meta, not forward_only))  # the other pass's executor: its shapes are learned
+        description = " | ".join(map(describe, dict.fromkeys(meta)))
+        self.channels.open_step(_shape_key(meta), description, wait=ex is None and known is None)
         if ex is None:
-            known = self._executors.get((meta, not forward_only))
             if known is None:
                 kinds_of = list(dict.fromkeys(meta))  # distinct microbatch shapes, in order (the same on every rank)
                 ex = self._make_executor({}, {}, [kinds_of.index(m) for m in meta], forward_only, Discovery)
@@ -652,15 +651,6 @@ class Pipeline:
         if not forward_only:
             self._executor = ex
         return ex
-
-    def _shape_words(self, meta: tuple[tuple[TensorMeta, ...], ...]) -> tuple[int, str]:
-        """This step's shapes as (fingerprint, description), kept per shape (computed once, not every step)."""
-        said = self._shape_said.get(meta)
-        if said is None:
-            if len(self._shape_said) >= 4 * _MAX_SHAPES:
-                self._shape_said.clear()
-            said = self._shape_said[meta] = (_shape_key(meta), " | ".join(map(describe, dict.fromkeys(meta))))
-        return said
 
     def _learned(self, ex: Executor, meta: tuple[tuple[TensorMeta, ...], ...], forward_only: bool = False) -> None:
         """After a step run by a `Discovery`: the executor for its shapes, from what it learned."""
