@@ -22,7 +22,7 @@ test: setup
 	$(BIN)/python -m pytest -q --durations=40
 
 lint: setup
-	$(BIN)/ruff check pipedsl runtime parallel visualize tests benchmarks examples
+	$(BIN)/ruff check pipedsl runtime parallel models trainer visualize tests benchmarks examples
 
 # four same-run ratios against benchmarks/baseline.json in under a minute; exit 1 on a REGRESSION line
 bench-quick: setup

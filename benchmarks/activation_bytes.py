@@ -28,7 +28,7 @@ RECOMPUTE = [(None, "none"), ("selective", "selective"), ("layer", "full"), ("fu
 
 
 def main() -> None:
-    from pipedsl.parallel.pool import LocalPool
+    from pipedsl.runtime.launch.pool import LocalPool
 
     z = cases.SIZES
     began = time.perf_counter()

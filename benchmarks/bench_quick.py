@@ -102,7 +102,7 @@ def _shape_change(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import pipedsl
-    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
 
     gcfg = GPTConfig(n_layer=cfg["layers"], n_embd=cfg["embd"], block_size=cfg["seq"])
     torch.manual_seed(0)

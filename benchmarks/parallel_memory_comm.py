@@ -156,7 +156,7 @@ def main() -> int:
     parser.add_argument("--json", default=str(ROOT / "out" / "parallel_memory_comm.json"))
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from pipedsl.parallel.pool import LocalPool
+    from pipedsl.runtime.launch.pool import LocalPool
 
     result: dict = {"zero": [], "tp": []}
     with LocalPool(8, timeout=600) as pool:

@@ -1,6 +1,6 @@
 """The planner calibrated on this machine against the runtime's measured step times.
 
-`pipedsl plan --calibrate`'s measurements (pipedsl/plan/calibrate.py: a GPT block's FLOP/s
+`pipedsl plan --calibrate`'s measurements (trainer/calibrate.py: a GPT block's FLOP/s
 alone and with every rank computing, the split backward, blocking collectives, gloo ping-pong
 latency/bandwidth, AdamW's bytes/s) become a
 `ClusterSpec`; the planner then predicts the step time of each locally runnable layout of the
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # noqa: E402
 
 from pipedsl.plan import Layout, evaluate  # noqa: E402
-from pipedsl.plan.calibrate import SmallGPT, measure_rank, summarize  # noqa: E402
-from pipedsl.runtime.capacity import usable_cores  # noqa: E402
+from pipedsl.runtime.launch.capacity import usable_cores  # noqa: E402
+from pipedsl.trainer.calibrate import SmallGPT, measure_rank, summarize  # noqa: E402
 
 # (dp, pp, tp, schedule, params, microbatch size[, sequence parallel]) at 4 ranks; 8 ranks doubles dp
 LAYOUTS_4 = [(1, 4, 1, "1f1b", (), 2), (1, 4, 1, "gpipe", (), 2), (1, 4, 1, "zb-h1", (), 2),
@@ -53,8 +53,8 @@ def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: 
     import torch
 
     import pipedsl
+    from pipedsl.models.gpt.model import GPT, gpt_loss, synthetic_batch
     from pipedsl.parallel import ParallelConfig, ParallelMesh
-    from pipedsl.runtime.gpt import GPT, gpt_loss, synthetic_batch
 
     program = pipedsl.load(layout.schedule).compile(P=layout.pp, M=layout.microbatches, **dict(layout.params))
     torch.manual_seed(0)
@@ -63,7 +63,7 @@ def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: 
     if layout.dp > 1 or layout.tp > 1:
         mesh = ParallelMesh(ParallelConfig(dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero))
     if layout.tp > 1:
-        from pipedsl.parallel.tp_gpt import tp_gpt_loss
+        from pipedsl.models.gpt.tp import tp_gpt_loss
 
         stages = gpt.tp_stages(program.num_stages, mesh, by="blocks", sequence_parallel=layout.sequence_parallel)
         loss = tp_gpt_loss(mesh)
@@ -88,7 +88,7 @@ def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: 
 def measure(model: SmallGPT, layout: Layout, steps: int, warmup: int) -> tuple[list[dict], float]:
     """The calibration measurements taken right after the steps (same processes, same load), and
     the median over steps of the slowest rank's step time."""
-    from pipedsl.runtime import launch
+    from pipedsl.runtime.launch.launcher import launch
 
     per_rank = launch(_train_rank, layout.gpus, model, layout, steps, warmup, timeout=600, threads=1)
     return [m for m, _ in per_rank], statistics.median(max(ts) for ts in zip(*(t for _, t in per_rank)))

@@ -37,7 +37,7 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
     import pipedsl
-    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
 
     gcfg = GPTConfig(n_layer=cfg["layers"], n_embd=cfg["embd"], block_size=cfg["seq"])
     torch.manual_seed(0)

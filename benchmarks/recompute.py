@@ -40,7 +40,7 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict) -> dict:
     import torch.nn.functional as F  # noqa: N812
 
     import pipedsl
-    from pipedsl.runtime.gpt import GPT, CausalSelfAttention, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.models.gpt.model import GPT, CausalSelfAttention, GPTConfig, gpt_loss, synthetic_batch
     from pipedsl.runtime.recompute import Recompute
     from pipedsl.runtime.stage import ActivationCounter, Stage
 

@@ -47,7 +47,7 @@ def _rank_main(rank: int, cfg: dict) -> dict:
     import torch
 
     import pipedsl
-    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
 
     P, M, F, B = cfg["P"], cfg["M"], cfg["F"], cfg["B"]
     programs = _programs(P, M, cfg["schedules"])

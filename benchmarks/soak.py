@@ -42,8 +42,8 @@ def segment(rank: int, program_json: str, cfg: dict[str, Any], first: int, last:
     """Train steps first … last (resuming from the latest checkpoint when first > 1); rank 0 reports."""
     import torch
 
-    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
-    from pipedsl.runtime.trainer import _arm_step_fault
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.trainer.train import _arm_step_fault
 
     program = pipedsl.Program.from_json(program_json)
     gcfg = GPTConfig(vocab_size=64, block_size=cfg["seq"], n_layer=cfg["layers"], n_head=4, n_embd=cfg["embd"])

@@ -1,7 +1,7 @@
 """Starting local ranks: forked from the fork server against spawned, in the same run.
 
 Each measurement is a fresh Python process (so nothing is imported or started beforehand), run
-alternately with PIPEDSL_START_METHOD=forkserver and =spawn (runtime/fork_server.py):
+alternately with PIPEDSL_START_METHOD=forkserver and =spawn (runtime/launch/fork_server.py):
 
 - *launch*: `pipedsl.launch` of a function that returns at once on N ranks — from the call until
   every rank's result is back (the fork server's own imports included: a first launch), and a

@@ -15,7 +15,7 @@ Workloads (`--P` sets the ranks of every workload; default 2 4 8 for `sleep`, 2 
 small matmul; `mlp` — an 8-block MLP (Linear(64, 64) + GELU) per stage plus a synthetic stage
 sleeping F/5 and B/5, CPU compute and a stand-in for accelerator time together; `tiny` — one
 `Linear(8, 8)` per stage and nothing else, where the runtimes' own cost per op decides; `gpt` —
-the small GPT (pipedsl.runtime.gpt).  One thread per rank.
+the small GPT (pipedsl.models.gpt.model).  One thread per rank.
 
     python benchmarks/vs_torch.py                   # both workloads, every schedule
     python benchmarks/vs_torch.py --quick           # P = 2, 4, fewer repetitions
@@ -59,7 +59,7 @@ def _stage_modules(workload: str, S: int, cfg: dict) -> tuple[list, Any, Any, An
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(M * 2, 8, generator=g), torch.randn(M * 2, 8, generator=g)
         return [torch.nn.Linear(8, 8) for _ in range(S)], x, y, torch.nn.functional.mse_loss
-    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
 
     torch.manual_seed(0)
     gcfg = GPTConfig(n_layer=max(4, S))

@@ -9,7 +9,7 @@ No download: the model comes from a config with random weights (`transformers` i
 `examples` extra: `pip install 'pipedsl[examples]'`).  `causal_lm_stages` cuts it into
 embedding, decoder layers and final norm + head; each stage recomputes the rotary embeddings
 and the attention masks from the padding mask that travels with the hidden states, and the
-tied embedding stays one weight (pipedsl/runtime/hf.py).  The batches are padded to a common
+tied embedding stays one weight (pipedsl/models/hf/stages.py).  The batches are padded to a common
 length with labels -100 on the padding, as a collator makes them, and the loss is HF's: the mean
 over every label of the batch (`loss_reduction="token"`), so `pipe.step` returns what
 `model(input_ids, attention_mask=…, labels=…).loss` would.  The last step's measured timeline is
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import pipedsl
-from pipedsl.runtime.hf import IGNORE_INDEX, causal_lm_loss, causal_lm_stages, shift_labels
+from pipedsl.models.hf.stages import IGNORE_INDEX, causal_lm_loss, causal_lm_stages, shift_labels
 
 VOCAB, SEQ = 128, 32
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")

@@ -1,4 +1,4 @@
-"""Train the small nanoGPT-style model (pipedsl/runtime/gpt.py) with a pipeline schedule.
+"""Train the small nanoGPT-style model (pipedsl/models/gpt/model.py) with a pipeline schedule.
 
     python examples/nanogpt.py                      # 1F1B on 4 local processes
     python examples/nanogpt.py --schedule gpipe -P 2 -M 4 --steps 10
@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import pipedsl
-from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
 
 
 def train(rank: int, schedule: str, M: int, steps: int, cfg: GPTConfig, batch: int) -> list[float]:

@@ -22,8 +22,9 @@ import time
 import torch
 
 import pipedsl
-from pipedsl.parallel import ParallelConfig, ParallelMesh, tp_gpt_loss
-from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
+from pipedsl.models.gpt.tp import tp_gpt_loss
+from pipedsl.parallel import ParallelConfig, ParallelMesh
 
 
 def train(rank: int, cfg: ParallelConfig, schedule: str, params: dict[str, int], M: int, steps: int,

@@ -9,12 +9,11 @@ Everything takes its process groups explicitly; nothing here keeps global state.
     zero = ZeroOptimizer(block, torch.optim.Adam, group=mesh.dp_group, stage=cfg.zero, lr=1e-3)
 """
 
-from . import gpt
-from .comm import CommCounter, count_comm
-from .config import ParallelConfig, ParallelConfigError
-from .mesh import Coords, Cube3D, ParallelMesh
-from .optim import PipelineOptimizer
-from .tp1d import (
+from pipedsl.parallel import gpt
+from pipedsl.parallel.comm import CommCounter, count_comm
+from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
+from pipedsl.parallel.mesh import Coords, Cube3D, ParallelMesh
+from pipedsl.parallel.tp1d import (
     ColumnParallelLinear,
     ParallelBlock,
     ParallelMLP,
@@ -23,10 +22,9 @@ from .tp1d import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from .tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, Linear3D, loss_value
-from .tp_gpt import tp_gpt_loss, tp_gpt_stages
-from .tp_hf import tp_hf_loss, tp_hf_stages
-from .zero import MemoryReport, ZeroOptimizer, memory_report
+from pipedsl.parallel.tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, Linear3D, loss_value
+from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
+from pipedsl.parallel.zero import MemoryReport, ZeroOptimizer, memory_report
 
 __all__ = [
     "Block3D",
@@ -45,7 +43,6 @@ __all__ = [
     "ParallelMLP",
     "ParallelMesh",
     "ParallelSelfAttention",
-    "PipelineOptimizer",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "ZeroOptimizer",
@@ -53,8 +50,6 @@ __all__ = [
     "gpt",
     "loss_value",
     "memory_report",
-    "tp_gpt_loss",
-    "tp_gpt_stages",
     "tp_hf_loss",
     "tp_hf_stages",
     "vocab_parallel_cross_entropy",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import ParallelConfig, ParallelConfigError
+from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 

@@ -38,8 +38,8 @@ from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.tensor import DTensor
 
-from . import gpt
-from .comm import (
+from pipedsl.parallel import gpt
+from pipedsl.parallel.comm import (
     all_gather,
     all_reduce,
     copy_to_group,
@@ -50,8 +50,8 @@ from .comm import (
     reduce_scatter,
     scatter_along,
 )
-from .config import ParallelConfigError
-from .replicated import mark_replicated, sums_grads_later
+from pipedsl.parallel.config import ParallelConfigError
+from pipedsl.parallel.replicated import mark_replicated, sums_grads_later
 
 
 def _split(n: int, t: int, what: str) -> int:

@@ -31,18 +31,18 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
-from . import gpt
-from .comm import (
+from pipedsl.parallel import gpt
+from pipedsl.parallel.comm import (
     all_gather,
     all_reduce,
     all_reduce_autograd,
     copy_to_group,
     reduce_scatter,
 )
-from .config import ParallelConfigError
-from .mesh import Cube3D
-from .replicated import mark_replicated
-from .tp1d import qkv_order, vocab_parallel_cross_entropy
+from pipedsl.parallel.config import ParallelConfigError
+from pipedsl.parallel.mesh import Cube3D
+from pipedsl.parallel.replicated import mark_replicated
+from pipedsl.parallel.tp1d import qkv_order, vocab_parallel_cross_entropy
 
 
 def _div(n: int, d: int, what: str) -> int:

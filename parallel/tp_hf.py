@@ -53,7 +53,7 @@ Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-hea
 `mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
 Qwen2, Qwen3.  Tied embeddings stay one parameter (embedding and head hold the same row block).
 Others are refused by name.  Checkpoints hold each rank's shards and load under any tp and ZeRO
-stage, and `pipedsl export` puts the shards back together (runtime/checkpoint.py: `_retp`,
+stage, and `pipedsl export` puts the shards back together (runtime/checkpoint/state.py: `_retp`,
 `read_model`).  Not yet: dropout, 3-D tp.
 """
 
@@ -74,10 +74,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .config import ParallelConfig, ParallelConfigError
-from .mesh import ParallelMesh
-from .replicated import mark_replicated, partial_local, sum_grads_later, sums_grads_later
-from .tp1d import vocab_parallel_cross_entropy
+from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
+from pipedsl.parallel.mesh import ParallelMesh
+from pipedsl.parallel.replicated import mark_replicated, partial_local, sum_grads_later, sums_grads_later
+from pipedsl.parallel.tp1d import vocab_parallel_cross_entropy
 
 ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj"}

@@ -94,7 +94,7 @@ it, with the reason), mixed dtypes, non-elementwise optimizers.
 Under a fake-tensor mode (the pipeline's shape handshake) the hooks only install views:
 no gathers, no change of state.
 
-Checkpoints (runtime/checkpoint.py, parallel/zero_checkpoint.py): `shard_state()` is this rank's
+Checkpoints (runtime/checkpoint/state.py, parallel/zero_checkpoint.py): `shard_state()` is this rank's
 slices of parameters and optimizer state with the `layout()` that gives them meaning; `load_shard_state()` puts them
 back under the same layout (then `sync_parameters()`, collective), `load_full_state()` takes
 full tensors by name and keeps this rank's slices (resharding to another dp size or stage).
@@ -115,9 +115,9 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
-from .config import REDUCE_MODES, ParallelConfigError
-from .replicated import FromLocalSummedLater, sums_grads_later
+from pipedsl.parallel.comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
+from pipedsl.parallel.config import REDUCE_MODES, ParallelConfigError
+from pipedsl.parallel.replicated import FromLocalSummedLater, sums_grads_later
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """ZeRO's side of checkpoints: what `ZeroOptimizer.shard_state()` slices mean, and resharding them.
 
 A saved slice is only meaningful with its unit layout (entry names, shapes, offsets, padded size, dp
-size).  Reading that layout belongs next to ZeRO, so that runtime/checkpoint.py handles ZeRO state as
+size).  Reading that layout belongs next to ZeRO, so that runtime/checkpoint/state.py handles ZeRO state as
 opaque per-dp-rank values: under the same layout they are restored as they are (bit-exact); otherwise
 `assemble` rebuilds full tensors from every dp rank's slices and `load_full` cuts them again for this
 optimizer.  Only the optimizer's public methods are used.
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .zero import ZeroOptimizer
+from pipedsl.parallel.zero import ZeroOptimizer
 
 
 def local_shard(t: Any) -> Any:

@@ -42,14 +42,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-# Pipeline and launch are imported on first use: `import pipedsl` and the CLI stay torch-free.
+# Pipeline and launch are imported on first use: `import pipedsl` and the CLI stay torch-free (registry.py).
 def __getattr__(name: str):
-    if name == "Pipeline":
-        from pipedsl.runtime.pipeline import Pipeline
+    if name in ("Pipeline", "launch"):
+        from pipedsl.registry import lend
 
-        return Pipeline
-    if name == "launch":
-        from pipedsl.runtime.launcher import launch
-
-        return launch
+        return lend(name)
     raise AttributeError(f"module 'pipedsl' has no attribute {name!r}")

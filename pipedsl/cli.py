@@ -20,11 +20,11 @@ from pipedsl.ir import Program
 from pipedsl.library import builtin_names, load
 from pipedsl.limits import MAX_COMPUTE_OPS, MAX_RANKS
 from pipedsl.plan import cli as plan_cli
-from pipedsl.runtime import train_cli
+from pipedsl.registry import COMMANDS as LENT_COMMANDS
+from pipedsl.registry import lend, resolve
 from pipedsl.simulate import Cost, simulate
 from pipedsl.timeline import Timeline
 from pipedsl.torch_csv import to_torch_csv, torch_numbering
-from pipedsl.visualize import show
 
 EXIT_USAGE = 2
 
@@ -35,7 +35,9 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; of the commands other layers lend (registry.py), only the one `argv` names is
+    imported (all of them when it names none, for the help)."""
     parser = _Parser(prog="pipedsl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -58,12 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list", help="the built-in schedules with their doc lines")
     compare.add_parser(sub)
-    show.add_parser(sub)
-    train_cli.add_parser(sub)
-    train_cli.add_run_parser(sub)
-    train_cli.add_export_parser(sub)
+    named = _command_named(argv)
+    for name, command in LENT_COMMANDS.items():
+        if named in (None, name):
+            resolve(f"{command.module}:{command.add_parser}")(sub)
     plan_cli.add_parser(sub)
     return parser
+
+
+def _command_named(argv: Sequence[str] | None) -> str | None:
+    """The command `argv` runs, if it names a known one (`pipedsl` takes no option before its command but -h)."""
+    first = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    return first if first in LENT_COMMANDS or first in COMMANDS else None
 
 
 def _compile(args: argparse.Namespace):
@@ -190,18 +198,22 @@ def _write(text: str, output: str | None) -> None:
 
 
 COMMANDS = {"compile": cmd_compile, "simulate": cmd_simulate, "check": cmd_check, "list": cmd_list,
-            "compare": compare.run, "show": show.run, "train": train_cli.run,
-            "run": train_cli.run_program, "export": train_cli.export, "plan": plan_cli.run}
+            "compare": compare.run, "plan": plan_cli.run}
+
+
+def _handler(command: str):
+    if command in COMMANDS:
+        return COMMANDS[command]
+    lent = LENT_COMMANDS[command]
+    return resolve(f"{lent.module}:{lent.run}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     args._argv = list(sys.argv[1:] if argv is None else argv)  # which flags were given (they win over --config)
-    from pipedsl.runtime.lifecycle import exit_on_signals  # stdlib only: no torch for compile, show, ...
-
     try:
-        with exit_on_signals():  # SIGTERM/SIGINT/SIGHUP while compiling or drawing: one line, 128 + signal
-            return COMMANDS[args.command](args)
+        with lend("exit_on_signals")():  # SIGTERM/SIGINT/SIGHUP while compiling or drawing: one line, 128 + signal
+            return _handler(args.command)(args)
     except PipeDSLError as err:
         print(err.render(), file=sys.stderr)
         return EXIT_USAGE

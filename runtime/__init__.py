@@ -1,15 +1,15 @@
 """pipedsl.runtime: execute compiled programs on real processes (torch.distributed).
 
 - `Pipeline` (pipeline.py): the per-rank API — stages, `step(inputs, targets)`, timelines;
-- `launch` (launcher.py): local processes with a process group, or torchrun's;
-- `split_sequential`, `split_gpt` (split.py): cut a model into stages; `gpt.py`: a small GPT;
-- `causal_lm_stages`, `causal_lm_loss`, `shift_labels` (hf.py): Hugging Face causal LMs as stages;
 - underneath: `Executor` (executor.py) interprets one rank's instruction stream, `Stage`
-  (stage.py) runs forward / backward / split backward, `Channels` (p2p.py) moves tensors,
-  `GradReducer` (reduce.py) reduces replica gradients, `Tracer` (tracer.py) records a Timeline,
-  errors.py reports failures across ranks; train_cli.py is `pipedsl train`.
+  (stage.py) runs forward / backward / split backward, `Channels` (p2p.py, socket_p2p.py) moves
+  tensors, `DataParallel` (data_parallel.py) owns the gradients' end of step (replica reduce,
+  tied weights, tensor-parallel sums), `Tracer` (tracer.py) records a Timeline;
+- launch/: processes — `launch`, the fork server, signals, failures across ranks, a worker pool;
+- checkpoint/: save and restore a training state, resharded to another layout.
 
-Names are imported on first use, so `pipedsl.runtime.train_cli` (the CLI) does not import torch.
+Models (`pipedsl.models`) and the trainer (`pipedsl.trainer`) build on this package; it imports neither.
+Names are imported on first use, so `import pipedsl.runtime` does not import torch.
 """
 
 from __future__ import annotations
@@ -19,12 +19,7 @@ from typing import Any
 
 _EXPORTS = {
     "Pipeline": "pipeline",
-    "causal_lm_loss": "hf",
-    "causal_lm_stages": "hf",
-    "shift_labels": "hf",
-    "launch": "launcher",
-    "split_gpt": "split",
-    "split_sequential": "split",
+    "PipelineOptimizer": "optim",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -27,14 +27,13 @@ from torch import nn
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.parallel.config import ParallelConfig
 from pipedsl.parallel.zero import ZeroOptimizer
-
-from . import clip
-from .precision import MixedPrecision
-from .reduce import DataParallelReducer, GradReducer
-from .ties import TieReducer
+from pipedsl.runtime import clip
+from pipedsl.runtime.precision import MixedPrecision
+from pipedsl.runtime.reduce import DataParallelReducer, GradReducer
+from pipedsl.runtime.ties import TieReducer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .pipeline import Pipeline
+    from pipedsl.runtime.pipeline import Pipeline
 
 
 class Replicated:

@@ -35,11 +35,10 @@ from typing import Any
 import torch
 
 from pipedsl.ir import Instr, Op
-
-from .errors import RankFailure
-from .executor import Executor
-from .keys import Copy, ShapeKey, Slot
-from .p2p import META_LEN, Recv, TensorMeta, decode_meta, describe, encode_meta
+from pipedsl.runtime.executor import Executor
+from pipedsl.runtime.keys import Copy, ShapeKey, Slot
+from pipedsl.runtime.launch.errors import RankFailure
+from pipedsl.runtime.p2p import META_LEN, Recv, TensorMeta, decode_meta, describe, encode_meta
 
 _SHAPES = (TensorMeta((META_LEN,), torch.int64),)  # the shape message
 

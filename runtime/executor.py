@@ -40,12 +40,11 @@ from typing import Any
 import torch
 
 from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
-
-from .errors import RankFailure, failure_at
-from .keys import Copy, ShapeKey, Slot
-from .p2p import Channels, Recv, TensorMeta, describe
-from .reduce import GradReducer
-from .stage import Activation, Stage, overlapped_forward_backward
+from pipedsl.runtime.keys import Copy, ShapeKey, Slot
+from pipedsl.runtime.launch.errors import RankFailure, failure_at
+from pipedsl.runtime.p2p import Channels, Recv, TensorMeta, describe
+from pipedsl.runtime.reduce import GradReducer
+from pipedsl.runtime.stage import Activation, Stage, overlapped_forward_backward
 
 
 def _num_losses(stream: list[Instr], last: int) -> int:

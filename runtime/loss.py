@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipedsl.errors import PipeRuntimeError
-
-from .errors import RankFailure
+from pipedsl.runtime.launch.errors import RankFailure
 
 LOSS_REDUCTIONS = ("microbatch", "token")
 

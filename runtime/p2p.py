@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import socket_p2p
-from .errors import RankFailure
-from .groups import PipelineGroups
+from pipedsl.runtime import socket_p2p
+from pipedsl.runtime.groups import PipelineGroups
+from pipedsl.runtime.launch.errors import RankFailure
 
 # A fixed-size int64 vector describes one message (count, then dtype, ndim, dims per tensor).
 META_LEN = 64

@@ -40,7 +40,7 @@ checks that the ranks which must see the same data do, and says which mode fits 
 over its microbatches (each scaled 1/M), averaged over dp — with the dp averaging of the
 gradients, exactly the gradient of that mean.  Tensor-parallel stages must return the
 microbatch's true loss on every tp rank of the last stage (its backward may be each rank's
-share: see `pipedsl.parallel.tp_gpt`).
+share: see `pipedsl.models.gpt.tp`).
 
 `loss_reduction="token"`: the loss function returns the microbatch's summed token losses and
 the step's loss and gradients are the mean over every target != `ignore_index` of the global
@@ -72,24 +72,23 @@ from pipedsl.library import load
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.parallel.tp1d import SequenceParallelGradSum
+from pipedsl.runtime import clip
+from pipedsl.runtime.data_parallel import strategy_for
+from pipedsl.runtime.discovery import Discovery
+from pipedsl.runtime.executor import Executor, loss_ranks
+from pipedsl.runtime.groups import PipelineGroups
+from pipedsl.runtime.keys import Copy
+from pipedsl.runtime.launch.errors import RankFailure, explain_peer_failure, record_failure
+from pipedsl.runtime.loss import LOSS_REDUCTIONS, LossPolicy
+from pipedsl.runtime.p2p import Channels, TensorMeta, describe
+from pipedsl.runtime.precision import LossScaler, LossScaling, MixedPrecision, policy
+from pipedsl.runtime.recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
+from pipedsl.runtime.reduce import GradReducer, Hook
+from pipedsl.runtime.stage import ActivationCounter, LossFn, Stage, StageOptions
+from pipedsl.runtime.ties import TieReducer, check_ties, find_ties
+from pipedsl.runtime.tracer import Tracer
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
-
-from . import clip
-from .data_parallel import strategy_for
-from .discovery import Discovery
-from .errors import RankFailure, explain_peer_failure, record_failure
-from .executor import Executor, loss_ranks
-from .groups import PipelineGroups
-from .keys import Copy
-from .loss import LOSS_REDUCTIONS, LossPolicy
-from .p2p import Channels, TensorMeta, describe
-from .precision import LossScaler, LossScaling, MixedPrecision, policy
-from .recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
-from .reduce import GradReducer, Hook
-from .stage import ActivationCounter, LossFn, Stage, StageOptions
-from .ties import TieReducer, check_ties, find_ties
-from .tracer import Tracer
 
 StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
 BATCH_MODES = ("global", "local")
@@ -269,7 +268,7 @@ class Pipeline:
         else:
             if isinstance(stages, nn.Module) and not isinstance(stages, (nn.ModuleList, nn.Sequential)):
                 raise PipeRuntimeError("stages must be a list of modules (one per stage) or a callable "
-                                       "stage -> module; split a model with pipedsl.runtime.split")
+                                       "stage -> module; split a model with pipedsl.models.split")
             if len(stages) != prog.num_stages:
                 raise PipeRuntimeError(
                     f"rank {self.rank}: the model has {len(stages)} stage(s), but schedule {prog.name!r} with "
@@ -325,7 +324,7 @@ class Pipeline:
         the stage's parameters over now (so call this before the first step) and reduces its
         gradients at REDUCE_GRAD.
         """
-        from pipedsl.parallel.optim import PipelineOptimizer
+        from pipedsl.runtime.optim import PipelineOptimizer
 
         if self._optimizer is not None:
             raise PipeRuntimeError("this pipeline already has its optimizer (pipe.optimizer() makes one per pipeline)")
@@ -699,7 +698,7 @@ def _as_program(program: Any) -> Program:
     if isinstance(program, Program):
         return validate(program)
     if isinstance(program, (str, os.PathLike)):
-        from .program_file import read_program
+        from pipedsl.runtime.program_file import read_program
 
         return read_program(program)
     raise PipeRuntimeError(f"program= takes a Program or the path of a program file (JSON, CSV or text), "

@@ -49,8 +49,7 @@ import torch
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
-
-from . import clip
+from pipedsl.runtime import clip
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -162,7 +161,7 @@ def run_stages(stages: Sequence[nn.Module], inputs: Any, precision: str | MixedP
 class LossScaler:
     """Dynamic loss scale with `torch.amp.GradScaler`'s rule: back off on overflow, grow after
     `growth_interval` clean steps.  The state is the same on every rank (the overflow verdict is
-    global), saved and restored by runtime/checkpoint.py."""
+    global), saved and restored by runtime/checkpoint/state.py."""
 
     def __init__(self, pol: MixedPrecision) -> None:
         self.scale = float(pol.init_scale)

@@ -33,9 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipedsl.ir import Program
-
-from .groups import PipelineGroups
-from .ties import TieReducer
+from pipedsl.runtime.groups import PipelineGroups
+from pipedsl.runtime.ties import TieReducer
 
 Hook = Callable[[int, nn.Module], object]
 

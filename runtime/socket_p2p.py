@@ -33,7 +33,7 @@ from itertools import islice
 import torch
 import torch.distributed as dist
 
-from .tracer import host_id  # who shares abstract socket names: one kernel (boot) and host name
+from pipedsl.runtime.tracer import host_id  # who shares abstract socket names: one kernel (boot) and host name
 
 _HEADER = struct.Struct("<q")  # the message's payload bytes: checked against what the receiver expects
 _HELLO = struct.Struct("<q")  # a connecting rank's program rank

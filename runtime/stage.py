@@ -37,10 +37,10 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
-from .loss import LossPolicy
-from .p2p import TensorMeta
-from .precision import MixedPrecision
-from .recompute import Recompute
+from pipedsl.runtime.loss import LossPolicy
+from pipedsl.runtime.p2p import TensorMeta
+from pipedsl.runtime.precision import MixedPrecision
+from pipedsl.runtime.recompute import Recompute
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _NO_HOOKS = contextlib.nullcontext()

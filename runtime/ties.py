@@ -47,8 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import Program
-
-from .groups import PipelineGroups
+from pipedsl.runtime.groups import PipelineGroups
 
 Tie = tuple[tuple[int, str], ...]  # ((stage, parameter name in that stage's module), ...)
 

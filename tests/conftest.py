@@ -6,8 +6,9 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+from process_pool import Pool
 
-from pipedsl.parallel.pool import LocalPool
+from pipedsl.runtime.launch.pool import LocalPool
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -15,8 +16,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 
 # What the suite's ranks import, imported once by the fork server every rank and pool worker is forked from
-# (`runtime/fork_server.py`): otherwise each of 8 workers imports transformers itself, again after each restart.
-RANK_IMPORTS = ("pipedsl.runtime.trainer", "pipedsl.parallel.tp_hf", "transformers.modeling_utils",
+# (`runtime/launch/fork_server.py`): otherwise each of 8 workers imports transformers itself, again after each restart.
+RANK_IMPORTS = ("pipedsl.trainer.train", "pipedsl.parallel.tp_hf", "transformers.modeling_utils",
                 *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "gemma3")))
 
 
@@ -25,7 +26,7 @@ def _start_the_fork_server() -> None:
     every rank a test launches from this process."""
     from importlib.util import find_spec
 
-    from pipedsl.runtime.fork_server import start
+    from pipedsl.runtime.launch.fork_server import start
 
     start(RANK_IMPORTS if find_spec("transformers") else RANK_IMPORTS[:2])
 
@@ -57,3 +58,34 @@ def run_cli(capsys):
         assert "Traceback" not in err
         return code, err.strip().splitlines()
     return run
+
+
+# One reusable group of local processes per size (pool2, pool4), started on first use:
+# Spawning ranks is slow on a small machine, so each group (`pool2`, `pool4`) runs many checks:
+# `pool.run(fn, *args)` calls `fn(rank, *args)` on every rank (a module-level function, e.g.
+# from `runtime_cases`) and returns the results in rank order.  A check must fail *uniformly*
+# (every rank, before any message) or return its findings: a rank left waiting on one that
+# raised would wait out the process-group timeout.  Checks that make one rank fail use
+# `pipedsl.launch` directly, with fresh processes.
+@pytest.fixture(scope="session")
+def pool2():
+    p = Pool(2)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def pool4():
+    p = Pool(4)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def pools(request):
+    """pools[P] for the sizes a parametrized test asks for (started on first use)."""
+    class _Lazy(dict):
+        def __missing__(self, P: int) -> Pool:
+            self[P] = request.getfixturevalue(f"pool{P}")
+            return self[P]
+    return _Lazy()

@@ -182,8 +182,8 @@ def overflow_job(P: int, M: int, steps: int) -> dict:
 def resume_job(directory: str) -> dict:
     """fp16 (a loss scale that overflows at step 1 and grows after 2 clean steps) with a warmup + cosine lr
     schedule: 4 steps straight, against 2 steps, a checkpoint, and a fresh pipeline resumed for steps 3-4."""
-    from pipedsl.parallel.optim import LRSchedule
     from pipedsl.runtime import checkpoint
+    from pipedsl.runtime.optim import LRSchedule
 
     P, M = 2, 4
     data = batches(4, 4 * M)

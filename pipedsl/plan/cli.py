@@ -148,10 +148,10 @@ def _short(e) -> str:
 
 
 def _calibrated(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
-    from pipedsl.plan.calibrate import SmallGPT, calibrate
+    from pipedsl.registry import lend  # the calibration runs the runtime: a layer above the planner
 
-    small = SmallGPT()
-    cal = calibrate(args.gpus or 4, small)
+    small = lend("SmallGPT")()
+    cal = lend("calibrate")(args.gpus or 4, small)
     print(f"calibrated on {cal.ranks} local processes: {cal.describe()}")
     print("every stage is planned with the same number of blocks, the embedding and head on the end stages "
           "(train a layout so with `pipedsl train --split blocks`)")

@@ -13,7 +13,7 @@ Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `check_st
 ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (`tp_hf.py`,
 `parallel/zero.py`): no rule.
 
-The built-in GPT (`ModelSpec.layout == "gpt"`, `parallel/tp_gpt.py`, `parallel/tp1d.py`,
+The built-in GPT (`ModelSpec.layout == "gpt"`, `models/gpt/tp.py`, `parallel/tp1d.py`,
 `parallel/config.py` `check_model`):
 - 1-D or 3-D tensor parallelism (3-D: tp = q³, sizes divisible by q or q², microbatch by q²);
 - sequence parallelism with 1-D only, the sequence divisible by tp (`tp1d.py`).
@@ -35,7 +35,7 @@ def check_runnable(model: ModelSpec, layout: Layout) -> None:
     t = layout.tp
     if layout.sequence_parallel and t > 1:
         if layout.tp_mode != "1d":
-            raise NotRunnableError("runtime: sequence parallelism needs 1-D tensor parallelism (parallel/tp_gpt.py)")
+            raise NotRunnableError("runtime: sequence parallelism needs 1-D tensor parallelism (models/gpt/tp.py)")
         if model.seq % t:
             raise NotRunnableError(f"runtime: sequence parallelism needs the sequence {model.seq} divisible by tp {t} "
                               f"({'parallel/tp_hf.py' if model.hf else 'parallel/tp1d.py'})")

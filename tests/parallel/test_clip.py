@@ -25,8 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 
 import pipedsl
-from pipedsl.parallel import ParallelConfig, ParallelMesh, tp_gpt_loss
-from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
+from pipedsl.models.gpt.tp import tp_gpt_loss
+from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.runtime.precision import MixedPrecision
 
 pytestmark = pytest.mark.slow

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh, tp_gpt_loss
-from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
+from pipedsl.models.gpt.tp import tp_gpt_loss
+from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh
 
 pytestmark = pytest.mark.slow
 

@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh, count_comm, tp_gpt_loss
+from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss
+from pipedsl.models.gpt.tp import tp_gpt_loss
+from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh, count_comm
 from pipedsl.parallel.tp1d import ParallelSelfAttention
-from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss
 from pipedsl.runtime.precision import MixedPrecision
 
 pytestmark = pytest.mark.slow

@@ -91,7 +91,7 @@ def test_padding_mask(run_once, sp: bool) -> None:
 
 def test_bf16_autocast(run_once) -> None:
     """precision="bf16" (fp32 parameters, bf16 compute) against the dense model under autocast: within
-    bf16's tolerance (tests/runtime/hf_cases.py's: 1e-3 of the loss, 6e-2 of each gradient's scale)."""
+    bf16's tolerance (tests/models/hf_cases.py's: 1e-3 of the loss, 6e-2 of each gradient's scale)."""
     results = run_once(tp_equivalence, 4, "llama", 1, 2, 2, True, 2, 2, "1f1b", 0.5, 2, None, 0, None, None, "bf16")
     _check(results, True, 2, {"loss_err": 1e-3, "grad_err": 6e-2, "param_err": 6e-2, "norm_err": 1e-3})
 
@@ -110,7 +110,7 @@ def test_checkpoint_resume_same_layout(run_once, tmp_path, dp: int, zero: int, o
     """A checkpoint of DTensor shards (zero=0) or of ZeRO-3's dp slices of them resumes bit-exactly on the same
     dp × pp × tp layout (each rank's file holds its own), and under another ZeRO stage to 1e-6: zero=0's shards
     re-sliced into ZeRO-1, ZeRO-3's slices put back together into DTensor parameters and Adam state at zero=0.
-    Not yet: resharding to another tp (HF export of tp checkpoints is tests/runtime/test_train_hf.py's)."""
+    Not yet: resharding to another tp (HF export of tp checkpoints is tests/trainer/test_train_hf.py's)."""
     for r in run_once(checkpoint_resume, 4 * dp, str(tmp_path), dp, zero, other):
         assert r["saved"] == r["loaded"] and r["same_params"], r
         assert r["resharded"] == pytest.approx(r["saved"], rel=1e-6), r

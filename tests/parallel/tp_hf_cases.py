@@ -1,6 +1,6 @@
 """Worker side of test_tp_hf.py: tiny HF Llama / Qwen3 (GQA) at tp × pp (× dp) against one dense process.
 
-Every rank builds the same seeded dense model (tests/runtime/hf_cases.py's `tiny_model`), keeps a
+Every rank builds the same seeded dense model (tests/models/hf_cases.py's `tiny_model`), keeps a
 deep copy as the one-process reference, tensor-parallelises its stages with `tp_hf_stages` and
 trains `steps` SGD steps through `Pipeline(..., parallel=mesh)`.  Each step compares the loss,
 every local parameter's gradient (DTensor shards gathered with `full_tensor()`, in the same order
@@ -20,15 +20,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import pipedsl
+from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
 from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
-from pipedsl.runtime.hf import causal_lm_loss, causal_lm_stages, shift_labels
 from pipedsl.runtime.precision import MixedPrecision
 
 
 def _hf_cases():
-    """tests/runtime/hf_cases.py, loaded by path (tests/ must not go on sys.path: tests/pipedsl shadows the package)."""
-    path = Path(__file__).resolve().parents[1] / "runtime" / "hf_cases.py"
+    """tests/models/hf_cases.py, loaded by path (tests/ must not go on sys.path: tests/pipedsl shadows the package)."""
+    path = Path(__file__).resolve().parents[1] / "models" / "hf_cases.py"
     spec = importlib.util.spec_from_file_location("_pipedsl_hf_cases", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -41,8 +41,8 @@ def _layer(module: torch.nn.Module) -> bool:
 
 
 def _stored(layers: int, M: int, tp: int, sp: bool, recompute: str | None, attn: str) -> int:
+    from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
     from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
-    from pipedsl.runtime.hf import causal_lm_loss, causal_lm_stages, shift_labels
 
     program = pipedsl.load("gpipe").compile(P=1, M=M)
     stages = causal_lm_stages(tiny_llama(layers, attn), 1)

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipedsl.library import builtin_names
+from pipedsl.models.gpt.model import GPT, Block, GPTConfig
 from pipedsl.plan import Layout, LayoutError, ModelSpec, cluster_preset, evaluate, model_preset, model_states, search
 from pipedsl.plan.cost import all_gather, all_reduce, stage_costs
 from pipedsl.plan.pipeline import _run_exact, compiled, program_peaks, run_pipeline, simulation_sizes, stage_ranks
 from pipedsl.plan.scaling import plot_scaling, scaling
 from pipedsl.plan.search import rank_key
-from pipedsl.runtime.gpt import GPT, Block, GPTConfig
 
 # Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20,
 # Figure 1: Ψ = 7.5B parameters, Nd = 64 data-parallel ranks, K = 12 — GB per GPU as printed.

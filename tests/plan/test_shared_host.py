@@ -59,10 +59,10 @@ def test_the_busy_share_of_a_collective_takes_a_core() -> None:
     from dataclasses import replace
 
     from pipedsl.plan import Layout
-    from pipedsl.plan.calibrate import SmallGPT
     from pipedsl.plan.cluster import cluster_preset
     from pipedsl.plan.cost import stage_costs
     from pipedsl.plan.pipeline import _shared_timeline, compiled
+    from pipedsl.trainer.calibrate import SmallGPT
 
     costs = stage_costs(SmallGPT().spec(), cluster_preset("a100-80gb"), Layout(1, 2, 2, "1f1b", 2, 4), 2)
     assert all(w["F"] > 0 for w in costs.waits)
@@ -80,10 +80,10 @@ def test_other_pipelines_take_the_cores_for_the_share_of_the_time_they_compute()
     from dataclasses import replace
 
     from pipedsl.plan import Layout
-    from pipedsl.plan.calibrate import SmallGPT
     from pipedsl.plan.cluster import cluster_preset
     from pipedsl.plan.cost import stage_costs
     from pipedsl.plan.pipeline import _shared_timeline, compiled
+    from pipedsl.trainer.calibrate import SmallGPT
 
     costs = stage_costs(SmallGPT().spec(), cluster_preset("a100-80gb"), Layout(2, 1, 2, "1f1b", 2, 4), 1)
     program, cost = compiled("1f1b", 1, 4), costs.simulator_cost()

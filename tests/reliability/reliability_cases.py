@@ -16,7 +16,7 @@ from torch import nn
 import pipedsl
 from pipedsl.errors import PipeDSLError
 from pipedsl.runtime import checkpoint
-from pipedsl.runtime.trainer import train as _train
+from pipedsl.trainer.train import train as _train
 
 # the small GPT of `pipedsl train` at test size; steps/checkpoints/resume per run
 CFG = {"steps": 6, "batch": 8, "seq": 8, "layers": 2, "embd": 16, "lr": 3e-3, "dropout": 0.0, "seed": 0,

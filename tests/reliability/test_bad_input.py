@@ -8,7 +8,8 @@ import pytest
 import reliability_cases as cases
 
 import pipedsl
-from pipedsl.runtime import checkpoint, launcher
+from pipedsl.runtime import checkpoint
+from pipedsl.runtime.launch import launcher
 
 GOOD = pipedsl.load("1f1b").compile(P=2, M=2)
 

@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.parallel import ParallelConfig, ParallelMesh, tp_gpt_loss
+from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
+from pipedsl.models.gpt.tp import tp_gpt_loss
+from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.runtime import checkpoint
-from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
 
 pytestmark = pytest.mark.slow
 

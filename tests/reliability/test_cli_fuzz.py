@@ -27,7 +27,7 @@ import pipedsl
 from pipedsl.cli import main
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.limits import MAX_COMPUTE_OPS
-from pipedsl.runtime import launcher
+from pipedsl.runtime.launch import launcher
 
 CASE_LIMIT = 30  # seconds per generated command line
 WORK = Path(tempfile.mkdtemp(prefix="pipedsl-cli-fuzz-"))  # cwd of every case: -o files land here

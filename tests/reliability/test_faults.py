@@ -3,7 +3,7 @@
 The surviving ranks fail with a message naming the dead rank within the configured timeout,
 the command exits 1, a checkpoint interrupted by the fault never counts, and resuming from the
 previous one gives exactly the losses of a run that never stopped.  The kills come from the
-test-only hook PIPEDSL_FAULT=POINT:RANK:STEP (runtime/checkpoint.py).  Time bounds are
+test-only hook PIPEDSL_FAULT=POINT:RANK:STEP (runtime/checkpoint/state.py).  Time bounds are
 generous (the machine is shared): they show "bounded", not "fast".
 """
 

@@ -289,8 +289,9 @@ def parallel_job(dp: int, pp: int, tp: int, runs: tuple, steps: int = 2) -> dict
     over the whole global batch): every step's loss and the final parameters, put back into the dense layout."""
     import torch.distributed as dist
 
-    from pipedsl.parallel import ParallelConfig, ParallelMesh, tp_gpt_loss
-    from pipedsl.runtime.gpt import GPT, CausalSelfAttention, GPTConfig
+    from pipedsl.models.gpt.model import GPT, CausalSelfAttention, GPTConfig
+    from pipedsl.models.gpt.tp import tp_gpt_loss
+    from pipedsl.parallel import ParallelConfig, ParallelMesh
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp))

@@ -15,7 +15,7 @@ from torch import nn
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.runtime import split_sequential
+from pipedsl.models.split import split_sequential
 
 WIDTH = 16
 RTOL, ATOL = 1e-5, 1e-7
@@ -116,7 +116,7 @@ def timeline_problems(program: pipedsl.Program, timeline: pipedsl.Timeline) -> l
 
 def gpt_equivalence(rank: int, schedule: str, M: int, steps: int = 2) -> dict:
     """The small GPT (token ids in, cross-entropy out), stages built by a callable, vs one process."""
-    from pipedsl.runtime.gpt import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
 
     P = torch.distributed.get_world_size()
     program = pipedsl.load(schedule).compile(P=P, M=M)
@@ -237,7 +237,7 @@ def hf_llama_example(rank: int, schedule: str, params: dict[str, int], steps: in
 
 
 def nanogpt_example(rank: int) -> list[float]:
-    from pipedsl.runtime.gpt import GPTConfig
+    from pipedsl.models.gpt.model import GPTConfig
 
     ex = _example("nanogpt")
     return ex.train(rank, "1f1b", 4, 3, GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), 8)

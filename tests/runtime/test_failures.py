@@ -11,9 +11,9 @@ import pytest
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.runtime.errors import RankFailure, is_consequence
-from pipedsl.runtime.launcher import _report
-from pipedsl.runtime.rank_results import write_error
+from pipedsl.runtime.launch.errors import RankFailure, is_consequence
+from pipedsl.runtime.launch.launcher import _report
+from pipedsl.runtime.launch.rank_results import write_error
 
 BOUNDS = {"timeout": 30.0, "join_timeout": 180.0, "threads": 1}
 

@@ -19,7 +19,7 @@ import torch
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.parallel.optim import LRSchedule
+from pipedsl.runtime.optim import LRSchedule
 from pipedsl.runtime.precision import MixedPrecision, policy
 
 pytestmark = pytest.mark.slow

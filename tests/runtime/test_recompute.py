@@ -53,7 +53,8 @@ def _cli_losses(pool, *flags: str) -> dict[int, float]:
     import argparse
     from pathlib import Path
 
-    from pipedsl.runtime import train_cli, trainer
+    from pipedsl.trainer import cli as train_cli
+    from pipedsl.trainer import train as trainer
 
     parser = argparse.ArgumentParser()
     train_cli.add_parser(parser.add_subparsers())

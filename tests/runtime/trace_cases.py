@@ -8,7 +8,7 @@ from runtime_cases import batch, make_model
 
 import pipedsl
 from pipedsl.ir import Op
-from pipedsl.runtime import split_sequential
+from pipedsl.models.split import split_sequential
 from pipedsl.runtime.tracer import Tracer
 
 

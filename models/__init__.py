@@ -1,0 +1,34 @@
+"""pipedsl.models: models as pipeline stages.
+
+- split.py: `split_sequential`, `split_gpt` — cut any `nn.Sequential` or embedding/blocks/head model;
+- gpt/: a small GPT (nanoGPT-style, model.py) and its tensor-parallel stages (tp.py: 1-D, 3-D, SP);
+- hf/: Hugging Face causal decoders as stages (stages.py) and their files (io.py: each rank reads the
+  tensors it owns, export back to a Hugging Face directory).
+
+Built on `pipedsl.runtime` and `pipedsl.parallel`; the trainer (`pipedsl.trainer`) builds on this.
+Names are imported on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "GPT": "gpt.model",
+    "GPTConfig": "gpt.model",
+    "causal_lm_loss": "hf.stages",
+    "causal_lm_stages": "hf.stages",
+    "shift_labels": "hf.stages",
+    "split_gpt": "split",
+    "split_sequential": "split",
+    "tp_gpt_loss": "gpt.tp",
+    "tp_gpt_stages": "gpt.tp",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pipedsl.models' has no attribute {name!r}")
+    return getattr(import_module(f"pipedsl.models.{_EXPORTS[name]}"), name)

@@ -1,0 +1,1 @@
+"""The small GPT (model.py) and its tensor-parallel stages (tp.py)."""

@@ -1,0 +1,143 @@
+"""A small GPT (nanoGPT-style) built to be cut into pipeline stages: embedding, blocks, head.
+
+Shapes in comments: B batch (micro-batch), T sequence, C embedding, H heads, V vocabulary.
+Used by `pipedsl train` and examples/nanogpt.py; `GPT.tp_stages` slices it into tensor-parallel
+stages (pipedsl/models/gpt/tp.py, examples/parallel_3d.py).  The head does not tie its weight to the
+token embedding (examples/hf_llama.py trains a tied model: see pipedsl/runtime/ties.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual name
+from torch import nn
+
+from pipedsl.models.split import split_gpt
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 64  # longest sequence
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx [B, T] int64
+        pos = torch.arange(idx.shape[1], device=idx.device)  # [T]
+        return self.drop(self.wte(idx) + self.wpe(pos))  # [B, T, C]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, C]
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # each [B, T, C]
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # [B, H, T, C/H]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)  # [B, H, T, C/H]
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # [B, T, C]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, C]
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))  # [B, T, C]
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, C]
+        return self.lm_head(self.ln_f(x))  # logits [B, T, V]
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.head = Head(cfg)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx [B, T] → logits [B, T, V]
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def stages(self, num_stages: int, by: str = "count") -> list[nn.Sequential]:
+        """This model as `num_stages` pipeline stages (sharing its modules)."""
+        return split_gpt(self.embed, list(self.blocks), self.head, num_stages, by=by)
+
+    def tp_stages(self, num_stages: int, mesh, by: str = "count",
+                  sequence_parallel: bool = False) -> list[nn.Sequential]:
+        """This model as `num_stages` tensor-parallel stages for this rank of a `ParallelMesh` (1-D or 3-D).
+
+        The weights are slices of this dense model, so it is the one-process reference; pair the
+        stages with `pipedsl.models.gpt.tp.tp_gpt_loss(mesh)` (see that module).  With
+        `sequence_parallel` (1-D) the stages exchange sequence shards [mb, T/t, C].
+        """
+        from pipedsl.models.gpt.tp import tp_gpt_stages
+
+        return tp_gpt_stages(self, num_stages, mesh, by=by, sequence_parallel=sequence_parallel)
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: logits [B, T, V], targets [B, T]."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences with a learnable rule (each next token = a·token + b mod V, per sequence)."""
+    start = torch.randint(vocab, (batch, 1), generator=generator)
+    a = torch.randint(1, 4, (batch, 1), generator=generator)
+    b = torch.randint(vocab, (batch, 1), generator=generator)
+    toks = [start]
+    for _ in range(seq):
+        toks.append((toks[-1] * a + b) % vocab)
+    seqs = torch.cat(toks, dim=1)  # [B, T+1]
+    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()  # inputs, targets [B, T]

@@ -1,0 +1,324 @@
+"""Hugging Face causal language models cut into pipeline stages.
+
+    stages = causal_lm_stages(model, program.num_stages)          # embedding … layers … norm + head
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=causal_lm_loss)
+    loss = pipe.step(input_ids, shift_labels(labels))              # = model(input_ids, labels=labels).loss
+    # with padding: causal_lm_stages(..., attention_mask=True); pipe.step((input_ids, attention_mask), …)
+
+Any causal decoder in transformers' standard layout is supported, found by structure, not by
+name (`_Parts`): embedding → decoder layers → final norm → head, the model's own rotary module,
+per-layer full/sliding attention, and the config's embedding/logit multipliers and logit
+soft-capping.  Tested equal to the unsplit model's forward (tests/models/test_hf_families.py):
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (`gemma3_text`), Granite, Phi-3, OLMo 2, GPT-2;
+transformers 5.x.  `check_split(model, stages)` runs that comparison for any other model.  The
+stages hold the model's own modules (no copies), so a tied `lm_head.weight` *is* the embedding
+weight in the first and the last stage's module and `Pipeline` finds the tie (ties.py).  Units
+are the embedding, each decoder layer and the head; `by=` / `points=` spread them as `split.py`
+does.
+
+What crosses a stage boundary — stages exchange tensors only:
+
+- the hidden states [mb, T, C], carrying the gradient;
+- with `attention_mask=True`, the 2-D padding mask [mb, T] (1 = token, 0 = padding), and with
+  `position_ids=True`, the position ids [mb, T]: integers, no gradient, T·8 bytes a row beside
+  the hidden states' T·C·4.  They enter stage 0 after the input ids, in that order, and every
+  stage passes them on.
+
+What each stage recomputes instead of receiving — the HF model computes these once in its
+`forward` and hands them to every layer:
+
+- the rotary (cos, sin) [mb, T, head_dim] from the position ids with the model's own
+  `rotary_emb` (a few multiplications per token).  Sending them would cost 2·head_dim floats a
+  token each way (the pipeline sends a gradient back for every float input) and put a
+  float input without a real gradient on every stage; torchtitan likewise keeps its
+  `freqs_cis` buffer on every stage;
+- the attention masks, with transformers' own `create_causal_mask` /
+  `create_sliding_window_causal_mask` from the padding mask and position ids, per layer type
+  (Qwen2's `layer_types`, Mistral's `sliding_window`), for the model's attention
+  implementation (`eager`: a 4-D additive mask; `sdpa`: none at all when purely causal).
+
+Without `position_ids`, positions are 0 … T−1 as in the HF model's forward.  Position ids that
+restart within a row mark packed documents, masked apart as HF's training forward does
+(`use_cache=False`; with a KV cache HF does not look for packing).  Dropout is the
+modules' own: it follows `.train()` / `.eval()` and draws from each rank's RNG, so with dropout
+on, a pipelined step is not bit-equal to the unsplit model's (the draws differ), only alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.models.split import _bounds
+
+IGNORE_INDEX = -100  # transformers' label for "no loss here" (padding, prompts)
+LAYER_NAMES = ("layers", "h")  # the decoder layers: model.model.layers (Llama and most), transformer.h (GPT-2)
+NORM_NAMES = ("norm", "ln_f", "final_layernorm")  # the final norm before the head
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The targets of a causal LM, [B, T] → [B, T]: position t gets label t+1, the last `ignore_index`.
+
+    This is transformers' own shift (`ForCausalLMLoss` pads the labels by one `ignore_index` and
+    drops the first): done once on the batch, the targets count exactly the tokens HF's loss
+    averages over, which `Pipeline(loss_reduction="token")` counts.
+    """
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean",
+                   ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """HF's causal-LM cross-entropy of `logits` [mb, T, V] against `shift_labels(labels)` [mb, T].
+
+    `reduction="mean"` (over the targets that are not `ignore_index`) is the loss of
+    `model(input_ids, labels=labels)`, for the default per-microbatch mean; `"sum"` is for
+    `Pipeline(loss_reduction="token")`, which divides by the global batch's token count
+    (`functools.partial(causal_lm_loss, reduction="sum")`).  Logits are upcast to fp32, as HF does.
+    """
+    logits = logits.float()  # [mb, T, V]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.to(logits.device).reshape(-1),
+                           ignore_index=ignore_index, reduction=reduction)
+
+
+class _Parts:
+    """The pieces of an HF causal decoder in transformers' standard layout, found by structure.
+
+    The layout: `model.base_model` holds the input embedding (`get_input_embeddings()`, and
+    learned positions `wpe` when the model has them), the decoder layers (`layers` or `h`),
+    the final norm (`norm`, `ln_f` or `final_layernorm`) and the rotary module `rotary_emb`;
+    `model.get_output_embeddings()` is the head.  The scalar rules that the models' own
+    `forward` applies between those pieces are read from the config, whatever the family:
+    `embedding_multiplier` (Granite) on the embedding, `logits_scaling` (Granite, a divisor)
+    and `final_logit_softcapping` (Gemma 2/3) on the logits.  Scalings that live inside a
+    module (Gemma's scaled embedding, Granite's residual multiplier, attention soft-capping)
+    come with the module.  What cannot be split is refused, naming the piece that is missing.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+            model = model.get_base_model()  # a PEFT wrapper: the adapters sit inside its base model's layers
+        config = getattr(model, "config", None)
+        name = type(model).__name__
+        if config is None or not hasattr(model, "base_model") or not hasattr(model, "get_output_embeddings"):
+            raise PipeRuntimeError(f"causal_lm_stages: {name} is not a Hugging Face model (no config / base_model)")
+        if getattr(config, "is_encoder_decoder", False):
+            raise PipeRuntimeError(f"causal_lm_stages: {name} is an encoder-decoder model; only causal decoders "
+                                   f"(embedding → decoder layers → final norm → head) can be split")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has use_bidirectional_attention=True; only causal "
+                                   f"(left-to-right) attention is supported")
+        body = model.base_model
+        self.config, self.kind = config, getattr(config, "model_type", None)
+        self.layers = list(_child_list(body, LAYER_NAMES, name, "decoder layers")[: config.num_hidden_layers])
+        norm = _child(body, NORM_NAMES, name, "final norm")
+        head = model.get_output_embeddings()
+        if head is None:
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has no output embeddings (lm_head): it is not a "
+                                   f"causal language model")
+        embed = body.get_input_embeddings()
+        positions = getattr(body, "wpe", None)  # learned absolute positions (GPT-2)
+        self.rotary: nn.Module | None = getattr(body, "rotary_emb", None)
+        if self.rotary is None and positions is None:
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has neither a rotary module (rotary_emb) nor learned "
+                                   f"positions (wpe); its position encoding is not one pipedsl can recompute per stage")
+        self.rotary_per_type = (self.rotary is not None
+                                and "layer_type" in inspect.signature(self.rotary.forward).parameters)
+        multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
+        self.embed: nn.Module = _Embedding(embed, positions, getattr(body, "drop", None), multiplier)
+        self.head: nn.Module = _Head(norm, head, float(getattr(config, "logits_scaling", None) or 1.0),
+                                     getattr(config, "final_logit_softcapping", None))
+        # which mask each layer needs, as the HF model's forward picks it
+        types = getattr(config, "layer_types", None)
+        if types is not None:
+            self.mask_kinds = list(types[: len(self.layers)])
+        elif getattr(config, "sliding_window", None) is not None and self.rotary is not None:
+            self.mask_kinds = ["sliding_attention"] * len(self.layers)  # Mistral, Phi-3: every layer, when set
+        else:
+            self.mask_kinds = ["full_attention"] * len(self.layers)
+
+
+def _child(body: nn.Module, names: tuple[str, ...], model: str, what: str) -> nn.Module:
+    for n in names:
+        found = getattr(body, n, None)
+        if isinstance(found, nn.Module):
+            return found
+    raise PipeRuntimeError(f"causal_lm_stages: {model} has no {what} (looked for "
+                           f"{', '.join(f'{type(body).__name__}.{n}' for n in names)})")
+
+
+def _child_list(body: nn.Module, names: tuple[str, ...], model: str, what: str) -> nn.ModuleList:
+    found = _child(body, names, model, what)
+    if not isinstance(found, nn.ModuleList):
+        raise PipeRuntimeError(f"causal_lm_stages: {model}'s {what} are a {type(found).__name__}, not a ModuleList")
+    return found
+
+
+class _Embedding(nn.Module):
+    """Token embedding [+ learned positions, dropout] × the config's embedding multiplier."""
+
+    def __init__(self, tokens: nn.Module, positions: nn.Module | None, drop: nn.Module | None,
+                 multiplier: float) -> None:
+        super().__init__()
+        self.embed_tokens, self.wpe, self.drop, self.multiplier = tokens, positions, drop, multiplier
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # [mb, T] → [mb, T, C]
+        h = self.embed_tokens(input_ids)
+        if self.multiplier != 1.0:
+            h = h * self.multiplier
+        if self.wpe is not None:
+            h = h + self.wpe(position_ids)
+        return self.drop(h) if self.drop is not None else h
+
+
+class _Head(nn.Module):
+    """Final norm, output projection, then the config's logit rules (divide by `logits_scaling`, soft-cap)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, scaling: float, softcap: float | None) -> None:
+        super().__init__()
+        self.norm, self.lm_head, self.scaling, self.softcap = norm, lm_head, scaling, softcap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [mb, T, C] → [mb, T, V]
+        logits = self.lm_head(self.norm(hidden))
+        if self.scaling != 1.0:
+            logits = logits / self.scaling
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline stage of an HF causal LM: [embedding], decoder layers, [norm + head].
+
+    forward(first input, *extras): the first input is the input ids [mb, T] on the first stage,
+    the hidden states [mb, T, C] on the others; `extras` are the padding mask and/or position ids
+    [mb, T] (see `extras`).  Returns the logits [mb, T, V] on the last stage, else the hidden
+    states followed by the extras (passed on to the next stage).
+    """
+
+    def __init__(self, parts: _Parts, first: int, last: int, extras: tuple[str, ...]) -> None:
+        """Units `first` … `last - 1` of [embedding, layer 0 … layer L−1, head]."""
+        super().__init__()
+        n = len(parts.layers)
+        self.config = parts.config
+        self.extras = extras
+        self.embed = parts.embed if first == 0 else None
+        self.head = parts.head if last == n + 2 else None
+        ids = range(max(first - 1, 0), min(last - 1, n))
+        self.layers = nn.ModuleDict({str(i): parts.layers[i] for i in ids})  # keys: the HF layer numbers
+        self.mask_kinds = [parts.mask_kinds[i] for i in ids]
+        self.rotary_emb = parts.rotary if len(ids) else None  # no parameters: shared, not tied
+        self.rotary_per_type = parts.rotary_per_type
+
+    def forward(self, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if len(extras) != len(self.extras):
+            raise TypeError(f"this stage takes {1 + len(self.extras)} tensors (the first, then "
+                            f"{', '.join(self.extras) or 'nothing else'}), got {1 + len(extras)}")
+        given = dict(zip(self.extras, extras))
+        mask, pos = given.get("attention_mask"), given.get("position_ids")
+        T = x.shape[1]
+        positions = pos if pos is not None else torch.arange(T, device=x.device).unsqueeze(0)  # [1 or mb, T]
+        h = self.embed(x, positions) if self.embed is not None else x  # [mb, T, C]
+        if len(self.layers):
+            h = self._layers(h, mask, positions)
+        if self.head is not None:
+            return self.head(h)  # [mb, T, V]
+        if not extras:
+            return h
+        # cloned: a received buffer is reused once this microbatch's backward is done, maybe before its send is
+        return (h, *(t.clone() for t in extras))
+
+    def _layers(self, h: torch.Tensor, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks: dict[str, Any] = {}
+        for kind in dict.fromkeys(self.mask_kinds):
+            if kind not in makers:
+                raise PipeRuntimeError(f"causal_lm_stages: layer type {kind!r} is not supported "
+                                       f"(supported: {', '.join(makers)})")
+            masks[kind] = makers[kind](config=self.config, inputs_embeds=h, attention_mask=padding,
+                                       past_key_values=None, position_ids=positions)
+        rotary: dict[str, Any] = {}  # (cos, sin) [1 or mb, T, head_dim] per layer type
+        if self.rotary_emb is not None and self.rotary_per_type:  # Gemma 3: local and global layers, own RoPE bases
+            rotary = {kind: self.rotary_emb(h, positions, kind) for kind in dict.fromkeys(self.mask_kinds)}
+        elif self.rotary_emb is not None:
+            rotary = dict.fromkeys(self.mask_kinds, self.rotary_emb(h, positions))
+        for layer, kind in zip(self.layers.values(), self.mask_kinds):
+            extra = {"position_embeddings": rotary[kind]} if rotary else {}
+            out = layer(h, attention_mask=masks[kind], position_ids=positions, past_key_values=None,
+                        use_cache=False, **extra)
+            h = out[0] if isinstance(out, tuple) else out
+        return h
+
+
+def causal_lm_stages(model: nn.Module, num_stages: int, *, by: str = "count", points: Sequence[int] | None = None,
+                     attention_mask: bool = False, position_ids: bool = False) -> list[CausalLMStage]:
+    """`model` (an HF causal LM) as `num_stages` pipeline stages, for `Pipeline(stages, …)`.
+
+    The units [embedding, layer 0 … layer L−1, head] are spread like `split_sequential` does:
+    `by="count"` (units per stage), `by="params"`, or `points` (where stages 1 … n−1 begin, in
+    units).  With interleaved schedules `num_stages` is `program.num_stages` (P·V).
+    `attention_mask=True`: stage 0 takes (input_ids, attention_mask); `position_ids=True`: it
+    takes the position ids next; both travel to every stage (see the module docstring).
+    Pair with `causal_lm_loss` and the targets `shift_labels(labels)`.
+    """
+    require_transformers()
+    parts = _Parts(model)
+    units: list[nn.Module] = [parts.embed, *parts.layers, parts.head]
+    if points is None and num_stages > len(units):
+        raise PipeRuntimeError(f"causal_lm_stages: cannot cut an embedding, {len(parts.layers)} layers and a head "
+                               f"into {num_stages} stages (at most {len(units)})")
+    bounds = _bounds(units, num_stages, by, points)
+    extras = tuple(name for name, on in (("attention_mask", attention_mask), ("position_ids", position_ids)) if on)
+    return [CausalLMStage(parts, a, b, extras) for a, b in zip(bounds, bounds[1:])]
+
+
+def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8, tolerance: float = 1e-4) -> float:
+    """Run `stages` one after another on a random [2, seq_len] batch and compare the logits with the
+    unsplit `model`'s own forward; returns the largest difference relative to the logits' scale.
+
+    Raises `PipeRuntimeError` when they differ by more than `tolerance`: the model's `forward`
+    does something between its pieces that the stages do not reproduce (an architecture outside
+    the standard layout).  Dropout is off during the check (`eval()`), then restored.
+    """
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(vocab, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    extras = getattr(stages[0], "extras", ())
+    given = {"attention_mask": torch.ones_like(ids), "position_ids": torch.arange(seq_len).expand(2, -1)}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            expected = model(ids.to(device), use_cache=False).logits.float()
+            x: Any = (ids.to(device), *(given[e].to(device) for e in extras))
+            for stage in stages:
+                x = stage(*x) if isinstance(x, tuple) else stage(x)
+            got = x.float()
+    finally:
+        model.train(was_training)
+    diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+    if not diff <= tolerance:
+        raise PipeRuntimeError(f"causal_lm_stages: {type(model).__name__} cut into {len(stages)} stages gives logits "
+                               f"{diff:.2e} (relative) away from the model's own forward: its forward does something "
+                               f"between the embedding, the layers and the head that pipedsl does not reproduce")
+    return diff
+
+
+def require_transformers() -> Any:
+    """The transformers module, 5.x (its masking_utils and decoder layers), or one line saying how to get it."""
+    try:
+        import transformers
+    except ImportError:
+        raise PipeRuntimeError("Hugging Face models need transformers (pip install 'pipedsl[hf]')") from None
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise PipeRuntimeError(f"Hugging Face models need transformers 5.x (its masking_utils and decoder layers); "
+                               f"found {transformers.__version__}")
+    return transformers

@@ -1,0 +1,51 @@
+"""The layers above the language, reached by name only.
+
+`pipedsl/` is the bottom layer: `parallel`, `runtime`, `models`, `trainer` and `visualize` build on it,
+and it imports none of them (tests/test_layers.py walks every import, function-level ones included).
+What the `pipedsl` command and the package's top-level names lend from those layers is named here, as
+module paths, and imported on first use: `pipedsl compile` never imports the trainer, and `import
+pipedsl` never imports torch.  The same test checks that every name below resolves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand a module above the language adds: `add_parser(subparsers)`, then `run(args) -> status`."""
+
+    module: str
+    add_parser: str
+    run: str
+
+
+COMMANDS: dict[str, Command] = {
+    "show": Command("pipedsl.visualize.show", "add_parser", "run"),
+    "train": Command("pipedsl.trainer.cli", "add_parser", "run"),
+    "run": Command("pipedsl.trainer.cli", "add_run_parser", "run_program"),
+    "export": Command("pipedsl.trainer.cli", "add_export_parser", "export"),
+}
+
+# top-level names of `pipedsl` (its __getattr__) and what the CLI borrows, as "module:attribute"
+API: dict[str, str] = {
+    "Pipeline": "pipedsl.runtime.pipeline:Pipeline",
+    "launch": "pipedsl.runtime.launch.launcher:launch",
+    "exit_on_signals": "pipedsl.runtime.launch.lifecycle:exit_on_signals",  # stdlib only: no torch for compile
+    "calibrate": "pipedsl.trainer.calibrate:calibrate",  # `pipedsl plan --calibrate`: runs local processes
+    "SmallGPT": "pipedsl.trainer.calibrate:SmallGPT",
+}
+
+
+def resolve(target: str) -> Any:
+    """The object a "module:attribute" name stands for (imported now)."""
+    module, _, attr = target.partition(":")
+    return getattr(import_module(module), attr)
+
+
+def lend(name: str) -> Any:
+    """One of `API`'s objects."""
+    return resolve(API[name])

@@ -1,0 +1,148 @@
+"""A pool of local worker processes that run one function as a gloo world, again and again.
+
+Starting a process and importing torch costs seconds per process on a small machine; a
+`LocalPool` pays it once.  `pool.run(fn, world, *args)` makes workers 0 … world−1 join a
+fresh gloo world on 127.0.0.1 (a free port each time, a timeout on the group), call
+`fn(*args)` on every rank and return the results in rank order.  A failure on any rank
+raises `WorkerError` with that rank's traceback and restarts the pool, so the next run
+starts clean; nothing waits forever (every get and join has a timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from pipedsl.errors import PipeRuntimeError
+
+
+class WorkerError(PipeRuntimeError):
+    """A function run by the pool failed (or timed out) on some rank."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, world, port, args, path, timeout_s = job
+        for p in path:
+            if p not in sys.path:
+                sys.path.append(p)
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+            try:
+                torch.manual_seed(1234 + index)
+                out = fn(*args)
+            finally:
+                dist.destroy_process_group()
+                gc.collect()  # the job's pipelines hold their gloo groups (two threads each) in reference cycles
+            results.put((index, True, out, _threads()))
+        except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+            results.put((index, False, traceback.format_exc(), 0))
+
+
+MAX_THREADS = 100  # a worker past this many threads is replaced before the next run
+
+
+def _threads() -> int:
+    """This process's threads (Linux; 0 elsewhere).  Some jobs leave gloo groups behind — their store, run-loop
+    and TCP threads — and idle ones still wake: hundreds of them took a third of a core per worker."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+class LocalPool:
+    """`size` worker processes, started on first use; `run` any function on the first `world` of them."""
+
+    def __init__(self, size: int, timeout: float = 120.0) -> None:
+        self.size, self.timeout = size, timeout
+        self._procs: list[mp.Process] = []
+        self._jobs: list[mp.Queue] = []
+        self._results: mp.Queue | None = None
+
+    def _start(self) -> None:
+        from pipedsl.runtime.launch.fork_server import rank_context
+
+        ctx = rank_context()  # forked from a server that imported torch once: restarting the pool is cheap
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(self.size)]
+        self._procs = [ctx.Process(target=_worker, args=(i, self._jobs[i], self._results), daemon=True)
+                       for i in range(self.size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], world: int, *args: Any, timeout: float | None = None) -> list[Any]:
+        """`fn(*args)` on ranks 0 … world−1 of a new gloo world; the results in rank order."""
+        if not 1 <= world <= self.size:
+            raise WorkerError(f"a world of {world} ranks does not fit a pool of {self.size} workers")
+        if not self._procs:
+            self._start()
+        timeout = timeout or self.timeout
+        port = free_port()
+        path = [p for p in sys.path if p]
+        for i in range(world):
+            self._jobs[i].put((fn, world, port, args, path, timeout))
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout + 10
+        assert self._results is not None
+        threads = 0
+        while len(out) < world:
+            try:
+                index, ok, value, used = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(self._procs[:world]) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close(force=True)
+                    why = f"worker(s) {dead} died" if dead else f"no answer within {timeout:.0f} s"
+                    raise WorkerError(f"{getattr(fn, '__name__', fn)} on {world} ranks: {why}") from None
+                continue
+            if not ok:
+                self.close(force=True)
+                raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on rank {index} of {world}:\n{value}")
+            out[index] = value
+            threads = max(threads, used)
+        if threads > MAX_THREADS:  # what the jobs left behind goes with the processes; the next run starts new ones
+            self.close()
+        return [out[i] for i in range(world)]
+
+    def close(self, force: bool = False) -> None:
+        """Stop the workers (this pool's own processes only); the next `run` starts new ones."""
+        if not force:
+            for q in self._jobs:
+                q.put(None)
+        for p in self._procs:
+            if force:
+                p.terminate()
+            p.join(timeout=10)
+            if p.is_alive():
+                os.kill(p.pid, 9)
+                p.join(timeout=5)
+        self._procs, self._jobs, self._results = [], [], None
+
+    def __enter__(self) -> LocalPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,150 @@
+"""`PipelineOptimizer`: the optimizer of one rank's pipeline stages, with or without ZeRO.
+
+Made by `Pipeline.optimizer(torch.optim.Adam, lr=…)` through the pipeline's data-parallel
+strategy (runtime/data_parallel.py), which decides what it steps:
+
+    replicated  one `optimizer_class` over the local stages' parameters; the pipeline averages
+                gradients over the dp group at each stage's REDUCE_GRAD
+    flat        one `ZeroOptimizer` per local stage over the dp group: ZeRO 1-3 (`zero_reduce`
+                "step" or "microbatch"), or ZeRO 0 with bf16/fp16 parameters and fp32 main
+                parameters; its reduction is the stage's REDUCE_GRAD hook, waited at the step end
+
+`step()` then `zero_grad()` after every `pipe.step`.  `step()` does what a training step
+needs in the right order: under fp16 it unscales the gradients (unless `pipe.clip_grad_norm_`
+already did), skips the update on every rank if any rank overflowed, and grows or backs off
+the loss scale; with an `lr_schedule` it sets the learning rate of the pipeline's step
+(`pipe.steps`, restored by checkpoints) first.  `stage_parameters()` gives each local
+stage's parameters by their original names (ZeRO's flat buffers unpacked; collective for
+ZeRO-3), e.g. for a checkpoint or to compare with a reference.
+
+    opt = pipe.optimizer(torch.optim.AdamW, lr=3e-4)
+    opt.lr_schedule = LRSchedule("cosine", lr=3e-4, warmup=100, total=10_000)
+    loss = pipe.step(x, y); pipe.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipedsl.parallel.zero import MemoryReport, ZeroOptimizer, unique_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipedsl.runtime.pipeline import Pipeline
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warmup over `warmup` steps from lr/warmup to `lr`, then constant or a cosine decay to
+    `min_lr` at step `total` (GPT-3 / Megatron-LM's warmup + cosine).  A pure function of the step."""
+
+    kind: str = "constant"
+    lr: float = 1e-3
+    warmup: int = 0
+    total: int = 0
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"lr schedule must be one of {', '.join(map(repr, LR_SCHEDULES))}, got {self.kind!r}")
+        if self.warmup < 0 or (self.kind == "cosine" and self.total <= self.warmup):
+            raise ValueError(f"a {self.kind} lr schedule needs 0 <= warmup < total, got warmup={self.warmup}, "
+                             f"total={self.total}")
+
+    def __call__(self, step: int) -> float:
+        """The learning rate of step `step` (1-based: the first step is 1)."""
+        if step <= self.warmup:
+            return self.lr * step / self.warmup
+        if self.kind == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup) / (self.total - self.warmup))
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class PipelineOptimizer:
+    """step() / zero_grad() for every stage this rank holds (see the module docstring)."""
+
+    def __init__(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> None:
+        self._pipe = pipe
+        self.lr_schedule: LRSchedule | None = None
+        self.zero_stage = pipe.parallel.zero if pipe.parallel is not None else 0
+        self._modules = pipe.local_stages()
+        # the pipeline's data-parallel strategy makes it: one torch optimizer over the parameters, or a ZeroOptimizer
+        # per stage over flat buffers (ZeRO 1-3, or fp32 main parameters beside low-precision ones)
+        self.optimizer: torch.optim.Optimizer | None = pipe.data_parallel.build(pipe, optimizer_class, kwargs)
+        self.zero: dict[int, ZeroOptimizer] = pipe.data_parallel.zero
+
+    def step(self) -> bool:
+        """Unscale and check (fp16), set the scheduled lr, step unless some rank overflowed, update the loss
+        scale; returns whether the parameters were updated (the same on every rank).  Collective."""
+        skip = self._pipe.unscale_()
+        if self.lr_schedule is not None:
+            self.set_lr(self.lr_schedule(self._pipe.steps))
+        if self.optimizer is not None and not skip:
+            self.optimizer.step()
+        for _, zero in sorted(self.zero.items()):
+            zero.step(skip=skip)
+        self._pipe.update_scale()
+        return not skip
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of this object itself: the lr schedule (the torch optimizers' state is saved with
+        the stages it belongs to)."""
+        return asdict(self.lr_schedule) if self.lr_schedule is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is not None:
+            self.lr_schedule = LRSchedule(**state)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers underneath (one, or one per ZeRO stage)."""
+        own = [self.optimizer] if self.optimizer is not None else []
+        return own + [z.optimizer for _, z in sorted(self.zero.items())]
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        for zero in self.zero.values():
+            zero.zero_grad()
+
+    def stage_parameters(self, main: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+        """{stage: {parameter name: a copy of its values on this rank}} (collective over dp for ZeRO-3); `main`:
+        the fp32 main parameters where the model holds low-precision ones (collective over dp).  Tensor-parallel
+        DTensor parameters stay DTensors (this rank's shard; `full_tensor()` gathers them over tp)."""
+        out = {}
+        for s, module in sorted(self._modules.items()):
+            if s in self.zero:
+                out[s] = self.zero[s].state_dict_full(main)
+            else:
+                out[s] = {k: v.detach().clone() for k, v in module.named_parameters()}
+        return out
+
+    def memory(self) -> dict[int, MemoryReport]:
+        """ZeRO's per-stage memory report (empty without ZeRO)."""
+        return {s: z.memory() for s, z in sorted(self.zero.items())}
+
+    def measured_bytes(self) -> MemoryReport:
+        """Bytes of every parameter, gradient, main-parameter and optimizer-state tensor this rank holds now,
+        each storage once (what `pipedsl.plan.memory.model_states` predicts)."""
+        reports = list(self.memory().values())
+        if self.optimizer is not None:
+            params = list(self._pipe.parameters())
+            state = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            reports.append(MemoryReport(unique_bytes(params), unique_bytes(p.grad for p in params),
+                                        unique_bytes(state), sum(p.numel() for p in params),
+                                        sum(p.numel() for p in params), 0))
+        fields = ("params", "grads", "optimizer", "numel", "padded_numel", "peak_grads", "main")
+        return MemoryReport(*(sum(getattr(r, f) for r in reports) for f in fields))

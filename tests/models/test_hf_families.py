@@ -1,0 +1,135 @@
+"""Every causal decoder in transformers' standard layout splits into stages that compute the model's own
+logits and gradients (one process, stages called in sequence); what cannot be split is refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (the optional `examples` extra)")
+
+import hf_cases  # noqa: E402
+import torch  # noqa: E402
+from hf_cases import EAGER_ONLY, FAMILIES, VOCAB, T, tiny_model  # noqa: E402
+
+from pipedsl.errors import PipeRuntimeError  # noqa: E402
+from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, check_split, shift_labels  # noqa: E402
+
+
+def _attn(family: str) -> str:
+    return "eager" if family in EAGER_ONLY else "sdpa"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stages_reproduce_logits_loss_and_gradients(family):
+    """4 stages (embedding + layer, layer, layer, head) on packed rows with padding: the logits, HF's loss
+    and every parameter's gradient equal the unsplit model's."""
+    model = tiny_model(family, _attn(family), layers=3)
+    ref = copy.deepcopy(model)
+    x = torch.randint(VOCAB, (3, T), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(x)
+    mask[0, -3:] = 0  # right padding on one row
+    labels = x.masked_fill(mask == 0, -100)
+    want = ref(x, attention_mask=mask, labels=labels, use_cache=False)
+    want.loss.backward()
+    stages = causal_lm_stages(model, 4, attention_mask=True)
+    h = (x, mask)
+    for st in stages:
+        h = st(*h)
+    logits = h
+    assert (logits - want.logits).abs().max().item() <= 1e-5 * want.logits.abs().max().item()
+    loss = causal_lm_loss(logits, shift_labels(labels))
+    assert abs(loss.item() - want.loss.item()) <= 1e-6 * abs(want.loss.item())
+    loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        q = ref_params[name].grad
+        assert p.grad is not None, name
+        assert (p.grad - q).abs().max().item() <= 1e-5 * q.abs().max().clamp_min(1e-12).item(), name
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma2"])
+def test_check_split_catches_a_missing_logit_rule(family):
+    """check_split has teeth: drop the head's logit rule (Granite's divisor, Gemma's soft-cap) and it refuses."""
+    model = tiny_model(family, _attn(family))
+    stages = causal_lm_stages(model, 2)
+    assert check_split(model, stages) <= 1e-5
+    head = stages[-1].head
+    head.scaling, head.softcap = 1.0, None
+    with pytest.raises(PipeRuntimeError, match="away from the model's own forward"):
+        check_split(model, stages)
+
+
+def test_gemma3_layers_get_their_own_rotary():
+    """Gemma 3's sliding and global layers use different RoPE bases: a stage holding both computes both."""
+    model = tiny_model("gemma3")
+    (stage,) = causal_lm_stages(model, 1)
+    assert stage.rotary_per_type and set(stage.mask_kinds) == {"sliding_attention", "full_attention"}
+
+
+def test_what_cannot_be_split_is_refused_by_name():
+    import transformers as tf
+
+    bert = tf.BertForMaskedLM(tf.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=16))
+    with pytest.raises(PipeRuntimeError, match=r"BertForMaskedLM has no decoder layers \(looked for BertModel.layers"):
+        causal_lm_stages(bert, 2)
+    t5 = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=32, d_model=16, d_ff=16, num_layers=1, num_heads=2,
+                                                   d_kv=8))
+    with pytest.raises(PipeRuntimeError, match="encoder-decoder"):
+        causal_lm_stages(t5, 2)
+    with pytest.raises(PipeRuntimeError, match="not a Hugging Face model"):
+        causal_lm_stages(torch.nn.Linear(2, 2), 2)
+    gemma = tiny_model("gemma3")
+    gemma.config.use_bidirectional_attention = True
+    with pytest.raises(PipeRuntimeError, match="use_bidirectional_attention"):
+        causal_lm_stages(gemma, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, schedule, params", [("gemma3", "zb-h1", None), ("granite", "interleaved", {"V": 2}),
+                                                      ("gemma2", "1f1b", None), ("phi3", "1f1b", None),
+                                                      ("olmo2", "zb-h1", None), ("qwen3", "1f1b", None)])
+def test_pipelined_steps_equal_the_unsplit_model(pool2, family, schedule, params):
+    """Two SGD steps on 2 ranks with padding and the per-token loss: loss, gradients, norm, weights."""
+    results = pool2.run(hf_cases.equivalence, family, schedule, 4, params, _attn(family), None, True, True, None,
+                        None, 2)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:8])
+
+
+def test_a_peft_style_wrapper_splits_its_base_model_with_frozen_weights():
+    """A PEFT model (duck-typed: `peft_config`, `get_base_model()`): the stages hold the base model's modules with
+    the adapters inside; frozen base weights get no gradient, the adapter does, and the logits are the model's."""
+    model = tiny_model("llama")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layer = model.model.layers[1].self_attn
+    adapter = torch.nn.Linear(32, 32, bias=False)
+    torch.nn.init.normal_(adapter.weight, std=0.1)
+    base_q = layer.q_proj
+    layer.q_proj = torch.nn.Sequential()  # q = base(x) + adapter(x), LoRA's shape with rank = width
+    layer.q_proj.forward = lambda x: base_q(x) + adapter(x)
+    layer.q_proj.add_module("adapter", adapter)
+    layer.q_proj.add_module("base", base_q)
+
+    class Wrapper(torch.nn.Module):
+        peft_config = {"default": None}
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_base_model(self):
+            return self.inner
+
+    stages = causal_lm_stages(Wrapper(model), 2)
+    assert check_split(model, stages) <= 1e-6
+    x = torch.randint(VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    h = x
+    for st in stages:
+        h = st(h)
+    causal_lm_loss(h, shift_labels(x)).backward()
+    assert adapter.weight.grad is not None and adapter.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if "adapter" not in n)

@@ -1,0 +1,341 @@
+"""`pipedsl train --model DIR --data …` end to end, through the command line: a Hugging Face decoder on
+text files equals one process, resumes bit-exactly after SIGTERM, exports to a directory `from_pretrained`
+loads with the pipeline's evaluation loss, and refuses bad input in one line before any rank starts."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (the optional `hf` extra)")
+
+import torch  # noqa: E402
+from cli_here import pipedsl_here as pipedsl  # noqa: E402
+
+from pipedsl.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+_SENTENCE = ("the pipeline sends activations forward and gradients back while every rank keeps its stages busy "
+             "schedules decide the order microbatches flow through stages and how much memory each rank holds")
+WORDS = _SENTENCE.split()
+
+
+def _text(seed: int, words: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(WORDS), (words,), generator=g).tolist()
+    return " ".join(WORDS[i] for i in picks) + ".\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A folder of text files: 12 documents, about 8 k bytes (byte-level tokens)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for k in range(12):
+        (folder / f"doc{k:02d}.txt").write_text(_text(k, 110))
+    return folder
+
+
+def model_dir(root: Path, family: str, *, weights: bool = False) -> Path:
+    """A small random config (byte-level vocabulary: the directory has no tokenizer), optionally with weights."""
+    import transformers as tf
+
+    common = dict(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, eos_token_id=256, bos_token_id=None,
+                  pad_token_id=None, tie_word_embeddings=True)
+    config = {"llama": lambda: tf.LlamaConfig(**common),
+              "qwen3": lambda: tf.Qwen3Config(**common, head_dim=8),
+              "gemma3": lambda: tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
+                                                     sliding_window_pattern=2)}[family]()
+    path = root / f"{family}{'-weights' if weights else ''}"
+    if weights:
+        torch.manual_seed(123)
+        tf.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    return path
+
+
+def common_flags(model: Path, corpus: Path, out: Path, steps: int = 4) -> list[str]:
+    return ["train", "--model", str(model), "--data", str(corpus), "--seq", "32", "--batch", "8", "-M", "2",
+            "--steps", str(steps), "--lr", "3e-3", "--clip-grad", "1.0", "--lr-schedule", "cosine",
+            "--warmup-steps", "1", "--eval-fraction", "0.1", "--eval-every", "2", "-o", str(out),
+            "--cache-dir", str(out.parent / "cache")]
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads((out / "losses.json").read_text())["losses"].items()}
+
+
+def evals(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "eval"}
+
+
+ZERO3 = ["-P", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1", "--recompute", "full"]
+
+
+@pytest.mark.slow
+def test_qwen3_bf16_main_parameters_dp2_pp2_zero3_zbh1_equal_one_process(corpus, tmp_path):
+    """dp2 x pp2 with ZeRO-3, ZB-H1, full recomputation, clipping, cosine LR, packing and evaluation: Qwen3 trains
+    bf16 weights over fp32 main parameters (--param-dtype bf16), sharded by ZeRO-3, and every step's loss and the
+    held-out loss equal a one-process run of the same command to bf16's tolerance.  The fp32 case of the same
+    layout (Gemma 3, --eval-data) is the resume/export test below, which compares with one process too (it was a
+    second parameter of this test: merged there, suite time)."""
+    model = model_dir(tmp_path, "qwen3")
+    dtypes = ["--precision", "bf16", "--param-dtype", "bf16"]
+    runs = [pipedsl(*common_flags(model, corpus, tmp_path / name), *dtypes, *layout)
+            for name, layout in (("one", ["-P", "1"]), ("par", ZERO3))]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (want, want_eval), (got, got_eval) = ((losses(tmp_path / name), evals(tmp_path / name)) for name in ("one", "par"))
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-3), step
+    assert got_eval.keys() == want_eval.keys() == {2, 4}
+    for step, loss in want_eval.items():
+        assert got_eval[step] == pytest.approx(loss, rel=2e-3)
+    assert want[4] < want[1]  # it learns
+
+
+@pytest.mark.slow
+def test_fine_tune_starts_from_the_saved_weights(corpus, tmp_path):
+    """A directory with safetensors and a BPE tokenizer: the data is tokenized with that tokenizer, step 1's
+    loss is the saved model's own loss on the first global batch, and the export carries the tokenizer."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from pipedsl.trainer import data
+
+    model = model_dir(tmp_path, "qwen3", weights=True)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train([str(p) for p in sorted(corpus.iterdir())],
+              trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    tf.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="</s>").save_pretrained(model)
+    out = tmp_path / "run"
+    proc = pipedsl(*common_flags(model, corpus, out, steps=2), "-P", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--eval-fraction", "0.25")  # BPE packs the corpus into fewer tokens than bytes
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [cache] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    opened = data.TokenCache.open(cache)
+    tokenizer = tf.AutoTokenizer.from_pretrained(model)
+    assert opened.eos_id == tokenizer.eos_token_id and opened.max_token_id < 200  # the BPE's ids, not bytes
+    train, _ = data.PackedSequences(opened, 32).split(0.25)
+    x, y = data.BatchLoader(train, 8).global_batch_at(0)
+    ref = tf.AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        logits = ref(x).logits.float()
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+    assert losses(out)[1] == pytest.approx(want, rel=1e-5)
+    exported = pipedsl("export", str(tmp_path / "ck"), "--hf", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    again = tf.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert again("stages keep busy").input_ids == tokenizer("stages keep busy").input_ids
+
+
+@pytest.mark.slow
+def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpus, tmp_path):
+    """Gemma 3 (sliding and full layers, each with its own rotary) on dp2 x pp2, ZeRO-3, ZB-H1, full recomputation,
+    clipping, cosine LR, a held-out file of its own (--eval-data) and TensorBoard: every step's loss and the
+    held-out loss equal one process (fp32: 2e-5), and it learns; SIGTERM after the step-2 checkpoint and --resume to
+    step 4 give the same losses as the run that never stopped, bit for bit (the data position included); `pipedsl
+    export` of the last checkpoint loads with `from_pretrained` and gives the pipeline's final evaluation loss.
+    (Suite time: this was a Llama run plus a Gemma 3 parameter of the test above with the same layout and the same
+    one-process comparison; one Gemma 3 run now asserts both.  Llama under dp2 x pp2 ZeRO-3 ZB-H1 is
+    tests/models/test_hf_zero.py's.)"""
+
+    from pipedsl.trainer import data
+
+    model = model_dir(tmp_path, "gemma3")
+    (tmp_path / "eval.txt").write_text(_text(99, 400))
+    heldout_file = ["--eval-data", str(tmp_path / "eval.txt")]
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), "-P", "1", *heldout_file)
+    whole = pipedsl(*common_flags(model, corpus, tmp_path / "whole"), *ZERO3, *heldout_file,
+                    "--tensorboard", str(tmp_path / "tb"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "whole")
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    assert want[4] < want[1]  # it learns
+    assert evals(tmp_path / "whole").keys() == evals(tmp_path / "one").keys() == {2, 4}
+    for step, loss in evals(tmp_path / "one").items():
+        assert evals(tmp_path / "whole")[step] == pytest.approx(loss, rel=2e-5)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+    ckpt = tmp_path / "ckpt"
+    flags = [*common_flags(model, corpus, tmp_path / "cut"), *ZERO3, *heldout_file, "--checkpoint-dir", str(ckpt),
+             "--checkpoint-every", "2"]
+    log = open(tmp_path / "cut.log", "w")  # noqa: SIM115 - the child writes it
+    proc = subprocess.Popen([sys.executable, "-m", "pipedsl.cli", *flags], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while "checkpoint step 2" not in (tmp_path / "cut.log").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "cut.log").read_text()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    log.close()
+    resumed = pipedsl(*flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {ckpt}" in resumed.stdout
+    cut = losses(tmp_path / "cut")
+    assert {s: cut[s] for s in (3, 4)} == {s: got[s] for s in (3, 4)}  # bit for bit
+    assert evals(tmp_path / "cut")[4] == evals(tmp_path / "whole")[4]
+
+    caches = [data.TokenCache.open(p) for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    [heldout] = [c for c in caches if c.num_documents == 1]  # eval.txt's cache (the corpus has 12 documents)
+    assert exported_loss(ckpt, tmp_path / "hf", data.PackedSequences(heldout, 32)) == pytest.approx(
+        evals(tmp_path / "cut")[4], rel=1e-5)
+
+
+def exported_loss(ckpt: Path, out: Path, heldout) -> float:
+    """`pipedsl export` of the latest checkpoint under `ckpt` to `out`, loaded with `from_pretrained`: its mean
+    next-token loss over the held-out samples, batch by batch as the pipeline evaluates them."""
+    import transformers as tf
+
+    from pipedsl.trainer import data
+
+    exported = pipedsl("export", str(ckpt), "--hf", str(out))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "exported step 4" in exported.stdout
+    assert "Traceback" not in exported.stderr and "pickling" not in exported.stderr, exported.stderr[-2000:]
+    ref = tf.AutoModelForCausalLM.from_pretrained(out)
+    total = count = 0.0
+    with torch.no_grad():
+        for x, y in data.eval_batches(heldout, 8):
+            logits = ref(x).logits.float()
+            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                       reduction="sum").item()
+            count += y.numel()
+    return total / count
+
+
+TP_SP = ["-P", "2", "--dp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1", "--recompute", "selective",
+         "--lr-schedule", "constant"]
+
+
+@pytest.mark.slow
+def test_llama_dp2_pp2_tp2_sequence_parallel_equals_one_process_resumes_and_exports(corpus, tmp_path):
+    """Llama (grouped-query heads, tied embeddings) on dp2 x pp2 x tp2 with sequence parallelism: heads and MLP split
+    over tp, vocabulary-parallel embedding, head and loss (parallel/tp_hf.py), ZB-H1, selective recomputation and
+    clipping.  Two steps, a checkpoint of tp shards, --resume to step 4 in a second command: every step's loss and
+    the held-out losses equal one process that never stopped (fp32: 2e-5); `pipedsl export` puts the shards back
+    together into a model `from_pretrained` loads with the pipeline's final held-out loss."""
+    from pipedsl.trainer import data
+
+    model = model_dir(tmp_path, "llama")
+    ckpt = tmp_path / "ckpt"
+    par = [*common_flags(model, corpus, tmp_path / "par"), *TP_SP, "--checkpoint-dir", str(ckpt)]
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), "-P", "1", "--lr-schedule", "constant")
+    first = pipedsl(*par, "--steps", "2")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "2 x 2 x 2 = 8 processes (dp x pp x tp, zero=0, sequence parallel)" in first.stdout
+    resumed = pipedsl(*par, "-o", str(tmp_path / "par2"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    assert want[4] < want[1]  # it learns
+    got_eval = {**evals(tmp_path / "par"), **evals(tmp_path / "par2")}
+    assert got_eval.keys() == evals(tmp_path / "one").keys() == {2, 4}
+    for step, loss in evals(tmp_path / "one").items():
+        assert got_eval[step] == pytest.approx(loss, rel=2e-5), step
+
+    [cache] = [data.TokenCache.open(p) for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    _, heldout = data.PackedSequences(cache, 32).split(0.1)
+    assert exported_loss(ckpt, tmp_path / "hf", heldout) == pytest.approx(got_eval[4], rel=1e-5)
+
+
+def _refused(*argv: str) -> str:
+    """Run the CLI in this process; it must exit 2 with one line on stderr and start no rank."""
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    assert code == 2, (code, out.getvalue()[-500:], err.getvalue()[-500:])
+    text = err.getvalue().strip()
+    assert len(text.splitlines()) == 1 and "Traceback" not in text, text
+    assert "training" not in out.getvalue()  # nothing launched
+    return text
+
+
+def test_bad_input_is_one_line_before_any_rank(corpus, tmp_path):
+    good = model_dir(tmp_path, "llama")
+    base = ["--seq", "32", "--batch", "8", "-M", "2", "-P", "2", "-o", str(tmp_path / "o"),
+            "--cache-dir", str(tmp_path / "cache")]
+
+    def train(model: Path | str, data: Path | str, *extra: str) -> str:
+        return _refused("train", "--model", str(model), "--data", str(data), *base, *extra)
+
+    assert "no such directory" in train(tmp_path / "nope", corpus)
+    (tmp_path / "empty-model").mkdir()
+    assert "no config.json" in train(tmp_path / "empty-model", corpus)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ not json")
+    assert "not valid JSON" in train(broken, corpus)
+    (tmp_path / "a-file").write_text("{}")  # found by tests/reliability/test_cli_fuzz.py
+    for flag in ("--cache-dir", "--tensorboard", "--checkpoint-dir"):
+        assert f"{flag} {tmp_path / 'a-file'}: not a directory" in train(good, corpus, flag, str(tmp_path / "a-file"))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    assert "transformers cannot build this config" in train(odd, corpus)
+    small = tmp_path / "small-vocab"
+    small.mkdir()
+    cfg = json.loads((good / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": 100}))
+    assert "more than the model's vocab_size 100" in train(small, corpus)
+    (tmp_path / "empty.txt").write_text("")
+    assert "empty.txt" in train(good, tmp_path / "empty.txt")
+    (tmp_path / "blob.txt").write_bytes(b"abc\x00\x01\x02")
+    assert "blob.txt" in train(good, tmp_path / "blob.txt") and "binary" in train(good, tmp_path / "blob.txt")
+    (tmp_path / "rows.jsonl").write_text('{"body": "hello"}\n')
+    assert "rows.jsonl:1" in train(good, tmp_path / "rows.jsonl")
+    (tmp_path / "tiny.txt").write_text("just a few words\n")
+    assert "fewer than one global batch" in train(good, tmp_path / "tiny.txt")
+    assert "longer than the model's 128 positions" in train(good, corpus, "--seq", "256")
+    assert "held-out set has" in train(good, corpus, "--eval-data", str(tmp_path / "tiny.txt"))
+    (tmp_path / "bad.toml").write_text("[training]\nstepz = 3\n")
+    assert "unknown key 'stepz' in [training]" in train(good, corpus, "--config", str(tmp_path / "bad.toml"))
+    (tmp_path / "type.toml").write_text('[training]\nsteps = "ten"\n')
+    assert "[training] steps" in train(good, corpus, "--config", str(tmp_path / "type.toml"))
+    assert "--data needs --model" in _refused("train", "--data", str(corpus), "-P", "2")
+    assert "needs --tp 2 or more" in train(good, corpus, "--sequence-parallel")
+    assert "--seq 30 does not divide by --tp 4" in train(good, corpus, "--tp", "4", "--seq", "30", "--sequence-parallel")
+    assert "num_key_value_heads=2 is not divisible by tp=4" in train(good, corpus, "--tp", "4", "-P", "1")
+    assert "--tp 3: the GPT's attention heads (4) does not divide by 3" in _refused("train", "--tp", "3", "-P", "1")
+    assert "no such checkpoint directory" in _refused("export", str(tmp_path / "nope"), "--hf", str(tmp_path / "x"))
+
+
+def test_config_file_and_flags(tmp_path):
+    """Flags win over the file, sections and top-level keys both work, --print-config round-trips."""
+    (tmp_path / "run.toml").write_text('schedule = "zb-h1"\n[training]\nsteps = 7\nlr = 0.01\nclip-grad = 0.5\n'
+                                       '[parallel]\ndp = 2\n[data]\ndoc_mask = true\n')
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["train", "--config", str(tmp_path / "run.toml"), "--steps", "9", "--print-config"]) == 0
+    text = out.getvalue()
+    import tomllib
+
+    resolved = tomllib.loads(text)
+    assert resolved["training"]["steps"] == 9  # the flag
+    assert resolved["training"]["lr"] == 0.01 and resolved["training"]["clip-grad"] == 0.5
+    assert resolved["schedule"]["schedule"] == "zb-h1" and resolved["parallel"]["dp"] == 2
+    assert resolved["data"]["doc-mask"] is True
+    (tmp_path / "again.toml").write_text(text)
+    again = io.StringIO()
+    with contextlib.redirect_stdout(again):
+        assert main(["train", "--config", str(tmp_path / "again.toml"), "--print-config"]) == 0
+    assert again.getvalue() == text

@@ -1,0 +1,236 @@
+"""`pipedsl train --model DIR --data …`: everything about a Hugging Face run checked in the launcher.
+
+The model directory, its tokenizer against its vocabulary, the data (tokenized into the cache
+here, once), the sequence length against the model's positions, the dataset against one global
+batch, the held-out set against an evaluation batch and the memory the ranks will need: each a
+one-line error with exit status 2 before any rank starts.  What the ranks need is returned as
+the `cfg["hf"]` section (trainer/train.py's `HFSource` reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from pipedsl.errors import PipeDSLError
+from pipedsl.plan.memory import model_states, state_bytes
+from pipedsl.runtime.launch.capacity import total_memory
+
+
+def hf_config(args: argparse.Namespace, program: Any, batch: int, out: Path) -> dict[str, Any]:
+    from pipedsl.models.hf import io as hf_io
+    from pipedsl.trainer import data
+
+    md = hf_io.inspect_model_dir(args.model)
+    if not args.data:
+        raise PipeDSLError("--model needs --data: text files or folders, .jsonl, .parquet or a saved dataset")
+    S = program.num_stages
+    layers = int(getattr(md.config, "num_hidden_layers", None) or getattr(md.config, "n_layer", 0))
+    if S > layers + 2:
+        raise PipeDSLError(f"{md.path}: an embedding, {layers} decoder layers and a head make {layers + 2} pieces, "
+                           f"fewer than the program's {S} stages")
+    if md.max_positions and args.seq > md.max_positions:
+        raise PipeDSLError(f"--seq {args.seq} is longer than the model's {md.max_positions} positions "
+                           f"(max_position_embeddings in {md.path / hf_io.CONFIG})")
+    split = _split(args.split, layers, S, md)
+    split.update(attention_mask=args.packing == "pad", position_ids=args.doc_mask)
+    if args.doc_mask and args.packing != "pack":
+        raise PipeDSLError("--doc-mask keeps documents apart inside packed rows; with --packing pad every row is "
+                           "one document already")
+    tokenizer = data.load_tokenizer(args.model)
+    if tokenizer.vocab_size > md.vocab_size:
+        raise PipeDSLError(f"the tokenizer of {md.path} has {tokenizer.vocab_size} tokens, more than the model's "
+                           f"vocab_size {md.vocab_size}: ids past {md.vocab_size - 1} have no embedding")
+    cache = data.build_token_cache(args.data, tokenizer, args.cache_dir or out / "token-cache",
+                                   text_field=args.text_field, model_vocab=md.vocab_size,
+                                   model_where=str(md.path / hf_io.CONFIG))
+    samples = data.PackedSequences(cache, args.seq, args.packing, args.doc_mask)
+    eval_fraction = 0.0 if args.eval_data else args.eval_fraction
+    train, heldout = samples.split(eval_fraction)
+    eval_cache = None
+    if args.eval_data:  # a held-out set of its own: all of it evaluates, all of --data trains
+        eval_cache = data.build_token_cache(args.eval_data, tokenizer, args.cache_dir or out / "token-cache",
+                                            text_field=args.text_field, model_vocab=md.vocab_size,
+                                            model_where=str(md.path / hf_io.CONFIG))
+        heldout = data.PackedSequences(eval_cache, args.seq, args.packing, args.doc_mask)
+    data.BatchLoader(train, batch, dp_size=args.dp)  # fewer samples than one global batch: its DataError, now
+    eval_at_end = bool(eval_fraction or eval_cache)
+    notes = []
+    if eval_at_end and len(heldout) < batch:
+        if args.eval_every or eval_cache:
+            data.eval_batches(heldout, batch, 0, args.dp)  # raises, naming the sizes
+        eval_at_end = False
+        notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
+    attn = args.attn or _attention(md)
+    meta = _meta_model(md.config)  # shapes only: counted for memory, named for the weights files
+    _check_memory(args, md, meta)
+    local = _check_architecture(md, split, attn, meta)
+    _check_tensor_parallel(args, md, meta, split, S)
+    described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_cache else "held out")
+    return {"model": str(md.path.resolve()), "local": local, "attn": attn,
+            "packing": args.packing,
+            "doc_mask": args.doc_mask, "eval_fraction": eval_fraction, "eval_every": args.eval_every,
+            "eval_cache": eval_cache.path if eval_cache is not None else None,
+            "eval_batches": args.eval_batches, "eval_at_end": eval_at_end, "cache": cache.path, "split": split,
+            "export": hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)), "layers": layers,
+            "describe": md.describe(), "data_describe": "; ".join([described, *notes])}
+
+
+def _split(how: str, layers: int, num_stages: int, md: Any) -> dict[str, Any]:
+    """`--split count`: embedding, layers and head spread as units; `blocks`: every stage the same number of
+    decoder layers (±1), the embedding with the first and the head with the last (Megatron's split)."""
+    if how != "blocks":
+        return {"by": "count"}
+    if layers < num_stages:
+        raise PipeDSLError(f"--split blocks: {md.path} has {layers} decoder layers, fewer than the program's "
+                           f"{num_stages} stages")
+    sizes = [layers // num_stages + (k < layers % num_stages) for k in range(num_stages)]
+    return {"points": [1 + sum(sizes[:k]) for k in range(1, num_stages)]}
+
+
+def _attention(md: Any) -> str:
+    """sdpa where transformers implements it for this model (Gemma 2 has only eager), else eager."""
+    import transformers as tf
+
+    cls = tf.MODEL_FOR_CAUSAL_LM_MAPPING[type(md.config)]
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def _check_memory(args: argparse.Namespace, md: Any, meta: Any) -> None:
+    """Each rank builds only its stages (hf_io.LocalStages): in all, every dp replica holds its share of the
+    model states — parameters, gradients, fp32 main parameters and AdamW's moments under the run's precision
+    and ZeRO stage, as the planner counts them (`pipedsl.plan.memory.model_states`)."""
+    if args.allow_oversubscribe:
+        return
+    params = sum(p.numel() for p in meta.parameters())
+    mode = state_bytes(args.param_dtype, args.grad_dtype, "adamw")
+    need, memory = args.dp * model_states(params, args.dp, args.zero, mode).total, total_memory()
+    if memory and need > memory:
+        raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {args.dp} data-parallel replica(s) need "
+                           f"about {need / 2**30:.3g} GiB of model states ({mode.total} bytes a parameter before "
+                           f"ZeRO {args.zero} shards them), more than this machine's {memory / 2**30:.3g} GiB "
+                           f"(--allow-oversubscribe to run anyway)")
+
+
+def _check_tensor_parallel(args: argparse.Namespace, md: Any, meta: Any, split: dict[str, Any], S: int) -> None:
+    """`--tp`: the model's stages split as parallel/tp_hf.py splits them — its own checks (the Llama layout,
+    heads, kv heads, vocabulary and MLP divisible by tp, no dropout, what it composes with), run here on the
+    meta-device stages, so that a model it refuses is one line before any rank starts."""
+    if args.tp == 1:
+        return
+    from pipedsl.models.hf.stages import causal_lm_stages
+    from pipedsl.parallel import ParallelConfig
+    from pipedsl.parallel.config import ParallelConfigError
+    from pipedsl.parallel.tp_hf import check_stages
+
+    try:
+        check_stages(causal_lm_stages(meta, S, **split), ParallelConfig(dp=args.dp, pp=S, tp=args.tp, zero=args.zero))
+    except ParallelConfigError as err:
+        raise PipeDSLError(f"--tp {args.tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
+
+
+MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's model: at most this much, or it is skipped with a note
+
+
+def _shallow(config: Any) -> Any:
+    """A copy of the architecture with one decoder layer of each type and at most 1024 tokens: the same
+    modules, at a cost that does not grow with the model's depth or vocabulary."""
+    import copy
+
+    config = copy.deepcopy(config)
+    types = getattr(config, "layer_types", None)
+    if types:
+        config.layer_types = list(dict.fromkeys(types))
+    layers = len(config.layer_types) if types else min(2, int(getattr(config, "num_hidden_layers", 2) or 2))
+    for name in ("num_hidden_layers", "n_layer"):
+        if hasattr(config, name):
+            setattr(config, name, layers)
+    config.vocab_size = min(int(config.vocab_size), 1024)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, name, None)
+    return config
+
+
+def _check_architecture(md: Any, split: dict[str, Any], attn: str, meta: Any = None) -> bool:
+    """The model's stages reproduce its own forward (`hf.check_split`), tried once here on the shallow copy
+    with random weights, so that an architecture pipedsl does not split exactly is refused before any rank
+    starts.  Returns whether the ranks can build only their own stages (`hf_io.LocalStages`): every tensor
+    filled by the model's own initialisation, and with weights, every parameter in the files under a name."""
+    import tempfile
+
+    import torch
+    import transformers as tf
+
+    from pipedsl.models.hf.io import LocalStages
+    from pipedsl.models.hf.stages import causal_lm_stages, check_split
+
+    config = _shallow(md.config)
+    if 4 * _count_parameters(config) > MAX_CHECK_BYTES:
+        print(f"note: the architecture check is skipped (one layer of {md.path.name} is larger than "
+              f"{MAX_CHECK_BYTES / 2**30:g} GiB)", flush=True)
+        return _weights_cover(md, meta)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
+    try:
+        check_split(model, causal_lm_stages(model, min(2, layers + 2), attention_mask=split["attention_mask"],
+                                            position_ids=split["position_ids"]))
+    except PipeDSLError as err:
+        raise PipeDSLError(f"{md.path}: {err.message}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        try:
+            LocalStages(tmp, 1, {"by": "count"}, {0}, attn=attn)
+        except LocalStages.NotLocal as why:
+            print(f"note: every rank builds the whole model ({why})", flush=True)
+            return False
+    return _weights_cover(md, meta)
+
+
+def _weights_cover(md: Any, model: Any = None) -> bool:
+    """Every parameter of the model (`model`: its meta-device copy) is in its safetensors files under one of its
+    names (or there are none)."""
+    from pipedsl.models.hf.io import _weights_reader
+
+    weights = _weights_reader(md.path)
+    if weights is None:
+        return True
+    model = model if model is not None else _meta_model(md.config)
+    names: dict[int, list[str]] = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(n)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    missing = [ns[0] for ns in names.values() if not any(n in weights.keys for n in ns) and params.intersection(ns)]
+    if missing:
+        print(f"note: every rank builds the whole model ({missing[0]} is not in the weights files under its own "
+              f"name)", flush=True)
+    return not missing
+
+
+def _meta_model(config: Any) -> Any:
+    """The causal LM of `config` on the meta device: its shapes and names, no memory."""
+    import torch
+    import transformers as tf
+
+    with torch.device("meta"):
+        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _count_parameters(config: Any) -> int:
+    return sum(p.numel() for p in _meta_model(config).parameters())
+
+
+def meta_stages(cfg: dict[str, Any], num_stages: int) -> tuple[list, str]:
+    """The run's stages on the meta device (shapes only), to compare with a checkpoint's partition."""
+    import transformers as tf
+
+    from pipedsl.models.hf.stages import causal_lm_stages
+
+    hfc = cfg["hf"]
+    model = _meta_model(tf.AutoConfig.from_pretrained(hfc["model"], local_files_only=True))
+    return causal_lm_stages(model, num_stages, **hfc["split"]), f"{os.path.basename(hfc['model'])} cut into " \
+                                                                 f"{num_stages} stages"

@@ -1,0 +1,373 @@
+"""The training loop of `pipedsl train` / `pipedsl run`, run on every rank (train_cli.py starts it).
+
+One loop for both models the command trains, composed from a *source* that owns the model's
+stages, its loss and its data:
+
+- `GPTSource`: the built-in GPT on synthetic tokens (the demo): every rank draws the same
+  global batch from a seeded generator (`batch="global"`), whose state is the data position.
+- `HFSource`: a Hugging Face causal decoder from a local directory (models/hf/io.py) on real
+  text (trainer/data.py): each dp replica reads its own rows of the global batch
+  (`batch="local"`), the loader's state is the data position, a held-out split feeds
+  `Pipeline.evaluate` every `eval_every` steps, and every checkpoint carries what
+  `pipedsl export` needs.
+
+The loop itself: step → clip → optimizer step (learning-rate schedule, fp16 skip) → one
+record to the `MetricsLogger` (rank 0) → evaluation → checkpoint, each when due.  A resumed
+run restores parameters, optimizer, RNG and the data position, and continues with exactly the
+batch that would have come next.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+import pipedsl
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.ir import COMPUTE
+from pipedsl.runtime import checkpoint
+from pipedsl.runtime.precision import MixedPrecision
+
+
+class GPTSource:
+    """The small GPT on synthetic tokens (`pipedsl train` without `--model`)."""
+
+    batch_mode = "global"
+    ties = None  # found in the stage list
+
+    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program, mesh: Any = None) -> None:
+        from pipedsl.models.gpt.model import GPT, gpt_loss
+
+        self.cfg = cfg
+        self.gcfg = gpt_config(cfg)
+        torch.manual_seed(cfg["seed"])
+        self.model = GPT(self.gcfg)  # the same weights on every rank; each keeps only its stages (or slices)
+        self.token = cfg.get("loss_reduction", "microbatch") == "token"
+        by = cfg.get("split", "count")
+        if cfg.get("tp", 1) > 1:  # Megatron's 1-D slices of the same dense model (models/gpt/tp.py)
+            from pipedsl.models.gpt.tp import tp_gpt_loss
+
+            self.stages = self.model.tp_stages(program.num_stages, mesh, by=by,
+                                               sequence_parallel=bool(cfg.get("sequence_parallel")))
+            self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
+        else:
+            self.stages = self.model.stages(program.num_stages, by=by)
+            self.loss_fn = _token_loss_sum if self.token else gpt_loss
+        self.recompute_filter = _is_attention
+        self.gen = torch.Generator().manual_seed(cfg["seed"] + 1)
+        self.samples_per_step = cfg["batch"]
+        self.tokens_per_step = cfg["batch"] * cfg["seq"]
+        g = self.gcfg
+        params = sum(p.numel() for p in self.model.parameters())
+        embedding = g.vocab_size * g.n_embd + g.block_size * g.n_embd
+        self.flops_per_token = _flops(params, embedding, g.n_layer, g.n_embd, cfg["seq"])
+
+    def bind(self, pipe: pipedsl.Pipeline) -> None:
+        del self.model  # the pipeline holds this rank's stages
+
+    def next_batch(self, step: int) -> tuple[Any, Any]:
+        from pipedsl.models.gpt.model import synthetic_batch
+
+        cfg = self.cfg
+        x, y = synthetic_batch(cfg["batch"], cfg["seq"], self.gcfg.vocab_size, self.gen)
+        if cfg.get("pad_fraction"):
+            y = _pad_targets(y, cfg["pad_fraction"], cfg["seed"] * 100003 + step)
+        return x, y
+
+    def state(self, rank: int) -> dict[str, Any]:
+        return {"data": self.gen.get_state()}
+
+    def restore(self, extra: Any, where: Any) -> None:
+        data = extra.get("data") if isinstance(extra, dict) else None
+        if data is None:
+            raise checkpoint.CheckpointError(f"{where}: no data-generator state in 'extra' (not written by "
+                                             f"pipedsl train/run)")
+        self.gen.set_state(data)
+
+    def eval_batches(self) -> list:
+        return []
+
+    def describe(self) -> dict[str, Any]:
+        return {"config": asdict(self.gcfg)}
+
+
+class HFSource:
+    """A Hugging Face causal decoder on a tokenized text cache (`pipedsl train --model DIR --data …`)."""
+
+    batch_mode = "local"
+
+    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program, pp_rank: int, mesh: Any = None) -> None:
+        from pipedsl.models.hf import io as hf_io
+        from pipedsl.models.hf import stages as hf
+        from pipedsl.trainer import data
+
+        self.cfg = cfg
+        hfc = cfg["hf"]
+        held = {s for (_, s), r in program.placement.items() if r == pp_rank}
+        self.ties: list | None = None
+        if hfc.get("local", True):  # only this rank's stages, read or initialised module by module (hf_io.py)
+            try:
+                local = hf_io.LocalStages(hfc["model"], program.num_stages, hfc["split"], held, seed=cfg["seed"],
+                                          attn=hfc["attn"])
+            except hf_io.LocalStages.NotLocal as why:  # the launcher found every tensor fillable: a bug, said so
+                raise PipeRuntimeError(f"rank {pp_rank}: cannot build its stages alone: {why}") from None
+            self.stages: Any = local
+            self.ties = local.ties
+            model = local.model
+        else:  # the launcher decided, for every rank alike: the whole model (hf_setup._check_architecture)
+            model = hf_io.build_model(hfc["model"], seed=cfg["seed"], attn=hfc["attn"])
+            self.stages = hf.causal_lm_stages(model, program.num_stages, **hfc["split"])
+        self.token = cfg.get("loss_reduction", "token") == "token"
+        self.loss_fn = functools.partial(hf.causal_lm_loss, reduction="sum") if self.token else hf.causal_lm_loss
+        if cfg.get("tp", 1) > 1:
+            self._tensor_parallel(mesh, held)
+        self.recompute_filter = _is_attention
+        params = sum(p.numel() for p in model.parameters())
+        embedding = model.get_input_embeddings().weight.numel()
+        c = model.config
+        layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+        hidden = getattr(c, "hidden_size", None) or c.n_embd
+        self.flops_per_token = _flops(params, embedding, layers, hidden, cfg["seq"])
+        cache = data.TokenCache.open(hfc["cache"])
+        samples = data.PackedSequences(cache, cfg["seq"], hfc["packing"], hfc["doc_mask"])
+        self.train_set, self.heldout = samples.split(hfc["eval_fraction"])
+        if hfc.get("eval_cache"):  # --eval-data: a held-out set of its own
+            self.heldout = data.PackedSequences(data.TokenCache.open(hfc["eval_cache"]), cfg["seq"], hfc["packing"],
+                                                hfc["doc_mask"])
+        self.samples_per_step = cfg["batch"]
+        self.tokens_per_step = cfg["batch"] * cfg["seq"]
+        self.meta = hfc["export"]
+        self.loader: Any = None
+
+    def _tensor_parallel(self, mesh: Any, held: set[int]) -> None:
+        """This rank's stages sliced in place over the mesh's tp dimension (parallel/tp_hf.py), with the
+        vocabulary-parallel loss.  Only the held stages: the ranks of one tp group hold the same ones, and
+        slicing is collective among them."""
+        from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
+
+        build = self.stages
+        local = {s: build[s] if isinstance(build, list) else build(s) for s in sorted(held)}
+        tp_hf_stages(list(local.values()), mesh, sequence_parallel=bool(self.cfg.get("sequence_parallel")))
+        self.stages = local.__getitem__
+        self.loss_fn = tp_hf_loss(mesh, "sum" if self.token else "mean")
+
+    def bind(self, pipe: pipedsl.Pipeline) -> None:
+        from pipedsl.trainer import data
+
+        dp, d = pipe.dp, pipe.dp_rank
+        hfc = self.cfg["hf"]
+        self.loader = data.BatchLoader(self.train_set, self.cfg["batch"], dp_rank=d, dp_size=dp, seed=self.cfg["seed"])
+        self._eval = (data.eval_batches(self.heldout, self.cfg["batch"], d, dp, hfc["eval_batches"] or None)
+                      if hfc["eval_every"] or hfc["eval_at_end"] else [])
+
+    def next_batch(self, step: int) -> tuple[Any, Any]:
+        return next(self.loader)
+
+    def state(self, rank: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"data": self.loader.state_dict()}
+        if rank == 0:
+            out["hf"] = self.meta
+        return out
+
+    def restore(self, extra: Any, where: Any) -> None:
+        data = extra.get("data") if isinstance(extra, dict) else None
+        if not isinstance(data, dict):
+            raise checkpoint.CheckpointError(f"{where}: no data-loader state in 'extra' (not written by "
+                                             f"pipedsl train --model)")
+        self.loader.load_state_dict(data)
+
+    def eval_batches(self) -> list:
+        return self._eval
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.cfg["hf"]["model"]}
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """Selective recomputation's regions: the attention modules (Korthikanti et al.) — an HF decoder's, the
+    GPT's `CausalSelfAttention` and its tensor-parallel `ParallelSelfAttention`."""
+    name = type(module).__name__
+    return name.endswith("Attention") and not name.endswith("FlashAttention2")
+
+
+def _flops(params: int, embedding: int, layers: int, hidden: int, seq: int) -> float:
+    from pipedsl.trainer.metrics import model_flops_per_token
+
+    return model_flops_per_token(params, embedding, layers, hidden, seq)
+
+
+def gpt_config(cfg: dict[str, Any]) -> Any:
+    from pipedsl.models.gpt.model import GPTConfig
+
+    return GPTConfig(vocab_size=cfg.get("vocab", 64), block_size=cfg["seq"], n_layer=cfg["layers"],
+                     n_head=cfg.get("heads", 4), n_embd=cfg["embd"], dropout=cfg.get("dropout", 0.0))
+
+
+def train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Every rank: build the pipeline, restore a checkpoint if asked, train to `cfg["steps"]`."""
+    program = pipedsl.Program.from_json(program_json)
+    parallel = None
+    dp, zero, tp = cfg.get("dp", 1), cfg.get("zero", 0), cfg.get("tp", 1)
+    if dp > 1 or zero or tp > 1:
+        from pipedsl.parallel import ParallelConfig, ParallelMesh
+        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero))
+    pp_rank = parallel.coords.pp if parallel is not None else rank
+    source = HFSource(cfg, program, pp_rank, parallel) if cfg.get("hf") else GPTSource(cfg, program, parallel)
+    precision = MixedPrecision(cfg.get("precision", "fp32"), params=cfg.get("param_dtype", "fp32"),
+                               grads=cfg.get("grad_dtype", "fp32"))
+    pipe = pipedsl.Pipeline(source.stages, program=program, loss_fn=source.loss_fn, parallel=parallel,
+                            ties=source.ties, batch=source.batch_mode, precision=precision,
+                            loss_reduction="token" if source.token else "microbatch",
+                            recompute=cfg.get("recompute", "none"), recompute_filter=source.recompute_filter,
+                            activation_bytes=True)  # the run's report gives each rank's peak bytes
+    del source.stages
+    source.bind(pipe)
+    opt = pipe.optimizer(torch.optim.AdamW, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.01))
+    if cfg.get("lr_schedule", "constant") != "constant" or cfg.get("warmup", 0):
+        from pipedsl.runtime.optim import LRSchedule
+        opt.lr_schedule = LRSchedule(cfg["lr_schedule"], lr=cfg["lr"], warmup=cfg["warmup"], total=cfg["steps"])
+    start = 0
+    if cfg["resume"]:
+        restored = checkpoint.load(pipe, cfg["resume"], opt)
+        source.restore(restored.extra, restored.path)
+        start = restored.step
+        if rank == 0:
+            changed = "; a different schedule now, same stage partition" if restored.schedule_changed else ""
+            print(f"resumed at step {start} ({restored.saved_schedule}{changed})", flush=True)
+    _arm_step_fault(pipe, rank)
+    log = _logger(cfg, start) if rank == 0 else None
+    try:
+        losses = _loop(rank, pipe, opt, source, cfg, start, log)
+    finally:
+        if log is not None:
+            log.close()
+    pipe.close()  # its groups' threads and sockets; the timeline below needs only the pipeline group
+    if start >= cfg["steps"]:
+        return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
+    return _report(pipe, losses, start, source)
+
+
+def _logger(cfg: dict[str, Any], start: int) -> Any:
+    from pipedsl.trainer.metrics import MetricsLogger
+
+    log = cfg.get("logging", {})
+    return MetricsLogger(cfg.get("out"), total_steps=cfg["steps"], tensorboard=log.get("tensorboard"),
+                         wandb_project=log.get("wandb"), config=cfg.get("record", {}), resume_from=start,
+                         live=log.get("live"))
+
+
+def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: dict[str, Any], start: int, log: Any) -> dict[int, float]:
+    clip = cfg.get("clip_grad")
+    every, directory = cfg["checkpoint_every"], cfg["checkpoint_dir"]
+    eval_every = (cfg.get("hf") or {}).get("eval_every", 0)
+    peak = cfg.get("peak_flops") or 0.0
+    losses: dict[int, float] = {}
+    for step in range(start + 1, cfg["steps"] + 1):
+        x, y = source.next_batch(step)
+        t0 = time.perf_counter()
+        loss = pipe.step(x, y)
+        norm = pipe.clip_grad_norm_(clip) if clip else None
+        stepped = opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        losses[step] = loss
+        if log is not None:
+            m: dict[str, Any] = {"loss": loss, "step_ms": dt * 1e3, "samples_per_s": source.samples_per_step / dt,
+                                 "tokens_per_s": source.tokens_per_step / dt}
+            if peak:
+                m["mfu"] = source.flops_per_token * source.tokens_per_step / dt / peak
+            if norm is not None:
+                m["grad_norm"] = float(norm)
+            if opt.lr_schedule is not None:
+                m["lr"] = opt.optimizers[0].param_groups[0]["lr"]
+            if not stepped:
+                m.update(skipped=True, loss_scale=pipe.scaler.scale)
+            if step == start + 1 and cfg.get("started_at"):
+                m["time_to_first_step_s"] = time.time() - cfg["started_at"]
+            log.log(step, m)
+        if source.eval_batches() and ((eval_every and step % eval_every == 0)
+                                      or (step == cfg["steps"] and cfg["hf"].get("eval_at_end"))):
+            _evaluate(pipe, source, step, log)
+        if directory and ((every and step % every == 0) or step == cfg["steps"]):
+            info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg["timeout"])
+            if log is not None:
+                log.note(f"checkpoint step {step}: {info.path}")
+    return losses
+
+
+def _evaluate(pipe: Any, source: Any, step: int, log: Any) -> None:
+    """Loss and perplexity over the held-out batches: each batch's mean weighted by its count."""
+    total = count = 0.0
+    t0 = time.perf_counter()
+    for x, y in source.eval_batches():
+        loss = pipe.evaluate(x, y)
+        total += loss * pipe.eval_count
+        count += pipe.eval_count
+    if log is not None:
+        mean = total / max(count, 1.0)
+        log.log(step, {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "batches": len(source.eval_batches()),
+                       "eval_ms": (time.perf_counter() - t0) * 1e3}, kind="eval")
+
+
+def _report(pipe: Any, losses: dict[int, float], start: int, source: Any) -> dict[str, Any] | None:
+    peaks = [None] * pipe.size  # per pipeline rank (of this rank's pipeline): (activations, bytes)
+    torch.distributed.all_gather_object(peaks, (pipe.peak_activations, pipe.counter.peak_bytes), group=pipe.group)
+    timeline = pipe.timeline()
+    if timeline is None:
+        return None
+    # mean measured time per op kind: the cost the simulator is given for its prediction
+    sums: dict[str, list[float]] = {}
+    for events in timeline.ranks:
+        for e in events:
+            if e.instr.op in COMPUTE:
+                sums.setdefault("FB" if e.instr.sub else e.instr.op.value, []).append(e.duration)
+    cost = {k: sum(v) / len(v) for k, v in sums.items()}
+    return {"timeline": timeline.to_dict(), "cost": cost, "peaks": peaks, **source.describe(),
+            "losses": losses, "start": start}
+
+
+def _token_loss_sum(logits: Any, targets: Any) -> Any:
+    """--loss-reduction token: the microbatch's summed next-token losses (padding -100 ignored)."""
+    import torch.nn.functional as F  # noqa: N812
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+
+
+def _pad_targets(y: Any, fraction: float, seed: int) -> Any:
+    """A padded tail per sequence, of uniform random length in [0, 2·fraction·T] (capped at T): about
+    `fraction` of the targets become -100, unevenly over sequences (so over microbatches and replicas).
+    Seeded by the step, so resumed runs pad alike."""
+    n, T = y.shape
+    g = torch.Generator().manual_seed(seed)
+    tail = torch.randint(0, int(2 * fraction * T) + 1, (n, 1), generator=g).clamp(max=T)
+    return y.masked_fill(torch.arange(T) >= T - tail, -100)
+
+
+def _arm_step_fault(pipe: Any, rank: int) -> None:
+    """Test-only: with PIPEDSL_FAULT=step:RANK:STEP (hang:RANK:STEP), this rank SIGKILLs (SIGSTOPs) itself in
+    the middle of that step, at its first stage's forward of microbatch M/2."""
+    point = os.environ.get("PIPEDSL_FAULT", "").partition(":")[0]
+    if point not in ("step", "hang"):
+        return
+    from pipedsl.runtime.checkpoint import fault_point
+
+    first = min(pipe.local_stages().items())[1]
+    seen = {"step": -1, "n": 0}
+
+    def hook(module: Any, args: Any) -> None:
+        step = pipe.steps + 1
+        if seen["step"] != step:
+            seen.update(step=step, n=0)
+        seen["n"] += 1
+        if seen["n"] == pipe.num_microbatches // 2 + 1:
+            fault_point(point, rank, step)
+
+    first.register_forward_pre_hook(hook)
