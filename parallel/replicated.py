@@ -45,18 +45,33 @@ def is_duplicate(p: nn.Parameter) -> bool:
 # ------------------------------------------------------------------------ copies whose gradients are summed once a step
 
 _SUM_LATER = "_pipedsl_tp_sum_later"  # on the module: its parameters' objects may be swapped (`module.to`), it is not
+_PARAM_SUM_LATER = "_pipedsl_sequence_parallel"  # on a parameter (tp1d's layers): a plain bool, survives deepcopy
 
 
 def sum_grads_later(module: nn.Module) -> None:
     """Mark `module`'s own weights as copies over tp applied to this rank's part of the data (a sequence shard,
     its attention heads): each rank's gradient is a partial sum.  DTensor would all-reduce it in every backward;
-    marked, it stays partial and the pipeline sums it over tp once per step (tp1d's `SequenceParallelGradSum`,
+    marked, it stays partial and the pipeline sums it over tp once per step (runtime/finalize.py,
     Megatron's one all-reduce of the LayerNorm gradients)."""
     setattr(module, _SUM_LATER, True)
 
 
 def sums_grads_later(module: nn.Module) -> bool:
     return getattr(module, _SUM_LATER, False)
+
+
+def param_sum_grad_later(p: nn.Parameter) -> None:
+    """`sum_grads_later` for one parameter (tp1d's layers, whose parameters are never swapped)."""
+    setattr(p, _PARAM_SUM_LATER, True)
+
+
+def summed_later(module: nn.Module) -> set[str]:
+    """The names of `module`'s weights whose tp sum waits for the step end: marked one by one
+    (`param_sum_grad_later`, 1-D tp's layers) or owned by a module marked `sum_grads_later` (DTensor tp,
+    parallel/tp_hf.py)."""
+    owned = {id(p) for m in module.modules() if sums_grads_later(m) for p in m.parameters(recurse=False)}
+    return {n for n, p in module.named_parameters()
+            if p.requires_grad and (getattr(p, _PARAM_SUM_LATER, False) or id(p) in owned)}
 
 
 def partial_local(grad: torch.Tensor) -> torch.Tensor:

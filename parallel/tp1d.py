@@ -20,8 +20,8 @@ on every rank but applied to a shard — LayerNorms, the row-parallel bias — g
 shard's part of their gradient, which must be summed over the group: in each backward
 (`copy_to_group` on the weight, the default: the layers are then correct on their own), or —
 after `defer_grad_sum(module)`, as `tp_gpt_stages` does — once per step at the pipeline's
-REDUCE_GRAD (`SequenceParallelGradSum`, which `Pipeline` installs when a stage holds such
-weights), as Megatron-LM's finalize_model_grads does.
+REDUCE_GRAD (runtime/finalize.py, which `Pipeline` installs when a stage holds such weights), as
+Megatron-LM's finalize_model_grads does.
 
 Every layer is built from its dense counterpart by slicing (`from_dense`), so a model has
 the same values at any t.  Activations in comments: `[b, s, h]` replicated on every rank,
@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
-from torch.distributed.tensor import DTensor
 
 from pipedsl.parallel import gpt
 from pipedsl.parallel.comm import (
@@ -51,7 +50,7 @@ from pipedsl.parallel.comm import (
     scatter_along,
 )
 from pipedsl.parallel.config import ParallelConfigError
-from pipedsl.parallel.replicated import mark_replicated, sums_grads_later
+from pipedsl.parallel.replicated import mark_replicated, param_sum_grad_later
 
 
 def _split(n: int, t: int, what: str) -> int:
@@ -379,14 +378,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 # ------------------------------------------------------------------------ sequence-parallel weights, once a step
 
 
-_SP_ATTR = "_pipedsl_sequence_parallel"  # a plain bool, like replicated.py's mark: survives deepcopy
-
-
 def defer_grad_sum(module: nn.Module) -> int:
     """Leave the tp sum of the gradients of `module`'s weights applied to sequence shards to the pipeline.
 
     Their layers stop summing in each backward and the weights are marked; `Pipeline` then sums them
-    once per step (`SequenceParallelGradSum`).  Returns how many parameters were marked.
+    once per step (runtime/finalize.py).  Returns how many parameters were marked.
     """
     marked = 0
     for m in module.modules():
@@ -396,80 +392,6 @@ def defer_grad_sum(module: nn.Module) -> int:
         m.sum_in_backward = False
         for p in (m.weight, m.bias) if isinstance(m, SequenceParallelLayerNorm) else (m.bias,):
             if p is not None:
-                setattr(p, _SP_ATTR, True)
+                param_sum_grad_later(p)
                 marked += 1
     return marked
-
-
-class SequenceParallelGradSum:
-    """A REDUCE_GRAD hook: sum over tp the gradients of the weights `defer_grad_sum` marked (Megatron's
-    all-reduce of LayerNorm gradients under sequence parallelism), once per step and stage.
-
-    Its handle's `wait()` runs at the step end after the data-parallel reduction's, on the gradients
-    the optimizer steps: `.grad`, or a `ZeroOptimizer`'s owned slices, whose entries lie at the same
-    offsets on every tp rank (the tp ranks' stages hold parameters of equal shapes).  Summing after the
-    dp average is the same sum.  Names are taken now: ZeRO later replaces the parameters by views.
-    """
-
-    def __init__(self, group: ProcessGroup | None, modules: dict[int, nn.Module], zero: dict) -> None:
-        self.group, self.zero = group, zero  # zero: {stage: ZeroOptimizer}, filled when the optimizer is made
-        self.names = {s: _summed_later(m) for s, m in modules.items()}
-
-    @classmethod
-    def install(cls, pipe) -> None:
-        """Register on `pipe` when one of its stages holds marked weights (every tp peer holds the same stages)."""
-        if pipe.mesh is None or pipe.mesh.config.tp == 1:
-            marked = sorted({f"stage {s}: {n}" for s, m in pipe.local_stages().items() for n in _summed_later(m)})
-            if marked:  # their gradients would stay partial sums: nobody sums them over tp
-                raise ParallelConfigError(f"these stages are tensor-parallel: weights such as "
-                                          f"{', '.join(marked[:3])} get partial gradients that the pipeline sums "
-                                          f"over tp at each step's end, but the pipeline has no tp dimension: "
-                                          f"pass parallel=mesh, the mesh the stages were split over")
-            return
-        hook = cls(pipe.mesh.tp_group, pipe.local_stages(), pipe.data_parallel.zero)
-        if any(hook.names.values()):
-            pipe.register_reduce_grad_hook(hook)
-
-    def __call__(self, stage: int, module: nn.Module) -> _PendingSum | None:
-        return _PendingSum(self, stage, module) if self.names.get(stage) else None
-
-    def gradients(self, stage: int, module: nn.Module) -> list[torch.Tensor]:
-        names = self.names[stage]
-        z = self.zero.get(stage)
-        if z is not None:
-            return [grad[lo:hi] for grad, entries in z.owned_gradients() for n, lo, hi in entries if n in names]
-        grads = []
-        for n, p in module.named_parameters():  # the same order on every tp rank
-            if n in names:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)  # (to_local: a view)
-        return grads
-
-
-def _summed_later(module: nn.Module) -> set[str]:
-    """The names of `module`'s weights whose tp sum waits for the step end: marked by `defer_grad_sum` (1-D tp's
-    layers), or owned by a module marked `sum_grads_later` (DTensor tp, parallel/tp_hf.py)."""
-    owned = {id(p) for m in module.modules() if sums_grads_later(m) for p in m.parameters(recurse=False)}
-    return {n for n, p in module.named_parameters()
-            if p.requires_grad and (getattr(p, _SP_ATTR, False) or id(p) in owned)}
-
-
-class _PendingSum:
-    """Waited at the step end, after the handles registered before it (the dp reduction's)."""
-
-    __slots__ = ("owner", "stage", "module")
-
-    def __init__(self, owner: SequenceParallelGradSum, stage: int, module: nn.Module) -> None:
-        self.owner, self.stage, self.module = owner, stage, module
-
-    def wait(self) -> None:
-        grads = [g for g in self.owner.gradients(self.stage, self.module) if g.numel()]
-        if not grads:  # a ZeRO slice holding none of them: the same slice, so the same answer, on every tp peer
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce(flat, self.owner.group)
-        o = 0
-        for g in grads:
-            g.copy_(flat[o:o + g.numel()].view_as(g))
-            o += g.numel()

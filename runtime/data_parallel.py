@@ -10,7 +10,8 @@ on it asks the strategy instead of deciding again:
                 optimizer fp32 main copies; its reduction is the REDUCE_GRAD hook, its gathers the
                 ZeRO-3 weight-pass hooks, and it steps the owned slices
 
-It owns the reduction hooks, the optimizer's construction over the right tensors, the gradients
+It is the one reader of the ZeRO level (`level`, `check_program`); it owns the reduction hooks (wired at
+the step end by finalize.py), the optimizer's construction over the right tensors, the gradients
 a global norm counts and clipping scales (clip.py), and tells the ties (ties.py) whether a tie sums
 dp-reduced slices within one replica (flat) or averages full gradients over every replica.
 """
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.parallel.config import ParallelConfig
+from pipedsl.ir import Program
+from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.zero import ZeroOptimizer
 from pipedsl.runtime import clip
 from pipedsl.runtime.precision import MixedPrecision
@@ -40,10 +42,14 @@ class Replicated:
     """Parameters with their own `.grad`, averaged over dp at REDUCE_GRAD (without dp: nothing to reduce)."""
 
     flat = False
+    level = 0  # the ZeRO level
 
     def __init__(self, group: dist.ProcessGroup | None, dp: int) -> None:
         self.group, self.dp = group, dp
         self.zero: dict[int, ZeroOptimizer] = {}  # none: the optimizer steps the parameters themselves
+
+    def check_program(self, program: Program) -> None:
+        """Every program runs with replicated gradients."""
 
     def install(self, reducer: GradReducer, ties: TieReducer) -> None:
         if self.dp > 1:
@@ -69,6 +75,17 @@ class Flat:
         self.lowp = ({"param_dtype": precision.param_dtype, "grad_dtype": precision.grad_dtype}
                      if precision.keeps_main else {})
         self.zero: dict[int, ZeroOptimizer] = {}
+
+    def check_program(self, program: Program) -> None:
+        """Refuse the ZeRO settings this program cannot run, with the reason (every rank alike)."""
+        if self.level == 0 or self.reduce != "microbatch":
+            return
+        if any(len({program.placement[(c, s)] for c in range(program.num_replicas)}) > 1
+               for s in range(program.num_stages)):
+            raise ParallelConfigError(
+                f"zero_reduce='microbatch' does not support stage replicas on different ranks (schedule "
+                f"{program.name!r}): the replicas sum full gradients at REDUCE_GRAD, which 'microbatch' has already "
+                f"reduce-scattered; use zero_reduce='step'")
 
     def install(self, reducer: GradReducer, ties: TieReducer) -> None:
         reducer.add_hook(self._reduce)

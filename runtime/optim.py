@@ -74,7 +74,6 @@ class PipelineOptimizer:
     def __init__(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> None:
         self._pipe = pipe
         self.lr_schedule: LRSchedule | None = None
-        self.zero_stage = pipe.parallel.zero if pipe.parallel is not None else 0
         self._modules = pipe.local_stages()
         # the pipeline's data-parallel strategy makes it: one torch optimizer over the parameters, or a ZeroOptimizer
         # per stage over flat buffers (ZeRO 1-3, or fp32 main parameters beside low-precision ones)

@@ -71,8 +71,7 @@ from pipedsl.ir import Program
 from pipedsl.library import load
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.mesh import ParallelMesh
-from pipedsl.parallel.tp1d import SequenceParallelGradSum
-from pipedsl.runtime import clip
+from pipedsl.runtime import clip, finalize
 from pipedsl.runtime.data_parallel import strategy_for
 from pipedsl.runtime.discovery import Discovery
 from pipedsl.runtime.executor import Executor, loss_ranks
@@ -163,14 +162,11 @@ class Pipeline:
         self.dp_group = self.mesh.dp_group if self.mesh is not None else self._solo_group()
         self.data_parallel = strategy_for(self.parallel, self.precision, self.dp_group, self.dp)  # grads' owner
         self.ties = self._ties(stages, ties)
-        self._check_parallel_support()
+        self.data_parallel.check_program(prog)
         self.reducer = GradReducer(prog, rank, self._modules, self.groups, self.ties)
         self.ownership = clip.GradientOwnership(prog, rank, self._modules, self.ties.names, self.dp_rank,
-                                                self.parallel.zero if self.parallel is not None else 0)
-        self.reducer.broadcast_replicas()
-        self.ties.broadcast()
-        self.data_parallel.install(self.reducer, self.ties)
-        SequenceParallelGradSum.install(self)  # after the dp reduction: tp sums of sequence-parallel weights
+                                                self.data_parallel.level)
+        finalize.install(self)  # the step end's gradient reductions: replicas, dp, tp sums, ties
         self._optimizer = None
         self._checked_batch = False
         self.tracer = Tracer(group)
@@ -212,7 +208,7 @@ class Pipeline:
         else:
             found = []
         reducer = TieReducer(found, self.program, self.rank, self._modules, self.groups, self.dp,
-                             self.parallel.zero if self.parallel is not None else 0, flat=self.data_parallel.flat)
+                             self.data_parallel.level, flat=self.data_parallel.flat)
         if found:
             reducer.agree(self.group, self.size)
         return reducer
@@ -224,20 +220,6 @@ class Pipeline:
             return None
         groups = [self.groups.new([r]) for r in range(self.size)]
         return groups[self.rank]
-
-    def _check_parallel_support(self) -> None:
-        """Refuse the ZeRO settings this program cannot run, with the reason (every rank alike)."""
-        cfg, prog = self.parallel, self.program
-        if cfg is None or cfg.zero == 0:
-            return
-        replicated = any(len({prog.placement[(c, s)] for c in range(prog.num_replicas)}) > 1
-                         for s in range(prog.num_stages))
-        name = prog.name
-        if cfg.zero_reduce == "microbatch" and replicated:
-            raise ParallelConfigError(
-                f"zero_reduce='microbatch' does not support stage replicas on different ranks (schedule {name!r}): "
-                f"the replicas sum full gradients at REDUCE_GRAD, which 'microbatch' has already reduce-scattered; "
-                f"use zero_reduce='step'")
 
     def _program(self, schedule: str | Schedule | None, program: Program | None, microbatches: int | None,
                  params: dict[str, int]) -> Program:

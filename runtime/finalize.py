@@ -1,0 +1,107 @@
+"""The end of a step's gradient work, in one place (Megatron-LM's `finalize_model_grads`).
+
+At each stage's REDUCE_GRAD, and waited at the step end in this order, a pipeline's gradients are:
+
+1. summed between the stage's replica copies on other ranks (reduce.py's `GradReducer`, Chimera);
+2. reduced over data parallelism by the pipeline's data-parallel strategy (data_parallel.py: an
+   averaging all-reduce, or ZeRO's reduce-scatter into the owned slices);
+3. summed over tensor parallelism for weights kept whole on every tp rank but applied to this
+   rank's part of the data — sequence-parallel norms, row-parallel biases (`SequenceParallelGradSum`);
+4. summed between the ranks holding a tied weight (ties.py), after the handles above.
+
+`install` wires them on a new pipeline; nothing else registers gradient reductions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from pipedsl.parallel.comm import all_reduce
+from pipedsl.parallel.config import ParallelConfigError
+from pipedsl.parallel.replicated import summed_later
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipedsl.runtime.pipeline import Pipeline
+
+
+def install(pipe: Pipeline) -> None:
+    """Make the replicas agree, then register the step-end reductions on `pipe`'s reducer, in order."""
+    pipe.reducer.broadcast_replicas()
+    pipe.ties.broadcast()
+    pipe.data_parallel.install(pipe.reducer, pipe.ties)
+    tp, group = (pipe.mesh.config.tp, pipe.mesh.tp_group) if pipe.mesh is not None else (1, None)
+    tp_sum = SequenceParallelGradSum.for_stages(tp, group, pipe.local_stages(), pipe.data_parallel.zero)
+    if tp_sum is not None:  # after the dp reduction: the same sum on the averaged gradients
+        pipe.reducer.add_hook(tp_sum)
+
+
+class SequenceParallelGradSum:
+    """A REDUCE_GRAD hook: sum over tp the gradients of the weights marked to be summed later (tp1d's
+    `defer_grad_sum`, tp_hf's norms; Megatron's all-reduce of LayerNorm gradients under sequence parallelism),
+    once per step and stage.
+
+    Its handle's `wait()` runs at the step end after the data-parallel reduction's, on the gradients
+    the optimizer steps: `.grad`, or a `ZeroOptimizer`'s owned slices, whose entries lie at the same
+    offsets on every tp rank (the tp ranks' stages hold parameters of equal shapes).  Summing after the
+    dp average is the same sum.  Names are taken now: ZeRO later replaces the parameters by views.
+    """
+
+    def __init__(self, group: ProcessGroup | None, modules: dict[int, nn.Module], zero: dict) -> None:
+        self.group, self.zero = group, zero  # zero: {stage: ZeroOptimizer}, filled when the optimizer is made
+        self.names = {s: summed_later(m) for s, m in modules.items()}
+
+    @classmethod
+    def for_stages(cls, tp: int, group: ProcessGroup | None, modules: dict[int, nn.Module],
+                   zero: dict) -> SequenceParallelGradSum | None:
+        """The hook for these stages, or None when none holds marked weights (every tp peer holds the same stages)."""
+        if tp == 1:
+            marked = sorted({f"stage {s}: {n}" for s, m in modules.items() for n in summed_later(m)})
+            if marked:  # their gradients would stay partial sums: nobody sums them over tp
+                raise ParallelConfigError(f"these stages are tensor-parallel: weights such as "
+                                          f"{', '.join(marked[:3])} get partial gradients that the pipeline sums "
+                                          f"over tp at each step's end, but the pipeline has no tp dimension: "
+                                          f"pass parallel=mesh, the mesh the stages were split over")
+            return None
+        hook = cls(group, modules, zero)
+        return hook if any(hook.names.values()) else None
+
+    def __call__(self, stage: int, module: nn.Module) -> _PendingSum | None:
+        return _PendingSum(self, stage, module) if self.names.get(stage) else None
+
+    def gradients(self, stage: int, module: nn.Module) -> list[torch.Tensor]:
+        names = self.names[stage]
+        z = self.zero.get(stage)
+        if z is not None:
+            return [grad[lo:hi] for grad, entries in z.owned_gradients() for n, lo, hi in entries if n in names]
+        grads = []
+        for n, p in module.named_parameters():  # the same order on every tp rank
+            if n in names:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)  # (to_local: a view)
+        return grads
+
+
+class _PendingSum:
+    """Waited at the step end, after the handles registered before it (the dp reduction's)."""
+
+    __slots__ = ("owner", "stage", "module")
+
+    def __init__(self, owner: SequenceParallelGradSum, stage: int, module: nn.Module) -> None:
+        self.owner, self.stage, self.module = owner, stage, module
+
+    def wait(self) -> None:
+        grads = [g for g in self.owner.gradients(self.stage, self.module) if g.numel()]
+        if not grads:  # a ZeRO slice holding none of them: the same slice, so the same answer, on every tp peer
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, self.owner.group)
+        o = 0
+        for g in grads:
+            g.copy_(flat[o:o + g.numel()].view_as(g))
+            o += g.numel()
