@@ -108,6 +108,8 @@ class Pipeline:
                  ignore_index: int = -100, recompute: str | None = None,
                  recompute_filter: ModulePredicate | None = None, activation_bytes: bool = False,
                  **schedule_params: int) -> None:
+        if program is not None and schedule_params:
+            raise PipeRuntimeError(_not_for_a_program(schedule_params))
         if not dist.is_initialized():
             raise PipeRuntimeError("torch.distributed is not initialised: start the ranks with "
                                    "pipedsl.launch(fn, nprocs) or torchrun")
@@ -726,3 +728,18 @@ def _split_any(targets: Any, M: int, rank: int, uneven: bool = False) -> list[An
         parts = [_split(t, M, "targets", rank, uneven) for t in _tensors(targets)]
         return [tuple(p[m] for p in parts) for m in range(M)]
     raise PipeRuntimeError(f"targets is a {type(targets).__name__}; pass a tensor, a tuple of tensors or None")
+
+
+def _not_for_a_program(params: dict[str, int]) -> str:
+    """A compiled program= has its schedule's parameters already: any other keyword is a mistake (most often
+    a misspelled option, which would otherwise do nothing)."""
+    import difflib
+    import inspect
+
+    options = [n for n in inspect.signature(Pipeline.__init__).parameters if n not in ("self", "schedule_params")]
+    words = []
+    for name in sorted(params):
+        close = difflib.get_close_matches(name, options, n=1)
+        words.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"Pipeline(program=...) takes no schedule parameters, the program was compiled with its own: "
+            f"unexpected keyword argument{'s' if len(words) > 1 else ''} {', '.join(words)}")

@@ -98,3 +98,15 @@ def test_mistakes_every_rank_makes_are_clear_errors(pool2) -> None:
         assert "the model has 3 stage(s)" in out["stage_count"] and "has 2 stages" in out["stage_count"]
         assert "batch size 6" in out["batch"] and "M=4" in out["batch"]
         assert "microbatches" in out["no_m"]
+
+
+def test_a_compiled_program_refuses_schedule_parameters_naming_the_likely_option() -> None:
+    """Pipeline(program=..., recompue="full") used to drop every keyword silently: a misspelled option did
+    nothing.  Refused before anything starts (no process group needed), with the option it resembles."""
+    from torch import nn
+
+    program = pipedsl.load("1f1b").compile(P=1, M=2)
+    with pytest.raises(pipedsl.PipeRuntimeError, match=r"'recompue' \(did you mean 'recompute'\?\)"):
+        pipedsl.Pipeline([nn.Linear(2, 2)], program=program, recompue="full")
+    with pytest.raises(pipedsl.PipeRuntimeError, match=r"arguments 'V', 'zz'$"):
+        pipedsl.Pipeline([nn.Linear(2, 2)], program=program, V=2, zz=1)
