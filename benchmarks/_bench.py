@@ -88,7 +88,8 @@ def sleep_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- A/B against another checkout, in one run
 
 _PACKAGES = {"pipedsl": "pipedsl", "pipedsl.runtime": "runtime", "pipedsl.parallel": "parallel",
-             "pipedsl.visualize": "visualize", "pipedsl.schedules": "schedules"}  # pyproject.toml's package-dir
+             "pipedsl.models": "models", "pipedsl.trainer": "trainer", "pipedsl.visualize": "visualize",
+             "pipedsl.schedules": "schedules"}  # pyproject.toml's package-dir (models, trainer: from 2026-11-25)
 
 
 class _TreeFinder:
@@ -103,6 +104,8 @@ class _TreeFinder:
         import importlib.util
 
         where = self.tree / _PACKAGES[name]
+        if not (where / "__init__.py").is_file():  # a checkout from before that package existed
+            return None
         return importlib.util.spec_from_file_location(name, where / "__init__.py", submodule_search_locations=[
             str(where)])
 
