@@ -47,11 +47,13 @@ def zero_job(n: int) -> list[dict]:
     import torch.distributed as dist
     from torch import nn
 
-    from pipedsl.parallel import ParallelConfig, ParallelMesh, ZeroOptimizer, count_comm, gpt, memory_report
+    from pipedsl.models.gpt import model as gpt
+    from pipedsl.parallel import ParallelConfig, ParallelMesh, ZeroOptimizer, count_comm, memory_report
 
     mesh = ParallelMesh(ParallelConfig(dp=n))
     g = torch.Generator().manual_seed(0)
-    base = gpt.randomize_(nn.Sequential(*[gpt.Block(HIDDEN, HEADS) for _ in range(LAYERS)]), g)
+    blocks = [gpt.Block(gpt.GPTConfig(n_embd=HIDDEN, n_head=HEADS)) for _ in range(LAYERS)]
+    base = gpt.randomize_(nn.Sequential(*blocks), g)
     psi = sum(p.numel() for p in base.parameters())
     rows = []
     for stage, reduce in [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step"), (3, "microbatch")]:
@@ -81,6 +83,7 @@ def comm_job(mode: str, hidden: int, batch: int, seq: int) -> dict:
     import torch
     from torch import nn
 
+    from pipedsl.models.gpt import model as gpt
     from pipedsl.parallel import (
         Block3D,
         ColumnParallelLinear,
@@ -91,14 +94,13 @@ def comm_job(mode: str, hidden: int, batch: int, seq: int) -> dict:
         ParallelMLP,
         RowParallelLinear,
         count_comm,
-        gpt,
     )
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, seq, hidden, generator=g)
     x4 = torch.randn(batch, seq, 4 * hidden, generator=g)
     up, down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-    mlp, block = gpt.MLP(hidden), gpt.Block(hidden, HEADS)
+    mlp, block = gpt.MLP(gpt.GPTConfig(n_embd=hidden)), gpt.Block(gpt.GPTConfig(n_embd=hidden, n_head=HEADS))
     out: dict = {}
 
     def measure(name: str, layer: nn.Module, inp: torch.Tensor) -> None:

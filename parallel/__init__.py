@@ -1,6 +1,8 @@
 """pipedsl.parallel: data × pipeline × tensor process groups, 1-D and 3-D tensor parallelism, ZeRO.
 
-Everything takes its process groups explicitly; nothing here keeps global state.
+Everything takes its process groups explicitly; nothing here keeps global state.  A leaf over
+torch.distributed: nothing here knows a pipeline or a model (tp blocks are built from any dense pre-LN
+block, tp1d's `DenseBlock`, such as pipedsl.models.gpt's `Block`).
 
     cfg = ParallelConfig(dp=2, pp=2, tp=8, tp_mode="3d", zero=2)
     cfg.check_model(hidden=1024, heads=16, vocab=32768, batch=64, microbatches=8)
@@ -9,7 +11,6 @@ Everything takes its process groups explicitly; nothing here keeps global state.
     zero = ZeroOptimizer(block, torch.optim.Adam, group=mesh.dp_group, stage=cfg.zero, lr=1e-3)
 """
 
-from pipedsl.parallel import gpt
 from pipedsl.parallel.comm import CommCounter, count_comm
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.mesh import Coords, Cube3D, ParallelMesh
@@ -47,7 +48,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "ZeroOptimizer",
     "count_comm",
-    "gpt",
     "loss_value",
     "memory_report",
     "tp_hf_loss",

@@ -31,13 +31,13 @@ the same values at any t.  Activations in comments: `[b, s, h]` replicated on ev
 from __future__ import annotations
 
 import copy
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
-from pipedsl.parallel import gpt
 from pipedsl.parallel.comm import (
     all_gather,
     all_reduce,
@@ -51,6 +51,41 @@ from pipedsl.parallel.comm import (
 )
 from pipedsl.parallel.config import ParallelConfigError
 from pipedsl.parallel.replicated import mark_replicated, param_sum_grad_later
+
+
+class DenseAttention(Protocol):
+    """What a dense attention is read for: qkv [h, 3h] (columns q | k | v), proj [h, h], n_head heads."""
+
+    qkv: nn.Linear
+    proj: nn.Linear
+    n_head: int
+
+
+class DenseMLP(Protocol):
+    """fc [h, ffn], GELU, proj [ffn, h]."""
+
+    fc: nn.Linear
+    proj: nn.Linear
+
+
+class DenseBlock(Protocol):
+    """A pre-LN transformer block, x + attn(ln1(x)) then + mlp(ln2(·)): pipedsl.models.gpt's `Block` is one."""
+
+    ln1: nn.LayerNorm
+    attn: DenseAttention
+    ln2: nn.LayerNorm
+    mlp: DenseMLP
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Causal self-attention of `heads` heads: q, k, v [b, s, heads·d] → [b, s, heads·d]."""
+    b, s, hd = q.shape
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.view(b, s, heads, hd // heads).transpose(1, 2)  # [b, heads, s, d]
+
+    y = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)  # [b, heads, s, d]
+    return y.transpose(1, 2).reshape(b, s, hd)
 
 
 def _split(n: int, t: int, what: str) -> int:
@@ -240,7 +275,7 @@ class ParallelMLP(nn.Module):
         self.fc, self.proj = fc, proj
 
     @classmethod
-    def from_dense(cls, mlp: gpt.MLP, group: ProcessGroup | None, sequence_parallel: bool = False) -> ParallelMLP:
+    def from_dense(cls, mlp: DenseMLP, group: ProcessGroup | None, sequence_parallel: bool = False) -> ParallelMLP:
         sp = sequence_parallel
         return cls(ColumnParallelLinear.from_dense(mlp.fc, group, sequence_parallel=sp),
                    RowParallelLinear.from_dense(mlp.proj, group, sequence_parallel=sp))
@@ -266,17 +301,17 @@ class ParallelSelfAttention(nn.Module):
         self.local_heads = _split(heads, group_size(qkv.group), "attention heads")
 
     @classmethod
-    def from_dense(cls, attn: gpt.SelfAttention, group: ProcessGroup | None,
+    def from_dense(cls, attn: DenseAttention, group: ProcessGroup | None,
                    sequence_parallel: bool = False) -> ParallelSelfAttention:
         hidden, t = attn.proj.in_features, group_size(group)
-        _split(attn.heads, t, "attention heads")
+        _split(attn.n_head, t, "attention heads")
         qkv = ColumnParallelLinear.from_dense(attn.qkv, group, out_order=qkv_order(hidden, t),
                                               sequence_parallel=sequence_parallel)
-        return cls(qkv, RowParallelLinear.from_dense(attn.proj, group, sequence_parallel), attn.heads)
+        return cls(qkv, RowParallelLinear.from_dense(attn.proj, group, sequence_parallel), attn.n_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] (SP: [b, s/t, h])
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [b, s, h/t] each: this rank's heads, the whole sequence
-        return self.proj(gpt.causal_attention(q, k, v, self.local_heads))  # [b, s, h] (SP: [b, s/t, h])
+        return self.proj(causal_attention(q, k, v, self.local_heads))  # [b, s, h] (SP: [b, s/t, h])
 
 
 class ParallelBlock(nn.Module):
@@ -293,7 +328,8 @@ class ParallelBlock(nn.Module):
         mark_replicated(ln2, attn.qkv.group)
 
     @classmethod
-    def from_dense(cls, block: gpt.Block, group: ProcessGroup | None, sequence_parallel: bool = False) -> ParallelBlock:
+    def from_dense(cls, block: DenseBlock, group: ProcessGroup | None,
+                   sequence_parallel: bool = False) -> ParallelBlock:
         sp = sequence_parallel
         return cls(layer_norm_for(block.ln1, group, sp), ParallelSelfAttention.from_dense(block.attn, group, sp),
                    layer_norm_for(block.ln2, group, sp), ParallelMLP.from_dense(block.mlp, group, sp))

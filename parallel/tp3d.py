@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
-from pipedsl.parallel import gpt
 from pipedsl.parallel.comm import (
     all_gather,
     all_reduce,
@@ -42,7 +41,7 @@ from pipedsl.parallel.comm import (
 from pipedsl.parallel.config import ParallelConfigError
 from pipedsl.parallel.mesh import Cube3D
 from pipedsl.parallel.replicated import mark_replicated
-from pipedsl.parallel.tp1d import qkv_order, vocab_parallel_cross_entropy
+from pipedsl.parallel.tp1d import DenseBlock, causal_attention, qkv_order, vocab_parallel_cross_entropy
 
 
 def _div(n: int, d: int, what: str) -> int:
@@ -267,9 +266,9 @@ class Block3D(nn.Module):
         self.local_heads = _div(heads, ln1.cube.q, "attention heads")
 
     @classmethod
-    def from_dense(cls, block: gpt.Block, cube: Cube3D) -> Block3D:
+    def from_dense(cls, block: DenseBlock, cube: Cube3D) -> Block3D:
         hidden, q = block.attn.proj.in_features, cube.q
-        _div(block.attn.heads, q, "attention heads")
+        _div(block.attn.n_head, q, "attention heads")
         swapped = cube.swapped()
         return cls(LayerNorm3D.from_dense(block.ln1, cube),
                    Linear3D.from_dense(block.attn.qkv, cube, out_order=qkv_order(hidden, q)),
@@ -277,9 +276,9 @@ class Block3D(nn.Module):
                    LayerNorm3D.from_dense(block.ln2, cube),
                    Linear3D.from_dense(block.mlp.fc, cube),
                    Linear3D.from_dense(block.mlp.proj, swapped),
-                   block.attn.heads)
+                   block.attn.n_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b/q², s, h/q] orientation cube
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)  # [b/q², s, h/q] each, cube': this rank's heads
-        x = x + self.proj(gpt.causal_attention(q, k, v, self.local_heads))  # back to cube
+        x = x + self.proj(causal_attention(q, k, v, self.local_heads))  # back to cube
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))  # [b/q², s, ffn/q] in cube' inside

@@ -256,13 +256,12 @@ def _tp_block_times(model: SmallGPT, block: Any, reps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from pipedsl.models.gpt.tp import dense_block
     from pipedsl.parallel import ParallelConfig, ParallelMesh, count_comm
     from pipedsl.parallel.tp1d import ParallelBlock
 
     mesh = ParallelMesh(ParallelConfig(dp=dist.get_world_size() // 2, pp=1, tp=2))
-    tp_block = ParallelBlock.from_dense(dense_block(block), mesh.tp_group)
-    sp_block = ParallelBlock.from_dense(dense_block(block), mesh.tp_group, sequence_parallel=True)
+    tp_block = ParallelBlock.from_dense(block, mesh.tp_group)
+    sp_block = ParallelBlock.from_dense(block, mesh.tp_group, sequence_parallel=True)
     out: dict[str, float] = {}
     for suffix, b in (("", model.microbatch), ("_large", LARGE * model.microbatch)):
         for name, layer, seq, kinds in (("tp", tp_block, model.seq, ("all_reduce",)),

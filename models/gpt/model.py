@@ -2,8 +2,10 @@
 
 Shapes in comments: B batch (micro-batch), T sequence, C embedding, H heads, V vocabulary.
 Used by `pipedsl train` and examples/nanogpt.py; `GPT.tp_stages` slices it into tensor-parallel
-stages (pipedsl/models/gpt/tp.py, examples/parallel_3d.py).  The head does not tie its weight to the
-token embedding (examples/hf_llama.py trains a tied model: see pipedsl/runtime/ties.py).
+stages (models/gpt/tp.py, examples/parallel_3d.py), and its `Block` is the dense reference every
+tensor-parallel block is built from (parallel/tp1d.py's `ParallelBlock`, parallel/tp3d.py's `Block3D`:
+they read ln1, attn.qkv/proj/n_head, ln2, mlp.fc/proj).  The head does not tie its weight to the
+token embedding (examples/hf_llama.py trains a tied model: see runtime/ties.py).
 """
 
 from __future__ import annotations
@@ -58,14 +60,29 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))  # [B, T, C]
 
 
+class MLP(nn.Sequential):
+    """fc [C, 4C], GELU, proj [4C, C], dropout; a Sequential, so checkpoints name its weights mlp.0 and mlp.2."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+                         nn.Dropout(cfg.dropout))
+
+    @property
+    def fc(self) -> nn.Linear:
+        return self[0]
+
+    @property
+    def proj(self) -> nn.Linear:
+        return self[2]
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, C]
         x = x + self.attn(self.ln1(x))
@@ -124,6 +141,21 @@ class GPT(nn.Module):
         from pipedsl.models.gpt.tp import tp_gpt_stages
 
         return tp_gpt_stages(self, num_stages, mesh, by=by, sequence_parallel=sequence_parallel)
+
+
+def randomize_(module: nn.Module, generator: torch.Generator | None = None) -> nn.Module:
+    """Random values for every parameter, LayerNorm and biases included (checks must see them all move)."""
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, nn.LayerNorm):
+                sub.weight.copy_(1 + 0.2 * torch.randn(sub.weight.shape, generator=generator))
+                sub.bias.copy_(0.2 * torch.randn(sub.bias.shape, generator=generator))
+            elif isinstance(sub, (nn.Linear, nn.Embedding)):
+                fan_in = sub.weight.shape[1] if isinstance(sub, nn.Linear) else 1
+                sub.weight.copy_(torch.randn(sub.weight.shape, generator=generator) / fan_in ** 0.5)
+                if getattr(sub, "bias", None) is not None:
+                    sub.bias.copy_(0.2 * torch.randn(sub.bias.shape, generator=generator))
+    return module
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

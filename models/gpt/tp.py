@@ -46,7 +46,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pipedsl.parallel import gpt
 from pipedsl.parallel.comm import copy_to_group, split_along
 from pipedsl.parallel.config import ParallelConfigError
 from pipedsl.parallel.mesh import Cube3D, ParallelMesh
@@ -61,17 +60,6 @@ from pipedsl.parallel.tp1d import (
     vocab_parallel_cross_entropy,
 )
 from pipedsl.parallel.tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, loss_value
-
-
-def dense_block(block: nn.Module) -> gpt.Block:
-    """A runtime GPT block (ln1, attn.qkv/proj, ln2, mlp = [fc, GELU, proj, Dropout]) as `parallel.gpt.Block`."""
-    out = gpt.Block(block.ln1.normalized_shape[0], block.attn.n_head, block.mlp[0].out_features)
-    with torch.no_grad():
-        for dst, src in [(out.ln1, block.ln1), (out.attn.qkv, block.attn.qkv), (out.attn.proj, block.attn.proj),
-                         (out.ln2, block.ln2), (out.mlp.fc, block.mlp[0]), (out.mlp.proj, block.mlp[2])]:
-            dst.load_state_dict(src.state_dict())
-    return out
-
 
 # ------------------------------------------------------------------------------------------ 1-D
 
@@ -155,7 +143,7 @@ def tp_gpt_units(model: nn.Module, mesh: ParallelMesh,
     if pc.tp_mode == "1d":
         g, sp = mesh.tp_group, sequence_parallel
         embed = Embedding1D(VocabParallelEmbedding.from_dense(emb.wte, g, sp), copy.deepcopy(emb.wpe))
-        blocks = [ParallelBlock.from_dense(dense_block(b), g, sp) for b in model.blocks]
+        blocks = [ParallelBlock.from_dense(b, g, sp) for b in model.blocks]
         out = Head1D(layer_norm_for(head.ln_f, g, sp),
                      ColumnParallelLinear.from_dense(head.lm_head, g, sequence_parallel=sp))
         return embed, blocks, out
@@ -163,7 +151,7 @@ def tp_gpt_units(model: nn.Module, mesh: ParallelMesh,
     assert cube is not None
     wpe = emb.wpe.weight.detach()[:, cube.col_block(cfg.n_embd)]  # [block_size, C/q]
     embed = Embedding3DStage(Embedding3D.from_dense(emb.wte, cube), wpe, cube)
-    blocks = [Block3D.from_dense(dense_block(b), cube) for b in model.blocks]
+    blocks = [Block3D.from_dense(b, cube) for b in model.blocks]
     out = Head3D(LayerNorm3D.from_dense(head.ln_f, cube), Classifier3D.from_dense(head.lm_head, cube))
     return embed, blocks, out
 

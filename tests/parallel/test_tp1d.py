@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from checks import Errors, diff, failures, grads_as_module, param_grads
 from torch import nn
 
+from pipedsl.models.gpt import model as gpt
 from pipedsl.parallel import (
     ColumnParallelLinear,
     ParallelBlock,
@@ -26,7 +27,6 @@ from pipedsl.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     count_comm,
-    gpt,
     vocab_parallel_cross_entropy,
 )
 
@@ -82,13 +82,13 @@ def tp1d_job(tp: int) -> Errors:
     row = gpt.randomize_(nn.Linear(4 * H, H), g)
     _check_layer(errs, "row", row, RowParallelLinear.from_dense(row, group), x4, cols(4 * H)(x4), full, cols(4 * H))
 
-    mlp = gpt.randomize_(gpt.MLP(H), g)
+    mlp = gpt.randomize_(gpt.MLP(gpt.GPTConfig(n_embd=H)), g)
     _check_layer(errs, "mlp", mlp, ParallelMLP.from_dense(mlp, group), x, x, full, full)
 
-    attn = gpt.randomize_(gpt.SelfAttention(H, HEADS), g)
+    attn = gpt.randomize_(gpt.CausalSelfAttention(gpt.GPTConfig(n_embd=H, n_head=HEADS)), g)
     _check_layer(errs, "attention", attn, ParallelSelfAttention.from_dense(attn, group), x, x, full, full)
 
-    block = gpt.randomize_(gpt.Block(H, HEADS), g)
+    block = gpt.randomize_(gpt.Block(gpt.GPTConfig(n_embd=H, n_head=HEADS)), g)
     _check_layer(errs, "block", block, ParallelBlock.from_dense(block, group), x, x, full, full)
 
     # vocabulary-parallel embedding
@@ -170,7 +170,7 @@ def tp1d_job(tp: int) -> Errors:
     # torch DTensor tensor parallel as a second oracle
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     ref = parallelize_module(copy.deepcopy(mlp), mesh.device_mesh["tp"],
-                             {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+                             {"0": ColwiseParallel(), "2": RowwiseParallel()})  # mlp.fc, mlp.proj
     xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
     w = torch.randn(B, S, H, generator=g)
     yr = ref(xr)

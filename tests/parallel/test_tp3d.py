@@ -12,6 +12,7 @@ import torch.nn.functional as F  # noqa: N812
 from checks import Errors, diff, failures, grads_as_module, param_grads
 from torch import nn
 
+from pipedsl.models.gpt import model as gpt
 from pipedsl.parallel import (
     Block3D,
     Classifier3D,
@@ -21,7 +22,6 @@ from pipedsl.parallel import (
     ParallelConfig,
     ParallelMesh,
     count_comm,
-    gpt,
     loss_value,
 )
 from pipedsl.parallel.tp1d import qkv_order
@@ -64,7 +64,7 @@ def tp3d_job() -> Errors:
     lin2 = gpt.randomize_(nn.Linear(2 * H, H), g)
     _check(errs, "linear swapped", lin2, Linear3D.from_dense(lin2, sw), lambda: _expected_linear(lin2, sw), x2, sw, cube)
 
-    mlp = gpt.randomize_(gpt.MLP(H), g)
+    mlp = gpt.randomize_(gpt.MLP(gpt.GPTConfig(n_embd=H)), g)
     fc, proj = Linear3D.from_dense(mlp.fc, cube), Linear3D.from_dense(mlp.proj, sw)
     par_mlp = nn.Sequential(fc, nn.GELU(), proj)
     dense_mlp = nn.Sequential(mlp.fc, nn.GELU(), mlp.proj)
@@ -76,7 +76,7 @@ def tp3d_job() -> Errors:
     _check(errs, "layernorm", ln, LayerNorm3D.from_dense(ln, cube),
            lambda: LayerNorm3D.from_dense(grads_as_module(ln), cube), x, cube, cube)
 
-    block = gpt.randomize_(gpt.Block(H, HEADS), g)
+    block = gpt.randomize_(gpt.Block(gpt.GPTConfig(n_embd=H, n_head=HEADS)), g)
     par_block = Block3D.from_dense(block, cube)
     block.zero_grad(set_to_none=True)
     xd = x.clone().requires_grad_()

@@ -15,13 +15,13 @@ import torch.distributed as dist
 from checks import diff
 from torch import nn
 
+from pipedsl.models.gpt import model as gpt
 from pipedsl.parallel import (
     ParallelConfig,
     ParallelConfigError,
     ParallelMesh,
     ZeroOptimizer,
     count_comm,
-    gpt,
     memory_report,
 )
 
@@ -43,7 +43,7 @@ def mlp_model(g: torch.Generator) -> nn.Module:
 
 
 def block_model(g: torch.Generator) -> nn.Module:
-    return gpt.randomize_(gpt.Block(8, 2), g)
+    return gpt.randomize_(gpt.Block(gpt.GPTConfig(n_embd=8, n_head=2)), g)
 
 
 MODELS = {
