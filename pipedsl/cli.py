@@ -210,7 +210,6 @@ def _handler(command: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
-    args._argv = list(sys.argv[1:] if argv is None else argv)  # which flags were given (they win over --config)
     try:
         with lend("exit_on_signals")():  # SIGTERM/SIGINT/SIGHUP while compiling or drawing: one line, 128 + signal
             return _handler(args.command)(args)

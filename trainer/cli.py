@@ -42,6 +42,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import wraps
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,10 @@ from pipedsl.arguments import fraction, nonnegative_float, nonnegative_int, posi
 from pipedsl.output import write_text
 from pipedsl.runtime.launch.capacity import check_local_ranks, total_memory, usable_cores
 from pipedsl.runtime.launch.lifecycle import exit_on_signals
+from pipedsl.trainer import config
+from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig
 
-N_HEAD = 4
-VOCAB = 64
+D = TrainConfig()  # the defaults the help texts quote; every flag defaults to None (not given)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -63,11 +65,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", metavar="DIR",
                    help="a local Hugging Face model directory (config.json; with safetensors weights: fine-tune "
                         "them, without: random init); default: the built-in GPT on synthetic tokens")
-    p.add_argument("--schedule", default="1f1b", help="a built-in name or a .pipe file (default 1f1b)")
-    p.add_argument("-P", "--ranks", type=positive_int, default=4, help="pipeline ranks = local processes (default 4)")
-    p.add_argument("-M", "--microbatches", type=positive_int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE", help="a schedule parameter")
-    _add_training_options(p, "out/train")
+    p.add_argument("--schedule", help=f"a built-in name or a .pipe file (default {D.schedule.schedule})")
+    p.add_argument("-P", "--ranks", type=positive_int,
+                   help=f"pipeline ranks = local processes (default {config.COMMAND_DEFAULTS['train']['ranks']})")
+    p.add_argument("-M", "--microbatches", type=positive_int,
+                   help=f"microbatches per step (default {D.schedule.microbatches})")
+    p.add_argument("-p", "--param", action="append", metavar="NAME=VALUE", help="a schedule parameter")
+    _add_training_options(p, "train")
     p.set_defaults(_parser=p)
     return p
 
@@ -80,7 +84,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--config", metavar="TOML", help="read every option from a TOML file (flags given here win)")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     p.add_argument("--model", metavar="DIR", help="a local Hugging Face model directory (default: the built-in GPT)")
-    _add_training_options(p, "out/run")
+    _add_training_options(p, "run")
     p.set_defaults(_parser=p)
     return p
 
@@ -91,7 +95,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("checkpoint", help="a checkpoint directory (step-NNNNNNNN) or a directory of them (the latest)")
     p.add_argument("--hf", required=True, metavar="OUT_DIR",
                    help="the directory to write (safetensors, config.json, tokenizer files)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--dtype", choices=config.DTYPES, default="fp32",
                    help="the weights' dtype in the export (default fp32, as trained)")
     return p
 
@@ -112,101 +116,108 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_training_options(p: argparse.ArgumentParser, out: str) -> None:
-    p.add_argument("--steps", type=positive_int, default=20, help="train until this step (default 20)")
-    p.add_argument("--batch", type=nonnegative_int, default=0, help="sequences per step (default 4·M)")
-    p.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence (default 32)")
-    p.add_argument("--layers", type=nonnegative_int, default=0, help="transformer blocks (default: 2 per stage)")
-    p.add_argument("--split", choices=("count", "blocks"), default="count",
+def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
+    """The options `train` and `run` share.  No default here: None means "not given", and `TrainConfig`
+    supplies the value (the help quotes it), so a TOML file fills exactly what the flags leave out."""
+    m, d, t, r = D.model, D.data, D.training, D.run
+    p.add_argument("--steps", type=positive_int, help=f"train until this step (default {t.steps})")
+    p.add_argument("--batch", type=nonnegative_int, help="sequences per step (default 4·M)")
+    p.add_argument("--seq", type=positive_int, help=f"tokens per sequence (default {d.seq})")
+    p.add_argument("--layers", type=nonnegative_int, help="transformer blocks (default: 2 per stage)")
+    p.add_argument("--split", choices=config.SPLITS,
                    help="how the GPT is cut into stages: count (the embedding and the head count as pieces like "
                         "the blocks; default) or blocks (every stage the same number of blocks, the embedding and "
                         "head on the end stages: Megatron-LM's split, the one `pipedsl plan` models)")
-    p.add_argument("--embd", type=positive_int, default=64,
-                   help=f"embedding width, a multiple of {N_HEAD} (default 64)")
-    p.add_argument("--lr", type=positive_float, default=3e-3)
-    p.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW's weight decay (default 0.01)")
-    p.add_argument("--dropout", type=fraction, default=0.0, help="dropout probability (default 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dp", type=positive_int, default=1,
-                   help="data-parallel replicas of the pipeline: dp x P processes (default 1)")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
-                   help="ZeRO stage over the dp replicas (default 0: an averaging all-reduce)")
-    p.add_argument("--tp", type=positive_int, default=1,
+    p.add_argument("--embd", type=positive_int,
+                   help=f"embedding width, a multiple of {GPT_HEADS} (default {m.embd})")
+    p.add_argument("--lr", type=positive_float, help=f"AdamW's learning rate (default {t.lr:g})")
+    p.add_argument("--weight-decay", type=nonnegative_float,
+                   help=f"AdamW's weight decay (default {t.weight_decay:g})")
+    p.add_argument("--dropout", type=fraction, help=f"dropout probability (default {m.dropout:g})")
+    p.add_argument("--seed", type=int, help=f"the seed of the weights and the data order (default {m.seed})")
+    p.add_argument("--dp", type=positive_int,
+                   help=f"data-parallel replicas of the pipeline: dp x P processes (default {D.parallel.dp})")
+    p.add_argument("--zero", type=int, choices=config.ZERO_STAGES,
+                   help=f"ZeRO stage over the dp replicas (default {D.parallel.zero}: an averaging all-reduce)")
+    p.add_argument("--tp", type=positive_int,
                    help="tensor-parallel ranks per pipeline stage (Megatron's 1-D split: attention by heads, the MLP "
                         "column- then row-wise, vocabulary-parallel embedding, head and loss): dp x P x tp "
-                        "processes (default 1)")
-    p.add_argument("--sequence-parallel", action="store_true",
+                        f"processes (default {D.parallel.tp})")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
                    help="with --tp: norms and residuals on 1/tp of the sequence, reduce-scatter and all-gather in "
                         "place of the all-reduces (Korthikanti et al. 2022); --seq must divide by --tp")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="compute dtype (autocast; fp16 scales the loss; default fp32)")
-    p.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="the model's parameters: fp32 (default; autocast casts them per op) or the --precision dtype, "
-                        "with fp32 main parameters in the optimizer, sharded by --zero (Megatron's distributed "
-                        "optimizer: 6 + 12/dp bytes a parameter at --zero 1)")
-    p.add_argument("--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="with --param-dtype bf16/fp16: gradients accumulate over microbatches and are reduced in fp32 "
-                        "(default, Megatron's) or in the parameters' dtype (2 bytes a parameter less, the ZeRO "
-                        "paper's; the sums round in bf16)")
+    p.add_argument("--precision", choices=config.DTYPES,
+                   help=f"compute dtype (autocast; fp16 scales the loss; default {t.precision})")
+    p.add_argument("--param-dtype", choices=config.DTYPES,
+                   help=f"the model's parameters: {t.param_dtype} (default; autocast casts them per op) or the "
+                        "--precision dtype, with fp32 main parameters in the optimizer, sharded by --zero (Megatron's "
+                        "distributed optimizer: 6 + 12/dp bytes a parameter at --zero 1)")
+    p.add_argument("--grad-dtype", choices=config.DTYPES,
+                   help="with --param-dtype bf16/fp16: gradients accumulate over microbatches and are reduced in "
+                        f"{t.grad_dtype} (default, Megatron's) or in the parameters' dtype (2 bytes a parameter less, "
+                        "the ZeRO paper's; the sums round in bf16)")
     p.add_argument("--clip-grad", type=positive_float, metavar="MAX_NORM",
                    help="clip the whole model's gradient norm (over every rank) to MAX_NORM (default: no clipping)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
-                   help="after --warmup-steps of linear warmup: constant, or a cosine decay to 0 at --steps")
-    p.add_argument("--warmup-steps", type=nonnegative_int, default=0, metavar="N",
-                   help="linear learning-rate warmup over the first N steps (default 0)")
-    p.add_argument("--recompute", choices=("none", "full", "selective"), default="none",
+    p.add_argument("--lr-schedule", choices=config.LR_SCHEDULES,
+                   help=f"after --warmup-steps of linear warmup: constant (default {t.lr_schedule}), or a cosine "
+                        "decay to 0 at --steps")
+    p.add_argument("--warmup-steps", type=nonnegative_int, metavar="N",
+                   help=f"linear learning-rate warmup over the first N steps (default {t.warmup_steps})")
+    p.add_argument("--recompute", choices=config.RECOMPUTES,
                    help="activation recomputation per stage: keep only the stage input (full) or recompute the "
-                        "attention modules (selective); default none")
-    p.add_argument("--loss-reduction", choices=("microbatch", "token"),
+                        f"attention modules (selective); default {t.recompute}")
+    p.add_argument("--loss-reduction", choices=config.LOSS_REDUCTIONS,
                    help="mean loss per microbatch, averaged, or the mean over every non-padding token of the global "
                         "batch (token); default: token with --model, microbatch for the GPT")
-    p.add_argument("--pad-fraction", type=fraction, default=0.0, metavar="F",
+    p.add_argument("--pad-fraction", type=fraction, metavar="F",
                    help="about this fraction of the targets is padding (ignore_index -100), as a random tail per "
-                        "sequence (default 0)")
-    p.add_argument("--timeout", type=positive_float, default=120.0,
-                   help="seconds before a silent rank counts as failed (process group; default 120)")
+                        f"sequence (default {d.pad_fraction:g})")
+    p.add_argument("--timeout", type=positive_float,
+                   help=f"seconds before a silent rank counts as failed (process group; default {r.timeout:g})")
     p.add_argument("--checkpoint-timeout", type=positive_float, metavar="SECONDS",
                    help="seconds to wait for the other ranks' checkpoint parts (default: --timeout)")
-    p.add_argument("--join-timeout", type=positive_float, default=3600.0,
-                   help="seconds the whole run may take before its processes are killed (default 3600)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--join-timeout", type=positive_float,
+                   help=f"seconds the whole run may take before its processes are killed (default {r.join_timeout:g})")
+    p.add_argument("--threads", type=positive_int, help=f"torch threads per rank (default {t.threads})")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints under DIR/step-NNNNNNNN/")
-    p.add_argument("--checkpoint-every", type=nonnegative_int, default=0, metavar="N",
+    p.add_argument("--checkpoint-every", type=nonnegative_int, metavar="N",
                    help="checkpoint every N steps (default: only after the last step)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), "
                         "or from the given checkpoint directory")
-    d = p.add_argument_group("data and evaluation (with --model)")
-    d.add_argument("--data", nargs="+", metavar="PATH",
+    g = p.add_argument_group("data and evaluation (with --model)")
+    g.add_argument("--data", nargs="+", metavar="PATH",
                    help="text files or folders, .jsonl (see --text-field), .parquet, or a `datasets` dataset saved "
                         "with save_to_disk; tokenized once with the model's tokenizer (bytes when it has none)")
-    d.add_argument("--text-field", default="text", help="the JSONL / Parquet / dataset column holding the text")
-    d.add_argument("--packing", choices=("pack", "pad"), default="pack",
+    g.add_argument("--text-field",
+                   help=f"the JSONL / Parquet / dataset column holding the text (default {d.text_field})")
+    g.add_argument("--packing", choices=config.PACKINGS,
                    help="pack: documents joined by end-of-text into fixed windows (default); pad: one document a "
                         "row, right-padded, masked")
-    d.add_argument("--doc-mask", action="store_true",
+    g.add_argument("--doc-mask", action="store_true", default=None,
                    help="packed rows: keep attention inside each document (position ids restart after end-of-text)")
-    d.add_argument("--eval-fraction", type=fraction, default=0.05,
-                   help="share of the samples held out for evaluation, at the end of the data (default 0.05)")
-    d.add_argument("--eval-data", nargs="+", metavar="PATH",
+    g.add_argument("--eval-fraction", type=fraction,
+                   help=f"share of the samples held out for evaluation, at the end of the data (default "
+                        f"{d.eval_fraction:g})")
+    g.add_argument("--eval-data", nargs="+", metavar="PATH",
                    help="a held-out set of its own (same formats as --data); then all of --data trains and "
                         "--eval-fraction is ignored")
-    d.add_argument("--eval-every", type=nonnegative_int, default=0, metavar="N",
+    g.add_argument("--eval-every", type=nonnegative_int, metavar="N",
                    help="evaluate held-out loss and perplexity every N steps and after the last (default: only "
                         "after the last)")
-    d.add_argument("--eval-batches", type=nonnegative_int, default=0, metavar="N",
+    g.add_argument("--eval-batches", type=nonnegative_int, metavar="N",
                    help="held-out global batches per evaluation (default 0: all of them)")
-    d.add_argument("--cache-dir", metavar="DIR", help="where tokenized data is cached (default OUT/token-cache)")
-    d.add_argument("--attn", choices=("sdpa", "eager"),
+    g.add_argument("--cache-dir", metavar="DIR", help="where tokenized data is cached (default OUT/token-cache)")
+    g.add_argument("--attn", choices=config.ATTENTIONS,
                    help="the model's attention implementation (default sdpa, eager where transformers has no sdpa)")
     g = p.add_argument_group("logging")
     g.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files to DIR")
     g.add_argument("--wandb", metavar="PROJECT", help="also log to Weights & Biases (offline unless WANDB_MODE says)")
     g.add_argument("--peak-tflops", type=positive_float, metavar="X",
                    help="peak TFLOP/s of one device for MFU (default: a known GPU's datasheet, or measured on a CPU)")
-    p.add_argument("-o", "--out", default=out,
-                   help=f"directory for metrics.jsonl, timeline.json, losses.json (default {out})")
-    p.add_argument("--allow-oversubscribe", action="store_true",
+    p.add_argument("-o", "--out", help="directory for metrics.jsonl, timeline.json, losses.json "
+                                       f"(default {config.COMMAND_DEFAULTS[command]['out']})")
+    p.add_argument("--allow-oversubscribe", action="store_true", default=None,
                    help="start more local processes, threads or model memory than this machine sensibly holds")
 
 
@@ -222,38 +233,30 @@ def _stoppable(command: Callable[[argparse.Namespace], int]) -> Callable[[argpar
     return wrapper
 
 
-def _resolve(args: argparse.Namespace) -> bool:
-    """Apply `--config`; True when the command only prints the resolved configuration."""
-    from pipedsl.trainer.config import apply_config, render
-
-    parser = getattr(args, "_parser", None)
-    if args.config and parser is not None:
-        apply_config(parser, args, getattr(args, "_argv", sys.argv[1:]))
+def _resolve(args: argparse.Namespace) -> TrainConfig | None:
+    """The command's `TrainConfig` (flags over `--config`); None when the command only prints it."""
+    cfg = config.from_args(args)
     if args.print_config:
-        print(render(parser, args) if parser is not None else "", end="")
-        return True
-    return False
+        parser = getattr(args, "_parser", None)
+        print(config.render(cfg, config.option_names(parser) if parser is not None else None), end="")
+        return None
+    return cfg
 
 
 @_stoppable
 def run(args: argparse.Namespace) -> int:
     """`pipedsl train`: compile the schedule, then train."""
     import pipedsl
-    from pipedsl.errors import PipeDSLError
 
     started = time.time()
-    if _resolve(args):
+    cfg = _resolve(args)
+    if cfg is None:
         return 0
-    params: dict[str, int] = {}
-    for item in args.param:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip().lstrip("-").isdigit():
-            raise PipeDSLError(f"-p {item!r}: expected NAME=INTEGER")
-        params[name.strip()] = int(value)
-    _check_local(args.ranks, args)  # before compiling: a huge -P is refused, not compiled
-    _start_fork_server(args)
-    program = pipedsl.load(args.schedule).compile(P=args.ranks, M=args.microbatches, **params)
-    return _execute(program, args, started)
+    s = cfg.schedule
+    _check_local(s.ranks, cfg)  # before compiling: a huge -P is refused, not compiled
+    _start_fork_server(cfg)
+    program = pipedsl.load(s.schedule).compile(P=s.ranks, M=s.microbatches, **s.params)
+    return _execute(program, cfg, started)
 
 
 @_stoppable
@@ -262,30 +265,30 @@ def run_program(args: argparse.Namespace) -> int:
     from pipedsl.runtime.program_file import read_program
 
     started = time.time()
-    if _resolve(args):
+    cfg = _resolve(args)
+    if cfg is None:
         return 0
-    _start_fork_server(args)
-    return _execute(read_program(args.program, ranks=args.ranks), args, started)
+    _start_fork_server(cfg)
+    return _execute(read_program(cfg.schedule.program, ranks=cfg.schedule.ranks), cfg, started)
 
 
-def _start_fork_server(args: argparse.Namespace) -> None:
+def _start_fork_server(cfg: TrainConfig) -> None:
     """The ranks' fork server imports torch, the trainer and (for --model) transformers' model code while this
     process checks the data and the model and compiles: the two overlap (runtime/launch/fork_server.py)."""
     from pipedsl.runtime.launch.fork_server import TORCHRUN_ENV, start
 
     if all(k in os.environ for k in TORCHRUN_ENV):  # torchrun started this process: it starts no rank
         return
-    start(["pipedsl.trainer.train", *(["transformers.modeling_utils"] if getattr(args, "model", None) else [])])
+    start(["pipedsl.trainer.train", *(["transformers.modeling_utils"] if cfg.model.is_hf else [])])
 
 
-def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
+def _execute(program: Any, cfg: TrainConfig, started: float) -> int:
     import pipedsl
     from pipedsl.errors import PipeDSLError, PipeRuntimeError
     from pipedsl.timeline import Timeline
 
-    out = Path(args.out)
-    cfg = _config(program, args, out)
-    cfg["started_at"] = started
+    cfg = replace(_config(program, cfg), started_at=started)
+    out = Path(cfg.logging.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -295,25 +298,25 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
     if under_torchrun() and os.environ.get("RANK") != "0":  # every process runs this command; one of them speaks
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
     layout = _layout_text(program.num_ranks, cfg)
-    what = cfg["hf"]["describe"] if cfg.get("hf") else \
-        f"a {cfg['layers']}-block GPT (C={cfg['embd']}, T={cfg['seq']})"
+    what = cfg.hf.describe if cfg.hf else f"a {cfg.model.layers}-block GPT (C={cfg.model.embd}, T={cfg.data.seq})"
     print(f"training {what} with {program.name} {' '.join(f'{k}={v}' for k, v in program.params.items())}: "
-          f"{program.num_stages} stages on {layout}, batch {cfg['batch']}", flush=True)
-    if cfg.get("hf"):
-        print(f"data: {cfg['hf']['data_describe']}", flush=True)
-    if cfg["resume"]:
-        print(f"resuming from {cfg['resume']}", flush=True)
-    nprocs = cfg["dp"] * program.num_ranks * cfg["tp"]
+          f"{program.num_stages} stages on {layout}, batch {cfg.training.batch}", flush=True)
+    if cfg.hf:
+        print(f"data: {cfg.hf.data_describe}", flush=True)
+    if cfg.checkpoint.resume:
+        print(f"resuming from {cfg.checkpoint.resume}", flush=True)
+    nprocs = cfg.parallel.dp * program.num_ranks * cfg.parallel.tp
     from pipedsl.trainer.metrics import peak_flops
 
-    cfg["peak_flops"], source = peak_flops(nprocs, min(nprocs * args.threads, usable_cores()), args.peak_tflops)
+    peak, source = peak_flops(nprocs, min(nprocs * cfg.training.threads, usable_cores()), cfg.logging.peak_tflops)
+    cfg = replace(cfg, peak_flops=peak)
     print(f"MFU against {source}", flush=True)
     try:
         from pipedsl.trainer.train import train
 
-        results = pipedsl.launch(train, nprocs, program.to_json(), cfg, timeout=args.timeout,
-                                 join_timeout=args.join_timeout, threads=args.threads,
-                                 max_local=nprocs if args.allow_oversubscribe else None)
+        results = pipedsl.launch(train, nprocs, program.to_json(), cfg, timeout=cfg.run.timeout,
+                                 join_timeout=cfg.run.join_timeout, threads=cfg.training.threads,
+                                 max_local=nprocs if cfg.run.allow_oversubscribe else None)
     except PipeRuntimeError as err:
         print(err.render(), file=sys.stderr)
         return 1
@@ -324,7 +327,7 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
                                                   "losses": report["losses"]}, indent=1) + "\n")
     written = [str(out / "metrics.jsonl"), str(out / "losses.json")]
     if report["timeline"] is None:
-        print(f"nothing to run: the checkpoint is at step {report['start']}, --steps is {cfg['steps']}")
+        print(f"nothing to run: the checkpoint is at step {report['start']}, --steps is {cfg.training.steps}")
         print("wrote " + ", ".join(written))
         return 0
     timeline = Timeline.from_dict(report["timeline"])
@@ -343,174 +346,100 @@ def _execute(program: Any, args: argparse.Namespace, started: float) -> int:
     return 0
 
 
-def _layout_text(ranks: int, cfg: dict[str, Any]) -> str:
+def _layout_text(ranks: int, cfg: TrainConfig) -> str:
     """"2 x 2 x 2 = 8 processes (dp x pp x tp, zero=1, sequence parallel)" — or "4 processes" for a pipeline."""
-    dp, tp = cfg["dp"], cfg["tp"]
-    if dp == 1 and tp == 1 and not cfg["zero"]:
+    dp, tp, zero = cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.zero
+    if dp == 1 and tp == 1 and not zero:
         return f"{ranks} processes"
     dims = [("dp", dp), ("pp", ranks)] + ([("tp", tp)] if tp > 1 else [])
-    notes = [f"zero={cfg['zero']}"] + (["sequence parallel"] if cfg.get("sequence_parallel") else [])
+    notes = [f"zero={zero}"] + (["sequence parallel"] if cfg.parallel.sequence_parallel else [])
     return (f"{' x '.join(str(n) for _, n in dims)} = {dp * ranks * tp} processes "
             f"({' x '.join(d for d, _ in dims)}, {', '.join(notes)})")
 
 
-def _config(program: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """The per-rank training configuration; every input error here, before any process starts."""
+def _config(program: Any, cfg: TrainConfig) -> TrainConfig:
+    """`cfg` made concrete for `program` and for this machine — the output folder, the batch and the GPT's
+    layers, the Hugging Face model's facts, the checkpoint to resume — with every input error that needs the
+    program, the files or the machine, before any process starts.  What the ranks receive."""
     from pipedsl.errors import PipeDSLError
 
-    M, S, dp = program.num_microbatches, program.num_stages, args.dp
-    _check_local(program.num_ranks, args)
-    if args.sequence_parallel and args.tp == 1:
-        raise PipeDSLError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp 2 "
-                           "or more")
-    if args.sequence_parallel and args.seq % args.tp:
-        raise PipeDSLError(f"--sequence-parallel: --seq {args.seq} does not divide by --tp {args.tp} (each tp rank "
-                           f"holds an equal part of the sequence)")
-    batch = args.batch or 4 * M * dp
-    if batch % (M * dp):
-        what = f"dp*M = {dp}*{M} = {dp * M}" if dp > 1 else f"M={M}"
-        raise PipeDSLError(f"--batch {batch} does not split into {what} equal microbatches "
-                           f"(use a multiple of {dp * M})")
-    for flag in ("checkpoint_dir", "cache_dir", "tensorboard"):
-        path = getattr(args, flag, None)
+    _check_local(program.num_ranks, cfg)
+    cfg = cfg.for_program(program)
+    if cfg.logging.out is None:  # a configuration not built by from_args: the command's folder
+        command = "run" if cfg.schedule.program else "train"
+        cfg = replace(cfg, logging=replace(cfg.logging, out=config.COMMAND_DEFAULTS[command]["out"]))
+    for flag, path in (("checkpoint_dir", cfg.checkpoint.checkpoint_dir), ("cache_dir", cfg.data.cache_dir),
+                       ("tensorboard", cfg.logging.tensorboard)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise PipeDSLError(f"--{flag.replace('_', '-')} {path}: not a directory")
-    if args.checkpoint_every and not args.checkpoint_dir:
-        raise PipeDSLError("--checkpoint-every needs --checkpoint-dir")
-    if args.lr_schedule == "cosine" and args.warmup_steps >= args.steps:
-        raise PipeDSLError(f"--warmup-steps {args.warmup_steps} must be less than --steps {args.steps} for the "
-                           f"cosine schedule (it decays after the warmup, until --steps)")
-    if args.resume == "latest" and not args.checkpoint_dir:
-        raise PipeDSLError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
-    if args.param_dtype not in ("fp32", args.precision):
-        raise PipeDSLError(f"--param-dtype {args.param_dtype} needs --precision {args.param_dtype} (parameters are "
-                           f"held in fp32 or in the compute dtype)")
-    if args.grad_dtype not in ("fp32", args.param_dtype):
-        raise PipeDSLError(f"--grad-dtype {args.grad_dtype}: gradients accumulate in fp32 or in the parameters' dtype "
-                           f"(--param-dtype {args.param_dtype})")
-    hf = args.model is not None and args.model != "gpt"
-    if not hf and (args.data or args.eval_data):
-        raise PipeDSLError("--data needs --model DIR (a Hugging Face model directory; the built-in GPT trains on "
-                           "synthetic tokens)")
-    cfg = {"steps": args.steps, "batch": batch, "seq": args.seq, "lr": args.lr, "weight_decay": args.weight_decay,
-           "dropout": args.dropout, "seed": args.seed, "timeout": args.checkpoint_timeout or args.timeout,
-           "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every, "resume": None,
-           "dp": dp, "zero": args.zero, "tp": args.tp, "sequence_parallel": args.sequence_parallel,
-           "precision": args.precision, "param_dtype": args.param_dtype,
-           "grad_dtype": args.grad_dtype, "clip_grad": args.clip_grad,
-           "lr_schedule": args.lr_schedule, "warmup": args.warmup_steps, "recompute": args.recompute,
-           "loss_reduction": args.loss_reduction or ("token" if hf else "microbatch"),
-           "pad_fraction": args.pad_fraction, "split": args.split, "out": str(out),
-           "peak_flops": None,  # the hardware's, found in _execute (metrics.peak_flops)
-           "logging": {"tensorboard": args.tensorboard, "wandb": args.wandb},
-           "record": {k: v for k, v in vars(args).items() if not k.startswith("_") and _plain(v)}}
-    if args.wandb:
+    if cfg.logging.wandb:
         from pipedsl.trainer.metrics import _import_wandb
 
         _import_wandb()  # not installed: one line now, not a failed rank later
-    if hf:
-        _check_run_numbers(args, 0, batch, dp * program.num_ranks * args.tp)
+    _check_machine(cfg, cfg.parallel.dp * program.num_ranks * cfg.parallel.tp)
+    if cfg.model.is_hf:
         from pipedsl.trainer.hf_setup import hf_config
 
-        cfg["hf"] = hf_config(args, program, batch, out)
-        cfg["layers"] = cfg["hf"]["layers"]
-    else:
-        layers = args.layers or (2 * S if args.split == "blocks" else max(2 * S - 2, 1))
-        if args.embd % N_HEAD:
-            raise PipeDSLError(f"--embd {args.embd} must be a multiple of {N_HEAD} (the attention heads)")
-        if args.split == "blocks" and layers < S:
-            raise PipeDSLError(f"--layers {layers} --split blocks: every one of the program's {S} stages needs a "
-                               f"block")
-        if layers + 2 < S:
-            raise PipeDSLError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} "
-                               f"pieces, fewer than the program's {S} stages")
-        _check_run_numbers(args, layers, batch, dp * program.num_ranks * args.tp)
-        _check_gpt_tp(args)
-        cfg.update(layers=layers, embd=args.embd, vocab=VOCAB, heads=N_HEAD)
-    if args.resume:
-        cfg["resume"] = _resume_point(program, cfg, args.resume, args.checkpoint_dir)
+        cfg = replace(cfg, hf=hf_config(cfg, program, Path(cfg.logging.out)))
+    if cfg.checkpoint.resume:
+        resume = _resume_point(program, cfg)
+        cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resume))
     return cfg
 
 
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, (str, int, float, bool)) or (
-        isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value))
-
-
-MAX_SECONDS = 365 * 86400.0  # a timeout beyond a year is a typo (and overflows torch's timedelta near 1e14 s)
-MAX_SEED = 2**63 - 2  # torch.manual_seed takes 64-bit seeds; the data generator uses seed + 1
-
-
-def _check_local(ranks: int, args: argparse.Namespace) -> None:
+def _check_local(ranks: int, cfg: TrainConfig) -> None:
     """dp x ranks x tp local processes: within what this machine runs (capacity.py) unless --allow-oversubscribe."""
-    dp, tp = args.dp, args.tp
+    dp, tp = cfg.parallel.dp, cfg.parallel.tp
     what = " x ".join([*([f"--dp {dp}"] if dp > 1 else []), f"{ranks} pipeline ranks", *([f"--tp {tp}"] if tp > 1
                                                                                           else [])])
-    check_local_ranks(dp * ranks * tp, limit=10**9 if args.allow_oversubscribe else None, what=what,
+    check_local_ranks(dp * ranks * tp, limit=10**9 if cfg.run.allow_oversubscribe else None, what=what,
                       override="--allow-oversubscribe")
 
 
-def _check_gpt_tp(args: argparse.Namespace) -> None:
-    """The GPT's heads, width, MLP and vocabulary split evenly over --tp (models/gpt/tp.py's rule)."""
+def _check_machine(cfg: TrainConfig, nprocs: int) -> None:
+    """Threads and model memory this machine can actually give the ranks; one line each."""
     from pipedsl.errors import PipeDSLError
 
-    t = args.tp
-    if t == 1:
-        return
-    for what, n in (("attention heads", N_HEAD), ("--embd", args.embd), ("vocabulary", VOCAB)):
-        if n % t:
-            raise PipeDSLError(f"--tp {t}: the GPT's {what} ({n}) does not divide by {t}")
-    if args.dropout:
-        raise PipeDSLError(f"--tp {t} with --dropout {args.dropout}: tensor-parallel dropout needs a random stream "
-                           f"per tp rank, which the layers do not keep; use --dropout 0")
-
-
-def _check_run_numbers(args: argparse.Namespace, layers: int, batch: int, nprocs: int) -> None:
-    """Seconds, seeds, threads and model memory a local run can actually use; one line each."""
-    from pipedsl.errors import PipeDSLError
-
-    for flag, value in (("--timeout", args.timeout), ("--checkpoint-timeout", args.checkpoint_timeout),
-                        ("--join-timeout", args.join_timeout)):
-        if value is not None and value > MAX_SECONDS:
-            raise PipeDSLError(f"{flag} {value:g}: more than a year ({MAX_SECONDS:g} s)")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise PipeDSLError(f"--seed {args.seed}: must be in [0, 2**63 - 2]")
-    if args.allow_oversubscribe:
+    if cfg.run.allow_oversubscribe:
         return
     cores = usable_cores()
-    if args.threads > cores:
-        raise PipeDSLError(f"--threads {args.threads}: more threads per rank than this machine's {cores} cores "
-                           f"(--allow-oversubscribe to run anyway)")
-    if not layers:  # a Hugging Face model: its memory is checked with its config (hf_setup.py)
+    if cfg.training.threads > cores:
+        raise PipeDSLError(f"--threads {cfg.training.threads}: more threads per rank than this machine's {cores} "
+                           f"cores (--allow-oversubscribe to run anyway)")
+    if cfg.model.is_hf:  # a Hugging Face model: its memory is checked with its config (hf_setup.py)
         return
-    need, memory = _memory_estimate(args, layers, batch, nprocs), total_memory()
+    need, memory = _memory_estimate(cfg, nprocs), total_memory()
     if memory and need > memory:
-        raise PipeDSLError(f"the model and batch need about {need / 2**30:.3g} GiB (--layers {layers}, "
-                           f"--embd {args.embd}, --seq {args.seq}, --batch {batch}, {nprocs} processes), more than "
-                           f"this machine's {memory / 2**30:.3g} GiB (--allow-oversubscribe to run anyway)")
+        m = cfg.model
+        raise PipeDSLError(f"the model and batch need about {need / 2**30:.3g} GiB (--layers {m.layers}, "
+                           f"--embd {m.embd}, --seq {cfg.data.seq}, --batch {cfg.training.batch}, {nprocs} "
+                           f"processes), more than this machine's {memory / 2**30:.3g} GiB (--allow-oversubscribe to "
+                           f"run anyway)")
 
 
-def _memory_estimate(args: argparse.Namespace, layers: int, batch: int, nprocs: int) -> int:
+def _memory_estimate(cfg: TrainConfig, nprocs: int) -> int:
     """Bytes a run needs at least: every process builds the whole GPT in fp32 before keeping its stages;
     each dp replica's model states under the run's precision and ZeRO stage (`pipedsl.plan.memory`);
     activations of the whole batch (Korthikanti et al. 2022: 34·s·b·h + 5·a·s²·b bytes per layer in fp16,
     doubled for fp32)."""
     from pipedsl.plan.memory import model_states, state_bytes
 
-    C, T, L, B = args.embd, args.seq, layers, batch
-    params = 2 * VOCAB * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
-    activations = L * (68 * T * B * C + 10 * N_HEAD * T * T * B) + 16 * B * T
-    mode = state_bytes(args.param_dtype, args.grad_dtype, "adamw")
-    states = args.dp * model_states(params, args.dp, args.zero, mode).total
+    C, T, L, B = cfg.model.embd, cfg.data.seq, cfg.model.layers, cfg.training.batch
+    params = 2 * GPT_VOCAB * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    activations = L * (68 * T * B * C + 10 * GPT_HEADS * T * T * B) + 16 * B * T
+    mode = state_bytes(cfg.training.param_dtype, cfg.training.grad_dtype, "adamw")
+    dp = cfg.parallel.dp
+    states = dp * model_states(params, dp, cfg.parallel.zero, mode).total
     return int(4 * params * nprocs + states + activations)
 
 
-def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str | None) -> str | None:
+def _resume_point(program: Any, cfg: TrainConfig) -> str | None:
     """The checkpoint to resume from (None: start fresh), checked against the model's stage partition."""
     import torch
 
     from pipedsl.runtime import checkpoint
 
+    resume, directory, tp = cfg.checkpoint.resume, cfg.checkpoint.checkpoint_dir, cfg.parallel.tp
     if resume == "latest":
         found = checkpoint.latest(directory)
         if found is None:
@@ -519,13 +448,13 @@ def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str
     else:
         found = checkpoint.resolve(resume)
     saved_tp = checkpoint.saved_parallel(found.manifest)["tp"]
-    if saved_tp != cfg["tp"] and not cfg.get("hf"):  # a Hugging Face model's DTensor shards are cut again on load
-        raise checkpoint.CheckpointError(f"{found.path} was saved with --tp {saved_tp}, this run has --tp {cfg['tp']}: "
+    if saved_tp != tp and not cfg.hf:  # a Hugging Face model's DTensor shards are cut again on load
+        raise checkpoint.CheckpointError(f"{found.path} was saved with --tp {saved_tp}, this run has --tp {tp}: "
                                          f"the built-in GPT's tensor-parallel slices load only under the same tp")
-    if cfg["tp"] > 1 and not cfg.get("hf"):  # the GPT's tp layers have names of their own: ranks compare shards
+    if tp > 1 and not cfg.hf:  # the GPT's tp layers have names of their own: ranks compare shards
         return str(found.path)
     with torch.device("meta"):  # shapes only: compare the partition before any process starts
-        if cfg.get("hf"):
+        if cfg.hf:
             from pipedsl.trainer.hf_setup import meta_stages
 
             stages, what = meta_stages(cfg, program.num_stages)
@@ -533,11 +462,11 @@ def _resume_point(program: Any, cfg: dict[str, Any], resume: str, directory: str
             from pipedsl.models.gpt.model import GPT
             from pipedsl.trainer.train import gpt_config
 
-            stages = GPT(gpt_config(cfg)).stages(program.num_stages, by=cfg.get("split", "count"))
-            what = f"the {cfg['layers']}-block GPT cut into {program.num_stages} stages"
+            stages = GPT(gpt_config(cfg)).stages(program.num_stages, by=cfg.model.split)
+            what = f"the {cfg.model.layers}-block GPT cut into {program.num_stages} stages"
     checkpoint.check_partition(found.manifest, dict(enumerate(stages)), program.num_stages, where=what)
-    if found.step >= cfg["steps"]:
-        print(f"note: the checkpoint is at step {found.step}, not before --steps {cfg['steps']}", flush=True)
+    if found.step >= cfg.training.steps:
+        print(f"note: the checkpoint is at step {found.step}, not before --steps {cfg.training.steps}", flush=True)
     return str(found.path)
 
 

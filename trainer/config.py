@@ -1,4 +1,4 @@
-"""`pipedsl train --config run.toml`: every option of the command in one TOML file, flags on top.
+"""The training configuration: one typed, frozen `TrainConfig`, from flags and TOML to every rank.
 
     [model]
     model = "examples/llama-tiny"
@@ -9,77 +9,487 @@
     steps = 200
     precision = "bf16"
 
-Each key is a command-line option's name (`clip-grad` or `clip_grad`), in the section that
-groups it (`SECTIONS`) or at the top level.  The file is checked as strictly as the flags: an
-unknown key names its section and the keys that section takes, a value of the wrong type or
-out of range names the key and what it expected — one line, exit status 2, before anything
-starts.  A flag given on the command line wins over the file (torchtitan's rule); `--print-config`
-prints the resolved configuration as TOML and exits, so `pipedsl train … --print-config >
-run.toml` writes a file that reproduces the run.
+`TrainConfig` is a frozen dataclass of one frozen dataclass per TOML section (`ModelConfig`,
+`DataConfig`, … — torchtitan's job config), and the single home of every default: the command's
+flags default to None and the dataclass supplies the value.  Each section checks its own values
+where it is built and `TrainConfig` checks how they combine (`--checkpoint-every` needs
+`--checkpoint-dir`, …): a `ConfigError`, one line naming the option, exit status 2.  The
+launcher (trainer/cli.py) then makes it concrete for the compiled program (`for_program`: the
+batch, the GPT's layers) and adds what it found out (`hf`: the Hugging Face model's facts,
+`peak_flops`), and that one object is what every rank receives (trainer/train.py).
+
+`pipedsl train --config run.toml`: each key is a command-line option's name (`clip-grad` or
+`clip_grad`), in the section that groups it (`SECTIONS`: a section's keys are its dataclass's
+fields) or at the top level.  The file is checked as strictly as the flags: an unknown key names
+its section and the keys that section takes, a value of the wrong type or out of range names the
+key and what it expected — one line, exit status 2, before anything starts.  A flag given on the
+command line wins over the file (torchtitan's rule); `--print-config` prints the configuration
+as TOML and exits, so `pipedsl train … --print-config > run.toml` writes a file that reproduces
+the run (`render`; reading it back gives an equal `TrainConfig`).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from typing import Any
-
+import json
+import math
 import tomllib
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from pipedsl.errors import PipeDSLError
 
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "attn", "layers", "embd", "split", "dropout", "seed"),
-    "data": ("data", "eval_data", "text_field", "seq", "packing", "doc_mask", "eval_fraction", "cache_dir",
-             "pad_fraction"),
-    "schedule": ("schedule", "ranks", "microbatches", "param"),
-    "parallel": ("dp", "zero", "tp", "sequence_parallel"),
-    "training": ("steps", "batch", "lr", "weight_decay", "precision", "param_dtype", "grad_dtype", "clip_grad",
-                 "lr_schedule", "warmup_steps", "recompute", "loss_reduction", "threads"),
-    "eval": ("eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume"),
-    "logging": ("out", "tensorboard", "wandb", "peak_tflops", "log_every"),
-    "run": ("timeout", "checkpoint_timeout", "join_timeout", "allow_oversubscribe"),
-}
+GPT_HEADS = 4  # the built-in GPT's attention heads and synthetic vocabulary: fixed, so not options
+GPT_VOCAB = 64
+MAX_SECONDS = 365 * 86400.0  # a timeout beyond a year is a typo (and overflows torch's timedelta near 1e14 s)
+MAX_SEED = 2**63 - 2  # torch.manual_seed takes 64-bit seeds; the data generator uses seed + 1
+
+DTYPES = ("fp32", "bf16", "fp16")
+SPLITS = ("count", "blocks")
+ATTENTIONS = ("sdpa", "eager")
+PACKINGS = ("pack", "pad")
+LR_SCHEDULES = ("constant", "cosine")
+RECOMPUTES = ("none", "full", "selective")
+LOSS_REDUCTIONS = ("microbatch", "token")
+ZERO_STAGES = (0, 1, 2, 3)
+
+# What differs between the two commands.  The dataclasses' defaults are those of a bare rank function
+# (`train(rank, program_json, cfg)`): the program decides the ranks and `logging.out=None` writes no files.
+# `pipedsl train` compiles its schedule for 4 ranks unless -P says otherwise; each command writes under its own
+# folder unless -o says otherwise.
+COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {"train": {"ranks": 4, "out": "out/train"}, "run": {"out": "out/run"}}
 NOT_IN_FILE = ("config", "print_config", "help")
 
 
 class ConfigError(PipeDSLError):
+    """An option's value, or a combination of them, that cannot run: one line naming the option."""
+
+
+class ConfigFileError(ConfigError):
+    """A TOML file that does not read as options: not TOML, an unknown section or key, a value's type."""
+
     kind = "config error"
+
+
+# ---------------------------------------------------------------- what a value must be
+
+Rule = tuple[str, Callable[[Any], bool]]  # (the requirement, said in the error; the test)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _at_least(low: int) -> Rule:
+    return f"must be an integer of at least {low}", lambda v: _is_int(v) and v >= low
+
+
+def _one_of(*choices: Any) -> Rule:
+    return f"is not one of {', '.join(map(str, choices))}", lambda v: v in choices and type(v) is type(choices[0])
+
+
+def _optional(rule: Rule) -> Rule:
+    return rule[0], lambda v: v is None or rule[1](v)
+
+
+POSITIVE: Rule = ("must be a positive, finite number", lambda v: _is_number(v) and v > 0)
+NONNEGATIVE: Rule = ("must be a non-negative, finite number", lambda v: _is_number(v) and v >= 0)
+FRACTION: Rule = ("must be in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
+TEXT: Rule = ("must be a string", lambda v: isinstance(v, str))
+FLAG: Rule = ("must be true or false", lambda v: isinstance(v, bool))
+PATHS: Rule = ("must be a list of paths", lambda v: isinstance(v, tuple) and bool(v) and
+               all(isinstance(p, str) for p in v))
+SEED: Rule = ("must be in [0, 2**63 - 2]", lambda v: _is_int(v) and 0 <= v <= MAX_SEED)
+WITHIN_A_YEAR: Rule = (f"more than a year ({MAX_SECONDS:g} s)", lambda v: v is None or v <= MAX_SECONDS)
+
+
+def _option(default: Any, *rules: Rule) -> Any:
+    """A field with its default and the rules its value must pass (checked in `_Section.__post_init__`)."""
+    return field(default=default, metadata={"rules": rules})
+
+
+def _flag(name: str) -> str:
+    return {"ranks": "-P", "microbatches": "-M", "param": "-p"}.get(name, "--" + name.replace("_", "-"))
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) if _is_int(value) else repr(value)
+
+
+class _Section:
+    """A TOML section: every field checked by its rules when built; lists become tuples (frozen means frozen)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, list):  # TOML and argparse give lists
+                value = tuple(value)
+                object.__setattr__(self, f.name, value)
+            for requirement, ok in f.metadata.get("rules", ()):
+                if not ok(value):
+                    raise ConfigError(f"{_flag(f.name)} {_shown(value)}: {requirement}")
+
+
+# ---------------------------------------------------------------- the sections
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """[model]: which model, and how it is cut into stages."""
+
+    model: str | None = _option(None, _optional(TEXT))  # a Hugging Face directory; None or "gpt": the built-in GPT
+    attn: str | None = _option(None, _optional(_one_of(*ATTENTIONS)))  # None: sdpa where transformers has it
+    layers: int = _option(0, _at_least(0))  # the GPT's blocks; 0: 2 a stage (`for_program`)
+    embd: int = _option(64, _at_least(1))
+    split: str = _option("count", _one_of(*SPLITS))
+    dropout: float = _option(0.0, FRACTION)
+    seed: int = _option(0, SEED)
+
+    @property
+    def is_hf(self) -> bool:
+        return self.model is not None and self.model != "gpt"
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    """[data]: the text a Hugging Face model trains on (the GPT draws synthetic tokens) and its shape."""
+
+    data: tuple[str, ...] | None = _option(None, _optional(PATHS))
+    eval_data: tuple[str, ...] | None = _option(None, _optional(PATHS))
+    text_field: str = _option("text", TEXT)
+    seq: int = _option(32, _at_least(1))
+    packing: str = _option("pack", _one_of(*PACKINGS))
+    doc_mask: bool = _option(False, FLAG)
+    eval_fraction: float = _option(0.05, FRACTION)
+    cache_dir: str | None = _option(None, _optional(TEXT))
+    pad_fraction: float = _option(0.0, FRACTION)
+
+    @property
+    def heldout_fraction(self) -> float:
+        """The share of --data held out: none when --eval-data is a held-out set of its own."""
+        return 0.0 if self.eval_data else self.eval_fraction
+
+
+@dataclass(frozen=True)
+class ScheduleConfig(_Section):
+    """[schedule]: the schedule and its sizes (`pipedsl train`), or a compiled program file (`pipedsl run`)."""
+
+    schedule: str = _option("1f1b", TEXT)
+    ranks: int | None = _option(None, _optional(_at_least(1)))  # None: the program's own (COMMAND_DEFAULTS)
+    microbatches: int = _option(8, _at_least(1))
+    param: tuple[str, ...] = _option((), ("must be a list of NAME=VALUE strings", lambda v: isinstance(v, tuple)
+                                          and all(isinstance(p, str) for p in v)))
+    program: str | None = _option(None, _optional(TEXT))
+
+    def __post_init__(self) -> None:
+        _Section.__post_init__(self)
+        for item in self.param:
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip() or _integer(value) is None:
+                raise ConfigError(f"-p {item!r}: expected NAME=INTEGER")
+
+    @property
+    def params(self) -> dict[str, int]:
+        """The schedule parameters, `{"V": 2}` for `-p V=2`."""
+        return {name.strip(): int(value) for name, _, value in (p.partition("=") for p in self.param)}
+
+
+def _integer(text: str) -> int | None:
+    try:
+        return int(text) if text.strip().lstrip("+-").isdigit() else None
+    except ValueError:  # digits int() does not read ("²")
+        return None
+
+
+@dataclass(frozen=True)
+class ParallelismConfig(_Section):
+    """[parallel]: data-, tensor- and sequence-parallel ranks around the pipeline, and the ZeRO stage."""
+
+    dp: int = _option(1, _at_least(1))
+    zero: int = _option(0, _one_of(*ZERO_STAGES))
+    tp: int = _option(1, _at_least(1))
+    sequence_parallel: bool = _option(False, FLAG)
+
+
+@dataclass(frozen=True)
+class TrainingConfig(_Section):
+    """[training]: steps, batch, optimizer, precision, recomputation and the loss."""
+
+    steps: int = _option(20, _at_least(1))
+    batch: int = _option(0, _at_least(0))  # 0: 4 sequences a microbatch and replica (`for_program`)
+    lr: float = _option(3e-3, POSITIVE)
+    weight_decay: float = _option(0.01, NONNEGATIVE)
+    precision: str = _option("fp32", _one_of(*DTYPES))
+    param_dtype: str = _option("fp32", _one_of(*DTYPES))
+    grad_dtype: str = _option("fp32", _one_of(*DTYPES))
+    clip_grad: float | None = _option(None, _optional(POSITIVE))
+    lr_schedule: str = _option("constant", _one_of(*LR_SCHEDULES))
+    warmup_steps: int = _option(0, _at_least(0))
+    recompute: str = _option("none", _one_of(*RECOMPUTES))
+    loss_reduction: str | None = _option(None, _optional(_one_of(*LOSS_REDUCTIONS)))  # see TrainConfig's
+    threads: int = _option(1, _at_least(1))
+
+
+@dataclass(frozen=True)
+class EvalConfig(_Section):
+    """[eval]: when and how much held-out data is evaluated (a Hugging Face model's)."""
+
+    eval_every: int = _option(0, _at_least(0))  # 0: only after the last step
+    eval_batches: int = _option(0, _at_least(0))  # 0: all of them
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    """[checkpoint]: where and how often to save, and what to resume from."""
+
+    checkpoint_dir: str | None = _option(None, _optional(TEXT))
+    checkpoint_every: int = _option(0, _at_least(0))  # 0: only after the last step
+    resume: str | None = _option(None, _optional(TEXT))  # "latest" in checkpoint_dir, or a checkpoint
+
+
+@dataclass(frozen=True)
+class LoggingConfig(_Section):
+    """[logging]: the output folder and the loggers beside metrics.jsonl."""
+
+    out: str | None = _option(None, _optional(TEXT))  # None: no files, the console only
+    tensorboard: str | None = _option(None, _optional(TEXT))
+    wandb: str | None = _option(None, _optional(TEXT))
+    peak_tflops: float | None = _option(None, _optional(POSITIVE))  # None: a datasheet's, or measured
+
+
+@dataclass(frozen=True)
+class RunConfig(_Section):
+    """[run]: how long the processes may take, and whether to start more than the machine holds."""
+
+    timeout: float = _option(120.0, POSITIVE, WITHIN_A_YEAR)
+    checkpoint_timeout: float | None = _option(None, _optional(POSITIVE), WITHIN_A_YEAR)
+    join_timeout: float = _option(3600.0, POSITIVE, WITHIN_A_YEAR)
+    allow_oversubscribe: bool = _option(False, FLAG)
+
+    @property
+    def save_timeout(self) -> float:
+        """Seconds a checkpoint save waits for the other ranks' parts."""
+        return self.checkpoint_timeout or self.timeout
+
+
+SECTION_TYPES: dict[str, type[_Section]] = {
+    "model": ModelConfig, "data": DataConfig, "schedule": ScheduleConfig, "parallel": ParallelismConfig,
+    "training": TrainingConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "run": RunConfig}
+SECTIONS: dict[str, tuple[str, ...]] = {name: tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+                                        for name, cls in SECTION_TYPES.items()}
+SECTION_OF: dict[str, str] = {key: section for section, keys in SECTIONS.items() for key in keys}
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """What the launcher found out about a Hugging Face model and its data (trainer/hf_setup.py), so that no
+    rank looks again: the model directory, how the ranks build their stages, the tokenized caches, and the
+    metadata every checkpoint carries for `pipedsl export`."""
+
+    path: str  # the model directory, absolute
+    local: bool  # each rank builds only its stages (hf_io.LocalStages); False: the whole model, then its stages
+    attn: str  # the attention implementation
+    split: dict[str, Any]  # causal_lm_stages' keywords: where the stages are cut, attention mask, position ids
+    cache: str  # the token cache of --data
+    eval_cache: str | None  # the token cache of --eval-data
+    eval_at_end: bool  # there is a held-out batch to evaluate after the last step
+    export: dict[str, Any]  # hf_io.export_metadata: saved in every checkpoint as a plain dict
+    describe: str  # one line on the model, for the launcher's banner
+    data_describe: str  # one line on the data
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every option of a training run, by section, and the facts the launcher resolved before any rank starts."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    # resolved by the launcher: not options, not in the TOML
+    hf: HFModelConfig | None = None  # with --model
+    peak_flops: float | None = None  # the hardware's FLOP/s for MFU (metrics.peak_flops)
+    started_at: float | None = None  # when the command started (time to the first step)
+
+    def __post_init__(self) -> None:
+        """How the options combine, checked in the order a user meets them."""
+        m, d, par, t, c = self.model, self.data, self.parallel, self.training, self.checkpoint
+        for name, cls in SECTION_TYPES.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"[{name}]: expected a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        if par.sequence_parallel and par.tp == 1:
+            raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
+                              "--tp 2 or more")
+        if par.sequence_parallel and d.seq % par.tp:
+            raise ConfigError(f"--sequence-parallel: --seq {d.seq} does not divide by --tp {par.tp} (each tp rank "
+                              f"holds an equal part of the sequence)")
+        if c.checkpoint_every and not c.checkpoint_dir:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        if t.lr_schedule == "cosine" and t.warmup_steps >= t.steps:
+            raise ConfigError(f"--warmup-steps {t.warmup_steps} must be less than --steps {t.steps} for the "
+                              f"cosine schedule (it decays after the warmup, until --steps)")
+        if c.resume == "latest" and not c.checkpoint_dir:
+            raise ConfigError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
+        if t.param_dtype not in ("fp32", t.precision):
+            raise ConfigError(f"--param-dtype {t.param_dtype} needs --precision {t.param_dtype} (parameters are "
+                              f"held in fp32 or in the compute dtype)")
+        if t.grad_dtype not in ("fp32", t.param_dtype):
+            raise ConfigError(f"--grad-dtype {t.grad_dtype}: gradients accumulate in fp32 or in the parameters' "
+                              f"dtype (--param-dtype {t.param_dtype})")
+        if m.is_hf:
+            if not d.data:
+                raise ConfigError("--model needs --data: text files or folders, .jsonl, .parquet or a saved dataset")
+            if d.doc_mask and d.packing != "pack":
+                raise ConfigError("--doc-mask keeps documents apart inside packed rows; with --packing pad every row "
+                                  "is one document already")
+        else:
+            self._check_gpt()
+        if self.hf is not None and not isinstance(self.hf, HFModelConfig):
+            raise ConfigError(f"hf: expected an HFModelConfig, got {type(self.hf).__name__}")
+        if self.peak_flops is not None and not (_is_number(self.peak_flops) and self.peak_flops >= 0):
+            raise ConfigError(f"peak_flops {self.peak_flops!r}: must be a non-negative number of FLOP/s")
+
+    def _check_gpt(self) -> None:
+        """The built-in GPT: synthetic tokens (no --data), its heads over --embd, and Megatron's tensor-parallel
+        split of its heads, width, MLP and vocabulary (models/gpt/tp.py's rule)."""
+        m, d, tp = self.model, self.data, self.parallel.tp
+        if d.data or d.eval_data:
+            raise ConfigError("--data needs --model DIR (a Hugging Face model directory; the built-in GPT trains on "
+                              "synthetic tokens)")
+        if m.embd % GPT_HEADS:
+            raise ConfigError(f"--embd {m.embd} must be a multiple of {GPT_HEADS} (the attention heads)")
+        if tp == 1:
+            return
+        for what, n in (("attention heads", GPT_HEADS), ("--embd", m.embd), ("vocabulary", GPT_VOCAB)):
+            if n % tp:
+                raise ConfigError(f"--tp {tp}: the GPT's {what} ({n}) does not divide by {tp}")
+        if m.dropout:
+            raise ConfigError(f"--tp {tp} with --dropout {m.dropout}: tensor-parallel dropout needs a random stream "
+                              f"per tp rank, which the layers do not keep; use --dropout 0")
+
+    @property
+    def loss_reduction(self) -> str:
+        """The loss reduction the run uses: the option when given, else the model's own default.  A Hugging Face
+        model on real text has padding and uneven documents, where only the mean over every token of the global
+        batch is the loss of the batch (the per-microbatch mean weighs short microbatches up); the GPT on
+        synthetic tokens keeps its historical per-microbatch mean, so that its losses (and checkpoints resumed
+        bit for bit) do not change.  The one place this default is decided."""
+        return self.training.loss_reduction or ("token" if self.model.is_hf else "microbatch")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], **facts: Any) -> TrainConfig:
+        """From `{option: value}` (the flags' names, `clip_grad`): None or absent means the default."""
+        by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
+        for key, value in options.items():
+            section = SECTION_OF.get(key.replace("-", "_"))
+            if section is None:
+                raise ConfigError(f"unknown option {key!r} (the options: {', '.join(SECTION_OF)})")
+            if value is not None:
+                by_section[section][key.replace("-", "_")] = value
+        return cls(**{name: SECTION_TYPES[name](**values) for name, values in by_section.items()}, **facts)
+
+    @classmethod
+    def coerce(cls, cfg: TrainConfig | Mapping[str, Any]) -> TrainConfig:
+        """A `TrainConfig` as it is, or one from the flat dict rank functions took before it existed
+        (`{"steps": 6, "batch": 8, "warmup": 0, "timeout": 60.0, …}`)."""
+        if isinstance(cfg, TrainConfig):
+            return cfg
+        options = dict(cfg)
+        if options.pop("hf", None):
+            raise ConfigError("hf: a Hugging Face run's configuration comes from the launcher (trainer/cli.py) as a "
+                              "TrainConfig, not as a dict")
+        for key, fixed in (("vocab", GPT_VOCAB), ("heads", GPT_HEADS)):
+            if options.pop(key, fixed) != fixed:
+                raise ConfigError(f"{key}: the built-in GPT has {fixed}")
+        loggers = options.pop("logging", None) or {}
+        options.update({k: loggers[k] for k in ("tensorboard", "wandb") if loggers.get(k) is not None})
+        options.pop("record", None)  # now TrainConfig.record()
+        if "warmup" in options:
+            options["warmup_steps"] = options.pop("warmup")
+        facts = {k: options.pop(k) for k in ("peak_flops", "started_at") if k in options}
+        return cls.from_options(options, **facts)  # "timeout" (the checkpoint save's) is run.timeout
+
+    def for_program(self, program: Any) -> TrainConfig:
+        """This configuration made concrete for `program` (a `pipedsl.Program`): its ranks and microbatches, the
+        global batch (`batch = 0`: 4 sequences a microbatch and replica) and the GPT's blocks (`layers = 0`: 2 a
+        stage), checked against its stages.  The launcher and every rank call it; it is idempotent."""
+        M, S, dp = program.num_microbatches, program.num_stages, self.parallel.dp
+        batch = self.training.batch or 4 * M * dp
+        if batch % (M * dp):
+            what = f"dp*M = {dp}*{M} = {dp * M}" if dp > 1 else f"M={M}"
+            raise ConfigError(f"--batch {batch} does not split into {what} equal microbatches "
+                              f"(use a multiple of {dp * M})")
+        model = self.model
+        if not model.is_hf:
+            layers = model.layers or (2 * S if model.split == "blocks" else max(2 * S - 2, 1))
+            if model.split == "blocks" and layers < S:
+                raise ConfigError(f"--layers {layers} --split blocks: every one of the program's {S} stages needs a "
+                                  f"block")
+            if layers + 2 < S:
+                raise ConfigError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} "
+                                  f"pieces, fewer than the program's {S} stages")
+            model = replace(model, layers=layers)
+        return replace(self, model=model, training=replace(self.training, batch=batch),
+                       schedule=replace(self.schedule, ranks=program.num_ranks, microbatches=M))
+
+    def options(self) -> dict[str, Any]:
+        """Every option by its name, `{"steps": 20, …}` (lists for tuples): the run's record for W&B."""
+        return {key: list(v) if isinstance(v := getattr(getattr(self, section), key), tuple) else v
+                for key, section in SECTION_OF.items()}
+
+
+# ---------------------------------------------------------------- flags and TOML
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions if a.dest not in NOT_IN_FILE and a.option_strings}
 
 
-def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """The options given on the command line (they win over the file)."""
-    given: set[str] = set()
-    for action in _actions(parser).values():
-        for opt in action.option_strings:
-            for arg in argv:
-                if arg == opt or (opt.startswith("--") and arg.startswith(opt + "=")) or \
-                        (not opt.startswith("--") and arg.startswith(opt) and len(arg) > len(opt)):
-                    given.add(action.dest)
-    return given
+def option_names(parser: argparse.ArgumentParser) -> set[str]:
+    """The options a command takes (`pipedsl run` has no --schedule): the keys its TOML files may hold."""
+    return set(_actions(parser))
 
 
-def apply_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> None:
-    """Fill `args` from `args.config` (a TOML file) wherever the command line gave no flag."""
-    path = args.config
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run's configuration: the dataclasses' defaults (the command's own, `COMMAND_DEFAULTS`), under the
+    TOML file of `--config`, under the flags given (each flag defaults to None: not given)."""
+    parser: argparse.ArgumentParser | None = getattr(args, "_parser", None)
+    options: dict[str, Any] = dict(COMMAND_DEFAULTS.get(getattr(args, "command", None) or "train", {}))
+    if getattr(args, "config", None) and parser is not None:
+        options.update(read_file(args.config, _actions(parser)))
+    options.update({k: v for k, v in vars(args).items() if k in SECTION_OF and v is not None})
+    return TrainConfig.from_options(options)
+
+
+def read_file(path: str, actions: dict[str, argparse.Action]) -> dict[str, Any]:
+    """A TOML file's options, `{dest: value}`, each converted and checked as its flag would be."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except OSError as err:
-        raise ConfigError(f"--config {path}: {err.strerror or err}") from None
+        raise ConfigFileError(f"--config {path}: {err.strerror or err}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    actions = _actions(parser)
-    given = explicit_dests(parser, argv)
+        raise ConfigFileError(f"{path}: not valid TOML: {err}") from None
+    out: dict[str, Any] = {}
     for section, key, value in _entries(path, data, actions):
         dest = key.replace("-", "_")
-        if dest not in given:
-            setattr(args, dest, _convert(path, section, key, value, actions[dest]))
+        out[dest] = _convert(path, section, key, value, actions[dest])
+    return out
 
 
 def _entries(path: str, data: dict[str, Any], actions: dict[str, argparse.Action]):
@@ -89,14 +499,14 @@ def _entries(path: str, data: dict[str, Any], actions: dict[str, argparse.Action
                 dest = k.replace("-", "_")
                 if dest not in SECTIONS[key] or dest not in actions:
                     known = ", ".join(d.replace("_", "-") for d in SECTIONS[key] if d in actions)
-                    raise ConfigError(f"{path}: unknown key {k!r} in [{key}] (it takes: {known})")
+                    raise ConfigFileError(f"{path}: unknown key {k!r} in [{key}] (it takes: {known})")
                 yield key, k, v
         elif isinstance(value, dict):
-            raise ConfigError(f"{path}: unknown section [{key}] (sections: {', '.join(SECTIONS)})")
+            raise ConfigFileError(f"{path}: unknown section [{key}] (sections: {', '.join(SECTIONS)})")
         else:
             dest = key.replace("-", "_")
             if dest not in actions:
-                raise ConfigError(f"{path}: unknown key {key!r} (not an option of pipedsl train)")
+                raise ConfigFileError(f"{path}: unknown key {key!r} (not an option of pipedsl train)")
             yield None, key, value
 
 
@@ -104,13 +514,13 @@ def _convert(path: str, section: str | None, key: str, value: Any, action: argpa
     where = f"{path}: {'[' + section + '] ' if section else ''}{key}"
     if isinstance(action, argparse._StoreTrueAction):
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {_show(value)}")
+            raise ConfigFileError(f"{where}: expected true or false, got {_show(value)}")
         return value
     if isinstance(action, argparse._AppendAction):  # -p NAME=VALUE: a table or a list of strings
         if isinstance(value, dict):
             value = [f"{k}={v}" for k, v in value.items()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where}: expected a table {{NAME = INTEGER}} or a list of \"NAME=VALUE\" strings")
+            raise ConfigFileError(f"{where}: expected a table {{NAME = INTEGER}} or a list of \"NAME=VALUE\" strings")
         return value
     if action.nargs in ("+", "*"):
         items = value if isinstance(value, list) else [value]
@@ -123,20 +533,20 @@ def _convert(path: str, section: str | None, key: str, value: Any, action: argpa
 def _scalar(where: str, value: Any, action: argparse.Action) -> Any:
     kind = action.type
     if isinstance(value, (dict, list, bool)):
-        raise ConfigError(f"{where}: expected {_expected(action)}, got {_show(value)}")
+        raise ConfigFileError(f"{where}: expected {_expected(action)}, got {_show(value)}")
     if kind is None or kind is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {_show(value)}")
+            raise ConfigFileError(f"{where}: expected a string, got {_show(value)}")
         converted: Any = value
     else:
         if isinstance(value, str) and _numeric(action):
-            raise ConfigError(f"{where}: expected {_expected(action)}, got the string {value!r}")
+            raise ConfigFileError(f"{where}: expected {_expected(action)}, got the string {value!r}")
         try:
             converted = kind(str(value))
         except (argparse.ArgumentTypeError, ValueError) as err:
-            raise ConfigError(f"{where}: {value!r}: {err}") from None
+            raise ConfigFileError(f"{where}: {value!r}: {err}") from None
     if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+        raise ConfigFileError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
     return converted
 
 
@@ -154,13 +564,14 @@ def _show(value: Any) -> str:
     return f"{type(value).__name__} {value!r}" if not isinstance(value, bool) else str(value).lower()
 
 
-def render(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
-    """The resolved configuration as TOML, by section (what `--print-config` prints)."""
-    actions = _actions(parser)
+def render(cfg: TrainConfig, keys: Collection[str] | None = None) -> str:
+    """The configuration's options as TOML, by section (what `--print-config` prints); `keys`: only these
+    (the command's options).  Unset options (None) are left out: reading the text back gives `cfg` again."""
     lines: list[str] = []
-    for section, dests in SECTIONS.items():
-        body = [f"{d.replace('_', '-')} = {_toml(getattr(args, d))}" for d in dests
-                if d in actions and getattr(args, d, None) is not None]
+    for section, names in SECTIONS.items():
+        part = getattr(cfg, section)
+        body = [f"{n.replace('_', '-')} = {_toml(getattr(part, n))}" for n in names
+                if (keys is None or n in keys) and getattr(part, n) is not None]
         if body:
             lines += [f"[{section}]", *body, ""]
     return "\n".join(lines)
@@ -173,5 +584,5 @@ def _toml(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
-    text = str(value)
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    # a TOML basic string: JSON's escapes are TOML's, but TOML also wants DEL escaped
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")

@@ -4,12 +4,11 @@ The model directory, its tokenizer against its vocabulary, the data (tokenized i
 here, once), the sequence length against the model's positions, the dataset against one global
 batch, the held-out set against an evaluation batch and the memory the ranks will need: each a
 one-line error with exit status 2 before any rank starts.  What the ranks need is returned as
-the `cfg["hf"]` section (trainer/train.py's `HFSource` reads it).
+an `HFModelConfig`, the `hf` of the run's `TrainConfig` (trainer/train.py's `HFSource` reads it).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -17,65 +16,59 @@ from typing import Any
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.memory import model_states, state_bytes
 from pipedsl.runtime.launch.capacity import total_memory
+from pipedsl.trainer.config import HFModelConfig, TrainConfig
 
 
-def hf_config(args: argparse.Namespace, program: Any, batch: int, out: Path) -> dict[str, Any]:
+def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
+    """The model directory, its tokenizer and the data checked, the data tokenized into the cache (once, here):
+    what the ranks need to know about the model, so that none of them looks again."""
     from pipedsl.models.hf import io as hf_io
     from pipedsl.trainer import data
 
-    md = hf_io.inspect_model_dir(args.model)
-    if not args.data:
-        raise PipeDSLError("--model needs --data: text files or folders, .jsonl, .parquet or a saved dataset")
+    d, batch, dp = cfg.data, cfg.training.batch, cfg.parallel.dp
+    md = hf_io.inspect_model_dir(cfg.model.model)
     S = program.num_stages
     layers = int(getattr(md.config, "num_hidden_layers", None) or getattr(md.config, "n_layer", 0))
     if S > layers + 2:
         raise PipeDSLError(f"{md.path}: an embedding, {layers} decoder layers and a head make {layers + 2} pieces, "
                            f"fewer than the program's {S} stages")
-    if md.max_positions and args.seq > md.max_positions:
-        raise PipeDSLError(f"--seq {args.seq} is longer than the model's {md.max_positions} positions "
+    if md.max_positions and d.seq > md.max_positions:
+        raise PipeDSLError(f"--seq {d.seq} is longer than the model's {md.max_positions} positions "
                            f"(max_position_embeddings in {md.path / hf_io.CONFIG})")
-    split = _split(args.split, layers, S, md)
-    split.update(attention_mask=args.packing == "pad", position_ids=args.doc_mask)
-    if args.doc_mask and args.packing != "pack":
-        raise PipeDSLError("--doc-mask keeps documents apart inside packed rows; with --packing pad every row is "
-                           "one document already")
-    tokenizer = data.load_tokenizer(args.model)
+    split = _split(cfg.model.split, layers, S, md)
+    split.update(attention_mask=d.packing == "pad", position_ids=d.doc_mask)
+    tokenizer = data.load_tokenizer(cfg.model.model)
     if tokenizer.vocab_size > md.vocab_size:
         raise PipeDSLError(f"the tokenizer of {md.path} has {tokenizer.vocab_size} tokens, more than the model's "
                            f"vocab_size {md.vocab_size}: ids past {md.vocab_size - 1} have no embedding")
-    cache = data.build_token_cache(args.data, tokenizer, args.cache_dir or out / "token-cache",
-                                   text_field=args.text_field, model_vocab=md.vocab_size,
-                                   model_where=str(md.path / hf_io.CONFIG))
-    samples = data.PackedSequences(cache, args.seq, args.packing, args.doc_mask)
-    eval_fraction = 0.0 if args.eval_data else args.eval_fraction
-    train, heldout = samples.split(eval_fraction)
+    cache_dir = d.cache_dir or out / "token-cache"
+    cache = data.build_token_cache(list(d.data or ()), tokenizer, cache_dir, text_field=d.text_field,
+                                   model_vocab=md.vocab_size, model_where=str(md.path / hf_io.CONFIG))
+    samples = data.PackedSequences(cache, d.seq, d.packing, d.doc_mask)
+    train, heldout = samples.split(d.heldout_fraction)
     eval_cache = None
-    if args.eval_data:  # a held-out set of its own: all of it evaluates, all of --data trains
-        eval_cache = data.build_token_cache(args.eval_data, tokenizer, args.cache_dir or out / "token-cache",
-                                            text_field=args.text_field, model_vocab=md.vocab_size,
-                                            model_where=str(md.path / hf_io.CONFIG))
-        heldout = data.PackedSequences(eval_cache, args.seq, args.packing, args.doc_mask)
-    data.BatchLoader(train, batch, dp_size=args.dp)  # fewer samples than one global batch: its DataError, now
-    eval_at_end = bool(eval_fraction or eval_cache)
+    if d.eval_data:  # a held-out set of its own: all of it evaluates, all of --data trains
+        eval_cache = data.build_token_cache(list(d.eval_data), tokenizer, cache_dir, text_field=d.text_field,
+                                            model_vocab=md.vocab_size, model_where=str(md.path / hf_io.CONFIG))
+        heldout = data.PackedSequences(eval_cache, d.seq, d.packing, d.doc_mask)
+    data.BatchLoader(train, batch, dp_size=dp)  # fewer samples than one global batch: its DataError, now
+    eval_at_end = bool(d.heldout_fraction or eval_cache)
     notes = []
     if eval_at_end and len(heldout) < batch:
-        if args.eval_every or eval_cache:
-            data.eval_batches(heldout, batch, 0, args.dp)  # raises, naming the sizes
+        if cfg.eval.eval_every or eval_cache:
+            data.eval_batches(heldout, batch, 0, dp)  # raises, naming the sizes
         eval_at_end = False
         notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
-    attn = args.attn or _attention(md)
+    attn = cfg.model.attn or _attention(md)
     meta = _meta_model(md.config)  # shapes only: counted for memory, named for the weights files
-    _check_memory(args, md, meta)
+    _check_memory(cfg, md, meta)
     local = _check_architecture(md, split, attn, meta)
-    _check_tensor_parallel(args, md, meta, split, S)
+    _check_tensor_parallel(cfg, md, meta, split, S)
     described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_cache else "held out")
-    return {"model": str(md.path.resolve()), "local": local, "attn": attn,
-            "packing": args.packing,
-            "doc_mask": args.doc_mask, "eval_fraction": eval_fraction, "eval_every": args.eval_every,
-            "eval_cache": eval_cache.path if eval_cache is not None else None,
-            "eval_batches": args.eval_batches, "eval_at_end": eval_at_end, "cache": cache.path, "split": split,
-            "export": hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)), "layers": layers,
-            "describe": md.describe(), "data_describe": "; ".join([described, *notes])}
+    return HFModelConfig(path=str(md.path.resolve()), local=local, attn=attn, split=split, cache=str(cache.path),
+                         eval_cache=str(eval_cache.path) if eval_cache is not None else None, eval_at_end=eval_at_end,
+                         export=hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)),
+                         describe=md.describe(), data_describe="; ".join([described, *notes]))
 
 
 def _split(how: str, layers: int, num_stages: int, md: Any) -> dict[str, Any]:
@@ -98,27 +91,29 @@ def _attention(md: Any) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def _check_memory(args: argparse.Namespace, md: Any, meta: Any) -> None:
+def _check_memory(cfg: TrainConfig, md: Any, meta: Any) -> None:
     """Each rank builds only its stages (hf_io.LocalStages): in all, every dp replica holds its share of the
     model states — parameters, gradients, fp32 main parameters and AdamW's moments under the run's precision
     and ZeRO stage, as the planner counts them (`pipedsl.plan.memory.model_states`)."""
-    if args.allow_oversubscribe:
+    if cfg.run.allow_oversubscribe:
         return
+    dp, zero = cfg.parallel.dp, cfg.parallel.zero
     params = sum(p.numel() for p in meta.parameters())
-    mode = state_bytes(args.param_dtype, args.grad_dtype, "adamw")
-    need, memory = args.dp * model_states(params, args.dp, args.zero, mode).total, total_memory()
+    mode = state_bytes(cfg.training.param_dtype, cfg.training.grad_dtype, "adamw")
+    need, memory = dp * model_states(params, dp, zero, mode).total, total_memory()
     if memory and need > memory:
-        raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {args.dp} data-parallel replica(s) need "
+        raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {dp} data-parallel replica(s) need "
                            f"about {need / 2**30:.3g} GiB of model states ({mode.total} bytes a parameter before "
-                           f"ZeRO {args.zero} shards them), more than this machine's {memory / 2**30:.3g} GiB "
+                           f"ZeRO {zero} shards them), more than this machine's {memory / 2**30:.3g} GiB "
                            f"(--allow-oversubscribe to run anyway)")
 
 
-def _check_tensor_parallel(args: argparse.Namespace, md: Any, meta: Any, split: dict[str, Any], S: int) -> None:
+def _check_tensor_parallel(cfg: TrainConfig, md: Any, meta: Any, split: dict[str, Any], S: int) -> None:
     """`--tp`: the model's stages split as parallel/tp_hf.py splits them — its own checks (the Llama layout,
     heads, kv heads, vocabulary and MLP divisible by tp, no dropout, what it composes with), run here on the
     meta-device stages, so that a model it refuses is one line before any rank starts."""
-    if args.tp == 1:
+    tp = cfg.parallel.tp
+    if tp == 1:
         return
     from pipedsl.models.hf.stages import causal_lm_stages
     from pipedsl.parallel import ParallelConfig
@@ -126,9 +121,10 @@ def _check_tensor_parallel(args: argparse.Namespace, md: Any, meta: Any, split: 
     from pipedsl.parallel.tp_hf import check_stages
 
     try:
-        check_stages(causal_lm_stages(meta, S, **split), ParallelConfig(dp=args.dp, pp=S, tp=args.tp, zero=args.zero))
+        check_stages(causal_lm_stages(meta, S, **split),
+                     ParallelConfig(dp=cfg.parallel.dp, pp=S, tp=tp, zero=cfg.parallel.zero))
     except ParallelConfigError as err:
-        raise PipeDSLError(f"--tp {args.tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
+        raise PipeDSLError(f"--tp {tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
 
 
 MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's model: at most this much, or it is skipped with a note
@@ -224,13 +220,14 @@ def _count_parameters(config: Any) -> int:
     return sum(p.numel() for p in _meta_model(config).parameters())
 
 
-def meta_stages(cfg: dict[str, Any], num_stages: int) -> tuple[list, str]:
+def meta_stages(cfg: TrainConfig, num_stages: int) -> tuple[list, str]:
     """The run's stages on the meta device (shapes only), to compare with a checkpoint's partition."""
     import transformers as tf
 
     from pipedsl.models.hf.stages import causal_lm_stages
 
-    hfc = cfg["hf"]
-    model = _meta_model(tf.AutoConfig.from_pretrained(hfc["model"], local_files_only=True))
-    return causal_lm_stages(model, num_stages, **hfc["split"]), f"{os.path.basename(hfc['model'])} cut into " \
-                                                                 f"{num_stages} stages"
+    hfc = cfg.hf
+    assert hfc is not None, "meta_stages: a Hugging Face run's configuration (hf_config's)"
+    model = _meta_model(tf.AutoConfig.from_pretrained(hfc.path, local_files_only=True))
+    return causal_lm_stages(model, num_stages, **hfc.split), f"{os.path.basename(hfc.path)} cut into {num_stages} " \
+                                                              f"stages"

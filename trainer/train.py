@@ -1,4 +1,4 @@
-"""The training loop of `pipedsl train` / `pipedsl run`, run on every rank (train_cli.py starts it).
+"""The training loop of `pipedsl train` / `pipedsl run`, run on every rank (trainer/cli.py starts it).
 
 One loop for both models the command trains, composed from a *source* that owns the model's
 stages, its loss and its data:
@@ -23,6 +23,7 @@ import functools
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -34,6 +35,7 @@ from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import COMPUTE
 from pipedsl.runtime import checkpoint
 from pipedsl.runtime.precision import MixedPrecision
+from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig
 
 
 class GPTSource:
@@ -42,32 +44,32 @@ class GPTSource:
     batch_mode = "global"
     ties = None  # found in the stage list
 
-    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program, mesh: Any = None) -> None:
+    def __init__(self, cfg: TrainConfig, program: pipedsl.Program, mesh: Any = None) -> None:
         from pipedsl.models.gpt.model import GPT, gpt_loss
 
         self.cfg = cfg
         self.gcfg = gpt_config(cfg)
-        torch.manual_seed(cfg["seed"])
+        torch.manual_seed(cfg.model.seed)
         self.model = GPT(self.gcfg)  # the same weights on every rank; each keeps only its stages (or slices)
-        self.token = cfg.get("loss_reduction", "microbatch") == "token"
-        by = cfg.get("split", "count")
-        if cfg.get("tp", 1) > 1:  # Megatron's 1-D slices of the same dense model (models/gpt/tp.py)
+        self.token = cfg.loss_reduction == "token"
+        by = cfg.model.split
+        if cfg.parallel.tp > 1:  # Megatron's 1-D slices of the same dense model (models/gpt/tp.py)
             from pipedsl.models.gpt.tp import tp_gpt_loss
 
             self.stages = self.model.tp_stages(program.num_stages, mesh, by=by,
-                                               sequence_parallel=bool(cfg.get("sequence_parallel")))
+                                               sequence_parallel=cfg.parallel.sequence_parallel)
             self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
         else:
             self.stages = self.model.stages(program.num_stages, by=by)
             self.loss_fn = _token_loss_sum if self.token else gpt_loss
         self.recompute_filter = _is_attention
-        self.gen = torch.Generator().manual_seed(cfg["seed"] + 1)
-        self.samples_per_step = cfg["batch"]
-        self.tokens_per_step = cfg["batch"] * cfg["seq"]
+        self.gen = torch.Generator().manual_seed(cfg.model.seed + 1)
+        self.samples_per_step = cfg.training.batch
+        self.tokens_per_step = cfg.training.batch * cfg.data.seq
         g = self.gcfg
         params = sum(p.numel() for p in self.model.parameters())
         embedding = g.vocab_size * g.n_embd + g.block_size * g.n_embd
-        self.flops_per_token = _flops(params, embedding, g.n_layer, g.n_embd, cfg["seq"])
+        self.flops_per_token = _flops(params, embedding, g.n_layer, g.n_embd, cfg.data.seq)
 
     def bind(self, pipe: pipedsl.Pipeline) -> None:
         del self.model  # the pipeline holds this rank's stages
@@ -76,9 +78,9 @@ class GPTSource:
         from pipedsl.models.gpt.model import synthetic_batch
 
         cfg = self.cfg
-        x, y = synthetic_batch(cfg["batch"], cfg["seq"], self.gcfg.vocab_size, self.gen)
-        if cfg.get("pad_fraction"):
-            y = _pad_targets(y, cfg["pad_fraction"], cfg["seed"] * 100003 + step)
+        x, y = synthetic_batch(cfg.training.batch, cfg.data.seq, self.gcfg.vocab_size, self.gen)
+        if cfg.data.pad_fraction:
+            y = _pad_targets(y, cfg.data.pad_fraction, cfg.model.seed * 100003 + step)
         return x, y
 
     def state(self, rank: int) -> dict[str, Any]:
@@ -103,30 +105,30 @@ class HFSource:
 
     batch_mode = "local"
 
-    def __init__(self, cfg: dict[str, Any], program: pipedsl.Program, pp_rank: int, mesh: Any = None) -> None:
+    def __init__(self, cfg: TrainConfig, program: pipedsl.Program, pp_rank: int, mesh: Any = None) -> None:
         from pipedsl.models.hf import io as hf_io
         from pipedsl.models.hf import stages as hf
         from pipedsl.trainer import data
 
         self.cfg = cfg
-        hfc = cfg["hf"]
+        hfc, d, seed = cfg.hf, cfg.data, cfg.model.seed
+        assert hfc is not None, "HFSource: a Hugging Face run's configuration (trainer/hf_setup.py's hf_config)"
         held = {s for (_, s), r in program.placement.items() if r == pp_rank}
         self.ties: list | None = None
-        if hfc.get("local", True):  # only this rank's stages, read or initialised module by module (hf_io.py)
+        if hfc.local:  # only this rank's stages, read or initialised module by module (hf_io.py)
             try:
-                local = hf_io.LocalStages(hfc["model"], program.num_stages, hfc["split"], held, seed=cfg["seed"],
-                                          attn=hfc["attn"])
+                local = hf_io.LocalStages(hfc.path, program.num_stages, hfc.split, held, seed=seed, attn=hfc.attn)
             except hf_io.LocalStages.NotLocal as why:  # the launcher found every tensor fillable: a bug, said so
                 raise PipeRuntimeError(f"rank {pp_rank}: cannot build its stages alone: {why}") from None
             self.stages: Any = local
             self.ties = local.ties
             model = local.model
         else:  # the launcher decided, for every rank alike: the whole model (hf_setup._check_architecture)
-            model = hf_io.build_model(hfc["model"], seed=cfg["seed"], attn=hfc["attn"])
-            self.stages = hf.causal_lm_stages(model, program.num_stages, **hfc["split"])
-        self.token = cfg.get("loss_reduction", "token") == "token"
+            model = hf_io.build_model(hfc.path, seed=seed, attn=hfc.attn)
+            self.stages = hf.causal_lm_stages(model, program.num_stages, **hfc.split)
+        self.token = cfg.loss_reduction == "token"
         self.loss_fn = functools.partial(hf.causal_lm_loss, reduction="sum") if self.token else hf.causal_lm_loss
-        if cfg.get("tp", 1) > 1:
+        if cfg.parallel.tp > 1:
             self._tensor_parallel(mesh, held)
         self.recompute_filter = _is_attention
         params = sum(p.numel() for p in model.parameters())
@@ -134,16 +136,14 @@ class HFSource:
         c = model.config
         layers = getattr(c, "num_hidden_layers", None) or c.n_layer
         hidden = getattr(c, "hidden_size", None) or c.n_embd
-        self.flops_per_token = _flops(params, embedding, layers, hidden, cfg["seq"])
-        cache = data.TokenCache.open(hfc["cache"])
-        samples = data.PackedSequences(cache, cfg["seq"], hfc["packing"], hfc["doc_mask"])
-        self.train_set, self.heldout = samples.split(hfc["eval_fraction"])
-        if hfc.get("eval_cache"):  # --eval-data: a held-out set of its own
-            self.heldout = data.PackedSequences(data.TokenCache.open(hfc["eval_cache"]), cfg["seq"], hfc["packing"],
-                                                hfc["doc_mask"])
-        self.samples_per_step = cfg["batch"]
-        self.tokens_per_step = cfg["batch"] * cfg["seq"]
-        self.meta = hfc["export"]
+        self.flops_per_token = _flops(params, embedding, layers, hidden, d.seq)
+        samples = data.PackedSequences(data.TokenCache.open(hfc.cache), d.seq, d.packing, d.doc_mask)
+        self.train_set, self.heldout = samples.split(d.heldout_fraction)
+        if hfc.eval_cache:  # --eval-data: a held-out set of its own
+            self.heldout = data.PackedSequences(data.TokenCache.open(hfc.eval_cache), d.seq, d.packing, d.doc_mask)
+        self.samples_per_step = cfg.training.batch
+        self.tokens_per_step = cfg.training.batch * d.seq
+        self.meta = hfc.export  # every checkpoint carries it (a plain dict) for `pipedsl export`
         self.loader: Any = None
 
     def _tensor_parallel(self, mesh: Any, held: set[int]) -> None:
@@ -154,7 +154,7 @@ class HFSource:
 
         build = self.stages
         local = {s: build[s] if isinstance(build, list) else build(s) for s in sorted(held)}
-        tp_hf_stages(list(local.values()), mesh, sequence_parallel=bool(self.cfg.get("sequence_parallel")))
+        tp_hf_stages(list(local.values()), mesh, sequence_parallel=self.cfg.parallel.sequence_parallel)
         self.stages = local.__getitem__
         self.loss_fn = tp_hf_loss(mesh, "sum" if self.token else "mean")
 
@@ -162,10 +162,11 @@ class HFSource:
         from pipedsl.trainer import data
 
         dp, d = pipe.dp, pipe.dp_rank
-        hfc = self.cfg["hf"]
-        self.loader = data.BatchLoader(self.train_set, self.cfg["batch"], dp_rank=d, dp_size=dp, seed=self.cfg["seed"])
-        self._eval = (data.eval_batches(self.heldout, self.cfg["batch"], d, dp, hfc["eval_batches"] or None)
-                      if hfc["eval_every"] or hfc["eval_at_end"] else [])
+        cfg = self.cfg
+        batch, evals = cfg.training.batch, cfg.eval
+        self.loader = data.BatchLoader(self.train_set, batch, dp_rank=d, dp_size=dp, seed=cfg.model.seed)
+        self._eval = (data.eval_batches(self.heldout, batch, d, dp, evals.eval_batches or None)
+                      if evals.eval_every or cfg.hf.eval_at_end else [])
 
     def next_batch(self, step: int) -> tuple[Any, Any]:
         return next(self.loader)
@@ -187,7 +188,7 @@ class HFSource:
         return self._eval
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self.cfg["hf"]["model"]}
+        return {"model": self.cfg.hf.path}
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -203,39 +204,43 @@ def _flops(params: int, embedding: int, layers: int, hidden: int, seq: int) -> f
     return model_flops_per_token(params, embedding, layers, hidden, seq)
 
 
-def gpt_config(cfg: dict[str, Any]) -> Any:
+def gpt_config(cfg: TrainConfig) -> Any:
+    """The built-in GPT's `GPTConfig` for the run (its heads and vocabulary are fixed: config.GPT_*)."""
     from pipedsl.models.gpt.model import GPTConfig
 
-    return GPTConfig(vocab_size=cfg.get("vocab", 64), block_size=cfg["seq"], n_layer=cfg["layers"],
-                     n_head=cfg.get("heads", 4), n_embd=cfg["embd"], dropout=cfg.get("dropout", 0.0))
+    return GPTConfig(vocab_size=GPT_VOCAB, block_size=cfg.data.seq, n_layer=cfg.model.layers, n_head=GPT_HEADS,
+                     n_embd=cfg.model.embd, dropout=cfg.model.dropout)
 
 
-def train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """Every rank: build the pipeline, restore a checkpoint if asked, train to `cfg["steps"]`."""
+def train(rank: int, program_json: str, cfg: TrainConfig | Mapping[str, Any]) -> dict[str, Any] | None:
+    """Every rank: build the pipeline, restore a checkpoint if asked, train to `cfg.training.steps`.
+
+    `cfg` is the launcher's `TrainConfig` (or the flat dict rank functions took before it, `TrainConfig.coerce`),
+    made concrete for the program here as the launcher did (`for_program` is idempotent)."""
     program = pipedsl.Program.from_json(program_json)
+    cfg = TrainConfig.coerce(cfg).for_program(program)
     parallel = None
-    dp, zero, tp = cfg.get("dp", 1), cfg.get("zero", 0), cfg.get("tp", 1)
+    dp, zero, tp, t = cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.tp, cfg.training
     if dp > 1 or zero or tp > 1:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
         parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero))
     pp_rank = parallel.coords.pp if parallel is not None else rank
-    source = HFSource(cfg, program, pp_rank, parallel) if cfg.get("hf") else GPTSource(cfg, program, parallel)
-    precision = MixedPrecision(cfg.get("precision", "fp32"), params=cfg.get("param_dtype", "fp32"),
-                               grads=cfg.get("grad_dtype", "fp32"))
+    source = HFSource(cfg, program, pp_rank, parallel) if cfg.hf else GPTSource(cfg, program, parallel)
+    precision = MixedPrecision(t.precision, params=t.param_dtype, grads=t.grad_dtype)
     pipe = pipedsl.Pipeline(source.stages, program=program, loss_fn=source.loss_fn, parallel=parallel,
                             ties=source.ties, batch=source.batch_mode, precision=precision,
-                            loss_reduction="token" if source.token else "microbatch",
-                            recompute=cfg.get("recompute", "none"), recompute_filter=source.recompute_filter,
+                            loss_reduction=cfg.loss_reduction, recompute=t.recompute,
+                            recompute_filter=source.recompute_filter,
                             activation_bytes=True)  # the run's report gives each rank's peak bytes
     del source.stages
     source.bind(pipe)
-    opt = pipe.optimizer(torch.optim.AdamW, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.01))
-    if cfg.get("lr_schedule", "constant") != "constant" or cfg.get("warmup", 0):
+    opt = pipe.optimizer(torch.optim.AdamW, lr=t.lr, weight_decay=t.weight_decay)
+    if t.lr_schedule != "constant" or t.warmup_steps:
         from pipedsl.runtime.optim import LRSchedule
-        opt.lr_schedule = LRSchedule(cfg["lr_schedule"], lr=cfg["lr"], warmup=cfg["warmup"], total=cfg["steps"])
+        opt.lr_schedule = LRSchedule(t.lr_schedule, lr=t.lr, warmup=t.warmup_steps, total=t.steps)
     start = 0
-    if cfg["resume"]:
-        restored = checkpoint.load(pipe, cfg["resume"], opt)
+    if cfg.checkpoint.resume:
+        restored = checkpoint.load(pipe, cfg.checkpoint.resume, opt)
         source.restore(restored.extra, restored.path)
         start = restored.step
         if rank == 0:
@@ -249,27 +254,26 @@ def train(rank: int, program_json: str, cfg: dict[str, Any]) -> dict[str, Any] |
         if log is not None:
             log.close()
     pipe.close()  # its groups' threads and sockets; the timeline below needs only the pipeline group
-    if start >= cfg["steps"]:
+    if start >= t.steps:
         return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
     return _report(pipe, losses, start, source)
 
 
-def _logger(cfg: dict[str, Any], start: int) -> Any:
+def _logger(cfg: TrainConfig, start: int) -> Any:
     from pipedsl.trainer.metrics import MetricsLogger
 
-    log = cfg.get("logging", {})
-    return MetricsLogger(cfg.get("out"), total_steps=cfg["steps"], tensorboard=log.get("tensorboard"),
-                         wandb_project=log.get("wandb"), config=cfg.get("record", {}), resume_from=start,
-                         live=log.get("live"))
+    log = cfg.logging
+    return MetricsLogger(log.out, total_steps=cfg.training.steps, tensorboard=log.tensorboard,
+                         wandb_project=log.wandb, config=cfg.options(), resume_from=start)
 
 
-def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: dict[str, Any], start: int, log: Any) -> dict[int, float]:
-    clip = cfg.get("clip_grad")
-    every, directory = cfg["checkpoint_every"], cfg["checkpoint_dir"]
-    eval_every = (cfg.get("hf") or {}).get("eval_every", 0)
-    peak = cfg.get("peak_flops") or 0.0
+def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any) -> dict[int, float]:
+    clip, steps = cfg.training.clip_grad, cfg.training.steps
+    every, directory = cfg.checkpoint.checkpoint_every, cfg.checkpoint.checkpoint_dir
+    eval_every, eval_at_end = cfg.eval.eval_every, cfg.hf is not None and cfg.hf.eval_at_end
+    peak = cfg.peak_flops or 0.0
     losses: dict[int, float] = {}
-    for step in range(start + 1, cfg["steps"] + 1):
+    for step in range(start + 1, steps + 1):
         x, y = source.next_batch(step)
         t0 = time.perf_counter()
         loss = pipe.step(x, y)
@@ -289,14 +293,13 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: dict[str, Any], star
                 m["lr"] = opt.optimizers[0].param_groups[0]["lr"]
             if not stepped:
                 m.update(skipped=True, loss_scale=pipe.scaler.scale)
-            if step == start + 1 and cfg.get("started_at"):
-                m["time_to_first_step_s"] = time.time() - cfg["started_at"]
+            if step == start + 1 and cfg.started_at:
+                m["time_to_first_step_s"] = time.time() - cfg.started_at
             log.log(step, m)
-        if source.eval_batches() and ((eval_every and step % eval_every == 0)
-                                      or (step == cfg["steps"] and cfg["hf"].get("eval_at_end"))):
+        if source.eval_batches() and ((eval_every and step % eval_every == 0) or (step == steps and eval_at_end)):
             _evaluate(pipe, source, step, log)
-        if directory and ((every and step % every == 0) or step == cfg["steps"]):
-            info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg["timeout"])
+        if directory and ((every and step % every == 0) or step == steps):
+            info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout)
             if log is not None:
                 log.note(f"checkpoint step {step}: {info.path}")
     return losses

@@ -51,17 +51,17 @@ def test_saved_bytes_match_the_simulator(mode: str | None, pool4) -> None:
 def _cli_losses(pool, *flags: str) -> dict[int, float]:
     """`pipedsl train FLAGS` parsed and checked by the CLI, its per-rank training run on the pool's ranks."""
     import argparse
-    from pathlib import Path
+    import dataclasses
 
     from pipedsl.trainer import cli as train_cli
     from pipedsl.trainer import train as trainer
+    from pipedsl.trainer.config import from_args
 
     parser = argparse.ArgumentParser()
     train_cli.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["train", "-P", "2", "-M", "2", "--seq", "8", "--embd", "16", *flags])
-    program = pipedsl.load(args.schedule).compile(P=2, M=2)
-    cfg = train_cli._config(program, args, Path(args.out))
-    cfg["peak_flops"] = 1.0
+    cfg = from_args(parser.parse_args(["train", "-P", "2", "-M", "2", "--seq", "8", "--embd", "16", *flags]))
+    program = pipedsl.load(cfg.schedule.schedule).compile(P=2, M=2)
+    cfg = dataclasses.replace(train_cli._config(program, cfg), peak_flops=1.0)
     return pool.run(trainer.train, program.to_json(), cfg)[0]["losses"]
 
 

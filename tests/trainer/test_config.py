@@ -1,0 +1,210 @@
+"""The training configuration: one typed, frozen `TrainConfig` from flags and TOML to the ranks (trainer/config.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+
+import pipedsl
+from pipedsl.cli import build_parser
+from pipedsl.trainer.config import (
+    COMMAND_DEFAULTS,
+    SECTION_OF,
+    SECTION_TYPES,
+    SECTIONS,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    HFModelConfig,
+    ModelConfig,
+    ParallelismConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+    TrainingConfig,
+    from_args,
+    option_names,
+    render,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULTS = TrainConfig()
+
+# the sections and keys TOML files were written against before `TrainConfig` (less `log_every`, which no flag
+# ever took): every one must still be read, into a field of its section
+OLD_SECTIONS = {
+    "model": ("model", "attn", "layers", "embd", "split", "dropout", "seed"),
+    "data": ("data", "eval_data", "text_field", "seq", "packing", "doc_mask", "eval_fraction", "cache_dir",
+             "pad_fraction"),
+    "schedule": ("schedule", "ranks", "microbatches", "param"),
+    "parallel": ("dp", "zero", "tp", "sequence_parallel"),
+    "training": ("steps", "batch", "lr", "weight_decay", "precision", "param_dtype", "grad_dtype", "clip_grad",
+                 "lr_schedule", "warmup_steps", "recompute", "loss_reduction", "threads"),
+    "eval": ("eval_every", "eval_batches"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume"),
+    "logging": ("out", "tensorboard", "wandb", "peak_tflops"),
+    "run": ("timeout", "checkpoint_timeout", "join_timeout", "allow_oversubscribe"),
+}
+
+
+def parse(*argv: str):
+    return build_parser(list(argv)).parse_args(list(argv))
+
+
+def config_of(*argv: str) -> TrainConfig:
+    return from_args(parse(*argv))
+
+
+def options_of(command: str) -> dict:
+    argv = [command, "--program", "p.json"] if command == "run" else [command]
+    parser = parse(*argv)._parser
+    return {a.dest: a for a in parser._actions if a.dest in option_names(parser)}
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_every_option_is_a_field_and_its_default_lives_in_the_dataclass(command) -> None:
+    """No default written twice: a flag's argparse default is None (not given) and the dataclass supplies it."""
+    actions = options_of(command)
+    assert set(actions) <= set(SECTION_OF), set(actions) - set(SECTION_OF)
+    for dest, action in actions.items():
+        assert action.default is None, f"--{dest}: default {action.default!r} beside the dataclass's"
+    cfg = config_of(*(["run", "--program", "p.json"] if command == "run" else ["train"]))
+    for dest in actions:
+        expected = COMMAND_DEFAULTS[command].get(dest, getattr(getattr(DEFAULTS, SECTION_OF[dest]), dest))
+        if dest != "program":
+            assert getattr(getattr(cfg, SECTION_OF[dest]), dest) == expected, dest
+
+
+def test_every_toml_key_is_a_field_of_its_section() -> None:
+    for section, keys in OLD_SECTIONS.items():
+        names = {f.name for f in dataclasses.fields(SECTION_TYPES[section])}
+        assert set(keys) <= names, (section, set(keys) - names)
+        assert set(keys) <= set(SECTIONS[section])
+    assert {f.name for f in dataclasses.fields(TrainConfig)} >= set(SECTIONS)
+    assert "log_every" not in SECTION_OF  # a key no flag defined: gone, not silently accepted
+    assert "live" not in SECTION_OF
+
+
+def test_the_example_toml_file_still_reads() -> None:
+    cfg = config_of("train", "--config", str(ROOT / "examples" / "train-tiny.toml"))
+    assert cfg.model.model == "examples/llama-tiny" and cfg.schedule.schedule == "zb-h1"
+    assert (cfg.schedule.ranks, cfg.schedule.microbatches, cfg.parallel.dp, cfg.parallel.zero) == (2, 4, 2, 3)
+    assert cfg.data.data[1] == "docs/" and cfg.data.eval_fraction == 0.05
+    assert (cfg.training.param_dtype, cfg.training.clip_grad, cfg.training.warmup_steps) == ("bf16", 1.0, 5)
+    assert (cfg.eval.eval_every, cfg.checkpoint.checkpoint_every, cfg.logging.tensorboard) == (20, 20,
+                                                                                                "out/train-tiny/tb")
+
+
+@pytest.mark.parametrize("argv", [
+    ["train"],
+    ["train", "--schedule", "zb-v", "-P", "2", "-M", "4", "-p", "V=2", "--dp", "2", "--zero", "1", "--steps", "7",
+     "--lr", "1e-4", "--clip-grad", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "2", "--seed", "12",
+     "--precision", "bf16", "--param-dtype", "bf16", "--recompute", "selective", "--loss-reduction", "token",
+     "--checkpoint-dir", "ck", "--checkpoint-every", "3", "--resume", "--checkpoint-timeout", "30",
+     "--tensorboard", "tb", "--peak-tflops", "1.5", "--allow-oversubscribe", "-o", 'odd "dir"\\ \n\x7f'],
+    ["train", "--model", "some/dir", "--data", "a.txt", "b/", "--eval-data", "c.jsonl", "--text-field", "body",
+     "--packing", "pack", "--doc-mask", "--eval-every", "5", "--eval-batches", "2", "--attn", "eager",
+     "--cache-dir", "cache", "--tp", "2", "--sequence-parallel", "--seq", "64"],
+    ["run", "--program", "prog.json", "-P", "2", "--batch", "8", "--wandb", "proj"],
+])
+def test_print_config_reads_back_as_an_equal_config(tmp_path, capsys, argv) -> None:
+    from pipedsl.cli import main
+
+    cfg = config_of(*argv)
+    assert main([*argv, "--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert text == render(cfg, option_names(parse(*argv)._parser))
+    (tmp_path / "run.toml").write_text(text)
+    base = [argv[0], *(["--program", "prog.json"] if argv[0] == "run" else [])]
+    assert config_of(*base, "--config", str(tmp_path / "run.toml")) == cfg
+
+
+def test_flags_win_over_the_file_and_the_file_over_the_defaults(tmp_path) -> None:
+    (tmp_path / "run.toml").write_text("[training]\nsteps = 7\nlr = 0.01\n[parallel]\ndp = 2\n")
+    cfg = config_of("train", "--config", str(tmp_path / "run.toml"), "--steps", "9")
+    assert (cfg.training.steps, cfg.training.lr, cfg.parallel.dp) == (9, 0.01, 2)
+    assert cfg.training.weight_decay == DEFAULTS.training.weight_decay
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: TrainingConfig(steps=0), "--steps 0: must be an integer of at least 1"),
+    (lambda: TrainingConfig(lr=float("nan")), "--lr nan: must be a positive, finite number"),
+    (lambda: TrainingConfig(precision="fp8"), "--precision 'fp8': is not one of fp32, bf16, fp16"),
+    (lambda: TrainingConfig(steps="3"), "--steps '3': must be an integer"),
+    (lambda: ParallelismConfig(zero=4), "--zero 4: is not one of 0, 1, 2, 3"),
+    (lambda: ParallelismConfig(sequence_parallel=1), "--sequence-parallel 1: must be true or false"),
+    (lambda: DataConfig(eval_fraction=1.0), "--eval-fraction 1: must be in [0, 1)"),
+    (lambda: DataConfig(data=()), "--data (): must be a list of paths"),
+    (lambda: ModelConfig(seed=-1), "--seed -1: must be in [0, 2**63 - 2]"),
+    (lambda: ModelConfig(split="halves"), "--split 'halves': is not one of count, blocks"),
+    (lambda: RunConfig(timeout=1e9), "--timeout 1e+09: more than a year"),
+    (lambda: RunConfig(checkpoint_timeout=-1.0), "--checkpoint-timeout -1: must be a positive"),
+    (lambda: ScheduleConfig(ranks=0), "-P 0: must be an integer of at least 1"),
+    (lambda: ScheduleConfig(param=("V",)), "-p 'V': expected NAME=INTEGER"),
+    (lambda: ScheduleConfig(param=("V=²",)), "-p 'V=²': expected NAME=INTEGER"),
+    (lambda: TrainConfig(checkpoint=CheckpointConfig(checkpoint_every=2)), "--checkpoint-every needs --checkpoint-dir"),
+    (lambda: TrainConfig(checkpoint=CheckpointConfig(resume="latest")), "--resume without a checkpoint needs"),
+    (lambda: TrainConfig(training=TrainingConfig(grad_dtype="bf16")), "--grad-dtype bf16: gradients accumulate"),
+    (lambda: TrainConfig(parallel=ParallelismConfig(sequence_parallel=True)), "--sequence-parallel splits"),
+    (lambda: TrainConfig(model=ModelConfig(embd=30)), "--embd 30 must be a multiple of 4"),
+    (lambda: TrainConfig(model=ModelConfig(model="dir")), "--model needs --data"),
+    (lambda: TrainConfig(data=DataConfig(data=("a.txt",))), "--data needs --model"),
+    (lambda: TrainConfig(model=ModelConfig(model="d"), data=DataConfig(data=("a",), packing="pad", doc_mask=True)),
+     "--doc-mask keeps documents apart"),
+    (lambda: TrainConfig(model=ModelConfig(dropout=0.1), parallel=ParallelismConfig(tp=2)), "--tp 2 with --dropout"),
+    (lambda: TrainConfig(training=TrainingConfig(lr_schedule="cosine", warmup_steps=20)),
+     "--warmup-steps 20 must be less than --steps 20"),
+    (lambda: TrainConfig.from_options({"stepz": 3}), "unknown option 'stepz'"),
+    (lambda: TrainConfig.coerce({"steps": 3, "vocab": 32}), "vocab: the built-in GPT has 64"),
+])
+def test_invalid_values_raise_one_config_error_naming_the_key(build, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        build()
+    assert err.value.message.startswith(message), err.value.message
+    assert "\n" not in err.value.render() and err.value.render().startswith("error: ")
+
+
+def test_the_config_is_frozen_and_pickles_as_the_ranks_receive_it() -> None:
+    hf = HFModelConfig(path="/m", local=True, attn="sdpa", split={"by": "count", "attention_mask": False},
+                       cache="/c", eval_cache=None, eval_at_end=True, export={"config": {"a": 1}}, describe="m",
+                       data_describe="d")
+    cfg = TrainConfig(model=ModelConfig(model="/m"), data=DataConfig(data=["x.txt"]), hf=hf, peak_flops=1e12,
+                      started_at=1.0)
+    assert cfg.data.data == ("x.txt",)  # lists become tuples
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg and isinstance(again.hf, HFModelConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training.steps = 3  # type: ignore[misc]
+
+
+def test_the_loss_reduction_default_is_decided_in_one_place() -> None:
+    assert DEFAULTS.loss_reduction == "microbatch"
+    hf = TrainConfig(model=ModelConfig(model="dir"), data=DataConfig(data=("a",)))
+    assert hf.loss_reduction == "token"
+    chosen = dataclasses.replace(hf, training=TrainingConfig(loss_reduction="microbatch"))
+    assert chosen.loss_reduction == "microbatch"
+    assert config_of("train").training.loss_reduction is None  # the user's choice (none) stays visible
+
+
+def test_for_program_makes_sizes_concrete_and_is_idempotent() -> None:
+    program = pipedsl.load("1f1b").compile(P=2, M=2)
+    cfg = TrainConfig(parallel=ParallelismConfig(dp=2)).for_program(program)
+    assert (cfg.training.batch, cfg.model.layers, cfg.schedule.ranks, cfg.schedule.microbatches) == (16, 2, 2, 2)
+    assert cfg.for_program(program) == cfg
+    with pytest.raises(ConfigError, match="--batch 6 does not split into dp"):
+        TrainConfig(training=TrainingConfig(batch=6), parallel=ParallelismConfig(dp=2)).for_program(program)
+
+
+def test_the_rank_functions_old_dict_still_works() -> None:
+    """`train(rank, program_json, {...})` as the tests and scripts call it: the flat dict of before."""
+    old = {"steps": 6, "batch": 8, "seq": 8, "layers": 2, "embd": 16, "lr": 3e-3, "dropout": 0.0, "seed": 0,
+           "timeout": 60.0, "checkpoint_dir": None, "checkpoint_every": 0, "resume": None, "warmup": 1,
+           "lr_schedule": "cosine", "vocab": 64, "heads": 4, "logging": {"tensorboard": None, "live": None},
+           "peak_flops": 1.0}
+    cfg = TrainConfig.coerce(old)
+    assert (cfg.training.steps, cfg.training.batch, cfg.model.layers, cfg.model.embd) == (6, 8, 2, 16)
+    assert (cfg.training.warmup_steps, cfg.run.save_timeout, cfg.peak_flops, cfg.logging.out) == (1, 60.0, 1.0, None)
+    assert TrainConfig.coerce(cfg) is cfg
