@@ -6,7 +6,6 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
-from process_pool import Pool
 
 from pipedsl.runtime.launch.pool import LocalPool
 
@@ -37,7 +36,7 @@ _start_the_fork_server()
 @pytest.fixture(scope="session")
 def pool():
     """8 worker processes started once; each `pool.run(fn, world, ...)` is a fresh gloo world on them
-    (tests/parallel and the parallel checkpoint tests share it: spawning is slow on 2 cores)."""
+    (every multi-rank check of the suite shares them, pool2 and pool4 included: spawning is slow on 2 cores)."""
     p = LocalPool(8, timeout=240)
     yield p
     p.close()
@@ -60,32 +59,40 @@ def run_cli(capsys):
     return run
 
 
-# One reusable group of local processes per size (pool2, pool4), started on first use:
-# Spawning ranks is slow on a small machine, so each group (`pool2`, `pool4`) runs many checks:
-# `pool.run(fn, *args)` calls `fn(rank, *args)` on every rank (a module-level function, e.g.
-# from `runtime_cases`) and returns the results in rank order.  A check must fail *uniformly*
-# (every rank, before any message) or return its findings: a rank left waiting on one that
-# raised would wait out the process-group timeout.  Checks that make one rank fail use
-# `pipedsl.launch` directly, with fresh processes.
-@pytest.fixture(scope="session")
-def pool2():
-    p = Pool(2)
-    yield p
-    p.close()
+def _with_rank(fn, *args):
+    import torch.distributed as dist
+
+    return fn(dist.get_rank(), *args)
+
+
+class RankPool:
+    """`run(fn, *args)`: `fn(rank, *args)` on every rank of a `size`-rank gloo world of the session's pool, the
+    results in rank order.  A check must fail *uniformly* (every rank, before any message) or return its
+    findings: a rank left waiting on one that raised would wait out the process-group timeout.  Checks that
+    make one rank fail use `pipedsl.launch` directly, with fresh processes."""
+
+    def __init__(self, pool: LocalPool, size: int) -> None:
+        self.pool, self.size = pool, size
+
+    def run(self, fn, *args):
+        return self.pool.run(_with_rank, self.size, fn, *args, same_world=True)  # (no DeviceMesh in these checks)
 
 
 @pytest.fixture(scope="session")
-def pool4():
-    p = Pool(4)
-    yield p
-    p.close()
+def pool2(pool):
+    return RankPool(pool, 2)
+
+
+@pytest.fixture(scope="session")
+def pool4(pool):
+    return RankPool(pool, 4)
 
 
 @pytest.fixture
 def pools(request):
-    """pools[P] for the sizes a parametrized test asks for (started on first use)."""
+    """pools[P] for the sizes a parametrized test asks for."""
     class _Lazy(dict):
-        def __missing__(self, P: int) -> Pool:
+        def __missing__(self, P: int) -> RankPool:
             self[P] = request.getfixturevalue(f"pool{P}")
             return self[P]
     return _Lazy()

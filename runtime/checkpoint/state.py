@@ -52,7 +52,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,9 @@ from pipedsl.runtime.checkpoint.files import (
 )
 from pipedsl.runtime.launch.errors import RankFailure
 from pipedsl.runtime.optim import PipelineOptimizer
+
+if TYPE_CHECKING:  # pragma: no cover - for the annotations
+    from pipedsl.runtime.pipeline import Pipeline
 
 __all__ = ["FORMAT", "MANIFEST", "READABLE", "VERSION", "CheckpointError", "CheckpointInfo", "Restored",
            "SavedModel", "check", "check_partition", "checkpoints", "describe_stage", "describe_stage_tensors",
@@ -167,7 +170,7 @@ class _Layout:
     parallel: dict[str, Any]  # dp, pp, tp, tp_mode, zero
 
 
-def _layout(pipe: Any) -> _Layout:
+def _layout(pipe: Pipeline) -> _Layout:
     cfg = getattr(pipe, "parallel", None)
     if cfg is None:
         par = {"dp": 1, "pp": pipe.size, "tp": 1, "tp_mode": "1d", "zero": 0}
@@ -177,7 +180,7 @@ def _layout(pipe: Any) -> _Layout:
     return _Layout(None, dist.get_rank(), dist.get_world_size(), (c.dp, c.pp, c.tp), par)
 
 
-def save(pipe: Any, directory: str | os.PathLike, step: int,
+def save(pipe: Pipeline, directory: str | os.PathLike, step: int,
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | PipelineOptimizer | None = None, *,
          extra: Any = None, shards: Any = None, timeout: float = 300.0) -> CheckpointInfo:
     """Write this rank's part of checkpoint `step` under `directory`; call on every rank of the pipeline
@@ -203,7 +206,7 @@ def save(pipe: Any, directory: str | os.PathLike, step: int,
     return CheckpointInfo(commit.target, step, manifest)
 
 
-def _save_tag(pipe: Any, lay: _Layout) -> str:
+def _save_tag(pipe: Pipeline, lay: _Layout) -> str:
     """Names the group saving together, so that its saves meet on the store apart from other groups'."""
     if lay.group is None and getattr(pipe, "parallel", None) is not None:
         return f"world{lay.size}"
@@ -211,7 +214,7 @@ def _save_tag(pipe: Any, lay: _Layout) -> str:
     return "-".join(map(str, ranks))
 
 
-def _optimizers(pipe: Any, optimizer: Any) -> tuple[dict[int, ZeroOptimizer], list[torch.optim.Optimizer]]:
+def _optimizers(pipe: Pipeline, optimizer: Any) -> tuple[dict[int, ZeroOptimizer], list[torch.optim.Optimizer]]:
     """({stage: ZeroOptimizer}, [plain optimizers]) from what the user passed; ZeRO needs `pipe.optimizer()`'s."""
     if isinstance(optimizer, PipelineOptimizer):
         return dict(optimizer.zero), [optimizer.optimizer] if optimizer.optimizer is not None else []
@@ -243,24 +246,24 @@ def _check_plain(obj: Any, where: str) -> None:
                               f"and lists, tuples and dicts of them (convert it, e.g. a NumPy array to a tensor)")
 
 
-def _stateful(pipe: Any, optimizer: Any) -> dict[str, Any]:
+def _stateful(pipe: Pipeline, optimizer: Any) -> dict[str, Any]:
     """The components whose `state_dict()` a resumed step needs besides weights and optimizer state, by the key
     each is saved under: the fp16 loss scale (the same on every rank) and `pipe.optimizer()`'s lr schedule."""
     return {"loss_scale": pipe.loss_scaling, **({"lr_schedule": optimizer} if isinstance(optimizer, PipelineOptimizer)
                                                 else {})}
 
 
-def _training_state(pipe: Any, optimizer: Any) -> dict[str, Any]:
+def _training_state(pipe: Pipeline, optimizer: Any) -> dict[str, Any]:
     return {"lr_schedule": None, **{k: c.state_dict() for k, c in _stateful(pipe, optimizer).items()}}
 
 
-def _restore_training_state(pipe: Any, optimizer: Any, state: dict[str, Any] | None) -> None:
+def _restore_training_state(pipe: Pipeline, optimizer: Any, state: dict[str, Any] | None) -> None:
     state = state or {}
     for key, component in _stateful(pipe, optimizer).items():
         component.load_state_dict(state.get(key))
 
 
-def _part(pipe: Any, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], plain: list[torch.optim.Optimizer],
+def _part(pipe: Pipeline, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], plain: list[torch.optim.Optimizer],
           with_optimizer: bool, extra: Any, shards: Any, training: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
     """This rank's part (serialised) and its metadata for the manifest.
 
@@ -337,7 +340,7 @@ def describe_stage_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
 
 
-def _manifest(pipe: Any, lay: _Layout, step: int, metas: list[dict[str, Any]]) -> dict[str, Any]:
+def _manifest(pipe: Pipeline, lay: _Layout, step: int, metas: list[dict[str, Any]]) -> dict[str, Any]:
     prog = pipe.program
     stages: dict[int, dict[str, list]] = {}
     tp_stages: dict[str, dict[str, list]] = {}
@@ -426,7 +429,7 @@ def _rank() -> int:
 # ------------------------------------------------------------------ load
 
 
-def load(pipe: Any, source: str | os.PathLike,
+def load(pipe: Pipeline, source: str | os.PathLike,
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | PipelineOptimizer | None = None
          ) -> Restored:
     """Restore this rank's stages, optimizer state and RNG from `source`; call on every rank
@@ -466,7 +469,7 @@ def load(pipe: Any, source: str | os.PathLike,
     return restored
 
 
-def _load(pipe: Any, lay: _Layout, info: CheckpointInfo, optimizer: Any) -> tuple[Restored, Any]:
+def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any) -> tuple[Restored, Any]:
     """Everything that can fail, checked and applied locally; returns the collectives to run afterwards."""
     manifest, path = info.manifest, info.path
     saved_par = saved_parallel(manifest)

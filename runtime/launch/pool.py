@@ -1,11 +1,12 @@
 """A pool of local worker processes that run one function as a gloo world, again and again.
 
 Starting a process and importing torch costs seconds per process on a small machine; a
-`LocalPool` pays it once.  `pool.run(fn, world, *args)` makes workers 0 … world−1 join a
-fresh gloo world on 127.0.0.1 (a free port each time, a timeout on the group), call
-`fn(*args)` on every rank and return the results in rank order.  A failure on any rank
-raises `WorkerError` with that rank's traceback and restarts the pool, so the next run
-starts clean; nothing waits forever (every get and join has a timeout).
+`LocalPool` pays it once.  `pool.run(fn, world, *args)` makes workers 0 … world−1 a gloo
+world on 127.0.0.1 (a timeout on the group; with `same_world`, a run of the same size and timeout
+as the one before reuses that world, less the groups its job made), call `fn(*args)` on every rank and
+return the results in rank order.  A failure on any rank raises `WorkerError` with that rank's
+traceback and restarts the pool, so the next run starts clean; nothing waits forever (every
+get and join has a timeout).  It is the suite's one pool, and the benchmarks' and calibration's.
 """
 
 from __future__ import annotations
@@ -48,17 +49,36 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
             if p not in sys.path:
                 sys.path.append(p)
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            if port is not None:  # a new world (else: the previous run's, the same ranks)
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
+                                        world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+            kept = _groups()
             try:
                 torch.manual_seed(1234 + index)
                 out = fn(*args)
             finally:
-                dist.destroy_process_group()
-                gc.collect()  # the job's pipelines hold their gloo groups (two threads each) in reference cycles
+                _release_groups(kept)
             results.put((index, True, out, _threads()))
         except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
             results.put((index, False, traceback.format_exc(), 0))
+
+
+def _groups() -> set:
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(c10d._world.pg_map)
+
+
+def _release_groups(kept: set) -> None:
+    """Destroys the process groups the job made (each Pipeline makes its own), so that hundreds of jobs on one
+    world do not pile up gloo groups and their busy threads.  Safe: a job starts only once every rank answered."""
+    import torch.distributed as dist
+
+    for group in _groups() - kept:
+        dist.destroy_process_group(group)
+    gc.collect()  # the job's pipelines hold their gloo groups (two threads each) in reference cycles
 
 
 MAX_THREADS = 100  # a worker past this many threads is replaced before the next run
@@ -81,6 +101,7 @@ class LocalPool:
         self._procs: list[mp.Process] = []
         self._jobs: list[mp.Queue] = []
         self._results: mp.Queue | None = None
+        self._world: tuple[int, float] | None = None  # (size, timeout) of the workers' world: a run alike reuses it
 
     def _start(self) -> None:
         from pipedsl.runtime.launch.fork_server import rank_context
@@ -93,14 +114,18 @@ class LocalPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], world: int, *args: Any, timeout: float | None = None) -> list[Any]:
-        """`fn(*args)` on ranks 0 … world−1 of a new gloo world; the results in rank order."""
+    def run(self, fn: Callable[..., Any], world: int, *args: Any, timeout: float | None = None,
+            same_world: bool = False) -> list[Any]:
+        """`fn(*args)` on ranks 0 … world−1 of a new gloo world, or with `same_world` of the previous run's when it
+        was alike (size, timeout); the results in rank order.  Reuse suits jobs of plain process groups only:
+        torch's DeviceMesh caches groups across jobs, which each job's end destroys."""
         if not 1 <= world <= self.size:
             raise WorkerError(f"a world of {world} ranks does not fit a pool of {self.size} workers")
         if not self._procs:
             self._start()
         timeout = timeout or self.timeout
-        port = free_port()
+        port = None if same_world and (world, timeout) == self._world else free_port()
+        self._world = (world, timeout)
         path = [p for p in sys.path if p]
         for i in range(world):
             self._jobs[i].put((fn, world, port, args, path, timeout))
@@ -139,7 +164,7 @@ class LocalPool:
             if p.is_alive():
                 os.kill(p.pid, 9)
                 p.join(timeout=5)
-        self._procs, self._jobs, self._results = [], [], None
+        self._procs, self._jobs, self._results, self._world = [], [], None, None
 
     def __enter__(self) -> LocalPool:
         return self
