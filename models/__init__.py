@@ -11,8 +11,7 @@ Names are imported on first use.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from pipedsl.registry import lazy_attributes
 
 _EXPORTS = {
     "GPT": "gpt.model",
@@ -27,8 +26,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pipedsl.models' has no attribute {name!r}")
-    return getattr(import_module(f"pipedsl.models.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

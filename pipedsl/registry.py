@@ -9,6 +9,7 @@ pipedsl` never imports torch.  The same test checks that every name below resolv
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
@@ -49,3 +50,13 @@ def resolve(target: str) -> Any:
 def lend(name: str) -> Any:
     """One of `API`'s objects."""
     return resolve(API[name])
+
+
+def lazy_attributes(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A package's `__getattr__` that imports `exports[name]` (a submodule of `package`) on first use, so that
+    importing the package imports neither torch nor its heavier modules."""
+    def attribute(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(import_module(f"{package}.{exports[name]}"), name)
+    return attribute

@@ -14,8 +14,7 @@ Names are imported on first use, so `import pipedsl.runtime` does not import tor
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from pipedsl.registry import lazy_attributes
 
 _EXPORTS = {
     "Pipeline": "pipeline",
@@ -23,8 +22,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pipedsl.runtime' has no attribute {name!r}")
-    return getattr(import_module(f"pipedsl.runtime.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -12,8 +12,7 @@ use, so importing this package does not pull in matplotlib.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from pipedsl.registry import lazy_attributes
 
 _EXPORTS = {
     "plot_timeline": "timeline_plot",
@@ -31,8 +30,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pipedsl.visualize' has no attribute {name!r}")
-    return getattr(import_module(f"pipedsl.visualize.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -14,8 +14,7 @@ Names are imported on first use, so reading a manifest (`check`, `latest`) does 
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from pipedsl.registry import lazy_attributes
 
 _STATE = ("Restored", "SavedModel", "check_partition", "describe_stage", "describe_stage_tensors", "fingerprint",
           "load", "read_model", "save", "tp_dims")
@@ -24,8 +23,4 @@ _FILES = ("FORMAT", "MANIFEST", "READABLE", "VERSION", "CheckpointError", "Check
 _EXPORTS = {**{name: "state" for name in _STATE}, **{name: "files" for name in _FILES}}
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pipedsl.runtime.checkpoint' has no attribute {name!r}")
-    return getattr(import_module(f"pipedsl.runtime.checkpoint.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -14,14 +14,9 @@ Names are imported on first use: the CLI reads lifecycle.py without importing to
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from pipedsl.registry import lazy_attributes
 
 _EXPORTS = {"launch": "launcher", "LocalPool": "pool"}
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pipedsl.runtime.launch' has no attribute {name!r}")
-    return getattr(import_module(f"pipedsl.runtime.launch.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
