@@ -7,7 +7,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from pipedsl.runtime.launch.pool import LocalPool
+from pipedsl.runtime.launch.pool import LocalPool, with_rank
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -59,12 +59,6 @@ def run_cli(capsys):
     return run
 
 
-def _with_rank(fn, *args):
-    import torch.distributed as dist
-
-    return fn(dist.get_rank(), *args)
-
-
 class RankPool:
     """`run(fn, *args)`: `fn(rank, *args)` on every rank of a `size`-rank gloo world of the session's pool, the
     results in rank order.  A check must fail *uniformly* (every rank, before any message) or return its
@@ -75,7 +69,7 @@ class RankPool:
         self.pool, self.size = pool, size
 
     def run(self, fn, *args):
-        return self.pool.run(_with_rank, self.size, fn, *args, same_world=True)  # (no DeviceMesh in these checks)
+        return self.pool.run(with_rank, self.size, fn, *args, same_world=True)  # (no DeviceMesh in these checks)
 
 
 @pytest.fixture(scope="session")

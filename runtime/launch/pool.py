@@ -15,12 +15,14 @@ import datetime
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from pipedsl.errors import PipeRuntimeError
@@ -44,7 +46,7 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
         job = jobs.get()
         if job is None:
             return
-        fn, world, port, args, path, timeout_s = job
+        fn, world, port, args, path, timeout_s = pickle.loads(job)
         for p in path:
             if p not in sys.path:
                 sys.path.append(p)
@@ -121,14 +123,18 @@ class LocalPool:
         torch's DeviceMesh caches groups across jobs, which each job's end destroys."""
         if not 1 <= world <= self.size:
             raise WorkerError(f"a world of {world} ranks does not fit a pool of {self.size} workers")
+        timeout = timeout or self.timeout
+        port = None if same_world and self._procs and (world, timeout) == self._world else free_port()
+        path = [p for p in sys.path if p]
+        try:  # once, here: a queue pickles in a thread of its own, and a failure there would only be a timeout
+            job = bytes(ForkingPickler.dumps((fn, world, port, args, path, timeout)))
+        except Exception as err:  # noqa: BLE001 - pickle raises many kinds
+            raise WorkerError(f"{getattr(fn, '__name__', fn)} cannot be sent to the workers: {err}") from None
         if not self._procs:
             self._start()
-        timeout = timeout or self.timeout
-        port = None if same_world and (world, timeout) == self._world else free_port()
         self._world = (world, timeout)
-        path = [p for p in sys.path if p]
         for i in range(world):
-            self._jobs[i].put((fn, world, port, args, path, timeout))
+            self._jobs[i].put(job)
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout + 10
         assert self._results is not None
@@ -171,3 +177,10 @@ class LocalPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def with_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(rank, *args)`: for `pool.run(with_rank, world, fn, …)`, checks written per rank."""
+    import torch.distributed as dist
+
+    return fn(dist.get_rank(), *args)

@@ -1,4 +1,5 @@
-"""The README's checkpoint example runs: 10 steps, then a restart that resumes at step 11."""
+"""The checkpoint example (docs/checkpoints.md, linked from the README) runs: 10 steps, then a restart that resumes
+at step 11."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from pipedsl.runtime import checkpoint
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README = "\n".join((Path(__file__).resolve().parents[2] / name).read_text() for name in ("README.md", "docs/checkpoints.md"))
 
 
 @pytest.mark.slow
