@@ -101,7 +101,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def export(args: argparse.Namespace) -> int:
-    """`pipedsl export CHECKPOINT --hf OUT`: from any dp × pp layout and ZeRO stage to `from_pretrained`."""
+    """`pipedsl export CHECKPOINT --hf OUT`: from any dp × pp × tp layout and ZeRO stage to `from_pretrained`."""
     from pipedsl.errors import PipeDSLError
     from pipedsl.models.hf.io import export_hf
 

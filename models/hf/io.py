@@ -7,7 +7,7 @@ safetensors weights when it has them, from a seeded random initialisation when i
 `config.json` — and `build_model(...)` the whole model where that cannot be done exactly.
 Nothing is downloaded (`local_files_only=True`).
 
-Out: `export_hf(CHECKPOINT, OUT)` turns a pipedsl checkpoint of any dp × pp layout and ZeRO
+Out: `export_hf(CHECKPOINT, OUT)` turns a pipedsl checkpoint of any dp × pp × tp layout and ZeRO
 stage into a `save_pretrained` directory (safetensors, config, tokenizer) that
 `AutoModelForCausalLM.from_pretrained(OUT)` loads.  The trainer stores what this needs in
 each checkpoint's `extra["hf"]`: the model config, how the model was cut into stages, and the

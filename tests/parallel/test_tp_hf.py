@@ -110,7 +110,8 @@ def test_checkpoint_resume_same_layout(run_once, tmp_path, dp: int, zero: int, o
     """A checkpoint of DTensor shards (zero=0) or of ZeRO-3's dp slices of them resumes bit-exactly on the same
     dp × pp × tp layout (each rank's file holds its own), and under another ZeRO stage to 1e-6: zero=0's shards
     re-sliced into ZeRO-1, ZeRO-3's slices put back together into DTensor parameters and Adam state at zero=0.
-    Not yet: resharding to another tp (HF export of tp checkpoints is tests/trainer/test_train_hf.py's)."""
+    Resharding to another tp size: test_checkpoint_loads_under_another_tp; HF export of tp checkpoints is
+    tests/trainer/test_train_hf.py's."""
     for r in run_once(checkpoint_resume, 4 * dp, str(tmp_path), dp, zero, other):
         assert r["saved"] == r["loaded"] and r["same_params"], r
         assert r["resharded"] == pytest.approx(r["saved"], rel=1e-6), r

@@ -154,7 +154,7 @@ import contextlib, io, json, sys, time, traceback
 import pipedsl
 from pipedsl.cli import main
 from pipedsl.errors import PipeDSLError
-from pipedsl.runtime import launcher
+from pipedsl.runtime.launch import launcher
 
 def refuse(*args, **kwargs):
     raise AssertionError("a process was started for an input that should have been refused")
