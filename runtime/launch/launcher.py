@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -116,6 +117,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # a finished Pipeline holds its gloo groups in reference cycles: freed now, not during the
+            # interpreter's shutdown, where a group's threads still running abort the process (SIGABRT)
+            gc.collect()
     check_local_ranks(nprocs, max_local)
     for name, value in (("timeout", timeout), ("join_timeout", join_timeout), ("stop_grace", stop_grace)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_SECONDS):
