@@ -139,7 +139,9 @@ def in_tree(script: str, tree: str, args: Sequence[str]) -> Any:
     """Run `script args --json F` in a fresh process importing pipedsl from `tree`; returns F's JSON."""
     import sys
 
-    env = {**os.environ, "PIPEDSL_TREE": tree}
+    # spawned ranks: a rank forked from the fork server would hold the installed tree's pipedsl, imported before
+    # this module's finder (both trees spawn, so the comparison stays fair)
+    env = {**os.environ, "PIPEDSL_TREE": tree, "PIPEDSL_START_METHOD": "spawn"}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         subprocess.run([sys.executable, script, *args, "--json", f.name], env=env, check=True)
         return json.load(open(f.name))
