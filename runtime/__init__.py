@@ -3,8 +3,9 @@
 - `Pipeline` (pipeline.py): the per-rank API — stages, `step(inputs, targets)`, timelines;
 - underneath: `Executor` (executor.py) interprets one rank's instruction stream, `Stage`
   (stage.py) runs forward / backward / split backward, `Channels` (p2p.py, socket_p2p.py) moves
-  tensors, `DataParallel` (data_parallel.py) owns the gradients' end of step (replica reduce,
-  tied weights, tensor-parallel sums), `Tracer` (tracer.py) records a Timeline;
+  tensors, the data-parallel strategy (data_parallel.py) owns where gradients live and how they
+  are reduced over dp, finalize.py the step end's reductions in order (replicas, dp, tp sums,
+  ties), `Tracer` (tracer.py) records a Timeline;
 - launch/: processes — `launch`, the fork server, signals, failures across ranks, a worker pool;
 - checkpoint/: save and restore a training state, resharded to another layout.
 

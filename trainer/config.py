@@ -403,27 +403,6 @@ class TrainConfig:
                 by_section[section][key.replace("-", "_")] = value
         return cls(**{name: SECTION_TYPES[name](**values) for name, values in by_section.items()}, **facts)
 
-    @classmethod
-    def coerce(cls, cfg: TrainConfig | Mapping[str, Any]) -> TrainConfig:
-        """A `TrainConfig` as it is, or one from the flat dict rank functions took before it existed
-        (`{"steps": 6, "batch": 8, "warmup": 0, "timeout": 60.0, …}`)."""
-        if isinstance(cfg, TrainConfig):
-            return cfg
-        options = dict(cfg)
-        if options.pop("hf", None):
-            raise ConfigError("hf: a Hugging Face run's configuration comes from the launcher (trainer/cli.py) as a "
-                              "TrainConfig, not as a dict")
-        for key, fixed in (("vocab", GPT_VOCAB), ("heads", GPT_HEADS)):
-            if options.pop(key, fixed) != fixed:
-                raise ConfigError(f"{key}: the built-in GPT has {fixed}")
-        loggers = options.pop("logging", None) or {}
-        options.update({k: loggers[k] for k in ("tensorboard", "wandb") if loggers.get(k) is not None})
-        options.pop("record", None)  # now TrainConfig.record()
-        if "warmup" in options:
-            options["warmup_steps"] = options.pop("warmup")
-        facts = {k: options.pop(k) for k in ("peak_flops", "started_at") if k in options}
-        return cls.from_options(options, **facts)  # "timeout" (the checkpoint save's) is run.timeout
-
     def for_program(self, program: Any) -> TrainConfig:
         """This configuration made concrete for `program` (a `pipedsl.Program`): its ranks and microbatches, the
         global batch (`batch = 0`: 4 sequences a microbatch and replica) and the GPT's blocks (`layers = 0`: 2 a

@@ -23,7 +23,6 @@ import functools
 import math
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -212,13 +211,13 @@ def gpt_config(cfg: TrainConfig) -> Any:
                      n_embd=cfg.model.embd, dropout=cfg.model.dropout)
 
 
-def train(rank: int, program_json: str, cfg: TrainConfig | Mapping[str, Any]) -> dict[str, Any] | None:
+def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | None:
     """Every rank: build the pipeline, restore a checkpoint if asked, train to `cfg.training.steps`.
 
-    `cfg` is the launcher's `TrainConfig` (or the flat dict rank functions took before it, `TrainConfig.coerce`),
-    made concrete for the program here as the launcher did (`for_program` is idempotent)."""
+    `cfg` is made concrete for the program here as the launcher does (`for_program` is idempotent), so a
+    configuration built in code (`TrainConfig.from_options`) runs as well as the launcher's."""
     program = pipedsl.Program.from_json(program_json)
-    cfg = TrainConfig.coerce(cfg).for_program(program)
+    cfg = cfg.for_program(program)
     parallel = None
     dp, zero, tp, t = cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.tp, cfg.training
     if dp > 1 or zero or tp > 1:

@@ -16,6 +16,7 @@ from torch import nn
 import pipedsl
 from pipedsl.errors import PipeDSLError
 from pipedsl.runtime import checkpoint
+from pipedsl.trainer.config import TrainConfig
 from pipedsl.trainer.train import train as _train
 
 # the small GPT of `pipedsl train` at test size; steps/checkpoints/resume per run
@@ -36,10 +37,10 @@ def sequence(rank: int, runs: list[tuple[str, str, dict[str, Any]]]) -> list[Any
     out: list[Any] = []
     for kind, what, cfg in runs:
         if kind == "train":
-            out.append(_train(rank, what, cfg))
+            out.append(_train(rank, what, TrainConfig.from_options(cfg)))
         elif kind == "error":
             try:
-                _train(rank, what, cfg)
+                _train(rank, what, TrainConfig.from_options(cfg))
                 out.append(None)
             except PipeDSLError as err:
                 out.append(str(err))

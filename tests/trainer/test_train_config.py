@@ -158,7 +158,6 @@ def test_flags_win_over_the_file_and_the_file_over_the_defaults(tmp_path) -> Non
     (lambda: TrainConfig(training=TrainingConfig(lr_schedule="cosine", warmup_steps=20)),
      "--warmup-steps 20 must be less than --steps 20"),
     (lambda: TrainConfig.from_options({"stepz": 3}), "unknown option 'stepz'"),
-    (lambda: TrainConfig.coerce({"steps": 3, "vocab": 32}), "vocab: the built-in GPT has 64"),
 ])
 def test_invalid_values_raise_one_config_error_naming_the_key(build, message) -> None:
     with pytest.raises(ConfigError) as err:
@@ -196,15 +195,3 @@ def test_for_program_makes_sizes_concrete_and_is_idempotent() -> None:
     assert cfg.for_program(program) == cfg
     with pytest.raises(ConfigError, match="--batch 6 does not split into dp"):
         TrainConfig(training=TrainingConfig(batch=6), parallel=ParallelismConfig(dp=2)).for_program(program)
-
-
-def test_the_rank_functions_old_dict_still_works() -> None:
-    """`train(rank, program_json, {...})` as the tests and scripts call it: the flat dict of before."""
-    old = {"steps": 6, "batch": 8, "seq": 8, "layers": 2, "embd": 16, "lr": 3e-3, "dropout": 0.0, "seed": 0,
-           "timeout": 60.0, "checkpoint_dir": None, "checkpoint_every": 0, "resume": None, "warmup": 1,
-           "lr_schedule": "cosine", "vocab": 64, "heads": 4, "logging": {"tensorboard": None, "live": None},
-           "peak_flops": 1.0}
-    cfg = TrainConfig.coerce(old)
-    assert (cfg.training.steps, cfg.training.batch, cfg.model.layers, cfg.model.embd) == (6, 8, 2, 16)
-    assert (cfg.training.warmup_steps, cfg.run.save_timeout, cfg.peak_flops, cfg.logging.out) == (1, 60.0, 1.0, None)
-    assert TrainConfig.coerce(cfg) is cfg
