@@ -127,30 +127,6 @@ def _check_tensor_parallel(cfg: TrainConfig, md: Any, meta: Any, split: dict[str
         raise PipeDSLError(f"--tp {tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
 
 
-MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's model: at most this much, or it is skipped with a note
-
-
-def _shallow(config: Any) -> Any:
-    """A copy of the architecture with one decoder layer of each type and at most 1024 tokens: the same
-    modules, at a cost that does not grow with the model's depth or vocabulary."""
-    import copy
-
-    config = copy.deepcopy(config)
-    types = getattr(config, "layer_types", None)
-    if types:
-        config.layer_types = list(dict.fromkeys(types))
-    layers = len(config.layer_types) if types else min(2, int(getattr(config, "num_hidden_layers", 2) or 2))
-    for name in ("num_hidden_layers", "n_layer"):
-        if hasattr(config, name):
-            setattr(config, name, layers)
-    config.vocab_size = min(int(config.vocab_size), 1024)
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value >= config.vocab_size:
-            setattr(config, name, None)
-    return config
-
-
 def _check_architecture(md: Any, split: dict[str, Any], attn: str, meta: Any = None) -> bool:
     """The model's stages reproduce its own forward (`hf.check_split`), tried once here on the shallow copy
     with random weights, so that an architecture pipedsl does not split exactly is refused before any rank
@@ -158,25 +134,19 @@ def _check_architecture(md: Any, split: dict[str, Any], attn: str, meta: Any = N
     filled by the model's own initialisation, and with weights, every parameter in the files under a name."""
     import tempfile
 
-    import torch
-    import transformers as tf
-
     from pipedsl.models.hf.io import LocalStages
-    from pipedsl.models.hf.stages import causal_lm_stages, check_split
+    from pipedsl.models.hf.stages import MAX_CHECK_BYTES, check_architecture, shallow_config
 
-    config = _shallow(md.config)
-    if 4 * _count_parameters(config) > MAX_CHECK_BYTES:
+    try:
+        checked = check_architecture(meta if meta is not None else _meta_model(md.config), attn=attn,
+                                     attention_mask=split["attention_mask"], position_ids=split["position_ids"])
+    except PipeDSLError as err:
+        raise PipeDSLError(f"{md.path}: {err.message}") from None
+    if checked is None:
         print(f"note: the architecture check is skipped (one layer of {md.path.name} is larger than "
               f"{MAX_CHECK_BYTES / 2**30:g} GiB)", flush=True)
         return _weights_cover(md, meta)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-    layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
-    try:
-        check_split(model, causal_lm_stages(model, min(2, layers + 2), attention_mask=split["attention_mask"],
-                                            position_ids=split["position_ids"]))
-    except PipeDSLError as err:
-        raise PipeDSLError(f"{md.path}: {err.message}") from None
+    config = shallow_config(md.config)
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
         try:

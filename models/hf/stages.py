@@ -46,7 +46,10 @@ on, a pipelined step is not bit-equal to the unsplit model's (the draws differ),
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +62,13 @@ from pipedsl.models.split import _bounds
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here" (padding, prompts)
 LAYER_NAMES = ("layers", "h")  # the decoder layers: model.model.layers (Llama and most), transformer.h (GPT-2)
-NORM_NAMES = ("norm", "ln_f", "final_layernorm")  # the final norm before the head
+NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")  # the final norm before the head (last: GPT-NeoX)
+DROPOUT_NAMES = ("drop", "emb_dropout")  # dropout on the embedding's output (GPT-2, GPT-NeoX)
+# arguments a decoder layer may require that the model's forward sets to None when the config turns them off
+NONE_WHEN_OFF = {"alibi": "alibi"}  # Falcon: `alibi` is None unless config.alibi
+LAYER_ARGUMENTS = {"hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache", "cache",
+                   "past_key_values", "layer_past", "kwargs", "args"}  # what CausalLMStage passes or leaves to defaults
+MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's shallow model: at most this much, or the check is skipped
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -94,8 +103,8 @@ class _Parts:
     the final norm (`norm`, `ln_f` or `final_layernorm`) and the rotary module `rotary_emb`;
     `model.get_output_embeddings()` is the head.  The scalar rules that the models' own
     `forward` applies between those pieces are read from the config, whatever the family:
-    `embedding_multiplier` (Granite) on the embedding, `logits_scaling` (Granite, a divisor)
-    and `final_logit_softcapping` (Gemma 2/3) on the logits.  Scalings that live inside a
+    `embedding_multiplier` (Granite) on the embedding, `logits_scaling` (Granite, a divisor),
+    `logit_scale` (Cohere, a multiplier) and `final_logit_softcapping` (Gemma 2/3) on the logits.  Scalings that live inside a
     module (Gemma's scaled embedding, Granite's residual multiplier, attention soft-capping)
     come with the module.  What cannot be split is refused, naming the piece that is missing.
     """
@@ -113,7 +122,12 @@ class _Parts:
         if getattr(config, "use_bidirectional_attention", False):
             raise PipeRuntimeError(f"causal_lm_stages: {name} has use_bidirectional_attention=True; only causal "
                                    f"(left-to-right) attention is supported")
+        if getattr(config, "output_router_logits", False):
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has output_router_logits=True: its forward adds the "
+                                   f"router's auxiliary (load-balancing) loss to the loss, which pipedsl's stages do "
+                                   f"not reproduce yet; set config.output_router_logits=False to train without it")
         body = model.base_model
+        self.model, self.name = model, name
         self.config, self.kind = config, getattr(config, "model_type", None)
         self.layers = list(_child_list(body, LAYER_NAMES, name, "decoder layers")[: config.num_hidden_layers])
         norm = _child(body, NORM_NAMES, name, "final norm")
@@ -129,10 +143,13 @@ class _Parts:
                                    f"positions (wpe); its position encoding is not one pipedsl can recompute per stage")
         self.rotary_per_type = (self.rotary is not None
                                 and "layer_type" in inspect.signature(self.rotary.forward).parameters)
+        self.layer_extras = _layer_extras(self.layers[0], config, name) if self.layers else {}
         multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
-        self.embed: nn.Module = _Embedding(embed, positions, getattr(body, "drop", None), multiplier)
-        self.head: nn.Module = _Head(norm, head, float(getattr(config, "logits_scaling", None) or 1.0),
-                                     getattr(config, "final_logit_softcapping", None))
+        drop = next((d for d in (getattr(body, n, None) for n in DROPOUT_NAMES) if isinstance(d, nn.Module)), None)
+        self.embed: nn.Module = _Embedding(embed, positions, drop, multiplier)
+        self.head: nn.Module = _Head(norm, head, divisor=float(getattr(config, "logits_scaling", None) or 1.0),
+                                     scale=float(getattr(config, "logit_scale", None) or 1.0),
+                                     softcap=getattr(config, "final_logit_softcapping", None))
         # which mask each layer needs, as the HF model's forward picks it
         types = getattr(config, "layer_types", None)
         if types is not None:
@@ -141,6 +158,24 @@ class _Parts:
             self.mask_kinds = ["sliding_attention"] * len(self.layers)  # Mistral, Phi-3: every layer, when set
         else:
             self.mask_kinds = ["full_attention"] * len(self.layers)
+
+
+def _layer_extras(layer: nn.Module, config: Any, model: str) -> dict[str, None]:
+    """The arguments `layer.forward` requires beyond what `CausalLMStage` passes, each None as the model's forward
+    passes it when the config turns it off; any other required argument is refused by name."""
+    extras: dict[str, None] = {}
+    for p in inspect.signature(layer.forward).parameters.values():
+        required = p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if not required or p.name in LAYER_ARGUMENTS:
+            continue
+        switch = NONE_WHEN_OFF.get(p.name)
+        if switch is not None and not getattr(config, switch, False):
+            extras[p.name] = None
+            continue
+        why = f" (config.{switch}=True)" if switch is not None else ""
+        raise PipeRuntimeError(f"causal_lm_stages: {model}'s decoder layers take {p.name!r}{why}, which its forward "
+                               f"computes and pipedsl's stages do not: this architecture cannot be split")
+    return extras
 
 
 def _child(body: nn.Module, names: tuple[str, ...], model: str, what: str) -> nn.Module:
@@ -177,16 +212,21 @@ class _Embedding(nn.Module):
 
 
 class _Head(nn.Module):
-    """Final norm, output projection, then the config's logit rules (divide by `logits_scaling`, soft-cap)."""
+    """Final norm, output projection, then the config's logit rules, in the models' order: divide by
+    `logits_scaling` (Granite), multiply by `logit_scale` (Cohere), soft-cap (Gemma 2/3)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, scaling: float, softcap: float | None) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, *, divisor: float, scale: float,
+                 softcap: float | None) -> None:
         super().__init__()
-        self.norm, self.lm_head, self.scaling, self.softcap = norm, lm_head, scaling, softcap
+        self.norm, self.lm_head = norm, lm_head
+        self.divisor, self.scale, self.softcap = divisor, scale, softcap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [mb, T, C] → [mb, T, V]
         logits = self.lm_head(self.norm(hidden))
-        if self.scaling != 1.0:
-            logits = logits / self.scaling
+        if self.divisor != 1.0:
+            logits = logits / self.divisor
+        if self.scale != 1.0:
+            logits = logits * self.scale
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -214,6 +254,7 @@ class CausalLMStage(nn.Module):
         self.mask_kinds = [parts.mask_kinds[i] for i in ids]
         self.rotary_emb = parts.rotary if len(ids) else None  # no parameters: shared, not tied
         self.rotary_per_type = parts.rotary_per_type
+        self.layer_extras = parts.layer_extras
 
     def forward(self, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if len(extras) != len(self.extras):
@@ -243,7 +284,7 @@ class CausalLMStage(nn.Module):
                 raise PipeRuntimeError(f"causal_lm_stages: layer type {kind!r} is not supported "
                                        f"(supported: {', '.join(makers)})")
             masks[kind] = makers[kind](config=self.config, inputs_embeds=h, attention_mask=padding,
-                                       past_key_values=None, position_ids=positions)
+                                       position_ids=positions, **_no_cache(makers[kind]))
         rotary: dict[str, Any] = {}  # (cos, sin) [1 or mb, T, head_dim] per layer type
         if self.rotary_emb is not None and self.rotary_per_type:  # Gemma 3: local and global layers, own RoPE bases
             rotary = {kind: self.rotary_emb(h, positions, kind) for kind in dict.fromkeys(self.mask_kinds)}
@@ -251,14 +292,21 @@ class CausalLMStage(nn.Module):
             rotary = dict.fromkeys(self.mask_kinds, self.rotary_emb(h, positions))
         for layer, kind in zip(self.layers.values(), self.mask_kinds):
             extra = {"position_embeddings": rotary[kind]} if rotary else {}
-            out = layer(h, attention_mask=masks[kind], position_ids=positions, past_key_values=None,
-                        use_cache=False, **extra)
+            out = layer(h, attention_mask=masks[kind], position_ids=positions, use_cache=False, **extra,
+                        **self.layer_extras)
             h = out[0] if isinstance(out, tuple) else out
         return h
 
 
+@functools.cache
+def _no_cache(mask_maker: Any) -> dict[str, None]:
+    """The mask maker's "no KV cache" argument: `cache` since transformers 5.2x, `past_key_values` before."""
+    return {"cache" if "cache" in inspect.signature(mask_maker).parameters else "past_key_values": None}
+
+
 def causal_lm_stages(model: nn.Module, num_stages: int, *, by: str = "count", points: Sequence[int] | None = None,
-                     attention_mask: bool = False, position_ids: bool = False) -> list[CausalLMStage]:
+                     attention_mask: bool = False, position_ids: bool = False,
+                     check: bool = True) -> list[CausalLMStage]:
     """`model` (an HF causal LM) as `num_stages` pipeline stages, for `Pipeline(stages, …)`.
 
     The units [embedding, layer 0 … layer L−1, head] are spread like `split_sequential` does:
@@ -267,9 +315,14 @@ def causal_lm_stages(model: nn.Module, num_stages: int, *, by: str = "count", po
     `attention_mask=True`: stage 0 takes (input_ids, attention_mask); `position_ids=True`: it
     takes the position ids next; both travel to every stage (see the module docstring).
     Pair with `causal_lm_loss` and the targets `shift_labels(labels)`.
+    `check=True` first verifies the architecture (`check_architecture`: a shallow random copy of
+    the model, split, must compute the model's own logits) and refuses it by name if not.
     """
     require_transformers()
     parts = _Parts(model)
+    if check and check_architecture(parts.model, attention_mask=attention_mask, position_ids=position_ids) is None:
+        warnings.warn(f"causal_lm_stages: {parts.name}'s architecture is not verified (one layer of it is larger "
+                      f"than {MAX_CHECK_BYTES / 2**30:g} GiB)", RuntimeWarning, stacklevel=2)
     units: list[nn.Module] = [parts.embed, *parts.layers, parts.head]
     if points is None and num_stages > len(units):
         raise PipeRuntimeError(f"causal_lm_stages: cannot cut an embedding, {len(parts.layers)} layers and a head "
@@ -309,6 +362,51 @@ def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8,
                                f"{diff:.2e} (relative) away from the model's own forward: its forward does something "
                                f"between the embedding, the layers and the head that pipedsl does not reproduce")
     return diff
+
+
+def shallow_config(config: Any) -> Any:
+    """A copy of an HF decoder's config with one layer of each type and at most 1024 tokens: the same modules,
+    at a cost that does not grow with the model's depth or vocabulary."""
+    config = copy.deepcopy(config)
+    types = getattr(config, "layer_types", None)
+    if types:
+        config.layer_types = list(dict.fromkeys(types))
+    layers = len(config.layer_types) if types else min(2, int(getattr(config, "num_hidden_layers", 2) or 2))
+    for name in ("num_hidden_layers", "n_layer"):
+        if hasattr(config, name):
+            setattr(config, name, layers)
+    config.vocab_size = min(int(config.vocab_size), 1024)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, name, None)
+    return config
+
+
+def check_architecture(model: nn.Module, *, attention_mask: bool = False, position_ids: bool = False,
+                       attn: str | None = None) -> float | None:
+    """Verify that `causal_lm_stages` reproduces `model`'s architecture: a shallow copy (`shallow_config`,
+    random fp32 weights, on the CPU) cut into two stages must compute the copy's own logits (`check_split`).
+    `model` may be on any device, the meta device included; `attn` overrides its attention implementation.
+
+    Cheap whatever the model's size (one layer of each kind); the caller's RNG is left as it was.  Returns the
+    relative difference, or None (unverified) when one layer alone exceeds `MAX_CHECK_BYTES`.  Raises
+    `PipeRuntimeError` naming the model when its forward does something the stages do not.
+    """
+    config = shallow_config(model.config)
+    build = functools.partial(type(model)._from_config, config, dtype=torch.float32,
+                              **({"attn_implementation": attn} if attn else {}))
+    with torch.device("meta"):
+        size = 4 * sum(p.numel() for p in build().parameters())
+    if size > MAX_CHECK_BYTES:
+        return None
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(0)
+        shallow = build()
+        layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
+        stages = causal_lm_stages(shallow, min(2, layers + 2), attention_mask=attention_mask,
+                                  position_ids=position_ids, check=False)
+        return check_split(shallow, stages)
 
 
 def require_transformers() -> Any:

@@ -18,7 +18,8 @@ import pipedsl
 from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
 
 VOCAB, T = 96, 8
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "phi3", "olmo2", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "phi3", "olmo2", "gpt2", "cohere",
+            "gpt_neox", "falcon")
 EAGER_ONLY = ("gemma2",)  # transformers refuses sdpa for Gemma 2 (its attention soft-capping)
 # (loss, gradient) relative errors allowed: of the loss, and of each gradient tensor's largest entry.
 # Measured on these models: fp32 ≤ 1.4e-7 and ≤ 1.2e-6; bf16 ≤ 2.7e-5 and ≤ 1.9e-2 (8 mantissa bits).
@@ -58,6 +59,16 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
         config = tf.Phi3Config(**common, sliding_window=4)
     elif family == "olmo2":  # norms after attention and MLP, q/k norms
         config = tf.Olmo2Config(**common)
+    elif family == "cohere":  # Command-R: parallel attention and MLP, a logit multiplier far from 1
+        config = tf.CohereConfig(**common, logit_scale=0.25)
+    elif family == "gpt_neox":  # Pythia: parallel residual, partial rotary, separate head, final_layer_norm
+        config = tf.GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"}, rotary_pct=0.25,
+                                  use_parallel_residual=True, hidden_dropout=dropout)
+    elif family == "falcon":  # rotary Falcon (alibi=False), the new decoder architecture with grouped KV heads
+        config = tf.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                 num_kv_heads=2, new_decoder_architecture=True, alibi=False, bos_token_id=0,
+                                 eos_token_id=0, attention_dropout=dropout, hidden_dropout=dropout,
+                                 **({} if tie is None else {"tie_word_embeddings": tie}))
     elif family == "gpt2":
         config = tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=layers, n_head=2, bos_token_id=0,
                                eos_token_id=0, attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,

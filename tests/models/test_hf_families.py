@@ -56,7 +56,7 @@ def test_check_split_catches_a_missing_logit_rule(family):
     stages = causal_lm_stages(model, 2)
     assert check_split(model, stages) <= 1e-5
     head = stages[-1].head
-    head.scaling, head.softcap = 1.0, None
+    head.divisor, head.softcap = 1.0, None
     with pytest.raises(PipeRuntimeError, match="away from the model's own forward"):
         check_split(model, stages)
 
@@ -87,10 +87,69 @@ def test_what_cannot_be_split_is_refused_by_name():
         causal_lm_stages(gemma, 2)
 
 
+def test_the_api_verifies_the_architecture_and_refuses_what_it_cannot_reproduce():
+    """causal_lm_stages checks a shallow copy of the model itself (the check the launcher runs), so a script
+    cannot train a model whose forward does something the stages do not: it is refused with the model's name."""
+    import transformers as tf
+
+    class ScaledLlama(tf.LlamaForCausalLM):  # a forward rule between the head and the loss, read from nowhere
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2.0
+            return out
+
+    model = ScaledLlama(tiny_model("llama").config)
+    with pytest.raises(PipeRuntimeError, match="ScaledLlama cut into 2 stages gives logits .* away from the model's own"):
+        causal_lm_stages(model, 2)
+    assert len(causal_lm_stages(model, 2, check=False)) == 2  # told not to: the caller takes the responsibility
+    llama = tiny_model("llama")
+    state = torch.random.get_rng_state()
+    causal_lm_stages(llama, 2)
+    assert torch.equal(state, torch.random.get_rng_state()), "the check must leave the caller's RNG alone"
+
+
+def test_moe_router_losses_and_alibi_are_refused_by_name():
+    """What the stages cannot reproduce is refused when they are made, not dropped (MoE auxiliary loss) and not
+    left to fail at the first step (Falcon's ALiBi)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    moes = [tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+            tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+            tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2)]
+    for config in moes:
+        config.output_router_logits = True
+        model = tf.AutoModelForCausalLM.from_config(config)
+        with pytest.raises(PipeRuntimeError, match=f"{type(model).__name__} has output_router_logits=True: .* "
+                                                   f"auxiliary"):
+            causal_lm_stages(model, 2)
+        model.config.output_router_logits = False  # no auxiliary loss in the model's own forward either
+        assert check_split(model, causal_lm_stages(model, 2)) <= 1e-5
+    falcon = tf.FalconForCausalLM(tf.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=4, alibi=True))
+    with pytest.raises(PipeRuntimeError, match=r"FalconForCausalLM's decoder layers take 'alibi' \(config.alibi=True\)"):
+        causal_lm_stages(falcon, 2)
+
+
+def test_stages_call_no_deprecated_transformers_argument():
+    """transformers removes `past_key_values` in 5.40: the stages must not pass it (no FutureWarning)."""
+    import warnings
+
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        h = torch.randint(VOCAB, (2, T))
+        for st in causal_lm_stages(model, 2, attention_mask=True):
+            h = st(*h) if isinstance(h, tuple) else st(h, torch.ones_like(h))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, schedule, params", [("gemma3", "zb-h1", None), ("granite", "interleaved", {"V": 2}),
                                                       ("gemma2", "1f1b", None), ("phi3", "1f1b", None),
-                                                      ("olmo2", "zb-h1", None), ("qwen3", "1f1b", None)])
+                                                      ("olmo2", "zb-h1", None), ("qwen3", "1f1b", None),
+                                                      ("cohere", "1f1b", None), ("gpt_neox", "zb-h1", None),
+                                                      ("falcon", "1f1b", None)])
 def test_pipelined_steps_equal_the_unsplit_model(pool2, family, schedule, params):
     """Two SGD steps on 2 ranks with padding and the per-token loss: loss, gradients, norm, weights."""
     results = pool2.run(hf_cases.equivalence, family, schedule, 4, params, _attn(family), None, True, True, None,

@@ -13,6 +13,9 @@ from hf_cases import EAGER_ONLY, FAMILIES, VOCAB, tiny_model  # noqa: E402
 from pipedsl.models.hf.io import LocalStages  # noqa: E402
 
 SPLIT = {"by": "count"}
+# families whose transformers 5 weight files rename a tensor (its checkpoint conversion mapping), which
+# LocalStages does not follow: it says so and the trainer builds the whole model on each rank
+RENAMED_IN_FILES = {"gpt_neox": "lm_head.weight is not in the weights file under its own name"}
 
 
 def _attn(family: str) -> str:
@@ -27,6 +30,10 @@ def test_held_stages_hold_the_saved_weights_and_buffers(family, tmp_path):
     ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=_attn(family))
     want = dict(ref.state_dict())
     want.update(dict(ref.named_buffers()))  # the rotary and embedding-scale buffers are not saved: computed
+    if family in RENAMED_IN_FILES:  # its files name a tensor otherwise than its module: each rank builds it whole
+        with pytest.raises(LocalStages.NotLocal, match=RENAMED_IN_FILES[family]):
+            LocalStages(tmp_path, 3, SPLIT, {2}, attn=_attn(family))
+        return
     for held in ({0}, {1, 2}):
         local = LocalStages(tmp_path, 3, SPLIT, held, attn=_attn(family))
         names = {id(t): n for n, t in local.model.state_dict(keep_vars=True).items()}
