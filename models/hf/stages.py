@@ -9,8 +9,10 @@ Any causal decoder in transformers' standard layout is supported, found by struc
 name (`_Parts`): embedding → decoder layers → final norm → head, the model's own rotary module,
 per-layer full/sliding attention, and the config's embedding/logit multipliers and logit
 soft-capping.  Tested equal to the unsplit model's forward (tests/models/test_hf_families.py):
-Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (`gemma3_text`), Granite, Phi-3, OLMo 2, GPT-2;
-transformers 5.x.  `check_split(model, stages)` runs that comparison for any other model.  The
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (`gemma3_text`), Granite, Phi-3, OLMo 2, GPT-2,
+Cohere, GPT-NeoX, Falcon (rotary); transformers 5.x.  `causal_lm_stages` checks any other model
+itself (`check_architecture`: a shallow random copy must give the model's own logits) and refuses
+what it cannot reproduce by name: ALiBi, an MoE router's auxiliary loss (`output_router_logits`).  The
 stages hold the model's own modules (no copies), so a tied `lm_head.weight` *is* the embedding
 weight in the first and the last stage's module and `Pipeline` finds the tie (ties.py).  Units
 are the embedding, each decoder layer and the head; `by=` / `points=` spread them as `split.py`
@@ -104,9 +106,9 @@ class _Parts:
     `model.get_output_embeddings()` is the head.  The scalar rules that the models' own
     `forward` applies between those pieces are read from the config, whatever the family:
     `embedding_multiplier` (Granite) on the embedding, `logits_scaling` (Granite, a divisor),
-    `logit_scale` (Cohere, a multiplier) and `final_logit_softcapping` (Gemma 2/3) on the logits.  Scalings that live inside a
-    module (Gemma's scaled embedding, Granite's residual multiplier, attention soft-capping)
-    come with the module.  What cannot be split is refused, naming the piece that is missing.
+    `logit_scale` (Cohere, a multiplier) and `final_logit_softcapping` (Gemma 2/3) on the logits.
+    Scalings that live inside a module (Gemma's scaled embedding, Granite's residual multiplier,
+    attention soft-capping) come with the module.  What cannot be split is refused, naming the piece that is missing.
     """
 
     def __init__(self, model: nn.Module) -> None:
