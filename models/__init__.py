@@ -2,8 +2,8 @@
 
 - split.py: `split_sequential`, `split_gpt` — cut any `nn.Sequential` or embedding/blocks/head model;
 - gpt/: a small GPT (nanoGPT-style, model.py) and its tensor-parallel stages (tp.py: 1-D, 3-D, SP);
-- hf/: Hugging Face causal decoders as stages (stages.py) and their files (io.py: each rank reads the
-  tensors it owns, export back to a Hugging Face directory).
+- hf/: Hugging Face causal decoders (stages.py) and encoder-decoders (seq2seq.py) as stages, and their
+  files (io.py: each rank reads the tensors it owns, export back to a Hugging Face directory).
 
 Built on `pipedsl.runtime` and `pipedsl.parallel`; the trainer (`pipedsl.trainer`) builds on this.
 Names are imported on first use.
@@ -18,6 +18,11 @@ _EXPORTS = {
     "GPTConfig": "gpt.model",
     "causal_lm_loss": "hf.stages",
     "causal_lm_stages": "hf.stages",
+    "check_architecture": "hf.stages",
+    "check_seq2seq_split": "hf.seq2seq",
+    "check_split": "hf.stages",
+    "seq2seq_loss": "hf.seq2seq",
+    "seq2seq_stages": "hf.seq2seq",
     "shift_labels": "hf.stages",
     "split_gpt": "split",
     "split_sequential": "split",

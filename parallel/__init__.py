@@ -54,3 +54,9 @@ __all__ = [
     "tp_hf_stages",
     "vocab_parallel_cross_entropy",
 ]
+
+
+def __getattr__(name: str) -> object:  # names that moved up a layer (registry.MOVED)
+    from pipedsl.registry import moved
+
+    return moved(__name__, name)

@@ -41,6 +41,36 @@ API: dict[str, str] = {
 }
 
 
+# names that lived in a lower package before the layout of 2026-11 and still resolve there, with a
+# DeprecationWarning naming the new home: {package: {name: "module:attribute"}}
+MOVED: dict[str, dict[str, str]] = {
+    "pipedsl.runtime": {
+        "causal_lm_loss": "pipedsl.models.hf.stages:causal_lm_loss",
+        "causal_lm_stages": "pipedsl.models.hf.stages:causal_lm_stages",
+        "shift_labels": "pipedsl.models.hf.stages:shift_labels",
+        "split_gpt": "pipedsl.models.split:split_gpt",
+        "split_sequential": "pipedsl.models.split:split_sequential",
+    },
+    "pipedsl.parallel": {
+        "PipelineOptimizer": "pipedsl.runtime.optim:PipelineOptimizer",
+        "tp_gpt_loss": "pipedsl.models.gpt.tp:tp_gpt_loss",
+        "tp_gpt_stages": "pipedsl.models.gpt.tp:tp_gpt_stages",
+    },
+}
+
+
+def moved(package: str, name: str) -> Any:
+    """`package.name` from its new home (`MOVED`), with a DeprecationWarning; AttributeError if it never was."""
+    target = MOVED.get(package, {}).get(name)
+    if target is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    import warnings
+
+    public = ".".join(target.partition(":")[0].split(".")[:2])  # the package that exports it now
+    warnings.warn(f"{package}.{name} moved to {public}.{name}", DeprecationWarning, stacklevel=3)
+    return resolve(target)
+
+
 def resolve(target: str) -> Any:
     """The object a "module:attribute" name stands for (imported now)."""
     module, _, attr = target.partition(":")
@@ -57,6 +87,6 @@ def lazy_attributes(package: str, exports: dict[str, str]) -> Callable[[str], An
     importing the package imports neither torch nor its heavier modules."""
     def attribute(name: str) -> Any:
         if name not in exports:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            return moved(package, name)
         return getattr(import_module(f"{package}.{exports[name]}"), name)
     return attribute

@@ -109,3 +109,14 @@ def test_every_lent_command_resolves(name: str) -> None:
     command = COMMANDS[name]
     module = import_module(command.module)
     assert callable(getattr(module, command.add_parser)) and callable(getattr(module, command.run))
+
+
+@pytest.mark.parametrize("package, name", sorted((p, n) for p, names in
+                                                __import__("pipedsl.registry").registry.MOVED.items() for n in names))
+def test_names_that_moved_up_a_layer_still_resolve_where_they_were(package: str, name: str) -> None:
+    """`pipedsl.runtime.causal_lm_stages` and the like keep working, with a warning that names the new home, which
+    exports the same object."""
+    with pytest.warns(DeprecationWarning, match=rf"{package}\.{name} moved to pipedsl\.\w+\.{name}") as caught:
+        old = getattr(import_module(package), name)
+    new_home = str(caught[0].message).rpartition(" ")[2].rpartition(".")[0]
+    assert getattr(import_module(new_home), name) is old
