@@ -191,6 +191,16 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
                         "with save_to_disk; tokenized once with the model's tokenizer (bytes when it has none)")
     g.add_argument("--text-field",
                    help=f"the JSONL / Parquet / dataset column holding the text (default {d.text_field})")
+    g.add_argument("--source-field", metavar="FIELD",
+                   help="encoder-decoders: train on (source, target) pairs, the encoder's text in this JSONL / "
+                        "Parquet field (default: T5's span corruption of --text-field)")
+    g.add_argument("--target-field", metavar="FIELD", help="encoder-decoders: the field holding each target")
+    g.add_argument("--target-seq", type=nonnegative_int, metavar="N",
+                   help="encoder-decoders on pairs: target tokens a row (default: --seq); span corruption derives it")
+    g.add_argument("--noise-density", type=float,
+                   help=f"span corruption: the share of tokens masked (default {d.noise_density:g}, T5's)")
+    g.add_argument("--mean-noise-span", type=float,
+                   help=f"span corruption: the masked spans' mean length (default {d.mean_noise_span:g})")
     g.add_argument("--packing", choices=config.PACKINGS,
                    help="pack: documents joined by end-of-text into fixed windows (default); pad: one document a "
                         "row, right-padded, masked")

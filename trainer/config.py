@@ -113,6 +113,14 @@ def _option(default: Any, *rules: Rule) -> Any:
     return field(default=default, metadata={"rules": rules})
 
 
+def _open_fraction() -> Rule:
+    return ("must be in (0, 1)", lambda v: _is_number(v) and 0 < v < 1)
+
+
+def _at_least_number(low: float) -> Rule:
+    return (f"must be a number of at least {low:g}", lambda v: _is_number(v) and v >= low)
+
+
 def _flag(name: str) -> str:
     return {"ranks": "-P", "microbatches": "-M", "param": "-p"}.get(name, "--" + name.replace("_", "-"))
 
@@ -166,7 +174,12 @@ class DataConfig(_Section):
     data: tuple[str, ...] | None = _option(None, _optional(PATHS))
     eval_data: tuple[str, ...] | None = _option(None, _optional(PATHS))
     text_field: str = _option("text", TEXT)
+    source_field: str | None = _option(None, _optional(TEXT))  # encoder-decoders: (source, target) pairs …
+    target_field: str | None = _option(None, _optional(TEXT))  # … else span corruption of --text-field
     seq: int = _option(32, _at_least(1))
+    target_seq: int = _option(0, _at_least(0))  # pairs: the targets' length; 0: --seq
+    noise_density: float = _option(0.15, _open_fraction())  # span corruption: the share of tokens masked
+    mean_noise_span: float = _option(3.0, _at_least_number(1.0))  # … and their spans' mean length
     packing: str = _option("pack", _one_of(*PACKINGS))
     doc_mask: bool = _option(False, FLAG)
     eval_fraction: float = _option(0.05, FRACTION)
@@ -306,6 +319,7 @@ class HFModelConfig:
     export: dict[str, Any]  # hf_io.export_metadata: saved in every checkpoint as a plain dict
     describe: str  # one line on the model, for the launcher's banner
     data_describe: str  # one line on the data
+    seq2seq: dict[str, Any] | None = None  # an encoder-decoder's objective and target caches (seq2seq_data.samples)
 
 
 @dataclass(frozen=True)
@@ -357,6 +371,9 @@ class TrainConfig:
             if d.doc_mask and d.packing != "pack":
                 raise ConfigError("--doc-mask keeps documents apart inside packed rows; with --packing pad every row "
                                   "is one document already")
+            if (d.source_field is None) != (d.target_field is None):
+                raise ConfigError("--source-field and --target-field come together: an encoder-decoder trains on "
+                                  "(source, target) pairs of two fields of each record")
         else:
             self._check_gpt()
         if self.hf is not None and not isinstance(self.hf, HFModelConfig):

@@ -773,8 +773,9 @@ def document_positions(input_ids: np.ndarray, eos_id: int) -> np.ndarray:
 
 
 def _step_args(tensors: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
-    """(inputs, targets) as `Pipeline.step` takes them with `causal_lm_stages(attention_mask=…, position_ids=…)`."""
-    extra = [tensors[k] for k in ("attention_mask", "position_ids") if k in tensors]
+    """(inputs, targets) as `Pipeline.step` takes them with `causal_lm_stages(attention_mask=…, position_ids=…)`,
+    or with `seq2seq_stages`: (input_ids, attention_mask, decoder_input_ids)."""
+    extra = [tensors[k] for k in ("attention_mask", "position_ids", "decoder_input_ids") if k in tensors]
     inputs = (tensors["input_ids"], *extra) if extra else tensors["input_ids"]
     return inputs, tensors["targets"]
 

@@ -27,6 +27,11 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
 
     d, batch, dp = cfg.data, cfg.training.batch, cfg.parallel.dp
     md = hf_io.inspect_model_dir(cfg.model.model)
+    if md.seq2seq:
+        return _seq2seq_config(cfg, program, out, md)
+    if d.source_field is not None:
+        raise PipeDSLError(f"--source-field: {md.path} is a causal decoder ({md.kind}); (source, target) pairs train "
+                           f"encoder-decoders such as T5 or BART")
     S = program.num_stages
     layers = int(getattr(md.config, "num_hidden_layers", None) or getattr(md.config, "n_layer", 0))
     if S > layers + 2:
@@ -71,6 +76,88 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
                          describe=md.describe(), data_describe="; ".join([described, *notes]))
 
 
+def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFModelConfig:
+    """`hf_config` for an encoder-decoder: (source, target) pairs of two fields, or T5's span corruption of the
+    text (trainer/seq2seq_data.py); the whole model on every rank, cut by `seq2seq_stages`."""
+    from pipedsl.models.hf import io as hf_io
+    from pipedsl.trainer import data, seq2seq_data
+
+    d, batch, S = cfg.data, cfg.training.batch, program.num_stages
+    enc, dec = hf_io.seq2seq_layers(md.config)
+    if S > enc + dec + 3:
+        raise PipeDSLError(f"{md.path}: an encoder input, {enc} encoder layers, a decoder input, {dec} decoder layers "
+                           f"and a head make {enc + dec + 3} pieces, fewer than the program's {S} stages")
+    if cfg.model.split != "count":
+        raise PipeDSLError(f"--split {cfg.model.split}: {md.path} is an encoder-decoder, cut by unit count "
+                           f"(--split count)")
+    if cfg.parallel.tp > 1:
+        raise PipeDSLError(f"--tp {cfg.parallel.tp}: tensor parallelism of encoder-decoders is not supported yet "
+                           f"({md.path} is a {md.kind}); use dp and pp")
+    if d.packing != "pack" or d.doc_mask:
+        raise PipeDSLError(f"--packing / --doc-mask: {md.path} is an encoder-decoder, whose rows are one record or one "
+                           f"span-corrupted window each, padded")
+    target_seq = d.target_seq or d.seq
+    longest = max(md.max_positions or 0, 0)
+    if longest and max(d.seq, target_seq) > longest:
+        raise PipeDSLError(f"--seq {d.seq} / --target-seq {target_seq}: longer than the model's {longest} positions "
+                           f"(max_position_embeddings in {md.path / hf_io.CONFIG})")
+    tokenizer = data.load_tokenizer(cfg.model.model)
+    if tokenizer.vocab_size > md.vocab_size:
+        raise PipeDSLError(f"the tokenizer of {md.path} has {tokenizer.vocab_size} tokens, more than the model's "
+                           f"vocab_size {md.vocab_size}: ids past {md.vocab_size - 1} have no embedding")
+    config = md.config
+    pad = config.pad_token_id if config.pad_token_id is not None else tokenizer.eos_id
+    start = config.decoder_start_token_id if config.decoder_start_token_id is not None else pad
+    cache_dir = d.cache_dir or out / "token-cache"
+    where = str(md.path / hf_io.CONFIG)
+
+    def caches(paths: Any) -> tuple[str, str | None]:  # (the source or text cache, the target cache)
+        fields = (d.source_field, d.target_field) if d.source_field else (d.text_field, None)
+        return tuple(None if f is None else data.build_token_cache(list(paths), tokenizer, cache_dir, text_field=f,
+                                                                    model_vocab=md.vocab_size, model_where=where).path
+                     for f in fields)
+
+    if d.source_field:
+        objective = {"kind": "pairs", "target_seq": target_seq, "pad_id": int(pad), "start_id": int(start)}
+    else:
+        objective = {"kind": "spans", "sentinels": seq2seq_data.sentinel_ids(tokenizer, str(md.path)),
+                     "pad_id": int(pad), "start_id": int(start), "noise_density": d.noise_density,
+                     "mean_noise_span": d.mean_noise_span, "seed": cfg.model.seed}
+    train_caches = caches(d.data)
+    objective["target_cache"] = train_caches[1]
+    samples = seq2seq_data.samples(objective, train_caches[0], d.seq)
+    train, heldout = samples.split(d.heldout_fraction)
+    eval_caches = caches(d.eval_data) if d.eval_data else None
+    if eval_caches:
+        objective["eval_target_cache"] = eval_caches[1]
+        heldout = seq2seq_data.samples(objective, eval_caches[0], d.seq, held_out=True)
+    data.BatchLoader(train, batch, dp_size=cfg.parallel.dp)
+    eval_at_end, notes = bool(d.heldout_fraction or eval_caches), []
+    if eval_at_end and len(heldout) < batch:
+        if cfg.eval.eval_every or eval_caches:
+            data.eval_batches(heldout, batch, 0, cfg.parallel.dp)  # raises, naming the sizes
+        eval_at_end = False
+        notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
+    attn = cfg.model.attn or _attention(md)
+    meta = _meta_model(md.config)
+    _check_memory(cfg, md, meta)
+    from pipedsl.models.hf.seq2seq import check_seq2seq_architecture
+
+    try:
+        if check_seq2seq_architecture(meta, attn=attn) is None:
+            print(f"note: the architecture check is skipped (one layer of {md.path.name} is too large)", flush=True)
+    except PipeDSLError as err:
+        raise PipeDSLError(f"{md.path}: {err.message}") from None
+    split = {"by": "count"}
+    described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_caches else
+                                                                        "held out")
+    return HFModelConfig(path=str(md.path.resolve()), local=False, attn=attn, split=split,
+                         cache=train_caches[0], eval_cache=eval_caches[0] if eval_caches else None,
+                         eval_at_end=eval_at_end, seq2seq=objective,
+                         export=hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)),
+                         describe=md.describe(), data_describe="; ".join([described, *notes]))
+
+
 def _split(how: str, layers: int, num_stages: int, md: Any) -> dict[str, Any]:
     """`--split count`: embedding, layers and head spread as units; `blocks`: every stage the same number of
     decoder layers (±1), the embedding with the first and the head with the last (Megatron's split)."""
@@ -87,7 +174,8 @@ def _attention(md: Any) -> str:
     """sdpa where transformers implements it for this model (Gemma 2 has only eager), else eager."""
     import transformers as tf
 
-    cls = tf.MODEL_FOR_CAUSAL_LM_MAPPING[type(md.config)]
+    mapping = tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING if md.seq2seq else tf.MODEL_FOR_CAUSAL_LM_MAPPING
+    cls = mapping[type(md.config)]
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
@@ -121,7 +209,7 @@ def _check_tensor_parallel(cfg: TrainConfig, md: Any, meta: Any, split: dict[str
     from pipedsl.parallel.tp_hf import check_stages
 
     try:
-        check_stages(causal_lm_stages(meta, S, **split),
+        check_stages(causal_lm_stages(meta, S, **split, check=False),
                      ParallelConfig(dp=cfg.parallel.dp, pp=S, tp=tp, zero=cfg.parallel.zero))
     except ParallelConfigError as err:
         raise PipeDSLError(f"--tp {tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
@@ -178,12 +266,13 @@ def _weights_cover(md: Any, model: Any = None) -> bool:
 
 
 def _meta_model(config: Any) -> Any:
-    """The causal LM of `config` on the meta device: its shapes and names, no memory."""
+    """The language model of `config` on the meta device: its shapes and names, no memory."""
     import torch
-    import transformers as tf
+
+    from pipedsl.models.hf.io import auto_class
 
     with torch.device("meta"):
-        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return auto_class(config).from_config(config, dtype=torch.float32)
 
 
 def _count_parameters(config: Any) -> int:
@@ -194,10 +283,10 @@ def meta_stages(cfg: TrainConfig, num_stages: int) -> tuple[list, str]:
     """The run's stages on the meta device (shapes only), to compare with a checkpoint's partition."""
     import transformers as tf
 
-    from pipedsl.models.hf.stages import causal_lm_stages
+    from pipedsl.models.hf.io import model_stages
 
     hfc = cfg.hf
     assert hfc is not None, "meta_stages: a Hugging Face run's configuration (hf_config's)"
     model = _meta_model(tf.AutoConfig.from_pretrained(hfc.path, local_files_only=True))
-    return causal_lm_stages(model, num_stages, **hfc.split), f"{os.path.basename(hfc.path)} cut into {num_stages} " \
-                                                              f"stages"
+    stages = model_stages(model, num_stages, hfc.split, check=False)  # checked by hf_config
+    return stages, f"{os.path.basename(hfc.path)} cut into {num_stages} stages"

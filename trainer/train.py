@@ -124,7 +124,7 @@ class HFSource:
             model = local.model
         else:  # the launcher decided, for every rank alike: the whole model (hf_setup._check_architecture)
             model = hf_io.build_model(hfc.path, seed=seed, attn=hfc.attn)
-            self.stages = hf.causal_lm_stages(model, program.num_stages, **hfc.split)
+            self.stages = hf_io.model_stages(model, program.num_stages, hfc.split, check=False)  # checked there
         self.token = cfg.loss_reduction == "token"
         self.loss_fn = functools.partial(hf.causal_lm_loss, reduction="sum") if self.token else hf.causal_lm_loss
         if cfg.parallel.tp > 1:
@@ -133,15 +133,23 @@ class HFSource:
         params = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings().weight.numel()
         c = model.config
-        layers = getattr(c, "num_hidden_layers", None) or c.n_layer
-        hidden = getattr(c, "hidden_size", None) or c.n_embd
+        layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None) or sum(hf_io.seq2seq_layers(c))
+        hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or c.d_model
         self.flops_per_token = _flops(params, embedding, layers, hidden, d.seq)
-        samples = data.PackedSequences(data.TokenCache.open(hfc.cache), d.seq, d.packing, d.doc_mask)
+        if hfc.seq2seq is not None:  # an encoder-decoder: pairs or span corruption (seq2seq_data.py)
+            from pipedsl.trainer import seq2seq_data
+
+            samples = seq2seq_data.samples(hfc.seq2seq, hfc.cache, d.seq)
+            held = seq2seq_data.samples(hfc.seq2seq, hfc.eval_cache, d.seq, held_out=True) if hfc.eval_cache else None
+        else:
+            samples = data.PackedSequences(data.TokenCache.open(hfc.cache), d.seq, d.packing, d.doc_mask)
+            held = (data.PackedSequences(data.TokenCache.open(hfc.eval_cache), d.seq, d.packing, d.doc_mask)
+                    if hfc.eval_cache else None)
         self.train_set, self.heldout = samples.split(d.heldout_fraction)
-        if hfc.eval_cache:  # --eval-data: a held-out set of its own
-            self.heldout = data.PackedSequences(data.TokenCache.open(hfc.eval_cache), d.seq, d.packing, d.doc_mask)
+        if held is not None:  # --eval-data: a held-out set of its own
+            self.heldout = held
         self.samples_per_step = cfg.training.batch
-        self.tokens_per_step = cfg.training.batch * d.seq
+        self.tokens_per_step = cfg.training.batch * (d.seq + getattr(samples, "target_len", 0))
         self.meta = hfc.export  # every checkpoint carries it (a plain dict) for `pipedsl export`
         self.loader: Any = None
 

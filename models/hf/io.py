@@ -9,11 +9,12 @@ Nothing is downloaded (`local_files_only=True`).
 
 Out: `export_hf(CHECKPOINT, OUT)` turns a pipedsl checkpoint of any dp × pp × tp layout and ZeRO
 stage into a `save_pretrained` directory (safetensors, config, tokenizer) that
-`AutoModelForCausalLM.from_pretrained(OUT)` loads.  The trainer stores what this needs in
-each checkpoint's `extra["hf"]`: the model config, how the model was cut into stages, and the
-tokenizer's files.  Names are mapped by identity, not by rules: the model is rebuilt on the
-meta device from the saved config and cut the same way, so every stage tensor *is* one of the
-HF model's tensors and takes its name (a tied head takes the embedding's).
+`AutoModelForCausalLM.from_pretrained(OUT)` (`AutoModelForSeq2SeqLM` for an encoder-decoder)
+loads.  The trainer stores what this needs in each checkpoint's `extra["hf"]`: the model
+config, how the model was cut into stages, and the tokenizer's files.  Names are mapped by
+identity, not by rules: the model is rebuilt on the meta device from the saved config and cut
+the same way, so every stage tensor *is* one of the HF model's tensors and takes its name (a
+tied head takes the embedding's).
 """
 
 from __future__ import annotations
@@ -59,9 +60,16 @@ class ModelDir:
     def kind(self) -> str:
         return str(getattr(self.config, "model_type", "?"))
 
+    @property
+    def seq2seq(self) -> bool:
+        """An encoder-decoder (`seq2seq_stages`), not a causal decoder (`causal_lm_stages`)."""
+        return _is_seq2seq(self.config)
+
     def describe(self) -> str:
         c = self.config
         layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", "?")
+        if self.seq2seq:
+            layers = "+".join(str(n) for n in seq2seq_layers(c)) + " encoder+decoder"
         hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", "?")
         init = "weights from safetensors" if self.weights else "random init (no weights in the directory)"
         return f"{self.kind} from {self.path} ({layers} layers, hidden {hidden}, vocab {self.vocab_size}; {init})"
@@ -87,9 +95,9 @@ def inspect_model_dir(path: str | os.PathLike) -> ModelDir:
         config = tf.AutoConfig.from_pretrained(str(p), local_files_only=True)
     except Exception as err:  # noqa: BLE001 - whatever transformers refuses, said in one line
         raise ModelDirError(f"{cfg_file}: transformers cannot build this config: {_one_line(err)}") from None
-    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ModelDirError(f"{cfg_file}: model_type {raw['model_type']!r} has no causal language model in "
-                            f"transformers {tf.__version__}")
+    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING and not _is_seq2seq(config):
+        raise ModelDirError(f"{cfg_file}: model_type {raw['model_type']!r} has neither a causal language model nor "
+                            f"a sequence-to-sequence (encoder-decoder) one in transformers {tf.__version__}")
     weights = any((p / w).is_file() for w in WEIGHTS)
     if not weights and any(p.glob("*.bin")):
         raise ModelDirError(f"--model {path}: weights only as pytorch_model*.bin; pipedsl loads safetensors "
@@ -98,22 +106,54 @@ def inspect_model_dir(path: str | os.PathLike) -> ModelDir:
     return ModelDir(p, config, weights, int(config.vocab_size), int(positions) if positions else None)
 
 
+def _is_seq2seq(config: Any) -> bool:
+    tf = require_transformers()
+    seq2seq = tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+    return bool(getattr(config, "is_encoder_decoder", False)) and type(config) in seq2seq
+
+
+def seq2seq_layers(config: Any) -> tuple[int, int]:
+    """(encoder layers, decoder layers) of an encoder-decoder's config (T5's or BART's names)."""
+    enc = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
+    dec = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or enc
+    return int(enc), int(dec)
+
+
+def auto_class(config: Any) -> Any:
+    """transformers' Auto class for the model's language-model head: seq2seq for encoder-decoders, else causal."""
+    tf = require_transformers()
+    return tf.AutoModelForSeq2SeqLM if _is_seq2seq(config) else tf.AutoModelForCausalLM
+
+
+def model_stages(model: nn.Module, num_stages: int, split: dict[str, Any], **kwargs: Any) -> list[nn.Module]:
+    """`model` cut into stages as its kind is cut: `seq2seq_stages` or `causal_lm_stages`, with `split`'s keywords."""
+    if _is_seq2seq(model.config):
+        from pipedsl.models.hf.seq2seq import seq2seq_stages
+
+        return seq2seq_stages(model, num_stages, **split, **kwargs)
+    from pipedsl.models.hf.stages import causal_lm_stages
+
+    return causal_lm_stages(model, num_stages, **split, **kwargs)
+
+
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= 300 else text[:297] + "..."
 
 
 def build_model(model_dir: str | os.PathLike, *, seed: int = 0, attn: str = "sdpa") -> nn.Module:
-    """The causal LM of a checked directory, in fp32 on the CPU: its weights, or a seeded random init."""
+    """The language model (causal or seq2seq) of a checked directory, in fp32 on the CPU: its weights, or a seeded
+    random init."""
     tf = require_transformers()
     path = str(model_dir)
     kwargs = {"attn_implementation": attn}
+    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    auto = auto_class(config)
     if any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS):
-        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32, **kwargs)
+        model = auto.from_pretrained(path, local_files_only=True, dtype=torch.float32, **kwargs)
     else:
-        config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
         torch.manual_seed(seed)
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+        model = auto.from_config(config, dtype=torch.float32, **kwargs)
     return model.float().train()
 
 
@@ -146,7 +186,7 @@ class LocalStages:
         with torch.device("meta"):
             model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
         self.model = model
-        self.stages = causal_lm_stages(model, num_stages, **split)
+        self.stages = causal_lm_stages(model, num_stages, **split, check=False)  # the launcher checked
         self.ties = find_ties(self.stages)
         self.held = set(held)
         prefixes = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
@@ -287,7 +327,6 @@ def export_metadata(model_dir: ModelDir, num_stages: int, split: dict[str, Any],
 def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32") -> tuple[Path, int]:
     """Write the model of checkpoint `source` (or the latest under it) as a Hugging Face directory `out`;
     returns (the directory, the checkpoint's step)."""
-    from pipedsl.models.hf.stages import causal_lm_stages
     from pipedsl.runtime import checkpoint
 
     tf = require_transformers()
@@ -300,8 +339,8 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     config_dict = dict(meta["config"])
     config = tf.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    stages = causal_lm_stages(model, meta["num_stages"], **meta["split"])
+        model = auto_class(config).from_config(config, dtype=torch.float32)
+    stages = model_stages(model, meta["num_stages"], meta["split"], check=False)
     hf_names: dict[int, list[str]] = {}  # a tied tensor has two names (embedding and head)
     for n, t in model.state_dict(keep_vars=True).items():
         hf_names.setdefault(id(t), []).append(n)
