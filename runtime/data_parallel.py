@@ -57,8 +57,10 @@ class Replicated:
 
     def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
               kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
-        # frozen parameters stay out: no optimizer (weight decay included) touches them
-        return optimizer_class([p for p in pipe.parameters() if p.requires_grad], **kwargs)
+        # frozen parameters stay out: no optimizer (weight decay included) touches them; a rank whose stages are
+        # all frozen (a frozen embedding stage under adapters) has nothing to step
+        trainable = [p for p in pipe.parameters() if p.requires_grad]
+        return optimizer_class(trainable, **kwargs) if trainable else None
 
     def gradients(self, ownership: clip.GradientOwnership) -> clip.Gradients:
         return ownership.gradients({})

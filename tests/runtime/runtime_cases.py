@@ -290,3 +290,41 @@ def evaluation(rank: int, program_json: str, token: bool = False) -> dict:
     if pipe.steps != 1 or any(p.grad is None for p in pipe.parameters()):
         problems.append(f"rank {rank}: the training step after evaluate() did not train")
     return {"problems": problems, "handshakes": pipe.shape_handshakes}
+
+
+def frozen_first_stage(rank: int, dp: int, zero: int) -> dict:
+    """Stage 0 all frozen (a frozen embedding under trainable stages): its rank still makes `pipe.optimizer()`
+    and steps; the trainable stages train as one process, the frozen one stays bit for bit."""
+    from pipedsl.parallel import ParallelConfig, ParallelMesh
+
+    model = make_model(4)
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    program = pipedsl.load("1f1b").compile(P=2, M=2)
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=2, zero=zero)) if dp > 1 else None
+    pipe = pipedsl.Pipeline(split_sequential(model, 2), program=program, loss_fn=F.mse_loss, parallel=mesh)
+    opt = pipe.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    problems = []
+    for step in range(2):
+        x, y = batch(step, 4 * dp)
+        loss = pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        want = reference_step(ref, F.mse_loss, x, y, 2 * dp)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if abs(loss - want) > RTOL * abs(want):
+            problems.append(f"rank {rank} step {step}: loss {loss} != {want}")
+    ref_params = dict(ref.named_parameters())
+    for s, named in opt.stage_parameters().items():
+        for name, v in named.items():
+            hf = f"{2 * s + int(name[0])}{name[1:]}"  # stage s holds the model's layers 2s and 2s + 1
+            if hf in frozen and not torch.equal(v, frozen[hf]):
+                problems.append(f"rank {rank}: frozen {hf} changed")
+            if not _close(v, ref_params[hf].detach()):
+                problems.append(f"rank {rank}: {hf} differs from one process")
+    pipe.close()
+    return {"problems": problems}

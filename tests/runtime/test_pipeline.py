@@ -110,3 +110,13 @@ def test_a_compiled_program_refuses_schedule_parameters_naming_the_likely_option
         pipedsl.Pipeline([nn.Linear(2, 2)], program=program, recompue="full")
     with pytest.raises(pipedsl.PipeRuntimeError, match=r"arguments 'V', 'zz'$"):
         pipedsl.Pipeline([nn.Linear(2, 2)], program=program, V=2, zz=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp, zero", [(1, 0), (2, 1), (2, 3)])
+def test_a_rank_whose_stages_are_all_frozen_still_steps(pools, dp, zero) -> None:
+    """pipe.optimizer() on a rank with nothing to train is no error (torch's "empty parameter list" was), under
+    ZeRO 0, 1 and 3; the other rank trains equal to one process."""
+    results = pools[2 * dp].run(cases.frozen_first_stage, dp, zero)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:8])
