@@ -9,7 +9,11 @@ At each stage's REDUCE_GRAD, and waited at the step end in this order, a pipelin
    rank's part of the data — sequence-parallel norms, row-parallel biases (`SequenceParallelGradSum`);
 4. summed between the ranks holding a tied weight (ties.py), after the handles above.
 
-`install` wires them on a new pipeline; nothing else registers gradient reductions.
+Beside the gradients, running statistics (BatchNorm's mean, variance and count) are broadcast from
+dp rank 0 to the other replicas at the same point (`RunningStatsBroadcast`), as DDP's
+`broadcast_buffers` does: every replica then evaluates with the same statistics.
+
+`install` wires them on a new pipeline; nothing else registers step-end reductions.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _NormBase
 
 from pipedsl.parallel.comm import all_reduce
 from pipedsl.parallel.config import ParallelConfigError
@@ -38,6 +44,52 @@ def install(pipe: Pipeline) -> None:
     tp_sum = SequenceParallelGradSum.for_stages(tp, group, pipe.local_stages(), pipe.data_parallel.zero)
     if tp_sum is not None:  # after the dp reduction: the same sum on the averaged gradients
         pipe.reducer.add_hook(tp_sum)
+    stats = RunningStatsBroadcast.for_stages(pipe.dp, pipe.dp_group, pipe.local_stages())
+    if stats is not None:
+        pipe.reducer.add_hook(stats)
+
+
+class RunningStatsBroadcast:
+    """A REDUCE_GRAD hook: a stage's running statistics from dp rank 0 to the other replicas (DDP's
+    `broadcast_buffers`), issued once its forwards of the step are done and waited at the step end.
+
+    Each replica updates BatchNorm's running mean and variance from its own share of the batch, so
+    without this the replicas drift apart (0.16 after a few steps in the issue's trial) and a
+    checkpoint keeps only dp rank 0's.  Only normalisation modules that track running statistics
+    are broadcast: other buffers (rotary tables, masks) do not change in a forward.
+    """
+
+    def __init__(self, group: ProcessGroup, buffers: dict[int, list[torch.Tensor]]) -> None:
+        self.group, self.buffers = group, buffers
+        self.src = dist.get_global_rank(group, 0)
+
+    @classmethod
+    def for_stages(cls, dp: int, group: ProcessGroup | None, modules: dict[int, nn.Module]
+                   ) -> RunningStatsBroadcast | None:
+        """The hook for these stages, or None without dp or without running statistics (the same on every replica)."""
+        if dp == 1 or group is None:
+            return None
+        buffers = {s: [b for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats
+                       for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+                   for s, module in modules.items()}
+        return cls(group, buffers) if any(buffers.values()) else None
+
+    def __call__(self, stage: int, module: nn.Module) -> _PendingBroadcast | None:
+        tensors = self.buffers.get(stage)
+        if not tensors:
+            return None
+        return _PendingBroadcast([dist.broadcast(t, src=self.src, group=self.group, async_op=True) for t in tensors])
+
+
+class _PendingBroadcast:
+    __slots__ = ("works",)
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 class SequenceParallelGradSum:

@@ -328,3 +328,31 @@ def frozen_first_stage(rank: int, dp: int, zero: int) -> dict:
                 problems.append(f"rank {rank}: {hf} differs from one process")
     pipe.close()
     return {"problems": problems}
+
+
+def batchnorm_replicas(rank: int) -> dict:
+    """dp2 × pp2 with BatchNorm in both stages: after two steps every replica holds the same running statistics
+    (dp rank 0's, broadcast at each step's end as DDP does), and they moved from their initial values."""
+    import torch.distributed as dist
+
+    from pipedsl.parallel import ParallelConfig, ParallelMesh
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
+                          nn.BatchNorm1d(WIDTH))
+    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2))
+    pipe = pipedsl.Pipeline(split_sequential(model, 2, points=[2]), program=pipedsl.load("1f1b").compile(P=2, M=2),
+                            loss_fn=F.mse_loss, parallel=mesh)
+    opt = pipe.optimizer(torch.optim.SGD, lr=0.1)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, WIDTH, generator=g) * torch.arange(1, 9).unsqueeze(1)  # rows of growing scale: the
+        pipe.step(x, torch.randn(8, WIDTH, generator=g))  # replicas' halves of the batch have unlike statistics
+        opt.step()
+        opt.zero_grad()
+    stats = torch.cat([b.float().reshape(-1) for m in pipe.local_stages().values() for b in m.buffers()])
+    others = [torch.empty_like(stats) for _ in range(2)]
+    dist.all_gather(others, stats, group=mesh.dp_group)
+    pipe.close()
+    initial = torch.cat([torch.zeros(WIDTH), torch.ones(WIDTH), torch.zeros(1)])  # BatchNorm's mean, var, count
+    return {"equal": torch.equal(others[0], others[1]), "moved": not torch.equal(stats, initial)}

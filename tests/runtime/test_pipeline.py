@@ -120,3 +120,10 @@ def test_a_rank_whose_stages_are_all_frozen_still_steps(pools, dp, zero) -> None
     results = pools[2 * dp].run(cases.frozen_first_stage, dp, zero)
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:8])
+
+
+@pytest.mark.slow
+def test_batchnorm_running_statistics_agree_over_data_parallel_replicas(pool4) -> None:
+    results = pool4.run(cases.batchnorm_replicas)
+    assert all(r["equal"] for r in results), results
+    assert all(r["moved"] for r in results)
