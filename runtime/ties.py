@@ -53,11 +53,22 @@ Tie = tuple[tuple[int, str], ...]  # ((stage, parameter name in that stage's mod
 
 
 def find_ties(stages: Sequence[nn.Module]) -> list[Tie]:
-    """Parameters that appear in more than one stage module, by (stage, name), in stage order."""
+    """Parameters that appear in more than one stage module, by (stage, name), in stage order.
+
+    Stage modules that each hold every parameter of the pipeline are refused: a wrapper around the
+    whole model (one that runs only its part in `forward`) would make every weight a "tie", keep
+    the whole model on every rank and sum every gradient over the ranks."""
     where: dict[int, list[tuple[int, str]]] = {}
     for s, module in enumerate(stages):
         for name, p in module.named_parameters():
             where.setdefault(id(p), []).append((s, name))
+    whole = [s for s, module in enumerate(stages)
+             if len({id(p) for p in module.parameters()}) == len(where) > 1]
+    if len(whole) > 1 and len(stages) > 1:
+        raise PipeRuntimeError(f"stages {whole[0]} and {whole[1]} each hold every parameter of the model "
+                               f"({len(where)} tensors, e.g. {where[next(iter(where))][0][1]!r}): a stage module must "
+                               f"hold only its own part (split_module, split_sequential or a module of just those "
+                               f"layers), not wrap the whole model")
     return [tuple(v) for v in where.values() if len({s for s, _ in v}) > 1]
 
 

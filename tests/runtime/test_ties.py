@@ -51,3 +51,28 @@ def test_bad_ties_fail_on_every_rank(pool2, ties, message):
     out = pool2.run(tie_cases.tie_error, ties)
     for rank, m in enumerate(out):
         assert message in m, f"rank {rank}: {m}"
+
+
+def test_stage_modules_that_each_wrap_the_whole_model_are_refused() -> None:
+    """A stage wrapper holding the whole model and running its part would tie every weight; it is refused."""
+    import torch
+    from torch import nn
+
+    from pipedsl.errors import PipeRuntimeError
+    from pipedsl.runtime.ties import find_ties
+
+    class Part(nn.Module):
+        def __init__(self, model: nn.Module, index: int) -> None:
+            super().__init__()
+            self.model, self.index = model, index
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model[self.index](x)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(PipeRuntimeError, match="stages 0 and 1 each hold every parameter of the model"):
+        find_ties([Part(model, 0), Part(model, 1)])
+    embedding = nn.Embedding(8, 4)
+    head = nn.Linear(4, 8, bias=False)
+    head.weight = embedding.weight  # a real tie between two small stages still is one
+    assert len(find_ties([embedding, head])) == 1
