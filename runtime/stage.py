@@ -321,6 +321,11 @@ class Stage:
             return self._input_grads(act, [None] * len(want)) if want else []
         inputs = {n: k for k, n in enumerate(map(_grad_node, want)) if n is not None}
         graph = _Graph([_grad_node(t) for t in outs], inputs, self.param_nodes)
+        if graph.opaque:  # a compiled region: one node makes input and weight gradients; split, it would run twice
+            with self._weights_gathered(self.recompute is not None):
+                torch.autograd.backward(outs, gs)  # I does B's work; W finds nothing left
+            act.boundary, act.outputs = [], []
+            return self._input_grads(act, None)
         plan = self._plan(graph, inputs)
         captured: dict[Node, tuple] = {}
         handles = [u.register_prehook(lambda g, u=u: captured.__setitem__(u, g))
@@ -350,11 +355,12 @@ class Stage:
 
     def _weight_grads(self, groups: list[tuple]) -> None:
         params = self.params
-        for roots, root_grads, pidx, clamps in groups:
+        for k, (roots, root_grads, pidx, clamps) in enumerate(groups):
             # a boundary node reached again through another root of its group keeps I's gradient
             handles = [u.register_prehook(lambda _g, saved=saved: saved) for u, saved in clamps]
-            try:  # accumulates into .grad directly, as a full backward would
-                torch.autograd.backward(roots, root_grads, retain_graph=True, inputs=[params[i] for i in pidx])
+            try:  # accumulates into .grad directly, as a full backward would; the last group frees the graph
+                torch.autograd.backward(roots, root_grads, retain_graph=k < len(groups) - 1,
+                                        inputs=[params[i] for i in pidx])
             finally:
                 for h in handles:
                     h.remove()
@@ -464,7 +470,7 @@ class _Graph:
     the other: the plan is derived once per stage structure, not once per microbatch.
     """
 
-    __slots__ = ("nodes", "children", "roots", "signature")
+    __slots__ = ("nodes", "children", "roots", "signature", "opaque")
 
     def __init__(self, roots: list[Node | None], inputs: dict[Node, int], params: dict[Node, int]) -> None:
         index: dict[Node, int] = {}
@@ -499,6 +505,8 @@ class _Graph:
             sig.append((type(node), mark, *kids))
         self.nodes = nodes
         self.signature = tuple(sig)
+        # torch.compile's regions: one backward node for inputs and weights alike, which cannot be split
+        self.opaque = any(type(n).__name__ == "CompiledFunctionBackward" for n in nodes)
 
 
 class _WeightPlan:

@@ -135,3 +135,16 @@ def test_split_backward_plan_is_reused_per_graph_shape() -> None:
         for p, q in zip(module.parameters(), twin.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, k=k: f"microbatch {k}: {m}")
     assert len(split._plans) == 2, "one plan for each of the two graph shapes"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+def test_compiled_blocks_under_split_backward(pool2, schedule) -> None:
+    import runtime_cases
+
+    """torch.compile'd blocks under 1F1B, ZB-H1 and ZB-V: no donated-buffer crash, gradients equal one process,
+    each block's backward once per microbatch (2 blocks a rank, M=2)."""
+    results = pool2.run(runtime_cases.compiled_blocks, schedule)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert [r["backward_runs"] for r in results] == [4, 4]
