@@ -233,8 +233,7 @@ class Stage:
         outputs = self.precision.cast_outputs(as_list(out))
         for k, t in enumerate(outputs):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
-                                f"or a tuple of tensors")
+                raise TypeError(_not_a_tensor(k, t))
         return Activation(inputs, outputs, token, buffers or []), outputs
 
     def _with_loss(self, out: Any, target: Any) -> tuple[Any, torch.Tensor | None]:
@@ -389,8 +388,7 @@ class Stage:
         outs = self.precision.cast_outputs(as_list(out))
         for k, t in enumerate(outs):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"stage output {k} is a {type(t).__name__}; a stage returns a tensor "
-                                f"or a tuple of tensors")
+                raise TypeError(_not_a_tensor(k, t))
         return tuple(TensorMeta(tuple(t.shape), t.dtype) for t in outs)
 
 
@@ -460,6 +458,12 @@ def _grad_node(t: torch.Tensor) -> Node | None:
     if t.requires_grad:
         return t.view_as(t).grad_fn.next_functions[0][0]
     return None
+
+
+def _not_a_tensor(k: int, value: Any) -> str:
+    hint = (": flatten it, or cut the model with pipedsl.models.split_module, whose stages pass any nesting of "
+            "tensors as flat tuples" if isinstance(value, (dict, list, tuple)) else "")
+    return f"stage output {k} is a {type(value).__name__}; a stage returns a tensor or a tuple of tensors{hint}"
 
 
 class _Graph:
