@@ -147,3 +147,15 @@ def test_dp2_pp2_zero_equals_one_process(pool4, family, zero):
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:8])
     assert set().union(*(r["checked"] for r in results)) == set(results[0]["all"]), "parameters on no stage"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, schedule, zero, recompute, precision", [
+    ("t5", "zb-h1", 2, "full", None), ("bart", "interleaved", 0, "full", None), ("mt5", "1f1b", 0, None, "bf16")])
+def test_recomputation_zero2_and_bf16(pools, family, schedule, zero, recompute, precision):
+    """Full recomputation (under ZeRO-2 on dp2 × pp2, and interleaved), and bf16 against HF under autocast."""
+    dp = 2 if zero else 1
+    params = {"V": 2} if schedule == "interleaved" else None
+    results = pools[2 * dp].run(cases.train_equal, family, schedule, 4, params, dp, zero, None, 2, recompute, precision)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:8])
