@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.models.hf.stages import IGNORE_INDEX, MAX_CHECK_BYTES, causal_lm_loss, require_transformers
+from pipedsl.models.hf.stages import IGNORE_INDEX, MAX_CHECK_BYTES, causal_lm_loss, one_line, require_transformers
 from pipedsl.models.split import _bounds
 
 LAYER_NAMES = ("block", "layers")  # a stack's layers: T5's families, BART's
@@ -353,8 +353,12 @@ def check_seq2seq_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: 
                              use_cache=False).logits.float()
             x: Any = (ids, mask, dec_ids, *((dec_mask,) if with_dec_mask else ()))
             x = tuple(t.to(device) for t in x)
-            for stage in stages:
-                x = stage(*x) if isinstance(x, tuple) else stage(x)
+            try:
+                for stage in stages:
+                    x = stage(*x) if isinstance(x, tuple) else stage(x)
+            except Exception as err:  # noqa: BLE001 - whatever the layers refuse, said as the model's refusal
+                raise PipeRuntimeError(f"seq2seq_stages: {type(model).__name__}'s layers fail when called as "
+                                       f"pipedsl's stages call them ({type(err).__name__}: {one_line(err)})") from None
             got = x.float()
     finally:
         model.train(was_training)
@@ -385,11 +389,16 @@ def check_seq2seq_architecture(model: nn.Module, *, decoder_attention_mask: bool
                                attn: str | None = None) -> float | None:
     """`seq2seq_stages` reproduces `model`'s architecture: a shallow random copy, cut inside each stack and at
     the encoder/decoder boundary, must compute the copy's own logits.  None when too large to check."""
-    config = shallow_seq2seq_config(model.config)
-    build = functools.partial(type(model)._from_config, config, dtype=torch.float32,
-                              **({"attn_implementation": attn} if attn else {}))
-    with torch.device("meta"):
-        size = 4 * sum(p.numel() for p in build().parameters())
+    try:
+        config = shallow_seq2seq_config(model.config)
+        build = functools.partial(type(model)._from_config, config, dtype=torch.float32,
+                                  **({"attn_implementation": attn} if attn else {}))
+        with torch.device("meta"):
+            size = 4 * sum(p.numel() for p in build().parameters())
+    except Exception as err:  # noqa: BLE001 - a config the shallow copy cannot be made of: unverifiable
+        raise PipeRuntimeError(f"seq2seq_stages: {type(model).__name__} cannot be verified: a copy with two layers a "
+                               f"stack cannot be built ({type(err).__name__}: {one_line(err)}); check=False splits it "
+                               f"unverified") from None
     if size > MAX_CHECK_BYTES:
         return None
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):

@@ -353,8 +353,13 @@ def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8,
             device = next(model.parameters()).device
             expected = model(ids.to(device), use_cache=False).logits.float()
             x: Any = (ids.to(device), *(given[e].to(device) for e in extras))
-            for stage in stages:
-                x = stage(*x) if isinstance(x, tuple) else stage(x)
+            try:
+                for stage in stages:
+                    x = stage(*x) if isinstance(x, tuple) else stage(x)
+            except Exception as err:  # noqa: BLE001 - whatever the layers refuse, said as the model's refusal
+                raise PipeRuntimeError(f"causal_lm_stages: {type(model).__name__}'s layers fail when called as "
+                                       f"pipedsl's stages call them ({type(err).__name__}: {one_line(err)}): its "
+                                       f"forward passes them something the stages do not") from None
             got = x.float()
     finally:
         model.train(was_training)
@@ -364,6 +369,12 @@ def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8,
                                f"{diff:.2e} (relative) away from the model's own forward: its forward does something "
                                f"between the embedding, the layers and the head that pipedsl does not reproduce")
     return diff
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line of at most 200 characters, for refusals that quote it."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def shallow_config(config: Any) -> Any:
@@ -395,11 +406,17 @@ def check_architecture(model: nn.Module, *, attention_mask: bool = False, positi
     relative difference, or None (unverified) when one layer alone exceeds `MAX_CHECK_BYTES`.  Raises
     `PipeRuntimeError` naming the model when its forward does something the stages do not.
     """
-    config = shallow_config(model.config)
-    build = functools.partial(type(model)._from_config, config, dtype=torch.float32,
-                              **({"attn_implementation": attn} if attn else {}))
-    with torch.device("meta"):
-        size = 4 * sum(p.numel() for p in build().parameters())
+    name = type(model).__name__
+    try:
+        config = shallow_config(model.config)
+        build = functools.partial(type(model)._from_config, config, dtype=torch.float32,
+                                  **({"attn_implementation": attn} if attn else {}))
+        with torch.device("meta"):
+            size = 4 * sum(p.numel() for p in build().parameters())
+    except Exception as err:  # noqa: BLE001 - a config the shallow copy cannot be made of: unverifiable
+        raise PipeRuntimeError(f"causal_lm_stages: {name} cannot be verified: a copy of it with one layer of each "
+                               f"type cannot be built ({type(err).__name__}: {one_line(err)}); check=False splits it "
+                               f"unverified") from None
     if size > MAX_CHECK_BYTES:
         return None
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
@@ -408,7 +425,14 @@ def check_architecture(model: nn.Module, *, attention_mask: bool = False, positi
         layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
         stages = causal_lm_stages(shallow, min(2, layers + 2), attention_mask=attention_mask,
                                   position_ids=position_ids, check=False)
-        return check_split(shallow, stages)
+        try:
+            return check_split(shallow, stages)
+        except PipeRuntimeError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the model's own forward fails on its shallow copy
+            raise PipeRuntimeError(f"causal_lm_stages: {name} cannot be verified: its own forward fails on a copy with "
+                                   f"one layer of each type ({type(err).__name__}: {one_line(err)}); check=False "
+                                   f"splits it unverified") from None
 
 
 def require_transformers() -> Any:
