@@ -12,6 +12,8 @@ from pipedsl.library import load
 from pipedsl.limits import MAX_PLAN_GPUS, MAX_PLAN_SIZE, MAX_PLAN_TOP, PLAN_RATE_RANGE, shorten
 from pipedsl.plan.activations import LAYOUTS, RECOMPUTE_MODES
 from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
+from pipedsl.plan.encdec import ENCDEC_MODELS, ENCDEC_RECOMPUTE, MT5_BATCH, MT5_SOURCE, MT5_TARGET, EncDecSpec
+from pipedsl.plan.encdec_cost import SPLITS
 from pipedsl.plan.model import MODELS, ModelSpec, model_preset
 from pipedsl.plan.search import TIES, PlanResult, search
 from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, column, scaled
@@ -19,10 +21,23 @@ from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, column, scaled
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank dp × pp × tp, ZeRO, schedule and microbatching for a model on a cluster")
-    p.add_argument("--model", help=f"a preset ({', '.join(MODELS)}); explicit sizes below override it")
+    p.add_argument("--model", help=f"a preset ({', '.join(MODELS)}; encoder-decoders: {', '.join(ENCDEC_MODELS)}); "
+                                   "explicit sizes below override a decoder preset's")
     size = int_in(1, MAX_PLAN_SIZE, "MAX_PLAN_SIZE")
     for name in ("layers", "hidden", "heads", "seq", "vocab", "global-batch", "ffn", "kv-heads"):
         p.add_argument(f"--{name}", type=size)
+    p.add_argument("--source-len", type=size,
+                   help=f"encoder-decoders: source tokens S (default {MT5_SOURCE}: T5's span corruption at 512 inputs)")
+    p.add_argument("--target-len", type=size,
+                   help=f"encoder-decoders: target tokens T (default {MT5_TARGET}, the targets of that corruption; "
+                        f"mT5 itself: --source-len 1024 --target-len 229); --global-batch defaults to {MT5_BATCH}")
+    p.add_argument("--split", choices=SPLITS, default="time",
+                   help="encoder-decoders: how units are spread over stages — time (the planner's balanced DP, "
+                        "default), count or params (seq2seq_stages' by=)")
+    p.add_argument("--mt5-table", action="store_true",
+                   help="instead of the ranked table: for mt5-small … mt5-xxl and each of --gpu-counts, the best "
+                        "layout of each ZeRO stage or the memory it would need, as Markdown (docs/planner.md)")
+    p.add_argument("--gpu-counts", default="8,16,32,64", help="GPU counts of --mt5-table (default 8,16,32,64)")
     p.add_argument("--model-layout", choices=LAYOUTS,
                    help="which runtime model the sizes describe: gpt (the built-in GPT: 1-D or 3-D tp, ZeRO with tp) "
                         "or hf (a Hugging Face decoder in the Llama layout: SwiGLU, RMSNorm, untied head; 1-D tp "
@@ -116,6 +131,13 @@ def _recompute_modes(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mt5_table or (args.model in ENCDEC_MODELS):
+        return _run_encdec(args)
+    encdec_only = [flag for flag, given in (("--source-len", args.source_len), ("--target-len", args.target_len),
+                                            ("--split", args.split != "time")) if given]
+    if encdec_only:
+        raise PipeDSLError(f"plan: {', '.join(encdec_only)} apply to the encoder-decoder presets "
+                           f"({', '.join(ENCDEC_MODELS)})")
     if args.calibrate:
         model, cluster = _calibrated(args)
     else:
@@ -207,3 +229,60 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
         if shown[kind] < max(1, rejected_examples // max(1, len(kinds))):
             shown[kind] += 1
             console.print(f"  rejected {r.layout}: {r.reason}", markup=False)
+
+
+# ------------------------------------------------------------------ encoder-decoders
+
+
+_DECODER_ONLY = ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "model_layout", "scaling", "calibrate")
+
+
+def encdec_from_args(args: argparse.Namespace, name: str) -> EncDecSpec:
+    given = [f"--{k.replace('_', '-')}" for k in _DECODER_ONLY if getattr(args, k, None) not in (None, False)]
+    if given:
+        raise PipeDSLError(f"plan: {', '.join(given)} describe decoder models; an encoder-decoder preset takes "
+                           f"--source-len, --target-len and --global-batch")
+    spec = ENCDEC_MODELS[name].with_lengths(args.source_len, args.target_len)
+    return spec.with_batch(args.global_batch) if args.global_batch else spec
+
+
+def _gpu_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        counts = ()
+    if not counts or any(not 1 <= n <= MAX_PLAN_GPUS for n in counts):
+        raise PipeDSLError(f"--gpu-counts {shorten(text)}: expected comma-separated GPU counts in 1..{MAX_PLAN_GPUS:,}")
+    return counts
+
+
+def _run_encdec(args: argparse.Namespace) -> int:
+    """An encoder-decoder preset (`plan/encdec_search.py`), or `--mt5-table`: every mT5 size on each GPU count."""
+    from pipedsl.plan.encdec_cli import assumptions, print_encdec_result, zero_table_markdown
+    from pipedsl.plan.encdec_search import encdec_search, zero_table
+
+    if args.attention in ("fused", "both"):
+        raise PipeDSLError("plan: encoder-decoders are planned with eager attention (T5's relative position bias is "
+                           "added to the stored scores)")
+    modes = tuple(m for m in _recompute_modes(args.recompute) if m in ENCDEC_RECOMPUTE)
+    if not modes:
+        raise PipeDSLError(f"plan: encoder-decoders are planned with --recompute {' or '.join(ENCDEC_RECOMPUTE)}")
+    if args.model and args.model not in ENCDEC_MODELS:
+        raise PipeDSLError(f"plan: --mt5-table plans the encoder-decoder presets ({', '.join(ENCDEC_MODELS)}), "
+                           f"not {args.model!r}")
+    schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None
+    for name in schedules or ():
+        load(name)  # an unknown name is one error up front
+    cluster = cluster_from_args(args)
+    space = {"schedules": schedules, "zero": _zero_stages(args.zero), "recompute": modes, "grads": args.grad_dtype,
+             "split": args.split}
+    if not args.mt5_table:
+        result = encdec_search(encdec_from_args(args, args.model), cluster, top=args.top, **space)
+        print_encdec_result(result, args.rejected)
+        return 0 if result.ranked else 1
+    specs = [encdec_from_args(args, n) for n in ([args.model] if args.model else ENCDEC_MODELS)]
+    rows = zero_table(specs, cluster, _gpu_counts(args.gpu_counts), **space)
+    print(assumptions(specs[0], cluster, space))
+    print()
+    print(zero_table_markdown(rows, cluster))
+    return 0 if any(r.best is not None for r in rows) else 1

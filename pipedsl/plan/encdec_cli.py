@@ -1,0 +1,172 @@
+"""`pipedsl plan --model mt5-…` and `pipedsl plan --mt5-table`: the encoder-decoder planner's output."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from pipedsl.plan.cluster import ClusterSpec
+from pipedsl.plan.encdec import EncDecSpec
+from pipedsl.plan.encdec_cost import SPLITS, stage_labels
+from pipedsl.plan.encdec_search import EncDecEstimate, EncDecResult, ZeroRow, encdec_evaluate
+from pipedsl.plan.search import TIES, LayoutError
+from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, column, scaled
+
+GB = 1e9
+
+
+def header(spec: EncDecSpec, cluster: ClusterSpec) -> str:
+    return (f"{spec.name}: {scaled(spec.params, COUNT, '')} parameters (encoder-decoder: {spec.describe()}), batch "
+            f"{spec.global_batch} — on {cluster.gpus} × {cluster.name} ({cluster.gpus_per_node}/node, "
+            f"{scaled(cluster.peak_flops, FLOPS)}, {scaled(cluster.memory, BYTES)}); bf16 parameters, fp32 main "
+            f"parameters and Adam, tp 1, eager attention")
+
+
+def assumptions(spec: EncDecSpec, cluster: ClusterSpec, space: dict) -> str:
+    """What `--mt5-table` assumed, in one paragraph above its table."""
+    schedules = ", ".join(space.get("schedules") or ["every built-in schedule"])
+    return (f"Assumed: S = {spec.source} source and T = {spec.target} target tokens, global batch "
+            f"{spec.global_batch} sequences; bf16 parameters with fp32 main parameters and Adam "
+            f"({space.get('grads', 'bf16')} gradients); tp 1, eager attention; {cluster.name} "
+            f"({cluster.gpus_per_node} GPUs a node, {scaled(cluster.peak_flops, FLOPS)}, "
+            f"{scaled(cluster.memory, BYTES)}, "
+            f"{scaled(cluster.reserved_memory, BYTES)} reserved); {schedules}; microbatch 1, 2, 4, 8; recomputation "
+            f"{' or '.join(space.get('recompute', ('none', 'full')))}; units split by "
+            f"{'the planner' if space.get('split', 'time') == 'time' else space['split']}. Each ZeRO column: the best "
+            f"iteration with that stage (ZeRO 1-3 need dp > 1), or the least memory any of its layouts needs.")
+
+
+def print_encdec_result(result: EncDecResult, rejected_examples: int = 8) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    spec, cluster = result.model, result.cluster
+    console = Console(width=200)
+    console.print(header(spec, cluster), markup=False)
+    table = Table(title=f"ranked by predicted iteration time; {TIES} (units split by the planner's balanced DP: "
+                        f"seq2seq_stages(points=…))")
+    rows = result.ranked
+    columns = [
+        ("iteration {}", SECONDS, lambda e: e.iteration),
+        ("{}/GPU", FLOPS, lambda e: e.tflops * 1e12),
+        ("MFU", None, lambda e: f"{e.mfu:.1%}"),
+        ("memory {}", BYTES, lambda e: e.memory.total),
+        ("params {}", BYTES, lambda e: e.memory.states.params),
+        ("grads {}", BYTES, lambda e: e.memory.states.grads),
+        ("optim {}", BYTES, lambda e: e.memory.states.optimizer),
+        ("grad buffer {}", BYTES, lambda e: e.memory.gradient_buffer),
+        ("gathered {}", BYTES, lambda e: e.memory.gathered),
+        ("activ {}", BYTES, lambda e: e.memory.activations),
+        *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("pp", "dp", "zero3")),
+    ]
+    table.add_column("#", justify="right")
+    table.add_column("layout")
+    table.add_column("points")
+    shown = []
+    for head, units, value in columns:
+        values = [value(e) for e in rows]
+        if units is not None:
+            unit, values = column(values, units)
+            head = head.format(unit)
+        table.add_column(head, justify="right")
+        shown.append(values)
+    for i, e in enumerate(rows):
+        table.add_row(str(i + 1), str(e.layout), ",".join(map(str, e.points)) or "-", *(v[i] for v in shown))
+    console.print(table)
+    if rows:
+        print_stages(rows[0], spec, console)
+        print_other_splits(rows[0], spec, cluster, console)
+    elif result.least_memory < float("inf"):
+        console.print(f"nothing fits: the least memory any layout needs is {result.least_memory / GB:.1f} GB "
+                      f"(usable {(cluster.memory - cluster.reserved_memory) / GB:.0f} GB)")
+    kinds = Counter(r.reason.split(":")[0] for r in result.rejected)
+    console.print(f"{result.simulated} simulated, {result.pruned} pruned (lower bound above the #{len(rows)} time), "
+                  f"{len(result.rejected)} rejected: " + ", ".join(f"{n} {k}" for k, n in kinds.most_common())
+                  + f"; {result.seconds:.1f} s")
+    seen: Counter = Counter()
+    for r in result.rejected:
+        kind = r.reason.split(":")[0]
+        if seen[kind] < max(1, rejected_examples // max(1, len(kinds))):
+            seen[kind] += 1
+            console.print(f"  rejected {r.layout}: {r.reason}", markup=False)
+
+
+def print_stages(e: EncDecEstimate, spec: EncDecSpec, console) -> None:
+    """The best layout's stages (units, time per microbatch) and its ranks' memory: the balance."""
+    from rich.table import Table
+
+    labels = stage_labels(spec, e.bounds)
+    params = [sum(u.params for u in spec.units()[a:b]) for a, b in zip(e.bounds, e.bounds[1:])]
+    slowest = max(e.stage_seconds)
+    stages = Table(title=f"#1's program stages: slowest {scaled(slowest, SECONDS)} per microbatch (F+B), "
+                         f"mean {scaled(sum(e.stage_seconds) / len(e.stage_seconds), SECONDS)}")
+    for head in ("stage", "units", "F+B / microbatch", "of slowest", "parameters"):
+        stages.add_column(head, justify="left" if head == "units" else "right")
+    for s, (label, sec, p) in enumerate(zip(labels, e.stage_seconds, params)):
+        stages.add_row(str(s), label, scaled(sec, SECONDS), f"{sec / slowest:.0%}", scaled(p, COUNT, ""))
+    console.print(stages)
+    ranks = Table(title="#1's ranks at their peak (states between steps + the step's gradient buffer and ZeRO-3 "
+                        "gathers + activations)")
+    for head in ("rank", "stages", "total GB", "params", "grads", "optim", "grad buffer", "gathered", "activations",
+                 "peak live"):
+        ranks.add_column(head, justify="right")
+    for m in e.ranks:
+        st = m.states
+        ranks.add_row(str(m.rank), ",".join(map(str, m.stages)), f"{m.total / GB:.1f}", f"{st.params / GB:.1f}",
+                      f"{st.grads / GB:.1f}", f"{st.optimizer / GB:.1f}", f"{m.gradient_buffer / GB:.1f}",
+                      f"{m.gathered / GB:.1f}", f"{m.activations / GB:.1f}", f"{m.peak_live:g}")
+    console.print(ranks)
+    console.print(f"train it so: stages = seq2seq_stages(model, {len(e.bounds) - 1}, points={list(e.points)})",
+                  markup=False)
+
+
+def print_other_splits(e: EncDecEstimate, spec: EncDecSpec, cluster: ClusterSpec, console) -> None:
+    """The same layout with the runtime's own splits, `by="count"` (its default) and `by="params"`."""
+    parts = []
+    for how in SPLITS:
+        if how == e.split:
+            continue
+        try:
+            other = encdec_evaluate(spec, cluster, e.layout, how)
+        except LayoutError as err:
+            parts.append(f'by="{how}": {err.message}')
+            continue
+        parts.append(f'by="{how}" {scaled(other.iteration, SECONDS)} ({other.iteration / e.iteration - 1:+.1%}, '
+                     f"slowest stage {scaled(max(other.stage_seconds), SECONDS)}, fullest GPU "
+                     f"{other.memory.total / GB:.1f} GB)")
+    console.print("the same layout split as the runtime would: " + "; ".join(parts), markup=False)
+
+
+def _cell(e: EncDecEstimate | None, least: float) -> str:
+    if e is not None:
+        return f"{e.iteration:.3g} s"
+    if least == float("inf"):
+        return "—"
+    return f"OOM (≥ {least / GB:.0f} GB)"
+
+
+def zero_table_markdown(rows: Sequence[ZeroRow], cluster: ClusterSpec) -> str:
+    """The table of `pipedsl plan --mt5-table`, in Markdown (docs/planner.md)."""
+    usable = (cluster.memory - cluster.reserved_memory) / GB
+    lines = [f"| model | params | GPUs | best layout ({cluster.name}, {usable:.0f} GB usable) | split points | "
+             f"iteration | MFU | fullest GPU | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 | pure data parallel (pp 1) |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        best = row.best
+        zeros = [_cell(row.per_zero[z], row.least_memory[z]) if z in row.per_zero else "not searched"
+                 for z in range(4)]
+        flat = row.data_parallel
+        if flat is None:
+            zeros.append(_cell(None, row.data_parallel_least))
+        else:
+            recompute = " recompute" if flat.layout.recompute == "full" else ""
+            zeros.append(f"{flat.iteration:.3g} s: zero{flat.layout.zero}{recompute} b{flat.layout.microbatch}, "
+                         f"{flat.memory.total / GB:.0f} GB")
+        if best is None:
+            lines.append(f"| {row.model.name} | {scaled(row.model.params, COUNT, '')} | {row.gpus} | nothing fits | | "
+                         f"| | | " + " | ".join(zeros) + " |")
+            continue
+        lines.append(f"| {row.model.name} | {scaled(row.model.params, COUNT, '')} | {row.gpus} | `{best.layout}` | "
+                     f"{','.join(map(str, best.points)) or '-'} | {best.iteration:.3g} s | {best.mfu:.1%} | "
+                     f"{best.memory.total / GB:.1f} GB | " + " | ".join(zeros) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,328 @@
+"""An encoder-decoder's pipeline stages: which units each holds, what each costs, what each rank holds.
+
+Units (`EncDecSpec.units`) are [encoder input, encoder layers…, decoder input, decoder layers…,
+head], as `models/hf/seq2seq.py`'s `seq2seq_stages(model, n, by=…, points=…)` spreads them; a
+split is the `points` where stages 1 … n−1 begin.  Three splits:
+
+- "count": the runtime's default `by="count"` (⌈U/n⌉ units on the first U mod n stages);
+- "params": the runtime's `by="params"`, the same exact DP as `models/split.py` on unit parameters;
+- "time" (the planner's): the same DP on each unit's forward + backward seconds, minimising the
+  slowest stage, which sets the pipeline's pace, then among the splits that reach it the most even
+  (`even_sizes`); pass its points to `seq2seq_stages(points=…)`.
+
+A stage's cost is the sum of its units' (`plan/cost.py`'s rules at tp = 1): GEMM FLOPs at
+peak × efficiency, the memory-bound kernels streaming the bytes the unit stores, backward 2×
+forward, full recomputation one more forward of each layer; split backward I = forward with the
+attention core doubled, W = the GEMMs (the memory-bound part in each).  ZeRO-3 gathers each unit
+on entry with the next one prefetched (`cost.prefetched`).  What crosses a boundary:
+
+- inside the encoder part: hidden [b, S, d], the mask [b, S] and the decoder ids [b, T] (int64);
+- inside the decoder part: hidden [b, T, d] + the encoder output [b, S, d] + the mask, each way
+  (activations forward, gradients back) — every decoder stage relays the encoder output.
+
+The simulator prices every message alike, so a layout's message is its largest boundary's.  The
+shared embedding is a weight tied between the stage holding the encoder input and the one holding
+the decoder input (`runtime/ties.py`): each copy has its own optimizer state, and the copies'
+gradients are summed at the step end (ZeRO 0: an all-reduce of the full gradient over the holding
+ranks of every replica; ZeRO 1-3: of the 1/dp slice over the two holding ranks), after the
+data-parallel reduction.
+
+Memory of a rank, at its peak (`RankMemory`): the model states of its stages (`memory.model_states`,
+ZeRO 0-3 over dp), plus what the runtime keeps beyond them: under ZeRO 2/3 the full gradient
+buffer of its stages from the first backward to REDUCE_GRAD (`parallel/zero.py`, reduce="step"),
+under ZeRO-3 the gathered units (the running one and the next, prefetched; all of them during a W
+of a split-backward schedule: `before_weight_pass`); and activations: the most bytes alive at
+once on the rank, each stage's own per microbatch from its F to its B (or W), walked over the
+schedule's compiled program (`encdec_search.live_peaks`; the encoder output counted on decoder
+stages), plus one layer's whole activations while it is recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pipedsl.errors import PipeDSLError
+from pipedsl.plan.cluster import ClusterSpec
+from pipedsl.plan.config import Layout
+from pipedsl.plan.cost import ADAM_BYTES_PER_PARAM, StageCosts, all_gather, all_reduce, prefetched
+from pipedsl.plan.encdec import ID_BYTES, EncDecSpec, Unit
+from pipedsl.plan.memory import PARAM_BYTES, ModelStates, model_states, state_bytes
+
+SPLITS = ("time", "count", "params")
+
+
+# ------------------------------------------------------------------ splits
+
+
+def balanced_sizes(weights: Sequence[float], n: int) -> list[int]:
+    """Sizes of `n` contiguous non-empty parts of `weights` minimising the heaviest part: the exact DP of
+    `models/split.py` (`_balanced`), ties broken alike (the earliest cut), so a "params" split equals the
+    runtime's."""
+    L = len(weights)
+    if not 1 <= n <= L:
+        raise PipeDSLError(f"cannot split {L} units into {n} non-empty stages")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(n + 1)]
+    cut = [[0] * (L + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n + 1):
+        for i in range(k, L - (n - k) + 1):
+            row, prev = best[k], best[k - 1]
+            for j in range(k - 1, i):
+                cost = max(prev[j], prefix[i] - prefix[j])
+                if cost < row[i]:
+                    row[i], cut[k][i] = cost, j
+    sizes, i = [], L
+    for k in range(n, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def even_sizes(weights: Sequence[float], n: int) -> list[int]:
+    """Among the splits of `weights` into `n` contiguous parts whose heaviest part is the least possible
+    (`balanced_sizes`), the most even one: the least Σ part² (a second exact DP, capped at that heaviest part).
+    The slowest stage sets a pipeline's pace, but when one unit is the bottleneck (a 250k-vocabulary head) many
+    splits share it, and with several stages a rank (interleaved, V-shapes) the even one keeps the ranks even."""
+    sizes = balanced_sizes(weights, n)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    edges = _bounds(sizes)
+    cap = max(prefix[b] - prefix[a] for a, b in zip(edges, edges[1:])) * (1 + 1e-9)
+    L, inf = len(weights), float("inf")
+    best = [[inf] * (L + 1) for _ in range(n + 1)]
+    cut = [[0] * (L + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n + 1):
+        for i in range(k, L - (n - k) + 1):
+            row, prev = best[k], best[k - 1]
+            for j in range(i - 1, k - 2, -1):  # the part j:i grows as j falls: stop past the cap
+                part = prefix[i] - prefix[j]
+                if part > cap:
+                    break
+                cost = prev[j] + part * part
+                if cost < row[i]:
+                    row[i], cut[k][i] = cost, j
+    out, i = [], L
+    for k in range(n, 0, -1):
+        j = cut[k][i]
+        out.append(i - j)
+        i = j
+    return out[::-1]
+
+
+def _bounds(sizes: Sequence[int]) -> tuple[int, ...]:
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return tuple(out)
+
+
+def unit_seconds(unit: Unit, cluster: ClusterSpec, samples: float = 1, recompute: str = "none") -> tuple[float, float]:
+    """(forward, forward + backward) seconds of one unit on `samples` samples at tp = 1."""
+    rate = cluster.peak_flops * cluster.gemm_efficiency
+    stream = cluster.activation_passes / cluster.hbm_bandwidth
+    fixed = cluster.layer_overhead / 3 if unit.layer else 0.0
+    fwd = samples * (unit.flops / rate + unit.stored * stream) + fixed
+    return fwd, (4 if recompute == "full" and unit.layer else 3) * fwd
+
+
+def split_bounds(spec: EncDecSpec, cluster: ClusterSpec, stages: int, how: str = "time",
+                 recompute: str = "none") -> tuple[int, ...]:
+    """Unit bounds (0, first unit of stage 1, …, U) of `stages` program stages split `how` (see the module)."""
+    return _split_bounds(spec, cluster, stages, how, recompute)
+
+
+@lru_cache(maxsize=4096)
+def _split_bounds(spec: EncDecSpec, cluster: ClusterSpec, stages: int, how: str, recompute: str) -> tuple[int, ...]:
+    units = spec.units()
+    U = len(units)
+    if not 1 <= stages <= U:
+        raise PipeDSLError(f"cannot split {U} units ({spec.encoder_layers} encoder and {spec.decoder_layers} decoder "
+                           f"layers, 2 inputs, a head) into {stages} stages")
+    if how == "count":
+        return _bounds([U // stages + (1 if i < U % stages else 0) for i in range(stages)])
+    if how == "params":  # as the runtime counts a unit's module: the encoder's final norm (d) is in none of them
+        d = spec.d_model
+        return _bounds(balanced_sizes([u.params - (d if u.kind == "decoder input" else 0) for u in units], stages))
+    if how == "time":  # seconds are linear in the samples: one split for every microbatch size
+        return _bounds(even_sizes([unit_seconds(u, cluster, 1, recompute)[1] for u in units], stages))
+    raise PipeDSLError(f"split is one of {', '.join(SPLITS)}, got {how!r}")
+
+
+def points(bounds: Sequence[int]) -> tuple[int, ...]:
+    """`seq2seq_stages(points=…)`: where stages 1 … n−1 begin."""
+    return tuple(bounds[1:-1])
+
+
+def stage_labels(spec: EncDecSpec, bounds: Sequence[int]) -> list[str]:
+    """Per stage, its units in short: 'emb E0-E5', 'E23 dec-emb D0-D3', 'D20-D23 head'."""
+    units = spec.units()
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        groups: list[list[Unit]] = []
+        for u in units[a:b]:
+            if groups and u.layer and groups[-1][-1].kind == u.kind:
+                groups[-1].append(u)
+            else:
+                groups.append([u])
+        out.append(" ".join(g[0].label if len(g) == 1 else f"{g[0].label}-{g[-1].label}" for g in groups))
+    return out
+
+
+# ------------------------------------------------------------------ costs
+
+
+@dataclass(frozen=True)
+class EncDecStages:
+    """A layout's program stages: unit bounds, per-stage costs (`StageCosts`, for the simulator and the
+    bound), and what memory needs per stage."""
+
+    bounds: tuple[int, ...]
+    costs: StageCosts
+    activation: tuple[float, ...]  # bytes a stage keeps per live microbatch
+    working: tuple[float, ...]  # bytes of one recomputed layer's whole activations (0 without recomputation)
+    largest_units: tuple[float, ...]  # parameters of a stage's largest two consecutive units (ZeRO-3's gathers)
+    message_bytes: float  # the largest boundary, forward
+
+
+def boundary_bytes(spec: EncDecSpec, cut: int, b: int) -> float:
+    """Bytes crossing the boundary before unit `cut`, per microbatch of `b` samples."""
+    S, T, v, d = spec.source, spec.target, spec.value_bytes, spec.d_model
+    in_decoder = cut > spec.encoder_layers + 1  # after the decoder input unit
+    ids = ID_BYTES * b * S + (0 if in_decoder else ID_BYTES * b * T)  # the mask [b, S]; the decoder ids [b, T]
+    hidden = v * b * d * ((T + S) if in_decoder else S)
+    return hidden + ids
+
+
+def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, bounds: Sequence[int],
+                       replicas: int = 1) -> EncDecStages:
+    """Costs of each program stage holding units `bounds[s]:bounds[s+1]` for `layout` (tp = 1) on `cluster`."""
+    units = spec.units()
+    b, mode, dp = layout.microbatch, layout.recompute, layout.dp
+    rate = cluster.peak_flops * cluster.gemm_efficiency
+    stream = cluster.activation_passes / cluster.hbm_bandwidth
+    gather = all_reduce if cluster.all_gather_as_all_reduce else all_gather
+    scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
+    dp_bw, dp_lat = cluster.link(layout.dp)
+    pp_bw, pp_lat = (cluster.inter_bandwidth, cluster.inter_latency) if layout.gpus > cluster.gpus_per_node else \
+        (cluster.intra_bandwidth, cluster.intra_latency)
+    cuts = list(bounds[1:-1])
+    message_bytes = max((boundary_bytes(spec, c, b) for c in cuts), default=0.0)
+    message = pp_lat + message_bytes / pp_bw if cuts else 0.0
+    grad_bytes = state_bytes("bf16", layout.grads).grad
+    op = cluster.op_overhead
+    # the tied embedding: the stages holding the encoder input and the decoder input, if they differ
+    holders = [s for s in range(len(bounds) - 1) for u in units[bounds[s]:bounds[s + 1]] if u.embedding]
+    tied = len(set(holders)) > 1
+
+    F, B, I, W, reduce, after, step, psi, zg, waits = ([] for _ in range(10))
+    activation, working, largest = [], [], []
+    for st in range(len(bounds) - 1):
+        mine = units[bounds[st]:bounds[st + 1]]
+        fwd_each, again_each, gemm_each, mem_each = [], [], [], []
+        for u in mine:
+            fwd, _ = unit_seconds(u, cluster, b, mode)
+            fwd_each.append(fwd)
+            again_each.append(fwd if mode == "full" and u.layer else 0.0)
+            gemm_each.append(b * (u.flops - u.core) / rate)
+            mem_each.append(b * u.stored * stream + (cluster.layer_overhead / 3 if u.layer else 0.0))
+        decoder = any(u.decoder_layer for u in mine)
+        enc_out = b * spec.encoder_output_bytes if decoder else 0.0
+        enc_out_time = enc_out * stream  # the cross-attention reads it: streamed like a stored tensor
+        fwd = sum(fwd_each) + enc_out_time
+        again = sum(again_each)
+        core = sum(b * u.core for u in mine) / rate
+        gemm = sum(gemm_each)
+        mem = sum(mem_each) + enc_out_time
+        params = sum(u.params for u in mine)
+        zero_f = zero_b = zero_i = zero_w = 0.0
+        if layout.zero >= 3:
+            g = [gather(PARAM_BYTES * u.params, dp, dp_bw, dp_lat) for u in mine]
+            back = [2 * f + a for f, a in zip(fwd_each, again_each)]
+            zero_f = prefetched(g, fwd_each)
+            zero_b = prefetched(g[::-1], back[::-1])
+            zero_i = prefetched(g[::-1], [f + a for f, a in zip(fwd_each, again_each)][::-1])
+            zero_w = sum(g)
+        F.append(fwd + zero_f + op)
+        B.append(2 * fwd + again + zero_b + op)
+        I.append(gemm + 2 * core + mem + again + zero_i + op)
+        W.append(gemm + mem + zero_w + op)
+        grads = grad_bytes * params
+        replica = all_reduce(grads, replicas, pp_bw, pp_lat)
+        tie = 0.0
+        if tied and st in holders:
+            tie_bytes = grad_bytes * spec.embedding_params
+            tie = all_reduce(tie_bytes, 2 * dp, *cluster.link(layout.gpus)) if layout.zero == 0 else \
+                all_reduce(tie_bytes / dp, 2, pp_bw, pp_lat)
+        if layout.zero == 0:
+            reduce.append(replica + all_reduce(grads, dp, dp_bw, dp_lat))
+            after.append(tie)
+        else:
+            reduce.append(replica + scatter(grads, dp, dp_bw, dp_lat))
+            after.append(tie + (gather(PARAM_BYTES * params, dp, dp_bw, dp_lat) if layout.zero < 3 else 0.0))
+        shard = params / (dp if layout.zero >= 1 else 1)
+        step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
+        psi.append(float(params))
+        zg.append(zero_f + zero_b)
+        waits.append({"F": zero_f, "B": zero_b, "I": zero_i, "W": zero_w})
+        kept = [b * (u.kept if mode == "full" else u.stored) for u in mine]
+        activation.append(sum(kept) + enc_out)
+        working.append(max((b * u.stored - k for u, k in zip(mine, kept) if u.layer), default=0.0)
+                       if mode == "full" else 0.0)
+        sizes = [u.params for u in mine]  # a unit gathered while the next in execution order is prefetched
+        largest.append(float(max((a + b for a, b in zip(sizes, sizes[1:])), default=sizes[0])))
+    n = len(F)
+    costs = StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
+                       tuple(psi), (0.0,) * n, tuple(zg), tuple(waits))
+    return EncDecStages(tuple(bounds), costs, tuple(activation), tuple(working), tuple(largest), message_bytes)
+
+
+# ------------------------------------------------------------------ memory
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's peak: model states between steps, what the runtime keeps beyond them during the step, and
+    activations."""
+
+    rank: int
+    stages: tuple[int, ...]
+    params_count: float  # parameters of its stages (a tied copy counts on each stage holding it)
+    states: ModelStates  # `memory.model_states` over dp: between steps
+    gradient_buffer: float  # ZeRO 2/3: the full gradient less the kept shard, first backward → REDUCE_GRAD
+    gathered: float  # ZeRO-3: full parameters of the units gathered at once
+    activations: float
+    peak_live: float
+
+    @property
+    def total(self) -> float:
+        return self.states.total + self.gradient_buffer + self.gathered + self.activations
+
+
+def rank_memory(stages: EncDecStages, layout: Layout, on_rank: dict[int, list[int]], live_bytes: Sequence[float],
+                peaks: Sequence[float], split_backward: bool) -> list[RankMemory]:
+    """Every rank's `RankMemory` for a program whose ranks hold `on_rank` stages, keep at most `live_bytes` of
+    activations at once and `peaks` live microbatch-stages."""
+    mode = state_bytes("bf16", layout.grads)
+    out = []
+    for r, held in on_rank.items():
+        if not held:
+            continue
+        psi = sum(stages.costs.stage_params[s] for s in held)
+        states = model_states(psi, layout.dp, layout.zero, mode)
+        buffer = mode.grad * psi * (1 - 1 / layout.dp) if layout.zero >= 2 else 0.0
+        gathered = 0.0
+        if layout.zero >= 3:  # beyond the shard it holds anyway
+            gathered = PARAM_BYTES * (psi if split_backward else max(stages.largest_units[s] for s in held))
+            gathered *= 1 - 1 / layout.dp
+        act = live_bytes[r] + max(stages.working[s] for s in held)
+        out.append(RankMemory(r, tuple(held), psi, states, buffer, gathered, act, peaks[r]))
+    return out
