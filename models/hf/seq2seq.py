@@ -48,7 +48,13 @@ import torch
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.models.hf.stages import IGNORE_INDEX, MAX_CHECK_BYTES, causal_lm_loss, one_line, require_transformers
+from pipedsl.models.hf.stages import (
+    IGNORE_INDEX,
+    causal_lm_loss,
+    check_on_shallow_copy,
+    one_line,
+    require_transformers,
+)
 from pipedsl.models.split import _bounds
 
 LAYER_NAMES = ("block", "layers")  # a stack's layers: T5's families, BART's
@@ -387,27 +393,15 @@ def shallow_seq2seq_config(config: Any) -> Any:
 
 def check_seq2seq_architecture(model: nn.Module, *, decoder_attention_mask: bool = False,
                                attn: str | None = None) -> float | None:
-    """`seq2seq_stages` reproduces `model`'s architecture: a shallow random copy, cut inside each stack and at
-    the encoder/decoder boundary, must compute the copy's own logits.  None when too large to check."""
-    try:
-        config = shallow_seq2seq_config(model.config)
-        build = functools.partial(type(model)._from_config, config, dtype=torch.float32,
-                                  **({"attn_implementation": attn} if attn else {}))
-        with torch.device("meta"):
-            size = 4 * sum(p.numel() for p in build().parameters())
-    except Exception as err:  # noqa: BLE001 - a config the shallow copy cannot be made of: unverifiable
-        raise PipeRuntimeError(f"seq2seq_stages: {type(model).__name__} cannot be verified: a copy with two layers a "
-                               f"stack cannot be built ({type(err).__name__}: {one_line(err)}); check=False splits it "
-                               f"unverified") from None
-    if size > MAX_CHECK_BYTES:
-        return None
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        torch.manual_seed(0)
-        shallow = build()
-        parts = _Parts(shallow)
-        ne = len(parts.encoder.layers)
+    """`seq2seq_stages` reproduces `model`'s architecture: a shallow random copy (`shallow_seq2seq_config`), cut
+    inside each stack and at the encoder/decoder boundary, must compute the copy's own logits; None when too
+    large to check (`check_on_shallow_copy`)."""
+    def cut_and_check(shallow: nn.Module) -> float:
+        ne = len(_Parts(shallow).encoder.layers)
         # [enc input, enc layer 0] | [enc layers 1…, dec input, dec layer 0] | [dec layers 1…, head]: a cut in
         # each stack (the second stage of each computes T5's shared bias) and the boundary inside a stage
-        stages = seq2seq_stages(shallow, 3, points=[2, ne + 3],
-                                decoder_attention_mask=decoder_attention_mask, check=False)
+        stages = seq2seq_stages(shallow, 3, points=[2, ne + 3], decoder_attention_mask=decoder_attention_mask,
+                                check=False)
         return check_seq2seq_split(shallow, stages)
+
+    return check_on_shallow_copy(model, shallow_seq2seq_config, cut_and_check, "seq2seq_stages", attn)

@@ -52,7 +52,7 @@ import copy
 import functools
 import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -406,33 +406,42 @@ def check_architecture(model: nn.Module, *, attention_mask: bool = False, positi
     relative difference, or None (unverified) when one layer alone exceeds `MAX_CHECK_BYTES`.  Raises
     `PipeRuntimeError` naming the model when its forward does something the stages do not.
     """
+    def cut_and_check(shallow: nn.Module) -> float:
+        layers = int(getattr(shallow.config, "num_hidden_layers", None) or shallow.config.n_layer)
+        stages = causal_lm_stages(shallow, min(2, layers + 2), attention_mask=attention_mask,
+                                  position_ids=position_ids, check=False)
+        return check_split(shallow, stages)
+
+    return check_on_shallow_copy(model, shallow_config, cut_and_check, "causal_lm_stages", attn)
+
+
+def check_on_shallow_copy(model: nn.Module, shallow: Callable[[Any], Any], cut_and_check: Callable[[nn.Module], float],
+                          who: str, attn: str | None = None) -> float | None:
+    """`cut_and_check(copy)` on a random fp32 CPU copy of `model`'s class built from `shallow(model.config)`,
+    under a forked RNG; None when the copy would exceed `MAX_CHECK_BYTES`.  Whatever fails is a
+    `PipeRuntimeError` naming the model (`who`: the function whose check it is)."""
     name = type(model).__name__
+    unverified = "; check=False splits it unverified"
     try:
-        config = shallow_config(model.config)
+        config = shallow(model.config)
         build = functools.partial(type(model)._from_config, config, dtype=torch.float32,
                                   **({"attn_implementation": attn} if attn else {}))
         with torch.device("meta"):
             size = 4 * sum(p.numel() for p in build().parameters())
-    except Exception as err:  # noqa: BLE001 - a config the shallow copy cannot be made of: unverifiable
-        raise PipeRuntimeError(f"causal_lm_stages: {name} cannot be verified: a copy of it with one layer of each "
-                               f"type cannot be built ({type(err).__name__}: {one_line(err)}); check=False splits it "
-                               f"unverified") from None
+    except Exception as err:  # noqa: BLE001 - a config no shallow copy can be made of: unverifiable
+        raise PipeRuntimeError(f"{who}: {name} cannot be verified: a shallow copy of it cannot be built "
+                               f"({type(err).__name__}: {one_line(err)}){unverified}") from None
     if size > MAX_CHECK_BYTES:
         return None
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(0)
-        shallow = build()
-        layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
-        stages = causal_lm_stages(shallow, min(2, layers + 2), attention_mask=attention_mask,
-                                  position_ids=position_ids, check=False)
         try:
-            return check_split(shallow, stages)
+            return cut_and_check(build())
         except PipeRuntimeError:
             raise
         except Exception as err:  # noqa: BLE001 - the model's own forward fails on its shallow copy
-            raise PipeRuntimeError(f"causal_lm_stages: {name} cannot be verified: its own forward fails on a copy with "
-                                   f"one layer of each type ({type(err).__name__}: {one_line(err)}); check=False "
-                                   f"splits it unverified") from None
+            raise PipeRuntimeError(f"{who}: {name} cannot be verified: its own forward fails on a shallow copy "
+                                   f"({type(err).__name__}: {one_line(err)}){unverified}") from None
 
 
 def require_transformers() -> Any:
