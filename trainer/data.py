@@ -739,14 +739,8 @@ class PackedSequences:
         Contiguous at the end of the stream, so only the document crossing the cut is in both
         (and, packed, the one token the two windows at the cut share).
         """
-        if not 0 <= eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         n = len(self)
-        held = math.ceil(eval_fraction * n - 1e-9) if eval_fraction else 0  # 0.7 * 10 is 7.000000000000001
-        held = max(held, 1) if eval_fraction and n else held
-        if n and held >= n:
-            raise DataError(f"{self.cache.path}: holding out {eval_fraction} of {self.describe()} leaves none to "
-                            f"train on")
+        held = held_out(n, eval_fraction, self)
         return self.subset(0, n - held), self.subset(n - held, n)
 
     def subset(self, start: int, stop: int) -> PackedSequences:
@@ -757,6 +751,18 @@ class PackedSequences:
         part.__dict__.update(self.__dict__)
         part.start, part.stop = self.start + start, self.start + stop
         return part
+
+
+def held_out(n: int, eval_fraction: float, samples: Any) -> int:
+    """How many of `n` samples `split` holds out: ceil(eval_fraction · n), at least one when asked, never all."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    held = math.ceil(eval_fraction * n - 1e-9) if eval_fraction else 0  # 0.7 * 10 is 7.000000000000001
+    held = max(held, 1) if eval_fraction and n else held
+    if n and held >= n:
+        raise DataError(f"{samples.cache.path}: holding out {eval_fraction} of {samples.describe()} leaves none to "
+                        f"train on")
+    return held
 
 
 def document_positions(input_ids: np.ndarray, eos_id: int) -> np.ndarray:

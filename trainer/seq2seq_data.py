@@ -26,12 +26,11 @@ replaced by the pad id (transformers' `shift_tokens_right`).
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipedsl.trainer.data import IGNORE_INDEX, DataError, TokenCache
+from pipedsl.trainer.data import IGNORE_INDEX, DataError, TokenCache, held_out
 
 if TYPE_CHECKING:
     import torch
@@ -73,13 +72,8 @@ class _Samples:
 
     def split(self, eval_fraction: float) -> tuple[_Samples, _Samples]:
         """(train, heldout): the last ceil(eval_fraction · n) samples are held out."""
-        if not 0 <= eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         n = len(self)
-        held = max(math.ceil(eval_fraction * n - 1e-9), 1) if eval_fraction and n else 0
-        if n and held >= n:
-            raise DataError(f"{self.cache.path}: holding out {eval_fraction} of {self.describe()} leaves none to "
-                            f"train on")
+        held = held_out(n, eval_fraction, self)
         return self.subset(0, n - held), self.subset(n - held, n)
 
     def subset(self, start: int, stop: int) -> _Samples:
