@@ -25,6 +25,7 @@ _EXPORTS = {
     "seq2seq_stages": "hf.seq2seq",
     "shift_labels": "hf.stages",
     "split_gpt": "split",
+    "split_module": "split_graph",
     "split_sequential": "split",
     "tp_gpt_loss": "gpt.tp",
     "tp_gpt_stages": "gpt.tp",

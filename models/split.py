@@ -2,7 +2,9 @@
 
 - `split_sequential(seq, n)`: an `nn.Sequential` into `n` contiguous stages, balanced by
   layer count (`by="count"`), by parameter count (`by="params"`), or at explicit `points`
-  (the indices where stages 1 … n−1 begin).
+  (the indices where stages 1 … n−1 begin).  Each stage is a `SequentialStage`: a layer that
+  returns a tuple (`(h, mask)`) feeds the next one its items as positional arguments, so
+  several tensors can flow between layers and between stages.
 - `split_gpt(embed, blocks, head, n)`: a GPT-style model — an embedding, a list of blocks,
   a head — into `n` stages: the embedding opens stage 0, the head closes the last stage,
   the blocks are spread between them: `by="count"` and `"params"` balance the embedding and
@@ -17,7 +19,9 @@ Stages share the original modules (no copies): build the model the same way on e
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
@@ -25,10 +29,38 @@ from pipedsl.errors import PipeRuntimeError
 
 def split_sequential(seq: nn.Sequential, num_stages: int | None = None, *, by: str = "count",
                      points: Sequence[int] | None = None) -> list[nn.Sequential]:
-    """`seq`'s layers as `num_stages` consecutive `nn.Sequential` stages (see the module docstring)."""
+    """`seq`'s layers as `num_stages` consecutive `SequentialStage`s (see the module docstring)."""
     layers = list(seq)
     bounds = _bounds(layers, num_stages, by, points)
-    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [SequentialStage(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+class SequentialStage(nn.Sequential):
+    """A stage of `split_sequential`: an `nn.Sequential` (layers "0", "1", …) whose layers pass tuples on.
+
+    It takes any number of tensors; a layer that returns a tuple feeds the next layer those as positional
+    arguments (`layer(*out)`), anything else as one (`layer(out)`).  Returns the last layer's output, with
+    any tensor that shares memory with an input cloned (a layer passing a mask on as is)."""
+
+    def forward(self, *inputs: Any) -> Any:
+        out: Any = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self:
+            out = layer(*out) if isinstance(out, tuple) else layer(out)
+        if isinstance(out, tuple):
+            return tuple(unshared(t, inputs) for t in out)
+        return unshared(out, inputs)
+
+
+def unshared(t: Any, inputs: Sequence[Any]) -> Any:
+    """`t`, cloned if it is a tensor sharing memory with one of `inputs`: the pipeline reuses the buffers a stage
+    received once the microbatch's backward is done, maybe before what the stage sent on was sent."""
+    if isinstance(t, torch.Tensor) and any(isinstance(x, torch.Tensor) and _same_storage(t, x) for x in inputs):
+        return t.clone()
+    return t
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def split_gpt(embed: nn.Module, blocks: Sequence[nn.Module], head: nn.Module, num_stages: int, *,
