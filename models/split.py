@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
+from pipedsl.plan.partition import balanced_sizes
 
 
 def split_sequential(seq: nn.Sequential, num_stages: int | None = None, *, by: str = "count",
@@ -93,35 +94,10 @@ def _bounds(layers: list[nn.Module], n: int | None, by: str, points: Sequence[in
     if by == "count":
         sizes = [L // n + (1 if i < L % n else 0) for i in range(n)]
     elif by == "params":
-        sizes = _balanced([sum(p.numel() for p in m.parameters()) for m in layers], n)
+        sizes = balanced_sizes([sum(p.numel() for p in m.parameters()) for m in layers], n)
     else:
         raise PipeRuntimeError(f"by={by!r}: expected 'count' or 'params' ('blocks' too for split_gpt)")
     out = [0]
     for size in sizes:
         out.append(out[-1] + size)
     return out
-
-
-def _balanced(weights: list[int], n: int) -> list[int]:
-    """Sizes of `n` contiguous non-empty parts minimising the heaviest part (exact DP)."""
-    L = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    INF = float("inf")
-    # best[k][i]: the lightest possible heaviest part when the first i layers form k parts
-    best = [[INF] * (L + 1) for _ in range(n + 1)]
-    cut = [[0] * (L + 1) for _ in range(n + 1)]
-    best[0][0] = 0
-    for k in range(1, n + 1):
-        for i in range(k, L - (n - k) + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    sizes, i = [], L
-    for k in range(n, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]

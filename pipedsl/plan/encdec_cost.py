@@ -49,80 +49,12 @@ from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import ADAM_BYTES_PER_PARAM, StageCosts, all_gather, all_reduce, prefetched
 from pipedsl.plan.encdec import ID_BYTES, EncDecSpec, Unit
 from pipedsl.plan.memory import PARAM_BYTES, ModelStates, model_states, state_bytes
+from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
 
 SPLITS = ("time", "count", "params")
 
 
 # ------------------------------------------------------------------ splits
-
-
-def balanced_sizes(weights: Sequence[float], n: int) -> list[int]:
-    """Sizes of `n` contiguous non-empty parts of `weights` minimising the heaviest part: the exact DP of
-    `models/split.py` (`_balanced`), ties broken alike (the earliest cut), so a "params" split equals the
-    runtime's."""
-    L = len(weights)
-    if not 1 <= n <= L:
-        raise PipeDSLError(f"cannot split {L} units into {n} non-empty stages")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    best = [[inf] * (L + 1) for _ in range(n + 1)]
-    cut = [[0] * (L + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n + 1):
-        for i in range(k, L - (n - k) + 1):
-            row, prev = best[k], best[k - 1]
-            for j in range(k - 1, i):
-                cost = max(prev[j], prefix[i] - prefix[j])
-                if cost < row[i]:
-                    row[i], cut[k][i] = cost, j
-    sizes, i = [], L
-    for k in range(n, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
-
-
-def even_sizes(weights: Sequence[float], n: int) -> list[int]:
-    """Among the splits of `weights` into `n` contiguous parts whose heaviest part is the least possible
-    (`balanced_sizes`), the most even one: the least Σ part² (a second exact DP, capped at that heaviest part).
-    The slowest stage sets a pipeline's pace, but when one unit is the bottleneck (a 250k-vocabulary head) many
-    splits share it, and with several stages a rank (interleaved, V-shapes) the even one keeps the ranks even."""
-    sizes = balanced_sizes(weights, n)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    edges = _bounds(sizes)
-    cap = max(prefix[b] - prefix[a] for a, b in zip(edges, edges[1:])) * (1 + 1e-9)
-    L, inf = len(weights), float("inf")
-    best = [[inf] * (L + 1) for _ in range(n + 1)]
-    cut = [[0] * (L + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n + 1):
-        for i in range(k, L - (n - k) + 1):
-            row, prev = best[k], best[k - 1]
-            for j in range(i - 1, k - 2, -1):  # the part j:i grows as j falls: stop past the cap
-                part = prefix[i] - prefix[j]
-                if part > cap:
-                    break
-                cost = prev[j] + part * part
-                if cost < row[i]:
-                    row[i], cut[k][i] = cost, j
-    out, i = [], L
-    for k in range(n, 0, -1):
-        j = cut[k][i]
-        out.append(i - j)
-        i = j
-    return out[::-1]
-
-
-def _bounds(sizes: Sequence[int]) -> tuple[int, ...]:
-    out = [0]
-    for size in sizes:
-        out.append(out[-1] + size)
-    return tuple(out)
 
 
 def unit_seconds(unit: Unit, cluster: ClusterSpec, samples: float = 1, recompute: str = "none") -> tuple[float, float]:
@@ -148,12 +80,12 @@ def _split_bounds(spec: EncDecSpec, cluster: ClusterSpec, stages: int, how: str,
         raise PipeDSLError(f"cannot split {U} units ({spec.encoder_layers} encoder and {spec.decoder_layers} decoder "
                            f"layers, 2 inputs, a head) into {stages} stages")
     if how == "count":
-        return _bounds([U // stages + (1 if i < U % stages else 0) for i in range(stages)])
+        return bounds_of([U // stages + (1 if i < U % stages else 0) for i in range(stages)])
     if how == "params":  # as the runtime counts a unit's module: the encoder's final norm (d) is in none of them
         d = spec.d_model
-        return _bounds(balanced_sizes([u.params - (d if u.kind == "decoder input" else 0) for u in units], stages))
+        return bounds_of(balanced_sizes([u.params - (d if u.kind == "decoder input" else 0) for u in units], stages))
     if how == "time":  # seconds are linear in the samples: one split for every microbatch size
-        return _bounds(even_sizes([unit_seconds(u, cluster, 1, recompute)[1] for u in units], stages))
+        return bounds_of(even_sizes([unit_seconds(u, cluster, 1, recompute)[1] for u in units], stages))
     raise PipeDSLError(f"split is one of {', '.join(SPLITS)}, got {how!r}")
 
 

@@ -17,8 +17,9 @@ from torch import nn
 from pipedsl.cli import main
 from pipedsl.plan import Layout, cluster_preset, model_states
 from pipedsl.plan.encdec import ENCDEC_MODELS, EncDecSpec
-from pipedsl.plan.encdec_cost import balanced_sizes, encdec_stage_costs, even_sizes, split_bounds, stage_labels
+from pipedsl.plan.encdec_cost import encdec_stage_costs, split_bounds, stage_labels
 from pipedsl.plan.encdec_search import encdec_evaluate, encdec_search, live_peaks, run_pipeline
+from pipedsl.plan.partition import balanced_sizes, even_sizes
 from pipedsl.plan.pipeline import _run_exact, program_peaks
 
 transformers = pytest.importorskip("transformers")

@@ -1,0 +1,82 @@
+"""Contiguous partitions of weighted units into stages: the exact DPs the runtime's splits and the planner share.
+
+A stage is a run of consecutive units (layers, an embedding, a head); its weight is the sum of its
+units' (parameters, or seconds).  `balanced_sizes` minimises the heaviest stage; `even_sizes`, among
+those, the spread (Σ stage²).  `bounds_of` turns sizes into unit boundaries [0, …, L].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipedsl.errors import PipeDSLError
+
+
+def balanced_sizes(weights: Sequence[float], n: int) -> list[int]:
+    """Sizes of `n` contiguous non-empty parts of `weights` minimising the heaviest part (exact DP; ties go
+    to the earliest cut).  `split_sequential(by="params")` and the seq2seq/causal stages' `by="params"` cut
+    with it, so the planner's "params" split is the runtime's."""
+    L = len(weights)
+    if not 1 <= n <= L:
+        raise PipeDSLError(f"cannot split {L} units into {n} non-empty stages")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(n + 1)]
+    cut = [[0] * (L + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n + 1):
+        for i in range(k, L - (n - k) + 1):
+            row, prev = best[k], best[k - 1]
+            for j in range(k - 1, i):
+                cost = max(prev[j], prefix[i] - prefix[j])
+                if cost < row[i]:
+                    row[i], cut[k][i] = cost, j
+    sizes, i = [], L
+    for k in range(n, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def even_sizes(weights: Sequence[float], n: int) -> list[int]:
+    """Among the splits of `weights` into `n` contiguous parts whose heaviest part is the least possible
+    (`balanced_sizes`), the most even one: the least Σ part² (a second exact DP, capped at that heaviest part).
+    The slowest stage sets a pipeline's pace, but when one unit is the bottleneck (a 250k-vocabulary head) many
+    splits share it, and with several stages a rank (interleaved, V-shapes) the even one keeps the ranks even."""
+    sizes = balanced_sizes(weights, n)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    edges = bounds_of(sizes)
+    cap = max(prefix[b] - prefix[a] for a, b in zip(edges, edges[1:])) * (1 + 1e-9)
+    L, inf = len(weights), float("inf")
+    best = [[inf] * (L + 1) for _ in range(n + 1)]
+    cut = [[0] * (L + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n + 1):
+        for i in range(k, L - (n - k) + 1):
+            row, prev = best[k], best[k - 1]
+            for j in range(i - 1, k - 2, -1):  # the part j:i grows as j falls: stop past the cap
+                part = prefix[i] - prefix[j]
+                if part > cap:
+                    break
+                cost = prev[j] + part * part
+                if cost < row[i]:
+                    row[i], cut[k][i] = cost, j
+    out, i = [], L
+    for k in range(n, 0, -1):
+        j = cut[k][i]
+        out.append(i - j)
+        i = j
+    return out[::-1]
+
+
+def bounds_of(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Stage sizes as unit boundaries: [2, 3] → (0, 2, 5)."""
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return tuple(out)
