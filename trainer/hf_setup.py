@@ -78,7 +78,8 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
 
 def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFModelConfig:
     """`hf_config` for an encoder-decoder: (source, target) pairs of two fields, or T5's span corruption of the
-    text (trainer/seq2seq_data.py); the whole model on every rank, cut by `seq2seq_stages`."""
+    text (trainer/seq2seq_data.py); each rank builds only its stages where `LocalStages` can (T5, mT5), else the
+    whole model, cut by `seq2seq_stages`."""
     from pipedsl.models.hf import io as hf_io
     from pipedsl.trainer import data, seq2seq_data
 
@@ -141,17 +142,21 @@ def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFMod
     attn = cfg.model.attn or _attention(md)
     meta = _meta_model(md.config)
     _check_memory(cfg, md, meta)
-    from pipedsl.models.hf.seq2seq import check_seq2seq_architecture
+    from pipedsl.models.hf.seq2seq import check_seq2seq_architecture, shallow_seq2seq_config
 
     try:
-        if check_seq2seq_architecture(meta, attn=attn) is None:
-            print(f"note: the architecture check is skipped (one layer of {md.path.name} is too large)", flush=True)
+        checked = check_seq2seq_architecture(meta, attn=attn)
     except PipeDSLError as err:
         raise PipeDSLError(f"{md.path}: {err.message}") from None
+    if checked is None:
+        print(f"note: the architecture check is skipped (one layer of {md.path.name} is too large)", flush=True)
+        local = _weights_cover(md, meta)
+    else:  # the shallow copy cut like the check cuts it: every kind of stage, T5's borrowed bias included
+        local = _builds_locally(md, shallow_seq2seq_config(md.config), 3, attn, meta)
     split = {"by": "count"}
     described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_caches else
                                                                         "held out")
-    return HFModelConfig(path=str(md.path.resolve()), local=False, attn=attn, split=split,
+    return HFModelConfig(path=str(md.path.resolve()), local=local, attn=attn, split=split,
                          cache=train_caches[0], eval_cache=eval_caches[0] if eval_caches else None,
                          eval_at_end=eval_at_end, seq2seq=objective,
                          export=hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)),
@@ -220,9 +225,6 @@ def _check_architecture(md: Any, split: dict[str, Any], attn: str, meta: Any = N
     with random weights, so that an architecture pipedsl does not split exactly is refused before any rank
     starts.  Returns whether the ranks can build only their own stages (`hf_io.LocalStages`): every tensor
     filled by the model's own initialisation, and with weights, every parameter in the files under a name."""
-    import tempfile
-
-    from pipedsl.models.hf.io import LocalStages
     from pipedsl.models.hf.stages import MAX_CHECK_BYTES, check_architecture, shallow_config
 
     try:
@@ -234,11 +236,20 @@ def _check_architecture(md: Any, split: dict[str, Any], attn: str, meta: Any = N
         print(f"note: the architecture check is skipped (one layer of {md.path.name} is larger than "
               f"{MAX_CHECK_BYTES / 2**30:g} GiB)", flush=True)
         return _weights_cover(md, meta)
-    config = shallow_config(md.config)
+    return _builds_locally(md, shallow_config(md.config), 1, attn, meta)
+
+
+def _builds_locally(md: Any, shallow: Any, num_stages: int, attn: str, meta: Any) -> bool:
+    """Whether each rank can build only its stages (`hf_io.LocalStages`), tried on the shallow config with every
+    stage held, and with weights, whether every parameter is in the files under a name."""
+    import tempfile
+
+    from pipedsl.models.hf.io import LocalStages
+
     with tempfile.TemporaryDirectory() as tmp:
-        config.save_pretrained(tmp)
+        shallow.save_pretrained(tmp)
         try:
-            LocalStages(tmp, 1, {"by": "count"}, {0}, attn=attn)
+            LocalStages(tmp, num_stages, {"by": "count"}, set(range(num_stages)), attn=attn)
         except LocalStages.NotLocal as why:
             print(f"note: every rank builds the whole model ({why})", flush=True)
             return False

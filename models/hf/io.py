@@ -178,23 +178,33 @@ class LocalStages:
 
     def __init__(self, model_dir: str | os.PathLike, num_stages: int, split: dict[str, Any], held: set[int], *,
                  seed: int = 0, attn: str = "sdpa") -> None:
-        from pipedsl.models.hf.stages import causal_lm_stages
         from pipedsl.runtime.ties import find_ties
 
         tf = require_transformers()
         config = tf.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         with torch.device("meta"):
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+            model = auto_class(config).from_config(config, dtype=torch.float32, attn_implementation=attn)
         self.model = model
-        self.stages = causal_lm_stages(model, num_stages, **split, check=False)  # the launcher checked
+        self.stages = model_stages(model, num_stages, split, check=False)  # the launcher checked
         self.ties = find_ties(self.stages)
         self.held = set(held)
         prefixes = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         aliases: dict[int, list[str]] = {}  # a meta tensor -> every HF name it has (a tied head: two)
         for n, t in model.state_dict(keep_vars=True).items():
             aliases.setdefault(id(t), []).append(n)
+        # a stage's own glue modules may hold a tensor of a model module they do not include (T5's shared position
+        # bias around the first layer's Parameter): that module ("home") is made real too, and lends its tensor
+        homes = {id(t): (m, attr) for m in model.modules()
+                 for attr, t in [*m._parameters.items(), *m._buffers.items()] if t is not None}
+        glue = [m for s in sorted(self.held) for m in self.stages[s].modules() if id(m) not in prefixes]
+        borrowed = [(m, kind, attr, *homes[id(t)]) for m in glue
+                    for kind, table in (("param", m._parameters), ("buffer", m._buffers))
+                    for attr, t in table.items() if t is not None and id(t) in homes]
+        if any(home is model for _, _, _, home, _ in borrowed):
+            raise self.NotLocal("a stage holds a tensor of the model's root module (BART's final_logits_bias)")
         modules = list({id(m): m for s in sorted(self.held) for m in self.stages[s].modules()
                         if id(m) in prefixes}.values())
+        modules += list({id(home): home for _, _, _, home, _ in borrowed if home not in modules}.values())
         slots = [(m, kind, attr, prefixes[id(m)], aliases.get(id(t), [])) for m in modules
                  for kind, table in (("param", m._parameters), ("buffer", m._buffers))
                  for attr, t in table.items() if t is not None]
@@ -232,6 +242,9 @@ class LocalStages:
             t = (m._parameters if kind == "param" else m._buffers)[attr]
             if torch.isnan(t).any():
                 raise self.NotLocal(f"{prefix}.{attr} was left unfilled by {type(model).__name__}._init_weights")
+        for m, kind, attr, home, home_attr in borrowed:  # the glue modules take their homes' real tensors
+            table = home._parameters if kind == "param" else home._buffers
+            (m._parameters if kind == "param" else m._buffers)[attr] = table[home_attr]
 
     def __call__(self, stage: int) -> nn.Module:
         if stage not in self.held:

@@ -118,3 +118,28 @@ def test_the_launcher_decides_for_every_rank_whether_stages_are_built_alone(tmp_
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     assert _check_architecture(inspect_model_dir(tmp_path), split, "sdpa") is False
     assert "model.norm.weight is not in the weights files" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["t5", "mt5", "umt5"])
+def test_encoder_decoder_stages_are_built_alone(family, tmp_path):
+    """T5's families build only the held stages, from the weights files (every tensor equals from_pretrained's)
+    or from the seeded per-module init: a stage holding later layers of a stack takes the first layer's shared
+    position-bias weight without that layer's other weights being its own."""
+    import seq2seq_cases
+    import transformers as tf
+
+    seq2seq_cases.tiny_seq2seq(family).save_pretrained(tmp_path)
+    ref = tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    want = {**dict(ref.state_dict()), **dict(ref.named_buffers())}
+    for held in ({0}, {1}, {2, 3}):  # units: enc input + 2 layers | 1 layer + dec input + … (4 stages by count)
+        local = LocalStages(tmp_path, 4, SPLIT, held)
+        names = {id(t): n for n, t in local.model.state_dict(keep_vars=True).items()}
+        for s in held:
+            for t in [*local(s).parameters(), *local(s).buffers()]:
+                assert not t.is_meta and torch.equal(t, want[names[id(t)]]), names[id(t)]
+        for s in set(range(4)) - held:
+            assert any(p.is_meta for p in local.stages[s].parameters())
+    bart = tmp_path / "bart"
+    seq2seq_cases.tiny_seq2seq("bart").save_pretrained(bart)
+    with pytest.raises(LocalStages.NotLocal, match="final_logits_bias"):
+        LocalStages(bart, 4, SPLIT, {3})
