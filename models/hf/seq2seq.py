@@ -52,7 +52,7 @@ from pipedsl.models.hf.stages import (
     IGNORE_INDEX,
     causal_lm_loss,
     check_on_shallow_copy,
-    one_line,
+    compare_with_model,
     require_transformers,
 )
 from pipedsl.models.split import _bounds
@@ -348,32 +348,11 @@ def check_seq2seq_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: 
     dec_mask = torch.ones_like(dec_ids)
     dec_mask[1, -2:] = 0
     with_dec_mask = getattr(stages[0], "decoder_mask", False)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            device = next(model.parameters()).device
-            expected = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             decoder_input_ids=dec_ids.to(device),
-                             decoder_attention_mask=dec_mask.to(device) if with_dec_mask else None,
-                             use_cache=False).logits.float()
-            x: Any = (ids, mask, dec_ids, *((dec_mask,) if with_dec_mask else ()))
-            x = tuple(t.to(device) for t in x)
-            try:
-                for stage in stages:
-                    x = stage(*x) if isinstance(x, tuple) else stage(x)
-            except Exception as err:  # noqa: BLE001 - whatever the layers refuse, said as the model's refusal
-                raise PipeRuntimeError(f"seq2seq_stages: {type(model).__name__}'s layers fail when called as "
-                                       f"pipedsl's stages call them ({type(err).__name__}: {one_line(err)})") from None
-            got = x.float()
-    finally:
-        model.train(was_training)
-    diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
-    if not diff <= tolerance:
-        raise PipeRuntimeError(f"seq2seq_stages: {type(model).__name__} cut into {len(stages)} stages gives logits "
-                               f"{diff:.2e} (relative) away from the model's own forward: its forward does something "
-                               f"between its stacks' pieces that pipedsl does not reproduce")
-    return diff
+    model_inputs = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec_ids,
+                    "decoder_attention_mask": dec_mask if with_dec_mask else None}
+    stage_inputs = (ids, mask, dec_ids, *((dec_mask,) if with_dec_mask else ()))
+    return compare_with_model(model, stages, stage_inputs, model_inputs, tolerance, "seq2seq_stages",
+                              "its stacks' pieces")
 
 
 def shallow_seq2seq_config(config: Any) -> Any:

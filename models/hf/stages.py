@@ -346,28 +346,39 @@ def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8,
     ids = torch.randint(vocab, (2, seq_len), generator=torch.Generator().manual_seed(0))
     extras = getattr(stages[0], "extras", ())
     given = {"attention_mask": torch.ones_like(ids), "position_ids": torch.arange(seq_len).expand(2, -1)}
+    return compare_with_model(model, stages, (ids, *(given[e] for e in extras)), {"input_ids": ids}, tolerance,
+                              "causal_lm_stages", "the embedding, the layers and the head")
+
+
+def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inputs: tuple, model_inputs: dict,
+                       tolerance: float, who: str, pieces: str) -> float:
+    """The stages run in sequence on `stage_inputs` against `model(**model_inputs)`, both in eval mode without
+    gradients: the largest logit difference relative to the logits' scale, or a `PipeRuntimeError` naming the
+    model above `tolerance` or when a stage fails."""
+    name = type(model).__name__
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             device = next(model.parameters()).device
-            expected = model(ids.to(device), use_cache=False).logits.float()
-            x: Any = (ids.to(device), *(given[e].to(device) for e in extras))
+            expected = model(**{k: v.to(device) for k, v in model_inputs.items() if v is not None},
+                             use_cache=False).logits.float()
+            x: Any = tuple(t.to(device) for t in stage_inputs)
             try:
                 for stage in stages:
                     x = stage(*x) if isinstance(x, tuple) else stage(x)
             except Exception as err:  # noqa: BLE001 - whatever the layers refuse, said as the model's refusal
-                raise PipeRuntimeError(f"causal_lm_stages: {type(model).__name__}'s layers fail when called as "
-                                       f"pipedsl's stages call them ({type(err).__name__}: {one_line(err)}): its "
-                                       f"forward passes them something the stages do not") from None
+                raise PipeRuntimeError(f"{who}: {name}'s layers fail when called as pipedsl's stages call them "
+                                       f"({type(err).__name__}: {one_line(err)}): its forward passes them something "
+                                       f"the stages do not") from None
             got = x.float()
     finally:
         model.train(was_training)
     diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
     if not diff <= tolerance:
-        raise PipeRuntimeError(f"causal_lm_stages: {type(model).__name__} cut into {len(stages)} stages gives logits "
-                               f"{diff:.2e} (relative) away from the model's own forward: its forward does something "
-                               f"between the embedding, the layers and the head that pipedsl does not reproduce")
+        raise PipeRuntimeError(f"{who}: {name} cut into {len(stages)} stages gives logits {diff:.2e} (relative) away "
+                               f"from the model's own forward: its forward does something between {pieces} that "
+                               f"pipedsl does not reproduce")
     return diff
 
 
