@@ -83,8 +83,8 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean",
-                   ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor, *,
+                   reduction: str = "mean", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """HF's causal-LM cross-entropy of `logits` [mb, T, V] against `shift_labels(labels)` [mb, T].
 
     `reduction="mean"` (over the targets that are not `ignore_index`) is the loss of
@@ -92,9 +92,17 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: st
     `Pipeline(loss_reduction="token")`, which divides by the global batch's token count
     (`functools.partial(causal_lm_loss, reduction="sum")`).  Logits are upcast to fp32, as HF does.
     """
+    aux = None
+    if isinstance(logits, tuple):  # (logits, the router's auxiliary loss) from an MoE's last stage (RouterLoss)
+        logits, aux = logits
+        if reduction != "mean":
+            raise PipeRuntimeError("an MoE's auxiliary loss is added to each microbatch's mean loss, as the model "
+                                   "adds it to each forward's: use loss_reduction='microbatch' with "
+                                   "causal_lm_loss (reduction='mean'), or output_router_logits=False")
     logits = logits.float()  # [mb, T, V]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.to(logits.device).reshape(-1),
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.to(logits.device).reshape(-1),
                            ignore_index=ignore_index, reduction=reduction)
+    return loss + aux.to(loss.device) if aux is not None else loss
 
 
 class _Parts:
@@ -124,11 +132,8 @@ class _Parts:
         if getattr(config, "use_bidirectional_attention", False):
             raise PipeRuntimeError(f"causal_lm_stages: {name} has use_bidirectional_attention=True; only causal "
                                    f"(left-to-right) attention is supported")
-        if getattr(config, "output_router_logits", False):
-            raise PipeRuntimeError(f"causal_lm_stages: {name} has output_router_logits=True: its forward adds the "
-                                   f"router's auxiliary (load-balancing) loss to the loss, which pipedsl's stages do "
-                                   f"not reproduce yet; set config.output_router_logits=False to train without it")
         body = model.base_model
+        self.router = RouterLoss.of(model, body, name) if getattr(config, "output_router_logits", False) else None
         self.model, self.name = model, name
         self.config, self.kind = config, getattr(config, "model_type", None)
         self.layers = list(_child_list(body, LAYER_NAMES, name, "decoder layers")[: config.num_hidden_layers])
@@ -160,6 +165,71 @@ class _Parts:
             self.mask_kinds = ["sliding_attention"] * len(self.layers)  # Mistral, Phi-3: every layer, when set
         else:
             self.mask_kinds = ["full_attention"] * len(self.layers)
+
+
+class RouterLoss:
+    """An MoE decoder's auxiliary load-balancing loss (Switch Transformer's), computed across stages exactly as the
+    model's own forward computes it with `output_router_logits=True` (transformers' `load_balancing_loss_func`).
+
+    The loss is E · Σ_e f_e · P_e over all layers at once: f_e the share of (layer, token) routings that pick
+    expert e in their top k, P_e the mean router probability of e, both over every layer's tokens (padding left
+    out when the stage has the mask).  It is not a sum over layers, so each stage adds its layers' sums to three
+    accumulators that travel with the hidden states — the routings per expert [E] (int64), the router
+    probabilities per expert [E] (fp32, carrying the gradient back to every stage's routers) and the token rows
+    (int64) — in the model's own order of layers, and the last stage computes the loss and returns it beside
+    the logits for `causal_lm_loss` to add, × `router_aux_loss_coef`, to the microbatch's mean loss (HF adds it
+    per forward, so per microbatch).  The routers' logits are caught with forward hooks on the module class the
+    model records them from (`_can_record_outputs["router_logits"]`).
+    """
+
+    def __init__(self, router_class: type, index: int, num_experts: int, top_k: int, coef: float) -> None:
+        self.router_class, self.index = router_class, index
+        self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
+
+    @classmethod
+    def of(cls, model: nn.Module, body: nn.Module, name: str) -> RouterLoss | None:
+        """The model's router loss, None when its forward adds none, or a refusal naming what is missing."""
+        coef = getattr(model, "router_aux_loss_coef", None)
+        if coef is None:  # router logits only returned (DeepSeek-V3): the loss is the plain one
+            return None
+        recorder = getattr(type(body), "_can_record_outputs", {}).get("router_logits")
+        experts = getattr(model, "num_experts", None)
+        top_k = getattr(model, "num_experts_per_tok", None)
+        if getattr(recorder, "target_class", None) is None or experts is None or top_k is None:
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has output_router_logits=True but pipedsl cannot find "
+                                   f"where its router logits come from (no _can_record_outputs['router_logits'] "
+                                   f"target class, num_experts, num_experts_per_tok); set "
+                                   f"config.output_router_logits=False to train without the auxiliary loss")
+        return cls(recorder.target_class, int(recorder.index or 0), int(experts), int(top_k), float(coef))
+
+    def start(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The accumulators before the first layer: (routings [E] int64, probabilities [E] fp32, rows [1] int64)."""
+        E = self.num_experts
+        return (torch.zeros(E, dtype=torch.long, device=device), torch.zeros(E, dtype=torch.float32, device=device),
+                torch.zeros(1, dtype=torch.long, device=device))
+
+    def add(self, sums: tuple[torch.Tensor, ...], logits: torch.Tensor,
+            padding: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """`sums` with one layer's router logits [mb·T, E] added, as `load_balancing_loss_func` adds a layer."""
+        counts, probs, rows = sums
+        weights = torch.softmax(logits, dim=-1)  # [mb·T, E]
+        _, chosen = torch.topk(weights, self.top_k, dim=-1)  # [mb·T, k]
+        if padding is None:
+            picked, rows = chosen.reshape(-1), rows + weights.shape[0]
+            probs = probs + weights.float().sum(dim=0)
+        else:
+            keep = padding.reshape(-1).to(device=weights.device, dtype=torch.float32)  # [mb·T]
+            picked, rows = chosen[keep.bool()].reshape(-1), rows + keep.sum().long()
+            probs = probs + (weights.float() * keep.unsqueeze(-1)).sum(dim=0)
+        counts = counts + torch.bincount(picked, minlength=self.num_experts)
+        return counts, probs, rows
+
+    def loss(self, sums: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """coef · E · Σ_e f_e · P_e from the accumulators of every layer."""
+        counts, probs, rows = sums
+        total = rows.to(torch.float32)
+        aux = torch.sum((counts.to(torch.float32) / total) * (probs / total).unsqueeze(0)) * self.num_experts
+        return self.coef * aux
 
 
 def _layer_extras(layer: nn.Module, config: Any, model: str) -> dict[str, None]:
@@ -257,24 +327,49 @@ class CausalLMStage(nn.Module):
         self.rotary_emb = parts.rotary if len(ids) else None  # no parameters: shared, not tied
         self.rotary_per_type = parts.rotary_per_type
         self.layer_extras = parts.layer_extras
+        self.router: RouterLoss | None = parts.router  # an MoE's auxiliary loss: accumulators travel (RouterLoss)
+        self._caught: list[torch.Tensor] | None = None  # this forward's router logits, in layer order
+        if self.router is not None:
+            for m in self.layers.modules():
+                if isinstance(m, self.router.router_class):
+                    m.register_forward_hook(self._catch)
+
+    def _catch(self, _module: nn.Module, _args: Any, out: Any) -> None:
+        if self._caught is not None:
+            self._caught.append(out[self.router.index] if isinstance(out, tuple) else out)
 
     def forward(self, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if len(extras) != len(self.extras):
-            raise TypeError(f"this stage takes {1 + len(self.extras)} tensors (the first, then "
-                            f"{', '.join(self.extras) or 'nothing else'}), got {1 + len(extras)}")
+        sums_in = 3 if self.router is not None and self.embed is None else 0  # the router loss's accumulators
+        if len(extras) != len(self.extras) + sums_in:
+            raise TypeError(f"this stage takes {1 + len(self.extras) + sums_in} tensors (the first, then "
+                            f"{', '.join(self.extras) or 'nothing else'}"
+                            f"{', then the router loss sums' if sums_in else ''}), got {1 + len(extras)}")
         given = dict(zip(self.extras, extras))
         mask, pos = given.get("attention_mask"), given.get("position_ids")
         T = x.shape[1]
         positions = pos if pos is not None else torch.arange(T, device=x.device).unsqueeze(0)  # [1 or mb, T]
         h = self.embed(x, positions) if self.embed is not None else x  # [mb, T, C]
-        if len(self.layers):
-            h = self._layers(h, mask, positions)
+        sums = tuple(extras[len(self.extras):]) if sums_in else None
+        if self.router is not None and sums is None:
+            sums = self.router.start(h.device)
+        self._caught = [] if self.router is not None else None
+        try:
+            if len(self.layers):
+                h = self._layers(h, mask, positions)
+            caught = self._caught
+        finally:
+            self._caught = None
+        if self.router is not None:
+            for logits in caught or ():
+                sums = self.router.add(sums, logits, mask)
         if self.head is not None:
-            return self.head(h)  # [mb, T, V]
-        if not extras:
+            logits = self.head(h)  # [mb, T, V]
+            return (logits, self.router.loss(sums)) if self.router is not None else logits
+        passed = extras[:len(self.extras)]
+        if not passed and sums is None:
             return h
         # cloned: a received buffer is reused once this microbatch's backward is done, maybe before its send is
-        return (h, *(t.clone() for t in extras))
+        return (h, *(t.clone() for t in passed), *(t.clone() for t in (sums or ())))
 
     def _layers(self, h: torch.Tensor, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -361,8 +456,8 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
     try:
         with torch.no_grad():
             device = next(model.parameters()).device
-            expected = model(**{k: v.to(device) for k, v in model_inputs.items() if v is not None},
-                             use_cache=False).logits.float()
+            out = model(**{k: v.to(device) for k, v in model_inputs.items() if v is not None}, use_cache=False)
+            expected = out.logits.float()
             x: Any = tuple(t.to(device) for t in stage_inputs)
             try:
                 for stage in stages:
@@ -371,10 +466,14 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
                 raise PipeRuntimeError(f"{who}: {name}'s layers fail when called as pipedsl's stages call them "
                                        f"({type(err).__name__}: {one_line(err)}): its forward passes them something "
                                        f"the stages do not") from None
-            got = x.float()
+            got, aux = (x[0], x[1]) if isinstance(x, tuple) else (x, None)
+            got = got.float()
     finally:
         model.train(was_training)
     diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+    if aux is not None:  # an MoE's router loss: the model's own, × its coefficient
+        want = float(getattr(out, "aux_loss", None) * stages[-1].router.coef)
+        diff = max(diff, abs(float(aux) - want) / max(abs(want), 1e-12))
     if not diff <= tolerance:
         raise PipeRuntimeError(f"{who}: {name} cut into {len(stages)} stages gives logits {diff:.2e} (relative) away "
                                f"from the model's own forward: its forward does something between {pieces} that "

@@ -18,6 +18,7 @@ import pipedsl
 from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
 
 VOCAB, T = 96, 8
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")  # with output_router_logits: the auxiliary loss across stages
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "phi3", "olmo2", "gpt2", "cohere",
             "gpt_neox", "falcon")
 EAGER_ONLY = ("gemma2",)  # transformers refuses sdpa for Gemma 2 (its attention soft-capping)
@@ -69,6 +70,11 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
                                  num_kv_heads=2, new_decoder_architecture=True, alibi=False, bos_token_id=0,
                                  eos_token_id=0, attention_dropout=dropout, hidden_dropout=dropout,
                                  **({} if tie is None else {"tie_word_embeddings": tie}))
+    elif family in MOE_FAMILIES:  # 4 experts, top 2, the router's auxiliary loss on (coefficient far from 0)
+        moe = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
+               "olmoe": dict(num_experts=4)}[family]
+        config = tf.AutoConfig.for_model(family, **common, **moe, num_experts_per_tok=2, output_router_logits=True,
+                                         router_aux_loss_coef=0.5)
     elif family == "gpt2":
         config = tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=layers, n_head=2, bos_token_id=0,
                                eos_token_id=0, attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,
@@ -195,3 +201,44 @@ def bad_requests(rank: int) -> dict[str, str]:
         except PipeRuntimeError as err:
             out[key] = str(err)
     return out
+
+
+def moe_equivalence(rank: int, family: str, schedule: str, M: int, params: dict[str, int] | None = None,
+                    steps: int = 2) -> dict:
+    """An MoE decoder with its router's auxiliary loss, pipelined, against the unsplit model trained with gradient
+    accumulation over the same microbatches (HF adds the auxiliary loss to each forward's loss): every step's
+    loss, every local gradient, and the weights after `steps` SGD steps."""
+    P = torch.distributed.get_world_size()
+    program = pipedsl.load(schedule).compile(P=P, M=M, **(params or {}))
+    model = tiny_model(family)
+    ref = copy.deepcopy(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    x, mask, labels = batch(M, True)
+    pipe = pipedsl.Pipeline(causal_lm_stages(model, program.num_stages, attention_mask=True), program=program,
+                            loss_fn=causal_lm_loss)
+    local = {names[id(p)]: p for m in pipe.local_stages().values() for p in m.parameters()}
+    problems: list[str] = []
+    for step in range(steps):
+        loss = pipe.step((x, mask), shift_labels(labels))
+        want = 0.0
+        for xm, mm, lm in zip(x.chunk(M), mask.chunk(M), labels.chunk(M)):
+            out = ref(xm, attention_mask=mm, labels=lm, use_cache=False)
+            (out.loss / M).backward()
+            want += out.loss.item() / M
+        if abs(loss - want) > 1e-5 * abs(want):
+            problems.append(f"rank {rank} step {step}: loss {loss} != the unsplit model's {want}")
+        for name, p in local.items():
+            q = ref_params[name].grad
+            if q is None:
+                continue
+            err = ((p.grad - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
+            if err > 1e-4:
+                problems.append(f"rank {rank} step {step}: {name}.grad differs (max err {err:.3g} of its max)")
+        with torch.no_grad():
+            for p in [*pipe.parameters(), *ref.parameters()]:
+                if p.grad is not None:
+                    p -= LR * p.grad
+                    p.grad = None
+    gate = [n for n in local if n.endswith("mlp.gate.weight")]
+    return {"problems": problems, "gates": gate}

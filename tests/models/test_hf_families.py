@@ -108,24 +108,43 @@ def test_the_api_verifies_the_architecture_and_refuses_what_it_cannot_reproduce(
     assert torch.equal(state, torch.random.get_rng_state()), "the check must leave the caller's RNG alone"
 
 
-def test_moe_router_losses_and_alibi_are_refused_by_name():
-    """What the stages cannot reproduce is refused when they are made, not dropped (MoE auxiliary loss) and not
-    left to fail at the first step (Falcon's ALiBi)."""
+@pytest.mark.parametrize("family", hf_cases.MOE_FAMILIES)
+def test_moe_router_loss_is_the_models_own_across_stages(family):
+    """Mixtral, Qwen3-MoE and OLMoE with output_router_logits: cut into 4 stages with padding, the logits, the
+    loss with the router's auxiliary loss (coefficient 0.5) and every gradient — the routers' included — equal
+    the model's own; the aux loss is not a sum over layers, so its sums travel between the stages."""
+    model = tiny_model(family, layers=3)
+    ref = copy.deepcopy(model)
+    x = torch.randint(VOCAB, (3, T), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(x)
+    mask[0, -3:] = 0
+    labels = x.masked_fill(mask == 0, -100)
+    want = ref(x, attention_mask=mask, labels=labels, use_cache=False)
+    assert want.aux_loss.item() > 0.5
+    want.loss.backward()
+    h = (x, mask)
+    for st in causal_lm_stages(model, 4, attention_mask=True):
+        h = st(*h)
+    logits, aux = h
+    assert torch.equal(logits, want.logits) and aux.item() == pytest.approx(0.5 * want.aux_loss.item(), rel=1e-6)
+    loss = causal_lm_loss(h, shift_labels(labels))
+    assert loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
+    loss.backward()
+    ref_params = dict(ref.named_parameters())
+    routers = 0
+    for name, p in model.named_parameters():
+        q = ref_params[name].grad
+        assert (p.grad - q).abs().max().item() <= 1e-5 * q.abs().max().clamp_min(1e-12).item(), name
+        routers += name.endswith("mlp.gate.weight")
+    assert routers == 3  # one router a layer, each with the auxiliary loss's gradient
+    with pytest.raises(PipeRuntimeError, match="loss_reduction='microbatch'"):
+        causal_lm_loss(h, shift_labels(labels), reduction="sum")
+
+
+def test_alibi_is_refused_by_name():
+    """What the stages cannot reproduce is refused when they are made, not left to fail at the first step."""
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)
-    moes = [tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
-            tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-            tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2)]
-    for config in moes:
-        config.output_router_logits = True
-        model = tf.AutoModelForCausalLM.from_config(config)
-        with pytest.raises(PipeRuntimeError, match=f"{type(model).__name__} has output_router_logits=True: .* "
-                                                   f"auxiliary"):
-            causal_lm_stages(model, 2)
-        model.config.output_router_logits = False  # no auxiliary loss in the model's own forward either
-        assert check_split(model, causal_lm_stages(model, 2)) <= 1e-5
     falcon = tf.FalconForCausalLM(tf.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                   num_attention_heads=4, alibi=True))
     with pytest.raises(PipeRuntimeError, match=r"FalconForCausalLM's decoder layers take 'alibi' \(config.alibi=True\)"):
@@ -192,3 +211,16 @@ def test_a_peft_style_wrapper_splits_its_base_model_with_frozen_weights():
     causal_lm_loss(h, shift_labels(x)).backward()
     assert adapter.weight.grad is not None and adapter.weight.grad.abs().sum() > 0
     assert all(p.grad is None for n, p in model.named_parameters() if "adapter" not in n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, schedule, params", [("mixtral", "1f1b", None), ("qwen3_moe", "zb-v", None),
+                                                      ("olmoe", "interleaved", {"V": 2}),
+                                                      ("mixtral", "dualpipev", None)])
+def test_moe_router_loss_pipelined_equals_gradient_accumulation(pool2, family, schedule, params):
+    """Two SGD steps on 2 ranks: the loss with the router's auxiliary loss per microbatch, every gradient (the
+    routers' on every stage) and the weights equal the unsplit model accumulating the same microbatches."""
+    results = pool2.run(hf_cases.moe_equivalence, family, schedule, 4, params)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:8])
+    assert all(r["gates"] for r in results)  # routers on both ranks
