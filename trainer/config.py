@@ -320,6 +320,7 @@ class HFModelConfig:
     describe: str  # one line on the model, for the launcher's banner
     data_describe: str  # one line on the data
     seq2seq: dict[str, Any] | None = None  # an encoder-decoder's objective and target caches (seq2seq_data.samples)
+    router_loss: bool = False  # an MoE decoder adds its router's auxiliary loss per microbatch (RouterLoss)
 
 
 @dataclass(frozen=True)
@@ -403,10 +404,15 @@ class TrainConfig:
     def loss_reduction(self) -> str:
         """The loss reduction the run uses: the option when given, else the model's own default.  A Hugging Face
         model on real text has padding and uneven documents, where only the mean over every token of the global
-        batch is the loss of the batch (the per-microbatch mean weighs short microbatches up); the GPT on
+        batch is the loss of the batch (the per-microbatch mean weighs short microbatches up), except with an MoE
+        router's auxiliary loss, which the model adds to each forward's mean loss; the GPT on
         synthetic tokens keeps its historical per-microbatch mean, so that its losses (and checkpoints resumed
         bit for bit) do not change.  The one place this default is decided."""
-        return self.training.loss_reduction or ("token" if self.model.is_hf else "microbatch")
+        if self.training.loss_reduction:
+            return self.training.loss_reduction
+        if self.hf is not None and self.hf.router_loss:  # an MoE's auxiliary loss is per microbatch, as HF's
+            return "microbatch"
+        return "token" if self.model.is_hf else "microbatch"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], **facts: Any) -> TrainConfig:

@@ -32,6 +32,14 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
     if d.source_field is not None:
         raise PipeDSLError(f"--source-field: {md.path} is a causal decoder ({md.kind}); (source, target) pairs train "
                            f"encoder-decoders such as T5 or BART")
+    router_loss = bool(getattr(md.config, "output_router_logits", False))
+    if router_loss and cfg.training.loss_reduction == "token":
+        raise PipeDSLError(f"--loss-reduction token: {md.path} adds its router's auxiliary loss to each "
+                           f"microbatch's mean loss (output_router_logits), as transformers does; use the default "
+                           f"(microbatch) or set output_router_logits false in its config.json")
+    if router_loss and cfg.parallel.tp > 1:
+        raise PipeDSLError(f"--tp {cfg.parallel.tp}: {md.path} is a mixture of experts; tensor parallelism of MoE "
+                           f"layers is not supported yet")
     S = program.num_stages
     layers = int(getattr(md.config, "num_hidden_layers", None) or getattr(md.config, "n_layer", 0))
     if S > layers + 2:
@@ -73,7 +81,7 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
     return HFModelConfig(path=str(md.path.resolve()), local=local, attn=attn, split=split, cache=str(cache.path),
                          eval_cache=str(eval_cache.path) if eval_cache is not None else None, eval_at_end=eval_at_end,
                          export=hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)),
-                         describe=md.describe(), data_describe="; ".join([described, *notes]))
+                         describe=md.describe(), data_describe="; ".join([described, *notes]), router_loss=router_loss)
 
 
 def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFModelConfig:

@@ -53,7 +53,9 @@ def model_dir(root: Path, family: str, *, weights: bool = False) -> Path:
     config = {"llama": lambda: tf.LlamaConfig(**common),
               "qwen3": lambda: tf.Qwen3Config(**common, head_dim=8),
               "gemma3": lambda: tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
-                                                     sliding_window_pattern=2)}[family]()
+                                                     sliding_window_pattern=2),
+              "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                                  output_router_logits=True, router_aux_loss_coef=0.5)}[family]()
     path = root / f"{family}{'-weights' if weights else ''}"
     if weights:
         torch.manual_seed(123)
@@ -339,3 +341,23 @@ def test_config_file_and_flags(tmp_path):
     with contextlib.redirect_stdout(again):
         assert main(["train", "--config", str(tmp_path / "again.toml"), "--print-config"]) == 0
     assert again.getvalue() == text
+
+
+@pytest.mark.slow
+def test_mixtral_with_its_router_loss_dp2_pp2_zero1_equals_one_process(corpus, tmp_path):
+    """An MoE directory with output_router_logits: the router's auxiliary loss is added per microbatch (the
+    default reduction for it), and dp2 × pp2 under ZeRO-1 and ZB-V equals one process, step by step; the per-token
+    reduction, which would change what the loss means, is refused in one line.  (The auxiliary loss depends on
+    how rows are grouped into microbatches, so the one-process run uses the same microbatches.)"""
+    model = model_dir(tmp_path, "mixtral")
+    runs = {name: pipedsl(*common_flags(model, corpus, tmp_path / name), *layout)
+            for name, layout in (("one", ["-P", "1", "-M", "4"]),  # the same 4 microbatches of 2 rows as dp2 × M2
+                                 ("par", ["-P", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-v"]))}
+    for proc in runs.values():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "par")
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    assert "adds its router's auxiliary loss" in _refused(*common_flags(model, corpus, tmp_path / "t"),
+                                                            "--loss-reduction", "token")
