@@ -52,12 +52,14 @@ LAYOUTS = ("gpt", "hf")
 
 def layer_activation_bytes(seq: int, samples: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none", fused: bool = False,
-                           layout: str = "gpt", ffn: int = 0, kv_hidden: int = 0, value_bytes: int = 2) -> float:
+                           layout: str = "gpt", ffn: int = 0, kv_hidden: int = 0, value_bytes: int = 2,
+                           mlp: float | None = None) -> float:
     """Bytes one layer keeps between its forward and backward on one GPU (see the module table).
 
     `layout` "gpt": Korthikanti's Table 2 (Megatron's GPT, 16-bit values); "hf": a Hugging Face
     Llama layer under pipedsl (`ffn` its MLP width, `kv_hidden` its K/V width, `value_bytes` 2 for
-    bf16, 4 for fp32)."""
+    bf16, 4 for fp32); `mlp`, bytes per token in place of the MLP's 4·v·f (an MoE layer's routed and
+    shared experts, `ModelSpec.moe_mlp_bytes`), sharded over t like it."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute is one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
     if layout not in LAYOUTS:
@@ -75,7 +77,7 @@ def layer_activation_bytes(seq: int, samples: int, hidden: int, heads: int, tp: 
     f, kv = ffn or 4 * h, kv_hidden or h
     norms = 2 * ((8 + v) * h + 4)
     attention = 2 * v * h + 2 * v * kv + 4 * a if fused else 4 * v * h + a * s * (4 + (v if v != 4 else 0))
-    mlp = 4 * v * f
+    mlp = 4 * v * f if mlp is None else mlp
     if recompute == "selective":
         attention = 0.0
     if not sp:

@@ -70,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="bf16 parameters with fp32 main parameters (pipedsl train --param-dtype bf16); gradients "
                         "accumulated in bf16 (default: 2+2+12 bytes a parameter, the ZeRO paper's) or fp32 "
                         "(2+4+12, Megatron's default)")
+    p.add_argument("--ep", metavar="DEGREES",
+                   help="Mixture-of-Experts models (mixtral-8x7b, qwen3-30b-a3b, deepseek-v3): expert-parallel "
+                        "degrees, comma-separated (default: every divisor of dp that divides the expert count)")
     p.add_argument("--top", type=int_in(1, MAX_PLAN_TOP, "MAX_PLAN_TOP"), default=10,
                    help=f"rows in the ranked table (default 10, at most {MAX_PLAN_TOP})")
     p.add_argument("--rejected", type=int_in(1, 1000, "1000 lines"), default=8,
@@ -130,11 +133,28 @@ def _recompute_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _ep_degrees(text: str | None, model: ModelSpec) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    if not model.moe:
+        raise PipeDSLError(f"plan: --ep applies to Mixture-of-Experts models; {model.name} is dense")
+    try:
+        degrees = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        degrees = ()
+    if not degrees or any(not 1 <= e <= MAX_PLAN_GPUS for e in degrees):
+        raise PipeDSLError(f"--ep {shorten(text)}: expected comma-separated expert-parallel degrees in "
+                           f"1..{MAX_PLAN_GPUS:,}")
+    return degrees
+
+
 def run(args: argparse.Namespace) -> int:
     if args.mt5_table or (args.model in ENCDEC_MODELS):
         return _run_encdec(args)
     encdec_only = [flag for flag, given in (("--source-len", args.source_len), ("--target-len", args.target_len),
                                             ("--split", args.split != "time")) if given]
+    if args.ep is not None and (args.scaling or args.calibrate):
+        raise PipeDSLError("plan: --ep narrows the ranked search (not --scaling or --calibrate)")
     if encdec_only:
         raise PipeDSLError(f"plan: {', '.join(encdec_only)} apply to the encoder-decoder presets "
                            f"({', '.join(ENCDEC_MODELS)})")
@@ -158,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     attention = {None: None, "fused": ("fused",), "eager": ("eager",), "both": ("eager", "fused")}[args.attention]
     result = search(model, cluster, top=args.top, schedules=schedules, zero=_zero_stages(args.zero),
                     grads=args.grad_dtype, recompute=_recompute_modes(args.recompute), sequence_parallel=sp,
-                    attention=attention)
+                    attention=attention, ep=_ep_degrees(args.ep, model))
     print_result(result, args.rejected)
     return 0 if result.ranked else 1
 
@@ -187,7 +207,9 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
 
     m, c = result.model, result.cluster
     console = Console(width=200)
-    console.print(f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters ({m.layout} layout), {m.layers} "
+    moe = (f"{scaled(m.active_params, COUNT, '')} active, {m.experts} experts top-{m.top_k}"
+           + (f" + {m.shared_experts} shared" if m.shared_experts else "") + ", ") if m.moe else ""
+    console.print(f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters ({moe}{m.layout} layout), {m.layers} "
                   f"layers, h={m.hidden}, a={m.heads}, s={m.seq}, V={m.vocab}, batch {m.global_batch} — on "
                   f"{c.gpus} × {c.name} ({c.gpus_per_node}/node, {scaled(c.peak_flops, FLOPS)}, "
                   f"{scaled(c.memory, BYTES)})")
@@ -206,6 +228,9 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
         ("peak live", None, lambda e: str(e.memory.peak_live)),
         *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("tp", "pp", "dp", "zero3")),
     ]
+    if m.moe:  # the expert-parallel all-to-alls: seconds per iteration and their share of it
+        columns += [("a2a {}", SECONDS, lambda e: e.comm["ep"]),
+                    ("a2a %", None, lambda e: f"{e.comm['ep'] / e.iteration:.1%}")]
     table.add_column("#", justify="right")
     table.add_column("layout")
     shown = []
@@ -234,7 +259,8 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
 # ------------------------------------------------------------------ encoder-decoders
 
 
-_DECODER_ONLY = ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "model_layout", "scaling", "calibrate")
+_DECODER_ONLY = ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "model_layout", "scaling", "calibrate",
+                 "ep")
 
 
 def encdec_from_args(args: argparse.Namespace, name: str) -> EncDecSpec:

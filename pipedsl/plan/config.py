@@ -16,7 +16,8 @@ class Layout:
     `microbatch` samples per microbatch and `microbatches` (M) per pipeline and iteration, so
     global batch = dp · M · microbatch.  `params` are the schedule's parameters (V, W).  `recompute`
     "none", "selective" or "full" (True/False read as "full"/"none"); `sequence_parallel` only with
-    1-D tp > 1; `attention` "eager" (s² scores stored) or "fused" (FlashAttention-style).
+    1-D tp > 1; `attention` "eager" (s² scores stored) or "fused" (FlashAttention-style); `ep` the
+    expert-parallel degree of an MoE model, taken from the dp ranks (ep divides dp and the expert count).
     """
 
     dp: int
@@ -32,6 +33,7 @@ class Layout:
     grads: str = "bf16"  # bf16 parameters, fp32 main parameters; gradients in bf16 (the ZeRO paper) or fp32 (Megatron)
     sequence_parallel: bool = False
     attention: str = "eager"
+    ep: int = 1  # expert parallelism (MoE models): the routed experts split over ep of the dp ranks
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -40,6 +42,8 @@ class Layout:
             raise ValueError(f"recompute is one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention is one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"ep must divide dp {self.dp}, got {self.ep}")
 
     @property
     def fused(self) -> bool:
@@ -65,4 +69,4 @@ class Layout:
         recompute = {"none": "", "full": " recompute", "selective": " selective"}[self.recompute]
         return (f"dp{self.dp} pp{self.pp} {tp}{'+sp' if self.sequence_parallel else ''} {self.schedule}{extra} "
                 f"b{self.microbatch} M{self.microbatches} zero{self.zero}{recompute}"
-                f"{' flash' if self.fused else ''}{grads}")
+                f"{' flash' if self.fused else ''}{grads}{f' ep{self.ep}' if self.ep > 1 else ''}")

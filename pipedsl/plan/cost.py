@@ -23,6 +23,11 @@ Times are seconds per microbatch.  Communication follows what the runtime does:
   gathers every unit first (`before_weight_pass`, not overlapped).  Its gradients are
   reduce-scattered at REDUCE_GRAD (reduce="step", the default), overlapping the rest of the
   cooldown: at pp = 1 nothing is left to overlap, as in the runtime.
+- expert parallelism (MoE models, `Layout.ep` ranks of dp): per MoE block two all-to-alls in the
+  forward (dispatch, combine) and two in the backward (two more in a fully recomputed forward),
+  each tokens·k·h·2·(ep-1)/ep bytes a rank, on NVLink while tp·ep ranks fit in a node, else
+  InfiniBand, on the critical path (no overlap with compute); the routed experts' parameters are
+  1/ep a rank and their gradients reduce over their dp/ep replicas, the rest over dp;
 - compute: forward FLOPs at the tp group's rate; the memory-bound kernels stream the bytes a
   block stores (`plan/activations.py`, so fused attention and SP shrink them); a fused attention
   backward recomputes QKᵀ (half the attention core); a recomputed block or module runs again in B and I.
@@ -59,6 +64,34 @@ def all_gather(size: float, ranks: int, bandwidth: float, latency: float) -> flo
     return (ranks - 1) / ranks * size / bandwidth + (ranks - 1) * latency
 
 
+def all_to_all(size: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Each of `ranks` ranks exchanges a `size`-byte buffer with the others: (ranks-1)/ranks of it leaves
+    (and as much arrives) over the link, in ranks-1 pairwise steps."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * size / bandwidth + (ranks - 1) * latency
+
+
+def moe_all_to_all_bytes(model: ModelSpec, tokens: float, ep: int) -> float:
+    """Bytes one rank sends in one all-to-all of an MoE layer (dispatch or combine): its `tokens`' k routed
+    copies of h values, the (ep-1)/ep of them whose experts live on the other ranks (balanced routing):
+    tokens·k·h·2·(ep-1)/ep."""
+    return tokens * model.top_k * model.hidden * BYTES_FP16 * (ep - 1) / ep
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One kind of block (dense or MoE) as one GPU runs it, per microbatch."""
+
+    flops: float  # forward FLOPs
+    block: float  # forward seconds (GEMMs + memory-bound kernels)
+    again: float  # seconds recomputed in the backward
+    params: float  # parameters on this GPU (experts / ep)
+    experts: float  # of which routed experts
+    a2a: float  # forward all-to-alls (dispatch + combine); the backward has as much
+    a2a_again: float  # a fully recomputed forward's all-to-alls
+
+
 def tp_degree_3d(tp: int) -> int:
     """q with q³ = tp, or 0 if tp is not a cube."""
     q = round(tp ** (1 / 3))
@@ -81,6 +114,8 @@ class StageCosts:
     tp_comm: tuple[float, ...]  # per stage, per microbatch: tensor-parallel time inside F+B
     zero_gather: tuple[float, ...]  # per stage, per microbatch: ZeRO-3 gathers inside F+B
     waits: tuple[dict[str, float], ...] = ()  # per stage, of F/B/I/W: seconds in blocking collectives (no core)
+    all_to_all: tuple[float, ...] = ()  # per stage, per microbatch: expert-parallel all-to-alls inside F+B
+    expert_params: tuple[float, ...] = ()  # per stage: the routed experts' share of stage_params (already / ep)
 
     def simulator_cost(self) -> Cost:
         """The pipeline part for `pipedsl.simulate`; REDUCE_GRAD/step are added around it (async)."""
@@ -140,29 +175,50 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
 
     # one block: GEMMs and attention at the tp group's rate, the memory-bound kernels streaming what it stores
     core = model.attention_core_flops(b)
-    stored = model.layer_activation_bytes(b, t, "none", sp, fused)
-    block = model.layer_flops(b) / rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
     # per pass of a block: F 1, B 2 (I 1 + W 1); a 1-D tensor-parallel block's own work with it
     own = cluster.sp_own if sp else cluster.tp_own
     tp_own = own[0] + b * own[1] if t > 1 and not q else 0.0
     fixed = (cluster.layer_overhead + tp_own) / 3
-    if mode == "full":
-        again = block + fixed + tp_block_fwd
-    elif mode == "selective":  # what it recomputes, and the memory-bound kernels on what it no longer stores
-        dropped = stored - model.layer_activation_bytes(b, t, "selective", sp, fused)
-        again = model.recomputed_flops("selective", fused, b) / rate + \
-            dropped * cluster.activation_passes / cluster.hbm_bandwidth
-        if model.hf:  # the attention module again, with its collective (all-reduce, or all-gather + reduce-scatter)
-            again += tp_block_fwd / 2
-    else:
-        again = 0.0
     flash_backward = core / 2 / rate if fused else 0.0  # a fused kernel's backward recomputes QKᵀ
+    ep = layout.ep
+    ep_bw, ep_lat = cluster.link(t * ep)  # ep ranks are dp ranks, t apart
+    tokens = b * s / (t if sp else 1)  # one rank's tokens of a microbatch
 
-    F, B, I, W, reduce, after, step, psi, tpc, zg, waits = ([] for _ in range(11))
+    def kind(moe: bool) -> _Block:
+        stored = model.layer_activation_bytes(b, t, "none", sp, fused, moe)
+        flops = model.layer_flops(b, moe)
+        block = flops / rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
+        a2a = 2 * all_to_all(moe_all_to_all_bytes(model, tokens, ep), ep, ep_bw, ep_lat) if moe else 0.0
+        if mode == "full":
+            again = block + fixed + tp_block_fwd
+        elif mode == "selective":  # what it recomputes, and the memory-bound kernels on what it no longer stores
+            dropped = stored - model.layer_activation_bytes(b, t, "selective", sp, fused, moe)
+            again = model.recomputed_flops("selective", fused, b) / rate + \
+                dropped * cluster.activation_passes / cluster.hbm_bandwidth
+            if model.hf:  # the attention module again, with its collective (all-reduce, or all-gather + reduce-scatter)
+                again += tp_block_fwd / 2
+        else:
+            again = 0.0
+        experts = model.moe_layer_expert_params / t / ep if moe else 0.0
+        return _Block(flops, block, again, (model.block_params(moe) - experts * ep * t) / t + experts, experts,
+                      a2a, a2a if mode == "full" else 0.0)
+
+    kinds = {False: kind(False)}
+    if model.moe:
+        kinds[True] = kind(True)
+    expert_dp = layout.dp // ep  # the ranks holding the same experts
+    expert_bw, expert_lat = dp_bw, dp_lat
+
+    F, B, I, W, reduce, after, step, psi, tpc, zg, waits, a2a_time, expert_psi = ([] for _ in range(13))
     for st in range(stages):
         n = per_stage_layers
-        gemm = n * (model.layer_flops(b) - core)
-        params = n * model.layer_params
+        blocks = [kinds[model.is_moe_layer(i)] for i in range(st * n, (st + 1) * n)]
+        n_moe = model.moe_layers_in(st * n, n)
+        counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
+        gemm = sum(c * (k.flops - core) for c, k in counts)
+        params = sum(c * model.block_params(k is kinds.get(True)) for c, k in counts)  # before tp and ep
+        experts = sum(c * k.experts for c, k in counts)
+        params -= experts * t * (ep - 1)  # the other ranks' experts
         head = 0.0
         if st == 0:
             params += model.embedding_params
@@ -177,51 +233,69 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         if t > 1 and not q and st == stages - 1:  # vocabulary-parallel cross-entropy: max, Σexp, target logit
             tp_fwd += 3 * all_reduce(4 * b * s, t, tp_bw, tp_lat)
         tp_bwd = n * tp_block_bwd
-        fwd = n * (block + fixed) + head
-        recompute = n * again
+        fwd = sum(c * (k.block + fixed) for c, k in counts) + head
+        recompute = sum(c * k.again for c, k in counts)
+        a2a_f = sum(c * k.a2a for c, k in counts)  # dispatch + combine of each MoE block
+        a2a_b = a2a_f + sum(c * k.a2a_again for c, k in counts)  # their gradients (+ a recomputed forward's)
         op = cluster.op_overhead
-        layer_f = block + fixed + tp_block_fwd
-        layer_b = 2 * (block + fixed) + flash_backward + tp_block_bwd + again
-        split = (cluster.split_backward - 1) * 3 * (block + fixed) / 2  # a split backward's extra work, on I and W
-        layer_i = (model.layer_flops(b) + core) / rate + fixed + split + flash_backward + tp_block_bwd + again
+
+        def layer_f(k: _Block) -> float:
+            return k.block + fixed + tp_block_fwd + k.a2a
+
+        def layer_b(k: _Block) -> float:
+            return 2 * (k.block + fixed) + flash_backward + tp_block_bwd + k.again + k.a2a + k.a2a_again
+
+        def layer_i(k: _Block) -> float:
+            split = (cluster.split_backward - 1) * 3 * (k.block + fixed) / 2  # a split backward's extra work
+            return ((k.flops + core) / rate + fixed + split + flash_backward + tp_block_bwd + k.again + k.a2a
+                    + k.a2a_again)
+
         zero_f = zero_b = zero_i = zero_w = 0.0
         if layout.zero >= 3:  # per unit (embedding, each block, head): gathered on entry, the next one prefetched
-            unit = [PARAM_BYTES * model.layer_params / t] * n
+            g = [gather(PARAM_BYTES * (k.params - k.experts), layout.dp, dp_bw, dp_lat)
+                 + (gather(PARAM_BYTES * k.experts, expert_dp, expert_bw, expert_lat) if k.experts else 0.0)
+                 for k in blocks]
             embed_first, head_last = st == 0, st == stages - 1
             if embed_first:
-                unit = [PARAM_BYTES * model.embedding_params / t] + unit
+                g = [gather(PARAM_BYTES * model.embedding_params / t, layout.dp, dp_bw, dp_lat)] + g
             if head_last:
-                unit = unit + [PARAM_BYTES * (model.vocab * h + 2 * h) / t]
-            g = [gather(x, layout.dp, dp_bw, dp_lat) for x in unit]
-            c_f = ([0.0] if embed_first else []) + [layer_f] * n + ([head] if head_last else [])
+                g = g + [gather(PARAM_BYTES * (model.vocab * h + 2 * h) / t, layout.dp, dp_bw, dp_lat)]
+            c_f = ([0.0] if embed_first else []) + [layer_f(k) for k in blocks] + ([head] if head_last else [])
             zero_f = prefetched(g, c_f)
             back_order = g[::-1]
-            zero_b = prefetched(back_order, ([2 * head] if head_last else []) + [layer_b] * n)
-            zero_i = prefetched(back_order, ([head] if head_last else []) + [layer_i] * n)
+            zero_b = prefetched(back_order, ([2 * head] if head_last else []) + [layer_b(k) for k in blocks[::-1]])
+            zero_i = prefetched(back_order, ([head] if head_last else []) + [layer_i(k) for k in blocks[::-1]])
             zero_w = sum(g)  # before_weight_pass gathers every unit, one after another
-        F.append(fwd + tp_fwd + zero_f + op)
-        B.append(2 * fwd + n * flash_backward + tp_bwd + recompute + zero_b + op)
+        F.append(fwd + tp_fwd + zero_f + op + a2a_f)
+        B.append(2 * fwd + n * flash_backward + tp_bwd + recompute + zero_b + op + a2a_b)
         stage_split = (cluster.split_backward - 1) * 3 * fwd / 2
         I.append((gemm + 2 * n * core) / rate + n * (fixed + flash_backward) + stage_split + tp_bwd + recompute
-                 + zero_i + op)
+                 + zero_i + op + a2a_b)
         W.append(gemm / rate + n * fixed + stage_split + zero_w + op)
-        grad_bytes = state_bytes("bf16", layout.grads).grad * p_gpu  # reduced in the dtype they accumulate in
-        replica = all_reduce(grad_bytes, replicas, pp_bw, pp_lat)
-        if layout.zero == 0:
-            reduce.append(replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat))
+        grad = state_bytes("bf16", layout.grads).grad  # reduced in the dtype they accumulate in
+        grad_bytes = grad * (p_gpu - experts)
+        replica = all_reduce(grad * p_gpu, replicas, pp_bw, pp_lat)
+        scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
+        if layout.zero == 0:  # the experts' gradients over their own replicas (dp/ep), the rest over dp
+            reduce.append(replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat)
+                          + (all_reduce(grad * experts, expert_dp, expert_bw, expert_lat) if experts else 0.0))
             after.append(0.0)
         else:  # reduce-scatter at REDUCE_GRAD (ZeRO's reduce="step"), overlapping the rest of the cooldown
-            scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
-            reduce.append(replica + scatter(grad_bytes, layout.dp, dp_bw, dp_lat))
-            after.append(gather(PARAM_BYTES * p_gpu, layout.dp, dp_bw, dp_lat) if layout.zero < 3 else 0.0)
-        shard = p_gpu / (layout.dp if layout.zero >= 1 else 1)
+            reduce.append(replica + scatter(grad_bytes, layout.dp, dp_bw, dp_lat)
+                          + (scatter(grad * experts, expert_dp, expert_bw, expert_lat) if experts else 0.0))
+            after.append((gather(PARAM_BYTES * (p_gpu - experts), layout.dp, dp_bw, dp_lat)
+                          + (gather(PARAM_BYTES * experts, expert_dp, expert_bw, expert_lat) if experts else 0.0))
+                         if layout.zero < 3 else 0.0)
+        shard = (p_gpu - experts) / layout.dp + experts / expert_dp if layout.zero >= 1 else p_gpu
         step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
         psi.append(p_gpu)
+        expert_psi.append(experts)
         tp_again = n * (tp_block_fwd if mode == "full" else tp_block_fwd / 2 if mode == "selective" and model.hf
                         else 0.0)
         tpc.append(tp_fwd + tp_bwd + tp_again)
         zg.append(zero_f + zero_b)
-        waits.append({"F": tp_fwd + zero_f, "B": tp_bwd + tp_again + zero_b, "I": tp_bwd + tp_again + zero_i,
-                      "W": zero_w})
+        a2a_time.append(a2a_f + a2a_b)
+        waits.append({"F": tp_fwd + zero_f + a2a_f, "B": tp_bwd + tp_again + zero_b + a2a_b,
+                      "I": tp_bwd + tp_again + zero_i + a2a_b, "W": zero_w})
     return StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
-                      tuple(psi), tuple(tpc), tuple(zg), tuple(waits))
+                      tuple(psi), tuple(tpc), tuple(zg), tuple(waits), tuple(a2a_time), tuple(expert_psi))

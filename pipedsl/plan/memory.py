@@ -16,6 +16,11 @@ parameters: MEGATRON at stage 1 is Megatron-LM's distributed optimizer, 6 + 12/N
 ZERO_PAPER is the paper's (2 + 2 + K)Ψ with K = 12 (its Figure 1: Ψ = 7.5B, Nd = 64 gives 120,
 31.4, 16.6 and 1.9 GB).  Gradients are counted between steps: under ZeRO 2/3 the full
 gradient of a stage also lives from its first backward to its reduction (reduce="step").
+
+Mixture-of-Experts (`moe_model_states`): every expert is held, so the states count the total
+parameters; with expert parallelism ep the routed experts' Ψ_e is split over ep ranks and
+replicated (and ZeRO-sharded) over the dp/ep ranks holding the same experts, the rest over dp:
+states(Ψ − Ψ_e, dp) + states(Ψ_e/ep, dp/ep).
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ class ModelStates:
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
 
+    def __add__(self, other: ModelStates) -> ModelStates:
+        return ModelStates(self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer)
+
 
 def model_states(psi: float, dp: int, zero: int, mode: StateBytes = ZERO_PAPER) -> ModelStates:
     """Model-state bytes per rank for `psi` parameters replicated over `dp` ranks under ZeRO `zero`."""
@@ -82,6 +90,18 @@ def model_states(psi: float, dp: int, zero: int, mode: StateBytes = ZERO_PAPER) 
     grads = mode.grad * psi / (dp if zero >= 2 else 1)
     optimizer = (mode.main + mode.optimizer) * psi / (dp if zero >= 1 else 1)
     return ModelStates(params, grads, optimizer)
+
+
+def moe_model_states(psi: float, expert_psi: float, dp: int, ep: int, zero: int,
+                     mode: StateBytes = ZERO_PAPER) -> ModelStates:
+    """Model-state bytes per rank when `expert_psi` of the rank's `psi` parameters (both before expert
+    parallelism) are routed experts sharded over `ep` ranks: the experts' 1/ep replicated over dp/ep ranks
+    (ZeRO shards them over those), the rest over dp."""
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep must divide dp, got ep {ep}, dp {dp}")
+    if not expert_psi:
+        return model_states(psi, dp, zero, mode)
+    return model_states(psi - expert_psi, dp, zero, mode) + model_states(expert_psi / ep, dp // ep, zero, mode)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,23 @@ Formulas:
   layer); selective recomputation adds what it recomputes (`recomputed_flops`);
 - activation bytes per layer: `plan/activations.py` (Korthikanti et al. 2022, Table 2, and the
   Llama layer as pipedsl runs it).
+
+Mixture-of-Experts decoders (`experts` > 0, HF layout: Mixtral, Qwen3-MoE, DeepSeek-V3; docs/planner.md
+"Mixture-of-Experts"): each MoE layer replaces the MLP with E experts of width f_e (k of them per
+token, `top_k`), S shared experts of width f_s every token goes through (DeepSeek-style) and a
+router (E × h, no bias); the first `dense_layers` layers keep the dense MLP (DeepSeek-V3's
+`first_k_dense_replace`).  With m = 3 for a SwiGLU expert (2 without a gate):
+
+    MoE layer, total    P_attn + E·m·h·f_e + S·m·h·f_s + E·h + 2h
+    MoE layer, active   P_attn + k·m·h·f_e + S·m·h·f_s + E·h + 2h   (what one token uses)
+    P_attn              h·(q + 2·kv) + q·h (+ 2·head_dim for Qwen3's q/k norms), q = heads·head_dim;
+                        DeepSeek's multi-head latent attention: `MLA`'s docstring
+
+Model states count the total (every expert is held; `ep` shards them, `plan/cost.py`); FLOPs
+count the active: per token and layer, forward 2·(active matmul weights) + 4·s·q for the scores
+and the attention over V, i.e. 6·N_active + 12·l·s·q per token and iteration (forward and
+backward), N_active the active matmul weights (embedding lookups and norms excluded, the
+output layer included) — the dense model's count with N_active for N.
 """
 
 from __future__ import annotations
@@ -24,6 +41,20 @@ from pipedsl.limits import MAX_PLAN_SIZE, shorten
 from pipedsl.plan.activations import LAYOUTS, layer_activation_bytes
 
 BYTES_FP16 = 2
+
+
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek's multi-head latent attention (DeepSeek-V2/V3): Q through a rank-`q_lora` bottleneck, K and V
+    from a shared rank-`kv_lora` latent plus one rotary key of `rope_dim` shared by the heads; a head's
+    query/key is `nope_dim + rope_dim` wide, its value `v_dim`.  Weights:
+    h·r_q + r_q·a·(d_n + d_r) + h·(r_kv + d_r) + r_kv·a·(d_n + d_v) + a·d_v·h, and two norms r_q + r_kv."""
+
+    q_lora: int
+    kv_lora: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
 
 
 @dataclass(frozen=True)
@@ -41,6 +72,16 @@ class ModelSpec:
     gated: bool = False  # SwiGLU MLP: three ffn×hidden matrices instead of two
     kv_heads: int = 0  # 0: = heads (no grouped-query attention)
     layout: str = "gpt"  # "gpt" (built-in/Megatron GPT) or "hf" (a Hugging Face decoder in the Llama layout)
+    head_dim: int = 0  # 0: hidden / heads (Qwen3: 128 with hidden 2048 and 32 heads)
+    qk_norm: bool = False  # RMSNorm over each head's Q and K (Qwen3): 2·head_dim parameters a layer
+    # Mixture-of-Experts (0 experts: dense)
+    experts: int = 0  # E routed experts in each MoE layer
+    top_k: int = 0  # k experts per token
+    expert_ffn: int = 0  # f_e, one expert's MLP width
+    shared_experts: int = 0  # S experts every token goes through (DeepSeek)
+    shared_ffn: int = 0  # f_s, one shared expert's width (0: f_e)
+    dense_layers: int = 0  # the first layers keep the dense MLP of width `ffn` (DeepSeek-V3: 3)
+    mla: MLA | None = None  # multi-head latent attention instead of Q/K/V projections (DeepSeek-V3)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -48,21 +89,61 @@ class ModelSpec:
         for field_name in ("layers", "hidden", "heads", "seq", "vocab", "global_batch"):
             if getattr(self, field_name) < 1:
                 raise PipeDSLError(f"model {self.name}: {field_name} must be at least 1")
-        for field_name in ("layers", "hidden", "heads", "seq", "vocab", "global_batch", "ffn", "kv_heads"):
+        for field_name in ("layers", "hidden", "heads", "seq", "vocab", "global_batch", "ffn", "kv_heads", "head_dim",
+                           "experts", "top_k", "expert_ffn", "shared_experts", "shared_ffn", "dense_layers"):
+            if getattr(self, field_name) < 0:
+                raise PipeDSLError(f"model {self.name}: {field_name} must not be negative")
             if getattr(self, field_name) > MAX_PLAN_SIZE:
                 raise PipeDSLError(f"model {self.name}: {field_name}={shorten(getattr(self, field_name))} is over "
                                    f"the limit of {MAX_PLAN_SIZE:,} (MAX_PLAN_SIZE)")
-        if self.hidden % self.heads:
+        if self.hidden % self.heads and not self.head_dim:
             raise PipeDSLError(f"model {self.name}: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.experts:
+            if not self.hf:
+                raise PipeDSLError(f"model {self.name}: Mixture-of-Experts models are described in the hf layout")
+            if not 1 <= self.top_k <= self.experts:
+                raise PipeDSLError(f"model {self.name}: top_k must be in 1..experts ({self.experts}), got {self.top_k}")
+            if not self.expert_ffn:
+                raise PipeDSLError(f"model {self.name}: an MoE model needs expert_ffn")
+            if self.dense_layers >= self.layers:
+                raise PipeDSLError(f"model {self.name}: dense_layers {self.dense_layers} leaves no MoE layer of "
+                                   f"{self.layers}")
+        elif self.top_k or self.expert_ffn or self.shared_experts or self.dense_layers:
+            raise PipeDSLError(f"model {self.name}: top_k, expert_ffn, shared_experts and dense_layers need experts")
 
     @property
     def ffn_size(self) -> int:
         return self.ffn or 4 * self.hidden
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of Q (and of the attention output): hidden unless `head_dim` says otherwise."""
+        return self.heads * self.head_size
+
+    @property
     def kv_size(self) -> int:
         """Width of K (and of V): hidden for multi-head attention, less with grouped queries."""
-        return self.hidden * (self.kv_heads or self.heads) // self.heads
+        return (self.kv_heads or self.heads) * self.head_size
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.moe else 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` (0-based) is an MoE layer: all but the first `dense_layers`."""
+        return self.moe and index >= self.dense_layers
+
+    def moe_layers_in(self, first: int, count: int) -> int:
+        """MoE layers among blocks first … first + count − 1."""
+        return sum(self.is_moe_layer(i) for i in range(first, first + count))
 
     # ------------------------------------------------------------ parameters
 
@@ -71,14 +152,69 @@ class ModelSpec:
         return self.layout == "hf"
 
     @property
+    def attention_matmul_params(self) -> int:
+        """QKV and output projections' weights: h·(q + 2·kv) + q·h (MLA: its docstring's)."""
+        h, q, kv = self.hidden, self.q_size, self.kv_size
+        if self.mla:
+            m, a = self.mla, self.heads
+            return (h * m.q_lora + m.q_lora * a * (m.nope_dim + m.rope_dim) + h * (m.kv_lora + m.rope_dim)
+                    + m.kv_lora * a * (m.nope_dim + m.v_dim) + a * m.v_dim * h)
+        return h * (q + 2 * kv) + q * h
+
+    @property
+    def attention_width(self) -> int:
+        """Σ over heads of the query/key and value widths, halved: the 4·s²·(this) of the scores and the attention
+        over V (q for ordinary attention; MLA: a·(d_n + d_r + d_v)/2)."""
+        if self.mla:
+            return self.heads * (self.mla.nope_dim + self.mla.rope_dim + self.mla.v_dim) // 2
+        return self.q_size
+
+    @property
     def layer_params(self) -> int:
-        """One block: QKV + output projection, the MLP, two norms (GPT: LayerNorms and biases; HF: RMSNorms)."""
+        """One dense block: QKV + output projection, the MLP, two norms (GPT: LayerNorms and biases; HF: RMSNorms)."""
         h, f, kv = self.hidden, self.ffn_size, self.kv_size
         mlp = (3 if self.gated else 2) * h * f
         if self.hf:
-            return h * (h + 2 * kv) + h * h + mlp + 2 * h
+            norms = 2 * h + (2 * self.head_size if self.qk_norm else 0)
+            if self.mla:  # the latent norms
+                norms += self.mla.q_lora + self.mla.kv_lora
+            return self.attention_matmul_params + mlp + norms
         attention = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h
         return attention + mlp + f + h + 4 * h
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert: m·h·f_e (m = 3 for SwiGLU)."""
+        return (3 if self.gated else 2) * self.hidden * self.expert_ffn
+
+    @property
+    def shared_expert_params(self) -> int:
+        """One shared expert: m·h·f_s."""
+        return (3 if self.gated else 2) * self.hidden * (self.shared_ffn or self.expert_ffn)
+
+    @property
+    def router_params(self) -> int:
+        return self.experts * self.hidden
+
+    @property
+    def moe_layer_expert_params(self) -> int:
+        """The routed experts of one MoE layer, E·m·h·f_e: what expert parallelism shards."""
+        return self.experts * self.expert_params
+
+    @property
+    def moe_layer_params(self) -> int:
+        """One MoE block, total: P_attn + E·m·h·f_e + S·m·h·f_s + E·h + 2h (+ q/k norms)."""
+        dense_mlp = (3 if self.gated else 2) * self.hidden * self.ffn_size
+        return (self.layer_params - dense_mlp + self.moe_layer_expert_params
+                + self.shared_experts * self.shared_expert_params + self.router_params)
+
+    @property
+    def moe_layer_active_params(self) -> int:
+        """One MoE block as one token uses it: k experts instead of E."""
+        return self.moe_layer_params - (self.experts - self.top_k) * self.expert_params
+
+    def block_params(self, moe: bool = False) -> int:
+        return self.moe_layer_params if moe else self.layer_params
 
     @property
     def embedding_params(self) -> int:
@@ -87,34 +223,65 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
+        """All parameters (an MoE model: every expert, the total)."""
         head = self.vocab * self.hidden if self.hf else 0  # the HF Llama head is its own matrix
-        return self.layers * self.layer_params + self.embedding_params + head + (1 if self.hf else 2) * self.hidden
+        blocks = (self.layers - self.moe_layers) * self.layer_params + self.moe_layers * self.moe_layer_params
+        return blocks + self.embedding_params + head + (1 if self.hf else 2) * self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: the total less the E − k routed experts it skips in each MoE layer."""
+        return self.params - self.moe_layers * (self.experts - self.top_k) * self.expert_params
+
+    @property
+    def expert_params_total(self) -> int:
+        """Every routed expert of every MoE layer: the parameters ep shards."""
+        return self.moe_layers * self.moe_layer_expert_params
+
+    @property
+    def active_matmul_params(self) -> int:
+        """N_active of the 6·N·tokens rule: the active weights that multiply (the HF layout's blocks and output
+        layer; embedding lookups and norms excluded)."""
+        h, m = self.hidden, 3 if self.gated else 2
+        dense = self.attention_matmul_params + m * h * self.ffn_size
+        moe = self.attention_matmul_params + (self.top_k * self.expert_params
+                                              + self.shared_experts * self.shared_expert_params + self.router_params)
+        return (self.layers - self.moe_layers) * dense + self.moe_layers * moe + self.vocab * h
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward, no recomputation): 6·N_active + 12·l·s·q, q the
+        attention width; equals `iteration_flops()` / (global batch · s)."""
+        return 6 * self.active_matmul_params + 12 * self.layers * self.seq * self.attention_width
 
     # ------------------------------------------------------------ FLOPs
 
-    def layer_flops(self, samples: int = 1) -> float:
-        """Forward FLOPs of one block on `samples` sequences: GEMMs 2·s·(weights) + attention 4·s²·h."""
-        s, h, f, kv = self.seq, self.hidden, self.ffn_size, self.kv_size
-        gemm = 2 * s * (h * (h + 2 * kv) + h * h + (3 if self.gated else 2) * h * f)
-        return samples * (gemm + 4 * s * s * h)
+    def layer_flops(self, samples: int = 1, moe: bool = False) -> float:
+        """Forward FLOPs of one block on `samples` sequences: GEMMs 2·s·(weights) + attention 4·s²·q.  An MoE
+        block (`moe`) multiplies its active weights: 2·s·(P_attn + k·m·h·f_e + S·m·h·f_s + E·h) + 4·s²·q."""
+        s, h, f, q = self.seq, self.hidden, self.ffn_size, self.attention_width
+        if moe:
+            mlp = self.top_k * self.expert_params + self.shared_experts * self.shared_expert_params + self.router_params
+        else:
+            mlp = (3 if self.gated else 2) * h * f
+        gemm = 2 * s * (self.attention_matmul_params + mlp)
+        return samples * (gemm + 4 * s * s * q)
 
     def attention_core_flops(self, samples: int = 1) -> float:
-        """Forward FLOPs of one block's QKᵀ and attention over V (2·b·s²·h each): what Megatron's selective
+        """Forward FLOPs of one block's QKᵀ and attention over V (2·b·s²·q each): what Megatron's selective
         recomputation recomputes."""
-        return samples * 4 * self.seq * self.seq * self.hidden
+        return samples * 4 * self.seq * self.seq * self.attention_width
 
-    def recomputed_flops(self, recompute: str, fused: bool = False, samples: int = 1) -> float:
+    def recomputed_flops(self, recompute: str, fused: bool = False, samples: int = 1, moe: bool = False) -> float:
         """Forward FLOPs one block recomputes in its backward: full, the whole block; selective, Megatron's
         attention core for the GPT (nothing with a fused kernel, which keeps no s² tensor), the whole
         attention module for an HF decoder (pipedsl's `recompute_filter`: the attention modules)."""
         if recompute == "full":
-            return self.layer_flops(samples)
+            return self.layer_flops(samples, moe)
         if recompute != "selective":
             return 0.0
         if not self.hf:
             return 0.0 if fused else self.attention_core_flops(samples)
-        h, kv, s = self.hidden, self.kv_size, self.seq
-        return samples * 2 * s * (h * (h + 2 * kv) + h * h) + self.attention_core_flops(samples)
+        return samples * 2 * self.seq * self.attention_matmul_params + self.attention_core_flops(samples)
 
     def logit_flops(self, samples: int = 1) -> float:
         """Forward FLOPs of the output layer (h × V) on `samples` sequences."""
@@ -125,16 +292,29 @@ class ModelSpec:
         as SC'21 counts them (`True`: full recomputation, `False`: none)."""
         mode = {True: "full", False: "none"}.get(recompute, recompute)  # type: ignore[call-overload]
         layer = 3 * self.layer_flops() + self.recomputed_flops(mode, fused)
-        return self.global_batch * (self.layers * layer + 3 * self.logit_flops())
+        blocks = (self.layers - self.moe_layers) * layer
+        if self.moe_layers:
+            blocks += self.moe_layers * (3 * self.layer_flops(moe=True) + self.recomputed_flops(mode, fused, moe=True))
+        return self.global_batch * (blocks + 3 * self.logit_flops())
 
     # ------------------------------------------------------------ activations
 
+    def moe_mlp_bytes(self, value_bytes: int = BYTES_FP16) -> float:
+        """Bytes per token an MoE layer's MLP keeps (in place of the dense 4·v·f): each of the token's k routed
+        copies keeps its dispatched input and its expert output (2·v·h) and its expert's SwiGLU tensors
+        (4·v·f_e); each shared expert 4·v·f_s; the router its fp32 probabilities (4·E)."""
+        v, h = value_bytes, self.hidden
+        return (self.top_k * (2 * v * h + 4 * v * self.expert_ffn)
+                + self.shared_experts * 4 * v * (self.shared_ffn or self.expert_ffn) + 4 * self.experts)
+
     def layer_activation_bytes(self, samples: int, tp: int, recompute: bool | str = "none",
-                               sequence_parallel: bool = False, fused: bool = False) -> float:
-        """Bytes a block keeps for its backward per microbatch of `samples` on one GPU (`plan/activations.py`)."""
+                               sequence_parallel: bool = False, fused: bool = False, moe: bool = False) -> float:
+        """Bytes a block keeps for its backward per microbatch of `samples` on one GPU (`plan/activations.py`);
+        an MoE block (`moe`) keeps `moe_mlp_bytes` per token for its MLP."""
         mode = {True: "full", False: "none"}.get(recompute, recompute)  # type: ignore[call-overload]
-        return layer_activation_bytes(self.seq, samples, self.hidden, self.heads, tp, sequence_parallel, mode, fused,
-                                      self.layout, self.ffn_size, self.kv_size, BYTES_FP16)
+        return layer_activation_bytes(self.seq, samples, self.hidden, self.heads, tp,
+                                      sequence_parallel, mode, fused, self.layout, self.ffn_size, self.kv_size,
+                                      BYTES_FP16, mlp=self.moe_mlp_bytes() if moe else None)
 
     def with_batch(self, global_batch: int) -> ModelSpec:
         return replace(self, global_batch=global_batch)
@@ -163,6 +343,19 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("llama-8b", 32, 4096, 32, 8192, 128256, 512, ffn=14336, gated=True, kv_heads=8, layout="hf"),
     ModelSpec("llama-70b", 80, 8192, 64, 8192, 128256, 512, ffn=28672, gated=True, kv_heads=8, layout="hf"),
     ModelSpec("llama-405b", 126, 16384, 128, 8192, 128256, 2048, ffn=53248, gated=True, kv_heads=8, layout="hf"),
+    # Mixture-of-Experts (docs/planner.md "Mixture-of-Experts"; sequence 4096, batch 512 = 2M tokens):
+    # Mixtral 8x7B (Jiang et al. 2024: 46.7B total, 12.9B active), every layer 8 experts top-2;
+    ModelSpec("mixtral-8x7b", 32, 4096, 32, 4096, 32000, 512, ffn=14336, gated=True, kv_heads=8, layout="hf",
+              experts=8, top_k=2, expert_ffn=14336),
+    # Qwen3-30B-A3B (Qwen3 technical report, 2025: 30.5B total, 3.3B active), 128 experts top-8, q/k norms.
+    ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4096, 151936, 512, ffn=6144, gated=True, kv_heads=4, layout="hf",
+              head_dim=128, qk_norm=True, experts=128, top_k=8, expert_ffn=768),
+    # DeepSeek-V3 (DeepSeek-AI 2024: 671B total, 37B active, the multi-token-prediction module's 14B apart):
+    # multi-head latent attention, 3 dense layers then 256 experts top-8 and one shared expert; batch 15360
+    # sequences of 4096 as its pre-training ran.
+    ModelSpec("deepseek-v3", 61, 7168, 128, 4096, 129280, 15360, ffn=18432, gated=True, layout="hf",
+              experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
+              mla=MLA(q_lora=1536, kv_lora=512, nope_dim=128, rope_dim=64, v_dim=128)),
 )}
 
 

@@ -1,6 +1,7 @@
 """The search: every layout of a model on a cluster, checked, costed, simulated and ranked.
 
-Candidates are dp × pp × tp (1-D, and 3-D when tp is a cube), ZeRO 0-3, each schedule with
+Candidates are dp × pp × tp (1-D, and 3-D when tp is a cube), for an MoE model each expert-parallel
+degree ep (a divisor of dp that divides the expert count), ZeRO 0-3, each schedule with
 its chunk variants, microbatch sizes (the count follows from the global batch), recomputation
 (none, selective, full), sequence parallelism (with 1-D tp > 1) and the attention kernel (eager
 or fused).  Cheap checks reject first (divisibility, what the runtime can run for this model
@@ -22,7 +23,7 @@ from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import StageCosts, stage_costs, tp_degree_3d
-from pipedsl.plan.memory import MemoryReport, model_states, state_bytes
+from pipedsl.plan.memory import MemoryReport, model_states, moe_model_states, state_bytes
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.pipeline import compiled, program_peaks, run_pipeline, simulation_sizes, skeleton, stage_ranks
 from pipedsl.plan.runnable import NotRunnableError, check_runnable
@@ -50,7 +51,7 @@ class Estimate:
     tflops: float  # hardware TFLOP/s per GPU, SC'21's count (the recomputed forward included)
     mfu: float  # model FLOPs (no recomputation) / (time · peak)
     memory: MemoryReport
-    comm: dict[str, float]  # seconds per iteration on the busiest rank: tp, pp, dp, zero3
+    comm: dict[str, float]  # seconds per iteration on the busiest rank: tp, pp, dp, zero3, ep (MoE all-to-alls)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ def _check_shape(model: ModelSpec, layout: Layout) -> None:
         raise LayoutError(f"divisibility: tp {t} must divide heads {model.heads}, kv heads and hidden {model.hidden}")
     if model.layers % layout.pp:
         raise LayoutError(f"divisibility: {model.layers} layers do not split evenly over pp {layout.pp}")
+    if layout.ep > 1 and not model.moe:
+        raise LayoutError(f"divisibility: ep {layout.ep} needs a Mixture-of-Experts model")
+    if model.moe and (model.experts % layout.ep or layout.dp % layout.ep):
+        raise LayoutError(f"divisibility: ep {layout.ep} must divide dp {layout.dp} and the {model.experts} experts")
+    if model.moe and model.expert_ffn % t:
+        raise LayoutError(f"divisibility: tp {t} must divide the expert width {model.expert_ffn}")
     try:
         check_runnable(model, layout)
     except NotRunnableError as err:
@@ -109,8 +116,15 @@ def _check_shape(model: ModelSpec, layout: Layout) -> None:
 
 def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> None:
     """Before compiling anything: even the lightest rank's model states must fit."""
-    psi = model.layers // layout.pp * model.layer_params / layout.tp
-    states = model_states(psi, layout.dp, layout.zero, state_bytes("bf16", layout.grads))
+    n, mode = model.layers // layout.pp, state_bytes("bf16", layout.grads)
+    if model.moe:  # the lightest stage: the fewest MoE layers
+        moe = min(model.moe_layers_in(st * n, n) for st in range(layout.pp))
+        psi = ((n - moe) * model.layer_params + moe * model.moe_layer_params) / layout.tp
+        states = moe_model_states(psi, moe * model.moe_layer_expert_params / layout.tp, layout.dp, layout.ep,
+                                  layout.zero, mode)
+    else:
+        psi = n * model.layer_params / layout.tp
+        states = model_states(psi, layout.dp, layout.zero, mode)
     if states.total > cluster.memory - cluster.reserved_memory:
         raise LayoutError(f"out of memory: the model states alone take {states.total / 1e9:.1f} GB "
                         f"> {(cluster.memory - cluster.reserved_memory) / 1e9:.0f} GB usable")
@@ -199,16 +213,20 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepare
 def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]],
             peaks: Sequence[float], stages: int) -> MemoryReport:
     """The fullest rank: model states of its stages (`memory.model_states`, the function the runtime's
-    byte tests check), plus its peak live microbatch activations and one recomputed region's working set."""
+    byte tests check), plus its peak live microbatch activations and one recomputed region's working set.
+    An MoE model: the experts' states over their dp/ep replicas (`memory.moe_model_states`), each layer's
+    activations the larger of a dense and an MoE layer's."""
     t, b, sp, fused = layout.tp, layout.microbatch, layout.sp, layout.fused
-    per_layer = model.layer_activation_bytes(b, t, layout.recompute, sp, fused)
-    whole = model.layer_activation_bytes(b, t, "none", sp, fused)
+    kinds = (False, True) if model.moe else (False,)
+    per_layer = max(model.layer_activation_bytes(b, t, layout.recompute, sp, fused, moe) for moe in kinds)
+    whole = max(model.layer_activation_bytes(b, t, "none", sp, fused, moe) for moe in kinds)
     working = whole - per_layer if layout.recompute != "none" else 0.0  # one block (or attention module) again
     layers = model.layers // stages
     worst: MemoryReport | None = None
     for r, st in on_rank.items():
-        states = model_states(sum(costs.stage_params[s] for s in st), layout.dp, layout.zero,
-                              state_bytes("bf16", layout.grads))
+        experts = sum(costs.expert_params[s] for s in st) * layout.ep if costs.expert_params else 0.0
+        states = moe_model_states(sum(costs.stage_params[s] for s in st) - experts / layout.ep + experts, experts,
+                                  layout.dp, layout.ep, layout.zero, state_bytes("bf16", layout.grads))
         extra = working
         if stages - 1 in st:
             extra += 4 * b * model.seq * model.vocab / t  # fp32 logits of the microbatch in flight
@@ -243,7 +261,8 @@ def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate
     comm = {"tp": M * sum(costs.tp_comm[s] for s in stages),
             "pp": 2 * M * len(stages) * costs.message if layout.pp > 1 else 0.0,
             "dp": sum(costs.reduce[s] + costs.after_step[s] for s in stages),
-            "zero3": M * sum(costs.zero_gather[s] for s in stages)}
+            "zero3": M * sum(costs.zero_gather[s] for s in stages),
+            "ep": M * sum(costs.all_to_all[s] for s in stages) if costs.all_to_all else 0.0}
     return Estimate(layout, run.iteration, run.pipeline, hardware / run.iteration / gpus / 1e12,
                     useful / run.iteration / gpus / cluster.peak_flops, prep.memory, comm)
 
@@ -266,10 +285,12 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
             recompute: Iterable[str | bool] = RECOMPUTE_MODES, tp: Iterable[int] | None = None,
             pp: Iterable[int] | None = None, tp_modes: Iterable[str] = ("1d", "3d"),
             grads: str = "bf16", sequence_parallel: Iterable[bool] = (False, True),
-            attention: Iterable[str] | None = None) -> list[Layout]:
+            attention: Iterable[str] | None = None, ep: Iterable[int] | None = None) -> list[Layout]:
     """Every candidate with dp · pp · tp = cluster.gpus and dp · M · microbatch = global batch; `grads`: the
     gradients' dtype under bf16 parameters with fp32 main parameters (runtime: --grad-dtype).  Sequence
-    parallelism is tried only with 1-D tp > 1; `attention` defaults to the cluster's (`fused_attention`)."""
+    parallelism is tried only with 1-D tp > 1; `attention` defaults to the cluster's (`fused_attention`).
+    An MoE model also tries each expert-parallel degree (`ep`, default every one) that divides dp and its
+    expert count; a dense model runs ep 1."""
     kernels = list(attention) if attention is not None else ["fused" if cluster.fused_attention else "eager"]
     names = list(schedules) if schedules is not None else builtin_names()
     N = cluster.gpus
@@ -283,6 +304,8 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
                 if (N // t) % p:
                     continue
                 d = N // (t * p)
+                eps = [e for e in (_divisors(d) if ep is None else ep) if d % e == 0 and model.experts % e == 0] \
+                    if model.moe else [1]
                 for b in microbatch_sizes:
                     if model.global_batch % (d * b):
                         continue
@@ -293,8 +316,8 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
                                 for rc in recompute:
                                     for sp in (sequence_parallel if t > 1 and mode == "1d" else (False,)):
                                         for kernel in kernels:
-                                            out.append(Layout(d, p, t, name, b, M, z, rc, mode, params, grads,
-                                                              sp, kernel))
+                                            out.extend(Layout(d, p, t, name, b, M, z, rc, mode, params, grads,
+                                                              sp, kernel, e) for e in eps)
     return out
 
 
