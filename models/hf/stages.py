@@ -70,6 +70,7 @@ DROPOUT_NAMES = ("drop", "emb_dropout")  # dropout on the embedding's output (GP
 NONE_WHEN_OFF = {"alibi": "alibi"}  # Falcon: `alibi` is None unless config.alibi
 LAYER_ARGUMENTS = {"hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache", "cache",
                    "past_key_values", "layer_past", "kwargs", "args"}  # what CausalLMStage passes or leaves to defaults
+MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks the stages make
 MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's shallow model: at most this much, or the check is skipped
 
 
@@ -165,6 +166,10 @@ class _Parts:
             self.mask_kinds = ["sliding_attention"] * len(self.layers)  # Mistral, Phi-3: every layer, when set
         else:
             self.mask_kinds = ["full_attention"] * len(self.layers)
+        unknown = sorted(set(self.mask_kinds) - set(MASK_KINDS))
+        if unknown:  # linear attention, compressed or indexed attention …: masks (or states) the stages do not make
+            raise PipeRuntimeError(f"causal_lm_stages: {name} has layers of type {', '.join(map(repr, unknown))}, "
+                                   f"which pipedsl's stages cannot run (supported: {', '.join(MASK_KINDS)})")
 
 
 class RouterLoss:
