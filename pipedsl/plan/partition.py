@@ -7,7 +7,7 @@ those, the spread (Σ stage²).  `bounds_of` turns sizes into unit boundaries [0
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from pipedsl.errors import PipeDSLError
 
@@ -19,26 +19,13 @@ def balanced_sizes(weights: Sequence[float], n: int) -> list[int]:
     L = len(weights)
     if not 1 <= n <= L:
         raise PipeDSLError(f"cannot split {L} units into {n} non-empty stages")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    best = [[inf] * (L + 1) for _ in range(n + 1)]
-    cut = [[0] * (L + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n + 1):
-        for i in range(k, L - (n - k) + 1):
-            row, prev = best[k], best[k - 1]
-            for j in range(k - 1, i):
-                cost = max(prev[j], prefix[i] - prefix[j])
-                if cost < row[i]:
-                    row[i], cut[k][i] = cost, j
-    sizes, i = [], L
-    for k in range(n, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
+    prefix = _prefix(weights)
+
+    def parts(i: int, k: int) -> Iterator[tuple[int, float]]:  # (cut j, part j:i) in the order ties favour
+        for j in range(k - 1, i):
+            yield j, prefix[i] - prefix[j]
+
+    return _cheapest(L, n, parts, max)
 
 
 def even_sizes(weights: Sequence[float], n: int) -> list[int]:
@@ -47,31 +34,48 @@ def even_sizes(weights: Sequence[float], n: int) -> list[int]:
     The slowest stage sets a pipeline's pace, but when one unit is the bottleneck (a 250k-vocabulary head) many
     splits share it, and with several stages a rank (interleaved, V-shapes) the even one keeps the ranks even."""
     sizes = balanced_sizes(weights, n)
+    prefix = _prefix(weights)
+    edges = bounds_of(sizes)
+    cap = max(prefix[b] - prefix[a] for a, b in zip(edges, edges[1:])) * (1 + 1e-9)
+
+    def parts(i: int, k: int) -> Iterator[tuple[int, float]]:
+        for j in range(i - 1, k - 2, -1):  # the part j:i grows as j falls: stop past the cap
+            part = prefix[i] - prefix[j]
+            if part > cap:
+                return
+            yield j, part
+
+    return _cheapest(len(weights), n, parts, lambda before, part: before + part * part)
+
+
+def _prefix(weights: Sequence[float]) -> list[float]:
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    edges = bounds_of(sizes)
-    cap = max(prefix[b] - prefix[a] for a, b in zip(edges, edges[1:])) * (1 + 1e-9)
-    L, inf = len(weights), float("inf")
+    return prefix
+
+
+def _cheapest(L: int, n: int, parts: Callable[[int, int], Iterator[tuple[int, float]]],
+              combine: Callable[[float, float], float]) -> list[int]:
+    """The DP both splits share: best[k][i], the cheapest cost of the first i units in k parts, where a split's
+    cost is `combine`(the cost before the last part, the last part's weight); the sizes of the cheapest split."""
+    inf = float("inf")
     best = [[inf] * (L + 1) for _ in range(n + 1)]
     cut = [[0] * (L + 1) for _ in range(n + 1)]
     best[0][0] = 0.0
     for k in range(1, n + 1):
+        row, prev = best[k], best[k - 1]
         for i in range(k, L - (n - k) + 1):
-            row, prev = best[k], best[k - 1]
-            for j in range(i - 1, k - 2, -1):  # the part j:i grows as j falls: stop past the cap
-                part = prefix[i] - prefix[j]
-                if part > cap:
-                    break
-                cost = prev[j] + part * part
+            for j, part in parts(i, k):
+                cost = combine(prev[j], part)
                 if cost < row[i]:
                     row[i], cut[k][i] = cost, j
-    out, i = [], L
+    sizes, i = [], L
     for k in range(n, 0, -1):
         j = cut[k][i]
-        out.append(i - j)
+        sizes.append(i - j)
         i = j
-    return out[::-1]
+    return sizes[::-1]
 
 
 def bounds_of(sizes: Sequence[int]) -> tuple[int, ...]:
