@@ -200,8 +200,6 @@ class LocalStages:
         borrowed = [(m, kind, attr, *homes[id(t)]) for m in glue
                     for kind, table in (("param", m._parameters), ("buffer", m._buffers))
                     for attr, t in table.items() if t is not None and id(t) in homes]
-        if any(home is model for _, _, _, home, _ in borrowed):
-            raise self.NotLocal("a stage holds a tensor of the model's root module (BART's final_logits_bias)")
         modules = list({id(m): m for s in sorted(self.held) for m in self.stages[s].modules()
                         if id(m) in prefixes}.values())
         modules += list({id(home): home for _, _, _, home, _ in borrowed if home not in modules}.values())
