@@ -27,10 +27,9 @@ from pipedsl.ir import Op, Program
 from pipedsl.library import builtin_names
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.cost import StageCosts
 from pipedsl.plan.encdec import ENCDEC_RECOMPUTE, EncDecSpec
 from pipedsl.plan.encdec_cost import EncDecStages, RankMemory, encdec_stage_costs, points, rank_memory, split_bounds
-from pipedsl.plan.pipeline import PipelineRun, _run_exact, compiled, simulation_sizes, stage_ranks
+from pipedsl.plan.pipeline import compiled, run_pipeline, simulation_sizes, stage_ranks
 from pipedsl.plan.search import MICROBATCH_SIZES, VARIANTS, LayoutError, Rejected, _placement_bound, _sharing, _skeleton
 
 
@@ -141,27 +140,11 @@ def live_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...
     return tuple(a + k * (b - a) for a, b in zip(c1, c2)), tuple(a + k * (b - a) for a, b in zip(b1, b2))
 
 
-EXTEND_FROM = 8  # × P microbatches: where `run_pipeline` starts its linear extension (see below)
-
-
-def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...], costs: StageCosts,
-                 sharing: tuple[float, float, float, float] | None = None) -> PipelineRun:
-    """`pipeline.run_pipeline` with the linear extension started at 8P microbatches instead of 2P.
-
-    With stages of unequal cost a schedule needs more microbatches to reach its periodic steady state:
-    extended from 2P and 3P, mT5-Base on 64 GPUs under looped BFS V=2 (M = 64) was predicted 14 % fast and
-    Hanayo W=1 on 8 (M = 256) 2.2 % fast, under the placement bound; from 8P and 9P both equal the full
-    simulation (tests/plan/test_encoder_decoder.py).  A full simulation of these sizes takes 10-90 ms."""
-    cap = EXTEND_FROM * P
-    sizes = (M,) if M <= cap + P else (cap + (M - cap) % P, cap + (M - cap) % P + P)
-    runs = [_run_exact(schedule, P, m, params, costs, sharing) for m in sizes]
-    if len(runs) == 1:
-        it, mk, peaks, busy = runs[0]
-        return PipelineRun(it, mk, tuple(map(float, peaks)), busy)
-    (m1, m2), (a, b) = sizes, runs
-    k = (M - m1) / (m2 - m1)
-    return PipelineRun(a[0] + k * (b[0] - a[0]), a[1] + k * (b[1] - a[1]),
-                       tuple(x + k * (y - x) for x, y in zip(a[2], b[2])), a[3] + k * (b[3] - a[3]))
+# × P microbatches: where `run_pipeline` starts its linear extension.  With stages of unequal cost a schedule needs
+# more microbatches to reach its periodic steady state: extended from 2P and 3P, mT5-Base on 64 GPUs under looped BFS
+# V=2 (M = 64) was predicted 14 % fast and Hanayo W=1 on 8 (M = 256) 2.2 % fast, under the placement bound; from 8P
+# and 9P both equal the full simulation (tests/plan/test_encoder_decoder.py).
+EXTEND_FROM = 8
 
 
 def _fullest(ranks: Sequence[RankMemory]) -> RankMemory:
@@ -225,7 +208,8 @@ def _prepare(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str)
 
 def _finish(spec: EncDecSpec, cluster: ClusterSpec, prep: _Prepared, split: str) -> EncDecEstimate:
     layout, costs = prep.layout, prep.stages.costs
-    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, _sharing(cluster, layout))
+    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, _sharing(cluster, layout),
+                       EXTEND_FROM)
     gpus, M = layout.gpus, layout.microbatches
     mine = prep.on_rank[0]
     comm = {"pp": 2 * M * len(mine) * costs.message if layout.pp > 1 else 0.0,

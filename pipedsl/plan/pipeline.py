@@ -127,9 +127,9 @@ class PipelineRun:
     busy: float  # the busiest rank's compute seconds
 
 
-def simulation_sizes(M: int, P: int) -> tuple[int, ...]:
-    """Microbatch counts to simulate for M: (M,) if small, else (M₁, M₁ + P) with M₁ ≡ M (mod P)."""
-    cap = M_CAP_FACTOR * P
+def simulation_sizes(M: int, P: int, factor: int = M_CAP_FACTOR) -> tuple[int, ...]:
+    """Microbatch counts to simulate for M: (M,) if small, else (M₁, M₁ + P) with M₁ ≡ M (mod P), M₁ ≥ factor·P."""
+    cap = factor * P
     if M <= cap + P:
         return (M,)
     m1 = cap + (M - cap) % P
@@ -205,11 +205,12 @@ def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: flo
 
 
 def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...], costs: StageCosts,
-                 sharing: tuple[float, float, float, float] | None = None) -> PipelineRun:
-    """Simulate (or extend linearly from two simulations) one pipeline's iteration; with `sharing`
-    (the cores, their efficiency, a blocking collective's busy share, how many other pipelines share
-    them), on processors its ranks share."""
-    sizes = simulation_sizes(M, P)
+                 sharing: tuple[float, float, float, float] | None = None,
+                 extend_from: int = M_CAP_FACTOR) -> PipelineRun:
+    """Simulate (or extend linearly from two simulations from `extend_from`·P microbatches on) one
+    pipeline's iteration; with `sharing` (the cores, their efficiency, a blocking collective's busy
+    share, how many other pipelines share them), on processors its ranks share."""
+    sizes = simulation_sizes(M, P, extend_from)
     runs = [_run_exact(schedule, P, m, params, costs, sharing) for m in sizes]
     if len(runs) == 1:
         it, mk, peaks, busy = runs[0]

@@ -18,9 +18,9 @@ from pipedsl.cli import main
 from pipedsl.plan import Layout, cluster_preset, model_states
 from pipedsl.plan.encdec import ENCDEC_MODELS, EncDecSpec
 from pipedsl.plan.encdec_cost import encdec_stage_costs, split_bounds, stage_labels
-from pipedsl.plan.encdec_search import encdec_evaluate, encdec_search, live_peaks, run_pipeline
+from pipedsl.plan.encdec_search import EXTEND_FROM, encdec_evaluate, encdec_search, live_peaks
 from pipedsl.plan.partition import balanced_sizes, even_sizes
-from pipedsl.plan.pipeline import _run_exact, program_peaks
+from pipedsl.plan.pipeline import _run_exact, program_peaks, run_pipeline
 
 transformers = pytest.importorskip("transformers")
 
@@ -274,7 +274,7 @@ def test_unequal_stages_are_extended_from_where_the_simulation_is_periodic(name,
     prep = _prepare(ENCDEC_MODELS[name], cluster_preset("a100-80gb").with_gpus(gpus), layout, "time")
     P, M = layout.pp, layout.microbatches
     exact = _run_exact(layout.schedule, P, M, layout.params, prep.stages.costs, None)[0]
-    assert run_pipeline(layout.schedule, P, M, layout.params, prep.stages.costs).iteration == \
+    assert run_pipeline(layout.schedule, P, M, layout.params, prep.stages.costs, None, EXTEND_FROM).iteration == \
         pytest.approx(exact, rel=1e-9)
     assert prep.bound <= exact * (1 + 1e-9)
 
