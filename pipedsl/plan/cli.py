@@ -16,7 +16,7 @@ from pipedsl.plan.encdec import ENCDEC_MODELS, ENCDEC_RECOMPUTE, MT5_BATCH, MT5_
 from pipedsl.plan.encdec_cost import SPLITS
 from pipedsl.plan.model import MODELS, ModelSpec, model_preset
 from pipedsl.plan.search import TIES, PlanResult, search
-from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, column, scaled
+from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, add_columns, scaled
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -233,14 +233,7 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
                     ("a2a %", None, lambda e: f"{e.comm['ep'] / e.iteration:.1%}")]
     table.add_column("#", justify="right")
     table.add_column("layout")
-    shown = []
-    for head, units, value in columns:
-        values = [value(e) for e in rows]
-        if units is not None:
-            unit, values = column(values, units)
-            head = head.format(unit)
-        table.add_column(head, justify="right")
-        shown.append(values)
+    shown = add_columns(table, columns, rows)
     for i, e in enumerate(rows):
         table.add_row(str(i + 1), str(e.layout), *(values[i] for values in shown))
     console.print(table)

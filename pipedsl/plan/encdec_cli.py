@@ -10,7 +10,7 @@ from pipedsl.plan.encdec import EncDecSpec
 from pipedsl.plan.encdec_cost import SPLITS, stage_labels
 from pipedsl.plan.encdec_search import EncDecEstimate, EncDecResult, ZeroRow, encdec_evaluate
 from pipedsl.plan.search import TIES, LayoutError
-from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, column, scaled
+from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, add_columns, scaled
 
 GB = 1e9
 
@@ -62,14 +62,7 @@ def print_encdec_result(result: EncDecResult, rejected_examples: int = 8) -> Non
     table.add_column("#", justify="right")
     table.add_column("layout")
     table.add_column("points")
-    shown = []
-    for head, units, value in columns:
-        values = [value(e) for e in rows]
-        if units is not None:
-            unit, values = column(values, units)
-            head = head.format(unit)
-        table.add_column(head, justify="right")
-        shown.append(values)
+    shown = add_columns(table, columns, rows)
     for i, e in enumerate(rows):
         table.add_row(str(i + 1), str(e.layout), ",".join(map(str, e.points)) or "-", *(v[i] for v in shown))
     console.print(table)

@@ -8,7 +8,8 @@ takes the unit of its largest value, so its rows still compare at a glance.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 Units = tuple[tuple[str, float], ...]  # (name, size), largest first; the last one is the smallest shown
 
@@ -45,3 +46,18 @@ def column(values: Sequence[float], units: Units) -> tuple[str, list[str]]:
     name, size = unit_for(max((abs(v) for v in values), default=0.0), units)
     places = _decimals(max((abs(v) / size for v in values), default=0.0))
     return name, [f"{v / size:.{places}f}" for v in values]
+
+
+def add_columns(table: Any, columns: Sequence[tuple[str, Units | None, Callable[[Any], Any]]],
+                rows: Sequence[Any]) -> list[list[str]]:
+    """One right-aligned column of `table` (a rich Table) per (heading, units or None, value of a row): a column
+    with units takes the one its largest value needs, in its heading's `{}`; returns the columns' cells."""
+    shown = []
+    for head, units, value in columns:
+        values = [value(r) for r in rows]
+        if units is not None:
+            unit, values = column(values, units)
+            head = head.format(unit)
+        table.add_column(head, justify="right")
+        shown.append(values)
+    return shown
