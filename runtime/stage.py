@@ -320,12 +320,12 @@ class Stage:
             return self._input_grads(act, [None] * len(want)) if want else []
         inputs = {n: k for k, n in enumerate(map(_grad_node, want)) if n is not None}
         graph = _Graph([_grad_node(t) for t in outs], inputs, self.param_nodes)
-        if graph.opaque:  # a compiled region: one node makes input and weight gradients; split, it would run twice
+        plan = self._plan(graph, inputs)
+        if plan.opaque:  # a compiled region: one node makes input and weight gradients; split, it would run twice
             with self._weights_gathered(self.recompute is not None):
                 torch.autograd.backward(outs, gs)  # I does B's work; W finds nothing left
             act.boundary, act.outputs = [], []
             return self._input_grads(act, None)
-        plan = self._plan(graph, inputs)
         captured: dict[Node, tuple] = {}
         handles = [u.register_prehook(lambda g, u=u: captured.__setitem__(u, g))
                    for u in map(graph.nodes.__getitem__, plan.hooked)]
@@ -474,7 +474,7 @@ class _Graph:
     the other: the plan is derived once per stage structure, not once per microbatch.
     """
 
-    __slots__ = ("nodes", "children", "roots", "signature", "opaque")
+    __slots__ = ("nodes", "children", "roots", "signature")
 
     def __init__(self, roots: list[Node | None], inputs: dict[Node, int], params: dict[Node, int]) -> None:
         index: dict[Node, int] = {}
@@ -509,8 +509,6 @@ class _Graph:
             sig.append((type(node), mark, *kids))
         self.nodes = nodes
         self.signature = tuple(sig)
-        # torch.compile's regions: one backward node for inputs and weights alike, which cannot be split
-        self.opaque = any(type(n).__name__ == "CompiledFunctionBackward" for n in nodes)
 
 
 class _WeightPlan:
@@ -526,6 +524,9 @@ class _WeightPlan:
     """
 
     def __init__(self, graph: _Graph, inputs: dict[Node, int], params: dict[Node, int]) -> None:
+        # torch.compile's regions: one backward node for inputs and weights alike, which cannot be split (decided
+        # once per graph shape: the signature holds every node's type)
+        self.opaque = any(type(n).__name__ == "CompiledFunctionBackward" for n in graph.nodes)
         children = graph.children
         targets_in = {k for k, n in enumerate(graph.nodes) if n in inputs}
         param_of = {k: params[n] for k, n in enumerate(graph.nodes) if n in params}
