@@ -6,9 +6,11 @@ CPU tests and benchmarks run, on the device `pipedsl.launch` picks: tests/runtim
 equivalence (loss, every gradient and the parameters after Adam equal one process on the same
 device), vs_torch.py's rank function (GPT workload), op_cpu.py.  `--device cpu` runs exactly these
 on gloo (the dry run that proves the logic here); with no GPU and no `--device cpu` it says so and
-exits 0.  Exit status 1 if any check failed.
+exits 0.  With one GPU visible, the P ranks (default 4) share it over gloo, their messages staged
+through host memory (`Channels.wire`); vs_torch and op_cpu, whose torch side needs NCCL, are then
+left out and say why.  Exit status 1 if any check failed.
 
-    python benchmarks/gpu_check.py                       # on a machine with >= 2 GPUs
+    python benchmarks/gpu_check.py                       # one process a GPU (>= 2 GPUs), or all on one
     python benchmarks/gpu_check.py --device cpu --tiny   # the same checks on gloo, tiny sizes
 """
 
@@ -55,13 +57,14 @@ def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import vs_torch
 
     cuda = dist.get_backend() == "nccl"
-    device = str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"
+    device = cfg["shared_device"] or (str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu")
+    options = {"device": device} if cfg["shared_device"] else None
     out: dict[str, Any] = {"device": device, "backend": dist.get_backend()}
     if "schedules" in cfg["checks"]:
         out["schedules"] = {}
         for name, program_json in cfg["programs"].items():
             try:
-                res = runtime_cases.equivalence(rank, program_json, cfg["steps"])
+                res = runtime_cases.equivalence(rank, program_json, cfg["steps"], options)
                 out["schedules"][name] = {"problems": res["problems"], "peaks": res["peaks"]}
             except Exception as err:  # noqa: BLE001 - reported in the table; the other ranks fail alike or time out
                 out["schedules"][name] = {"problems": [f"{type(err).__name__}: {err}"], "peaks": []}
@@ -89,8 +92,12 @@ def calibrate(P: int, device: str) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     """The markdown report: one section per check."""
-    out = [f"# gpu_check: {result['device']} ({result['backend']}), P={result['P']}", "",
-           f"{result['machine']}; {result['date']}; `{result['command']}`", ""]
+    shared = " (all ranks on this one GPU)" if result["backend"] == "gloo" and result["gpus"] else ""
+    out = [f"# gpu_check: {result['device']} ({result['backend']}), P={result['P']}{shared}", "",
+           f"{', '.join(result['gpus']) or 'no GPU'}; {result['machine']}; {result['date']}; `{result['command']}`",
+           ""]
+    skipped = [f"- {check} not run: {why}" for check, why in result.get("skipped", {}).items()]
+    out += skipped + [""] * bool(skipped)
     if "schedules" in result:
         out += ["| schedule | M | loss, gradients, Adam vs one process |", "|---|---|---|"]
         for row in result["schedules"]:
@@ -129,17 +136,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="+", choices=CHECKS, default=[], help="checks not to run")
     ap.add_argument("--json", help="output file (default benchmarks/results/gpu_check.json; the table beside it, .md)")
     args = ap.parse_args(argv)
+    shared_device = None  # every rank on this one GPU (one GPU visible: NCCL takes one rank a GPU)
     if args.device == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count < 2:
-            print(f"gpu_check: no GPU to check ({count} CUDA device(s) visible, 2 needed; torch {torch.__version__}, "
+        if count < 1:
+            print(f"gpu_check: no GPU to check (no CUDA device visible; torch {torch.__version__}, "
                   f"CUDA build {torch.version.cuda}). `--device cpu` runs the same checks on gloo.")
             return 0
-        P, backend = args.P or min(4, count), "nccl"
+        if count == 1:
+            P, backend, shared_device = args.P or 4, "gloo", "cuda:0"
+        else:
+            P, backend = args.P or min(4, count), "nccl"
     else:
         P, backend = args.P or 2, "gloo"
     sizes = SIZES["tiny" if args.tiny else "full"]
     checks = [c for c in CHECKS if c not in args.skip]
+    skipped = {}
+    if shared_device:  # torch's pipelining sends GPU tensors over gloo, which cannot: these need NCCL
+        skipped = {c: f"{P} ranks share one GPU over gloo; torch's runtime needs one GPU a rank (NCCL)"
+                   for c in ("vs_torch", "op_cpu") if c in checks}
+        checks = [c for c in checks if c not in skipped]
     programs, rows = {}, []
     for name in pipedsl.builtin_names():
         program = compile_for(name, P)
@@ -147,14 +163,17 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"schedule": name, "ok": True, "problems": [], "skipped": f"no M accepted at P={P}"})
         else:
             programs[name] = program
-    cfg = {**sizes, "checks": checks, "programs": {n: p.to_json() for n, p in programs.items()}}
+    cfg = {**sizes, "checks": checks, "programs": {n: p.to_json() for n, p in programs.items()},
+           "shared_device": shared_device}
     command = "python benchmarks/gpu_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     result: dict[str, Any] = {"benchmark": "gpu_check", "command": command, "machine": _bench.machine(),
-                              "date": _bench.today(), "P": P, "backend": backend,
-                              "gpus": [torch.cuda.get_device_name(i) for i in range(P)] if backend == "nccl" else []}
+                              "date": _bench.today(), "P": P, "backend": backend, "skipped": skipped}
     ranks = []
     if {"schedules", "vs_torch", "op_cpu"} & set(checks):
         ranks = pipedsl.launch(_rank_main, P, P, cfg, backend=backend, threads=1, timeout=600)
+    # after the ranks: CUDA initialised here before they fork would leave them unable to use it
+    result["gpus"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                      if args.device == "cuda" else [])
     result["device"] = ranks[0]["device"] if ranks else args.device
     if "schedules" in checks:
         for name, program in programs.items():

@@ -145,6 +145,11 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup | None, op: ReduceOp.RedOpTy
                     lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op))
 
 
+# torch 2.13's names for the flat collectives; before it they were `all_gather_into_tensor` and `reduce_scatter_tensor`
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
                     async_op: bool = False) -> dist.Work | None:
     """`out` (contiguous, P× the numel of `t`) receives every rank's `t` in group-rank order."""
@@ -156,7 +161,7 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | No
         out.view(-1).copy_(t.reshape(-1))
         return None
     return _counted("all_gather", group, (p - 1) * _nbytes(t),  # gloo: flat
-                    lambda: dist.all_gather_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
+                    lambda: _all_gather_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
 
 
 def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup | None,
@@ -171,7 +176,7 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup 
         out.copy_(t.reshape(out.shape))
         return None
     return _counted("reduce_scatter", group, (p - 1) / p * _nbytes(t),  # gloo: flat
-                    lambda: dist.reduce_scatter_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
+                    lambda: _reduce_scatter_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
 
 
 def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:

@@ -116,6 +116,25 @@ class Recv:
         return self.buffers
 
 
+class StagedRecv:
+    """A receive into host buffers, copied into device buffers when waited for (gloo cannot reach GPU memory)."""
+
+    __slots__ = ("inner", "pool", "wire_pool", "peer")
+
+    def __init__(self, inner: Recv | socket_p2p.SocketRecv, pool: BufferPool, wire_pool: BufferPool) -> None:
+        self.inner, self.pool, self.wire_pool, self.peer = inner, pool, wire_pool, inner.peer
+
+    def ready(self) -> bool:
+        return self.inner.ready()
+
+    def wait(self) -> list[torch.Tensor]:
+        out = []
+        for host in self.inner.wait():
+            out.append(self.pool.take(TensorMeta.of(host)).copy_(host))  # from pageable memory: host is free after
+            self.wire_pool.give(host)
+        return out
+
+
 class DistTransport:
     """Messages as one `isend`/`irecv` per tensor (NCCL; gloo between machines)."""
 
@@ -163,12 +182,16 @@ class Channels:
         self.device = device
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.pool = BufferPool(device)
+        self.pool = BufferPool(device)  # the buffers a receive hands out (on the device)
+        # gloo moves host memory only: a GPU's messages over gloo (ranks sharing one GPU) go through the CPU
+        self.wire = torch.device("cpu") if device.type != "cpu" and dist.get_backend(group) == "gloo" else device
+        self._wire_pool = BufferPool(self.wire) if self.wire != device else None
         self.sent_bytes = 0  # payload of every data message sent so far (activations and gradients)
-        sockets = socket_p2p.connect(group, self.rank, self.size, groups.timeout) if device.type == "cpu" else None
+        on_cpu = self.wire.type == "cpu"
+        sockets = socket_p2p.connect(group, self.rank, self.size, groups.timeout) if on_cpu else None
         # gloo's message groups are made only where no pipeline uses sockets: making a group is collective over
         # every process that makes groups together, so they all decide alike
-        if device.type == "cpu" and groups.everywhere(sockets is not None):
+        if on_cpu and groups.everywhere(sockets is not None):
             self.transport: DistTransport | socket_p2p.SocketTransport = sockets
         else:
             if sockets is not None:
@@ -179,8 +202,11 @@ class Channels:
 
     # ------------------------------------------------------------ data
 
-    def post_recv(self, peer: int, metas: tuple[TensorMeta, ...]) -> Recv | socket_p2p.SocketRecv:
-        return self.transport.post_recv(peer, [self.pool.take(m) for m in metas])
+    def post_recv(self, peer: int, metas: tuple[TensorMeta, ...]) -> Recv | socket_p2p.SocketRecv | StagedRecv:
+        if self._wire_pool is None:
+            return self.transport.post_recv(peer, [self.pool.take(m) for m in metas])
+        return StagedRecv(self.transport.post_recv(peer, [self._wire_pool.take(m) for m in metas]), self.pool,
+                          self._wire_pool)
 
     def send(self, peer: int, tensors: list[torch.Tensor], payload: bool = True) -> None:
         """Start sending; the tensors are kept alive until the send completes.  `payload`: counted in `sent_bytes`
@@ -190,6 +216,8 @@ class Channels:
             t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
+            if t.device != self.wire:
+                t = t.to(self.wire)  # synchronous: the copy is what travels
             if payload:
                 self.sent_bytes += t.numel() * t.element_size()
             out.append(t)
@@ -248,7 +276,7 @@ class Channels:
         agree = True
         for peer, recv in recvs.items():
             buf = self._guard(lambda: recv.wait()[0])  # noqa: B023 - called at once
-            raw = buf.numpy().tobytes()
+            raw = buf.cpu().numpy().tobytes()
             self.pool.give(buf)
             agree &= int.from_bytes(raw[:8], "little", signed=True) == key
             said[peer] = raw[8:].rstrip(b"\0").decode(errors="replace")

@@ -142,6 +142,10 @@ class Pipeline:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)  # the current device of autograd's threads (cuBLAS's context)
         self.loss_fn = loss_fn
 
         prog, rank = self.program, self.rank

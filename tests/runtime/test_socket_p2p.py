@@ -188,3 +188,28 @@ def test_a_pipeline_trains_the_same_over_sockets_and_over_gloo() -> None:
     for s, g in zip(sock, gloo):
         assert s["losses"] == g["losses"]
         assert all(torch.equal(p, q) for p, q in zip(s["params"], g["params"]))
+
+
+def test_a_staged_receive_hands_out_device_buffers_and_returns_the_host_ones() -> None:
+    """Ranks sharing a GPU over gloo receive into host buffers (`Channels.wire`); waiting copies each into a
+    buffer of the device's pool and gives the host buffer back for the next message.  (The device pool is a
+    CPU one here: the copy and the two pools' bookkeeping are what is checked; gpu_check.py runs it on a GPU.)"""
+    from pipedsl.runtime.p2p import BufferPool, StagedRecv, TensorMeta
+
+    a, b = _pair()
+    device_pool, wire_pool = BufferPool(torch.device("cpu")), BufferPool(torch.device("cpu"))
+    metas = [TensorMeta((3, 4), torch.float32), TensorMeta((5,), torch.int64)]
+    sent = [torch.randn(3, 4), torch.arange(5)]
+    for step in range(2):
+        host = [wire_pool.take(m) for m in metas]
+        recv = StagedRecv(b.post_recv(0, host), device_pool, wire_pool)
+        a.send(1, sent)
+        a.wait_sends()
+        got = recv.wait()
+        assert all(torch.equal(x, y) for x, y in zip(got, sent)) and recv.peer == 0
+        assert not any(g.data_ptr() == h.data_ptr() for g in got for h in host)  # copies, not the host buffers
+        for g in got:
+            device_pool.give(g)
+        assert wire_pool.allocated == 2 and device_pool.allocated == 2, step  # both pools reuse their buffers
+    a.close()
+    b.close()
