@@ -77,7 +77,7 @@ def split_gpt(embed: nn.Module, blocks: Sequence[nn.Module], head: nn.Module, nu
                                f"stages (at most {len(units)})")
     else:
         bounds = _bounds(units, num_stages, by, None)
-    return [nn.Sequential(*units[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [SequentialStage(*units[a:b]) for a, b in zip(bounds, bounds[1:])]  # an MoE GPT's blocks pass tuples
 
 
 def _bounds(layers: list[nn.Module], n: int | None, by: str, points: Sequence[int] | None) -> list[int]:

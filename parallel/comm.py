@@ -1,6 +1,6 @@
 """The collectives pipedsl.parallel uses, each counted, and the autograd operators built on them.
 
-Every collective of the package goes through the five functions below, which check shapes
+Every collective of the package goes through the functions below, which check shapes
 before calling c10d (gloo aborts the *process* on a mismatch) and record the bytes each rank
 sends into the active `CommCounter`, if any (`with count_comm() as c: …`), with the wall time spent
 inside the call (a blocking collective's wait for its peers included; an async one's issue only).  The count is
@@ -9,6 +9,7 @@ the volume of the bandwidth-optimal (ring) algorithm for the tensors actually pa
     all-reduce of n bytes on P ranks      2 (P-1)/P · n
     all-gather to n bytes (output)        (P-1)/P · n
     reduce-scatter of n bytes (input)     (P-1)/P · n
+    all-to-all                            the rows sent to other ranks
 
 which is what the formulas in the literature count; gloo may choose another algorithm on
 the wire.  A group of one rank moves nothing and costs nothing.
@@ -23,6 +24,8 @@ their gather/scatter relatives used by 3-D parallelism:
     gather_replicated   all-gather forward, keep-own-slice backward (every rank then computes the same)
     scatter_along       reduce-scatter forward, all-gather backward
     split_along         this rank's slice forward, all-gather backward
+    exchange_rows       all-to-all forward, the transposed all-to-all backward (expert parallelism's
+                        dispatch and combine, parallel/expert.py)
 
 Sequence parallelism (Korthikanti et al. 2022) uses the last four along the sequence dimension,
 as Megatron-LM's mappings: `gather_along` is its gather_from_sequence_parallel_region (before a
@@ -179,6 +182,22 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup 
                     lambda: _reduce_scatter_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
 
 
+def all_to_all_rows(t: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup | None) -> torch.Tensor:
+    """Rows of `t` to every rank of the group: the first send[0] rows to rank 0, the next send[1] to rank 1, …;
+    returns the rows received, recv[r] from rank r, in rank order.  Counted as the bytes leaving this rank."""
+    p, me = group_size(group), group_rank(group)
+    if len(send) != p or len(recv) != p or sum(send) != t.shape[0]:
+        raise CollectiveShapeError(f"all-to-all on {p} ranks of a tensor with {t.shape[0]} rows: send sizes "
+                                   f"{send} and receive sizes {recv} need one entry per rank, the send sizes summing "
+                                   f"to the rows")
+    out = t.new_empty((sum(recv), *t.shape[1:]))
+    row = t[0].numel() * t.element_size() if t.shape[0] else 0
+    _counted("all_to_all", group, (sum(send) - send[me]) * row,
+             lambda: dist.all_to_all_single(out, t.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                                            group=group))
+    return out
+
+
 def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (group-rank order).
 
@@ -265,6 +284,12 @@ def gather_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> t
     """All-gather along `dim` forward; reduce-scatter of the gradient backward."""
     return x if group_size(group) == 1 else _Collective.apply(x, partial(all_gather, group=group, dim=dim),
                                                        partial(reduce_scatter, group=group, dim=dim))
+
+
+def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup | None) -> torch.Tensor:
+    """`all_to_all_rows` forward; its transpose (the gradients' rows sent back where they came from) backward."""
+    return _Collective.apply(x, partial(all_to_all_rows, send=send, recv=recv, group=group),
+                             partial(all_to_all_rows, send=recv, recv=send, group=group))
 
 
 def gather_replicated(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:

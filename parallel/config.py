@@ -37,6 +37,10 @@ class ParallelConfig:
     group (0 = plain data parallel).  Rank order is (pp, dp, tp), tp fastest, so a tensor-parallel
     group is made of consecutive ranks (the ones that talk most sit closest).
 
+    `ep` shards each MoE layer's experts over groups of ep data-parallel ranks, which exchange
+    their tokens with all-to-alls (parallel/expert.py; ep divides dp, Megatron's and torchtitan's
+    placement); it adds no ranks.
+
     `zero_reduce` says when a pipeline reduces the gradients of its M microbatches over dp:
     "step" (default) sums them locally and reduces once after the stage's last backward
     (plain data-parallel traffic, overlapped with the cooldown); "microbatch" reduce-scatters
@@ -50,15 +54,19 @@ class ParallelConfig:
     tp_mode: str = "1d"
     zero: int = 0
     zero_reduce: str = "step"
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "zero"):
+        for name in ("dp", "pp", "tp", "zero", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ParallelConfigError(f"{name} must be an integer, got {value!r}")
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "pp", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ParallelConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.dp % self.ep:
+            raise ParallelConfigError(f"ep={self.ep} does not divide dp={self.dp}: expert parallelism shards the "
+                                      f"experts over groups of ep data-parallel ranks")
         if self.tp_mode not in TP_MODES:
             raise ParallelConfigError(f"tp_mode must be one of {', '.join(map(repr, TP_MODES))}, "
                                       f"got {self.tp_mode!r}")
@@ -97,7 +105,8 @@ class ParallelConfig:
                                       f"= {self.world_size}")
 
     def check_model(self, *, hidden: int | None = None, heads: int | None = None, vocab: int | None = None,
-                    ffn: int | None = None, batch: int | None = None, microbatches: int = 1) -> None:
+                    ffn: int | None = None, batch: int | None = None, microbatches: int = 1,
+                    experts: int | None = None) -> None:
         """Refuse model and batch sizes that this layout cannot split evenly.
 
         `batch` is the global batch in samples per step, split over `dp` replicas and
@@ -107,6 +116,8 @@ class ParallelConfig:
         """
         if microbatches < 1:
             raise ParallelConfigError(f"microbatches must be at least 1, got {microbatches}")
+        if self.ep > 1 and experts is not None and experts % self.ep:
+            raise ParallelConfigError(f"{experts} experts cannot be sharded evenly over ep={self.ep} ranks")
         if hidden is not None and heads is not None and hidden % heads:
             raise ParallelConfigError(f"hidden size {hidden} is not divisible by the {heads} attention heads")
         if self.tp_mode == "1d":

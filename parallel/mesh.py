@@ -1,6 +1,8 @@
 """Process groups for a `ParallelConfig`: one torch `DeviceMesh`, a group per dimension.
 
-The mesh is (pp, dp, tp) with tp fastest (its ranks consecutive); for 3-D tensor
+The mesh is (pp, dp, tp) with tp fastest (its ranks consecutive); with expert parallelism dp is
+itself (edp, ep): `ep_group` the ep consecutive dp ranks that exchange tokens, `edp_group` the ranks
+holding the same experts (parallel/expert.py).  For 3-D tensor
 parallelism the tp dimension is itself a q × q × q cube with axes (tp_x, tp_y, tp_z), and
 the flattened groups `tp` (the whole cube) and the two q² planes `tp_xz`, `tp_xy` exist too.
 Nothing is global: the runtime takes `mesh.pp_group` for its messages and `mesh.dp_group` for
@@ -120,15 +122,25 @@ class ParallelMesh:
         self.config = config
         backend = dist.get_backend()
         override = _options(backend, timeout)
+        # dp is (edp, ep) with expert parallelism: ep consecutive dp ranks share one copy of the experts
+        dp_names, dp_shape = (("edp", "ep"), (config.dp // config.ep, config.ep)) if config.ep > 1 else (("dp",),
+                                                                                                      (config.dp,))
         if config.tp_mode == "3d":
             q = config.q
-            names = ("pp", "dp", "tp_x", "tp_y", "tp_z")
-            shape = (config.pp, config.dp, q, q, q)
+            names = ("pp", *dp_names, "tp_x", "tp_y", "tp_z")
+            shape = (config.pp, *dp_shape, q, q, q)
         else:
-            names, shape = ("pp", "dp", "tp"), (config.pp, config.dp, config.tp)
+            names, shape = ("pp", *dp_names, "tp"), (config.pp, *dp_shape, config.tp)
         kw = {} if override is None else {"backend_override": {n: override for n in names}}
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=names, **kw)
         fkw = {} if override is None else {"backend_override": override}
+        # the ranks that exchange tokens (ep) and those that hold the same experts (edp): parallel/expert.py
+        self.ep_group: ProcessGroup | None = None
+        self.edp_group: ProcessGroup | None = None
+        if config.ep > 1:
+            self.device_mesh["edp", "ep"]._flatten("dp", **fkw)
+            self.ep_group = self.device_mesh.get_group("ep")
+            self.edp_group = self.device_mesh.get_group("edp")
         self.cube: Cube3D | None = None
         if config.tp_mode == "3d":
             m = self.device_mesh
@@ -145,6 +157,8 @@ class ParallelMesh:
         self.pp_group: ProcessGroup = self.device_mesh.get_group("pp")
         c = self.device_mesh.get_coordinate()
         assert c is not None
+        if config.ep > 1:  # (pp, edp, ep, tp…) → (pp, dp, tp…)
+            c = [c[0], c[1] * config.ep + c[2], *c[3:]]
         if self.cube is not None:
             x, y, z = c[2:]
             self.coords = Coords(dp=c[1], pp=c[0], tp=dist.get_rank(self.tp_group), cube=(x, y, z))
@@ -172,5 +186,5 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"ParallelMesh(dp={c.dp}, pp={c.pp}, tp={c.tp} {c.tp_mode}, rank {dist.get_rank()} at "
+        return (f"ParallelMesh(dp={c.dp}, pp={c.pp}, tp={c.tp} {c.tp_mode}, ep={c.ep}, rank {dist.get_rank()} at "
                 f"{self.coords})")

@@ -178,7 +178,7 @@ class _Unit:
     def __init__(self, index: int, module: nn.Module, entries: list[_Entry], group: ProcessGroup,
                  stage: int, dtype: torch.dtype, trainable: bool = True,
                  hooked: Iterable[nn.Module] = (), param_dtype: torch.dtype | None = None,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, divisor: int | None = None) -> None:
         self.index, self.module, self.entries, self.stage = index, module, entries, stage
         self.trainable = trainable
         self.hooked = list(hooked) or [module]  # the modules whose forward enters the unit
@@ -187,6 +187,7 @@ class _Unit:
         self.waiting = 0  # frozen, stage 3: reports still due before its backward is over (see the docstring)
         self.inputs_report = False  # frozen, stage 3: this forward's inputs report when the gradient passed them
         self.group, self.n, self.rank = group, group_size(group), group_rank(group)
+        self.divisor = divisor or self.n  # the reduced sum over the group divided by it: the mean gradient
         self.numel = sum(e.numel for e in entries)
         self.padded = -(-max(self.numel, 1) // self.n) * self.n
         self.size = self.padded // self.n  # S: this rank's slice
@@ -314,7 +315,7 @@ class _Unit:
         assert self.shard_grad is not None
         out = torch.empty(self.size, dtype=self.grad_dtype, device=self.device)
         reduce_scatter_into(out, self.full_grad(), self.group)
-        out.div_(self.n)
+        out.div_(self.divisor)
         if accumulate:
             self.shard_grad.add_(out)
         else:
@@ -375,14 +376,16 @@ class ZeroOptimizer:
     (REDUCE_GRAD), `step()`, `zero_grad()`.  `units` (stage 3 and reduce="microbatch" default:
     `default_units(module)`, plus the root's own) sets the granularity of gathering and of
     `reduce="microbatch"` reductions; `separate` names parameters that get a unit of their own
-    (weights tied to another stage).  Every rank of `group` must make the same calls.
+    (weights tied to another stage).  `groups` gives modules (each a unit) their own group and divisor: expert
+    shards reduce over the ranks holding the same experts and divide by dp (parallel/expert.py).  Every rank of
+    `group` must make the same calls.
     """
 
     def __init__(self, module: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], *,
                  group: ProcessGroup | None, stage: int = 2, reduce: str = "step",
                  units: Iterable[nn.Module] | None = None, prefetch: bool = True, separate: Iterable[str] = (),
                  param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
-                 **optimizer_kwargs) -> None:
+                 groups: Iterable[tuple[nn.Module, ProcessGroup | None, int]] = (), **optimizer_kwargs) -> None:
         if stage not in (0, 1, 2, 3):
             raise ParallelConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if reduce not in REDUCE_MODES:
@@ -411,7 +414,10 @@ class ZeroOptimizer:
         self.dtype = torch.float32 if param_dtype is not None else dtype
         if units is None:
             units = default_units(module) if stage == 3 or reduce == "microbatch" else []
-        unit_modules = [m for m in units if m is not module] + [module]
+        groups = list(groups)
+        self._groups = {id(m): (g, divisor) for m, g, divisor in groups}  # unit module -> its own group
+        units = [m for m in units if id(m) not in self._groups]
+        unit_modules = [m for m, _, _ in groups] + [m for m in units if m is not module] + [module]
         self.units = self._build_units(unit_modules, group, dtype, separate)
         self.main = param_dtype is not None  # the optimizer steps fp32 main copies of the owned slices
         self.numel = sum(u.numel for u in self.units)
@@ -506,8 +512,10 @@ class ZeroOptimizer:
                 offset += local.numel()
                 for (path, _, _), home in zip(places, homes):
                     hooked.update((id(m), m) for m in chain(home, path))
-            u = _Unit(len(units), unit_modules[k], entries, group, self.stage, dtype, trainable=kind != 2,
-                      hooked=hooked.values(), param_dtype=self.param_dtype, grad_dtype=self.grad_dtype)
+            own_group, divisor = self._groups.get(id(unit_modules[k]), (group, None))
+            u = _Unit(len(units), unit_modules[k], entries, own_group, self.stage, dtype, trainable=kind != 2,
+                      hooked=hooked.values(), param_dtype=self.param_dtype, grad_dtype=self.grad_dtype,
+                      divisor=divisor)
             units.append(u)
             if kind != 1:
                 buffers[(k, kind)] = u
@@ -649,27 +657,27 @@ class ZeroOptimizer:
                 continue
             if self.stage == 0:
                 g = u.full_grad()
-                work = all_reduce(g, self.group, async_op=True)
+                work = all_reduce(g, u.group, async_op=True)
 
                 def average(g: torch.Tensor = g, u: _Unit = u) -> None:
-                    g.div_(u.n)
+                    g.div_(u.divisor)
                 self._pending_reduce.append((work, average))
             elif self.stage == 1:
                 out = torch.empty(u.size, dtype=u.grad_dtype, device=u.device)
-                work = reduce_scatter_into(out, u.full_grad(), self.group, async_op=True)
+                work = reduce_scatter_into(out, u.full_grad(), u.group, async_op=True)
 
                 def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
                     grad_slice = u.grad[u.own]
-                    grad_slice.copy_(out).div_(u.n)
+                    grad_slice.copy_(out).div_(u.divisor)
                     if u.main is None:
                         u.shard.grad = grad_slice  # a view: no extra memory
                 self._pending_reduce.append((work, finish))
             else:
                 out = torch.empty(u.size, dtype=u.grad_dtype, device=u.device)
-                work = reduce_scatter_into(out, u.full_grad(), self.group, async_op=True)
+                work = reduce_scatter_into(out, u.full_grad(), u.group, async_op=True)
 
                 def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
-                    u.shard_grad.copy_(out).div_(u.n)
+                    u.shard_grad.copy_(out).div_(u.divisor)
                     u.grad = None
                 self._pending_reduce.append((work, finish))
         if not async_op:
@@ -753,7 +761,7 @@ class ZeroOptimizer:
         if self.stage in (1, 2):
             for u in self.units:
                 if u.trainable:
-                    all_gather_into(u.flat.data, u.shard.detach().clone(), self.group)
+                    all_gather_into(u.flat.data, u.shard.detach().clone(), u.group)
 
     def zero_grad(self) -> None:
         for u in self.units:
@@ -802,7 +810,7 @@ class ZeroOptimizer:
             full = u.main.detach()
             if self.stage > 0:
                 full = torch.empty(u.padded, dtype=u.main.dtype, device=u.main.device)
-                all_gather_into(full, u.main.detach(), self.group)
+                all_gather_into(full, u.main.detach(), u.group)
             out.update({e.name: e.as_param(full[e.offset:e.offset + e.numel].view(e.shape).clone()) for e in u.entries})
         return out
 
@@ -1000,7 +1008,7 @@ class ZeroOptimizer:
         end of `step()`).  Collective over the group; nothing to do for stage 3 (gathered at the next forward)."""
         if self.stage in (1, 2):
             for u in self.units:
-                all_gather_into(u.flat.data, u.shard.detach().clone(), self.group)
+                all_gather_into(u.flat.data, u.shard.detach().clone(), u.group)
 
     def _grad_bytes(self) -> int:
         def grads(u: _Unit) -> tuple[torch.Tensor | None, ...]:

@@ -16,7 +16,9 @@ exactly one rank — and one all-reduce over the world gives the norm everywhere
   parallelism, parallel/tp_hf.py) by each rank for its local shard, and along every mesh
   dimension it is `Replicate` on, by that dimension's first rank only (counted once);
 - without ZeRO, by data-parallel replica 0; with ZeRO 1-3 each dp rank owns its slice of
-  every flat buffer (the gradients the ZeroOptimizer steps with after the reduce-scatter).
+  every flat buffer (the gradients the ZeroOptimizer steps with after the reduce-scatter);
+- an expert shard (parallel/expert.py) by each rank of the first ep group (its edp rank 0),
+  with ZeRO by each rank for its slice.
 
 Clipping then scales every gradient the rank's optimizer steps with (copies included) by the
 same factor, `max_norm / (norm + 1e-6)` clamped to 1, as `torch.nn.utils.clip_grad_norm_`.
@@ -35,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import Program
+from pipedsl.parallel.expert import ExpertParallel, expert_parameters
 from pipedsl.parallel.replicated import is_duplicate
 
 
@@ -72,6 +75,12 @@ class GradientOwnership:
         tied = {(s, name) for tie in ties for s, name in tie}
         first = {min(tie, key=lambda m: m[0]) for tie in ties}  # a tie is counted in its first stage
         self.counted: dict[int, set[str]] = {}
+        # expert shards (parallel/expert.py) are replicated over their edp group only: its first rank counts them
+        self.experts = {s: {name for name, p in module.named_parameters() if id(p) in ids}
+                        for s, module in modules.items()
+                        for ids in [{id(p) for p in expert_parameters(module)}]}
+        groups = [m.edp_group for module in modules.values() for m in module.modules() if isinstance(m, ExpertParallel)]
+        self.edp_owner = zero > 0 or not groups or dist.get_rank(groups[0]) == 0
         for s, module in modules.items():
             owner = program.placement[(0, s)] == rank
             self.counted[s] = {name for name, p in module.named_parameters()
@@ -90,7 +99,8 @@ class GradientOwnership:
                 owns = z.stage > 0 or self.dp_rank == 0  # a stage-0 flat buffer is whole on every dp replica
                 for grad, entries in z.owned_gradients():
                     stepped.append(grad)
-                    counted += [grad[lo:hi] for name, lo, hi in entries if name in names and owns]
+                    counted += [grad[lo:hi] for name, lo, hi in entries
+                                if name in names and (self.edp_owner if name in self.experts[s] else owns)]
                 continue
             for name, p in module.named_parameters():
                 if p.grad is None or id(p) in seen:
@@ -98,7 +108,7 @@ class GradientOwnership:
                 seen.add(id(p))
                 grad = _local(p.grad)
                 stepped.append(grad)
-                if name in names and self.dp_owner:
+                if name in names and (self.edp_owner if name in self.experts[s] else self.dp_owner):
                     counted.append(grad)
         return Gradients(stepped, counted)
 

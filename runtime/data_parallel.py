@@ -4,7 +4,8 @@ The choice is made once, when the pipeline is built (`strategy_for`), and everyt
 on it asks the strategy instead of deciding again:
 
     Replicated  every parameter keeps its own `.grad`; at each stage's REDUCE_GRAD an averaging
-                all-reduce over dp (reduce.py's DataParallelReducer); any torch optimizer steps them
+                all-reduce over dp (reduce.py's DataParallelReducer; expert shards over their own group,
+                ExpertReducer); any torch optimizer steps them
     Flat        one `ZeroOptimizer` per stage (parallel/zero.py) packs the parameters into flat
                 buffers: ZeRO 1-3, or ZeRO 0 when the model holds bf16/fp16 parameters and the
                 optimizer fp32 main copies; its reduction is the REDUCE_GRAD hook, its gathers the
@@ -28,10 +29,11 @@ from torch import nn
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import Program
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
+from pipedsl.parallel.expert import ExpertParallel
 from pipedsl.parallel.zero import ZeroOptimizer
 from pipedsl.runtime import clip
 from pipedsl.runtime.precision import MixedPrecision
-from pipedsl.runtime.reduce import DataParallelReducer, GradReducer
+from pipedsl.runtime.reduce import DataParallelReducer, ExpertReducer, GradReducer
 from pipedsl.runtime.ties import TieReducer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,8 +46,8 @@ class Replicated:
     flat = False
     level = 0  # the ZeRO level
 
-    def __init__(self, group: dist.ProcessGroup | None, dp: int) -> None:
-        self.group, self.dp = group, dp
+    def __init__(self, group: dist.ProcessGroup | None, dp: int, ep: int = 1) -> None:
+        self.group, self.dp, self.ep = group, dp, ep
         self.zero: dict[int, ZeroOptimizer] = {}  # none: the optimizer steps the parameters themselves
 
     def check_program(self, program: Program) -> None:
@@ -54,6 +56,8 @@ class Replicated:
     def install(self, reducer: GradReducer, ties: TieReducer) -> None:
         if self.dp > 1:
             reducer.add_hook(DataParallelReducer(self.group, ties.skip))
+        if self.ep > 1:
+            reducer.add_hook(ExpertReducer())
 
     def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
               kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
@@ -100,8 +104,10 @@ class Flat:
     def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
               kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
         for s, module in sorted(pipe.local_stages().items()):  # the same order on every dp peer
+            shards = [(m.local, m.edp_group, m.dp) for m in module.modules() if isinstance(m, ExpertParallel)]
             self.zero[s] = ZeroOptimizer(module, optimizer_class, group=self.group, stage=self.level,
-                                         reduce=self.reduce, separate=pipe.ties.separate(s), **self.lowp, **kwargs)
+                                         reduce=self.reduce, separate=pipe.ties.separate(s), groups=shards,
+                                         **self.lowp, **kwargs)
         pipe.ties.use_zero(self.zero)  # a tie's copies are now the stages' own units of it (ties.py)
         if self.level == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
             for s, zero in sorted(self.zero.items()):
@@ -121,6 +127,6 @@ def strategy_for(parallel: ParallelConfig | None, precision: MixedPrecision, gro
     replicated parameters otherwise."""
     level = parallel.zero if parallel is not None else 0
     if level == 0 and not precision.keeps_main:
-        return Replicated(group, dp)
+        return Replicated(group, dp, parallel.ep if parallel is not None else 1)
     reason = f"zero={level}" if level else f"params={precision.params!r} (fp32 main parameters)"
     return Flat(group, level, parallel.zero_reduce if parallel is not None else "step", precision, reason)

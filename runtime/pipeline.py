@@ -70,6 +70,7 @@ from pipedsl.errors import PipeDSLError, PipeRuntimeError
 from pipedsl.ir import Program
 from pipedsl.library import load
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
+from pipedsl.parallel.expert import shard_experts
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.runtime import clip, finalize
 from pipedsl.runtime.data_parallel import strategy_for
@@ -151,6 +152,9 @@ class Pipeline:
         prog, rank = self.program, self.rank
         held = sorted({s for (c, s), r in prog.placement.items() if r == rank})
         self._modules = {s: self._build(stages, s).to(self.device) for s in held}
+        if self.mesh is not None and self.mesh.config.ep > 1:  # this rank's share of each experts module
+            for m in self._modules.values():
+                shard_experts(m, self.mesh.ep_group, self.mesh.edp_group, self.mesh.config.dp)
         self.counter = ActivationCounter(count_bytes=activation_bytes)
         self.loss = LossPolicy(loss_reduction, self.num_microbatches, ignore_index)  # one, shared by the stages
         options = StageOptions(self.precision, self.device)

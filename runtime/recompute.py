@@ -93,9 +93,14 @@ class Region:
 
         args = tuple(_fresh(a) for a in self.args)
         kwargs = {k: _fresh(v) for k, v in self.kwargs.items()}
-        with _restored_rng(self.rng), torch.enable_grad(), _autocast(self.autocast), \
-                torch.autograd.graph.saved_tensors_hooks(keep, _never), self.policy.recomputing():
-            self.fn(*args, **kwargs)
+        global _reruns
+        _reruns += 1
+        try:
+            with _restored_rng(self.rng), torch.enable_grad(), _autocast(self.autocast), \
+                    torch.autograd.graph.saved_tensors_hooks(keep, _never), self.policy.recomputing():
+                self.fn(*args, **kwargs)
+        finally:
+            _reruns -= 1
         if len(saved) != self.count:
             raise RecomputeError(f"recomputing {_name(self.fn)} saved {len(saved)} tensors for backward, its forward "
                                  f"saved {self.count}: the region must run the same operations again (no "
@@ -103,6 +108,15 @@ class Region:
         self.saved = saved
         if self.recorder is not None:
             self.recorder.add_recomputed(seen, _tensors(self.args, self.kwargs))
+
+
+_reruns = 0  # regions running again now, in this process
+
+
+def is_recomputing() -> bool:
+    """True while a region runs its forward a second time: statistics a forward counts (an MoE router's tokens
+    per expert) skip it, as they would count every recomputed microbatch twice."""
+    return _reruns > 0
 
 
 def _unpack(packed: tuple[Region, int]) -> torch.Tensor:

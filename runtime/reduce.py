@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipedsl.ir import Program
+from pipedsl.parallel.expert import expert_parameters, reduction_of
 from pipedsl.runtime.groups import PipelineGroups
 from pipedsl.runtime.ties import TieReducer
 
@@ -164,8 +165,27 @@ class DataParallelReducer:
     def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
         if self.size == 1:
             return None
-        works, flats, groups = flat_all_reduce(_grads(module, self.skip), self._flat, stage, self.group)
+        skip = self.skip | {id(p) for p in expert_parameters(module)}  # their own reducer: ExpertReducer
+        works, flats, groups = flat_all_reduce(_grads(module, skip), self._flat, stage, self.group)
         return _AveragedReduction(works, flats, groups, self.size)
+
+
+class ExpertReducer:
+    """A REDUCE_GRAD hook for a stage's expert shards (parallel/expert.py): summed over the ranks holding the same
+    experts and divided by dp — each shard's gradient already sums its ep peers' tokens."""
+
+    def __init__(self) -> None:
+        self._flat: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
+        reduction = reduction_of(module)
+        if reduction is None:
+            return None
+        group, dp = reduction
+        only = {id(p) for p in expert_parameters(module)}
+        grads = _grads(module, {id(p) for p in module.parameters()} - only)
+        works, flats, groups = flat_all_reduce(grads, self._flat, stage, group)
+        return _AveragedReduction(works, flats, groups, dp)
 
 
 def _grads(module: nn.Module, skip: set[int]) -> list[torch.Tensor]:

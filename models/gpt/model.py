@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.models.gpt.moe import Experts, MoE, Router
 from pipedsl.models.split import split_gpt
 
 
@@ -28,6 +30,17 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    # Mixture-of-Experts (models/gpt/moe.py): n_experts > 0 puts a router and experts in every block's MLP
+    n_experts: int = 0
+    top_k: int = 2
+    expert_ffn: int = 0  # each expert's hidden size (0: 4 n_embd, the dense MLP's)
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_coef: float = 0.01  # the router's load-balancing loss (Mixtral's default)
+    z_loss_coef: float = 0.0
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
 
 class Embedding(nn.Module):
@@ -77,16 +90,28 @@ class MLP(nn.Sequential):
 
 
 class Block(nn.Module):
+    """Attention and an MLP, or with `cfg.moe` a mixture of experts: then it takes x and the routers' loss sum so
+    far (none in the first block) and returns both (models/gpt/moe.py)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = (MoE(cfg.n_embd, cfg.n_experts, cfg.top_k, cfg.expert_ffn or 4 * cfg.n_embd,
+                                   cfg.capacity_factor, cfg.aux_loss_coef, cfg.z_loss_coef)
+                               if cfg.moe else MLP(cfg))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, C]
+    def forward(self, x: torch.Tensor, loss_sum: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # x [B, T, C]
+        if not isinstance(self.mlp, MoE):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))  # [B, T, C]
+        if loss_sum is None:
+            loss_sum = torch.zeros((), device=x.device)
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))  # [B, T, C]
+        y, loss_sum = self.mlp(self.ln2(x), loss_sum)
+        return x + y, loss_sum
 
 
 class Head(nn.Module):
@@ -95,8 +120,10 @@ class Head(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, C]
-        return self.lm_head(self.ln_f(x))  # logits [B, T, V]
+    def forward(self, x: torch.Tensor, loss_sum: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # x [B, T, C]
+        logits = self.lm_head(self.ln_f(x))  # [B, T, V]
+        return logits if loss_sum is None else (logits, loss_sum)  # an MoE model's: the routers' loss sum too
 
 
 class GPT(nn.Module):
@@ -108,7 +135,7 @@ class GPT(nn.Module):
         self.head = Head(cfg)
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight") or name.endswith("experts.proj"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -117,14 +144,16 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, 0.0, 0.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, 0.0, 0.02)
+        elif isinstance(m, (nn.Embedding, Router, Experts)):
+            for p in m.parameters(recurse=False):
+                nn.init.normal_(p, 0.0, 0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx [B, T] → logits [B, T, V]
+    def forward(self, idx: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """idx [B, T] → logits [B, T, V]; with experts (logits, the routers' loss sum), which `gpt_loss` adds."""
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+            x = block(*x) if isinstance(x, tuple) else block(x)
+        return self.head(*x) if isinstance(x, tuple) else self.head(x)
 
     def stages(self, num_stages: int, by: str = "count") -> list[nn.Sequential]:
         """This model as `num_stages` pipeline stages (sharing its modules)."""
@@ -140,6 +169,10 @@ class GPT(nn.Module):
         """
         from pipedsl.models.gpt.tp import tp_gpt_stages
 
+        if self.cfg.moe:
+            raise PipeRuntimeError(f"tensor parallelism of the GPT's experts is not built: with n_experts="
+                                   f"{self.cfg.n_experts}, shard the experts over data-parallel ranks instead "
+                                   f"(ParallelConfig(ep=...), parallel/expert.py)")
         return tp_gpt_stages(self, num_stages, mesh, by=by, sequence_parallel=sequence_parallel)
 
 
@@ -155,11 +188,18 @@ def randomize_(module: nn.Module, generator: torch.Generator | None = None) -> n
                 sub.weight.copy_(torch.randn(sub.weight.shape, generator=generator) / fan_in ** 0.5)
                 if getattr(sub, "bias", None) is not None:
                     sub.bias.copy_(0.2 * torch.randn(sub.bias.shape, generator=generator))
+            elif isinstance(sub, (Router, Experts)):
+                for p in sub.parameters(recurse=False):  # [.., in]: fan-in last
+                    p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
     return module
 
 
-def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: logits [B, T, V], targets [B, T]."""
+def gpt_loss(logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: logits [B, T, V], targets [B, T]; an MoE model's (logits, routers' loss sum) adds
+    the sum (models/gpt/moe.py)."""
+    if isinstance(logits, tuple):
+        logits, router_loss = logits
+        return gpt_loss(logits, targets) + router_loss
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

@@ -1,0 +1,135 @@
+"""Mixture-of-Experts layers for the built-in GPT: a top-k router with its auxiliary losses, and
+experts laid out as transformers' MoE models lay theirs out, so that one expert-parallel wrapper
+(parallel/expert.py) serves both.
+
+Per layer and microbatch (N tokens, E experts, top k):
+
+    router      logits = x Wr^T [N, E]; probs = softmax(logits) in fp32; the k largest, renormalised
+                to sum to 1 (Mixtral's routing)
+    capacity    with `capacity_factor` c, an expert takes at most ceil(c·N·k/E) slots, first come
+                (token order) first served; a dropped slot has index E and weight 0, and its token
+                goes on through the residual alone (Switch Transformer).  None: dropless
+    aux loss    E/N · Σ_e count_e · mean_n probs[n, e], counts before dropping (the load-balancing
+                loss of transformers' `load_balancing_loss_func`, taken per layer)
+    z-loss      mean_n logsumexp(logits_n)² (ST-MoE)
+
+A layer adds aux_coef·aux + z_coef·z to a scalar that travels beside the activations, block to
+block and stage to stage (a block takes and returns (hidden, that sum)); the head returns
+(logits, the sum) and `gpt_loss` adds it to the cross-entropy.  So a pipeline computes one
+process's loss and every gradient exactly, whatever stage each layer is on, and nothing needs the
+loss scale (Megatron injects the auxiliary gradient with the scale instead).
+
+Router statistics (tokens routed to each expert, slots dropped) accumulate in each layer's
+buffers, outside autograd and never twice for a recomputed forward; `router_stats` reads and
+resets them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual name
+from torch import nn
+
+from pipedsl.runtime.recompute import is_recomputing
+
+
+class Experts(nn.Module):
+    """E two-layer GELU MLPs as 3-D weights, fc [E, F, C] and proj [E, C, F], called as transformers'
+    expert modules are: `forward(x [N, C], index [N, k], weight [N, k]) -> [N, C]`, the weighted sum of
+    each token's experts (index E: no expert, the slot was dropped)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.fc = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        x, out = hidden_states, torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():  # ascending: the same order in every forward of the same routing
+            if e >= self.num_experts:
+                continue
+            token, slot = torch.where(top_k_index == e)
+            h = F.gelu(F.linear(x[token], self.fc[e]))
+            out.index_add_(0, token, F.linear(h, self.proj[e]) * top_k_weights[token, slot, None].to(x.dtype))
+        return out
+
+
+class Router(nn.Module):
+    """Top-k routing with an optional capacity; see the module docstring for the formulas."""
+
+    def __init__(self, num_experts: int, hidden: int, top_k: int, capacity_factor: float | None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be between 1 and the {num_experts} experts, got {top_k}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive (or None: dropless), got {capacity_factor}")
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x [N, C] → index [N, k] (E where dropped), weight [N, k], aux and z (scalars), counts [E], dropped."""
+        E, k = self.num_experts, self.top_k
+        logits = F.linear(x, self.weight).float()  # [N, E]
+        probs = logits.softmax(dim=-1)
+        top, index = probs.topk(k, dim=-1)  # [N, k]
+        weight = top / top.sum(dim=-1, keepdim=True)
+        flat = index.reshape(-1)  # slots in token order
+        counts = torch.bincount(flat, minlength=E)  # [E], before dropping
+        aux = E / x.shape[0] * (counts.to(probs.dtype) * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        dropped = torch.zeros((), dtype=torch.int64, device=x.device)
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * flat.numel() / E)
+            onehot = F.one_hot(flat, E)  # [N·k, E]
+            position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1  # the slot's place in its expert's queue
+            kept = (position < capacity).view_as(index)
+            index = torch.where(kept, index, E)
+            weight = weight * kept
+            dropped = (~kept).sum()
+        return {"index": index, "weight": weight, "aux": aux, "z": z, "counts": counts, "dropped": dropped}
+
+
+class MoE(nn.Module):
+    """A router and its experts in place of a block's MLP: (x [B, T, C], loss sum) → (y, loss sum + this layer's
+    coef·aux + z_coef·z)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, ffn: int, capacity_factor: float | None = None,
+                 aux_coef: float = 0.01, z_coef: float = 0.0) -> None:
+        super().__init__()
+        self.router = Router(num_experts, hidden, top_k, capacity_factor)
+        self.experts = Experts(num_experts, hidden, ffn)  # parallel/expert.py may swap in this rank's share
+        self.aux_coef, self.z_coef = aux_coef, z_coef
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        r = self.router(flat)
+        if not is_recomputing():
+            with torch.no_grad():
+                self.tokens_per_expert += r["counts"]
+                self.dropped_slots += r["dropped"]
+        y = self.experts(flat, r["index"], r["weight"]).view(B, T, C)
+        loss_sum = loss_sum + self.aux_coef * r["aux"]
+        if self.z_coef:
+            loss_sum = loss_sum + self.z_coef * r["z"]
+        return y, loss_sum
+
+
+def router_stats(module: nn.Module, reset: bool = True) -> dict[str, Any]:
+    """Tokens routed to each expert (one list per MoE layer, in module order, counted before dropping) and
+    the slots dropped for capacity, since the last reset; zero again after it with `reset`."""
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    out = {"tokens_per_expert": [m.tokens_per_expert.tolist() for m in layers],
+           "dropped_slots": sum(int(m.dropped_slots) for m in layers)}
+    if reset:
+        for m in layers:
+            m.tokens_per_expert.zero_()
+            m.dropped_slots.zero_()
+    return out

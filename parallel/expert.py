@@ -1,0 +1,138 @@
+"""Expert parallelism: each MoE layer's experts sharded over ranks of the data-parallel dimension,
+tokens sent to their experts' ranks and brought back with all-to-alls.
+
+Placement (Megatron's and torchtitan's): ep divides dp, and the dp ranks of a pipeline stage form
+dp/ep groups of ep consecutive ranks (`ParallelMesh.ep_group`).  Rank j of an ep group holds experts
+[j·E/ep, (j+1)·E/ep); the ranks holding the same experts (rank j of every ep group) form
+`ParallelMesh.edp_group`.
+
+What is wrapped is any *experts module* with the interface of transformers' MoE models (Mixtral,
+Qwen2/3-MoE, OLMoE, DeepSeek-V3) and of the GPT's (models/gpt/moe.py): an int `num_experts`, its own
+parameters all [E, …], and `forward(hidden_states [N, C], top_k_index [N, k], top_k_weights [N, k])`
+returning each token's weighted sum of its experts (an index ≥ E is a dropped slot).  The router
+stays where it is: every rank routes its own tokens.  `ExpertParallel.forward`, on every rank of
+an ep group at once:
+
+    1. the kept slots, sorted by expert (so by rank);
+    2. the count for each expert to its rank (an all-to-all of E/ep counts a peer);
+    3. each slot's token to its expert's rank (all-to-all; backward: the tokens' gradients home);
+    4. the model's own experts module, holding this rank's E/ep experts, on the tokens received
+       (weight 1, local expert ids);
+    5. the outputs back (all-to-all; backward: the outputs' gradients to the experts), weighted and
+       summed per token, in ascending expert order as the unsharded module sums them.
+
+Gradients: an expert's gradient on its rank already sums the losses of every ep peer's tokens;
+the data-parallel reduction sums it over `edp_group` and divides by dp (not by edp's size), so
+every parameter's gradient is the mean over the global batch, as without ep
+(`expert_parameters`, runtime/data_parallel.py, parallel/zero.py's groups).
+
+Every rank of an ep group must run the same layers on the same microbatches in the same order:
+the dp replicas of one pipeline stage run the same instruction stream, so they do.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from pipedsl.parallel.comm import all_to_all_rows, exchange_rows, group_rank, group_size
+from pipedsl.parallel.config import ParallelConfigError
+
+SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def is_experts(module: nn.Module) -> bool:
+    """An experts module this file can shard: `num_experts`, parameters [E, …] of its own, the forward above."""
+    E = getattr(module, "num_experts", None)
+    if not isinstance(E, int) or isinstance(module, ExpertParallel) or not module._parameters:
+        return False
+    try:
+        names = [n for n in inspect.signature(type(module).forward).parameters][1:4]
+    except (TypeError, ValueError):
+        return False
+    return tuple(names) == SIGNATURE and all(p is not None and p.dim() >= 1 and p.shape[0] == E
+                                             for p in module._parameters.values())
+
+
+class ExpertParallel(nn.Module):
+    """This rank's share of an experts module (`local`, the same class holding E/ep experts), serving the
+    tokens of every rank of `group` routed to them."""
+
+    def __init__(self, experts: nn.Module, group: ProcessGroup, edp_group: ProcessGroup | None, dp: int) -> None:
+        super().__init__()
+        E, ep = experts.num_experts, group_size(group)
+        if E % ep:
+            raise ParallelConfigError(f"{type(experts).__name__} has {E} experts, which ep={ep} ranks cannot share "
+                                      f"evenly")
+        if any(True for m in experts.children() for _ in m.parameters()):
+            raise ParallelConfigError(f"{type(experts).__name__} keeps parameters in submodules: expert "
+                                      f"parallelism shards only [E, …] parameters of the experts module itself")
+        self.num_experts, self.ep, self.rank = E, ep, group_rank(group)
+        self.per_rank = E // ep
+        self.first = self.rank * self.per_rank
+        self.group, self.edp_group, self.dp = group, edp_group, dp
+        local = copy.copy(experts)  # its attributes and activation modules shared; its parameters sliced
+        local._parameters = {}
+        local._modules = dict(experts._modules)
+        local._buffers = dict(experts._buffers)
+        for name, p in experts._parameters.items():
+            local._parameters[name] = nn.Parameter(p.detach()[self.first:self.first + self.per_rank].clone(),
+                                                   requires_grad=p.requires_grad)
+        local.num_experts = self.per_rank
+        self.local = local
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        k, E, ep, El = top_k_index.shape[1], self.num_experts, self.ep, self.per_rank
+        flat = top_k_index.reshape(-1)
+        slots = torch.nonzero(flat < E).squeeze(1)
+        slots = slots[torch.argsort(flat[slots], stable=True)]  # by expert, token order within one
+        counts = torch.bincount(flat[slots], minlength=E).view(ep, El)
+        received = all_to_all_rows(counts, [1] * ep, [1] * ep, self.group)  # [ep, El]: peer r's tokens for each
+        send, recv = counts.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+        tokens = exchange_rows(hidden_states[slots // k], send, recv, self.group)  # [R, C]
+        index = torch.repeat_interleave(torch.arange(El, device=flat.device).repeat(ep), received.reshape(-1))
+        ones = torch.ones((tokens.shape[0], 1), dtype=top_k_weights.dtype, device=tokens.device)
+        out = self._connected(self.local(tokens, index.unsqueeze(1), ones), tokens)
+        back = exchange_rows(out, recv, send, self.group)  # [S, C], in the order of `slots`
+        weighted = back * top_k_weights.reshape(-1)[slots, None].to(back.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, slots // k, weighted.to(hidden_states.dtype))
+
+    def _connected(self, out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """`out` tied into the graph like a peer's: a rank that received no tokens gets an output its experts
+        never touched, whose gradient the combine's backward would skip — and its peers would wait for it."""
+        if out.requires_grad or not torch.is_grad_enabled():
+            return out
+        if tokens.requires_grad:
+            return out + 0 * tokens
+        trainable = [p for p in self.local.parameters() if p.requires_grad]
+        return out + 0 * trainable[0].sum() if trainable else out
+
+    def extra_repr(self) -> str:
+        return f"experts {self.first}..{self.first + self.per_rank - 1} of {self.num_experts}, ep={self.ep}"
+
+
+def shard_experts(module: nn.Module, group: ProcessGroup, edp_group: ProcessGroup | None, dp: int) -> int:
+    """Replace every experts module inside `module` by this rank's `ExpertParallel` share, in place; how many."""
+    found = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if is_experts(child):
+                setattr(parent, name, ExpertParallel(child, group, edp_group, dp))
+                found += 1
+    return found
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `module`'s expert shards (reduced over `edp_group`, divided by dp)."""
+    return [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.local.parameters()]
+
+
+def reduction_of(module: nn.Module) -> tuple[ProcessGroup | None, int] | None:
+    """(edp group, dp) the expert shards inside `module` reduce over, or None without any."""
+    shards = [m for m in module.modules() if isinstance(m, ExpertParallel)]
+    return (shards[0].edp_group, shards[0].dp) if shards else None

@@ -1,0 +1,95 @@
+"""Rank functions for the GPT's Mixture-of-Experts (models/gpt/moe.py) and expert parallelism
+(parallel/expert.py), run by tests/models/test_gpt_moe.py on the worker pools."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import pipedsl
+from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, randomize_, synthetic_batch
+from pipedsl.models.gpt.moe import router_stats
+from pipedsl.parallel import ParallelConfig, ParallelMesh
+from pipedsl.parallel.expert import ExpertParallel
+
+LR = 0.05
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 2e-5
+MB = 2  # samples a microbatch
+
+
+def tiny_moe(layers: int, capacity: float | None = None, experts: int = 4) -> GPT:
+    """Four experts, top-2, a router loss and a z-loss large enough to move the weights, random LayerNorms."""
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=layers, n_head=2, n_embd=16, n_experts=experts, top_k=2,
+                    expert_ffn=24, capacity_factor=capacity, aux_loss_coef=0.1, z_loss_coef=0.01)
+    return randomize_(GPT(cfg), torch.Generator().manual_seed(0))
+
+
+def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero: int = 0, steps: int = 2,
+                capacity: float | None = None, recompute: str | None = None,
+                params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`steps` SGD steps of the pipelined MoE GPT (dp × pp, experts over ep) against the whole model trained with
+    gradient accumulation over the same dp·M microbatches: each step's loss and gradient norm, then every
+    parameter (an expert shard against its experts' rows of the whole model)."""
+    pp = dist.get_world_size() // dp
+    program = pipedsl.load(schedule).compile(P=pp, M=M, **(params or {}))
+    S = program.num_stages
+    model = tiny_moe(max(S - 1, 2), capacity)
+    ref = copy.deepcopy(model)
+    stages = model.stages(S)
+    whole = {id(p): n for n, p in model.named_parameters()}
+    names = {s: {n: whole[id(p)] for n, p in m.named_parameters()} for s, m in enumerate(stages)}
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, ep=ep, zero=zero)) if dp > 1 else None
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=gpt_loss, parallel=mesh, recompute=recompute)
+    opt = pipe.optimizer(torch.optim.SGD, lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(1)
+    problems: list[str] = []
+    stats = None
+    for step in range(steps):
+        x, y = synthetic_batch(MB * M * dp, 8, 32, gen)
+        loss = pipe.step(x, y)
+        norm = pipe.grad_norm().item()
+        opt.step()
+        opt.zero_grad()
+        want = 0.0
+        for xm, ym in zip(x.chunk(M * dp), y.chunk(M * dp)):
+            part = gpt_loss(ref(xm), ym) / (M * dp)
+            part.backward()
+            want += part.item()
+        want_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None]).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if abs(loss - want) > LOSS_RTOL * abs(want):
+            problems.append(f"rank {rank} step {step}: loss {loss!r} != one process {want!r}")
+        if abs(norm - want_norm) > LOSS_RTOL * want_norm:
+            problems.append(f"rank {rank} step {step}: gradient norm {norm!r} != one process {want_norm!r}")
+        if step == 0:
+            stats = {s: router_stats(m) for s, m in pipe.local_stages().items()}
+            ref_stats = router_stats(ref)
+    shards = {s: {name: m for name, m in module.named_modules() if isinstance(m, ExpertParallel)}
+              for s, module in pipe.local_stages().items()}
+    ref_params = dict(ref.named_parameters())
+    checked = set()
+    for s, named in opt.stage_parameters().items():
+        for name, v in named.items():
+            if ".local." in name:  # an expert shard: rows [first, first + E/ep) of the whole model's tensor
+                owner, attr = name.split(".local.")
+                shard = shards[s][owner]
+                want = ref_params[names[s][f"{owner}.{attr}"]][shard.first:shard.first + shard.per_rank]
+                key = f"{names[s][f'{owner}.{attr}']}[{shard.first}:{shard.first + shard.per_rank}]"
+            else:
+                want, key = ref_params[names[s][name]], names[s][name]
+            checked.add(key)
+            err = (v - want.detach()).abs().max().item()
+            if err > PARAM_ATOL:
+                problems.append(f"rank {rank} stage {s} {key}: max |pipeline - one process| = {err:.3g}")
+    moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), tiny_moe(
+        max(S - 1, 2), capacity).parameters()))
+    pipe.close()
+    return {"problems": problems, "checked": sorted(checked), "moved": moved, "stats": stats,
+            "ref_stats": ref_stats, "dp_rank": mesh.coords.dp if mesh else 0,
+            "stages": sorted(pipe.local_stages())}

@@ -1,0 +1,110 @@
+"""The GPT's Mixture-of-Experts (models/gpt/moe.py) and expert parallelism (parallel/expert.py): the
+router's formulas against transformers' reference, and training pipelined — with the experts sharded
+over data-parallel ranks, under ZeRO — equal to one process."""
+
+from __future__ import annotations
+
+import math
+
+import moe_cases as cases
+import pytest
+import torch
+
+from pipedsl.models.gpt.model import GPT, GPTConfig, synthetic_batch
+from pipedsl.models.gpt.moe import Router, router_stats
+from pipedsl.runtime.recompute import Recompute
+
+
+def test_the_router_loss_is_transformers_load_balancing_loss() -> None:
+    """One layer's auxiliary loss is transformers' `load_balancing_loss_func` of its logits; the z-loss ST-MoE's."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    router = Router(num_experts=8, hidden=16, top_k=2, capacity_factor=None)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(40, 16)
+    r = router(x)
+    logits = x @ router.weight.T
+    want = mixtral.load_balancing_loss_func((logits,), num_experts=8, top_k=2)
+    assert torch.allclose(r["aux"], want, rtol=1e-6), (r["aux"], want)
+    assert torch.allclose(r["z"], torch.logsumexp(logits, -1).square().mean())
+    probs = logits.softmax(-1)
+    top, index = probs.topk(2)
+    assert torch.equal(r["index"], index) and torch.allclose(r["weight"], top / top.sum(-1, keepdim=True))
+    assert r["counts"].sum() == 80 and r["dropped"] == 0
+
+
+def test_capacity_drops_the_latest_slots_of_a_full_expert() -> None:
+    """Capacity ceil(c·N·k/E); an expert's slots beyond it, in token order, get index E and weight 0."""
+    router = Router(num_experts=4, hidden=8, top_k=1, capacity_factor=1.0)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[2, 0] = 10.0  # every token whose feature 0 is positive prefers expert 2
+    x = torch.zeros(8, 8)
+    x[:, 0] = torch.tensor([1.0, -1, 1, 1, 1, -1, 1, 1])
+    r = router(x)
+    capacity = math.ceil(1.0 * 8 / 4)
+    to_two = (x[:, 0] > 0).nonzero().squeeze(1)
+    kept = r["index"][to_two, 0]
+    assert kept[:capacity].tolist() == [2] * capacity and kept[capacity:].tolist() == [4] * (len(to_two) - capacity)
+    assert r["dropped"] == len(to_two) - capacity and (r["weight"][to_two[capacity:]] == 0).all()
+
+
+def test_stages_compute_the_models_loss_and_count_router_statistics_once() -> None:
+    model = cases.tiny_moe(3, capacity=1.0)
+    x, y = synthetic_batch(4, 8, 32, torch.Generator().manual_seed(0))
+    out = model(x)
+    assert isinstance(out, tuple) and out[1].item() > 0
+    h = x
+    for stage in model.stages(3):
+        h = stage(h)
+    assert torch.equal(h[0], out[0]) and torch.equal(h[1], out[1])
+    stats = router_stats(model)
+    assert [sum(t) for t in stats["tokens_per_expert"]] == [2 * 32 * 2] * 3  # two forwards of 32 tokens, top-2
+    assert stats["dropped_slots"] > 0 and router_stats(model)["dropped_slots"] == 0  # read, then reset
+    # recomputed forwards are not counted again
+    block = model.blocks[0]
+    rec = Recompute(block, "full")
+    hidden = model.embed(x).detach().requires_grad_()
+    out = rec.run(block, (hidden,), None)
+    torch.autograd.backward(out[0].sum() + out[1])
+    assert [sum(t) for t in router_stats(block)["tokens_per_expert"]] == [32 * 2]
+
+
+def test_an_moe_gpt_is_refused_for_tensor_parallel_stages() -> None:
+    model = GPT(GPTConfig(n_layer=2, n_experts=4))
+    with pytest.raises(Exception, match="tensor parallelism of the GPT's experts"):
+        model.tp_stages(2, mesh=None)
+
+
+def _clean(results: list[dict]) -> None:
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:10])
+    assert results[0]["moved"] > 1e-3  # the weights moved: equal after training, not untouched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,M", [("1f1b", 4), ("zb-v", 4), ("dualpipev", 4), ("interleaved", 4)])
+def test_pipelined_moe_equals_one_process(pool2, schedule: str, M: int) -> None:
+    """Loss, gradient norm and weights after two SGD steps; the router loss crosses stages."""
+    results = pool2.run(cases.train_equal, schedule, M)
+    _clean(results)
+    names = set().union(*(r["checked"] for r in results))
+    assert any("router" in n for n in names) and any("experts.fc" in n for n in names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_expert_parallel_equals_one_process(pool4, zero: int) -> None:
+    """dp2 × pp2 with the experts sharded over ep=2: each rank holds half of each layer's experts."""
+    results = pool4.run(cases.train_equal, "1f1b", 2, 2, 2, zero)
+    _clean(results)
+    shards = [n for r in results for n in r["checked"] if "experts" in n]
+    assert any("[0:2]" in n for n in shards) and any("[2:4]" in n for n in shards)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,zero,capacity,recompute", [("zb-v", 1, None, None), ("dualpipev", 0, 1.0, None),
+                                                             ("interleaved", 3, None, "full")])
+def test_expert_parallel_under_other_schedules(pool4, schedule: str, zero: int, capacity: float | None,
+                                               recompute: str | None) -> None:
+    results = pool4.run(cases.train_equal, schedule, 4, 2, 2, zero, 2, capacity, recompute)
+    _clean(results)
