@@ -70,26 +70,78 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
         if step == 0:
             stats = {s: router_stats(m) for s, m in pipe.local_stages().items()}
             ref_stats = router_stats(ref)
-    shards = {s: {name: m for name, m in module.named_modules() if isinstance(m, ExpertParallel)}
-              for s, module in pipe.local_stages().items()}
-    ref_params = dict(ref.named_parameters())
-    checked = set()
-    for s, named in opt.stage_parameters().items():
-        for name, v in named.items():
-            if ".local." in name:  # an expert shard: rows [first, first + E/ep) of the whole model's tensor
-                owner, attr = name.split(".local.")
-                shard = shards[s][owner]
-                want = ref_params[names[s][f"{owner}.{attr}"]][shard.first:shard.first + shard.per_rank]
-                key = f"{names[s][f'{owner}.{attr}']}[{shard.first}:{shard.first + shard.per_rank}]"
-            else:
-                want, key = ref_params[names[s][name]], names[s][name]
-            checked.add(key)
-            err = (v - want.detach()).abs().max().item()
-            if err > PARAM_ATOL:
-                problems.append(f"rank {rank} stage {s} {key}: max |pipeline - one process| = {err:.3g}")
+    checked = compare_parameters(rank, pipe, opt, names, ref, problems)
     moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), tiny_moe(
         max(S - 1, 2), capacity).parameters()))
     pipe.close()
     return {"problems": problems, "checked": sorted(checked), "moved": moved, "stats": stats,
             "ref_stats": ref_stats, "dp_rank": mesh.coords.dp if mesh else 0,
             "stages": sorted(pipe.local_stages())}
+
+
+def compare_parameters(rank: int, pipe: pipedsl.Pipeline, opt: Any, names: dict[int, dict[str, str]],
+                       ref: torch.nn.Module, problems: list[str]) -> set[str]:
+    """Every local parameter (ZeRO's slices gathered) against the whole model's — an expert shard against its rows
+    [first, first + E/ep) — appending to `problems`; the names checked.  `names[s]`: stage s's names before the
+    experts were sharded → the whole model's."""
+    shards = {s: {name: m for name, m in module.named_modules() if isinstance(m, ExpertParallel)}
+              for s, module in pipe.local_stages().items()}
+    ref_params = dict(ref.named_parameters())
+    checked = set()
+    for s, named in opt.stage_parameters().items():
+        for name, v in named.items():
+            if ".local." in name:  # an expert shard
+                owner, attr = name.split(".local.")
+                shard, whole = shards[s][owner], names[s][f"{owner}.{attr}"]
+                want = ref_params[whole][shard.first:shard.first + shard.per_rank]
+                key = f"{whole}[{shard.first}:{shard.first + shard.per_rank}]"
+            else:
+                want, key = ref_params[names[s][name]], names[s][name]
+            checked.add(key)
+            err = (v - want.detach()).abs().max().item()
+            if err > PARAM_ATOL:
+                problems.append(f"rank {rank} stage {s} {key}: max |pipeline - one process| = {err:.3g}")
+    return checked
+
+
+def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, ep: int = 1, zero: int = 0,
+                   steps: int = 2) -> dict[str, Any]:
+    """A transformers MoE decoder with its router loss, dp × pp with the experts over ep, against the whole model
+    accumulating the same dp·M microbatches (HF's loss per microbatch, averaged): loss, gradient norm, weights."""
+    import hf_cases
+
+    from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
+
+    pp = dist.get_world_size() // dp
+    program = pipedsl.load(schedule).compile(P=pp, M=M)
+    model = hf_cases.tiny_model(family)
+    ref = copy.deepcopy(model)
+    stages = causal_lm_stages(model, program.num_stages, attention_mask=True)
+    whole = {id(p): n for n, p in model.named_parameters()}
+    names = {s: {n: whole[id(p)] for n, p in m.named_parameters()} for s, m in enumerate(stages)}
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, ep=ep, zero=zero)) if dp > 1 else None
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=causal_lm_loss, parallel=mesh)
+    opt = pipe.optimizer(torch.optim.SGD, lr=hf_cases.LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=hf_cases.LR)
+    x, mask, labels = hf_cases.batch(M * dp, True)
+    problems: list[str] = []
+    for step in range(steps):
+        loss = pipe.step((x, mask), shift_labels(labels))
+        norm = pipe.grad_norm().item()
+        opt.step()
+        opt.zero_grad()
+        want = 0.0
+        for xm, mm, lm in zip(x.chunk(M * dp), mask.chunk(M * dp), labels.chunk(M * dp)):
+            out = ref(xm, attention_mask=mm, labels=lm, use_cache=False)
+            (out.loss / (M * dp)).backward()
+            want += out.loss.item() / (M * dp)
+        want_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None]).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if abs(loss - want) > LOSS_RTOL * abs(want):
+            problems.append(f"rank {rank} step {step}: loss {loss!r} != one process {want!r}")
+        if abs(norm - want_norm) > 1e-4 * want_norm:
+            problems.append(f"rank {rank} step {step}: gradient norm {norm!r} != one process {want_norm!r}")
+    checked = compare_parameters(rank, pipe, opt, names, ref, problems)
+    pipe.close()
+    return {"problems": problems, "checked": sorted(checked)}

@@ -224,3 +224,20 @@ def test_moe_router_loss_pipelined_equals_gradient_accumulation(pool2, family, s
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:8])
     assert all(r["gates"] for r in results)  # routers on both ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, schedule, zero", [("mixtral", "1f1b", 1), ("qwen3_moe", "zb-v", 3),
+                                                    ("olmoe", "interleaved", 1), ("mixtral", "dualpipev", 3),
+                                                    ("olmoe", "1f1b", 3), ("qwen3_moe", "1f1b", 1)])
+def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
+    """dp2 × pp2 with each layer's experts sharded over ep=2 (parallel/expert.py, the model's own experts module on
+    each rank's half) under ZeRO: loss, gradient norm and every weight (each shard against its experts' rows) after
+    two SGD steps equal the whole model accumulating the same microbatches."""
+    import moe_cases
+
+    results = pool4.run(moe_cases.hf_train_equal, family, schedule, 4, 2, 2, zero)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:8])
+    shards = {c for r in results for c in r["checked"] if "experts" in c}
+    assert any(c.endswith("[0:2]") for c in shards) and any(c.endswith("[2:4]") for c in shards)
