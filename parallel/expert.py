@@ -17,7 +17,7 @@ an ep group at once:
     2. the count for each expert to its rank (an all-to-all of E/ep counts a peer);
     3. each slot's token to its expert's rank (all-to-all; backward: the tokens' gradients home);
     4. the model's own experts module, holding this rank's E/ep experts, on the tokens received
-       (weight 1, local expert ids);
+       (weight 1, local expert ids); the shard's parameters keep the module's names, cut along dim 0;
     5. the outputs back (all-to-all; backward: the outputs' gradients to the experts), weighted and
        summed per token, in ascending expert order as the unsharded module sums them.
 
@@ -59,8 +59,12 @@ def is_experts(module: nn.Module) -> bool:
 
 
 class ExpertParallel(nn.Module):
-    """This rank's share of an experts module (`local`, the same class holding E/ep experts), serving the
-    tokens of every rank of `group` routed to them."""
+    """This rank's share of an experts module, serving the tokens of every rank of `group` routed to its experts.
+
+    Its parameters are the module's, under the same names, cut to rows [first, first + E/ep) along dim 0, so a
+    state dict names them as the unsharded model does (checkpoints join and re-cut them, runtime/checkpoint).
+    The model's own experts module computes, holding E/ep experts (`_impl`, unregistered: it reads the
+    parameters this module holds now, ZeRO's views included)."""
 
     def __init__(self, experts: nn.Module, group: ProcessGroup, edp_group: ProcessGroup | None, dp: int) -> None:
         super().__init__()
@@ -75,15 +79,16 @@ class ExpertParallel(nn.Module):
         self.per_rank = E // ep
         self.first = self.rank * self.per_rank
         self.group, self.edp_group, self.dp = group, edp_group, dp
-        local = copy.copy(experts)  # its attributes and activation modules shared; its parameters sliced
-        local._parameters = {}
-        local._modules = dict(experts._modules)
-        local._buffers = dict(experts._buffers)
         for name, p in experts._parameters.items():
-            local._parameters[name] = nn.Parameter(p.detach()[self.first:self.first + self.per_rank].clone(),
-                                                   requires_grad=p.requires_grad)
-        local.num_experts = self.per_rank
-        self.local = local
+            self.register_parameter(name, nn.Parameter(p.detach()[self.first:self.first + self.per_rank].clone(),
+                                                       requires_grad=p.requires_grad))
+        self._names = list(experts._parameters)
+        impl = copy.copy(experts)  # its attributes and activation modules shared; its parameters set per call
+        impl._parameters = dict(self._parameters)
+        impl._modules = dict(experts._modules)
+        impl._buffers = dict(experts._buffers)
+        impl.num_experts = self.per_rank
+        object.__setattr__(self, "_impl", impl)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -97,7 +102,9 @@ class ExpertParallel(nn.Module):
         tokens = exchange_rows(hidden_states[slots // k], send, recv, self.group)  # [R, C]
         index = torch.repeat_interleave(torch.arange(El, device=flat.device).repeat(ep), received.reshape(-1))
         ones = torch.ones((tokens.shape[0], 1), dtype=top_k_weights.dtype, device=tokens.device)
-        out = self._connected(self.local(tokens, index.unsqueeze(1), ones), tokens)
+        for name in self._names:  # what this module holds now: its parameters, or ZeRO's views standing for them
+            self._impl._parameters[name] = getattr(self, name)
+        out = self._connected(self._impl(tokens, index.unsqueeze(1), ones), tokens)
         back = exchange_rows(out, recv, send, self.group)  # [S, C], in the order of `slots`
         weighted = back * top_k_weights.reshape(-1)[slots, None].to(back.dtype)
         return torch.zeros_like(hidden_states).index_add(0, slots // k, weighted.to(hidden_states.dtype))
@@ -109,7 +116,7 @@ class ExpertParallel(nn.Module):
             return out
         if tokens.requires_grad:
             return out + 0 * tokens
-        trainable = [p for p in self.local.parameters() if p.requires_grad]
+        trainable = [p for p in self.parameters() if p.requires_grad]
         return out + 0 * trainable[0].sum() if trainable else out
 
     def extra_repr(self) -> str:
@@ -129,7 +136,14 @@ def shard_experts(module: nn.Module, group: ProcessGroup, edp_group: ProcessGrou
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters of `module`'s expert shards (reduced over `edp_group`, divided by dp)."""
-    return [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.local.parameters()]
+    return [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters(recurse=False)]
+
+
+def expert_shards(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """{state-dict name: (ep, this rank's index among them)} of `module`'s expert-sharded parameters, each cut
+    along dim 0 into ep equal parts (what checkpoints join and cut again)."""
+    return {f"{path}.{name}" if path else name: (m.ep, m.rank) for path, m in module.named_modules()
+            if isinstance(m, ExpertParallel) for name in m._parameters}
 
 
 def reduction_of(module: nn.Module) -> tuple[ProcessGroup | None, int] | None:

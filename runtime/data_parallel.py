@@ -104,7 +104,7 @@ class Flat:
     def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
               kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
         for s, module in sorted(pipe.local_stages().items()):  # the same order on every dp peer
-            shards = [(m.local, m.edp_group, m.dp) for m in module.modules() if isinstance(m, ExpertParallel)]
+            shards = [(m, m.edp_group, m.dp) for m in module.modules() if isinstance(m, ExpertParallel)]
             self.zero[s] = ZeroOptimizer(module, optimizer_class, group=self.group, stage=self.level,
                                          reduce=self.reduce, separate=pipe.ties.separate(s), groups=shards,
                                          **self.lowp, **kwargs)

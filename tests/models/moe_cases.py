@@ -82,17 +82,17 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
 def compare_parameters(rank: int, pipe: pipedsl.Pipeline, opt: Any, names: dict[int, dict[str, str]],
                        ref: torch.nn.Module, problems: list[str]) -> set[str]:
     """Every local parameter (ZeRO's slices gathered) against the whole model's — an expert shard against its rows
-    [first, first + E/ep) — appending to `problems`; the names checked.  `names[s]`: stage s's names before the
-    experts were sharded → the whole model's."""
+    [first, first + E/ep) — appending to `problems`; the names checked.  `names[s]`: stage s's names (a shard keeps
+    its experts module's) → the whole model's."""
     shards = {s: {name: m for name, m in module.named_modules() if isinstance(m, ExpertParallel)}
               for s, module in pipe.local_stages().items()}
     ref_params = dict(ref.named_parameters())
     checked = set()
     for s, named in opt.stage_parameters().items():
         for name, v in named.items():
-            if ".local." in name:  # an expert shard
-                owner, attr = name.split(".local.")
-                shard, whole = shards[s][owner], names[s][f"{owner}.{attr}"]
+            shard = shards[s].get(name.rpartition(".")[0])
+            if shard is not None:  # an expert shard: the whole model's name, its rows
+                whole = names[s][name]
                 want = ref_params[whole][shard.first:shard.first + shard.per_rank]
                 key = f"{whole}[{shard.first}:{shard.first + shard.per_rank}]"
             else:
