@@ -143,7 +143,7 @@ def expert_shards(module: nn.Module) -> dict[str, tuple[int, int]]:
     """{state-dict name: (ep, this rank's index among them)} of `module`'s expert-sharded parameters, each cut
     along dim 0 into ep equal parts (what checkpoints join and cut again)."""
     return {f"{path}.{name}" if path else name: (m.ep, m.rank) for path, m in module.named_modules()
-            if isinstance(m, ExpertParallel) for name in m._parameters}
+            if isinstance(m, ExpertParallel) for name in m._names}  # ZeRO's flat buffer may stand for them now
 
 
 def reduction_of(module: nn.Module) -> tuple[ProcessGroup | None, int] | None:

@@ -188,6 +188,7 @@ class _Unit:
         self.inputs_report = False  # frozen, stage 3: this forward's inputs report when the gradient passed them
         self.group, self.n, self.rank = group, group_size(group), group_rank(group)
         self.divisor = divisor or self.n  # the reduced sum over the group divided by it: the mean gradient
+        self.own_group = divisor is not None  # an expert shard's: sliced over the ranks holding the same experts
         self.numel = sum(e.numel for e in entries)
         self.padded = -(-max(self.numel, 1) // self.n) * self.n
         self.size = self.padded // self.n  # S: this rank's slice
@@ -831,7 +832,7 @@ class ZeroOptimizer:
             out.append({"entries": entries, "numel": u.numel, "padded": u.padded, "n": u.n,
                         "dtype": str(u.dtype).removeprefix("torch."), **({} if u.trainable else {"frozen": True}),
                         **({"main": str(u.main.dtype).removeprefix("torch.")} if u.main is not None else {}),
-                        **({"dtensors": dtensors} if dtensors else {})})
+                        **({"dtensors": dtensors} if dtensors else {}), **({"edp": True} if u.own_group else {})})
         return out
 
     def _model_of(self, u: _Unit) -> nn.Parameter:

@@ -79,11 +79,17 @@ def restore(zero: ZeroOptimizer, saved: dict[str, Any], optimizer: bool) -> None
         raise ReshardError(str(err)) from None
 
 
-def assemble(stage: int, saved: dict[int, dict[str, Any]], optimizer: bool) -> FullState:
+def assemble(stage: int, saved: dict[int, dict[str, Any]], optimizer: bool,
+             experts: tuple[int, int] = (1, 0)) -> FullState:
     """Full-size parameters (and, with `optimizer`, elementwise optimizer state) of `stage` from the slices of
-    every saved dp rank ({dp rank: shard_state}).  A slice's fp32 "main" values win over its "params"."""
+    every saved dp rank ({dp rank: shard_state}).  A slice's fp32 "main" values win over its "params".
+
+    `experts` = (ep, j): the expert shards' units (layout "edp", parallel/expert.py) are sliced over the dp
+    ranks holding the same experts, j, j + ep, j + 2ep, …: their full size is the j-th of ep shards."""
+    ep, j = experts
     first = saved[min(saved)]
-    n = first["layout"][0]["n"] if first["layout"] else 1
+    n = next((unit["n"] for unit in first["layout"] if not unit.get("edp")),
+             first["layout"][0]["n"] * ep if first["layout"] else 1)
     if sorted(saved) != list(range(n)):
         raise ReshardError(f"stage {stage} has ZeRO slices of dp ranks {sorted(saved)}, "
                            f"the layout needs all of 0..{n - 1}")
@@ -92,7 +98,9 @@ def assemble(stage: int, saved: dict[int, dict[str, Any]], optimizer: bool) -> F
 
     def whole(u: int, key: str | None = None) -> torch.Tensor:
         """Unit `u`'s parameters (or optimizer state `key`) at full size: every dp rank's slice in order."""
-        units = [saved[d]["units"][u] for d in range(n)]
+        layout = first["layout"][u]
+        ranks = range(j, n, ep) if layout.get("edp") else range(n)
+        units = [saved[d]["units"][u] for d in ranks]
         if key is not None:
             return torch.cat([unit["sharded"][key] for unit in units])
         return torch.cat([unit["params"] if unit.get("main") is None else unit["main"] for unit in units])

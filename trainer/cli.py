@@ -143,6 +143,17 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
                    help="tensor-parallel ranks per pipeline stage (Megatron's 1-D split: attention by heads, the MLP "
                         "column- then row-wise, vocabulary-parallel embedding, head and loss): dp x P x tp "
                         f"processes (default {D.parallel.tp})")
+    p.add_argument("--ep", type=positive_int,
+                   help="expert parallelism: each MoE layer's experts sharded over groups of ep data-parallel "
+                        "replicas, tokens exchanged with all-to-alls (parallel/expert.py); ep divides --dp "
+                        f"(default {D.parallel.ep})")
+    p.add_argument("--experts", type=nonnegative_int,
+                   help="the built-in GPT with a mixture of experts in every block (a top-k router with its "
+                        f"load-balancing loss, models/gpt/moe.py; default {m.experts}: a dense MLP)")
+    p.add_argument("--top-k", type=positive_int, help=f"experts a token is routed to (default {m.top_k})")
+    p.add_argument("--capacity-factor", type=nonnegative_float,
+                   help="an expert takes at most this times its even share of the routings, the rest dropped "
+                        "(default 0: dropless)")
     p.add_argument("--sequence-parallel", action="store_true", default=None,
                    help="with --tp: norms and residuals on 1/tp of the sequence, reduce-scatter and all-gather in "
                         "place of the all-reduces (Korthikanti et al. 2022); --seq must divide by --tp")
@@ -362,7 +373,8 @@ def _layout_text(ranks: int, cfg: TrainConfig) -> str:
     if dp == 1 and tp == 1 and not zero:
         return f"{ranks} processes"
     dims = [("dp", dp), ("pp", ranks)] + ([("tp", tp)] if tp > 1 else [])
-    notes = [f"zero={zero}"] + (["sequence parallel"] if cfg.parallel.sequence_parallel else [])
+    notes = ([f"zero={zero}"] + (["sequence parallel"] if cfg.parallel.sequence_parallel else [])
+             + ([f"experts over ep={cfg.parallel.ep}"] if cfg.parallel.ep > 1 else []))
     return (f"{' x '.join(str(n) for _, n in dims)} = {dp * ranks * tp} processes "
             f"({' x '.join(d for d, _ in dims)}, {', '.join(notes)})")
 

@@ -161,6 +161,9 @@ class ModelConfig(_Section):
     split: str = _option("count", _one_of(*SPLITS))
     dropout: float = _option(0.0, FRACTION)
     seed: int = _option(0, SEED)
+    experts: int = _option(0, _at_least(0))  # the GPT's experts per block (models/gpt/moe.py); 0: a dense MLP
+    top_k: int = _option(2, _at_least(1))  # experts a token goes to
+    capacity_factor: float = _option(0.0, NONNEGATIVE)  # slots an expert takes, × its even share; 0: dropless
 
     @property
     def is_hf(self) -> bool:
@@ -231,6 +234,7 @@ class ParallelismConfig(_Section):
     zero: int = _option(0, _one_of(*ZERO_STAGES))
     tp: int = _option(1, _at_least(1))
     sequence_parallel: bool = _option(False, FLAG)
+    ep: int = _option(1, _at_least(1))  # expert parallelism: each MoE layer's experts over ep of the dp ranks
 
 
 @dataclass(frozen=True)
@@ -353,6 +357,12 @@ class TrainConfig:
         if par.sequence_parallel and d.seq % par.tp:
             raise ConfigError(f"--sequence-parallel: --seq {d.seq} does not divide by --tp {par.tp} (each tp rank "
                               f"holds an equal part of the sequence)")
+        if par.dp % par.ep:
+            raise ConfigError(f"--ep {par.ep} must divide --dp {par.dp}: the experts are sharded over groups of ep "
+                              f"data-parallel replicas")
+        if par.ep > 1 and par.tp > 1:
+            raise ConfigError(f"--ep {par.ep} with --tp {par.tp}: expert parallelism does not compose with tensor "
+                              f"parallelism yet; shard the experts over data-parallel ranks alone")
         if c.checkpoint_every and not c.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         if t.lr_schedule == "cosine" and t.warmup_steps >= t.steps:
@@ -375,6 +385,9 @@ class TrainConfig:
             if (d.source_field is None) != (d.target_field is None):
                 raise ConfigError("--source-field and --target-field come together: an encoder-decoder trains on "
                                   "(source, target) pairs of two fields of each record")
+            if m.experts:
+                raise ConfigError(f"--experts {m.experts} builds the built-in GPT's experts; a Hugging Face model "
+                                  f"brings its own (its config's)")
         else:
             self._check_gpt()
         if self.hf is not None and not isinstance(self.hf, HFModelConfig):
@@ -391,6 +404,16 @@ class TrainConfig:
                               "synthetic tokens)")
         if m.embd % GPT_HEADS:
             raise ConfigError(f"--embd {m.embd} must be a multiple of {GPT_HEADS} (the attention heads)")
+        ep = self.parallel.ep
+        if ep > 1 and not m.experts:
+            raise ConfigError(f"--ep {ep} shards experts, and the GPT has none: give --experts N (a multiple of "
+                              f"{ep})")
+        if m.experts and m.experts % ep:
+            raise ConfigError(f"--experts {m.experts} cannot be shared evenly by --ep {ep} ranks")
+        if m.experts and m.top_k > m.experts:
+            raise ConfigError(f"--top-k {m.top_k} is more than the {m.experts} experts")
+        if m.experts and tp > 1:
+            raise ConfigError(f"--experts with --tp {tp}: the GPT's experts are not tensor-parallel; use --ep")
         if tp == 1:
             return
         for what, n in (("attention heads", GPT_HEADS), ("--embd", m.embd), ("vocabulary", GPT_VOCAB)):

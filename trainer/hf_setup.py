@@ -40,6 +40,11 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
     if router_loss and cfg.parallel.tp > 1:
         raise PipeDSLError(f"--tp {cfg.parallel.tp}: {md.path} is a mixture of experts; tensor parallelism of MoE "
                            f"layers is not supported yet")
+    ep, experts = cfg.parallel.ep, num_experts(md.config)
+    if ep > 1 and not experts:
+        raise PipeDSLError(f"--ep {ep} shards experts, and {md.path} ({md.kind}) has none")
+    if experts % ep:
+        raise PipeDSLError(f"--ep {ep}: the {experts} experts of {md.path} cannot be shared evenly by {ep} ranks")
     S = program.num_stages
     layers = int(getattr(md.config, "num_hidden_layers", None) or getattr(md.config, "n_layer", 0))
     if S > layers + 2:
@@ -84,6 +89,11 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
                          describe=md.describe(), data_describe="; ".join([described, *notes]), router_loss=router_loss)
 
 
+def num_experts(config: Any) -> int:
+    """The experts of each MoE layer a transformers config declares (its name differs by family); 0: dense."""
+    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+
+
 def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFModelConfig:
     """`hf_config` for an encoder-decoder: (source, target) pairs of two fields, or T5's span corruption of the
     text (trainer/seq2seq_data.py); each rank builds only its stages where `LocalStages` can (T5, mT5), else the
@@ -92,6 +102,9 @@ def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFMod
     from pipedsl.trainer import data, seq2seq_data
 
     d, batch, S = cfg.data, cfg.training.batch, program.num_stages
+    if cfg.parallel.ep > 1:
+        raise PipeDSLError(f"--ep {cfg.parallel.ep}: expert parallelism shards decoders' MoE layers; {md.path} is an "
+                           f"encoder-decoder ({md.kind})")
     enc, dec = hf_io.seq2seq_layers(md.config)
     if S > enc + dec + 3:
         raise PipeDSLError(f"{md.path}: an encoder input, {enc} encoder layers, a decoder input, {dec} decoder layers "

@@ -66,7 +66,8 @@ class GPTSource:
         self.samples_per_step = cfg.training.batch
         self.tokens_per_step = cfg.training.batch * cfg.data.seq
         g = self.gcfg
-        params = sum(p.numel() for p in self.model.parameters())
+        self.num_experts = g.n_experts
+        params = active_parameters(self.model, g.top_k, g.n_experts)
         embedding = g.vocab_size * g.n_embd + g.block_size * g.n_embd
         self.flops_per_token = _flops(params, embedding, g.n_layer, g.n_embd, cfg.data.seq)
 
@@ -107,7 +108,7 @@ class HFSource:
     def __init__(self, cfg: TrainConfig, program: pipedsl.Program, pp_rank: int, mesh: Any = None) -> None:
         from pipedsl.models.hf import io as hf_io
         from pipedsl.models.hf import stages as hf
-        from pipedsl.trainer import data
+        from pipedsl.trainer import data, hf_setup
 
         self.cfg = cfg
         hfc, d, seed = cfg.hf, cfg.data, cfg.model.seed
@@ -130,9 +131,10 @@ class HFSource:
         if cfg.parallel.tp > 1:
             self._tensor_parallel(mesh, held)
         self.recompute_filter = _is_attention
-        params = sum(p.numel() for p in model.parameters())
-        embedding = model.get_input_embeddings().weight.numel()
         c = model.config
+        self.num_experts = hf_setup.num_experts(c)
+        params = active_parameters(model, getattr(c, "num_experts_per_tok", 1), self.num_experts)
+        embedding = model.get_input_embeddings().weight.numel()
         layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None) or sum(hf_io.seq2seq_layers(c))
         hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or c.d_model
         self.flops_per_token = _flops(params, embedding, layers, hidden, d.seq)
@@ -205,6 +207,17 @@ def _is_attention(module: nn.Module) -> bool:
     return name.endswith("Attention") and not name.endswith("FlashAttention2")
 
 
+def active_parameters(model: nn.Module, top_k: int, num_experts: int) -> int:
+    """The parameters a token passes through: an MoE layer's experts count top_k / E of theirs (MFU's FLOPs)."""
+    from pipedsl.parallel.expert import is_experts
+
+    total = sum(p.numel() for p in model.parameters())
+    if not num_experts:
+        return total
+    experts = sum(p.numel() for m in model.modules() if is_experts(m) for p in m.parameters())
+    return total - experts + experts * top_k // num_experts
+
+
 def _flops(params: int, embedding: int, layers: int, hidden: int, seq: int) -> float:
     from pipedsl.trainer.metrics import model_flops_per_token
 
@@ -215,8 +228,10 @@ def gpt_config(cfg: TrainConfig) -> Any:
     """The built-in GPT's `GPTConfig` for the run (its heads and vocabulary are fixed: config.GPT_*)."""
     from pipedsl.models.gpt.model import GPTConfig
 
-    return GPTConfig(vocab_size=GPT_VOCAB, block_size=cfg.data.seq, n_layer=cfg.model.layers, n_head=GPT_HEADS,
-                     n_embd=cfg.model.embd, dropout=cfg.model.dropout)
+    m = cfg.model
+    return GPTConfig(vocab_size=GPT_VOCAB, block_size=cfg.data.seq, n_layer=m.layers, n_head=GPT_HEADS,
+                     n_embd=m.embd, dropout=m.dropout, n_experts=m.experts, top_k=m.top_k,
+                     capacity_factor=m.capacity_factor or None)
 
 
 def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | None:
@@ -230,7 +245,7 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     dp, zero, tp, t = cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.tp, cfg.training
     if dp > 1 or zero or tp > 1:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
-        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero))
+        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero, ep=cfg.parallel.ep))
     pp_rank = parallel.coords.pp if parallel is not None else rank
     source = HFSource(cfg, program, pp_rank, parallel) if cfg.hf else GPTSource(cfg, program, parallel)
     precision = MixedPrecision(t.precision, params=t.param_dtype, grads=t.grad_dtype)
@@ -241,6 +256,10 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
                             activation_bytes=True)  # the run's report gives each rank's peak bytes
     del source.stages
     source.bind(pipe)
+    load = None
+    if source.num_experts:  # router statistics: each step's routings per expert over every rank (a small all-reduce)
+        from pipedsl.runtime.expert_load import ExpertLoad
+        load = ExpertLoad(pipe.local_stages().values(), source.num_experts, pipe.device)
     opt = pipe.optimizer(torch.optim.AdamW, lr=t.lr, weight_decay=t.weight_decay)
     if t.lr_schedule != "constant" or t.warmup_steps:
         from pipedsl.runtime.optim import LRSchedule
@@ -256,7 +275,7 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     _arm_step_fault(pipe, rank)
     log = _logger(cfg, start) if rank == 0 else None
     try:
-        losses = _loop(rank, pipe, opt, source, cfg, start, log)
+        losses = _loop(rank, pipe, opt, source, cfg, start, log, load)
     finally:
         if log is not None:
             log.close()
@@ -274,7 +293,8 @@ def _logger(cfg: TrainConfig, start: int) -> Any:
                          wandb_project=log.wandb, config=cfg.options(), resume_from=start)
 
 
-def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any) -> dict[int, float]:
+def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any,
+          load: Any = None) -> dict[int, float]:
     clip, steps = cfg.training.clip_grad, cfg.training.steps
     every, directory = cfg.checkpoint.checkpoint_every, cfg.checkpoint.checkpoint_dir
     eval_every, eval_at_end = cfg.eval.eval_every, cfg.hf is not None and cfg.hf.eval_at_end
@@ -289,6 +309,7 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
         opt.zero_grad()
         dt = time.perf_counter() - t0
         losses[step] = loss
+        experts = load.read() if load is not None else None  # every rank: a collective
         if log is not None:
             m: dict[str, Any] = {"loss": loss, "step_ms": dt * 1e3, "samples_per_s": source.samples_per_step / dt,
                                  "tokens_per_s": source.tokens_per_step / dt}
@@ -300,6 +321,10 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
                 m["lr"] = opt.optimizers[0].param_groups[0]["lr"]
             if not stepped:
                 m.update(skipped=True, loss_scale=pipe.scaler.scale)
+            if experts is not None:
+                routed = sum(experts["tokens_per_expert"]) + experts["dropped"]
+                m.update(expert_imbalance=experts["imbalance"], dropped_frac=experts["dropped"] / max(routed, 1),
+                         tokens_per_expert=experts["tokens_per_expert"])
             if step == start + 1 and cfg.started_at:
                 m["time_to_first_step_s"] = time.time() - cfg.started_at
             log.log(step, m)

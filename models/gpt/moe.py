@@ -19,21 +19,17 @@ block and stage to stage (a block takes and returns (hidden, that sum)); the hea
 process's loss and every gradient exactly, whatever stage each layer is on, and nothing needs the
 loss scale (Megatron injects the auxiliary gradient with the scale instead).
 
-Router statistics (tokens routed to each expert, slots dropped) accumulate in each layer's
-buffers, outside autograd and never twice for a recomputed forward; `router_stats` reads and
-resets them.
+Router statistics (tokens each expert receives, slots dropped) are counted at the experts module,
+as for any MoE model of this layout (runtime/expert_load.py).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
-
-from pipedsl.runtime.recompute import is_recomputing
 
 
 class Experts(nn.Module):
@@ -104,32 +100,13 @@ class MoE(nn.Module):
         self.router = Router(num_experts, hidden, top_k, capacity_factor)
         self.experts = Experts(num_experts, hidden, ffn)  # parallel/expert.py may swap in this rank's share
         self.aux_coef, self.z_coef = aux_coef, z_coef
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)
         r = self.router(flat)
-        if not is_recomputing():
-            with torch.no_grad():
-                self.tokens_per_expert += r["counts"]
-                self.dropped_slots += r["dropped"]
         y = self.experts(flat, r["index"], r["weight"]).view(B, T, C)
         loss_sum = loss_sum + self.aux_coef * r["aux"]
         if self.z_coef:
             loss_sum = loss_sum + self.z_coef * r["z"]
         return y, loss_sum
-
-
-def router_stats(module: nn.Module, reset: bool = True) -> dict[str, Any]:
-    """Tokens routed to each expert (one list per MoE layer, in module order, counted before dropping) and
-    the slots dropped for capacity, since the last reset; zero again after it with `reset`."""
-    layers = [m for m in module.modules() if isinstance(m, MoE)]
-    out = {"tokens_per_expert": [m.tokens_per_expert.tolist() for m in layers],
-           "dropped_slots": sum(int(m.dropped_slots) for m in layers)}
-    if reset:
-        for m in layers:
-            m.tokens_per_expert.zero_()
-            m.dropped_slots.zero_()
-    return out

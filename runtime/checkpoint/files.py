@@ -79,8 +79,8 @@ def part_coords(part: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def saved_parallel(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The dp, pp, tp, tp_mode and zero it was saved with (version 1: a pipeline alone)."""
-    default = {"dp": 1, "pp": manifest.get("world_size", 1), "tp": 1, "tp_mode": "1d", "zero": 0}
+    """The dp, pp, tp, tp_mode, zero and ep it was saved with (version 1: a pipeline alone)."""
+    default = {"dp": 1, "pp": manifest.get("world_size", 1), "tp": 1, "tp_mode": "1d", "zero": 0, "ep": 1}
     return {**default, **manifest.get("parallel", {})}
 
 

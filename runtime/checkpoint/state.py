@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedsl.parallel import zero_checkpoint
+from pipedsl.parallel.expert import expert_shards
 from pipedsl.parallel.zero import ZeroOptimizer
 from pipedsl.parallel.zero_checkpoint import FullState, ReshardError, local_shard
 from pipedsl.runtime.checkpoint.files import (
@@ -167,7 +168,7 @@ class _Layout:
     rank: int  # in `group` (the global rank under parallel=)
     size: int
     coords: tuple[int, int, int]  # (dp, pp, tp)
-    parallel: dict[str, Any]  # dp, pp, tp, tp_mode, zero
+    parallel: dict[str, Any]  # dp, pp, tp, tp_mode, zero (and ep when > 1)
 
 
 def _layout(pipe: Pipeline) -> _Layout:
@@ -176,7 +177,8 @@ def _layout(pipe: Pipeline) -> _Layout:
         par = {"dp": 1, "pp": pipe.size, "tp": 1, "tp_mode": "1d", "zero": 0}
         return _Layout(pipe.group, pipe.rank, pipe.size, (0, pipe.rank, 0), par)
     c = pipe.mesh.coords
-    par = {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp, "tp_mode": cfg.tp_mode, "zero": cfg.zero}
+    par = {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp, "tp_mode": cfg.tp_mode, "zero": cfg.zero,
+           **({"ep": cfg.ep} if cfg.ep > 1 else {})}
     return _Layout(None, dist.get_rank(), dist.get_world_size(), (c.dp, c.pp, c.tp), par)
 
 
@@ -268,11 +270,13 @@ def _part(pipe: Pipeline, lay: _Layout, step: int, zeros: dict[int, ZeroOptimize
     """This rank's part (serialised) and its metadata for the manifest.
 
     Replicas hold the same stage state: only dp rank 0 stores modules, buffers and plain optimizer
-    state; with ZeRO every dp rank stores its own slices.  RNG, `extra` and `shards` are per rank."""
+    state — with expert parallelism the first ep dp ranks, which hold every expert shard between them
+    (`ep_params` names the shards, cut along dim 0); with ZeRO every dp rank stores its own slices.
+    RNG, `extra` and `shards` are per rank."""
     stages = pipe.local_stages()
     copies = pipe.local_copies()
     key = {s: min(c for (c, s2) in copies if s2 == s) for s in stages}  # canonical (stage, replica) per module
-    first = lay.coords[0] == 0
+    first = lay.coords[0] < lay.parallel.get("ep", 1)
     modules = {f"{s}/{key[s]}": m.state_dict() for s, m in stages.items() if s not in zeros} if first else {}
     buffers = {f"{s}/{key[s]}": _buffers(m, zeros[s]) for s, m in stages.items() if s in zeros} if first else {}
     zero = {str(s): z.shard_state(optimizer=with_optimizer) for s, z in sorted(zeros.items())}
@@ -288,6 +292,8 @@ def _part(pipe: Pipeline, lay: _Layout, step: int, zeros: dict[int, ZeroOptimize
             "stages": {str(s): _describe(m, zeros.get(s)) for s, m in stages.items()} if first else {},
             **({"tp_dims": {str(s): tp_dims(m, zeros.get(s)) for s, m in stages.items()}} if lay.parallel["tp"] > 1
                else {}),
+            **({"ep_params": {str(s): sorted(expert_shards(m)) for s, m in stages.items()}}
+               if lay.parallel.get("ep", 1) > 1 else {}),
             "optimizers": n_opt, "shards": sorted(shards) if isinstance(shards, dict) else None}
     return data, meta
 
@@ -323,9 +329,16 @@ def tp_dims(module: nn.Module, zero: ZeroOptimizer | None = None) -> dict[str, i
 
 
 def _describe(module: nn.Module, zero: ZeroOptimizer | None) -> dict[str, list]:
-    """`describe_stage` by the original parameter names, also when ZeRO has packed them into flat buffers."""
-    if zero is None:
-        return describe_stage(module)
+    """`describe_stage` by the original parameter names, also when ZeRO has packed them into flat buffers; an
+    expert shard by the whole tensor's shape (a partition does not change with ep)."""
+    described = describe_stage(module) if zero is None else _describe_zero(module, zero)
+    for name, (ep, _) in expert_shards(module).items():
+        shape, dtype = described[name]
+        described[name] = [[shape[0] * ep, *shape[1:]], dtype]
+    return described
+
+
+def _describe_zero(module: nn.Module, zero: ZeroOptimizer) -> dict[str, list]:
     described = {**zero_checkpoint.describe(zero), **describe_stage_tensors(_buffers(module, zero))}
     for unit in zero.units:  # a DTensor parameter by its whole shape, as describe_stage gives it without ZeRO
         for e in unit.entries:
@@ -514,16 +527,26 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any) ->
     finish: list[ZeroOptimizer] = []
     if retp and want_opt and len(plain) > 1:
         raise CheckpointError(f"loading under another tp size takes one optimizer per rank, not {len(plain)}")
+    saved_ep = saved_par.get("ep", 1)
     for s, module in sorted(stages.items()):
         z = zeros.get(s)
+        sharded = _ep_params(parts, s) | set(expert_shards(module))
+        same = False  # this rank's own ZeRO slices restore as they are
+        if s in sliced and not retp:
+            mine, first = sliced[s].get(dp), next(iter(sliced[s].values()))
+            same = z is not None and mine is not None and zero_checkpoint.restorable(z, _zero_state(read, s, first))
         if retp:
             full[s] = _retp(s, module, z, parts, read, tp, par["tp"], want_opt, path)
             _load_full(s, module, z, full[s], path)
+        elif sharded and not same:
+            full[s] = _reep(s, module, z, parts, read, tp, saved_ep, sharded, want_opt, path)
+            _load_full(s, module, z, full[s], path)
+            if s in sliced:
+                _load_buffers(s, module, z, buffers, read, path)
         elif s in sliced:
             slices = sliced[s]
             mine = slices.get(dp)
-            first = next(iter(slices.values()))
-            if z is not None and mine is not None and zero_checkpoint.restorable(z, _zero_state(read, s, first)):
+            if same:
                 with _resharding(f"stage {s}: cannot restore the ZeRO slices of {path / mine['file']}: "):
                     zero_checkpoint.restore(z, _zero_state(read, s, mine), want_opt)
                 finish.append(z)
@@ -618,6 +641,52 @@ def _retp(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[s
         n: {k: shard(n, v, whole.params[n]) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
         for n, st in whole.state.items()}
     return FullState(params, state, whole.type, whole.hyper, whole.buffers)
+
+
+def _ep_params(parts: list[dict[str, Any]], s: int) -> set[str]:
+    """The names of stage `s`'s expert shards in a checkpoint saved with expert parallelism (none without)."""
+    return {n for p in parts for n in p.get("ep_params", {}).get(str(s), [])}
+
+
+def _reep(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[str, Any]], read, tp: int,
+          saved_ep: int, sharded: set[str], want_opt: bool, path: Path) -> FullState:
+    """Stage `s`'s state for this rank's expert shards, from a checkpoint of any ep (parallel/expert.py): each
+    saved ep coordinate's state (its ZeRO slices reassembled, or the module and optimizer state of the dp rank
+    holding it), the expert shards joined along dim 0 in coordinate order, then this rank's part cut out; the
+    optimizer state of a shard's shape goes the same way.  Exact: only copies."""
+    mine = [p for p in parts if part_coords(p)[2] == tp]
+    slices = {part_coords(p)[0]: p for p in mine if str(s) in p.get("zero", [])}
+    states = _zero_states(read, s, slices) if slices else None
+    by_ep: list[FullState] = []
+    for j in range(saved_ep):
+        if states is not None:
+            with _resharding(f"{path}: "):
+                by_ep.append(zero_checkpoint.assemble(s, states, want_opt, experts=(saved_ep, j)))
+            continue
+        held = next(((p, k) for p in mine if part_coords(p)[0] == j for k in p.get("modules", [])
+                     if int(k.split("/")[0]) == s), None)
+        if held is None:
+            raise CheckpointError(f"{path}: no part holds stage {s} at tp rank {tp} for expert shard {j} of "
+                                  f"{saved_ep}")
+        by_ep.append(_dense_state(s, module, z, read(held[0]), held[1], want_opt))
+    first = by_ep[0]
+
+    def joined(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(pieces) if name in sharded and saved_ep > 1 else pieces[0]
+
+    params = {n: joined(n, [b.params[n] for b in by_ep]) for n in first.params}
+    state = None
+    if first.state is not None:
+        state = {n: {k: joined(n, [b.state[n][k] for b in by_ep])
+                     if isinstance(v, torch.Tensor) and v.dim() and v.shape == first.params[n].shape else v
+                     for k, v in st.items()} for n, st in first.state.items()}
+    for name, (ep, rank) in expert_shards(module).items():  # this rank's rows
+        whole = params[name]
+        params[name] = whole.chunk(ep)[rank].clone()
+        if state is not None and name in state:
+            state[name] = {k: v.chunk(ep)[rank].clone() if isinstance(v, torch.Tensor) and v.shape == whole.shape
+                           else v for k, v in state[name].items()}
+    return FullState(params, state, first.type, first.hyper, first.buffers)
 
 
 def _dense_state(s: int, module: nn.Module, z: ZeroOptimizer | None, part: dict[str, Any], key: str,
@@ -799,35 +868,52 @@ class SavedModel:
 def read_model(source: str | os.PathLike) -> SavedModel:
     """The model state of the checkpoint at `source` (or the latest under it), from any dp × pp × tp layout and
     ZeRO stage: ZeRO slices reassembled, tensor-parallel shards concatenated along the dimension each part
-    recorded (`tp_dims`)."""
+    recorded (`tp_dims`), expert shards along dim 0 (`ep_params`)."""
     info = resolve(source)
     manifest, path = info.manifest, info.path
     par = saved_parallel(manifest)
+    ep = par.get("ep", 1)
     read = _offline(part_reader(path))
-    by_tp: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # tp coordinate → stage → tensors
+    # tp coordinate → expert-shard coordinate (a dp rank < ep holds one) → stage → tensors
+    by_tp: dict[int, dict[int, dict[int, dict[str, torch.Tensor]]]] = {}
     sliced: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
     dims: dict[int, dict[str, int | None]] = {}
     for part in manifest["parts"]:
-        tp = part_coords(part)[2]
-        stages = by_tp.setdefault(tp, {})
+        dp, _, tp = part_coords(part)
+        stages = by_tp.setdefault(tp, {}).setdefault(dp % ep, {})
         for key in part.get("modules", []):
             stages.setdefault(int(key.split("/")[0]), {}).update(read(part)["modules"][key])
         for key in part.get("buffers", []):
             stages.setdefault(int(key.split("/")[0]), {}).update(read(part)["buffers"][key])
         for key in part.get("zero", []):
-            sliced.setdefault((int(key), tp), {}).setdefault(part_coords(part)[0], part)
+            sliced.setdefault((int(key), tp), {}).setdefault(dp, part)
         for s, d in part.get("tp_dims", {}).items():
             dims.setdefault(int(s), {}).update(d)
     for (s, tp), slices in sorted(sliced.items()):
-        with _resharding(f"{path}: "):
-            full = zero_checkpoint.assemble(s, _zero_states(read, s, slices), False)
-        by_tp[tp].setdefault(s, {}).update(full.params)
-    stages = _gather_tp(path, by_tp, dims) if par["tp"] > 1 else by_tp.get(0, {})
+        states = _zero_states(read, s, slices)
+        for j in range(ep):
+            with _resharding(f"{path}: "):
+                full = zero_checkpoint.assemble(s, states, False, experts=(ep, j))
+            by_tp[tp].setdefault(j, {}).setdefault(s, {}).update(full.params)
+    joined = {tp: _join_ep(by_ep, manifest["parts"]) for tp, by_ep in by_tp.items()}
+    stages = _gather_tp(path, joined, dims) if par["tp"] > 1 else joined.get(0, {})
     missing = sorted(set(range(manifest["partition"]["num_stages"])) - set(stages))
     if missing:
         raise CheckpointError(f"{path}: no part holds stage {missing[0]}")
     first = next(p for p in manifest["parts"] if p["rank"] == 0)
     return SavedModel(info, stages, read(first).get("extra"))
+
+
+def _join_ep(by_ep: dict[int, dict[int, dict[str, torch.Tensor]]], parts: list[dict[str, Any]]
+             ) -> dict[int, dict[str, torch.Tensor]]:
+    """Each stage's tensors from its expert-shard coordinates' ({coordinate: stage: tensors}): the expert shards
+    (`ep_params`) concatenated along dim 0 in coordinate order, the rest taken from coordinate 0."""
+    out = {}
+    for s, tensors in by_ep.get(0, {}).items():
+        sharded = _ep_params(parts, s)
+        out[s] = {n: torch.cat([by_ep[j][s][n] for j in sorted(by_ep)]) if n in sharded else t
+                  for n, t in tensors.items()}
+    return out
 
 
 def _offline(read: Any) -> Any:

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import pipedsl
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, randomize_, synthetic_batch
-from pipedsl.models.gpt.moe import router_stats
 from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.parallel.expert import ExpertParallel
+from pipedsl.runtime.expert_load import ExpertLoad
 
 LR = 0.05
 LOSS_RTOL = 1e-5
@@ -46,9 +46,10 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=gpt_loss, parallel=mesh, recompute=recompute)
     opt = pipe.optimizer(torch.optim.SGD, lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    load, ref_load = ExpertLoad(pipe.local_stages().values(), 4), ExpertLoad([ref], 4)
     gen = torch.Generator().manual_seed(1)
     problems: list[str] = []
-    stats = None
+    stats = ref_stats = None
     for step in range(steps):
         x, y = synthetic_batch(MB * M * dp, 8, 32, gen)
         loss = pipe.step(x, y)
@@ -67,9 +68,8 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
             problems.append(f"rank {rank} step {step}: loss {loss!r} != one process {want!r}")
         if abs(norm - want_norm) > LOSS_RTOL * want_norm:
             problems.append(f"rank {rank} step {step}: gradient norm {norm!r} != one process {want_norm!r}")
-        if step == 0:
-            stats = {s: router_stats(m) for s, m in pipe.local_stages().items()}
-            ref_stats = router_stats(ref)
+        if step == 0:  # every rank's routings, summed over the world, are the whole model's
+            stats, ref_stats = load.read(), ref_load.read(reduce=False)
     checked = compare_parameters(rank, pipe, opt, names, ref, problems)
     moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), tiny_moe(
         max(S - 1, 2), capacity).parameters()))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pipedsl.models.gpt.model import GPT, GPTConfig, synthetic_batch
-from pipedsl.models.gpt.moe import Router, router_stats
+from pipedsl.models.gpt.moe import Router
+from pipedsl.runtime.expert_load import ExpertLoad
 from pipedsl.runtime.recompute import Recompute
 
 
@@ -48,8 +49,9 @@ def test_capacity_drops_the_latest_slots_of_a_full_expert() -> None:
     assert r["dropped"] == len(to_two) - capacity and (r["weight"][to_two[capacity:]] == 0).all()
 
 
-def test_stages_compute_the_models_loss_and_count_router_statistics_once() -> None:
+def test_stages_compute_the_models_loss_and_router_statistics_count_training_forwards_once() -> None:
     model = cases.tiny_moe(3, capacity=1.0)
+    load = ExpertLoad([model], 4)
     x, y = synthetic_batch(4, 8, 32, torch.Generator().manual_seed(0))
     out = model(x)
     assert isinstance(out, tuple) and out[1].item() > 0
@@ -57,16 +59,19 @@ def test_stages_compute_the_models_loss_and_count_router_statistics_once() -> No
     for stage in model.stages(3):
         h = stage(h)
     assert torch.equal(h[0], out[0]) and torch.equal(h[1], out[1])
-    stats = router_stats(model)
-    assert [sum(t) for t in stats["tokens_per_expert"]] == [2 * 32 * 2] * 3  # two forwards of 32 tokens, top-2
-    assert stats["dropped_slots"] > 0 and router_stats(model)["dropped_slots"] == 0  # read, then reset
-    # recomputed forwards are not counted again
-    block = model.blocks[0]
+    stats = load.read(reduce=False)
+    routed = 2 * 3 * 32 * 2  # two forwards, three layers, 32 tokens, top-2
+    assert sum(stats["tokens_per_expert"]) + stats["dropped"] == routed and stats["dropped"] > 0
+    assert stats["imbalance"] >= 1.0 and load.read(reduce=False)["dropped"] == 0  # read, then reset
+    with torch.no_grad():  # evaluation does not count
+        model(x)
+    block = model.blocks[0]  # nor does a recomputed forward
     rec = Recompute(block, "full")
     hidden = model.embed(x).detach().requires_grad_()
     out = rec.run(block, (hidden,), None)
     torch.autograd.backward(out[0].sum() + out[1])
-    assert [sum(t) for t in router_stats(block)["tokens_per_expert"]] == [32 * 2]
+    stats = load.read(reduce=False)
+    assert sum(stats["tokens_per_expert"]) + stats["dropped"] == 32 * 2
 
 
 def test_an_moe_gpt_is_refused_for_tensor_parallel_stages() -> None:
@@ -87,6 +92,7 @@ def test_pipelined_moe_equals_one_process(pool2, schedule: str, M: int) -> None:
     """Loss, gradient norm and weights after two SGD steps; the router loss crosses stages."""
     results = pool2.run(cases.train_equal, schedule, M)
     _clean(results)
+    assert results[0]["stats"] == results[0]["ref_stats"]  # the routings of every rank sum to the model's
     names = set().union(*(r["checked"] for r in results))
     assert any("router" in n for n in names) and any("experts.fc" in n for n in names)
 
@@ -97,6 +103,7 @@ def test_expert_parallel_equals_one_process(pool4, zero: int) -> None:
     """dp2 × pp2 with the experts sharded over ep=2: each rank holds half of each layer's experts."""
     results = pool4.run(cases.train_equal, "1f1b", 2, 2, 2, zero)
     _clean(results)
+    assert results[0]["stats"] == results[0]["ref_stats"]
     shards = [n for r in results for n in r["checked"] if "experts" in n]
     assert any("[0:2]" in n for n in shards) and any("[2:4]" in n for n in shards)
 

@@ -243,10 +243,11 @@ def test_llama_dp2_pp2_tp2_sequence_parallel_equals_one_process_resumes_and_expo
     assert one.returncode == 0, one.stderr[-3000:]
     assert first.returncode == 0, first.stderr[-3000:]
     assert "2 x 2 x 2 = 8 processes (dp x pp x tp, zero=0, sequence parallel)" in first.stdout
-    resumed = pipedsl(*par, "-o", str(tmp_path / "par2"))
+    resumed = pipedsl(*par, "-o", str(tmp_path / "par2"), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
     want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
-    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    assert want.keys() == got.keys() == {1, 2, 3, 4} and losses(tmp_path / "par2").keys() == {3, 4}
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=2e-5), step
     assert want[4] < want[1]  # it learns
@@ -344,20 +345,45 @@ def test_config_file_and_flags(tmp_path):
 
 
 @pytest.mark.slow
-def test_mixtral_with_its_router_loss_dp2_pp2_zero1_equals_one_process(corpus, tmp_path):
+def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_resumes_and_exports(corpus, tmp_path):
     """An MoE directory with output_router_logits: the router's auxiliary loss is added per microbatch (the
-    default reduction for it), and dp2 × pp2 under ZeRO-1 and ZB-V equals one process, step by step; the per-token
-    reduction, which would change what the loss means, is refused in one line.  (The auxiliary loss depends on
-    how rows are grouped into microbatches, so the one-process run uses the same microbatches.)"""
+    default reduction for it), and dp2 × pp2 with the experts sharded over ep=2, ZeRO-1 and ZB-V — two steps, a
+    checkpoint of expert shards, --resume to step 4 — equals one process step by step; each step logs the tokens
+    every expert received; both runs export, and the exported weights (the shards joined) are the same.  The
+    per-token reduction, which would change what the loss means, is refused in one line.  (The auxiliary loss
+    depends on how rows are grouped into microbatches, so the one-process run uses the same microbatches.)"""
+    import transformers as tf
+
     model = model_dir(tmp_path, "mixtral")
-    runs = {name: pipedsl(*common_flags(model, corpus, tmp_path / name), *layout)
-            for name, layout in (("one", ["-P", "1", "-M", "4"]),  # the same 4 microbatches of 2 rows as dp2 × M2
-                                 ("par", ["-P", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-v"]))}
-    for proc in runs.values():
+    constant = ["--lr-schedule", "constant"]  # the same learning rates whether the run stops at step 2 or 4
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), *constant, "-P", "1", "-M", "4",  # dp2 × M2's
+                  "--checkpoint-dir", str(tmp_path / "ckpt-one"))
+    par = [*common_flags(model, corpus, tmp_path / "par"), *constant, "-P", "2", "--dp", "2", "--ep", "2", "--zero",
+           "1", "--schedule", "zb-v", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = pipedsl(*par, "--steps", "2")
+    for proc in (one, first):
         assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got = losses(tmp_path / "one"), losses(tmp_path / "par")
+    assert "experts over ep=2" in first.stdout
+    resumed = pipedsl(*par, "-o", str(tmp_path / "par2"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
     assert want.keys() == got.keys() == {1, 2, 3, 4}
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    assert losses(tmp_path / "par2").keys() == {3, 4}
+    rows = [json.loads(line) for line in (tmp_path / "par2" / "metrics.jsonl").read_text().splitlines()]
+    load = [r["tokens_per_expert"] for r in rows if r["kind"] == "train"]
+    # 8 rows of 32 tokens, top-2 routings, 4 layers: every routing is counted once, over every rank
+    assert len(load) == 2 and all(len(t) == 4 and sum(t) == 8 * 32 * 2 * 4 for t in load), load
+    exported = {}
+    for name in ("one", "ckpt"):
+        done = pipedsl("export", str(tmp_path / ("ckpt-one" if name == "one" else name)), "--hf",
+                       str(tmp_path / f"hf-{name}"))
+        assert done.returncode == 0 and "exported step 4" in done.stdout, done.stderr[-3000:]
+        exported[name] = tf.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{name}").state_dict()
+    assert exported["one"].keys() == exported["ckpt"].keys()
+    for key, value in exported["one"].items():
+        assert torch.allclose(exported["ckpt"][key], value, atol=1e-5), key
     assert "adds its router's auxiliary loss" in _refused(*common_flags(model, corpus, tmp_path / "t"),
                                                             "--loss-reduction", "token")
