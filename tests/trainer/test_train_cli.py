@@ -96,3 +96,37 @@ def test_train_param_and_grad_dtypes_must_fit_the_precision(capsys) -> None:
     assert "--param-dtype bf16 needs --precision bf16" in capsys.readouterr().err
     assert main(["train", "-P", "2", "--precision", "bf16", "--grad-dtype", "bf16"]) == 2
     assert "--grad-dtype bf16: gradients accumulate in fp32 or in the parameters' dtype" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_gpt_experts_sharded_over_ep_equals_one_process_and_resumes_exactly(tmp_path) -> None:
+    """--experts 4 --ep 2 on dp2 x pp2 under ZeRO-1 and capacity 1.5: every step's loss equals one process running
+    the same four microbatches (the router's loss is per microbatch); a run resumed from its step-2 checkpoint
+    (under another ZeRO stage: the expert shards re-cut) continues it."""
+    moe = ["--experts", "4", "--top-k", "2", "--capacity-factor", "1.5", "--steps", "4", "--layers", "2"]
+    one = _train(tmp_path, "one", "-P", "1", "-M", "4", *moe)
+    ckpt = tmp_path / "ckpt"
+    ep = _train(tmp_path, "ep", "--dp", "2", "--ep", "2", "--zero", "1", "--checkpoint-dir", str(ckpt),
+                "--checkpoint-every", "2", *moe)
+    assert one.keys() == ep.keys() == {"1", "2", "3", "4"}
+    for step, loss in one.items():
+        assert ep[step] == pytest.approx(loss, rel=1e-5), step
+    resumed = _train(tmp_path, "resumed", "--dp", "2", "--ep", "2", "--zero", "3", "--checkpoint-dir",
+                     str(tmp_path / "other"), "--resume", str(ckpt / "step-00000002"), *moe)
+    assert resumed.keys() == {"3", "4"}
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(ep[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--dp", "2", "--ep", "2"], "--ep 2 shards experts, and the GPT has none: give --experts N"),
+    (["--dp", "3", "--ep", "2", "--experts", "4"], "--ep 2 must divide --dp 3"),
+    (["--dp", "2", "--ep", "2", "--experts", "3"], "--experts 3 cannot be shared evenly by --ep 2 ranks"),
+    (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the 2 experts"),
+    (["--experts", "4", "--tp", "2"], "--experts with --tp 2: the GPT's experts are not tensor-parallel"),
+])
+def test_train_expert_options_are_checked_before_any_rank(capsys, args, said) -> None:
+    from pipedsl.cli import main
+
+    assert main(["train", "-P", "2", *args]) == 2
+    assert said in capsys.readouterr().err
