@@ -182,9 +182,48 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup 
                     lambda: _reduce_scatter_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
 
 
+# ------------------------------------------------------------------ the expert exchanges' waits
+
+_latency = 0.0  # seconds added to every exchange (`exchange_latency`): a test transport's fixed delay
+_waiter: Callable[[dist.Work, float], None] | None = None
+
+
+def default_exchange_wait(work: dist.Work, ready_at: float) -> None:
+    """Complete an exchange: its work, then whatever is left of the injected latency."""
+    work.wait()
+    left = ready_at - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+@contextmanager
+def exchange_waiter(wait: Callable[[dist.Work, float], None]) -> Iterator[None]:
+    """Within: `wait(work, ready_at)` completes every exchange (`all_to_all_rows`) — runtime/overlap.py hands the
+    turn to the other half of an F&B pair there."""
+    global _waiter
+    before, _waiter = _waiter, wait
+    try:
+        yield
+    finally:
+        _waiter = before
+
+
+@contextmanager
+def exchange_latency(seconds: float) -> Iterator[None]:
+    """Within: every exchange takes at least `seconds` from its issue (a fixed network delay, for tests and
+    benchmarks of what overlap hides)."""
+    global _latency
+    before, _latency = _latency, seconds
+    try:
+        yield
+    finally:
+        _latency = before
+
+
 def all_to_all_rows(t: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup | None) -> torch.Tensor:
     """Rows of `t` to every rank of the group: the first send[0] rows to rank 0, the next send[1] to rank 1, …;
-    returns the rows received, recv[r] from rank r, in rank order.  Counted as the bytes leaving this rank."""
+    returns the rows received, recv[r] from rank r, in rank order.  Counted as the bytes leaving this rank.
+    An exchange: issued asynchronously and completed by the current waiter (`exchange_waiter`)."""
     p, me = group_size(group), group_rank(group)
     if len(send) != p or len(recv) != p or sum(send) != t.shape[0]:
         raise CollectiveShapeError(f"all-to-all on {p} ranks of a tensor with {t.shape[0]} rows: send sizes "
@@ -192,9 +231,11 @@ def all_to_all_rows(t: torch.Tensor, send: list[int], recv: list[int], group: Pr
                                    f"to the rows")
     out = t.new_empty((sum(recv), *t.shape[1:]))
     row = t[0].numel() * t.element_size() if t.shape[0] else 0
-    _counted("all_to_all", group, (sum(send) - send[me]) * row,
-             lambda: dist.all_to_all_single(out, t.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                                            group=group))
+    ready_at = time.perf_counter() + _latency
+    work = _counted("all_to_all", group, (sum(send) - send[me]) * row,
+                    lambda: dist.all_to_all_single(out, t.contiguous(), output_split_sizes=recv,
+                                                   input_split_sizes=send, group=group, async_op=True))
+    (_waiter or default_exchange_wait)(work, ready_at)
     return out
 
 

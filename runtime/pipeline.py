@@ -45,7 +45,9 @@ share: see `pipedsl.models.gpt.tp`).
 `loss_reduction="token"`: the loss function returns the microbatch's summed token losses and
 the step's loss and gradients are the mean over every target != `ignore_index` of the global
 batch (see `_count_tokens`).  `recompute="full"|"selective"` (with `recompute_filter`):
-activation recomputation per stage (recompute.py).  `activation_bytes=True` counts the bytes every
+activation recomputation per stage (recompute.py).  `overlap` (default on): an F&B pair whose stages
+exchange tokens (expert parallelism) hides each half's exchanges behind the other's compute (overlap.py).
+`activation_bytes=True` counts the bytes every
 stage's saved tensors hold (`pipe.counter.peak_bytes`): a Python hook on every tensor autograd
 saves, ~6 % of a small GPT's step on CPU, so it is off unless asked for; the number of live
 activations (`peak_activations`) is always counted.  Input shapes may change between steps:
@@ -108,7 +110,7 @@ class Pipeline:
                  precision: str | MixedPrecision | None = None, loss_reduction: str = "microbatch",
                  ignore_index: int = -100, recompute: str | None = None,
                  recompute_filter: ModulePredicate | None = None, activation_bytes: bool = False,
-                 **schedule_params: int) -> None:
+                 overlap: bool = True, **schedule_params: int) -> None:
         if program is not None and schedule_params:
             raise PipeRuntimeError(_not_for_a_program(schedule_params))
         if not dist.is_initialized():
@@ -157,7 +159,7 @@ class Pipeline:
                 shard_experts(m, self.mesh.ep_group, self.mesh.edp_group, self.mesh.config.dp)
         self.counter = ActivationCounter(count_bytes=activation_bytes)
         self.loss = LossPolicy(loss_reduction, self.num_microbatches, ignore_index)  # one, shared by the stages
-        options = StageOptions(self.precision, self.device)
+        options = StageOptions(self.precision, self.device, overlap)
         self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter,
                                  None if recompute is None else Recompute(m, recompute, recompute_filter),
                                  options=options, loss=self.loss)

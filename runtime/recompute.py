@@ -28,6 +28,7 @@ statistics) update it again at recomputation, as with torch's and Megatron's che
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -93,14 +94,13 @@ class Region:
 
         args = tuple(_fresh(a) for a in self.args)
         kwargs = {k: _fresh(v) for k, v in self.kwargs.items()}
-        global _reruns
-        _reruns += 1
+        _reruns.depth = getattr(_reruns, "depth", 0) + 1
         try:
             with _restored_rng(self.rng), torch.enable_grad(), _autocast(self.autocast), \
                     torch.autograd.graph.saved_tensors_hooks(keep, _never), self.policy.recomputing():
                 self.fn(*args, **kwargs)
         finally:
-            _reruns -= 1
+            _reruns.depth -= 1
         if len(saved) != self.count:
             raise RecomputeError(f"recomputing {_name(self.fn)} saved {len(saved)} tensors for backward, its forward "
                                  f"saved {self.count}: the region must run the same operations again (no "
@@ -110,13 +110,13 @@ class Region:
             self.recorder.add_recomputed(seen, _tensors(self.args, self.kwargs))
 
 
-_reruns = 0  # regions running again now, in this process
+_reruns = threading.local()  # .depth: regions running again now, in this thread (an F&B pair's halves are two)
 
 
 def is_recomputing() -> bool:
-    """True while a region runs its forward a second time: statistics a forward counts (an MoE router's tokens
-    per expert) skip it, as they would count every recomputed microbatch twice."""
-    return _reruns > 0
+    """True while a region runs its forward a second time, in this thread: statistics a forward counts (an MoE
+    router's tokens per expert) skip it, as they would count every recomputed microbatch twice."""
+    return getattr(_reruns, "depth", 0) > 0
 
 
 def _unpack(packed: tuple[Region, int]) -> torch.Tensor:

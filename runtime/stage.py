@@ -37,7 +37,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
+from pipedsl.parallel.expert import ExpertParallel
 from pipedsl.runtime.loss import LossPolicy
+from pipedsl.runtime.overlap import PairOverlap
 from pipedsl.runtime.p2p import TensorMeta
 from pipedsl.runtime.precision import MixedPrecision
 from pipedsl.runtime.recompute import Recompute
@@ -152,6 +154,7 @@ class StageOptions:
 
     precision: MixedPrecision = MixedPrecision()
     device: torch.device | str = "cpu"
+    overlap: bool = True  # an F&B pair's halves hand over at expert exchanges (runtime/overlap.py)
 
 
 class Stage:
@@ -175,6 +178,7 @@ class Stage:
         self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
         options = options or StageOptions()
         self.precision, self.device = options.precision, options.device
+        self.overlap = options.overlap and has_exchanges(module)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -392,6 +396,11 @@ class Stage:
         return tuple(TensorMeta(tuple(t.shape), t.dtype) for t in outs)
 
 
+def has_exchanges(module: nn.Module) -> bool:
+    """Whether `module` exchanges tokens between ranks (expert parallelism): what an F&B pair can overlap."""
+    return any(isinstance(m, ExpertParallel) for m in module.modules())
+
+
 OVERLAP_HOOK = "overlapped_forward_backward"
 
 
@@ -400,10 +409,12 @@ def overlapped_forward_backward(fwd: Stage, inputs: list[torch.Tensor], target: 
                                 ) -> tuple[Activation, list[torch.Tensor], list[torch.Tensor]]:
     """An overlapped pair F&B: `fwd`'s forward together with `bwd`'s full backward of `act`.
 
-    Returns the forward's activation and outputs and the backward's input gradients.  Sequential
-    (forward, then backward) unless both modules are of one class defining DeepSeek DualPipe's
-    hook, called as `type(module0).overlapped_forward_backward(module0, inputs0, criterion0,
-    labels0, module1, loss1, outputs1, output_grads1) -> (outputs0, loss0)`: run `module0` on
+    Returns the forward's activation and outputs and the backward's input gradients.  With expert
+    parallelism in either module (and `StageOptions.overlap`), the halves run as two coroutines
+    handing over at every expert exchange (runtime/overlap.py): the result is bit-identical to
+    forward, then backward, which is what runs otherwise — unless both modules are of one class
+    defining DeepSeek DualPipe's hook, called as `type(module0).overlapped_forward_backward(module0,
+    inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1) -> (outputs0, loss0)`: run `module0` on
     `inputs0` and, interleaved as the user likes (e.g. one chunk's expert all-to-all behind the
     other's compute), the backward of `loss1` (the last stage: `loss1.backward()`) or of
     `outputs1` with `output_grads1`.  pipedsl passes `criterion0 = labels0 = None` and computes
@@ -411,6 +422,10 @@ def overlapped_forward_backward(fwd: Stage, inputs: list[torch.Tensor], target: 
     """
     hook = getattr(type(fwd.module), OVERLAP_HOOK, None)
     if hook is None or type(fwd.module) is not type(bwd.module):
+        if fwd.overlap or bwd.overlap:  # expert exchanges: each half's hidden behind the other's compute
+            (act0, outs), input_grads = PairOverlap().run(lambda: fwd.forward(inputs, target, buffers),
+                                                          lambda: bwd.backward(act, grads))
+            return act0, outs, input_grads
         act0, outs = fwd.forward(inputs, target, buffers)
         return act0, outs, bwd.backward(act, grads)
     outs1, grads1 = bwd._roots(act, grads)

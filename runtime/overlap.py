@@ -1,0 +1,136 @@
+"""Overlap of an F&B pair's expert all-to-alls with the other half's compute (DualPipe's point).
+
+An overlapped pair `F(m, s) & B(m', s')` runs the forward of one microbatch and the backward of
+another.  With expert parallelism each MoE layer exchanges tokens (parallel/expert.py): the
+forward dispatches and combines, the backward sends the gradients back the same two ways.  Run
+one after the other, every exchange is time the rank waits.  Here the two halves run as two
+coroutines, each on a thread of its own, *exactly one running at any time*: where a half waits
+for an exchange (`parallel.comm`'s exchange waiter), it hands over to the other, whose compute
+fills the wait; when it gets the turn back, its exchange has arrived or is waited for.  The
+forward starts; either half ending hands over for good.
+
+Why coroutines and not pieces: an MoE layer's backward runs inside autograd's engine, which
+cannot be stopped between nodes, and an exchange is in the middle of every layer, forward and
+backward.  A thread per half keeps both call stacks, and the strict hand-over keeps one compute
+thread, so no op ever runs concurrently with another (torchtitan's threaded DualPipeV let them
+race and did not compose with activation checkpointing).
+
+What keeps the result bit-identical to running F then B:
+- each half computes exactly the ops it would alone, in the same order, on one thread at a time;
+- the random-number state is per half: swapped out and in at every hand-over, so a recomputed
+  region's restored dropout masks, and the forward's own draws, are those of the sequential run;
+  after the pair the generator is where the forward left it, as after F then B;
+- grad mode, autocast and saved-tensor hooks are thread-local in torch and entered by each half
+  itself; a recomputation is noticed per thread (runtime/recompute.py).
+
+Every rank of an ep group hands over at the same exchanges in the same order (their programs are
+the same), so their collectives are issued in the same order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipedsl.parallel import comm
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+class _Half:
+    """One coroutine: its thread, its turn (a semaphore), its random-number state, its outcome."""
+
+    def __init__(self, name: str, fn: Callable[[], Any], pair: PairOverlap) -> None:
+        self.name, self.fn, self.pair = name, fn, pair
+        self.turn = threading.Semaphore(0)
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self.thread = threading.Thread(target=self._main, name=f"pipedsl-pair-{name}", daemon=True)
+
+    def _main(self) -> None:
+        self.turn.acquire()
+        self.pair.enter(self)
+        try:
+            self.result = self.fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            self.error = err
+        finally:
+            self.done = True
+            self.pair.leave(self)
+
+
+class PairOverlap:
+    """Runs `forward()` and `backward()` as two coroutines handing over at exchanges; `run` returns both results."""
+
+    handovers = 0  # in this process, every pair's: what tests and benchmarks check overlap by
+
+    def __init__(self) -> None:
+        self.halves: list[_Half] = []
+        self.current: _Half | None = None
+        self.finished = threading.Event()
+        self.switches = 0  # hand-overs made (a pair without exchanges makes none)
+
+    def run(self, forward: Callable[[], Any], backward: Callable[[], Any]) -> tuple[Any, Any]:
+        f, b = _Half("forward", forward, self), _Half("backward", backward, self)
+        self.halves = [f, b]
+        b.rng = _rng_state()  # the backward's draws (none but recomputation, which restores its own) from here
+        for half in self.halves:
+            half.thread.start()
+        with comm.exchange_waiter(self.wait):
+            f.turn.release()
+            self.finished.wait()
+        for half in self.halves:
+            half.thread.join()
+        _set_rng_state(f.rng)  # as after F then B: the forward's draws taken
+        for half in self.halves:
+            if half.error is not None:
+                raise half.error
+        return f.result, b.result
+
+    # ------------------------------------------------------------ hand-over
+
+    def enter(self, half: _Half) -> None:
+        self.current = half
+        if half.rng is not None:
+            _set_rng_state(half.rng)
+
+    def leave(self, half: _Half) -> None:
+        """`half` stops running (ended, or waits): the other takes the turn, or, both ended, the caller wakes."""
+        half.rng = _rng_state()
+        other = self._other(half)
+        if not other.done:
+            other.turn.release()
+        elif half.done:
+            self.finished.set()
+
+    def _other(self, half: _Half) -> _Half:
+        return self.halves[1] if half is self.halves[0] else self.halves[0]
+
+    def wait(self, work: Any, ready_at: float) -> None:
+        """An exchange issued by the running half: hand over while it travels, then complete it."""
+        half = self.current
+        if half is None or threading.current_thread() is not half.thread:
+            comm.default_exchange_wait(work, ready_at)  # not a half's thread (autograd's device threads)
+            return
+        if not self._other(half).done:
+            self.switches += 1
+            PairOverlap.handovers += 1
+            self.leave(half)
+            half.turn.acquire()
+            self.enter(half)
+        comm.default_exchange_wait(work, ready_at)
+
