@@ -25,7 +25,11 @@ class Cost:
     A message costs `comm + message_bytes / bandwidth` from the start of its send to its
     arrival; issuing the send keeps the sending rank busy for `send` (a runtime's cost per
     message: 0 in the ideal model).  REDUCE_GRAD and OPTIMIZER_STEP cost `reduce` and `step`.
-    An overlapped pair F&B costs `FB` when given (what overlap buys: DeepSeek's F&B < F + B),
+    An overlapped pair F&B costs `FB` when given (what overlap buys: DeepSeek's F&B < F + B).
+    Else, with `exchange_f` / `exchange_b` — the seconds a stage's forward / backward waits for
+    its expert all-to-alls, inside F and B — the halves hand over at every exchange
+    (runtime/overlap.py), so one's exchanges hide behind the other's compute:
+    max(F + B − exchange_f − exchange_b, F, B) (each half still waits for its own chain);
     else the sum of its halves' costs.
     `Cost.fit(timeline)` measures all of them from a trace.
     """
@@ -34,7 +38,9 @@ class Cost:
     B: float = 2.0
     I: float = 1.0  # noqa: E741 - the papers' name
     W: float = 1.0
-    FB: float | None = None  # an overlapped pair F&B; None: F + B of its halves
+    FB: float | None = None  # an overlapped pair F&B; None: from its halves (see above)
+    exchange_f: float = 0.0  # of F: waiting for expert exchanges (what an overlapped pair can hide)
+    exchange_b: float = 0.0  # of B: the same
     comm: float = 0.0
     bandwidth: float = float("inf")
     message_bytes: float = 0.0
@@ -157,7 +163,10 @@ class Cost:
         if op is Op.OPTIMIZER_STEP:
             return self.step
         if op is Op.OVERLAP:
-            return self.FB if self.FB is not None else sum(map(self.compute_time, ins.sub))
+            if self.FB is not None:
+                return self.FB
+            f, b = (self.compute_time(sub) for sub in ins.sub)
+            return max(f + b - self.exchange_f - self.exchange_b, f, b)
         over = self.per_stage.get(ins.stage)
         if over and op.value in over:
             return over[op.value]
@@ -169,7 +178,8 @@ class Cost:
         return self.comm + self.message_bytes / self.bandwidth
 
 
-_NAMES = ("F", "B", "I", "W", "FB", "comm", "bandwidth", "message_bytes", "reduce", "step", "send")
+_NAMES = ("F", "B", "I", "W", "FB", "comm", "bandwidth", "message_bytes", "reduce", "step", "send", "exchange_f",
+          "exchange_b")
 
 
 def _check_cost(name: str, value: object) -> None:

@@ -54,3 +54,22 @@ def test_fit_recovers_the_costs_of_a_simulated_timeline(name, P, M, f, b, comm):
         assert fitted.comm == pytest.approx(comm, abs=1e-9)
     again = pipedsl.simulate(program, fitted)
     assert again.makespan == pytest.approx(pipedsl.simulate(program, truth).makespan)
+
+
+def test_an_overlapped_pair_hides_each_halfs_expert_exchanges_behind_the_other() -> None:
+    """F&B with exchange_f / exchange_b: max(F + B - exchange_f - exchange_b, F, B); FB, when given, wins; without
+    exchanges, F + B."""
+    from pipedsl.ir import Op
+
+    program = pipedsl.load("dualpipev").compile(P=2, M=4)
+
+    def pairs(cost: pipedsl.Cost) -> set[float]:
+        events = [e for rank in pipedsl.simulate(program, cost).ranks for e in rank if e.instr.op is Op.OVERLAP]
+        assert events
+        return {round(e.end - e.start, 9) for e in events}
+
+    assert pairs(pipedsl.Cost(F=1, B=2)) == {3.0}
+    assert pairs(pipedsl.Cost(F=1, B=2, exchange_f=0.4, exchange_b=0.5)) == {2.1}
+    assert pairs(pipedsl.Cost(F=1, B=2, exchange_f=0.9, exchange_b=0.9)) == {2.0}  # B's own chain bounds it
+    assert pairs(pipedsl.Cost(F=1, B=2, exchange_f=0.4, FB=2.5)) == {2.5}
+    assert pipedsl.Cost.parse("F=1,exchange_f=0.25").exchange_f == 0.25
