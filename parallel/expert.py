@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 
 import torch
 from torch import nn
@@ -76,6 +77,8 @@ class ExpertParallel(nn.Module):
             raise ParallelConfigError(f"{type(experts).__name__} keeps parameters in submodules: expert "
                                       f"parallelism shards only [E, …] parameters of the experts module itself")
         self.num_experts, self.ep, self.rank = E, ep, group_rank(group)
+        # a router that caps each expert at ceil(c·N·k/E) slots (the GPT's capacity_factor c): fixed-size blocks
+        self.capacity_factor: float | None = getattr(experts, "capacity_factor", None)
         self.per_rank = E // ep
         self.first = self.rank * self.per_rank
         self.group, self.edp_group, self.dp = group, edp_group, dp
@@ -96,6 +99,8 @@ class ExpertParallel(nn.Module):
         flat = top_k_index.reshape(-1)
         slots = torch.nonzero(flat < E).squeeze(1)
         slots = slots[torch.argsort(flat[slots], stable=True)]  # by expert, token order within one
+        if self.capacity_factor is not None:
+            return self._fixed_size(hidden_states, top_k_weights, flat, slots, k)
         counts = torch.bincount(flat[slots], minlength=E).view(ep, El)
         received = all_to_all_rows(counts, [1] * ep, [1] * ep, self.group)  # [ep, El]: peer r's tokens for each
         send, recv = counts.sum(dim=1).tolist(), received.sum(dim=1).tolist()
@@ -106,6 +111,33 @@ class ExpertParallel(nn.Module):
             self._impl._parameters[name] = getattr(self, name)
         out = self._connected(self._impl(tokens, index.unsqueeze(1), ones), tokens)
         back = exchange_rows(out, recv, send, self.group)  # [S, C], in the order of `slots`
+        weighted = back * top_k_weights.reshape(-1)[slots, None].to(back.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, slots // k, weighted.to(hidden_states.dtype))
+
+    def _fixed_size(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor, flat: torch.Tensor,
+                    slots: torch.Tensor, k: int) -> torch.Tensor:
+        """Dispatch and combine as fixed-size blocks (GShard's): each expert gets C = ceil(c·N·k/E) rows, its slots
+        first and zeros after, so no counts are exchanged first — one exchange less a layer's forward.  The
+        zero rows are computed and thrown away; each slot's own row is computed as in the dropless exchange."""
+        E, ep, El = self.num_experts, self.ep, self.per_rank
+        C = math.ceil(self.capacity_factor * flat.numel() / E)
+        experts = flat[slots]
+        counts = torch.bincount(experts, minlength=E)
+        if slots.numel() and int(counts.max()) > C:
+            raise ParallelConfigError(f"expert parallelism: an expert got {int(counts.max())} slots, more than the "
+                                      f"capacity {C} its router's capacity_factor={self.capacity_factor} allows")
+        position = torch.arange(slots.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[experts]
+        rows = experts * C + position  # where each slot goes in the [E·C] blocks
+        block = hidden_states.new_zeros((E * C, hidden_states.shape[1])).index_copy(0, rows,
+                                                                                     hidden_states[slots // k])
+        size = [El * C] * ep
+        tokens = exchange_rows(block, size, size, self.group)  # [ep·El·C]: each peer's blocks for these experts
+        index = torch.arange(El, device=flat.device).repeat_interleave(C).repeat(ep)
+        ones = torch.ones((tokens.shape[0], 1), dtype=top_k_weights.dtype, device=tokens.device)
+        for name in self._names:
+            self._impl._parameters[name] = getattr(self, name)
+        out = self._connected(self._impl(tokens, index.unsqueeze(1), ones), tokens)
+        back = exchange_rows(out, size, size, self.group)[rows]  # [S, hidden], in the order of `slots`
         weighted = back * top_k_weights.reshape(-1)[slots, None].to(back.dtype)
         return torch.zeros_like(hidden_states).index_add(0, slots // k, weighted.to(hidden_states.dtype))
 
@@ -132,6 +164,13 @@ def shard_experts(module: nn.Module, group: ProcessGroup, edp_group: ProcessGrou
                 setattr(parent, name, ExpertParallel(child, group, edp_group, dp))
                 found += 1
     return found
+
+
+def fixed_size(module: nn.Module) -> bool:
+    """Whether every expert exchange inside `module` is fixed-size (no counts exchanged first): what decides which
+    half of an overlapped pair starts (runtime/overlap.py)."""
+    shards = [m for m in module.modules() if isinstance(m, ExpertParallel)]
+    return bool(shards) and all(m.capacity_factor is not None for m in shards)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -6,8 +6,8 @@ forward dispatches and combines, the backward sends the gradients back the same 
 one after the other, every exchange is time the rank waits.  Here the two halves run as two
 coroutines, each on a thread of its own, *exactly one running at any time*: where a half waits
 for an exchange (`parallel.comm`'s exchange waiter), it hands over to the other, whose compute
-fills the wait; when it gets the turn back, its exchange has arrived or is waited for.  The
-forward starts; either half ending hands over for good.
+fills the wait; when it gets the turn back, its exchange has arrived or is waited for.  Either
+half ending hands over for good.
 
 Why coroutines and not pieces: an MoE layer's backward runs inside autograd's engine, which
 cannot be stopped between nodes, and an exchange is in the middle of every layer, forward and
@@ -84,14 +84,18 @@ class PairOverlap:
         self.finished = threading.Event()
         self.switches = 0  # hand-overs made (a pair without exchanges makes none)
 
-    def run(self, forward: Callable[[], Any], backward: Callable[[], Any]) -> tuple[Any, Any]:
+    def run(self, forward: Callable[[], Any], backward: Callable[[], Any],
+            first: str = "forward") -> tuple[Any, Any]:
+        """Both halves' results; `first` ("forward" or "backward") starts.  Which is better depends on where the
+        exchanges sit: a forward with a counts exchange before its dispatch (dropless) waits less starting first;
+        with fixed-size exchanges the backward, whose first exchange comes at once, starts (`fixed_size`)."""
         f, b = _Half("forward", forward, self), _Half("backward", backward, self)
         self.halves = [f, b]
-        b.rng = _rng_state()  # the backward's draws (none but recomputation, which restores its own) from here
+        f.rng = b.rng = _rng_state()  # both start from here (the backward draws nothing but recomputation's own)
         for half in self.halves:
             half.thread.start()
         with comm.exchange_waiter(self.wait):
-            f.turn.release()
+            (f if first == "forward" else b).turn.release()
             self.finished.wait()
         for half in self.halves:
             half.thread.join()
@@ -105,8 +109,7 @@ class PairOverlap:
 
     def enter(self, half: _Half) -> None:
         self.current = half
-        if half.rng is not None:
-            _set_rng_state(half.rng)
+        _set_rng_state(half.rng)
 
     def leave(self, half: _Half) -> None:
         """`half` stops running (ended, or waits): the other takes the turn, or, both ended, the caller wakes."""

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
-from pipedsl.parallel.expert import ExpertParallel
+from pipedsl.parallel.expert import ExpertParallel, fixed_size
 from pipedsl.runtime.loss import LossPolicy
 from pipedsl.runtime.overlap import PairOverlap
 from pipedsl.runtime.p2p import TensorMeta
@@ -423,8 +423,9 @@ def overlapped_forward_backward(fwd: Stage, inputs: list[torch.Tensor], target: 
     hook = getattr(type(fwd.module), OVERLAP_HOOK, None)
     if hook is None or type(fwd.module) is not type(bwd.module):
         if fwd.overlap or bwd.overlap:  # expert exchanges: each half's hidden behind the other's compute
+            first = "backward" if fixed_size(fwd.module) else "forward"
             (act0, outs), input_grads = PairOverlap().run(lambda: fwd.forward(inputs, target, buffers),
-                                                          lambda: bwd.backward(act, grads))
+                                                          lambda: bwd.backward(act, grads), first)
             return act0, outs, input_grads
         act0, outs = fwd.forward(inputs, target, buffers)
         return act0, outs, bwd.backward(act, grads)

@@ -35,11 +35,13 @@ from torch import nn
 class Experts(nn.Module):
     """E two-layer GELU MLPs as 3-D weights, fc [E, F, C] and proj [E, C, F], called as transformers'
     expert modules are: `forward(x [N, C], index [N, k], weight [N, k]) -> [N, C]`, the weighted sum of
-    each token's experts (index E: no expert, the slot was dropped)."""
+    each token's experts (index E: no expert, the slot was dropped).  `capacity_factor` is the router's: with it,
+    expert parallelism exchanges fixed-size blocks (parallel/expert.py)."""
 
     def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.capacity_factor: float | None = None
         self.fc = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
 
@@ -99,6 +101,7 @@ class MoE(nn.Module):
         super().__init__()
         self.router = Router(num_experts, hidden, top_k, capacity_factor)
         self.experts = Experts(num_experts, hidden, ffn)  # parallel/expert.py may swap in this rank's share
+        self.experts.capacity_factor = capacity_factor  # the router's cap: expert parallelism sends fixed-size blocks
         self.aux_coef, self.z_coef = aux_coef, z_coef
 
     def forward(self, x: torch.Tensor, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -149,7 +149,7 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
 
 
 def overlap_identical(rank: int, schedule: str, M: int, recompute: str | None = None, dropout: float = 0.0,
-                      latency: float = 0.0, steps: int = 2) -> dict[str, Any]:
+                      capacity: float | None = None, latency: float = 0.0, steps: int = 2) -> dict[str, Any]:
     """The same MoE GPT at dp2 × pp2 × ep2 trained with its F&B pairs overlapped and not: every loss and every
     gradient bit-identical; the hand-overs made (none without overlap)."""
     from pipedsl.parallel import comm
@@ -160,12 +160,14 @@ def overlap_identical(rank: int, schedule: str, M: int, recompute: str | None = 
     program = pipedsl.load(schedule).compile(P=pp, M=M)
     out: dict[str, Any] = {}
     for overlap in (False, True):
-        cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=max(program.num_stages - 1, 2), n_head=2, n_embd=16,
-                        n_experts=4, top_k=2, expert_ffn=24, aux_loss_coef=0.1, dropout=dropout)
+        cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=program.num_stages, n_head=2, n_embd=16,
+                        n_experts=4, top_k=2, expert_ffn=24, aux_loss_coef=0.1, dropout=dropout,
+                        capacity_factor=capacity)
         model = randomize_(GPT(cfg), torch.Generator().manual_seed(0))
         torch.manual_seed(11)  # dropout's stream: the same for both runs
-        pipe = pipedsl.Pipeline(model.stages(program.num_stages), program=program, loss_fn=gpt_loss, parallel=mesh,
-                                recompute=recompute, recompute_filter=lambda m: isinstance(m, MoE),  # its exchanges
+        pipe = pipedsl.Pipeline(model.stages(program.num_stages, by="blocks"), program=program, loss_fn=gpt_loss,
+                                parallel=mesh, recompute=recompute,  # a block a stage: both halves of a pair exchange
+                                recompute_filter=lambda m: isinstance(m, MoE),  # its exchanges
                                 overlap=overlap)
         gen = torch.Generator().manual_seed(1)
         before = PairOverlap.handovers

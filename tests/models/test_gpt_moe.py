@@ -118,12 +118,14 @@ def test_expert_parallel_under_other_schedules(pool4, schedule: str, zero: int, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,recompute,dropout", [("dualpipev", None, 0.0), ("dualpipev", "full", 0.1),
-                                                        ("dualpipe", "selective", 0.1)])
-def test_overlapped_pairs_are_bit_identical_to_sequential_ones(pool4, schedule, recompute, dropout) -> None:
+@pytest.mark.parametrize("schedule,recompute,dropout,capacity", [
+    ("dualpipev", None, 0.0, None), ("dualpipev", "full", 0.1, None), ("dualpipe", "selective", 0.1, None),
+    ("dualpipev", "full", 0.1, 1.5)])
+def test_overlapped_pairs_are_bit_identical_to_sequential_ones(pool4, schedule, recompute, dropout, capacity) -> None:
     """An F&B pair's halves handing over at every expert exchange (runtime/overlap.py) compute exactly what
     forward-then-backward computes: losses and gradients bit for bit over two steps, with dropout (each half's
-    random stream kept apart) and full or selective recomputation (whose regions re-run exchanges)."""
-    results = pool4.run(cases.overlap_identical, schedule, 4, recompute, dropout)
+    random stream kept apart) and full or selective recomputation (whose regions re-run exchanges); dropless
+    (the forward starts) and with a capacity (fixed-size exchanges, the backward starts)."""
+    results = pool4.run(cases.overlap_identical, schedule, 4, recompute, dropout, capacity)
     assert all(r["same"] for r in results), [r["losses"] for r in results]
     assert all(r["handovers"][0] == 0 and r["handovers"][1] > 0 for r in results), [r["handovers"] for r in results]
