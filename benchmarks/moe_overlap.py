@@ -1,11 +1,11 @@
 """MoE with expert parallelism under injected all-to-all latency: what an overlapped F&B pair hides.
 
-The built-in GPT with 4 experts a block, top-2, dp2 × pp2 with the experts over ep=2 (4 local
-processes), 4 blocks in all.  Compute is emulated as in the other runtime benchmarks (a 2-core
+The built-in GPT with 4 experts a block, top-2 (capacity factor `--capacity`: fixed-size exchanges;
+0: dropless), dp2 × pp2 with the experts over ep=2 (4 local processes), 8 blocks in all.  Compute is emulated as in the other runtime benchmarks (a 2-core
 machine standing for accelerators): every block sleeps around its real, small ops — attention
 `--attn` ms forward and twice that backward, the experts `--experts-ms` ms forward and twice that
-backward — and every expert all-to-all (`parallel.comm.all_to_all_rows`: 3 a forward per layer,
-2 a backward) takes `--latency` ms from its issue (`comm.exchange_latency`, a fixed network
+backward — and every expert all-to-all (`parallel.comm.all_to_all_rows`: 2 a forward per layer
+with a capacity, 3 dropless, 2 a backward) takes `--latency` ms from its issue (`comm.exchange_latency`, a fixed network
 delay).  Rows, side by side in one run:
 
     1f1b, interleaved (V=2), zb-v, and dualpipev without and with overlap (`Pipeline(overlap=)`)
@@ -16,7 +16,7 @@ step, the median F&B pair, and the simulator's makespan for the traced step:
   per-op times;
 - for dualpipev with overlap, "predicted": the costs fitted to the *sequential* dualpipev trace,
   with the pair's own FB dropped and the exchanges' share of F and B set from the injected
-  latency (exchange_f = blocks · 3 · latency, exchange_b = blocks · 2 · latency): the simulator's
+  latency (exchange_f, exchange_b = blocks · exchanges · latency): the simulator's
   FB model predicting a run it was not fitted to.
 
 The checks the closing note reports: the overlapped pair at most 0.7× the sequential one, the
@@ -43,7 +43,12 @@ import _bench  # noqa: E402
 ROWS = (("1f1b", {}, True), ("interleaved", {"V": 2}, True), ("zb-v", {}, True), ("dualpipev", {}, False),
         ("dualpipev", {}, True))
 BLOCKS = 8
-LAYER_EXCHANGES = (3, 2)  # all-to-alls of one MoE layer in a forward (counts, dispatch, combine), a backward
+
+
+def layer_exchanges(capacity: float) -> tuple[int, int]:
+    """All-to-alls of one MoE layer in a forward and in a backward: dropless, counts, dispatch and combine; with a
+    capacity the blocks are of fixed size, so no counts (parallel/expert.py)."""
+    return (2 if capacity else 3), 2
 
 
 def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -76,7 +81,7 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, ep=2))
     gcfg = GPTConfig(vocab_size=64, block_size=16, n_layer=BLOCKS, n_head=2, n_embd=32, n_experts=4, top_k=2,
-                     expert_ffn=64)
+                     expert_ffn=64, capacity_factor=cfg["capacity"] or None)
     rows = []
     with comm.exchange_latency(cfg["latency"] / 1e3):
         for name, params, overlap in ROWS:
@@ -126,8 +131,8 @@ def _row_summary(row: dict[str, Any], cfg: dict[str, Any], sequential_fit: Any) 
         cost = pipedsl.Cost(**{**{k: getattr(sequential_fit, k) for k in ("F", "B", "I", "W", "comm", "reduce",
                                                                          "step", "send")},
                                "per_stage": sequential_fit.per_stage, "FB": None,
-                               "exchange_f": blocks * LAYER_EXCHANGES[0] * lat,
-                               "exchange_b": blocks * LAYER_EXCHANGES[1] * lat})
+                               "exchange_f": blocks * layer_exchanges(cfg["capacity"])[0] * lat,
+                               "exchange_b": blocks * layer_exchanges(cfg["capacity"])[1] * lat})
         out["predicted_ms"] = pipedsl.simulate(program, cost).makespan * 1e3
     return out
 
@@ -155,11 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency", type=float, default=3.0, help="ms every all-to-all takes (default 3)")
     ap.add_argument("--attn", type=float, default=3.0, help="attention's emulated forward ms a block (default 3)")
     ap.add_argument("--experts-ms", type=float, default=3.0, help="experts' emulated forward ms a block (default 3)")
+    ap.add_argument("--capacity", type=float, default=1.5,
+                    help="the router's capacity factor (default 1.5: fixed-size exchanges); 0: dropless")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--json", help="output file (default benchmarks/results/moe_overlap.json)")
     ap.add_argument("--no-append", action="store_true", help="do not append a row to RESULTS.md")
     args = ap.parse_args(argv)
     cfg = {"M": args.M, "latency": args.latency, "attn_ms": args.attn, "experts_ms": args.experts_ms,
+           "capacity": args.capacity,
            "steps": 2 if args.quick else args.steps, "warmup": 1 if args.quick else 2}
     ranks = pipedsl.launch(_rank_main, 4, cfg, threads=1, timeout=1200)
     rows = ranks[0]

@@ -36,6 +36,8 @@ RUNS = {
     "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--against", "HEAD"]),
     "test_shape_change": ("shape_change", ["--quick"]),
     "test_startup": ("startup", ["--quick"]),
+    "test_moe_overlap": ("moe_overlap", ["--quick", "--M", "4", "--latency", "0.5", "--attn", "0.2", "--experts-ms",
+                                         "0.2"]),
 }
 QUICK_NAMES = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2"]
 
@@ -239,3 +241,14 @@ def test_gpu_check_dry_run_on_gloo(runs, request):
     assert got["op_cpu"]["ratio"] > 0 and got["calibrate"]["ok"] and got["calibrate"]["calibration"]
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# gpu_check: cpu (gloo), P=2") and "| zb-v | 4 | equal |" in md
+
+
+@pytest.mark.slow
+def test_moe_overlap(runs, request):
+    """Five rows (1F1B, interleaved, ZB-V, DualPipeV without and with overlap); the overlapped row handed over at
+    exchanges and has the simulator's prediction from the sequential row's costs."""
+    got = run(runs, request, "moe_overlap")
+    assert [r["schedule"] for r in got["rows"]] == ["1f1b", "interleaved", "zb-v", "dualpipev", "dualpipev (overlap)"]
+    over = got["rows"][-1]
+    assert over["handovers"] > 0 and over["predicted_ms"] > 0 and got["rows"][3]["handovers"] == 0
+    assert set(got["checks"]) == {"pair_ratio", "predicted_over_measured"}
