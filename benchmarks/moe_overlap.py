@@ -1,12 +1,13 @@
 """MoE with expert parallelism under injected all-to-all latency: what an overlapped F&B pair hides.
 
-The built-in GPT with 4 experts a block, top-2 (capacity factor `--capacity`: fixed-size exchanges;
-0: dropless), dp2 × pp2 with the experts over ep=2 (4 local processes), 8 blocks in all.  Compute is emulated as in the other runtime benchmarks (a 2-core
-machine standing for accelerators): every block sleeps around its real, small ops — attention
-`--attn` ms forward and twice that backward, the experts `--experts-ms` ms forward and twice that
-backward — and every expert all-to-all (`parallel.comm.all_to_all_rows`: 2 a forward per layer
-with a capacity, 3 dropless, 2 a backward) takes `--latency` ms from its issue (`comm.exchange_latency`, a fixed network
-delay).  Rows, side by side in one run:
+The built-in GPT with 4 experts a block, top-2, capacity factor `--capacity` (fixed-size
+exchanges; 0: dropless), dp2 × pp2 with the experts over ep=2 (4 local processes), 8 blocks in
+all.  Compute is emulated as in the other runtime benchmarks (a 2-core machine standing for
+accelerators): every block sleeps around its real, small ops — attention `--attn` ms forward and
+twice that backward, the experts `--experts-ms` ms forward and twice that backward — and every
+expert all-to-all (`parallel.comm.all_to_all_rows`: 2 a forward per layer with a capacity, 3
+dropless, 2 a backward) takes `--latency` ms from its issue (`comm.exchange_latency`, a fixed
+network delay).  Rows, side by side in one run:
 
     1f1b, interleaved (V=2), zb-v, and dualpipev without and with overlap (`Pipeline(overlap=)`)
 
@@ -16,8 +17,8 @@ step, the median F&B pair, and the simulator's makespan for the traced step:
   per-op times;
 - for dualpipev with overlap, "predicted": the costs fitted to the *sequential* dualpipev trace,
   with the pair's own FB dropped and the exchanges' share of F and B set from the injected
-  latency (exchange_f, exchange_b = blocks · exchanges · latency): the simulator's
-  FB model predicting a run it was not fitted to.
+  latency (exchange_f, exchange_b = blocks · exchanges · latency): the simulator's FB model
+  predicting a run it was not fitted to.
 
 The checks the closing note reports: the overlapped pair at most 0.7× the sequential one, the
 predicted makespan within 10 % of the measured one, gradients bit-identical (tests/models/
