@@ -15,6 +15,7 @@ from pipedsl.timeline import Event, Timeline
 from pipedsl.validate import validate
 
 _KINDS = ("F", "B", "I", "W")
+_EXCHANGES = ("exchange_f", "exchange_b")  # also per stage
 _COMPUTE_OPS = (Op.F, Op.B, Op.I, Op.W)
 
 
@@ -60,8 +61,8 @@ class Cost:
         for stage, costs in self.per_stage.items():
             if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < MAX_STAGES:
                 raise PipeDSLError(f"Cost: per-stage costs name a stage 0..{MAX_STAGES - 1:,}, got {str(stage)[:20]}")
-            if not isinstance(costs, dict) or not set(costs) <= set(_KINDS):
-                raise PipeDSLError(f"Cost: per_stage[{stage}] maps F, B, I or W to a cost")
+            if not isinstance(costs, dict) or not set(costs) <= set(_KINDS) | set(_EXCHANGES):
+                raise PipeDSLError(f"Cost: per_stage[{stage}] maps F, B, I, W, exchange_f or exchange_b to a cost")
             for kind, value in costs.items():
                 _check_cost(f"{kind}@{stage}", value)
 
@@ -165,8 +166,11 @@ class Cost:
         if op is Op.OVERLAP:
             if self.FB is not None:
                 return self.FB
-            f, b = (self.compute_time(sub) for sub in ins.sub)
-            return max(f + b - self.exchange_f - self.exchange_b, f, b)
+            fwd, bwd = ins.sub
+            f, b = self.compute_time(fwd), self.compute_time(bwd)
+            xf = self.per_stage.get(fwd.stage, {}).get("exchange_f", self.exchange_f)
+            xb = self.per_stage.get(bwd.stage, {}).get("exchange_b", self.exchange_b)
+            return max(f + b - xf - xb, f, b)
         over = self.per_stage.get(ins.stage)
         if over and op.value in over:
             return over[op.value]

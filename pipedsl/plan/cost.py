@@ -116,10 +116,17 @@ class StageCosts:
     waits: tuple[dict[str, float], ...] = ()  # per stage, of F/B/I/W: seconds in blocking collectives (no core)
     all_to_all: tuple[float, ...] = ()  # per stage, per microbatch: expert-parallel all-to-alls inside F+B
     expert_params: tuple[float, ...] = ()  # per stage: the routed experts' share of stage_params (already / ep)
+    exchanges: tuple[tuple[float, float], ...] = ()  # per stage: the all-to-alls inside F and inside B
 
     def simulator_cost(self) -> Cost:
-        """The pipeline part for `pipedsl.simulate`; REDUCE_GRAD/step are added around it (async)."""
-        per_stage = {s: {"F": self.F[s], "B": self.B[s], "I": self.I[s], "W": self.W[s]} for s in range(len(self.F))}
+        """The pipeline part for `pipedsl.simulate`; REDUCE_GRAD/step are added around it (async).  An overlapped
+        pair hides each half's all-to-alls behind the other's compute (runtime/overlap.py): per stage
+        `exchange_f` / `exchange_b`."""
+        per_stage: dict[int, dict[str, float]] = {
+            s: {"F": self.F[s], "B": self.B[s], "I": self.I[s], "W": self.W[s]} for s in range(len(self.F))}
+        for s, (f, b) in enumerate(self.exchanges):
+            if f or b:
+                per_stage[s].update(exchange_f=f, exchange_b=b)
         return Cost(F=self.F[0], B=self.B[0], I=self.I[0], W=self.W[0], comm=self.message, per_stage=per_stage)
 
 
@@ -209,7 +216,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     expert_dp = layout.dp // ep  # the ranks holding the same experts
     expert_bw, expert_lat = dp_bw, dp_lat
 
-    F, B, I, W, reduce, after, step, psi, tpc, zg, waits, a2a_time, expert_psi = ([] for _ in range(13))
+    F, B, I, W, reduce, after, step, psi, tpc, zg, waits, a2a_time, expert_psi, exchanges = ([] for _ in range(14))
     for st in range(stages):
         n = per_stage_layers
         blocks = [kinds[model.is_moe_layer(i)] for i in range(st * n, (st + 1) * n)]
@@ -295,7 +302,9 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         tpc.append(tp_fwd + tp_bwd + tp_again)
         zg.append(zero_f + zero_b)
         a2a_time.append(a2a_f + a2a_b)
+        exchanges.append((a2a_f, a2a_b))
         waits.append({"F": tp_fwd + zero_f + a2a_f, "B": tp_bwd + tp_again + zero_b + a2a_b,
                       "I": tp_bwd + tp_again + zero_i + a2a_b, "W": zero_w})
     return StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
-                      tuple(psi), tuple(tpc), tuple(zg), tuple(waits), tuple(a2a_time), tuple(expert_psi))
+                      tuple(psi), tuple(tpc), tuple(zg), tuple(waits), tuple(a2a_time), tuple(expert_psi),
+                      tuple(exchanges))

@@ -233,3 +233,27 @@ def test_cli_plans_mixtral_with_an_ep_degree(capsys) -> None:
 def test_cli_ep_is_for_moe_models(capsys) -> None:
     assert main(["plan", "--model", "llama-8b", "--ep", "2"]) == 2
     assert "--ep applies to Mixture-of-Experts" in capsys.readouterr().err
+
+
+def test_an_overlapped_pair_hides_the_stages_all_to_alls() -> None:
+    """The planner's simulator cost carries each stage's all-to-alls inside F and B, so DualPipeV's F&B pairs cost
+    max(F + B − exchange_f − exchange_b, F, B) (runtime/overlap.py), less than their halves one after the other."""
+    import pipedsl
+    from pipedsl.ir import Op
+
+    m = model_preset("mixtral-8x7b")
+    cluster = dataclasses.replace(cluster_preset("h100"), gpus=64)
+    layout = Layout(16, 4, 1, "dualpipev", 1, 32, zero=1, recompute="none", ep=8)
+    costs = stage_costs(m, cluster, layout, 8)
+    cost = costs.simulator_cost()
+    f, b = costs.exchanges[1]
+    assert f > 0 and b == pytest.approx(f) and f + b == pytest.approx(costs.all_to_all[1])
+    assert cost.per_stage[1]["exchange_f"] == f
+    program = pipedsl.load("dualpipev").compile(P=4, M=16)
+    pair = next(i for rank in program.ranks for i in rank if i.op is Op.OVERLAP)
+    fwd, bwd = pair.sub
+    halves = cost.compute_time(fwd) + cost.compute_time(bwd)
+    assert cost.compute_time(pair) == pytest.approx(max(halves - cost.per_stage[fwd.stage]["exchange_f"]
+                                                        - cost.per_stage[bwd.stage]["exchange_b"],
+                                                        cost.compute_time(fwd), cost.compute_time(bwd)))
+    assert cost.compute_time(pair) < halves
