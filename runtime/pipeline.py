@@ -72,7 +72,7 @@ from pipedsl.errors import PipeDSLError, PipeRuntimeError
 from pipedsl.ir import Program
 from pipedsl.library import load
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
-from pipedsl.parallel.expert import shard_experts
+from pipedsl.parallel.expert import ExpertParallel, shard_experts
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.runtime import clip, finalize
 from pipedsl.runtime.data_parallel import strategy_for
@@ -157,6 +157,7 @@ class Pipeline:
         if self.mesh is not None and self.mesh.config.ep > 1:  # this rank's share of each experts module
             for m in self._modules.values():
                 shard_experts(m, self.mesh.ep_group, self.mesh.edp_group, self.mesh.config.dp)
+            self._check_expert_peers()
         self.counter = ActivationCounter(count_bytes=activation_bytes)
         self.loss = LossPolicy(loss_reduction, self.num_microbatches, ignore_index)  # one, shared by the stages
         options = StageOptions(self.precision, self.device, overlap)
@@ -198,6 +199,32 @@ class Pipeline:
         self.closed = False
 
     # ------------------------------------------------------------ construction
+
+    def _check_expert_peers(self) -> None:
+        """Refuse, on every rank, ep peers that would exchange tokens at different points — another program, or
+        other MoE layers on a stage (stages built differently per replica) — which would hang in an all-to-all.
+        Equal programs and layers are what makes every exchange matched (docs/parallelism.md).  Gathered over
+        the world, so that the ranks of groups that agree stop too."""
+        layers = {s: [f"{name or '<stage>'} ({m.num_experts} experts)" for name, m in module.named_modules()
+                      if isinstance(m, ExpertParallel)] for s, module in sorted(self._modules.items())}
+        mine = (dist.get_process_group_ranks(self.mesh.ep_group),
+                hashlib.sha256(self.program.to_text().encode()).hexdigest()[:16], self.program.name, layers)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        for rank, (ranks, key, name, stages) in enumerate(everyone):
+            first = ranks[0]
+            _, key0, name0, stages0 = everyone[first]
+            if (key, stages) == (key0, stages0):
+                continue
+            if key != key0:
+                what = f"rank {first} runs {name0}, rank {rank} runs {name} (another program)"
+            else:
+                s = next(s for s in stages if stages0.get(s) != stages[s])
+                what = (f"stage {s} has MoE layers {stages0.get(s)} on rank {first} and {stages[s]} on rank {rank} "
+                        f"(stages built differently)")
+            raise PipeRuntimeError(f"expert parallelism: the ranks {ranks} of an ep group would exchange tokens at "
+                                   f"different points — {what}; every rank of an ep group must run the same program "
+                                   f"with the same MoE layers on each stage")
 
     @staticmethod
     def _mesh(parallel: ParallelConfig | ParallelMesh | None, group: dist.ProcessGroup | None) -> ParallelMesh | None:

@@ -190,3 +190,21 @@ def overlap_identical(rank: int, schedule: str, M: int, recompute: str | None = 
         for a, b in zip(out[False]["grads"], out[True]["grads"]))
     return {"same": same, "losses": out[True]["losses"], "handovers": (out[False]["handovers"],
                                                                       out[True]["handovers"])}
+
+
+def mismatched_peers(rank: int) -> dict[str, str]:
+    """Data-parallel replicas that would run their ep exchanges at different points: each is refused on every
+    rank, before any exchange (which would hang)."""
+    from pipedsl.errors import PipeRuntimeError
+
+    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, ep=2))
+    other = mesh.coords.dp == 1
+    out = {}
+    for case, schedule, layers in (("program", "gpipe" if other else "1f1b", 3),
+                                   ("stages", "1f1b", 4 if other else 3)):
+        try:
+            pipedsl.Pipeline(tiny_moe(layers).stages(2), schedule, microbatches=2, loss_fn=gpt_loss, parallel=mesh)
+            out[case] = "no error"
+        except PipeRuntimeError as err:
+            out[case] = err.message
+    return out

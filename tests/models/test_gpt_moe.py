@@ -129,3 +129,14 @@ def test_overlapped_pairs_are_bit_identical_to_sequential_ones(pool4, schedule, 
     results = pool4.run(cases.overlap_identical, schedule, 4, recompute, dropout, capacity)
     assert all(r["same"] for r in results), [r["losses"] for r in results]
     assert all(r["handovers"][0] == 0 and r["handovers"][1] > 0 for r in results), [r["handovers"] for r in results]
+
+
+@pytest.mark.slow
+def test_ep_peers_that_would_exchange_at_different_points_are_refused(pool4) -> None:
+    """Another schedule on one dp replica, or its stages cut elsewhere (other MoE layers a stage): refused on every
+    rank, naming the ranks and what differs, where the all-to-alls would otherwise wait for each other forever."""
+    results = pool4.run(cases.mismatched_peers)
+    for r in results:
+        assert "would exchange tokens at different points" in r["program"] and "(another program)" in r["program"]
+        assert "GPipe" in r["program"] and "1F1B" in r["program"], r["program"]
+        assert "(stages built differently)" in r["stages"], r["stages"]
