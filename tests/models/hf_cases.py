@@ -70,6 +70,12 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
                                  num_kv_heads=2, new_decoder_architecture=True, alibi=False, bos_token_id=0,
                                  eos_token_id=0, attention_dropout=dropout, hidden_dropout=dropout,
                                  **({} if tie is None else {"tie_word_embeddings": tie}))
+    elif family == "deepseek_v3":  # MLA, a dense first layer, shared experts, group-limited routing, no aux loss
+        config = tf.DeepseekV3Config(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                                     num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4,
+                                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                                     topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8,
+                                     qk_nope_head_dim=4, norm_topk_prob=True, routed_scaling_factor=2.5)
     elif family in MOE_FAMILIES:  # 4 experts, top 2, the router's auxiliary loss on (coefficient far from 0)
         moe = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
                "olmoe": dict(num_experts=4)}[family]
@@ -83,7 +89,13 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
         raise ValueError(family)
     config.loss_type = "ForCausalLM"  # what HF picks anyway, named so that it does not warn
     torch.manual_seed(seed)
-    return tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    if family == "deepseek_v3":  # its routing bias starts at 0: random, so that the choice of experts depends on it
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("e_score_correction_bias"):
+                    p.normal_()
+    return model
 
 
 def batch(M: int, padded: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -227,13 +227,15 @@ def test_moe_router_loss_pipelined_equals_gradient_accumulation(pool2, family, s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, schedule, zero", [("mixtral", "1f1b", 1), ("qwen3_moe", "zb-v", 3),
-                                                    ("olmoe", "interleaved", 1), ("mixtral", "dualpipev", 3),
-                                                    ("olmoe", "1f1b", 3), ("qwen3_moe", "1f1b", 1)])
+@pytest.mark.parametrize("family, schedule, zero", [
+    *((f, s, z) for f in hf_cases.MOE_FAMILIES for s in ("1f1b", "zb-v", "dualpipev", "interleaved") for z in (1, 3)),
+    ("deepseek_v3", "1f1b", 1), ("deepseek_v3", "dualpipev", 3)])
 def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
     """dp2 × pp2 with each layer's experts sharded over ep=2 (parallel/expert.py, the model's own experts module on
-    each rank's half) under ZeRO: loss, gradient norm and every weight (each shard against its experts' rows) after
-    two SGD steps equal the whole model accumulating the same microbatches."""
+    each rank's half) under ZeRO-1 and ZeRO-3 and every schedule family: loss, gradient norm and every weight (each
+    shard against its experts' rows) after two SGD steps equal the whole model accumulating the same microbatches,
+    the router's auxiliary loss included.  DeepSeek-V3 (MLA, a dense first layer, shared experts, group-limited
+    routing, no auxiliary loss) shards its routed experts the same way."""
     import moe_cases
 
     results = pool4.run(moe_cases.hf_train_equal, family, schedule, 4, 2, 2, zero)
