@@ -208,3 +208,29 @@ def mismatched_peers(rank: int) -> dict[str, str]:
         except PipeRuntimeError as err:
             out[case] = err.message
     return out
+
+
+def bf16_main(rank: int) -> dict[str, Any]:
+    """Three AdamW steps of the MoE GPT at dp2 × pp2: fp32 without ep, and bf16 parameters over fp32 main parameters
+    with the experts over ep=2 under ZeRO-1 and ZeRO-3; the losses, and the dtypes the expert shards are held in."""
+    from pipedsl.runtime.precision import MixedPrecision
+
+    out: dict[str, Any] = {}
+    for name, precision, ep, zero in (("fp32", None, 1, 1), ("z1", MixedPrecision("bf16", params="bf16"), 2, 1),
+                                      ("z3", MixedPrecision("bf16", params="bf16"), 2, 3)):
+        mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, ep=ep, zero=zero))
+        pipe = pipedsl.Pipeline(tiny_moe(3).stages(2), "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh,
+                                precision=precision)
+        opt = pipe.optimizer(torch.optim.AdamW, lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            losses.append(pipe.step(*synthetic_batch(8, 8, 32, gen)))
+            opt.step()
+            opt.zero_grad()
+        shards = [m for s in pipe.local_stages().values() for m in s.modules() if isinstance(m, ExpertParallel)]
+        out[name] = {"losses": losses, "dtypes": sorted({str(u.dtype) + "/" + str(u.main.dtype)
+                                                         for z in opt.zero.values() for u in z.units
+                                                         if u.module in shards and u.main is not None})}
+        pipe.close()
+    return out

@@ -140,3 +140,14 @@ def test_ep_peers_that_would_exchange_at_different_points_are_refused(pool4) -> 
         assert "would exchange tokens at different points" in r["program"] and "(another program)" in r["program"]
         assert "GPipe" in r["program"] and "1F1B" in r["program"], r["program"]
         assert "(stages built differently)" in r["stages"], r["stages"]
+
+
+@pytest.mark.slow
+def test_expert_shards_with_bf16_parameters_over_fp32_main_parameters(pool4) -> None:
+    """bf16 parameters with fp32 main parameters (Megatron's distributed optimizer) and the experts over ep=2, under
+    ZeRO-1 and ZeRO-3: the shards are ZeRO units of their own, bf16 with fp32 main copies, and three AdamW steps
+    follow the fp32 run without ep to bf16's tolerance."""
+    r = pool4.run(cases.bf16_main)[0]
+    for zero in ("z1", "z3"):
+        assert r[zero]["dtypes"] == ["torch.bfloat16/torch.float32"], r[zero]
+        assert r[zero]["losses"] == pytest.approx(r["fp32"]["losses"], rel=3e-3), (zero, r)
