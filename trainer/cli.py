@@ -319,7 +319,9 @@ def _execute(program: Any, cfg: TrainConfig, started: float) -> int:
     if under_torchrun() and os.environ.get("RANK") != "0":  # every process runs this command; one of them speaks
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
     layout = _layout_text(program.num_ranks, cfg)
-    what = cfg.hf.describe if cfg.hf else f"a {cfg.model.layers}-block GPT (C={cfg.model.embd}, T={cfg.data.seq})"
+    m = cfg.model
+    experts = f", {m.experts} experts top-{m.top_k}" if m.experts else ""
+    what = cfg.hf.describe if cfg.hf else f"a {m.layers}-block GPT (C={m.embd}, T={cfg.data.seq}{experts})"
     print(f"training {what} with {program.name} {' '.join(f'{k}={v}' for k, v in program.params.items())}: "
           f"{program.num_stages} stages on {layout}, batch {cfg.training.batch}", flush=True)
     if cfg.hf:
