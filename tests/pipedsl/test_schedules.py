@@ -545,3 +545,25 @@ def test_docs_show_the_current_sources_and_tables():
         P, M = int(head[0][2:]), int(head[1][2:])
         cost = ",".join(head[3:7])
         assert table == compare_table(names, P, M, {}, cost)
+
+
+def test_zb_h2_has_no_idle_time_at_equal_costs_within_2p_activations():
+    """ZB-H2 (the paper's section 2.2): with T_F = T_I = T_W and free messages every rank is busy from its first op
+    to its last once M >= 2P, holding at most 2P activations; ZB-H1 at the same sizes idles."""
+    cost = pipedsl.Cost(F=1, B=2, I=1, W=1)
+
+    def idle(name: str, P: int, M: int) -> tuple[list[float], list[int]]:
+        t = pipedsl.simulate(pipedsl.load(name).compile(P=P, M=M), cost)
+        out = []
+        for events in t.ranks:
+            ops = [e for e in events if e.instr.op.value in ("F", "I", "W")]
+            out.append(round(ops[-1].end - ops[0].start - sum(e.end - e.start for e in ops), 9))
+        return out, t.peak_activations
+
+    for P in range(2, 9):
+        for M in range(2 * P, 4 * P + 3):
+            gaps, peaks = idle("zb-h2", P, M)
+            assert gaps == [0.0] * P and max(peaks) <= 2 * P, (P, M, gaps, peaks)
+            assert sum(idle("zb-h1", P, M)[0]) > 0  # ZB-H1 at P activations idles
+    with pytest.raises(pipedsl.PipeSemanticError, match="M >= 2P-1"):
+        pipedsl.load("zb-h2").compile(P=4, M=6)
