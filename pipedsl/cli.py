@@ -46,10 +46,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("--format", choices=("text", "json", "csv", "torch-csv"), default="text",
                    help="torch-csv: torch.distributed.pipelining's compute-only CSV (its _load_csv reads it)")
     c.add_argument("-o", "--output", help="write to this file instead of stdout")
+    c.add_argument("--cost", default="", help="the costs an `order auto` schedule is searched under "
+                                              "(e.g. F=1,B=2,I=1,W=1,comm=0.1; per stage: F@3=1.5)")
 
     s = sub.add_parser("simulate", help="predict makespan, bubble and memory under a cost model")
     add_sizes(s)
-    s.add_argument("--cost", default="", help="e.g. F=1,B=2,I=1,W=1,comm=0 (per stage: F@3=1.5)")
+    s.add_argument("--cost", default="", help="e.g. F=1,B=2,I=1,W=1,comm=0 (per stage: F@3=1.5); an `order auto` "
+                                              "schedule is also searched under it")
     s.add_argument("--format", choices=("text", "json"), default="text")
 
     k = sub.add_parser("check", help="compile a schedule over a grid of sizes and report failures")
@@ -76,7 +79,8 @@ def _command_named(argv: Sequence[str] | None) -> str | None:
 
 def _compile(args: argparse.Namespace):
     schedule = load(args.schedule)
-    return schedule, schedule.compile(P=args.ranks, M=args.microbatches, **params_of(args))
+    cost = Cost.parse(args.cost) if getattr(args, "cost", "") else None
+    return schedule, schedule.compile(P=args.ranks, M=args.microbatches, cost=cost, **params_of(args))
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

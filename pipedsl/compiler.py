@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipedsl import nodes as n
+from pipedsl.auto_order import search_orders
 from pipedsl.errors import PipeDSLError, PipeSemanticError, Span, ValidationError
 from pipedsl.expr import BOOL, INT, Env, Expansion, compile_exprs, evaluate, free_context, type_of
 from pipedsl.ir import Instr, Op, Program
@@ -26,6 +27,7 @@ from pipedsl.limits import MAX_COMPUTE_OPS, MAX_COMPUTE_STEPS, MAX_MICROBATCHES,
 from pipedsl.lowering import ComputeOp, ComputePlan, lower, parts
 from pipedsl.parser import parse
 from pipedsl.perf import no_gc
+from pipedsl.simulate import Cost, simulate
 from pipedsl.squeeze import squeeze
 from pipedsl.validate import validate
 
@@ -143,8 +145,15 @@ class Schedule:
                 if kw in settings:
                     raise PipeSemanticError(f"'{kw}' has no effect with 'memory' (the compiler orders the ops "
                                             f"greedily under the cap); use one or the other", settings[kw].span)
+        if "order auto" in settings:
+            if "memory" not in settings:
+                raise PipeSemanticError("'order auto' searches each rank's order under a memory cap: it needs "
+                                        "'memory CAP'", settings["order auto"].span)
+            if "wlag" in settings:
+                raise PipeSemanticError("'wlag' has no effect with 'order auto' (the search places every W); use "
+                                        "one or the other", settings["wlag"].span)
         if "compute" in settings:
-            for kw in ("order F", "order B", "warmup", "merge", "wlag", "memory"):
+            for kw in ("order F", "order B", "order auto", "warmup", "merge", "wlag", "memory"):
                 if kw in settings:
                     raise PipeSemanticError(f"'{kw}' has no effect next to an explicit 'compute' block; "
                                             f"use one or the other", settings[kw].span)
@@ -183,24 +192,26 @@ class Schedule:
                 raise PipeSemanticError(f"parameter {name} has no default: give it (-p {name}=…)", p.span)
         return values
 
-    def plan(self, P: int, M: int, **params: int) -> ComputePlan:
-        """Bind sizes and derive placement, routing and each rank's compute order."""
+    def plan(self, P: int, M: int, cost: Cost | str | None = None, **params: int) -> ComputePlan:
+        """Bind sizes and derive placement, routing and each rank's compute order (`cost`: what `order auto`
+        searches with; other schedules ignore it)."""
         try:
-            return self._plan(P, M, params)
+            return self._plan(P, M, params, _cost(cost))
         except PipeDSLError as err:
             raise err.with_source(self.source) from None
 
-    def compile(self, P: int, M: int, **params: int) -> Program:
-        """Bind sizes, derive the per-rank orders, lower and validate them."""
+    def compile(self, P: int, M: int, cost: Cost | str | None = None, **params: int) -> Program:
+        """Bind sizes, derive the per-rank orders, lower and validate them.  `cost` (a `Cost` or "F=1,B=2,…"):
+        the op and message times an `order auto` schedule is searched under (default `Cost()`)."""
         with no_gc():
-            plan = self.plan(P, M, **params)
+            plan = self.plan(P, M, cost, **params)
             program = lower(plan)
             try:
                 return validate(program)
             except ValidationError as err:
                 raise self._blame(plan, err).with_source(self.source) from None
 
-    def _plan(self, P: int, M: int, params: dict[str, int]) -> ComputePlan:
+    def _plan(self, P: int, M: int, params: dict[str, int], cost: Cost | None = None) -> ComputePlan:
         values = self.bind(P, M, **params)
         env = Env(consts=dict(values))
         decls: dict[str, tuple[n.Stmt, Env]] = {}
@@ -221,7 +232,7 @@ class Schedule:
                     decls[f"order {kind}"] = (stmt, _snapshot(env))
                 case n.Compute():
                     decls["compute"] = (stmt, _snapshot(env))
-        b = _Binder(self, values, env, decls)
+        b = _Binder(self, values, env, decls, cost)
         return b.plan()
 
     # ------------------------------------------------------------ diagnosis
@@ -251,15 +262,24 @@ class Schedule:
                                  notes=(err.message,))
 
 
+def _cost(cost: Cost | str | None) -> Cost | None:
+    if cost is None or isinstance(cost, Cost):
+        return cost
+    if isinstance(cost, str):
+        return Cost.parse(cost)
+    raise PipeDSLError(f"compile: cost is a Cost, a string like 'F=1,B=2' or None, got {type(cost).__name__}")
+
+
 class _Binder:
     """Evaluates the declarations of one schedule for one set of sizes."""
 
     def __init__(self, schedule: Schedule, values: dict[str, int], env: Env,
-                 decls: dict[str, tuple[n.Stmt, Env]]) -> None:
+                 decls: dict[str, tuple[n.Stmt, Env]], cost: Cost | None = None) -> None:
         self.schedule = schedule
         self.values = values
         self.env = env
         self.decls = decls
+        self.cost = cost
         self.P, self.M = values["P"], values["M"]
 
     def _setting(self, kw: str, default: int | None = None) -> int | None:
@@ -352,9 +372,11 @@ class _Binder:
         if "memory" in self.decls:
             held_ops = [[(m, s, c) for c, s in held[r] for m in by_replica[c]] for r in range(P)]
             cap, span = self._compiled("memory")
-            return squeeze([_keyed(ops, keys.get("F"), chunk, r) for r, ops in enumerate(held_ops)],
-                           [_keyed(ops, keys.get("B"), chunk, r) for r, ops in enumerate(held_ops)],
-                           S, cap, wlag, span)
+            fwd = [_keyed(ops, keys.get("F"), chunk, r) for r, ops in enumerate(held_ops)]
+            bwd = [_keyed(ops, keys.get("B"), chunk, r) for r, ops in enumerate(held_ops)]
+            if "order auto" in self.decls:
+                return self._auto(fwd, bwd, S, C, cap, span, placement, routes, held)
+            return squeeze(fwd, bwd, S, cap, wlag, span)
         orders = []
         for r in range(P):
             ops = [(m, s, c) for c, s in held[r] for m in by_replica[c]]
@@ -376,6 +398,29 @@ class _Binder:
             bwd_ops = [op[1:] for op in bwd]
             orders.append(list(_split_backward(_interleave(fwd_ops, bwd_ops, min(w, len(fwd))), split, lag)))
         return orders
+
+    def _auto(self, fwd, bwd, S, C, cap, span, placement, routes, held) -> list[list[ComputeOp]]:
+        """`order auto`: the search of auto_order.py, each candidate lowered, validated and simulated under the
+        cost; the rule's warm-up/lag family among them where every rank holds one stage."""
+        cost = self.cost or Cost()
+        name = self.schedule.name
+
+        def evaluate(orders: list[list[ComputeOp]]) -> float | None:
+            plan = ComputePlan(name, dict(self.values), S, C, placement, tuple(routes), orders)
+            try:
+                program = validate(lower(plan))
+            except (ValidationError, PipeDSLError):
+                return None
+            return simulate(program, cost).makespan
+
+        structured = None
+        if all(len(h) == 1 for h in held):
+            def structured(warmups: list[int], lags: list[int]) -> list[list[ComputeOp]]:
+                fwd_ops = [[op[1:] for op in f] for f in fwd]
+                bwd_ops = [[op[1:] for op in b] for b in bwd]
+                return [list(_split_backward(_interleave(fwd_ops[r], bwd_ops[r], warmups[r]), True, lags[r]))
+                        for r in range(self.P)]
+        return search_orders(fwd, bwd, S, cap, span, cost, placement, evaluate, structured)
 
     # ------------------------------------------------------------ explicit lists
 

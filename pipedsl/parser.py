@@ -222,6 +222,10 @@ class _Builder(Transformer):
         return n.Flag("merge", self._span(meta))
 
     @v_args(meta=True)
+    def order_auto(self, meta, children):
+        return n.Flag("order auto", self._span(meta))
+
+    @v_args(meta=True)
     def order(self, meta, children):
         kind_tok, key = children
         kind = str(kind_tok)

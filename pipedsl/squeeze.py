@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pipedsl.errors import PipeSemanticError, Span
 from pipedsl.ir import Op
@@ -29,11 +30,50 @@ from pipedsl.lowering import ComputeOp
 
 COST = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}
 Keyed = list[tuple[tuple, int, int, int]]  # (key, m, s, c) sorted by key
+NO_LAG = 1 << 30  # a lag no rank reaches: W only fills gaps or frees memory
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the play-forward charges: an op's time by (kind, stage), and a message's between two ranks (`comm`,
+    where a stage's input comes from another rank: `placement` (replica, stage) → rank)."""
+
+    duration: Callable[[Op, int], float]
+    comm: float = 0.0
+    placement: dict[tuple[int, int], int] | None = None
+
+    @staticmethod
+    def unit() -> Timing:
+        return Timing(lambda kind, s: COST[kind])
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a free rank chooses, beyond the rule above (`order auto` tries several, runtime/auto_order.py):
+
+    - `fill`: "greedy" runs a pending W whenever nothing else is ready (the rule); "fit" only when it ends
+      before the next input this rank knows of arrives (a W that would delay a backward waits instead);
+    - `forward_first`: a ready forward before a ready backward (more microbatches in flight early);
+    - `inflight`: at most this many forwards on rank r whose backward has not run (1F1B's warm-up + 1),
+      beside the cap, which counts activations until their W."""
+
+    fill: str = "greedy"
+    forward_first: bool = False
+    inflight: tuple[int, ...] | None = None  # per rank; None: the cap alone
 
 
 def squeeze(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int], int],
-            lag: Callable[[int], int] | None, span: Span) -> list[list[ComputeOp]]:
+            lag: Callable[[int], int] | None, span: Span, timing: Timing | None = None,
+            policy: Policy = Policy()) -> list[list[ComputeOp]]:
     """Each rank's compute order (see the module docstring); `lag` None: full backwards."""
+    return play(fwd, bwd, num_stages, cap, lag, span, timing, policy)[0]
+
+
+def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int], int],
+         lag: Callable[[int], int] | None, span: Span, timing: Timing | None = None,
+         policy: Policy = Policy()) -> tuple[list[list[ComputeOp]], float]:
+    """`squeeze`'s orders and the time the play-forward ends (under `timing`)."""
+    timing = timing or Timing.unit()
     P = len(fwd)
     split = lag is not None
     caps = [cap(r) for r in range(P)]
@@ -51,6 +91,7 @@ def squeeze(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[
     g_end: dict[tuple[int, int, int], float] = {}  # (m, s, c) -> when its input gradient was ready
     clock = [0.0] * P
     live = [0] * P
+    ahead = [0] * P  # forwards whose backward has not run (`Policy.inflight`)
     reserved = [0] * P  # forwards still to come on the rank for microbatches already started there
     here = [{} for _ in range(P)]  # rank -> replica -> its stages on the rank
     for r, ops in enumerate(fwd):
@@ -62,6 +103,28 @@ def squeeze(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[
     left = [len(f) + len(b) + (len(b) if split else 0) for f, b in zip(fwd, bwd)]
     ends: list[float] = []  # a heap of op end times, to wake waiting ranks
     last = num_stages - 1
+    duration, comm = timing.duration, timing.comm
+    placed = timing.placement
+
+    def hop(r: int, s: int, c: int) -> float:
+        """The message time from stage s's rank to rank r (none on the same rank)."""
+        return 0.0 if not comm or placed is None or placed[(c, s)] == r else comm
+
+    def _next_input(r: int, t: float) -> float:
+        """When the next backward or forward input this rank can see arrives after `t` (inf: none known)."""
+        soon = _INF
+        for q in b_queues[r]:
+            if q:
+                _, m, s, c = q[0]
+                if s != last and (m, s + 1, c) in g_end:
+                    soon = min(soon, max(f_end.get((m, s, c), _INF), g_end[(m, s + 1, c)] + hop(r, s + 1, c)))
+        for q in f_queues[r]:
+            if q:
+                _, m, s, c = q[0]
+                if s > 0 and (m, s - 1, c) in f_end:
+                    soon = min(soon, f_end[(m, s - 1, c)] + hop(r, s - 1, c))
+        return soon
+
     active = [r for r in range(P) if left[r]]
     stalled: dict[int, float] = {}  # rank -> the time at which it found nothing to run
     while active:
@@ -80,29 +143,44 @@ def squeeze(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[
         op = None
         if split and len(pending_w[r]) > lags[r]:
             op = (Op.W, *pending_w[r].popleft())
-        if op is None:
-            head = _first_ready(b_queues[r], lambda m, s, c, t=t: f_end.get((m, s, c), _INF) <= t
-                                and (s == last or g_end.get((m, s + 1, c), _INF) <= t))
-            if head is not None:
-                op = (Op.I if split else Op.B, *head)
-        if op is None:
-            def admitted(m: int, s: int, c: int, t: float = t, r: int = r) -> bool:
-                if s > 0 and f_end.get((m, s - 1, c), _INF) > t:
-                    return False
-                return (r, m, c) in left_f or live[r] + reserved[r] + here[r][c] <= caps[r]
 
-            head = _first_ready(f_queues[r], admitted)
-            if head is not None:
-                op = (Op.F, *head)
+        def backward_ready(m: int, s: int, c: int, t: float = t, r: int = r) -> bool:
+            return f_end.get((m, s, c), _INF) <= t and (s == last or g_end.get((m, s + 1, c), _INF)
+                                                        + hop(r, s + 1, c) <= t)
+
+        def admitted(m: int, s: int, c: int, t: float = t, r: int = r) -> bool:
+            if s > 0 and f_end.get((m, s - 1, c), _INF) + hop(r, s - 1, c) > t:
+                return False
+            if (r, m, c) in left_f:
+                return True
+            if policy.inflight is not None and ahead[r] >= policy.inflight[r]:
+                return False
+            return live[r] + reserved[r] + here[r][c] <= caps[r]
+
+        for kind in ((Op.F, Op.B) if policy.forward_first else (Op.B, Op.F)):
+            if op is not None:
+                break
+            if kind is Op.B:
+                head = _first_ready(b_queues[r], backward_ready)
+                if head is not None:
+                    op = (Op.I if split else Op.B, *head)
+            else:
+                head = _first_ready(f_queues[r], admitted)
+                if head is not None:
+                    op = (Op.F, *head)
         if op is None and split and pending_w[r]:
-            op = (Op.W, *pending_w[r].popleft())
+            w = pending_w[r][0]
+            blocked = any(q and not admitted(*q[0][1:], t=_INF) for q in f_queues[r])  # the cap stops a forward
+            if policy.fill == "greedy" or blocked or t + duration(Op.W, w[1]) <= _next_input(r, t):
+                op = (Op.W, *pending_w[r].popleft())
         if op is None:
             stalled[r] = t
             continue
         kind, m, s, c = op
-        end = t + COST[kind]
+        end = t + duration(kind, s)
         if kind is Op.F:
             live[r] += 1
+            ahead[r] += 1
             f_end[(m, s, c)] = end
             key = (r, m, c)
             if key not in left_f:
@@ -111,6 +189,7 @@ def squeeze(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[
             left_f[key] -= 1
             reserved[r] -= 1
         elif kind is Op.B or kind is Op.I:
+            ahead[r] -= 1
             g_end[(m, s, c)] = end
             if split:
                 pending_w[r].append((m, s, c))
@@ -124,7 +203,7 @@ def squeeze(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[
         left[r] -= 1
         if not left[r]:
             active.remove(r)
-    return orders
+    return orders, max(clock)
 
 
 _INF = float("inf")

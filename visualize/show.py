@@ -129,7 +129,8 @@ def _inputs(args: argparse.Namespace) -> list[_Source]:
     measured = next(((path, t) for path, t in traces if t.kind == "measured"), None)
     sources = []
     for schedule in schedules:
-        program = schedule.compile(P=args.ranks, M=args.microbatches, **_fitting(params, schedule, schedules))
+        program = schedule.compile(P=args.ranks, M=args.microbatches, cost=cost,  # `order auto` is searched under it
+                                   **_fitting(params, schedule, schedules))
         costs, how = (cost, "") if measured is None else _seconds(args.cost, cost, program, *measured)
         timeline = simulate(program, costs)
         if how:

@@ -1,0 +1,136 @@
+"""`order auto`: each rank's order of F, I and W searched from the op and message costs, under the
+`memory` cap.
+
+The zero-bubble paper's automatic schedules (Qi et al., ICLR'24, section 3) start from a heuristic —
+warm-up forwards up to the memory limit, then one forward, one backward and one W in turn, the W's
+placed where they fill a gap — and refine it.  Here the heuristic is the memory-capped play-forward
+of squeeze.py, charged with the real costs (each kind's time per stage, a message's time between two
+ranks), under several policies:
+
+- W's greedy (whenever nothing else is ready) or only where they end before the next input the rank
+  knows of arrives (a W that would delay a backward waits);
+- backwards or forwards first when both are ready;
+- a W forced once 0, 1, 2, r, 2r (ZB-H1's and ZB-H2's lags) or no backwards are pending after it.
+
+Every policy's play ends at some time; the earliest wins (ties: the first in the order above), so the
+result is deterministic, and never worse than the greedy `memory` rule or any of the lags it tries at the
+same cap.  Each play is linear in the ops times the ranks; at large sizes fewer policies are tried
+(`LARGE`).  The cap holds by construction, as for `memory`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pipedsl.errors import PipeSemanticError, Span
+from pipedsl.ir import Op
+from pipedsl.lowering import ComputeOp
+from pipedsl.simulate import Cost
+from pipedsl.squeeze import NO_LAG, Keyed, Policy, Timing, play
+
+LARGE = 20_000  # compute ops beyond which only the two policies that win most often are tried
+EVALUATIONS = 400_000  # the descent's budget: compute ops summed over the programs it simulates
+
+
+def _lags(P: int) -> list[Callable[[int], int]]:
+    """The W lags tried: constant 0, 1 and 2, ZB-H1's r, ZB-H2's 2r, and none (W's only fill gaps or free memory)."""
+    return [lambda r: 0, lambda r: 1, lambda r: 2, lambda r: r, lambda r: 2 * r, lambda r: NO_LAG]
+
+
+Orders = list[list[ComputeOp]]
+
+
+def _descend(best: tuple[Orders, float] | None, structured: Callable[[list[int], list[int]], Orders],
+             evaluate: Callable[[Orders], float | None], caps: list[int], M: int, cost: Cost, comm: float,
+             P: int, budget: int) -> tuple[Orders, float] | None:
+    """Refine the rule's family rank by rank: from the warm-up that covers the wait for the first backward
+    (as many forwards as fit in (P−1−r)(F + I + 2·comm), within the cap), move each rank's warm-up and W lag
+    by one while the step gets shorter (a coordinate descent; each move costs one evaluation, `budget` of them)."""
+    F, I = max(cost.F, 1e-12), cost.I  # noqa: E741
+    warm = [max(0, min(caps[r] - 1, M, round((P - 1 - r) * (F + I + 2 * comm) / F))) for r in range(P)]
+    lags = [caps[r] - 1 - warm[r] for r in range(P)]
+
+    left = [budget]
+
+    def score(w: list[int], lag: list[int]) -> tuple[Orders, float] | None:
+        left[0] -= 1
+        orders = structured(w, lag)
+        end = evaluate(orders)
+        return None if end is None else (orders, end)
+
+    current = score(warm, lags)
+    if current is not None and (best is None or current[1] < best[1]):
+        best = current
+    if current is None:
+        return best
+    for _ in range(3):  # sweeps
+        improved = False
+        for r in range(P):
+            for dw, dl in ((1, -1), (-1, 1), (-1, 0), (0, -1), (1, 0), (0, 1)):
+                w, lag = list(warm), list(lags)
+                w[r], lag[r] = w[r] + dw, lag[r] + dl
+                if not (0 <= w[r] <= M and lag[r] >= 0 and w[r] + 1 + lag[r] <= caps[r]):
+                    continue
+                if left[0] <= 0:
+                    return current if best is None or current[1] < best[1] else best
+                tried = score(w, lag)
+                if tried is not None and tried[1] < current[1] - 1e-12 * max(current[1], 1.0):
+                    current, warm, lags, improved = tried, w, lag, True
+        if not improved:
+            break
+    return current if best is None or current[1] < best[1] else best
+
+
+def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int], int], span: Span,
+                  cost: Cost, placement: dict[tuple[int, int], int], evaluate: Callable[[Orders], float | None],
+                  structured: Callable[[list[int], list[int]], Orders] | None = None) -> Orders:
+    """The candidate whose step under `cost` ends first (`evaluate`: the makespan of the validated, simulated
+    program, None where it does not validate); see the module docstring.  `structured(warmups, lags)` builds
+    the rule's order (warm-up forwards, 1F1B, each W `lag` backwards after its I) where every rank holds one
+    stage: ZB-H1 and ZB-H2 are its members at caps P and 2P, and the ones between are tried too."""
+    def duration(kind: Op, s: int) -> float:
+        return cost.per_stage.get(s, {}).get(kind.value, getattr(cost, kind.value))
+
+    timing = Timing(duration, cost.message_time(None), placement)  # type: ignore[arg-type]
+    P = len(fwd)
+    ops = sum(len(f) for f in fwd) * 3
+    policies = [Policy(fill, first) for fill in ("fit", "greedy") for first in (False, True)]
+    lags = _lags(P)
+    no_lag = lags[-1]
+    if ops > LARGE:
+        policies, lags = policies[:1], [lags[3], no_lag]
+    candidates: list[Orders] = []
+    refusal: PipeSemanticError | None = None
+    for policy in policies:
+        for lag in lags:
+            try:
+                candidates.append(play(fwd, bwd, num_stages, cap, lag, span, timing, policy)[0])
+            except PipeSemanticError as err:  # this lag cannot make progress under the cap; another may
+                refusal = refusal or err
+    caps = [cap(r) for r in range(P)]
+    if structured is not None:
+        M = len(fwd[0])
+        for shift in (0, -1, 1, -2, 2):
+            lags_r = [max(0, min(caps[r] - 1, r * caps[r] // P + shift)) for r in range(P)]
+            warm = [max(0, min(caps[r] - 1 - lags_r[r], M)) for r in range(P)]
+            candidates.append(structured(warm, lags_r))
+            # the same warm-up, its W's placed by the play instead: where they fit, or when memory needs them
+            for fill in ("fit", "greedy"):
+                policy = Policy(fill, False, tuple(w + 1 for w in warm))
+                try:
+                    candidates.append(play(fwd, bwd, num_stages, cap, no_lag, span, timing, policy)[0])
+                except PipeSemanticError as err:
+                    refusal = refusal or err
+    best: tuple[Orders, float] | None = None
+    for orders in candidates:
+        end = evaluate(orders)
+        if end is not None and (best is None or end < best[1] - 1e-12 * max(end, 1.0)):
+            best = (orders, end)
+    if structured is not None:
+        budget = max(P, EVALUATIONS // max(ops, 1))  # moves the descent may try: fewer at large sizes
+        best = _descend(best, structured, evaluate, caps, len(fwd[0]), cost, timing.comm, P, budget)
+    if best is None:
+        if refusal is not None:
+            raise refusal
+        raise PipeSemanticError("'order auto' found no order that runs under the memory cap", span)
+    return best[0]
