@@ -1,7 +1,9 @@
 """Model splitting: cut a model into pipeline stages (one `nn.Module` per global stage).
 
 - `split_sequential(seq, n)`: an `nn.Sequential` into `n` contiguous stages, balanced by
-  layer count (`by="count"`), by parameter count (`by="params"`), or at explicit `points`
+  layer count (`by="count"`), by parameter count (`by="params"`), by the FLOPs a token costs in each
+  layer (`by="flops"`: the matmul weights, so a large-vocabulary head weighs what it costs and an
+  embedding nothing; `matmul_weights`), or at explicit `points`
   (the indices where stages 1 … n−1 begin).  Each stage is a `SequentialStage`: a layer that
   returns a tuple (`(h, mask)`) feeds the next one its items as positional arguments, so
   several tensors can flow between layers and between stages.
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.plan.partition import balanced_sizes
+from pipedsl.plan.partition import balanced_sizes, even_sizes
 
 
 def split_sequential(seq: nn.Sequential, num_stages: int | None = None, *, by: str = "count",
@@ -80,6 +82,31 @@ def split_gpt(embed: nn.Module, blocks: Sequence[nn.Module], head: nn.Module, nu
     return [SequentialStage(*units[a:b]) for a, b in zip(bounds, bounds[1:])]  # an MoE GPT's blocks pass tuples
 
 
+def matmul_weights(unit: nn.Module) -> float:
+    """The weights a token is multiplied by in `unit` — its FLOPs per token, over 2 — what `by="flops"` balances.
+
+    Every weight of two or more dimensions counts (linear layers, GPT-2's Conv1D, a head however it is tied),
+    an embedding's none (a lookup), vectors none (norms, biases: no matmul); the experts of an MoE layer count
+    top_k / E of theirs (the ones a token reaches; top_k from the block or its router).  Attention's
+    sequence-length term is left out: at the lengths pipelines train it is a small share of a layer."""
+    from pipedsl.parallel.expert import ExpertParallel, is_experts
+
+    active: dict[int, float] = {}  # experts module -> the share of it a token uses
+    for m in unit.modules():
+        for child in m.children():
+            if is_experts(child) or isinstance(child, ExpertParallel):
+                k = next((v for v in (getattr(m, "top_k", None), getattr(getattr(m, "router", None), "top_k", None),
+                                      getattr(getattr(m, "gate", None), "top_k", None)) if isinstance(v, int)), 1)
+                active[id(child)] = k / child.num_experts
+    total = 0.0
+    for m in unit.modules():
+        if isinstance(m, nn.Embedding):
+            continue
+        share = active.get(id(m), 1.0)
+        total += sum(p.numel() for p in m.parameters(recurse=False) if p.dim() >= 2) * share
+    return total
+
+
 def _bounds(layers: list[nn.Module], n: int | None, by: str, points: Sequence[int] | None) -> list[int]:
     L = len(layers)
     if points is not None:
@@ -95,8 +122,10 @@ def _bounds(layers: list[nn.Module], n: int | None, by: str, points: Sequence[in
         sizes = [L // n + (1 if i < L % n else 0) for i in range(n)]
     elif by == "params":
         sizes = balanced_sizes([sum(p.numel() for p in m.parameters()) for m in layers], n)
+    elif by == "flops":
+        sizes = even_sizes([matmul_weights(m) for m in layers], n)
     else:
-        raise PipeRuntimeError(f"by={by!r}: expected 'count' or 'params' ('blocks' too for split_gpt)")
+        raise PipeRuntimeError(f"by={by!r}: expected 'count', 'params' or 'flops' ('blocks' too for split_gpt)")
     out = [0]
     for size in sizes:
         out.append(out[-1] + size)

@@ -125,9 +125,11 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--seq", type=positive_int, help=f"tokens per sequence (default {d.seq})")
     p.add_argument("--layers", type=nonnegative_int, help="transformer blocks (default: 2 per stage)")
     p.add_argument("--split", choices=config.SPLITS,
-                   help="how the GPT is cut into stages: count (the embedding and the head count as pieces like "
-                        "the blocks; default) or blocks (every stage the same number of blocks, the embedding and "
-                        "head on the end stages: Megatron-LM's split, the one `pipedsl plan` models)")
+                   help="how the model is cut into stages: count (the embedding and the head count as pieces like "
+                        "the blocks; default), blocks (every stage the same number of blocks, the embedding and "
+                        "head on the end stages: Megatron-LM's split, the one `pipedsl plan` models) or flops "
+                        "(balanced by the FLOPs a token costs in each piece: a large-vocabulary head gets a stage "
+                        "with fewer blocks)")
     p.add_argument("--embd", type=positive_int,
                    help=f"embedding width, a multiple of {GPT_HEADS} (default {m.embd})")
     p.add_argument("--lr", type=positive_float, help=f"AdamW's learning rate (default {t.lr:g})")

@@ -46,7 +46,7 @@ MAX_SECONDS = 365 * 86400.0  # a timeout beyond a year is a typo (and overflows 
 MAX_SEED = 2**63 - 2  # torch.manual_seed takes 64-bit seeds; the data generator uses seed + 1
 
 DTYPES = ("fp32", "bf16", "fp16")
-SPLITS = ("count", "blocks")
+SPLITS = ("count", "blocks", "flops")
 ATTENTIONS = ("sdpa", "eager")
 PACKINGS = ("pack", "pad")
 LR_SCHEDULES = ("constant", "cosine")

@@ -186,7 +186,19 @@ def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFMod
 
 def _split(how: str, layers: int, num_stages: int, md: Any) -> dict[str, Any]:
     """`--split count`: embedding, layers and head spread as units; `blocks`: every stage the same number of
-    decoder layers (±1), the embedding with the first and the head with the last (Megatron's split)."""
+    decoder layers (±1), the embedding with the first and the head with the last (Megatron's split); `flops`:
+    the units balanced by the FLOPs a token costs in each (models/split.py's `matmul_weights`: a large
+    vocabulary's head weighs what it costs), read off the model on the meta device."""
+    if how == "flops":
+        from pipedsl.models.hf.stages import _Parts
+        from pipedsl.models.split import _bounds
+
+        parts = _Parts(_meta_model(md.config))
+        units = [parts.embed, *parts.layers, parts.head]
+        if num_stages > len(units):
+            raise PipeDSLError(f"--split flops: {md.path} has {len(units)} units (embedding, layers, head), fewer "
+                               f"than the program's {num_stages} stages")
+        return {"points": _bounds(units, num_stages, "flops", None)[1:-1]}
     if how != "blocks":
         return {"by": "count"}
     if layers < num_stages:

@@ -72,3 +72,41 @@ def test_gpt_split_by_blocks_gives_every_stage_its_share_of_blocks(n: int, block
     torch.testing.assert_close(h, model(x))
     with pytest.raises(PipeRuntimeError, match="cannot split 6 blocks into 7"):
         model.stages(7, by="blocks")
+
+
+def test_by_flops_weighs_what_a_token_multiplies() -> None:
+    """`matmul_weights`: a block 12·C² (qkv 3C², proj C², MLP 8C²), a head V·C, an embedding nothing (a lookup), norms
+    and biases nothing; an MoE layer's experts top_k / E of theirs."""
+    from pipedsl.models.split import matmul_weights
+
+    C, V = 32, 512
+    gpt = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=6, n_head=4, n_embd=C))
+    assert matmul_weights(gpt.embed) == 0 and matmul_weights(gpt.head) == V * C
+    assert matmul_weights(gpt.blocks[0]) == 12 * C * C
+    moe = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=4, n_embd=C, n_experts=8, top_k=2))
+    experts = 2 * 8 * C * 4 * C  # fc and proj of each of 8 experts
+    assert matmul_weights(moe.blocks[0]) == 4 * C * C + 8 * C + experts * 2 / 8  # attention, router, 2 of 8
+
+
+def test_by_flops_gives_a_large_vocabulary_head_a_stage_of_its_own_and_spreads_the_rest() -> None:
+    """V·C = 16 blocks' worth: the head alone on the last stage (it bounds every split), the blocks spread evenly
+    over the others (the least Σ stage², `even_sizes`); by count the head's stage would also hold blocks."""
+    gpt = GPT(GPTConfig(vocab_size=6144, block_size=16, n_layer=9, n_head=4, n_embd=32))
+    by_flops = [len(s) for s in gpt.stages(4, by="flops")]
+    assert by_flops == [4, 3, 3, 1]  # [embed + 3 blocks, 3, 3, head]
+    assert [len(s) for s in gpt.stages(4)] == [3, 3, 3, 2]
+    seq = _seq([2, 2, 16, 2, 2, 2])
+    assert [len(s) for s in split_sequential(seq, 3, by="flops")] == [2, 1, 3]
+
+
+def test_the_trainer_cuts_a_hugging_face_model_by_flops_on_the_meta_device() -> None:
+    import types
+
+    tf = pytest.importorskip("transformers")
+    from pipedsl.trainer.hf_setup import _split
+
+    config = tf.LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    md = types.SimpleNamespace(config=config, path="llama")
+    split = _split("flops", 6, 3, md)
+    assert split == {"points": [4, 7]}  # [embed + 3 layers, 3 layers, head]: the head weighs 4096·32
