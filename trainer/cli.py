@@ -65,7 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", metavar="DIR",
                    help="a local Hugging Face model directory (config.json; with safetensors weights: fine-tune "
                         "them, without: random init); default: the built-in GPT on synthetic tokens")
-    p.add_argument("--schedule", help=f"a built-in name or a .pipe file (default {D.schedule.schedule})")
+    p.add_argument("--schedule", help=f"a built-in name or a .pipe file (default {D.schedule.schedule}); auto: "
+                                      "profile a few steps under ZB-H1, then continue under ZB-auto searched from "
+                                      "the measured op and message times (-p mem=N: its memory cap, default 2P)")
     p.add_argument("-P", "--ranks", type=positive_int,
                    help=f"pipeline ranks = local processes (default {config.COMMAND_DEFAULTS['train']['ranks']})")
     p.add_argument("-M", "--microbatches", type=positive_int,
@@ -278,7 +280,11 @@ def run(args: argparse.Namespace) -> int:
     s = cfg.schedule
     _check_local(s.ranks, cfg)  # before compiling: a huge -P is refused, not compiled
     _start_fork_server(cfg)
-    program = pipedsl.load(s.schedule).compile(P=s.ranks, M=s.microbatches, **s.params)
+    if s.schedule == "auto":  # profile under ZB-H1, then search ZB-auto from its costs (trainer/train.py: _switch)
+        pipedsl.load("zb-auto").compile(P=s.ranks, M=s.microbatches, **s.params)  # its parameters, checked now
+        program = pipedsl.load("zb-h1").compile(P=s.ranks, M=s.microbatches)
+    else:
+        program = pipedsl.load(s.schedule).compile(P=s.ranks, M=s.microbatches, **s.params)
     return _execute(program, cfg, started)
 
 
@@ -348,6 +354,8 @@ def _execute(program: Any, cfg: TrainConfig, started: float) -> int:
     report = results[0]
     if report is None:  # torchrun: a process other than global rank 0 (it reports nothing)
         return 0
+    if "program" in report:  # the program that ran last (--schedule auto: the searched one)
+        program = pipedsl.Program.from_json(report["program"])
     write_text(out / "losses.json", json.dumps({"schedule": program.name, "params": program.params,
                                                   "losses": report["losses"]}, indent=1) + "\n")
     written = [str(out / "metrics.jsonl"), str(out / "losses.json")]

@@ -149,6 +149,13 @@ class MetricsLogger:
             parts.append(f"skipped (fp16 overflow; loss scale now {m.get('loss_scale', 0):g})")
         return "  ".join(parts)
 
+    def event(self, step: int, kind: str, fields: dict[str, Any], text: str) -> None:
+        """A record of something that happened (`kind`: e.g. "schedule" when --schedule auto switches) to the JSONL
+        file, and its line to the console."""
+        if self._file is not None:
+            self._file.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **fields}) + "\n")
+        self.note(text)
+
     def note(self, text: str) -> None:
         """A line for the console only (checkpoints, resumes)."""
         if self._live is not None:

@@ -23,7 +23,8 @@ import functools
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -234,11 +235,15 @@ def gpt_config(cfg: TrainConfig) -> Any:
                      capacity_factor=m.capacity_factor or None)
 
 
+AUTO_PROFILE_STEPS = 3  # `--schedule auto`: steps traced under ZB-H1 before the search (the first one warms up)
+
+
 def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | None:
     """Every rank: build the pipeline, restore a checkpoint if asked, train to `cfg.training.steps`.
 
     `cfg` is made concrete for the program here as the launcher does (`for_program` is idempotent), so a
-    configuration built in code (`TrainConfig.from_options`) runs as well as the launcher's."""
+    configuration built in code (`TrainConfig.from_options`) runs as well as the launcher's.  With
+    `--schedule auto` the program is the profile (ZB-H1) and `_switch` replaces it after its steps."""
     program = pipedsl.Program.from_json(program_json)
     cfg = cfg.for_program(program)
     parallel = None
@@ -246,6 +251,42 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     if dp > 1 or zero or tp > 1:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
         parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero, ep=cfg.parallel.ep))
+    pipe, opt, source, load = _build(rank, program, cfg, parallel)
+    start = 0
+    if cfg.checkpoint.resume:
+        restored = checkpoint.load(pipe, cfg.checkpoint.resume, opt)
+        source.restore(restored.extra, restored.path)
+        start = restored.step
+        if rank == 0:
+            changed = "; a different schedule now, same stage partition" if restored.schedule_changed else ""
+            print(f"resumed at step {start} ({restored.saved_schedule}{changed})", flush=True)
+    _arm_step_fault(pipe, rank)
+    log = _logger(cfg, start) if rank == 0 else None
+    try:
+        if cfg.schedule.schedule == AUTO and start < t.steps:
+            until = min(start + AUTO_PROFILE_STEPS, t.steps)
+            losses = _loop(rank, pipe, opt, source, cfg, start, log, load, until=until)
+            if until < t.steps:
+                pipe, opt, source, load = _switch(rank, pipe, opt, source, cfg, parallel, until, log)
+                losses.update(_loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load))
+        else:
+            losses = _loop(rank, pipe, opt, source, cfg, start, log, load)
+    finally:
+        if log is not None:
+            log.close()
+    pipe.close()  # its groups' threads and sockets; the timeline below needs only the pipeline group
+    if start >= t.steps:
+        return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
+    return _report(pipe, losses, start, source)
+
+
+AUTO = "auto"  # the schedule name that profiles, searches and switches (`_switch`)
+
+
+def _build(rank: int, program: pipedsl.Program, cfg: TrainConfig, parallel: Any) -> tuple[Any, Any, Any, Any]:
+    """This rank's stages (a fresh source), its pipeline for `program`, the optimizer with its lr schedule, and the
+    router statistics of an MoE model (None otherwise)."""
+    t = cfg.training
     pp_rank = parallel.coords.pp if parallel is not None else rank
     source = HFSource(cfg, program, pp_rank, parallel) if cfg.hf else GPTSource(cfg, program, parallel)
     precision = MixedPrecision(t.precision, params=t.param_dtype, grads=t.grad_dtype)
@@ -264,25 +305,49 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     if t.lr_schedule != "constant" or t.warmup_steps:
         from pipedsl.runtime.optim import LRSchedule
         opt.lr_schedule = LRSchedule(t.lr_schedule, lr=t.lr, warmup=t.warmup_steps, total=t.steps)
-    start = 0
-    if cfg.checkpoint.resume:
-        restored = checkpoint.load(pipe, cfg.checkpoint.resume, opt)
-        source.restore(restored.extra, restored.path)
-        start = restored.step
-        if rank == 0:
-            changed = "; a different schedule now, same stage partition" if restored.schedule_changed else ""
-            print(f"resumed at step {start} ({restored.saved_schedule}{changed})", flush=True)
-    _arm_step_fault(pipe, rank)
-    log = _logger(cfg, start) if rank == 0 else None
-    try:
-        losses = _loop(rank, pipe, opt, source, cfg, start, log, load)
-    finally:
+    return pipe, opt, source, load
+
+
+def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, parallel: Any, step: int,
+            log: Any) -> tuple[Any, Any, Any, Any]:
+    """`--schedule auto` after its profile steps: the op and message costs fitted to the last step's trace
+    (`Cost.fit`, means), ZB-auto searched under them (every rank alike: the search is deterministic), and the
+    run carried over through a checkpoint of this step — weights, optimizer state, random state, the data
+    position — into a pipeline for the new program.  The stage partition does not change, so every later
+    checkpoint is like the run's others (a resume may use any schedule); the gradients stay one process's."""
+    import shutil
+
+    from pipedsl.simulate import Cost, simulate
+
+    timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
+    fitted = [Cost.fit(timeline, statistic="mean").__dict__ if timeline is not None else None]
+    torch.distributed.broadcast_object_list(fitted, src=0)
+    cost = Cost(**fitted[0])
+    s = cfg.schedule
+    program = pipedsl.load("zb-auto").compile(P=pipe.program.num_ranks, M=pipe.program.num_microbatches,
+                                              cost=cost, **s.params)
+    directory = Path(cfg.logging.out) / "auto-switch"
+    checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout)
+    profiled = timeline.makespan if timeline is not None else 0.0
+    pipe.close()
+    new, new_opt, new_source, load = _build(rank, program, cfg, parallel)
+    restored = checkpoint.load(new, directory, new_opt)
+    new_source.restore(restored.extra, restored.path)
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        predicted = simulate(program, cost).makespan
+        params = " ".join(f"{k}={v}" for k, v in program.params.items())
+        line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
+                f"messages {cost.comm * 1e3:.2f}): {program.name} {params}, predicted step {predicted * 1e3:.1f} ms "
+                f"against ZB-H1's {profiled * 1e3:.1f} ms measured")
+        fields = {"program": program.name, "params": program.params, "predicted_ms": predicted * 1e3,
+                  "profiled_ms": profiled * 1e3, "cost": {k: getattr(cost, k) for k in ("F", "I", "W", "comm")}}
         if log is not None:
-            log.close()
-    pipe.close()  # its groups' threads and sockets; the timeline below needs only the pipeline group
-    if start >= t.steps:
-        return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
-    return _report(pipe, losses, start, source)
+            log.event(step, "schedule", fields, line)
+        else:
+            print(line, flush=True)
+    return new, new_opt, new_source, load
 
 
 def _logger(cfg: TrainConfig, start: int) -> Any:
@@ -294,13 +359,14 @@ def _logger(cfg: TrainConfig, start: int) -> Any:
 
 
 def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any,
-          load: Any = None) -> dict[int, float]:
+          load: Any = None, until: int | None = None) -> dict[int, float]:
+    """Steps start+1 … `until` (default the last)."""
     clip, steps = cfg.training.clip_grad, cfg.training.steps
     every, directory = cfg.checkpoint.checkpoint_every, cfg.checkpoint.checkpoint_dir
     eval_every, eval_at_end = cfg.eval.eval_every, cfg.hf is not None and cfg.hf.eval_at_end
     peak = cfg.peak_flops or 0.0
     losses: dict[int, float] = {}
-    for step in range(start + 1, steps + 1):
+    for step in range(start + 1, (until or steps) + 1):
         x, y = source.next_batch(step)
         t0 = time.perf_counter()
         loss = pipe.step(x, y)
@@ -365,7 +431,7 @@ def _report(pipe: Any, losses: dict[int, float], start: int, source: Any) -> dic
                 sums.setdefault("FB" if e.instr.sub else e.instr.op.value, []).append(e.duration)
     cost = {k: sum(v) / len(v) for k, v in sums.items()}
     return {"timeline": timeline.to_dict(), "cost": cost, "peaks": peaks, **source.describe(),
-            "losses": losses, "start": start}
+            "losses": losses, "start": start, "program": pipe.program.to_json()}
 
 
 def _token_loss_sum(logits: Any, targets: Any) -> Any:
