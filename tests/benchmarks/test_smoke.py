@@ -36,6 +36,7 @@ RUNS = {
     "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--against", "HEAD"]),
     "test_shape_change": ("shape_change", ["--quick"]),
     "test_startup": ("startup", ["--quick"]),
+    "test_auto_schedule": ("auto_schedule", ["--quick", "--vocab", "2048", "--us-per-mweight", "5"]),
     "test_moe_overlap": ("moe_overlap", ["--quick", "--M", "4", "--latency", "0.5", "--attn", "0.2", "--experts-ms",
                                          "0.2"]),
 }
@@ -252,3 +253,14 @@ def test_moe_overlap(runs, request):
     over = got["rows"][-1]
     assert over["handovers"] > 0 and over["predicted_ms"] > 0 and got["rows"][3]["handovers"] == 0
     assert set(got["checks"]) == {"pair_ratio", "predicted_over_measured"}
+
+
+@pytest.mark.slow
+def test_auto_schedule(runs, request):
+    """Four rows (1F1B, ZB-H1 and ZB-V split by count, the searched schedule split by FLOPs) with the searched
+    one's prediction, made before it ran."""
+    got = run(runs, request, "auto_schedule")
+    assert [(r["schedule"], r["split"]) for r in got["rows"]] == [("1f1b", "count"), ("zb-h1", "count"),
+                                                                  ("zb-v", "count"), ("auto", "flops")]
+    assert got["rows"][-1]["predicted_ms"] > 0 and max(got["rows"][-1]["peaks"]) <= 4
+    assert set(got["checks"]) == {"auto_over_best_even", "predicted_over_measured"}
