@@ -23,9 +23,10 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,24 @@ def write_json(name: str, result: dict[str, Any], path: str | None = None) -> Pa
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     return out
+
+
+def publish(name: str, argv: Sequence[str] | None, cfg: dict[str, Any], rows: list[dict[str, Any]],
+            checks: dict[str, float], table: Callable[[dict[str, Any]], str], summary: str, json_path: str | None,
+            no_append: bool) -> dict[str, Any]:
+    """A benchmark's end: its record (command, machine, date, config, rows, checks) to JSON, its table and
+    `summary` printed, and `summary` as its row in RESULTS.md unless `no_append`."""
+    given = list(argv) if argv is not None else sys.argv[1:]
+    command = f"python benchmarks/{name}.py" + (" " + " ".join(given)).rstrip()
+    result = {"benchmark": name, "command": command, "machine": machine(), "date": today(), "config": cfg,
+              "rows": rows, "checks": checks}
+    path = write_json(name, result, json_path)
+    print(table(result))
+    print(summary)
+    if not no_append:
+        append_results(results_row(command, summary))
+    print(f"wrote {path}")
+    return result
 
 
 def append_results(row: str, path: Path | None = None) -> None:

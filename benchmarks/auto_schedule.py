@@ -144,23 +144,13 @@ def main(argv: list[str] | None = None) -> int:
                         "peaks": timeline.peak_activations,
                         "predicted_ms": r["predicted_s"] * 1e3 if r["predicted_s"] is not None else None,
                         "self_ms": pipedsl.simulate(program, pipedsl.Cost.fit(timeline)).makespan * 1e3})
-    given = argv if argv is not None else sys.argv[1:]
-    command = "python benchmarks/auto_schedule.py" + (" " + " ".join(given)).rstrip()
     auto = summary[-1]
     best_other = min(s["step_ms"] for s in summary[:-1])
-    result = {"benchmark": "auto_schedule", "command": command, "machine": _bench.machine(), "date": _bench.today(),
-              "config": cfg, "rows": summary,
-              "checks": {"auto_over_best_even": auto["step_ms"] / best_other,
-                         "predicted_over_measured": auto["predicted_ms"] / auto["makespan_ms"]}}
-    path = _bench.write_json("auto_schedule", result, args.json)
-    print(table(result))
-    print(f"auto / best even-split schedule: {result['checks']['auto_over_best_even']:.3f}; predicted / measured "
-          f"(auto): {result['checks']['predicted_over_measured']:.3f}")
-    if not args.no_append:
-        c = result["checks"]
-        _bench.append_results(_bench.results_row(command, f"auto/best even {c['auto_over_best_even']:.3f}, "
-                                                          f"predicted/measured {c['predicted_over_measured']:.3f}"))
-    print(f"wrote {path}")
+    checks = {"auto_over_best_even": auto["step_ms"] / best_other,
+              "predicted_over_measured": auto["predicted_ms"] / auto["makespan_ms"]}
+    _bench.publish("auto_schedule", argv, cfg, summary, checks, table,
+                   f"auto / best even-split schedule {checks['auto_over_best_even']:.3f}, predicted / measured (auto) "
+                   f"{checks['predicted_over_measured']:.3f}", args.json, args.no_append)
     return 0
 
 

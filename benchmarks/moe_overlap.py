@@ -179,15 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     seq_row = next(s for s in summary if s["schedule"] == "dualpipev")
     checks = {"pair_ratio": over["pair_ms"] / seq_row["pair_ms"],
               "predicted_over_measured": over["predicted_ms"] / over["makespan_ms"]}
-    command = "python benchmarks/moe_overlap.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
-    result = {"benchmark": "moe_overlap", "command": command, "machine": _bench.machine(), "date": _bench.today(),
-              "config": cfg, "rows": summary, "checks": checks}
-    path = _bench.write_json("moe_overlap", result, args.json)
-    print(table(result))
-    if not args.no_append:
-        _bench.append_results(_bench.results_row(command, f"pair ratio {checks['pair_ratio']:.3f}, predicted/measured "
-                                                          f"{checks['predicted_over_measured']:.3f}"))
-    print(f"wrote {path}")
+    _bench.publish("moe_overlap", argv, cfg, summary, checks, table,
+                   f"pair ratio {checks['pair_ratio']:.3f}, predicted/measured {checks['predicted_over_measured']:.3f}",
+                   args.json, args.no_append)
     return 0
 
 
