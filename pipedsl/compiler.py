@@ -79,6 +79,11 @@ class Schedule:
         return next((s.text for s in self.decl.body if isinstance(s, n.Doc)), "")
 
     @property
+    def searched(self) -> bool:
+        """Whether its order is searched from costs (`order auto`): it needs the costs it will run under."""
+        return any(isinstance(stmt, n.Flag) and stmt.keyword == "order auto" for stmt in self.decl.body)
+
+    @property
     def parameters(self) -> list[Parameter]:
         """Declared parameters beyond P and M, in order."""
         return [Parameter(p.name, p.default) for p in self.decl.params if p.name not in BUILTIN_PARAMS]

@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--intra-latency-us", type=rate)
     p.add_argument("--inter-latency-us", type=rate)
     p.add_argument("--schedule", action="append", metavar="NAME_OR_PIPE",
-                   help="only these schedules (repeatable; a built-in name or a .pipe file); default: every built-in")
+                   help="only these schedules (repeatable; a built-in name or a .pipe file); default: every built-in "
+                        "but zb-auto, whose order is searched from costs")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
     p.add_argument("--recompute", default="none,selective,full",
                    help="recomputation modes to try (default none,selective,full): selective recomputes attention "

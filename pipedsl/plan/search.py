@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pipedsl.errors import PipeDSLError
-from pipedsl.library import builtin_names
+from pipedsl.library import builtin_names, load
 from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
@@ -292,7 +292,8 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
     An MoE model also tries each expert-parallel degree (`ep`, default every one) that divides dp and its
     expert count; a dense model runs ep 1."""
     kernels = list(attention) if attention is not None else ["fused" if cluster.fused_attention else "eager"]
-    names = list(schedules) if schedules is not None else builtin_names()
+    # searched schedules (`order auto`, zb-auto) need the stage costs to compile: only when named
+    names = list(schedules) if schedules is not None else [n for n in builtin_names() if not load(n).searched]
     N = cluster.gpus
     tps = [t for t in _divisors(N) if t <= cluster.gpus_per_node] if tp is None else list(tp)
     out = []

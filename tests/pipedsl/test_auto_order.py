@@ -68,3 +68,14 @@ def test_the_command_line_searches_under_cost(capsys) -> None:
     assert "ZB-auto" in out and "bubble ratio" in out
     assert main(["compile", "zb-auto", "-P", "2", "-M", "3", "--cost", "F=1,I=1,W=1"]) == 0
     assert capsys.readouterr().out.startswith("# ZB-auto P=2 M=3 mem=4")
+
+
+def test_the_planner_leaves_searched_schedules_out_unless_named() -> None:
+    """zb-auto needs the costs it runs under; `pipedsl plan` tries every other built-in by default (a search per
+    layout made its runs several times slower) and zb-auto only when named."""
+    from pipedsl.plan import cluster_preset, layouts, model_preset
+
+    assert pipedsl.load("zb-auto").searched and not pipedsl.load("zb-h2").searched
+    model, cluster = model_preset("gpt-1.7b"), cluster_preset("h100")
+    assert "zb-auto" not in {lay.schedule for lay in layouts(model, cluster)}
+    assert {lay.schedule for lay in layouts(model, cluster, schedules=["zb-auto"]) if lay.pp > 1} == {"zb-auto"}
