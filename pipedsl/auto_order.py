@@ -14,8 +14,8 @@ ranks), under several policies:
 
 Every policy's play ends at some time; the earliest wins (ties: the first in the order above), so the
 result is deterministic, and never worse than the greedy `memory` rule or any of the lags it tries at the
-same cap.  Each play is linear in the ops times the ranks; at large sizes fewer policies are tried
-(`LARGE`).  The cap holds by construction, as for `memory`.
+same cap.  Each play is linear in the ops times the ranks; at large sizes fewer candidates are tried
+and the descent is skipped (`LARGE`).  The cap holds by construction, as for `memory`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pipedsl.lowering import ComputeOp
 from pipedsl.simulate import Cost
 from pipedsl.squeeze import NO_LAG, Keyed, Policy, Timing, play
 
-LARGE = 20_000  # compute ops beyond which only the two policies that win most often are tried
+LARGE = 20_000  # compute ops beyond which fewer candidates are tried and the descent is skipped
 EVALUATIONS = 400_000  # the descent's budget: compute ops summed over the programs it simulates
 
 
@@ -114,6 +114,8 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
             lags_r = [max(0, min(caps[r] - 1, r * caps[r] // P + shift)) for r in range(P)]
             warm = [max(0, min(caps[r] - 1 - lags_r[r], M)) for r in range(P)]
             candidates.append(structured(warm, lags_r))
+            if ops > LARGE:
+                continue
             # the same warm-up, its W's placed by the play instead: where they fit, or when memory needs them
             for fill in ("fit", "greedy"):
                 policy = Policy(fill, False, tuple(w + 1 for w in warm))
@@ -126,7 +128,7 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
         end = evaluate(orders)
         if end is not None and (best is None or end < best[1] - 1e-12 * max(end, 1.0)):
             best = (orders, end)
-    if structured is not None:
+    if structured is not None and ops <= LARGE:
         budget = max(P, EVALUATIONS // max(ops, 1))  # moves the descent may try: fewer at large sizes
         best = _descend(best, structured, evaluate, caps, len(fwd[0]), cost, timing.comm, P, budget)
     if best is None:
