@@ -26,10 +26,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "runtime"))  # runtime_cases: the tests' equivalence check
+sys.path.insert(0, str(HERE.parent / "tests" / "models"))  # moe_cases: the MoE GPT and its parameter check
 
 import _bench  # noqa: E402
 
-CHECKS = ("schedules", "vs_torch", "op_cpu", "calibrate")
+CHECKS = ("schedules", "moe", "vs_torch", "op_cpu", "calibrate")
 SIZES = {"full": {"steps": 3, "vs_torch": {"gpt_rows": 4, "steps": 10, "reps": 7, "warmup": 2},
                   "op_cpu": {"M": 16, "steps": 1, "reps": 40, "warmup": 2}},
          "tiny": {"steps": 1, "vs_torch": {"gpt_rows": 1, "steps": 1, "reps": 1, "warmup": 0},
@@ -68,6 +69,11 @@ def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 out["schedules"][name] = {"problems": res["problems"], "peaks": res["peaks"]}
             except Exception as err:  # noqa: BLE001 - reported in the table; the other ranks fail alike or time out
                 out["schedules"][name] = {"problems": [f"{type(err).__name__}: {err}"], "peaks": []}
+    if "moe" in cfg["checks"] and dist.get_world_size() == 4:
+        try:
+            out["moe"] = _moe(rank, device)
+        except Exception as err:  # noqa: BLE001 - reported in the table
+            out["moe"] = {"problems": [f"{type(err).__name__}: {err}"]}
     if "vs_torch" in cfg["checks"]:
         out["vs_torch"] = {name: vs_torch._rank_main(rank, "gpt", name, P, {**cfg["vs_torch"], "M": 2 * P,
                                                                              "device": device})
@@ -75,6 +81,58 @@ def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if "op_cpu" in cfg["checks"]:
         out["op_cpu"] = op_cpu.measure(rank, P, {**cfg["op_cpu"], "device": device})
     return out
+
+
+def _moe(rank: int, device: str) -> dict[str, Any]:
+    """The MoE GPT at dp2 × pp2 with its experts over ep=2 (parallel/expert.py) on the device: the loss and every
+    weight after two SGD steps against one process on the same device (each shard against its rows), and a
+    DualPipeV step with its F&B pairs overlapped against the same step without (bit for bit)."""
+    import moe_cases
+    import torch
+    import torch.distributed as dist
+
+    import pipedsl
+    from pipedsl.models.gpt.model import gpt_loss, synthetic_batch
+    from pipedsl.parallel import ParallelConfig, ParallelMesh
+
+    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, ep=2), device_type=kind)
+    problems: list[str] = []
+    model = moe_cases.tiny_moe(3)
+    ref = moe_cases.tiny_moe(3).to(device)
+    stages = model.stages(2)
+    whole = {id(p): n for n, p in model.named_parameters()}
+    names = {s: {n: whole[id(p)] for n, p in m.named_parameters()} for s, m in enumerate(stages)}
+    pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh, device=device)
+    opt = pipe.optimizer(torch.optim.SGD, lr=moe_cases.LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=moe_cases.LR)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x, y = synthetic_batch(8, 8, 32, gen)
+        loss = pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        want = 0.0
+        for xm, ym in zip(x.to(device).chunk(4), y.to(device).chunk(4)):
+            part = gpt_loss(ref(xm), ym) / 4
+            part.backward()
+            want += part.item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if abs(loss - want) > 1e-4 * abs(want):
+            problems.append(f"step {step}: loss {loss} != one process {want}")
+    moe_cases.compare_parameters(rank, pipe, opt, names, ref, problems)
+    pipe.close()
+    steps = {}
+    for overlap in (False, True):
+        model = moe_cases.tiny_moe(4)
+        pipe = pipedsl.Pipeline(model.stages(4, by="blocks"), "dualpipev", microbatches=4, loss_fn=gpt_loss,
+                                parallel=mesh, device=device, overlap=overlap)
+        steps[overlap] = pipe.step(*synthetic_batch(16, 8, 32, torch.Generator().manual_seed(2)))
+        pipe.close()
+    if steps[False] != steps[True]:
+        problems.append(f"dualpipev with overlapped pairs: loss {steps[True]!r} != {steps[False]!r} without")
+    return {"problems": problems}
 
 
 def calibrate(P: int, device: str) -> dict[str, Any]:
@@ -104,6 +162,9 @@ def table(result: dict[str, Any]) -> str:
             verdict = "equal" if row["ok"] else "; ".join(row["problems"][:3]) or row.get("skipped", "")
             out.append(f"| {row['schedule']} | {row.get('M', '')} | {verdict} |")
         out.append("")
+    if "moe" in result:
+        verdict = "equal" if not result["moe"] else "; ".join(result["moe"][:3])
+        out += [f"MoE GPT at dp2 x pp2 x ep2 (1F1B; DualPipeV overlapped vs not): {verdict}", ""]
     if "vs_torch" in result:
         out += ["| vs_torch (GPT) | pipedsl ms | torch ms | throughput ratio (paired) |", "|---|---|---|---|"]
         for row in result["vs_torch"]:
@@ -189,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         vs_cfg = {**sizes["vs_torch"], "M": 2 * P}
         result["vs_torch"] = [vs_torch._row("gpt", name, P, vs_cfg, ranks[0]["vs_torch"][name])
                               for name in vs_torch.SCHEDULE_NAMES]
+    if "moe" in checks and P == 4:
+        result["moe"] = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["moe"]["problems"]]
     if "op_cpu" in checks:
         import op_cpu
 
@@ -196,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if "calibrate" in checks:
         result["calibrate"] = calibrate(P, args.device)
     failed = [r["schedule"] for r in result.get("schedules", []) if not r["ok"]]
+    failed += ["moe"] if result.get("moe") else []
     failed += ["plan --calibrate"] if "calibrate" in result and not result["calibrate"]["ok"] else []
     result["failed"] = failed
     path = _bench.write_json("gpu_check", result, args.json)

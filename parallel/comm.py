@@ -231,11 +231,16 @@ def all_to_all_rows(t: torch.Tensor, send: list[int], recv: list[int], group: Pr
                                    f"to the rows")
     out = t.new_empty((sum(recv), *t.shape[1:]))
     row = t[0].numel() * t.element_size() if t.shape[0] else 0
+    # gloo moves host memory only: a GPU's rows go through the CPU (ranks sharing one GPU over gloo)
+    staged = t.device.type != "cpu" and dist.get_backend(group) == "gloo"
+    src, dst = (t.contiguous().cpu(), out.cpu()) if staged else (t.contiguous(), out)
     ready_at = time.perf_counter() + _latency
     work = _counted("all_to_all", group, (sum(send) - send[me]) * row,
-                    lambda: dist.all_to_all_single(out, t.contiguous(), output_split_sizes=recv,
-                                                   input_split_sizes=send, group=group, async_op=True))
+                    lambda: dist.all_to_all_single(dst, src, output_split_sizes=recv, input_split_sizes=send,
+                                                   group=group, async_op=True))
     (_waiter or default_exchange_wait)(work, ready_at)
+    if staged:
+        out.copy_(dst)
     return out
 
 
