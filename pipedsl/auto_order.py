@@ -3,19 +3,22 @@
 
 The zero-bubble paper's automatic schedules (Qi et al., ICLR'24, section 3) start from a heuristic —
 warm-up forwards up to the memory limit, then one forward, one backward and one W in turn, the W's
-placed where they fill a gap — and refine it.  Here the heuristic is the memory-capped play-forward
-of squeeze.py, charged with the real costs (each kind's time per stage, a message's time between two
-ranks), under several policies:
+placed where they fill a gap — and refine it.  The candidates here:
 
-- W's greedy (whenever nothing else is ready) or only where they end before the next input the rank
-  knows of arrives (a W that would delay a backward waits);
-- backwards or forwards first when both are ready;
-- a W forced once 0, 1, 2, r, 2r (ZB-H1's and ZB-H2's lags) or no backwards are pending after it.
+1. the memory-capped play-forward of squeeze.py, charged with the real costs (each kind's time per
+   stage, a message's time between two ranks), under several policies: W's greedy (whenever nothing
+   else is ready) or only where they end before the next input the rank knows of arrives; backwards or
+   forwards first when both are ready; a W forced once 0, 1, 2, r, 2r (ZB-H1's and ZB-H2's lags) or no
+   backwards are pending after it;
+2. where every rank holds one stage, the 1F1B rule's family — w(r) warm-up forwards, then 1F1B, each W
+   lag(r) backwards after its I, w(r) + 1 + lag(r) within the cap; ZB-H1 (cap P) and ZB-H2 (cap 2P) are
+   members — and the same warm-ups with the play placing the W's;
+3. a coordinate descent over that family's w(r), lag(r), one rank and one step at a time.
 
-Every policy's play ends at some time; the earliest wins (ties: the first in the order above), so the
-result is deterministic, and never worse than the greedy `memory` rule or any of the lags it tries at the
-same cap.  Each play is linear in the ops times the ranks; at large sizes fewer candidates are tried
-and the descent is skipped (`LARGE`).  The cap holds by construction, as for `memory`.
+Every candidate is lowered, validated and simulated under the costs; the shortest step wins (ties: the
+first tried), so the result is deterministic and never worse than the handcrafted members at the same cap.
+At large sizes fewer candidates are tried and the descent is skipped (`LARGE`).  The cap holds by
+construction, as for `memory`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ LARGE = 20_000  # compute ops beyond which fewer candidates are tried and the de
 EVALUATIONS = 400_000  # the descent's budget: compute ops summed over the programs it simulates
 
 
-def _lags(P: int) -> list[Callable[[int], int]]:
+def _lags() -> list[Callable[[int], int]]:
     """The W lags tried: constant 0, 1 and 2, ZB-H1's r, ZB-H2's 2r, and none (W's only fill gaps or free memory)."""
     return [lambda r: 0, lambda r: 1, lambda r: 2, lambda r: r, lambda r: 2 * r, lambda r: NO_LAG]
 
@@ -95,7 +98,7 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
     P = len(fwd)
     ops = sum(len(f) for f in fwd) * 3
     policies = [Policy(fill, first) for fill in ("fit", "greedy") for first in (False, True)]
-    lags = _lags(P)
+    lags = _lags()
     no_lag = lags[-1]
     if ops > LARGE:
         policies, lags = policies[:1], [lags[3], no_lag]
