@@ -16,7 +16,8 @@ placed where they fill a gap — and refine it.  The candidates here:
 3. a coordinate descent over that family's w(r), lag(r), one rank and one step at a time.
 
 Every candidate is lowered, validated and simulated under the costs; the shortest step wins (ties: the
-first tried), so the result is deterministic and never worse than the handcrafted members at the same cap.
+first tried), so the result is deterministic and never worse than ZB-H1 or ZB-H2 wherever the cap holds
+them.
 At large sizes fewer candidates are tried and the descent is skipped (`LARGE`).  The cap holds by
 construction, as for `memory`.
 """
@@ -113,6 +114,11 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
     caps = [cap(r) for r in range(P)]
     if structured is not None:
         M = len(fwd[0])
+        for k in (1, 2):  # ZB-H1 (k = 1) and ZB-H2 (k = 2) themselves, wherever the cap holds them
+            warm = [max(0, min(k * (P - r) - 1, M)) for r in range(P)]
+            lags_r = [k * r for r in range(P)]
+            if all(warm[r] + 1 + lags_r[r] <= caps[r] for r in range(P)):
+                candidates.append(structured(warm, lags_r))
         for shift in (0, -1, 1, -2, 2):
             lags_r = [max(0, min(caps[r] - 1, r * caps[r] // P + shift)) for r in range(P)]
             warm = [max(0, min(caps[r] - 1 - lags_r[r], M)) for r in range(P)]
