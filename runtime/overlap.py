@@ -82,7 +82,6 @@ class PairOverlap:
         self.halves: list[_Half] = []
         self.current: _Half | None = None
         self.finished = threading.Event()
-        self.switches = 0  # hand-overs made (a pair without exchanges makes none)
 
     def run(self, forward: Callable[[], Any], backward: Callable[[], Any],
             first: str = "forward") -> tuple[Any, Any]:
@@ -130,7 +129,6 @@ class PairOverlap:
             comm.default_exchange_wait(work, ready_at)  # not a half's thread (autograd's device threads)
             return
         if not self._other(half).done:
-            self.switches += 1
             PairOverlap.handovers += 1
             self.leave(half)
             half.turn.acquire()

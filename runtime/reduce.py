@@ -25,7 +25,7 @@ last, at the step end, once those handles are complete (ties.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -160,12 +160,15 @@ class DataParallelReducer:
         self.group = group
         self.size = dist.get_world_size(group)
         self.skip = skip or set()  # tied parameters: their own reduction averages them over dp
+        self._skip: dict[int, set[int]] = {}  # per stage: with its expert shards, which ExpertReducer reduces
         self._flat: dict[int, list[torch.Tensor]] = {}
 
     def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
         if self.size == 1:
             return None
-        skip = self.skip | {id(p) for p in expert_parameters(module)}  # their own reducer: ExpertReducer
+        skip = self._skip.get(stage)
+        if skip is None:
+            skip = self._skip[stage] = self.skip | {id(p) for p in expert_parameters(module)}
         works, flats, groups = flat_all_reduce(_grads(module, skip), self._flat, stage, self.group)
         return _AveragedReduction(works, flats, groups, self.size)
 
@@ -175,24 +178,31 @@ class ExpertReducer:
     experts and divided by dp — each shard's gradient already sums its ep peers' tokens."""
 
     def __init__(self) -> None:
+        self._shards: dict[int, tuple[list[nn.Parameter], tuple] | None] = {}  # per stage, found once
         self._flat: dict[int, list[torch.Tensor]] = {}
 
     def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
-        reduction = reduction_of(module)
-        if reduction is None:
+        if stage not in self._shards:
+            reduction = reduction_of(module)
+            self._shards[stage] = None if reduction is None else (expert_parameters(module), reduction)
+        found = self._shards[stage]
+        if found is None:
             return None
-        group, dp = reduction
-        only = {id(p) for p in expert_parameters(module)}
-        grads = _grads(module, {id(p) for p in module.parameters()} - only)
-        works, flats, groups = flat_all_reduce(grads, self._flat, stage, group)
+        params, (group, dp) = found
+        works, flats, groups = flat_all_reduce(_grads_of(params, set()), self._flat, stage, group)
         return _AveragedReduction(works, flats, groups, dp)
 
 
 def _grads(module: nn.Module, skip: set[int]) -> list[torch.Tensor]:
     """The gradients to reduce, every trainable parameter's (zeros where none: every rank must send the
     same layout), except the `skip`ped tied parameters, which their own reduction handles."""
+    return _grads_of(module.parameters(), skip)
+
+
+def _grads_of(params: Iterable[nn.Parameter], skip: set[int]) -> list[torch.Tensor]:
+    """`_grads` of the parameters `params`."""
     grads = []
-    for p in module.parameters():
+    for p in params:
         if not p.requires_grad or id(p) in skip:
             continue
         if hasattr(p, "main_grad"):  # ZeRO's flat buffer of low-precision parameters: fp32 gradients beside it

@@ -179,6 +179,8 @@ class Stage:
         options = options or StageOptions()
         self.precision, self.device = options.precision, options.device
         self.overlap = options.overlap and has_exchanges(module)
+        # which half of an overlapped pair starts, when this stage runs the forward (runtime/overlap.py)
+        self.pair_first = "backward" if self.overlap and fixed_size(module) else "forward"
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -423,9 +425,8 @@ def overlapped_forward_backward(fwd: Stage, inputs: list[torch.Tensor], target: 
     hook = getattr(type(fwd.module), OVERLAP_HOOK, None)
     if hook is None or type(fwd.module) is not type(bwd.module):
         if fwd.overlap or bwd.overlap:  # expert exchanges: each half's hidden behind the other's compute
-            first = "backward" if fixed_size(fwd.module) else "forward"
             (act0, outs), input_grads = PairOverlap().run(lambda: fwd.forward(inputs, target, buffers),
-                                                          lambda: bwd.backward(act, grads), first)
+                                                          lambda: bwd.backward(act, grads), fwd.pair_first)
             return act0, outs, input_grads
         act0, outs = fwd.forward(inputs, target, buffers)
         return act0, outs, bwd.backward(act, grads)
