@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,6 +45,8 @@ from pipedsl.parallel.comm import all_to_all_rows, exchange_rows, group_rank, gr
 from pipedsl.parallel.config import ParallelConfigError
 
 SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
+# a dispatch's result: the rows received, their local expert ids, the exchange that brings outputs home
+_Exchange = tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -95,51 +98,51 @@ class ExpertParallel(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        k, E, ep, El = top_k_index.shape[1], self.num_experts, self.ep, self.per_rank
+        k, E = top_k_index.shape[1], self.num_experts
         flat = top_k_index.reshape(-1)
         slots = torch.nonzero(flat < E).squeeze(1)
         slots = slots[torch.argsort(flat[slots], stable=True)]  # by expert, token order within one
-        if self.capacity_factor is not None:
-            return self._fixed_size(hidden_states, top_k_weights, flat, slots, k)
-        counts = torch.bincount(flat[slots], minlength=E).view(ep, El)
-        received = all_to_all_rows(counts, [1] * ep, [1] * ep, self.group)  # [ep, El]: peer r's tokens for each
-        send, recv = counts.sum(dim=1).tolist(), received.sum(dim=1).tolist()
-        tokens = exchange_rows(hidden_states[slots // k], send, recv, self.group)  # [R, C]
-        index = torch.repeat_interleave(torch.arange(El, device=flat.device).repeat(ep), received.reshape(-1))
-        ones = torch.ones((tokens.shape[0], 1), dtype=top_k_weights.dtype, device=tokens.device)
-        for name in self._names:  # what this module holds now: its parameters, or ZeRO's views standing for them
-            self._impl._parameters[name] = getattr(self, name)
-        out = self._connected(self._impl(tokens, index.unsqueeze(1), ones), tokens)
-        back = exchange_rows(out, recv, send, self.group)  # [S, C], in the order of `slots`
+        exchange = self._fixed_size if self.capacity_factor is not None else self._dropless
+        tokens, index, home = exchange(hidden_states[slots // k], flat[slots], flat.numel())
+        back = home(self._local(tokens, index, top_k_weights.dtype))  # [S, hidden], in the order of `slots`
         weighted = back * top_k_weights.reshape(-1)[slots, None].to(back.dtype)
         return torch.zeros_like(hidden_states).index_add(0, slots // k, weighted.to(hidden_states.dtype))
 
-    def _fixed_size(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor, flat: torch.Tensor,
-                    slots: torch.Tensor, k: int) -> torch.Tensor:
-        """Dispatch and combine as fixed-size blocks (GShard's): each expert gets C = ceil(c·N·k/E) rows, its slots
-        first and zeros after, so no counts are exchanged first — one exchange less a layer's forward.  The
-        zero rows are computed and thrown away; each slot's own row is computed as in the dropless exchange."""
+    def _dropless(self, rows: torch.Tensor, experts: torch.Tensor, slots: int) -> _Exchange:
+        """Each slot's row to its expert's rank, after the counts (steps 2–3): (the rows received, their local
+        expert ids, the exchange that brings the outputs home)."""
         E, ep, El = self.num_experts, self.ep, self.per_rank
-        C = math.ceil(self.capacity_factor * flat.numel() / E)
-        experts = flat[slots]
+        counts = torch.bincount(experts, minlength=E).view(ep, El)
+        received = all_to_all_rows(counts, [1] * ep, [1] * ep, self.group)  # [ep, El]: peer r's tokens for each
+        send, recv = counts.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+        tokens = exchange_rows(rows, send, recv, self.group)  # [R, C]
+        index = torch.repeat_interleave(torch.arange(El, device=rows.device).repeat(ep), received.reshape(-1))
+        return tokens, index, lambda out: exchange_rows(out, recv, send, self.group)
+
+    def _fixed_size(self, rows: torch.Tensor, experts: torch.Tensor, slots: int) -> _Exchange:
+        """`_dropless` as fixed-size blocks (GShard's): each expert gets C = ceil(c·slots/E) rows, its slots first
+        and zeros after, so no counts are exchanged first — one exchange less a layer's forward.  The zero rows
+        are computed and thrown away; each slot's own row is computed as in the dropless exchange."""
+        E, ep, El = self.num_experts, self.ep, self.per_rank
+        C = math.ceil(self.capacity_factor * slots / E)
         counts = torch.bincount(experts, minlength=E)
-        if slots.numel() and int(counts.max()) > C:
+        if experts.numel() and int(counts.max()) > C:
             raise ParallelConfigError(f"expert parallelism: an expert got {int(counts.max())} slots, more than the "
                                       f"capacity {C} its router's capacity_factor={self.capacity_factor} allows")
-        position = torch.arange(slots.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[experts]
-        rows = experts * C + position  # where each slot goes in the [E·C] blocks
-        block = hidden_states.new_zeros((E * C, hidden_states.shape[1])).index_copy(0, rows,
-                                                                                     hidden_states[slots // k])
+        position = torch.arange(experts.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[experts]
+        where = experts * C + position  # each slot's row in the [E·C] blocks
+        block = rows.new_zeros((E * C, rows.shape[1])).index_copy(0, where, rows)
         size = [El * C] * ep
         tokens = exchange_rows(block, size, size, self.group)  # [ep·El·C]: each peer's blocks for these experts
-        index = torch.arange(El, device=flat.device).repeat_interleave(C).repeat(ep)
-        ones = torch.ones((tokens.shape[0], 1), dtype=top_k_weights.dtype, device=tokens.device)
-        for name in self._names:
+        index = torch.arange(El, device=rows.device).repeat_interleave(C).repeat(ep)
+        return tokens, index, lambda out: exchange_rows(out, size, size, self.group)[where]
+
+    def _local(self, tokens: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's experts on the rows received (step 4), weight 1, the model's own code."""
+        for name in self._names:  # what this module holds now: its parameters, or ZeRO's views standing for them
             self._impl._parameters[name] = getattr(self, name)
-        out = self._connected(self._impl(tokens, index.unsqueeze(1), ones), tokens)
-        back = exchange_rows(out, size, size, self.group)[rows]  # [S, hidden], in the order of `slots`
-        weighted = back * top_k_weights.reshape(-1)[slots, None].to(back.dtype)
-        return torch.zeros_like(hidden_states).index_add(0, slots // k, weighted.to(hidden_states.dtype))
+        ones = torch.ones((tokens.shape[0], 1), dtype=dtype, device=tokens.device)
+        return self._connected(self._impl(tokens, index.unsqueeze(1), ones), tokens)
 
     def _connected(self, out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """`out` tied into the graph like a peer's: a rank that received no tokens gets an output its experts
