@@ -420,9 +420,10 @@ class _Binder:
 
         structured = None
         if all(len(h) == 1 for h in held):
+            fwd_ops = [[op[1:] for op in f] for f in fwd]  # the keyed ops without their keys, once
+            bwd_ops = [[op[1:] for op in b] for b in bwd]
+
             def structured(warmups: list[int], lags: list[int]) -> list[list[ComputeOp]]:
-                fwd_ops = [[op[1:] for op in f] for f in fwd]
-                bwd_ops = [[op[1:] for op in b] for b in bwd]
                 return [list(_split_backward(_interleave(fwd_ops[r], bwd_ops[r], warmups[r]), True, lags[r]))
                         for r in range(self.P)]
         return search_orders(fwd, bwd, S, cap, span, cost, placement, evaluate, structured)
