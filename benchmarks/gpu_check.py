@@ -84,54 +84,15 @@ def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moe(rank: int, device: str) -> dict[str, Any]:
-    """The MoE GPT at dp2 × pp2 with its experts over ep=2 (parallel/expert.py) on the device: the loss and every
-    weight after two SGD steps against one process on the same device (each shard against its rows), and a
-    DualPipeV step with its F&B pairs overlapped against the same step without (bit for bit)."""
+    """The MoE GPT at dp2 × pp2 with its experts over ep=2 (parallel/expert.py) on the device, as
+    tests/models/test_gpt_moe.py checks it: the loss, gradient norm and every weight after two SGD steps against
+    one process on the same device (each shard against its rows), and DualPipeV with its F&B pairs overlapped
+    against the same steps without (bit for bit)."""
     import moe_cases
-    import torch
-    import torch.distributed as dist
 
-    import pipedsl
-    from pipedsl.models.gpt.model import gpt_loss, synthetic_batch
-    from pipedsl.parallel import ParallelConfig, ParallelMesh
-
-    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, ep=2), device_type=kind)
-    problems: list[str] = []
-    model = moe_cases.tiny_moe(3)
-    ref = moe_cases.tiny_moe(3).to(device)
-    stages = model.stages(2)
-    whole = {id(p): n for n, p in model.named_parameters()}
-    names = {s: {n: whole[id(p)] for n, p in m.named_parameters()} for s, m in enumerate(stages)}
-    pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh, device=device)
-    opt = pipe.optimizer(torch.optim.SGD, lr=moe_cases.LR)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=moe_cases.LR)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(2):
-        x, y = synthetic_batch(8, 8, 32, gen)
-        loss = pipe.step(x, y)
-        opt.step()
-        opt.zero_grad()
-        want = 0.0
-        for xm, ym in zip(x.to(device).chunk(4), y.to(device).chunk(4)):
-            part = gpt_loss(ref(xm), ym) / 4
-            part.backward()
-            want += part.item()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        if abs(loss - want) > 1e-4 * abs(want):
-            problems.append(f"step {step}: loss {loss} != one process {want}")
-    moe_cases.compare_parameters(rank, pipe, opt, names, ref, problems)
-    pipe.close()
-    steps = {}
-    for overlap in (False, True):
-        model = moe_cases.tiny_moe(4)
-        pipe = pipedsl.Pipeline(model.stages(4, by="blocks"), "dualpipev", microbatches=4, loss_fn=gpt_loss,
-                                parallel=mesh, device=device, overlap=overlap)
-        steps[overlap] = pipe.step(*synthetic_batch(16, 8, 32, torch.Generator().manual_seed(2)))
-        pipe.close()
-    if steps[False] != steps[True]:
-        problems.append(f"dualpipev with overlapped pairs: loss {steps[True]!r} != {steps[False]!r} without")
+    problems = moe_cases.train_equal(rank, "1f1b", 2, 2, 2, 0, device=device)["problems"]
+    if not moe_cases.overlap_identical(rank, "dualpipev", 4, device=device)["same"]:
+        problems.append("dualpipev with overlapped pairs differs from the same steps without")
     return {"problems": problems}
 
 

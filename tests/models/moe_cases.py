@@ -22,6 +22,12 @@ PARAM_ATOL = 2e-5
 MB = 2  # samples a microbatch
 
 
+def _mesh(dp: int, pp: int, ep: int, zero: int = 0) -> ParallelMesh:
+    """The dp × pp mesh with the experts over ep (its device type: CUDA under NCCL)."""
+    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return ParallelMesh(ParallelConfig(dp=dp, pp=pp, ep=ep, zero=zero), device_type=kind)
+
+
 def tiny_moe(layers: int, capacity: float | None = None, experts: int = 4) -> GPT:
     """Four experts, top-2, a router loss and a z-loss large enough to move the weights, random LayerNorms."""
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=layers, n_head=2, n_embd=16, n_experts=experts, top_k=2,
@@ -31,10 +37,11 @@ def tiny_moe(layers: int, capacity: float | None = None, experts: int = 4) -> GP
 
 def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero: int = 0, steps: int = 2,
                 capacity: float | None = None, recompute: str | None = None,
-                params: dict[str, Any] | None = None) -> dict[str, Any]:
+                params: dict[str, Any] | None = None, device: str | None = None) -> dict[str, Any]:
     """`steps` SGD steps of the pipelined MoE GPT (dp × pp, experts over ep) against the whole model trained with
     gradient accumulation over the same dp·M microbatches: each step's loss and gradient norm, then every
-    parameter (an expert shard against its experts' rows of the whole model)."""
+    parameter (an expert shard against its experts' rows of the whole model).  `device`: both on it (the
+    pipeline's default when None; benchmarks/gpu_check.py runs it on a GPU)."""
     pp = dist.get_world_size() // dp
     program = pipedsl.load(schedule).compile(P=pp, M=M, **(params or {}))
     S = program.num_stages
@@ -43,11 +50,13 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
     stages = model.stages(S)
     whole = {id(p): n for n, p in model.named_parameters()}
     names = {s: {n: whole[id(p)] for n, p in m.named_parameters()} for s, m in enumerate(stages)}
-    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, ep=ep, zero=zero)) if dp > 1 else None
-    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=gpt_loss, parallel=mesh, recompute=recompute)
+    mesh = _mesh(dp, pp, ep, zero) if dp > 1 else None
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=gpt_loss, parallel=mesh, recompute=recompute,
+                            device=device)
+    ref.to(pipe.device)
     opt = pipe.optimizer(torch.optim.SGD, lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    load, ref_load = ExpertLoad(pipe.local_stages().values(), 4), ExpertLoad([ref], 4)
+    load, ref_load = ExpertLoad(pipe.local_stages().values(), 4, pipe.device), ExpertLoad([ref], 4, pipe.device)
     gen = torch.Generator().manual_seed(1)
     problems: list[str] = []
     stats = ref_stats = None
@@ -58,7 +67,7 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
         opt.step()
         opt.zero_grad()
         want = 0.0
-        for xm, ym in zip(x.chunk(M * dp), y.chunk(M * dp)):
+        for xm, ym in zip(x.to(pipe.device).chunk(M * dp), y.to(pipe.device).chunk(M * dp)):
             part = gpt_loss(ref(xm), ym) / (M * dp)
             part.backward()
             want += part.item()
@@ -72,7 +81,7 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
         if step == 0:  # every rank's routings, summed over the world, are the whole model's
             stats, ref_stats = load.read(), ref_load.read(reduce=False)
     checked = compare_parameters(rank, pipe, opt, names, ref, problems)
-    moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), tiny_moe(
+    moved = max((p.detach().cpu() - q).abs().max().item() for p, q in zip(ref.parameters(), tiny_moe(
         max(S - 1, 2), capacity).parameters()))
     pipe.close()
     return {"problems": problems, "checked": sorted(checked), "moved": moved, "stats": stats,
@@ -149,14 +158,15 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
 
 
 def overlap_identical(rank: int, schedule: str, M: int, recompute: str | None = None, dropout: float = 0.0,
-                      capacity: float | None = None, latency: float = 0.0, steps: int = 2) -> dict[str, Any]:
+                      capacity: float | None = None, latency: float = 0.0, steps: int = 2,
+                      device: str | None = None) -> dict[str, Any]:
     """The same MoE GPT at dp2 × pp2 × ep2 trained with its F&B pairs overlapped and not: every loss and every
     gradient bit-identical; the hand-overs made (none without overlap)."""
     from pipedsl.parallel import comm
     from pipedsl.runtime.overlap import PairOverlap
 
     pp = dist.get_world_size() // 2
-    mesh = ParallelMesh(ParallelConfig(dp=2, pp=pp, ep=2))
+    mesh = _mesh(2, pp, 2)
     program = pipedsl.load(schedule).compile(P=pp, M=M)
     out: dict[str, Any] = {}
     for overlap in (False, True):
@@ -168,7 +178,7 @@ def overlap_identical(rank: int, schedule: str, M: int, recompute: str | None = 
         pipe = pipedsl.Pipeline(model.stages(program.num_stages, by="blocks"), program=program, loss_fn=gpt_loss,
                                 parallel=mesh, recompute=recompute,  # a block a stage: both halves of a pair exchange
                                 recompute_filter=lambda m: isinstance(m, MoE),  # its exchanges
-                                overlap=overlap)
+                                overlap=overlap, device=device)
         gen = torch.Generator().manual_seed(1)
         before = PairOverlap.handovers
         losses, grads = [], []
