@@ -16,6 +16,10 @@
 
 Stages share the original modules (no copies): build the model the same way on every rank
 (same seed), or build only your stages with a `stage -> module` callable.
+
+Every stage these build knows its tensors' names in the whole model (`model_name`): unit i's
+"rest" is "i.rest" whichever stage holds it.  Checkpoints record those names, which is what lets
+a checkpoint load into another partition (another `by`, `points` or number of stages).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def split_sequential(seq: nn.Sequential, num_stages: int | None = None, *, by: s
     """`seq`'s layers as `num_stages` consecutive `SequentialStage`s (see the module docstring)."""
     layers = list(seq)
     bounds = _bounds(layers, num_stages, by, points)
-    return [SequentialStage(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [SequentialStage(*layers[a:b], first_unit=a) for a, b in zip(bounds, bounds[1:])]
 
 
 class SequentialStage(nn.Sequential):
@@ -43,7 +47,17 @@ class SequentialStage(nn.Sequential):
 
     It takes any number of tensors; a layer that returns a tuple feeds the next layer those as positional
     arguments (`layer(*out)`), anything else as one (`layer(out)`).  Returns the last layer's output, with
-    any tensor that shares memory with an input cloned (a layer passing a mask on as is)."""
+    any tensor that shares memory with an input cloned (a layer passing a mask on as is).
+    `first_unit`: the index of its first layer in the whole list, which names its tensors in the whole model."""
+
+    def __init__(self, *layers: nn.Module, first_unit: int = 0) -> None:
+        super().__init__(*layers)
+        self.first_unit = first_unit
+
+    def model_name(self, local: str) -> str | None:
+        """The whole model's name of this stage's tensor `local` ("0.w" of a stage from unit 3: "3.w")."""
+        head, _, rest = local.partition(".")
+        return f"{int(head) + self.first_unit}.{rest}" if head.isdigit() and rest else None
 
     def forward(self, *inputs: Any) -> Any:
         out: Any = inputs[0] if len(inputs) == 1 else inputs
@@ -67,10 +81,13 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def split_gpt(embed: nn.Module, blocks: Sequence[nn.Module], head: nn.Module, num_stages: int, *,
-              by: str = "count") -> list[nn.Sequential]:
-    """A GPT-style model as `num_stages` stages: [embed, blocks…] … [blocks…, head]."""
+              by: str = "count", points: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """A GPT-style model as `num_stages` stages: [embed, blocks…] … [blocks…, head]; `points`: where stages
+    1 … n−1 begin among those units (a partition chosen elsewhere: measured costs, the planner)."""
     units = [embed, *blocks, head]
-    if by == "blocks":  # blocks evenly, the embedding before the first and the head after the last
+    if points is not None:
+        bounds = _bounds(units, num_stages, by, points)
+    elif by == "blocks":  # blocks evenly, the embedding before the first and the head after the last
         if not 1 <= num_stages <= len(blocks):
             raise PipeRuntimeError(f"by='blocks': cannot split {len(blocks)} blocks into {num_stages} non-empty stages")
         bounds = [0, *(b + 1 for b in _bounds(list(blocks), num_stages, "count", None)[1:-1]), len(units)]
@@ -79,7 +96,27 @@ def split_gpt(embed: nn.Module, blocks: Sequence[nn.Module], head: nn.Module, nu
                                f"stages (at most {len(units)})")
     else:
         bounds = _bounds(units, num_stages, by, None)
-    return [SequentialStage(*units[a:b]) for a, b in zip(bounds, bounds[1:])]  # an MoE GPT's blocks pass tuples
+    return [SequentialStage(*units[a:b], first_unit=a)  # an MoE GPT's blocks pass tuples
+            for a, b in zip(bounds, bounds[1:])]
+
+
+class ModelNamed:
+    """A stage module that knows its tensors' names in the whole model it was cut from (a mixin): found by
+    identity when the stage is built, before anything (ZeRO, expert parallelism) repacks its tensors."""
+
+    _model_names: dict[str, str]
+
+    def name_after(self, model: nn.Module) -> None:
+        """Record each of this stage's state-dict names as `model`'s name of the same tensor (its first one)."""
+        whole: dict[int, str] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            whole.setdefault(id(t), name)
+        own = self.state_dict(keep_vars=True)  # type: ignore[attr-defined]
+        self._model_names = {k: whole[id(t)] for k, t in own.items() if id(t) in whole}
+
+    def model_name(self, local: str) -> str | None:
+        """The whole model's name of this stage's tensor `local`, None for one the model does not hold."""
+        return self._model_names.get(local)
 
 
 def matmul_weights(unit: nn.Module) -> float:

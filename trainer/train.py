@@ -258,7 +258,8 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
         source.restore(restored.extra, restored.path)
         start = restored.step
         if rank == 0:
-            changed = "; a different schedule now, same stage partition" if restored.schedule_changed else ""
+            changed = ("; another stage partition, loaded by tensor name" if restored.partition_changed else
+                       "; a different schedule now, same stage partition" if restored.schedule_changed else "")
             print(f"resumed at step {start} ({restored.saved_schedule}{changed})", flush=True)
     _arm_step_fault(pipe, rank)
     log = _logger(cfg, start) if rank == 0 else None

@@ -11,6 +11,7 @@ token embedding (examples/hf_llama.py trains a tied model: see runtime/ties.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -155,9 +156,10 @@ class GPT(nn.Module):
             x = block(*x) if isinstance(x, tuple) else block(x)
         return self.head(*x) if isinstance(x, tuple) else self.head(x)
 
-    def stages(self, num_stages: int, by: str = "count") -> list[nn.Sequential]:
-        """This model as `num_stages` pipeline stages (sharing its modules)."""
-        return split_gpt(self.embed, list(self.blocks), self.head, num_stages, by=by)
+    def stages(self, num_stages: int, by: str = "count", points: Sequence[int] | None = None) -> list[nn.Sequential]:
+        """This model as `num_stages` pipeline stages (sharing its modules); `points`: where stages 1 … n−1 begin
+        among the units [embedding, blocks…, head]."""
+        return split_gpt(self.embed, list(self.blocks), self.head, num_stages, by=by, points=points)
 
     def tp_stages(self, num_stages: int, mesh, by: str = "count",
                   sequence_parallel: bool = False) -> list[nn.Sequential]:

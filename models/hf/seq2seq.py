@@ -55,7 +55,7 @@ from pipedsl.models.hf.stages import (
     compare_with_model,
     require_transformers,
 )
-from pipedsl.models.split import _bounds
+from pipedsl.models.split import ModelNamed, _bounds
 
 LAYER_NAMES = ("block", "layers")  # a stack's layers: T5's families, BART's
 FINAL_NORM_NAMES = ("final_layer_norm", "layer_norm")  # a stack's norm after its layers (T5; mBART, Pegasus)
@@ -218,7 +218,7 @@ class _Parts:
         self.head = _Head(self.decoder.output, head, scale, getattr(model, "final_logits_bias", None))
 
 
-class Seq2SeqStage(nn.Module):
+class Seq2SeqStage(ModelNamed, nn.Module):
     """One pipeline stage of an HF encoder-decoder: units `first` … `last - 1` of
     [encoder input, encoder layers…, decoder input, decoder layers…, head] (see the module docstring)."""
 
@@ -238,6 +238,7 @@ class Seq2SeqStage(nn.Module):
         self.t5_blocks = enc.t5_blocks
         self.encoder_bias = enc.position_bias if len(self.encoder_layers) else None
         self.decoder_bias = dec.position_bias if len(self.decoder_layers) else None
+        self.name_after(parts.model)
 
     @property
     def in_decoder(self) -> bool:

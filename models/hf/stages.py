@@ -60,7 +60,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.models.split import _bounds
+from pipedsl.models.split import ModelNamed, _bounds
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here" (padding, prompts)
 LAYER_NAMES = ("layers", "h")  # the decoder layers: model.model.layers (Llama and most), transformer.h (GPT-2)
@@ -309,7 +309,7 @@ class _Head(nn.Module):
         return logits
 
 
-class CausalLMStage(nn.Module):
+class CausalLMStage(ModelNamed, nn.Module):
     """One pipeline stage of an HF causal LM: [embedding], decoder layers, [norm + head].
 
     forward(first input, *extras): the first input is the input ids [mb, T] on the first stage,
@@ -338,6 +338,7 @@ class CausalLMStage(nn.Module):
             for m in self.layers.modules():
                 if isinstance(m, self.router.router_class):
                     m.register_forward_hook(self._catch)
+        self.name_after(parts.model)
 
     def _catch(self, _module: nn.Module, _args: Any, out: Any) -> None:
         if self._caught is not None:

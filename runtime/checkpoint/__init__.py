@@ -6,7 +6,8 @@
     restored = checkpoint.load(pipe, "ckpt", optimizer) # the latest complete checkpoint in ckpt/
 
 - state.py: what each rank's part holds (parameters, optimizer and ZeRO slices, RNG, training state),
-  restoring it under the same or another dp × pp × tp layout, and `read_model` (the export reader);
+  restoring it under the same or another dp × pp × tp layout or stage partition, and `read_model` (the export
+  reader);
 - files.py: the files on disk — finding them, atomic writes, the manifest that commits a checkpoint.
 
 Names are imported on first use, so reading a manifest (`check`, `latest`) does not import torch.
@@ -17,7 +18,7 @@ from __future__ import annotations
 from pipedsl.registry import lazy_attributes
 
 _STATE = ("Restored", "SavedModel", "check_partition", "describe_stage", "describe_stage_tensors", "fingerprint",
-          "load", "read_model", "save", "tp_dims")
+          "load", "loads_into", "read_model", "save", "tp_dims")
 _FILES = ("FORMAT", "MANIFEST", "READABLE", "VERSION", "CheckpointError", "CheckpointInfo", "check", "checkpoints",
           "fault_point", "latest", "resolve", "saved_parallel", "schedule_name", "step_dir")
 _EXPORTS = {**{name: "state" for name in _STATE}, **{name: "files" for name in _FILES}}

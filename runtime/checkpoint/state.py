@@ -14,7 +14,12 @@ Parameters and optimizer state are stored per *global stage* (keyed by stage and
 with names relative to the stage module), not per rank: a checkpoint loads under any
 schedule with the same stage partition (same number of stages, same tensor names and
 shapes per stage), whatever the placement — a rank loads each of its stages from whichever
-part holds it.  A different partition is refused with one clear error.  RNG states (torch
+part holds it.  Stages that know their tensors' names in the whole model (`model_name`:
+models/split.py's stages, the HF stages) are recorded with them, and such a checkpoint also
+loads into another partition — other cut points, another number of stages — each tensor found
+by its whole-model name, its ZeRO slices reassembled and its expert shards joined first
+(`_moves`, `_repartitioned`; not with tensor parallelism).  A different model is refused with
+one clear error naming a tensor one side lacks or has in another shape.  RNG states (torch
 CPU and CUDA, Python `random`, NumPy when imported) and `extra` are per rank: restored on
 the same rank index when the checkpoint has one.  `shards` is a free-form per-rank section.
 Each part also holds the training state a bit-exact resume needs: the fp16 loss scale and its
@@ -90,7 +95,7 @@ if TYPE_CHECKING:  # pragma: no cover - for the annotations
 
 __all__ = ["FORMAT", "MANIFEST", "READABLE", "VERSION", "CheckpointError", "CheckpointInfo", "Restored",
            "SavedModel", "check", "check_partition", "checkpoints", "describe_stage", "describe_stage_tensors",
-           "fault_point", "fingerprint", "latest", "load", "read_model", "resolve", "save", "step_dir"]
+           "fault_point", "fingerprint", "latest", "load", "loads_into", "read_model", "resolve", "save", "step_dir"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class Restored:
     saved_schedule: str  # e.g. "1F1B P=2 M=4"
     schedule_changed: bool  # the placement or the order differs from the saved program's
     rng_restored: bool  # False when the checkpoint has no part for this rank index (its (dp, pp, tp) coordinates)
+    partition_changed: bool = False  # loaded into another stage partition, by the whole model's tensor names
 
 
 # ------------------------------------------------------------------ partition
@@ -151,6 +157,22 @@ def check_partition(manifest: dict[str, Any], stages: dict[int, nn.Module], num_
         at = f" at tp rank {tp}" if tp else ""
         raise CheckpointError(f"stage {s} of {where}{at} {what}: a different stage partition than the checkpoint's "
                               f"(step {manifest['step']}, {schedule_name(manifest)}, partition {part['fingerprint']})")
+
+
+def loads_into(manifest: dict[str, Any], stages: dict[int, nn.Module], num_stages: int,
+               where: str = "this pipeline") -> bool:
+    """Whether a checkpoint loads into `stages` (every stage of a pipeline, on one process: the launcher's check
+    on the meta device): True when it does into another stage partition (by the whole model's tensor names),
+    False under the same one; a `CheckpointError` naming the tensor or the stage when it does not."""
+    try:
+        check_partition(manifest, stages, num_stages, where)
+        return False
+    except CheckpointError as refusal:
+        described = {s: describe_stage(m) for s, m in stages.items()}
+        names = [_model_names(m, described[s]) for s, m in stages.items()]
+        everywhere = [None if any(n is None for n in names) else {g for n in names if n for g in n.values()}]
+        _moves(manifest, stages, described, saved_parallel(manifest), {"tp": 1}, everywhere, refusal)
+        return True
 
 
 def _shape(d: list) -> str:
@@ -290,6 +312,7 @@ def _part(pipe: Pipeline, lay: _Layout, step: int, zeros: dict[int, ZeroOptimize
             "modules": sorted(modules), "buffers": sorted(buffers), "zero": sorted(zero),
             "copies": sorted([s, c] for c, s in copies),
             "stages": {str(s): _describe(m, zeros.get(s)) for s, m in stages.items()} if first else {},
+            "names": {str(s): _model_names(m, _describe(m, zeros.get(s))) for s, m in stages.items()} if first else {},
             **({"tp_dims": {str(s): tp_dims(m, zeros.get(s)) for s, m in stages.items()}} if lay.parallel["tp"] > 1
                else {}),
             **({"ep_params": {str(s): sorted(expert_shards(m)) for s, m in stages.items()}}
@@ -353,9 +376,20 @@ def describe_stage_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
 
 
+def _model_names(module: nn.Module, described: dict[str, list]) -> dict[str, str] | None:
+    """{stage name: the whole model's name} of a stage's tensors (`described`'s names), None unless the stage
+    names every one (models/split.py: `SequentialStage`, `ModelNamed`)."""
+    model_name = getattr(module, "model_name", None)
+    if not callable(model_name):
+        return None
+    names = {k: model_name(k) for k in described}
+    return names if all(isinstance(v, str) for v in names.values()) else None
+
+
 def _manifest(pipe: Pipeline, lay: _Layout, step: int, metas: list[dict[str, Any]]) -> dict[str, Any]:
     prog = pipe.program
     stages: dict[int, dict[str, list]] = {}
+    names: dict[int, dict[str, str] | None] = {}
     tp_stages: dict[str, dict[str, list]] = {}
     for meta in metas:
         tp = meta["coords"][2]
@@ -363,10 +397,15 @@ def _manifest(pipe: Pipeline, lay: _Layout, step: int, metas: list[dict[str, Any
             tp_stages.setdefault(f"{s}/{tp}", d)
             if tp == 0:
                 stages.setdefault(int(s), d)
+        for s, n in meta.pop("names").items():
+            if tp == 0:
+                names.setdefault(int(s), n)
     head = prog.to_dict()
     del head["ranks"]
     partition: dict[str, Any] = {"num_stages": prog.num_stages, "fingerprint": fingerprint(stages),
                                  "stages": {str(s): stages[s] for s in sorted(stages)}}
+    if lay.parallel["tp"] == 1 and names and all(n is not None for n in names.values()):
+        partition["names"] = {str(s): names[s] for s in sorted(names)}  # what loads it into another partition
     if lay.parallel["tp"] > 1:
         text = json.dumps(sorted(tp_stages.items()), sort_keys=True)
         partition["fingerprint"] = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -456,9 +495,15 @@ def load(pipe: Pipeline, source: str | os.PathLike,
     """
     lay = _layout(pipe)
     error, restored, finish = None, None, None
+    everywhere: list[set[str] | None] = [None] * lay.size  # each rank's tensors by their whole-model names
+    try:
+        dist.all_gather_object(everywhere, _names_here(pipe, optimizer), group=lay.group)
+    except Exception as err:  # noqa: BLE001
+        raise RankFailure(f"rank {lay.rank}: loading a checkpoint: lost the other ranks: {err}", lay.rank,
+                          peer_failure=True) from err
     try:
         info = resolve(source)
-        restored, finish = _load(pipe, lay, info, optimizer)
+        restored, finish = _load(pipe, lay, info, optimizer, everywhere)
     except CheckpointError as err:
         error = err.message
     errors: list[str | None] = [None] * lay.size
@@ -482,7 +527,23 @@ def load(pipe: Pipeline, source: str | os.PathLike,
     return restored
 
 
-def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any) -> tuple[Restored, Any]:
+def _names_here(pipe: Pipeline, optimizer: Any) -> set[str] | None:
+    """The whole model's names of this rank's stage tensors; None when a stage does not name them all."""
+    try:
+        zeros, _ = _optimizers(pipe, optimizer)
+    except CheckpointError:
+        return None
+    out: set[str] = set()
+    for s, m in pipe.local_stages().items():
+        names = _model_names(m, _describe(m, zeros.get(s)))
+        if names is None:
+            return None
+        out.update(names.values())
+    return out
+
+
+def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any,
+          everywhere: list[set[str] | None]) -> tuple[Restored, Any]:
     """Everything that can fail, checked and applied locally; returns the collectives to run afterwards."""
     manifest, path = info.manifest, info.path
     saved_par = saved_parallel(manifest)
@@ -498,7 +559,11 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any) ->
                               f"under the same tp size and layout (DTensor stages, parallel/tp_hf.py, load under "
                               f"any 1-D tp)")
     described = {s: _describe(m, zeros.get(s)) for s, m in stages.items()}
-    check_partition(manifest, stages, prog.num_stages, tp=0 if retp else tp, described=described)
+    moves = None
+    try:
+        check_partition(manifest, stages, prog.num_stages, tp=0 if retp else tp, described=described)
+    except CheckpointError as err:  # another partition: loaded by the whole model's names where both have them
+        moves = _moves(manifest, stages, described, saved_par, par, everywhere, err)
     parts = manifest["parts"]
     dense: dict[int, tuple[dict[str, Any], str]] = {}  # stage -> (part, module key) at this tp coordinate
     buffers: dict[int, tuple[dict[str, Any], str]] = {}
@@ -528,7 +593,14 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any) ->
     if retp and want_opt and len(plain) > 1:
         raise CheckpointError(f"loading under another tp size takes one optimizer per rank, not {len(plain)}")
     saved_ep = saved_par.get("ep", 1)
-    for s, module in sorted(stages.items()):
+    if moves is not None:
+        if want_opt and len(plain) > 1:
+            raise CheckpointError(f"loading into another stage partition takes one optimizer per rank, not "
+                                  f"{len(plain)}")
+        full = _repartitioned(stages, zeros, moves, parts, read, saved_ep, want_opt, path)
+        for s, module in sorted(stages.items()):
+            _load_full(s, module, zeros.get(s), full[s], path)
+    for s, module in sorted(stages.items()) if moves is None else ():
         z = zeros.get(s)
         sharded = _ep_params(parts, s) | set(expert_shards(module))
         same = False  # this rank's own ZeRO slices restore as they are
@@ -539,7 +611,7 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any) ->
             full[s] = _retp(s, module, z, parts, read, tp, par["tp"], want_opt, path)
             _load_full(s, module, z, full[s], path)
         elif sharded and not same:
-            full[s] = _reep(s, module, z, parts, read, tp, saved_ep, sharded, want_opt, path)
+            full[s] = _reep(s, module, z, parts, read, tp, saved_ep, want_opt, path)
             _load_full(s, module, z, full[s], path)
             if s in sliced:
                 _load_buffers(s, module, z, buffers, read, path)
@@ -583,13 +655,89 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any) ->
     restored = Restored(step=info.step, path=path, extra=saved.get("extra"),
                         shards=saved.get("shards") if own is not None else None,
                         saved_schedule=schedule_name(manifest), schedule_changed=sched.get("fingerprint") != now,
-                        rng_restored=own is not None)
+                        rng_restored=own is not None, partition_changed=moves is not None)
 
     def collectives() -> None:
         for z in finish:  # stages in order, the same on every dp rank
             z.sync_parameters()
 
     return restored, collectives
+
+
+def _moves(manifest: dict[str, Any], stages: dict[int, nn.Module], described: dict[int, dict[str, list]],
+           saved_par: dict[str, Any], par: dict[str, Any], everywhere: list[set[str] | None],
+           refusal: CheckpointError) -> dict[int, dict[str, tuple[int, str]]]:
+    """Where each of this rank's stage tensors lies in a checkpoint of another partition: {stage: {name: (saved
+    stage, saved name)}}, matched by the whole model's names.  Raises `refusal` (the partition check's error)
+    unless both sides name every tensor (no tensor parallelism), and a `CheckpointError` naming the tensor when
+    the models differ: a tensor one side lacks (on every rank together) or of another shape or dtype."""
+    part = manifest["partition"]
+    saved_names = part.get("names")
+    mine = {s: _model_names(m, described[s]) for s, m in stages.items()}
+    if (saved_names is None or saved_par["tp"] != 1 or par["tp"] != 1 or any(n is None for n in everywhere)
+            or any(n is None for n in mine.values())):
+        raise refusal
+    home: dict[str, tuple[int, str]] = {}
+    for s_old in sorted(saved_names, key=int):
+        for local, g in saved_names[s_old].items():
+            home.setdefault(g, (int(s_old), local))
+    what = f"the checkpoint (step {manifest['step']}, {schedule_name(manifest)})"
+    moves: dict[int, dict[str, tuple[int, str]]] = {}
+    for s, names in sorted(mine.items()):
+        assert names is not None
+        for local, g in names.items():
+            if g not in home:
+                raise CheckpointError(f"stage {s} of this pipeline holds {g!r}, which {what} lacks: a different "
+                                      f"model than the checkpoint's")
+            s_old, old = home[g]
+            want, have = part["stages"][str(s_old)][old], described[s][local]
+            if want != have:
+                raise CheckpointError(f"{g!r} is {_shape(have)} here, {_shape(want)} in {what}: a different model "
+                                      f"than the checkpoint's")
+        moves[s] = {local: home[g] for local, g in names.items()}
+    held = set().union(*(n for n in everywhere if n is not None))
+    lacking = sorted(set(home) - held)
+    if lacking:
+        raise CheckpointError(f"{what} holds {lacking[0]!r} ({len(lacking)} tensor(s) in all), which no stage of "
+                              f"this pipeline has: a different model than the checkpoint's")
+    return moves
+
+
+def _repartitioned(stages: dict[int, nn.Module], zeros: dict[int, ZeroOptimizer],
+                   moves: dict[int, dict[str, tuple[int, str]]], parts: list[dict[str, Any]], read, saved_ep: int,
+                   want_opt: bool, path: Path) -> dict[int, FullState]:
+    """This rank's stages' full-size state gathered from the saved stages `moves` points into (each saved stage's
+    whole state read once: its ZeRO slices reassembled, its expert shards joined), renamed, and cut to this
+    rank's expert shards."""
+    saved: dict[int, FullState] = {}
+
+    def whole(s_old: int) -> FullState:
+        if s_old not in saved:
+            w = _whole(s_old, parts, read, 0, saved_ep, want_opt, path, None)
+            buffers = dict(w.buffers or {})
+            held = next(((p, k) for p in parts if part_coords(p)[2] == 0 for k in p.get("buffers", [])
+                         if int(k.split("/")[0]) == s_old), None)
+            if held is not None:  # a ZeRO stage's buffers lie beside its slices
+                buffers.update(read(held[0])["buffers"][held[1]])
+            saved[s_old] = FullState(w.params, w.state, w.type, w.hyper, buffers)
+        return saved[s_old]
+
+    out: dict[int, FullState] = {}
+    for s, module in sorted(stages.items()):
+        params_here = _param_names_of(module, zeros.get(s))
+        params: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        state: dict[str, dict[str, Any]] = {}
+        kind, hyper = None, None
+        for name, (s_old, old) in moves[s].items():
+            w = whole(s_old)
+            t = w.params[old] if old in w.params else w.buffers[old]
+            (params if name in params_here else buffers)[name] = t
+            if w.state is not None and old in w.state:
+                state[name] = w.state[old]
+            kind, hyper = kind or w.type, hyper or w.hyper
+        out[s] = _cut_experts(FullState(params, state if want_opt else None, kind, hyper, buffers), module)
+    return out
 
 
 def _tp_reshardable(manifest: dict[str, Any], saved: dict[str, Any], now: dict[str, Any], stages: dict[int, nn.Module],
@@ -622,7 +770,7 @@ def _retp(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[s
             buffers = read(held[0])["buffers"][held[1]] if held is not None else None
             by_tp[t] = FullState(state.params, state.state, state.type, state.hyper, buffers)
         elif dense is not None:
-            by_tp[t] = _dense_state(s, module, z, read(dense[0]), dense[1], want_opt)
+            by_tp[t] = _dense_state(s, _param_names_of(module, z), read(dense[0]), dense[1], want_opt)
         else:
             raise CheckpointError(f"{path}: no part holds stage {s} at tp rank {t}")
         for p in mine:
@@ -649,14 +797,22 @@ def _ep_params(parts: list[dict[str, Any]], s: int) -> set[str]:
 
 
 def _reep(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[str, Any]], read, tp: int,
-          saved_ep: int, sharded: set[str], want_opt: bool, path: Path) -> FullState:
-    """Stage `s`'s state for this rank's expert shards, from a checkpoint of any ep (parallel/expert.py): each
-    saved ep coordinate's state (its ZeRO slices reassembled, or the module and optimizer state of the dp rank
-    holding it), the expert shards joined along dim 0 in coordinate order, then this rank's part cut out; the
-    optimizer state of a shard's shape goes the same way.  Exact: only copies."""
+          saved_ep: int, want_opt: bool, path: Path) -> FullState:
+    """Stage `s`'s state for this rank's expert shards, from a checkpoint of any ep (parallel/expert.py): the
+    stage's whole state (`_whole`), then this rank's rows cut out (`_cut_experts`).  Exact: only copies."""
+    return _cut_experts(_whole(s, parts, read, tp, saved_ep, want_opt, path, _param_names_of(module, z)), module)
+
+
+def _whole(s: int, parts: list[dict[str, Any]], read, tp: int, saved_ep: int, want_opt: bool, path: Path,
+           names: set[str] | None) -> FullState:
+    """Saved stage `s`'s whole state at tp coordinate `tp`: each saved ep coordinate's state (its ZeRO slices
+    reassembled, or the module and optimizer state of the dp rank holding it) with the expert shards joined
+    along dim 0 in coordinate order, the optimizer state of a shard's shape the same way.  `names`: the stage's
+    parameters (the rest of a module state are buffers); None takes every tensor as one."""
     mine = [p for p in parts if part_coords(p)[2] == tp]
     slices = {part_coords(p)[0]: p for p in mine if str(s) in p.get("zero", [])}
     states = _zero_states(read, s, slices) if slices else None
+    sharded = _ep_params(parts, s)
     by_ep: list[FullState] = []
     for j in range(saved_ep):
         if states is not None:
@@ -666,9 +822,9 @@ def _reep(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[s
         held = next(((p, k) for p in mine if part_coords(p)[0] == j for k in p.get("modules", [])
                      if int(k.split("/")[0]) == s), None)
         if held is None:
-            raise CheckpointError(f"{path}: no part holds stage {s} at tp rank {tp} for expert shard {j} of "
-                                  f"{saved_ep}")
-        by_ep.append(_dense_state(s, module, z, read(held[0]), held[1], want_opt))
+            raise CheckpointError(f"{path}: no part holds stage {s} at tp rank {tp}"
+                                  + (f" for expert shard {j} of {saved_ep}" if saved_ep > 1 else ""))
+        by_ep.append(_dense_state(s, names, read(held[0]), held[1], want_opt))
     first = by_ep[0]
 
     def joined(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -680,25 +836,34 @@ def _reep(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[s
         state = {n: {k: joined(n, [b.state[n][k] for b in by_ep])
                      if isinstance(v, torch.Tensor) and v.dim() and v.shape == first.params[n].shape else v
                      for k, v in st.items()} for n, st in first.state.items()}
-    for name, (ep, rank) in expert_shards(module).items():  # this rank's rows
+    return FullState(params, state, first.type, first.hyper, first.buffers)
+
+
+def _cut_experts(full: FullState, module: nn.Module) -> FullState:
+    """`full` with each of `module`'s expert shards (and their optimizer state) cut to this rank's rows."""
+    params, state = dict(full.params), None if full.state is None else dict(full.state)
+    for name, (ep, rank) in expert_shards(module).items():
         whole = params[name]
         params[name] = whole.chunk(ep)[rank].clone()
         if state is not None and name in state:
             state[name] = {k: v.chunk(ep)[rank].clone() if isinstance(v, torch.Tensor) and v.shape == whole.shape
                            else v for k, v in state[name].items()}
-    return FullState(params, state, first.type, first.hyper, first.buffers)
+    return FullState(params, state, full.type, full.hyper, full.buffers)
 
 
-def _dense_state(s: int, module: nn.Module, z: ZeroOptimizer | None, part: dict[str, Any], key: str,
-                 want_opt: bool) -> FullState:
+def _param_names_of(module: nn.Module, z: ZeroOptimizer | None) -> set[str]:
+    """A stage's parameter names (every alias): ZeRO's entries when it holds them, else the module's."""
+    if z is not None:
+        return {n for unit in z.units for e in unit.entries for n in (e.name, *e.also)}
+    return {n for n, _ in module.named_parameters(remove_duplicate=False)}
+
+
+def _dense_state(s: int, names: set[str] | None, part: dict[str, Any], key: str, want_opt: bool) -> FullState:
     """A stage saved without ZeRO as a `FullState`: parameters (local shards of DTensors), buffers, and the
-    first plain optimizer's state by parameter name (the parameters by this stage's names: ZeRO's, if it
-    holds them)."""
+    first plain optimizer's state by parameter name.  `names`: the parameters' (None: every tensor)."""
     saved = {k: local_shard(v) for k, v in part["modules"][key].items()}
-    names = ({n for unit in z.units for e in unit.entries for n in (e.name, *e.also)} if z is not None
-             else {n for n, _ in module.named_parameters(remove_duplicate=False)})
-    params = {k: v for k, v in saved.items() if k in names}
-    buffers = {k: v for k, v in saved.items() if k not in names}
+    params = {k: v for k, v in saved.items() if names is None or k in names}
+    buffers = {k: v for k, v in saved.items() if k not in params}
     if not want_opt:
         return FullState(params, buffers=buffers)
     opt = part["optimizers"][0] if part["optimizers"] else None

@@ -56,6 +56,25 @@ def test_train_with_data_parallel_zero_resumes_exactly(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_resume_into_another_stage_partition_continues_the_run(tmp_path) -> None:
+    """A checkpoint of 2 stages cut by count resumes on 4 stages cut by FLOPs (`--resume` loads each tensor by its
+    whole-model name, Adam's moments with it): the losses of the run that went on, to fp32 rounding."""
+    ckpt = tmp_path / "ckpt"
+    gpt = ["--layers", "4", "--steps", "4", "--batch", "8"]
+    whole = _train(tmp_path, "whole", "--schedule", "1f1b", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                   *gpt)
+    out = tmp_path / "resumed"
+    proc = pipedsl_here("train", "-P", "4", "-M", "4", "--seq", "8", "--embd", "16", "-o", str(out), "--split",
+                        "flops", "--schedule", "zb-h1", "--checkpoint-dir", str(tmp_path / "other"), "--resume",
+                        str(ckpt / "step-00000002"), *gpt)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cut into 2 stages otherwise; its tensors load by name" in proc.stdout
+    resumed = json.loads((out / "losses.json").read_text())["losses"]
+    assert resumed.keys() == {"3", "4"}
+    assert all(abs(resumed[k] - whole[k]) <= 1e-5 * abs(whole[k]) for k in resumed), (resumed, whole)
+
+
+@pytest.mark.slow
 def test_train_gpt_tensor_sequence_parallel_equals_one_process(tmp_path) -> None:
     """--tp 2 --sequence-parallel (Megatron's 1-D split of the GPT: heads, MLP, vocabulary-parallel embedding, head
     and loss; norms on half the sequence) on two pipeline ranks with selective recomputation and clipping: every
