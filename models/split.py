@@ -54,6 +54,10 @@ class SequentialStage(nn.Sequential):
         super().__init__(*layers)
         self.first_unit = first_unit
 
+    def units(self) -> list[tuple[int, nn.Module]]:
+        """(index in the whole model's unit list, layer) of each of this stage's layers: what a partition moves."""
+        return [(self.first_unit + i, layer) for i, layer in enumerate(self)]
+
     def model_name(self, local: str) -> str | None:
         """The whole model's name of this stage's tensor `local` ("0.w" of a stage from unit 3: "3.w")."""
         head, _, rest = local.partition(".")

@@ -52,7 +52,7 @@ from pipedsl.output import write_text
 from pipedsl.runtime.launch.capacity import check_local_ranks, total_memory, usable_cores
 from pipedsl.runtime.launch.lifecycle import exit_on_signals
 from pipedsl.trainer import config
-from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig
+from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_points
 
 D = TrainConfig()  # the defaults the help texts quote; every flag defaults to None (not given)
 
@@ -126,12 +126,13 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--batch", type=nonnegative_int, help="sequences per step (default 4·M)")
     p.add_argument("--seq", type=positive_int, help=f"tokens per sequence (default {d.seq})")
     p.add_argument("--layers", type=nonnegative_int, help="transformer blocks (default: 2 per stage)")
-    p.add_argument("--split", choices=config.SPLITS,
+    p.add_argument("--split", type=_split_arg, metavar="{count,blocks,flops,POINTS}",
                    help="how the model is cut into stages: count (the embedding and the head count as pieces like "
                         "the blocks; default), blocks (every stage the same number of blocks, the embedding and "
-                        "head on the end stages: Megatron-LM's split, the one `pipedsl plan` models) or flops "
+                        "head on the end stages: Megatron-LM's split, the one `pipedsl plan` models), flops "
                         "(balanced by the FLOPs a token costs in each piece: a large-vocabulary head gets a stage "
-                        "with fewer blocks)")
+                        "with fewer blocks) or cut points, e.g. 3,7 (stages 1 and 2 begin at pieces 3 and 7 of "
+                        "[embedding, blocks…, head])")
     p.add_argument("--embd", type=positive_int,
                    help=f"embedding width, a multiple of {GPT_HEADS} (default {m.embd})")
     p.add_argument("--lr", type=positive_float, help=f"AdamW's learning rate (default {t.lr:g})")
@@ -467,6 +468,12 @@ def _memory_estimate(cfg: TrainConfig, nprocs: int) -> int:
     return int(4 * params * nprocs + states + activations)
 
 
+def _split_arg(value: str) -> str:
+    if value in config.SPLITS or config.split_points(value) is not None:
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(config.SPLITS)} or cut points such as 3,7")
+
+
 def _resume_point(program: Any, cfg: TrainConfig) -> str | None:
     """The checkpoint to resume from (None: start fresh), checked against the model's stage partition."""
     import torch
@@ -496,7 +503,9 @@ def _resume_point(program: Any, cfg: TrainConfig) -> str | None:
             from pipedsl.models.gpt.model import GPT
             from pipedsl.trainer.train import gpt_config
 
-            stages = GPT(gpt_config(cfg)).stages(program.num_stages, by=cfg.model.split)
+            points = split_points(cfg.model.split)
+            stages = GPT(gpt_config(cfg)).stages(program.num_stages, by="count" if points else cfg.model.split,
+                                                 points=points)
             what = f"the {cfg.model.layers}-block GPT cut into {program.num_stages} stages"
     if checkpoint.loads_into(found.manifest, dict(enumerate(stages)), program.num_stages, where=what):
         saved = found.manifest["partition"]["num_stages"]

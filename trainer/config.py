@@ -93,6 +93,25 @@ def _one_of(*choices: Any) -> Rule:
     return f"is not one of {', '.join(map(str, choices))}", lambda v: v in choices and type(v) is type(choices[0])
 
 
+def split_points(split: str) -> list[int] | None:
+    """`--split`'s explicit cut points ("3,7": stages 1 and 2 begin at units 3 and 7 of [embedding, blocks…,
+    head]), None for a named rule (`SPLITS`) or anything else."""
+    parts = split.split(",")
+    if split in SPLITS or not all(p.strip().isdigit() for p in parts):
+        return None
+    return [int(p) for p in parts]
+
+
+def check_points(points: list[int], units: int, stages: int, what: str) -> None:
+    """Refuse `--split` points that do not cut `units` units into `stages` non-empty stages, in one line."""
+    if len(points) != stages - 1:
+        raise ConfigError(f"--split {','.join(map(str, points))}: {len(points)} cut points make {len(points) + 1} "
+                          f"stages, the program has {stages}")
+    if any(a >= b for a, b in zip([0, *points], [*points, units])):
+        raise ConfigError(f"--split {','.join(map(str, points))}: cut points must increase within 1..{units - 1} "
+                          f"({what}: {units} units, the embedding, the blocks and the head)")
+
+
 def _optional(rule: Rule) -> Rule:
     return rule[0], lambda v: v is None or rule[1](v)
 
@@ -158,7 +177,9 @@ class ModelConfig(_Section):
     attn: str | None = _option(None, _optional(_one_of(*ATTENTIONS)))  # None: sdpa where transformers has it
     layers: int = _option(0, _at_least(0))  # the GPT's blocks; 0: 2 a stage (`for_program`)
     embd: int = _option(64, _at_least(1))
-    split: str = _option("count", _one_of(*SPLITS))
+    split: str = _option("count", (f"is not one of {', '.join(SPLITS)} or cut points (\"3,7\": where stages 1 … "
+                                   f"S-1 begin among the units embedding, blocks…, head)",
+                                   lambda v: isinstance(v, str) and (v in SPLITS or split_points(v) is not None)))
     dropout: float = _option(0.0, FRACTION)
     seed: int = _option(0, SEED)
     experts: int = _option(0, _at_least(0))  # the GPT's experts per block (models/gpt/moe.py); 0: a dense MLP
@@ -468,6 +489,12 @@ class TrainConfig:
             if layers + 2 < S:
                 raise ConfigError(f"--layers {layers}: an embedding, {layers} blocks and a head make {layers + 2} "
                                   f"pieces, fewer than the program's {S} stages")
+            points = split_points(model.split)
+            if points is not None:
+                check_points(points, layers + 2, S, f"the {layers}-block GPT")
+                if self.parallel.tp > 1:
+                    raise ConfigError(f"--split {model.split} with --tp {self.parallel.tp}: the GPT's tensor-parallel "
+                                      f"stages are cut by a rule (count, blocks or flops), not at points")
             model = replace(model, layers=layers)
         return replace(self, model=model, training=replace(self.training, batch=batch),
                        schedule=replace(self.schedule, ranks=program.num_ranks, microbatches=M))

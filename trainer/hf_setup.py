@@ -16,7 +16,7 @@ from typing import Any
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.memory import model_states, state_bytes
 from pipedsl.runtime.launch.capacity import total_memory
-from pipedsl.trainer.config import HFModelConfig, TrainConfig
+from pipedsl.trainer.config import HFModelConfig, TrainConfig, check_points, split_points
 
 
 def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
@@ -189,6 +189,10 @@ def _split(how: str, layers: int, num_stages: int, md: Any) -> dict[str, Any]:
     decoder layers (±1), the embedding with the first and the head with the last (Megatron's split); `flops`:
     the units balanced by the FLOPs a token costs in each (models/split.py's `matmul_weights`: a large
     vocabulary's head weighs what it costs), read off the model on the meta device."""
+    points = split_points(how)
+    if points is not None:
+        check_points(points, layers + 2, num_stages, str(md.path))
+        return {"points": points}
     if how == "flops":
         from pipedsl.models.hf.stages import _Parts
         from pipedsl.models.split import _bounds

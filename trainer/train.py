@@ -35,7 +35,7 @@ from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import COMPUTE
 from pipedsl.runtime import checkpoint
 from pipedsl.runtime.precision import MixedPrecision
-from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig
+from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_points
 
 
 class GPTSource:
@@ -60,7 +60,8 @@ class GPTSource:
                                                sequence_parallel=cfg.parallel.sequence_parallel)
             self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
         else:
-            self.stages = self.model.stages(program.num_stages, by=by)
+            points = split_points(by)
+            self.stages = self.model.stages(program.num_stages, by="count" if points else by, points=points)
             self.loss_fn = _token_loss_sum if self.token else gpt_loss
         self.recompute_filter = _is_attention
         self.gen = torch.Generator().manual_seed(cfg.model.seed + 1)
@@ -266,9 +267,14 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     try:
         if cfg.schedule.schedule == AUTO and start < t.steps:
             until = min(start + AUTO_PROFILE_STEPS, t.steps)
-            losses = _loop(rank, pipe, opt, source, cfg, start, log, load, until=until)
+            clock = _unit_clock(pipe, cfg) if until < t.steps else None
+            try:
+                losses = _loop(rank, pipe, opt, source, cfg, start, log, load, until=until)
+            finally:
+                if clock is not None:
+                    clock.close()
             if until < t.steps:
-                pipe, opt, source, load = _switch(rank, pipe, opt, source, cfg, parallel, until, log)
+                pipe, opt, source, load, cfg = _switch(rank, pipe, opt, source, cfg, parallel, until, log, clock)
                 losses.update(_loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load))
         else:
             losses = _loop(rank, pipe, opt, source, cfg, start, log, load)
@@ -309,27 +315,49 @@ def _build(rank: int, program: pipedsl.Program, cfg: TrainConfig, parallel: Any)
     return pipe, opt, source, load
 
 
+def _unit_clock(pipe: Any, cfg: TrainConfig) -> Any:
+    """`--schedule auto`'s timer of each unit's forward during the profile steps, when the run may re-partition:
+    stages that offer their units (the GPT's, an HF decoder's), no tensor parallelism (whose checkpoints load
+    only into the same partition)."""
+    from pipedsl.runtime.unit_clock import UnitClock
+
+    stages = list(pipe.local_stages().values())
+    seq2seq = cfg.hf is not None and cfg.hf.seq2seq is not None
+    if cfg.parallel.tp > 1 or seq2seq or not UnitClock.supports(stages):
+        return None
+    return UnitClock(stages)
+
+
 def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, parallel: Any, step: int,
-            log: Any) -> tuple[Any, Any, Any, Any]:
+            log: Any, clock: Any) -> tuple[Any, Any, Any, Any, TrainConfig]:
     """`--schedule auto` after its profile steps: the op and message costs fitted to the last step's trace
-    (`Cost.fit`, means), ZB-auto searched under them (every rank alike: the search is deterministic), and the
-    run carried over through a checkpoint of this step — weights, optimizer state, random state, the data
-    position — into a pipeline for the new program.  The stage partition does not change, so every later
-    checkpoint is like the run's others (a resume may use any schedule); the gradients stay one process's."""
+    (`Cost.fit`, means, per stage), the units re-partitioned from their measured times (`_plan`), ZB-auto
+    searched under the costs of that partition (every rank alike: the search is deterministic), and the run
+    carried over through a checkpoint of this step — weights, optimizer state, random state, the data position
+    — into a pipeline for the new program.  A new partition loads from that checkpoint by tensor name
+    (runtime/checkpoint/state.py), so later checkpoints are of the new partition and a resume may use any;
+    the gradients stay one process's.  Returns the new pipeline, optimizer, source, router statistics and
+    configuration (its `--split` the new cut points)."""
     import shutil
 
-    from pipedsl.simulate import Cost, simulate
+    from pipedsl.simulate import Cost
 
     timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
-    fitted = [Cost.fit(timeline, statistic="mean").__dict__ if timeline is not None else None]
-    torch.distributed.broadcast_object_list(fitted, src=0)
-    cost = Cost(**fitted[0])
+    units = None if clock is None else (clock.medians(), {s: [u for u, _ in m.units()]
+                                                          for s, m in pipe.local_stages().items()})
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, units)
+    plan = [_plan(timeline, gathered, pipe.program, cfg) if timeline is not None else None]
+    torch.distributed.broadcast_object_list(plan, src=0)
+    decision = plan[0]
+    cost = Cost(**decision["cost"])
+    if decision["points"] is not None:
+        cfg = _with_points(cfg, decision["points"])
     s = cfg.schedule
     program = pipedsl.load("zb-auto").compile(P=pipe.program.num_ranks, M=pipe.program.num_microbatches,
                                               cost=cost, **s.params)
     directory = Path(cfg.logging.out) / "auto-switch"
     checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout)
-    profiled = timeline.makespan if timeline is not None else 0.0
     pipe.close()
     new, new_opt, new_source, load = _build(rank, program, cfg, parallel)
     restored = checkpoint.load(new, directory, new_opt)
@@ -337,18 +365,78 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
-        predicted = simulate(program, cost).makespan
         params = " ".join(f"{k}={v}" for k, v in program.params.items())
+        split = (f"stages re-cut at units {','.join(map(str, decision['points']))} (predicted "
+                 f"{decision['kept_ms']:.1f} ms on the old cut), " if decision["points"] is not None else "")
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
-                f"messages {cost.comm * 1e3:.2f}): {program.name} {params}, predicted step {predicted * 1e3:.1f} ms "
-                f"against ZB-H1's {profiled * 1e3:.1f} ms measured")
-        fields = {"program": program.name, "params": program.params, "predicted_ms": predicted * 1e3,
-                  "profiled_ms": profiled * 1e3, "cost": {k: getattr(cost, k) for k in ("F", "I", "W", "comm")}}
+                f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted step "
+                f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms measured")
+        fields = {"program": program.name, "params": program.params, "predicted_ms": decision["predicted_ms"],
+                  "profiled_ms": decision["profiled_ms"], "split": decision["points"],
+                  "kept_split_ms": decision["kept_ms"],
+                  "cost": {k: getattr(cost, k) for k in ("F", "I", "W", "comm")}}
         if log is not None:
             log.event(step, "schedule", fields, line)
         else:
             print(line, flush=True)
-    return new, new_opt, new_source, load
+    return new, new_opt, new_source, load, cfg
+
+
+REPARTITION_GAIN = 0.97  # `--schedule auto` re-cuts the stages only for a predicted step this much shorter or less
+
+
+def _plan(timeline: Any, units: list[Any], program: pipedsl.Program, cfg: TrainConfig) -> dict[str, Any]:
+    """Rank 0's decision after the profile steps: the fitted costs, and new cut points when the units' measured
+    times (`units`: each rank's (unit medians, {stage: units}), or None) predict a ZB-auto step at least
+    `REPARTITION_GAIN` shorter on the balanced cut than on the current one (`plan/partition.py`)."""
+    from pipedsl.plan.partition import bounds_of, even_sizes, stage_costs_of, unit_costs
+    from pipedsl.simulate import Cost, simulate
+
+    fitted = Cost.fit(timeline, statistic="mean")  # a path's expected length is the sum of mean costs
+    typical = Cost.fit(timeline, statistic="median").per_stage  # a stage's: one hiccup of a few ops does not move it
+    cost = replace(fitted, per_stage={s: {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
+                                      for s, c in typical.items()})
+    P, M, params = program.num_ranks, program.num_microbatches, cfg.schedule.params
+
+    def predicted(c: Cost) -> float:
+        return simulate(pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **params), c).makespan
+
+    kept = predicted(cost)
+    decision = {"cost": cost.__dict__, "points": None, "predicted_ms": kept * 1e3, "kept_ms": kept * 1e3,
+                "profiled_ms": timeline.makespan * 1e3}
+    if any(u is None for u in units):
+        return decision
+    seconds: dict[int, list[float]] = {}
+    held: dict[int, list[int]] = {}
+    for medians, stages in units:
+        for u, t in medians.items():
+            seconds.setdefault(u, []).append(t)
+        held.update(stages)
+    S = program.num_stages
+    if sorted(held) != list(range(S)):
+        return decision
+    bounds = [min(held[s]) for s in range(S)] + [max(held[S - 1]) + 1]
+    per_unit = unit_costs(cost.per_stage, {u: sum(t) / len(t) for u, t in seconds.items()}, bounds)
+    cut = list(bounds_of(even_sizes([sum(c.values()) for c in per_unit], S)))
+    if cut == bounds:
+        return decision
+    recut = replace(cost, per_stage=stage_costs_of(per_unit, cut))
+    then = predicted(recut)
+    if then < REPARTITION_GAIN * kept:
+        decision.update(cost=recut.__dict__, points=cut[1:-1], predicted_ms=then * 1e3)
+    return decision
+
+
+def _with_points(cfg: TrainConfig, points: list[int]) -> TrainConfig:
+    """`cfg` cut at `points` (`--split 3,7`): the GPT's split, or an HF model's stage keywords and export record."""
+    split = ",".join(map(str, points))
+    cfg = replace(cfg, model=replace(cfg.model, split=split))
+    if cfg.hf is None:
+        return cfg
+    keywords = {k: v for k, v in cfg.hf.split.items() if k != "by"}
+    keywords["points"] = list(points)
+    export = {**cfg.hf.export, "split": dict(keywords)} if isinstance(cfg.hf.export, dict) else cfg.hf.export
+    return replace(cfg, hf=replace(cfg.hf, split=keywords, export=export))
 
 
 def _logger(cfg: TrainConfig, start: int) -> Any:

@@ -322,6 +322,7 @@ class CausalLMStage(ModelNamed, nn.Module):
         """Units `first` … `last - 1` of [embedding, layer 0 … layer L−1, head]."""
         super().__init__()
         n = len(parts.layers)
+        self._num_layers = n
         self.config = parts.config
         self.extras = extras
         self.embed = parts.embed if first == 0 else None
@@ -339,6 +340,13 @@ class CausalLMStage(ModelNamed, nn.Module):
                 if isinstance(m, self.router.router_class):
                     m.register_forward_hook(self._catch)
         self.name_after(parts.model)
+
+    def units(self) -> list[tuple[int, nn.Module]]:
+        """(index in [embedding, layer 0 … layer L−1, head], module) of this stage's pieces: what a partition
+        moves (the rotary module, without parameters, goes with every stage)."""
+        out = [(0, self.embed)] if self.embed is not None else []
+        out += [(int(i) + 1, layer) for i, layer in self.layers.items()]
+        return out + ([(self._num_layers + 1, self.head)] if self.head is not None else [])
 
     def _catch(self, _module: nn.Module, _args: Any, out: Any) -> None:
         if self._caught is not None:

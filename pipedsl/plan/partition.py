@@ -7,7 +7,7 @@ those, the spread (Σ stage²).  `bounds_of` turns sizes into unit boundaries [0
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from pipedsl.errors import PipeDSLError
 
@@ -84,3 +84,29 @@ def bounds_of(sizes: Sequence[int]) -> tuple[int, ...]:
     for size in sizes:
         out.append(out[-1] + size)
     return tuple(out)
+
+
+KINDS = ("F", "B", "I", "W")  # the compute kinds a stage's measured costs split among its units
+
+
+def unit_costs(stage_costs: Mapping[int, Mapping[str, float]], unit_seconds: Mapping[int, float],
+               bounds: Sequence[int]) -> list[dict[str, float]]:
+    """Each unit's share of its stage's measured op times: stage s (units bounds[s] … bounds[s+1]−1) costs
+    `stage_costs[s]` ({"F": …, "I": …, "W": …} a microbatch, `Cost.fit(timeline).per_stage`), split among its
+    units in proportion to their measured forward seconds (`unit_seconds`, runtime/unit_clock.py).  What is
+    the stage's own beyond its units (the loss after the head) goes with them in proportion."""
+    out: list[dict[str, float]] = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        times = [max(unit_seconds.get(u, 0.0), 0.0) for u in range(a, b)]
+        total = sum(times)
+        shares = [t / total for t in times] if total > 0 else [1.0 / (b - a)] * (b - a)
+        costs = stage_costs.get(s, {})
+        out += [{k: costs[k] * share for k in KINDS if k in costs} for share in shares]
+    return out
+
+
+def stage_costs_of(per_unit: Sequence[Mapping[str, float]], bounds: Sequence[int]) -> dict[int, dict[str, float]]:
+    """{stage: {kind: seconds}} of a partition (`bounds`) from per-unit costs (`unit_costs`)."""
+    return {s: {k: sum(per_unit[u].get(k, 0.0) for u in range(a, b)) for k in KINDS
+                if any(k in per_unit[u] for u in range(a, b))}
+            for s, (a, b) in enumerate(zip(bounds, bounds[1:]))}

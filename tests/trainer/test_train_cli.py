@@ -153,14 +153,15 @@ def test_train_expert_options_are_checked_before_any_rank(capsys, args, said) ->
 
 @pytest.mark.slow
 def test_train_schedule_auto_profiles_searches_switches_and_equals_one_process(tmp_path) -> None:
-    """--schedule auto: three steps under ZB-H1, then ZB-auto searched from their measured costs, the run carried
-    over through a checkpoint of step 3 (weights, AdamW's state, the data position): every step's loss equals one
-    process, and the report names the searched program."""
-    common = ["--steps", "6", "--layers", "3", "--split", "flops", "-M", "4"]
+    """--schedule auto: three steps under ZB-H1 on a lopsided cut (the embedding alone on stage 0), then the units
+    re-cut from their measured times and ZB-auto searched from the costs of the new cut, the run carried over
+    through a checkpoint of step 3 (weights, AdamW's state, the data position; loaded by tensor name into the new
+    partition): every step's loss equals one process, and the report names the cut and the searched program."""
+    common = ["--steps", "6", "--layers", "3", "-M", "4"]
     one = _train(tmp_path, "one", "-P", "1", *common)
     out = tmp_path / "auto"
     proc = pipedsl_here("train", "-P", "2", "--seq", "8", "--embd", "16", "-o", str(out), "--schedule", "auto",
-                        "-p", "mem=3", *common)
+                        "-p", "mem=3", "--split", "1", *common)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     auto = json.loads((out / "losses.json").read_text())["losses"]
     assert one.keys() == auto.keys() == {str(k) for k in range(1, 7)}
@@ -171,5 +172,6 @@ def test_train_schedule_auto_profiles_searches_switches_and_equals_one_process(t
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     [switch] = [r for r in rows if r["kind"] == "schedule"]
     assert switch["step"] == 3 and switch["program"] == "ZB-auto" and switch["predicted_ms"] > 0, switch
+    assert switch["split"] in ([2], [3]) and switch["predicted_ms"] < switch["kept_split_ms"], switch
     assert switch["cost"]["F"] > 0 and switch["cost"]["W"] > 0
     assert not (out / "auto-switch").exists()  # the hand-over checkpoint is gone

@@ -85,16 +85,18 @@ ZERO3 = ["-P", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1", "--recomp
 
 
 @pytest.mark.slow
-def test_qwen3_bf16_main_parameters_dp2_pp2_zero3_zbh1_equal_one_process(corpus, tmp_path):
-    """dp2 x pp2 with ZeRO-3, ZB-H1, full recomputation, clipping, cosine LR, packing and evaluation: Qwen3 trains
-    bf16 weights over fp32 main parameters (--param-dtype bf16), sharded by ZeRO-3, and every step's loss and the
-    held-out loss equal a one-process run of the same command to bf16's tolerance.  The fp32 case of the same
-    layout (Gemma 3, --eval-data) is the resume/export test below, which compares with one process too (it was a
-    second parameter of this test: merged there, suite time)."""
+def test_qwen3_bf16_main_parameters_dp2_pp2_zero3_auto_recut_equal_one_process(corpus, tmp_path):
+    """dp2 x pp2 with ZeRO-3, full recomputation, clipping, cosine LR, packing and evaluation, under `--schedule
+    auto` from a lopsided cut (the embedding alone on stage 0): three ZB-H1 steps, then the layers re-cut from
+    their measured times and ZB-auto, the ZeRO-3 slices carried into the new partition by tensor name.  Qwen3
+    trains bf16 weights over fp32 main parameters (--param-dtype bf16), and every step's loss and the held-out
+    loss equal a one-process run of the same command to bf16's tolerance.  The fp32 case of the same layout
+    (Gemma 3, --eval-data) is the resume/export test below, which compares with one process too."""
     model = model_dir(tmp_path, "qwen3")
     dtypes = ["--precision", "bf16", "--param-dtype", "bf16"]
+    auto = ["-P", "2", "--dp", "2", "--zero", "3", "--schedule", "auto", "--split", "1", "--recompute", "full"]
     runs = [pipedsl(*common_flags(model, corpus, tmp_path / name), *dtypes, *layout)
-            for name, layout in (("one", ["-P", "1"]), ("par", ZERO3))]
+            for name, layout in (("one", ["-P", "1"]), ("par", auto))]
     for proc in runs:
         assert proc.returncode == 0, proc.stderr[-3000:]
     (want, want_eval), (got, got_eval) = ((losses(tmp_path / name), evals(tmp_path / name)) for name in ("one", "par"))
@@ -105,6 +107,9 @@ def test_qwen3_bf16_main_parameters_dp2_pp2_zero3_zbh1_equal_one_process(corpus,
     for step, loss in want_eval.items():
         assert got_eval[step] == pytest.approx(loss, rel=2e-3)
     assert want[4] < want[1]  # it learns
+    rows = [json.loads(line) for line in (tmp_path / "par" / "metrics.jsonl").read_text().splitlines()]
+    [switch] = [r for r in rows if r["kind"] == "schedule"]
+    assert switch["step"] == 3 and switch["split"] is not None and switch["split"][0] > 1, switch
 
 
 @pytest.mark.slow
