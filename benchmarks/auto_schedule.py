@@ -10,8 +10,9 @@ run:
 
     1f1b, zb-h1 (split by count: the embedding and the head count as pieces like the blocks),
     zb-v (2P chunks by count),
-    auto: --split flops, profiled 3 steps under ZB-H1, ZB-auto searched from the fitted costs at
-          mem = P (1F1B's activation memory on rank 0), as `pipedsl train --schedule auto` does
+    auto: from the split by count, profiled 3 steps under ZB-H1 with each piece's forward timed, the pieces
+          re-cut from the measured times and ZB-auto searched from the costs of the new cut at mem = P (1F1B's
+          activation memory on rank 0), as `pipedsl train --schedule auto` does (plan/recut.py)
 
 with the step time (median of `--steps` timed steps after warm-up), the traced step's bubble and peak
 activations, and the simulator's makespan for the traced step: "predicted" for auto (from the profile's
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # noqa: E402
 
 P, M, BLOCKS = 4, 8, 8
-ROWS = (("1f1b", "count"), ("zb-h1", "count"), ("zb-v", "count"), ("auto", "flops"))
+ROWS = (("1f1b", "count"), ("zb-h1", "count"), ("zb-v", "count"), ("auto", "count"))
 
 
 def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -45,6 +46,8 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import pipedsl
     from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
     from pipedsl.models.split import matmul_weights
+    from pipedsl.plan.recut import choose_cut
+    from pipedsl.runtime.unit_clock import UnitClock
     from pipedsl.simulate import Cost, simulate
 
     class Timed(nn.Module):
@@ -75,8 +78,12 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         m.head = Timed(m.head, per * matmul_weights(m.head.inner if hasattr(m.head, "inner") else m.head))
         return m
 
-    def run(program: Any, by: str, steps: int, warmup: int) -> tuple[Any, list[float], Any]:
-        pipe = pipedsl.Pipeline(model().stages(program.num_stages, by=by), program=program, loss_fn=gpt_loss)
+    def run(program: Any, by: str, steps: int, warmup: int, points: list[int] | None = None,
+            clock: list[Any] | None = None) -> tuple[Any, list[float], Any]:
+        pipe = pipedsl.Pipeline(model().stages(program.num_stages, by=by, points=points), program=program,
+                                loss_fn=gpt_loss)
+        if clock is not None:  # the profile: each unit's forward timed, as `pipedsl train --schedule auto` does
+            clock.append(UnitClock(pipe.local_stages()))
         gen = torch.Generator().manual_seed(1)
         batches = [synthetic_batch(4 * M, 32, cfg["vocab"], gen) for _ in range(3)]
         times = []
@@ -90,23 +97,30 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 p.grad = None
         timeline = pipe.timeline()
         pipe.close()
+        if clock is not None:
+            clock[0].close()
         return pipe, times, timeline
 
     rows = []
     for name, by in ROWS:
-        predicted = None
-        if name == "auto":
-            _, _, profile = run(pipedsl.load("zb-h1").compile(P=P, M=M), by, 1, 2)
-            fitted = [Cost.fit(profile, statistic="mean").__dict__ if profile is not None else None]
-            torch.distributed.broadcast_object_list(fitted, src=0)
-            cost = Cost(**fitted[0])
+        predicted, points, kept = None, None, None
+        if name == "auto":  # trainer/train.py's `_switch`: profile, re-cut, search
+            clock: list[Any] = []
+            profiled = pipedsl.load("zb-h1").compile(P=P, M=M)
+            _, _, profile = run(profiled, by, 1, 2, clock=clock)
+            units: list[Any] = [None] * P
+            torch.distributed.all_gather_object(units, clock[0].report())
+            plan = [choose_cut(profile, units, profiled, {"mem": P}) if profile is not None else None]
+            torch.distributed.broadcast_object_list(plan, src=0)
+            cost, points, kept = Cost(**plan[0]["cost"]), plan[0]["points"], plan[0]["kept_ms"] / 1e3
             program = pipedsl.load("zb-auto").compile(P=P, M=M, mem=P, cost=cost)
             predicted = simulate(program, cost).makespan
         else:
             program = pipedsl.load(name).compile(P=P, M=M)
-        _, times, timeline = run(program, by, cfg["steps"], cfg["warmup"])
-        rows.append({"schedule": name, "split": by, "program": program.to_json(), "step_s": statistics.median(times),
-                     "predicted_s": predicted, "timeline": timeline.to_json() if timeline is not None else None})
+        _, times, timeline = run(program, by, cfg["steps"], cfg["warmup"], points=points)
+        rows.append({"schedule": name, "split": ",".join(map(str, points)) if points else by,
+                     "program": program.to_json(), "step_s": statistics.median(times), "predicted_s": predicted,
+                     "kept_s": kept, "timeline": timeline.to_json() if timeline is not None else None})
     return rows
 
 
@@ -125,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 timed steps")
-    ap.add_argument("--vocab", type=int, default=16384, help="the head's vocabulary (default 16384)")
-    ap.add_argument("--us-per-mweight", type=float, default=60.0,
-                    help="emulated µs of forward per million matmul weights (default 60)")
+    ap.add_argument("--vocab", type=int, default=4096,
+                    help="the head's vocabulary (default 4096: the head costs about 5 blocks)")
+    ap.add_argument("--us-per-mweight", type=float, default=20000.0,
+                    help="emulated µs of forward per million matmul weights (default 20000: a block 1 ms, so the "
+                         "emulated compute, which sleeps, outweighs the real one and 4 ranks on 2 cores barely "
+                         "contend)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", help="output file (default benchmarks/results/auto_schedule.json)")
     ap.add_argument("--no-append", action="store_true", help="do not append a row to RESULTS.md")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -21,13 +21,14 @@ from pipedsl.runtime.recompute import is_recomputing
 
 
 class UnitClock:
-    """Forward seconds of every unit of `stages` (modules with `units()`), per call, until `close()`."""
+    """Forward seconds of every unit of `stages` ({stage: module with `units()`}), per call, until `close()`."""
 
-    def __init__(self, stages: Iterable[nn.Module]) -> None:
+    def __init__(self, stages: Mapping[int, nn.Module]) -> None:
         self.seconds: dict[int, list[float]] = {}
+        self.held = {s: [u for u, _ in m.units()] for s, m in sorted(stages.items())}  # type: ignore[operator]
         self._started: dict[int, float] = {}
         self._hooks: list[Any] = []
-        for stage in stages:
+        for stage in stages.values():
             for index, module in stage.units():  # type: ignore[operator]
                 self._hooks.append(module.register_forward_pre_hook(self._pre(index)))
                 self._hooks.append(module.register_forward_hook(self._post(index)))
@@ -55,6 +56,10 @@ class UnitClock:
     def medians(self) -> dict[int, float]:
         """{unit: its median forward seconds a call} over what was timed."""
         return {u: statistics.median(v) for u, v in sorted(self.seconds.items())}
+
+    def report(self) -> tuple[dict[int, float], dict[int, list[int]]]:
+        """(`medians()`, {stage: its units}): this rank's part of what plan/recut.py's `choose_cut` takes."""
+        return self.medians(), self.held
 
     def close(self) -> None:
         for h in self._hooks:

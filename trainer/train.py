@@ -321,9 +321,9 @@ def _unit_clock(pipe: Any, cfg: TrainConfig) -> Any:
     only into the same partition)."""
     from pipedsl.runtime.unit_clock import UnitClock
 
-    stages = list(pipe.local_stages().values())
+    stages = pipe.local_stages()
     seq2seq = cfg.hf is not None and cfg.hf.seq2seq is not None
-    if cfg.parallel.tp > 1 or seq2seq or not UnitClock.supports(stages):
+    if cfg.parallel.tp > 1 or seq2seq or not UnitClock.supports(stages.values()):
         return None
     return UnitClock(stages)
 
@@ -331,7 +331,7 @@ def _unit_clock(pipe: Any, cfg: TrainConfig) -> Any:
 def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, parallel: Any, step: int,
             log: Any, clock: Any) -> tuple[Any, Any, Any, Any, TrainConfig]:
     """`--schedule auto` after its profile steps: the op and message costs fitted to the last step's trace
-    (`Cost.fit`, means, per stage), the units re-partitioned from their measured times (`_plan`), ZB-auto
+    (`Cost.fit`, means, per stage), the units re-partitioned from their measured times (`choose_cut`), ZB-auto
     searched under the costs of that partition (every rank alike: the search is deterministic), and the run
     carried over through a checkpoint of this step — weights, optimizer state, random state, the data position
     — into a pipeline for the new program.  A new partition loads from that checkpoint by tensor name
@@ -340,14 +340,14 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     configuration (its `--split` the new cut points)."""
     import shutil
 
+    from pipedsl.plan.recut import choose_cut
     from pipedsl.simulate import Cost
 
     timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
-    units = None if clock is None else (clock.medians(), {s: [u for u, _ in m.units()]
-                                                          for s, m in pipe.local_stages().items()})
+    units = None if clock is None else clock.report()
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, units)
-    plan = [_plan(timeline, gathered, pipe.program, cfg) if timeline is not None else None]
+    plan = [choose_cut(timeline, gathered, pipe.program, cfg.schedule.params) if timeline is not None else None]
     torch.distributed.broadcast_object_list(plan, src=0)
     decision = plan[0]
     cost = Cost(**decision["cost"])
@@ -380,51 +380,6 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         else:
             print(line, flush=True)
     return new, new_opt, new_source, load, cfg
-
-
-REPARTITION_GAIN = 0.97  # `--schedule auto` re-cuts the stages only for a predicted step this much shorter or less
-
-
-def _plan(timeline: Any, units: list[Any], program: pipedsl.Program, cfg: TrainConfig) -> dict[str, Any]:
-    """Rank 0's decision after the profile steps: the fitted costs, and new cut points when the units' measured
-    times (`units`: each rank's (unit medians, {stage: units}), or None) predict a ZB-auto step at least
-    `REPARTITION_GAIN` shorter on the balanced cut than on the current one (`plan/partition.py`)."""
-    from pipedsl.plan.partition import bounds_of, even_sizes, stage_costs_of, unit_costs
-    from pipedsl.simulate import Cost, simulate
-
-    fitted = Cost.fit(timeline, statistic="mean")  # a path's expected length is the sum of mean costs
-    typical = Cost.fit(timeline, statistic="median").per_stage  # a stage's: one hiccup of a few ops does not move it
-    cost = replace(fitted, per_stage={s: {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
-                                      for s, c in typical.items()})
-    P, M, params = program.num_ranks, program.num_microbatches, cfg.schedule.params
-
-    def predicted(c: Cost) -> float:
-        return simulate(pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **params), c).makespan
-
-    kept = predicted(cost)
-    decision = {"cost": cost.__dict__, "points": None, "predicted_ms": kept * 1e3, "kept_ms": kept * 1e3,
-                "profiled_ms": timeline.makespan * 1e3}
-    if any(u is None for u in units):
-        return decision
-    seconds: dict[int, list[float]] = {}
-    held: dict[int, list[int]] = {}
-    for medians, stages in units:
-        for u, t in medians.items():
-            seconds.setdefault(u, []).append(t)
-        held.update(stages)
-    S = program.num_stages
-    if sorted(held) != list(range(S)):
-        return decision
-    bounds = [min(held[s]) for s in range(S)] + [max(held[S - 1]) + 1]
-    per_unit = unit_costs(cost.per_stage, {u: sum(t) / len(t) for u, t in seconds.items()}, bounds)
-    cut = list(bounds_of(even_sizes([sum(c.values()) for c in per_unit], S)))
-    if cut == bounds:
-        return decision
-    recut = replace(cost, per_stage=stage_costs_of(per_unit, cut))
-    then = predicted(recut)
-    if then < REPARTITION_GAIN * kept:
-        decision.update(cost=recut.__dict__, points=cut[1:-1], predicted_ms=then * 1e3)
-    return decision
 
 
 def _with_points(cfg: TrainConfig, points: list[int]) -> TrainConfig:
