@@ -1,0 +1,99 @@
+"""Re-cutting stages from measured times (plan/partition.py's `unit_costs`, plan/recut.py's `choose_cut`) and timing
+units (runtime/unit_clock.py): checked against hand-computed splits and a simulated profile whose truth is known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import pipedsl
+from pipedsl.models.split import split_sequential
+from pipedsl.plan.partition import bounds_of, stage_costs_of, unit_costs
+from pipedsl.plan.recut import choose_cut
+from pipedsl.runtime.recompute import Recompute
+from pipedsl.runtime.unit_clock import UnitClock
+
+
+def test_unit_costs_split_each_stage_by_its_units_forward_times() -> None:
+    per_unit = unit_costs({0: {"F": 3.0, "I": 3.0, "W": 2.0}, 1: {"F": 5.0, "I": 5.0, "W": 4.0}},
+                          {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 3.0}, [0, 3, 5])
+    assert per_unit[0] == {"F": 1.0, "I": 1.0, "W": pytest.approx(2 / 3)}
+    assert per_unit[4] == {"F": 3.75, "I": 3.75, "W": 3.0}
+    assert stage_costs_of(per_unit, [0, 4, 5]) == {0: {"F": 4.25, "I": 4.25, "W": pytest.approx(3.0)},
+                                                   1: {"F": 3.75, "I": 3.75, "W": 3.0}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.1, 10.0), min_size=4, max_size=12), st.integers(2, 4), st.data())
+def test_unit_costs_keep_every_stage_total(times, S, data) -> None:
+    """Whatever the unit times, re-summing the per-unit costs over the measured cut gives each stage's costs."""
+    L = len(times)
+    cuts = sorted(data.draw(st.lists(st.integers(1, L - 1), min_size=S - 1, max_size=S - 1, unique=True)))
+    bounds = [0, *cuts, L]
+    measured = {s: {"F": 1.0 + s, "I": 2.0 * s + 0.5, "W": 0.3} for s in range(S)}
+    again = stage_costs_of(unit_costs(measured, dict(enumerate(times)), bounds), bounds)
+    for s in range(S):
+        for k in ("F", "I", "W"):
+            assert math.isclose(again[s][k], measured[s][k], rel_tol=1e-9)
+
+
+def _profile(unit_f: list[float], bounds: list[int], P: int, M: int) -> tuple[pipedsl.Timeline, list]:
+    """The timeline ZB-H1 would measure on `bounds` when unit u's F is unit_f[u] and its I and W are F each, and
+    each rank's unit report."""
+    stage = {s: sum(unit_f[a:b]) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))}
+    cost = pipedsl.Cost(F=1.0, I=1.0, W=1.0, comm=0.01,
+                        per_stage={s: {"F": f, "I": f, "W": f} for s, f in stage.items()})
+    timeline = pipedsl.simulate(pipedsl.load("zb-h1").compile(P=P, M=M), cost)
+    reports = [({u: unit_f[u] for u in range(a, b)}, {s: list(range(a, b))})
+               for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return timeline, reports
+
+
+def test_choose_cut_moves_blocks_off_a_heavy_head() -> None:
+    """An embedding, 8 blocks and a head of 5 blocks' cost, cut by count ([3, 3, 2, 2] pieces): the head's stage
+    is the slowest.  The cut chosen puts the head alone and balances the blocks; its predicted step is shorter."""
+    unit_f = [0.05, *[1.0] * 8, 5.0]
+    bounds = list(bounds_of([3, 3, 2, 2]))
+    timeline, reports = _profile(unit_f, bounds, 4, 8)
+    program = pipedsl.load("zb-h1").compile(P=4, M=8)
+    decision = choose_cut(timeline, reports, program, {"mem": 4})
+    assert decision["points"] is not None and decision["points"][-1] == 9, decision["points"]  # the head alone
+    assert decision["predicted_ms"] < 0.97 * decision["kept_ms"]
+    chosen = pipedsl.Cost(**decision["cost"])
+    assert chosen.per_stage[3]["F"] == pytest.approx(5.0)
+
+
+def test_choose_cut_keeps_a_balanced_cut_and_without_units() -> None:
+    unit_f = [0.05, *[1.0] * 6, 0.05]
+    bounds = list(bounds_of([3, 2, 3]))  # [e, b0, b1] [b2, b3] [b4, b5, head]: what the balance gives
+    timeline, reports = _profile(unit_f, bounds, 3, 6)
+    program = pipedsl.load("zb-h1").compile(P=3, M=6)
+    assert choose_cut(timeline, reports, program)["points"] is None
+    lopsided = [0, 1, 2, 8]
+    timeline, reports = _profile(unit_f, lopsided, 3, 6)
+    assert choose_cut(timeline, reports, program)["points"] == [3, 5]
+    assert choose_cut(timeline, [*reports[:2], None], program)["points"] is None  # a rank without units
+
+
+def test_unit_clock_times_training_forwards_only() -> None:
+    """Each unit's forward is timed with its global index; evaluation (no grad) and a recomputed forward are not."""
+    stages = split_sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.ReLU()), 2)
+    clock = UnitClock(dict(enumerate(stages)))
+    assert clock.held == {0: [0, 1], 1: [2, 3]}
+    x = torch.randn(2, 4, requires_grad=True)
+    stages[1](stages[0](x))
+    with torch.no_grad():
+        stages[0](x)
+    recompute = Recompute(stages[1], "full")
+    recompute.run(stages[1], (stages[0](x),), None).sum().backward()  # forward once, again in the backward
+    medians, held = clock.report()
+    assert set(medians) == {0, 1, 2, 3} and all(t > 0 for t in medians.values())
+    assert {u: len(v) for u, v in clock.seconds.items()} == {0: 2, 1: 2, 2: 2, 3: 2}
+    clock.close()
+    stages[0](x)
+    assert len(clock.seconds[0]) == 2  # the hooks are gone
