@@ -53,6 +53,25 @@ def test_matches_single_process(schedule: str, P: int, pools) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("draw", range(3))
+def test_searched_orders_under_random_costs_match_single_process(draw: int, pool4) -> None:
+    """zb-auto searched under three random cost draws (op times, messages, memory caps from P to 2P): each program
+    is validated when compiled, trains equal to one process, and holds the activations the simulator predicts."""
+    import random
+
+    rng = random.Random(draw)
+    cost = pipedsl.Cost(F=rng.choice([0.5, 1.0, 2.0]), I=rng.choice([0.5, 1.0, 2.0]), W=rng.choice([0.3, 1.0]),
+                        comm=rng.choice([0.0, 0.1, 0.5]))
+    program = pipedsl.load("zb-auto").compile(P=4, M=rng.choice([6, 8, 9]), mem=rng.choice([4, 6, 8]), cost=cost)
+    results = pool4.run(cases.equivalence, program.to_json())
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    assert not problems, "\n".join(problems[:20])
+    predicted = pipedsl.simulate(program).peak_activations
+    assert [res["peaks"] for res in results] == [[p] * 3 for p in predicted]
+    assert max(predicted) <= program.params["mem"]
+
+
+@pytest.mark.slow
 def test_interleaved_with_m_not_a_multiple_of_p_matches_single_process(pool2) -> None:
     """Megatron's / torch's interleaved 1F1B at P = 2, M = 3 (one group of 3 microbatches)."""
     program = pipedsl.load("interleaved").compile(P=2, M=3, V=2)
