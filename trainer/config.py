@@ -492,9 +492,6 @@ class TrainConfig:
             points = split_points(model.split)
             if points is not None:
                 check_points(points, layers + 2, S, f"the {layers}-block GPT")
-                if self.parallel.tp > 1:
-                    raise ConfigError(f"--split {model.split} with --tp {self.parallel.tp}: the GPT's tensor-parallel "
-                                      f"stages are cut by a rule (count, blocks or flops), not at points")
             model = replace(model, layers=layers)
         return replace(self, model=model, training=replace(self.training, batch=batch),
                        schedule=replace(self.schedule, ranks=program.num_ranks, microbatches=M))

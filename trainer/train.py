@@ -56,8 +56,9 @@ class GPTSource:
         if cfg.parallel.tp > 1:  # Megatron's 1-D slices of the same dense model (models/gpt/tp.py)
             from pipedsl.models.gpt.tp import tp_gpt_loss
 
-            self.stages = self.model.tp_stages(program.num_stages, mesh, by=by,
-                                               sequence_parallel=cfg.parallel.sequence_parallel)
+            points = split_points(by)
+            self.stages = self.model.tp_stages(program.num_stages, mesh, by="count" if points else by,
+                                               sequence_parallel=cfg.parallel.sequence_parallel, points=points)
             self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
         else:
             points = split_points(by)

@@ -161,8 +161,8 @@ class GPT(nn.Module):
         among the units [embedding, blocks…, head]."""
         return split_gpt(self.embed, list(self.blocks), self.head, num_stages, by=by, points=points)
 
-    def tp_stages(self, num_stages: int, mesh, by: str = "count",
-                  sequence_parallel: bool = False) -> list[nn.Sequential]:
+    def tp_stages(self, num_stages: int, mesh, by: str = "count", sequence_parallel: bool = False,
+                  points: Sequence[int] | None = None) -> list[nn.Sequential]:
         """This model as `num_stages` tensor-parallel stages for this rank of a `ParallelMesh` (1-D or 3-D).
 
         The weights are slices of this dense model, so it is the one-process reference; pair the
@@ -175,7 +175,7 @@ class GPT(nn.Module):
             raise PipeRuntimeError(f"tensor parallelism of the GPT's experts is not built: with n_experts="
                                    f"{self.cfg.n_experts}, shard the experts over data-parallel ranks instead "
                                    f"(ParallelConfig(ep=...), parallel/expert.py)")
-        return tp_gpt_stages(self, num_stages, mesh, by=by, sequence_parallel=sequence_parallel)
+        return tp_gpt_stages(self, num_stages, mesh, by=by, sequence_parallel=sequence_parallel, points=points)
 
 
 def randomize_(module: nn.Module, generator: torch.Generator | None = None) -> nn.Module:

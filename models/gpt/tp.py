@@ -41,7 +41,7 @@ RNG tracker).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -157,8 +157,8 @@ def tp_gpt_units(model: nn.Module, mesh: ParallelMesh,
 
 
 def tp_gpt_stages(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str = "count",
-                  sequence_parallel: bool = False) -> list[nn.Sequential]:
-    """The dense `GPT` as `num_stages` tensor-parallel stages for this rank (cut like `GPT.stages`).
+                  sequence_parallel: bool = False, points: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """The dense `GPT` as `num_stages` tensor-parallel stages for this rank (cut like `GPT.stages`, `points` too).
 
     `sequence_parallel=True` (1-D only): stages exchange sequence shards [mb, T/t, C]; the parameters,
     their names and shapes are those without it, so checkpoints are interchangeable.
@@ -168,7 +168,7 @@ def tp_gpt_stages(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str
     embed, blocks, head = tp_gpt_units(model, mesh, sequence_parallel)
     for unit in (embed, *blocks, head):
         defer_grad_sum(unit)  # the pipeline sums LayerNorm and row-bias gradients over tp once per step
-    return split_gpt(embed, blocks, head, num_stages, by=by)
+    return split_gpt(embed, blocks, head, num_stages, by=by, points=points)
 
 
 def tp_gpt_loss(mesh: ParallelMesh, reduction: str = "mean",

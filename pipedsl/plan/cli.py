@@ -32,8 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help=f"encoder-decoders: target tokens T (default {MT5_TARGET}, the targets of that corruption; "
                         f"mT5 itself: --source-len 1024 --target-len 229); --global-batch defaults to {MT5_BATCH}")
     p.add_argument("--split", choices=SPLITS, default="time",
-                   help="encoder-decoders: how units are spread over stages — time (the planner's balanced DP, "
-                        "default), count or params (seq2seq_stages' by=)")
+                   help="how layers are spread over stages — time (default): decoders try Megatron's even split "
+                        "and one balanced by FLOPs with the head counted, encoder-decoders the planner's balanced "
+                        "DP; count: even only (encoder-decoders: by unit count); params: encoder-decoders by "
+                        "parameters (seq2seq_stages' by=)")
     p.add_argument("--mt5-table", action="store_true",
                    help="instead of the ranked table: for mt5-small … mt5-xxl and each of --gpu-counts, the best "
                         "layout of each ZeRO stage or the memory it would need, as Markdown (docs/planner.md)")
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mt5_table or (args.model in ENCDEC_MODELS):
         return _run_encdec(args)
     encdec_only = [flag for flag, given in (("--source-len", args.source_len), ("--target-len", args.target_len),
-                                            ("--split", args.split != "time")) if given]
+                                            ("--split params", args.split == "params")) if given]
     if args.ep is not None and (args.scaling or args.calibrate):
         raise PipeDSLError("plan: --ep narrows the ranked search (not --scaling or --calibrate)")
     if encdec_only:
@@ -179,9 +181,18 @@ def run(args: argparse.Namespace) -> int:
     attention = {None: None, "fused": ("fused",), "eager": ("eager",), "both": ("eager", "fused")}[args.attention]
     result = search(model, cluster, top=args.top, schedules=schedules, zero=_zero_stages(args.zero),
                     grads=args.grad_dtype, recompute=_recompute_modes(args.recompute), sequence_parallel=sp,
-                    attention=attention, ep=_ep_degrees(args.ep, model))
+                    attention=attention, ep=_ep_degrees(args.ep, model),
+                    splits=("even", "balanced") if args.split == "time" else ("even",))
     print_result(result, args.rejected)
     return 0 if result.ranked else 1
+
+
+def train_split(layers: tuple[int, ...]) -> str:
+    """`pipedsl train --split`'s value for stages of `layers` decoder layers each (the embedding on the first, the
+    head on the last): "blocks" when they are even, else the cut points among [embedding, layers…, head]."""
+    if len(set(layers)) <= 1:
+        return "blocks"
+    return ",".join(str(1 + sum(layers[:k])) for k in range(1, len(layers)))
 
 
 def _short(e) -> str:
@@ -207,7 +218,7 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
     from rich.table import Table
 
     m, c = result.model, result.cluster
-    console = Console(width=200)
+    console = Console(width=240)
     moe = (f"{scaled(m.active_params, COUNT, '')} active, {m.experts} experts top-{m.top_k}"
            + (f" + {m.shared_experts} shared" if m.shared_experts else "") + ", ") if m.moe else ""
     console.print(f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters ({moe}{m.layout} layout), {m.layers} "
@@ -227,11 +238,14 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
         ("optim {}", BYTES, lambda e: e.memory.states.optimizer),
         ("activ {}", BYTES, lambda e: e.memory.activations),
         ("peak live", None, lambda e: str(e.memory.peak_live)),
+        ("mem balance", None, lambda e: f"{e.memory_balance:.2f}"),  # the lightest pipeline rank's peak / fullest's
         *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("tp", "pp", "dp", "zero3")),
     ]
     if m.moe:  # the expert-parallel all-to-alls: seconds per iteration and their share of it
         columns += [("a2a {}", SECONDS, lambda e: e.comm["ep"]),
                     ("a2a %", None, lambda e: f"{e.comm['ep'] / e.iteration:.1%}")]
+    if any(e.layout.split != "even" for e in rows):  # where `pipedsl train --split` cuts the layout's stages
+        columns.append(("--split", None, lambda e: train_split(e.layers)))
     table.add_column("#", justify="right")
     table.add_column("layout")
     shown = add_columns(table, columns, rows)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pipedsl.plan.activations import RECOMPUTE_MODES
 
 ATTENTION = ("eager", "fused")
+SPLITS = ("even", "balanced")  # how a layout cuts the layers into stages (cost.py's `stage_layers`)
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,8 @@ class Layout:
     global batch = dp · M · microbatch.  `params` are the schedule's parameters (V, W).  `recompute`
     "none", "selective" or "full" (True/False read as "full"/"none"); `sequence_parallel` only with
     1-D tp > 1; `attention` "eager" (s² scores stored) or "fused" (FlashAttention-style); `ep` the
-    expert-parallel degree of an MoE model, taken from the dp ranks (ep divides dp and the expert count).
+    expert-parallel degree of an MoE model, taken from the dp ranks (ep divides dp and the expert count);
+    `split` how the layers are cut into stages ("even" or "balanced", cost.py's `stage_layers`).
     """
 
     dp: int
@@ -34,6 +36,7 @@ class Layout:
     sequence_parallel: bool = False
     attention: str = "eager"
     ep: int = 1  # expert parallelism (MoE models): the routed experts split over ep of the dp ranks
+    split: str = "even"  # "even": every stage the same layers (Megatron); "balanced": by FLOPs, the head counted
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -44,6 +47,8 @@ class Layout:
             raise ValueError(f"attention is one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.ep < 1 or self.dp % self.ep:
             raise ValueError(f"ep must divide dp {self.dp}, got {self.ep}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split is one of {', '.join(SPLITS)}, got {self.split!r}")
 
     @property
     def fused(self) -> bool:
@@ -69,4 +74,5 @@ class Layout:
         recompute = {"none": "", "full": " recompute", "selective": " selective"}[self.recompute]
         return (f"dp{self.dp} pp{self.pp} {tp}{'+sp' if self.sequence_parallel else ''} {self.schedule}{extra} "
                 f"b{self.microbatch} M{self.microbatches} zero{self.zero}{recompute}"
-                f"{' flash' if self.fused else ''}{grads}{f' ep{self.ep}' if self.ep > 1 else ''}")
+                f"{' flash' if self.fused else ''}{grads}{f' ep{self.ep}' if self.ep > 1 else ''}"
+                f"{' balanced' if self.split == 'balanced' else ''}")

@@ -39,11 +39,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
 from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES, state_bytes
 from pipedsl.plan.model import BYTES_FP16, ModelSpec
+from pipedsl.plan.partition import even_sizes
 from pipedsl.simulate import Cost
 
 # Adam's step per parameter: fp32 weight, momentum, variance read and written, the fp16 gradient read, the
@@ -139,11 +141,37 @@ def prefetched(gathers: Sequence[float], computes: Sequence[float]) -> float:
     return gathers[0] + sum(max(0.0, g - c) for g, c in zip(gathers[1:], computes))
 
 
+def stage_layers(model: ModelSpec, layout: Layout, stages: int) -> list[int] | None:
+    """The decoder layers of each of `stages` program stages, the embedding on the first and the output layer on
+    the last.  `layout.split == "even"`: the same number on every stage (Megatron-LM's split; None when they do
+    not divide).  `"balanced"`: the pieces [embedding, layers…, head] cut where the heaviest stage's forward
+    FLOPs are least and, among those cuts, the most even (`partition.even_sizes`, what `pipedsl train --split
+    flops` does): a large vocabulary's head takes the place of layers on the last stage (None when the pieces
+    are fewer than the stages)."""
+    L = model.layers
+    if layout.split == "even":
+        return [L // stages] * stages if L % stages == 0 else None
+    if stages > L + 2:
+        return None
+    return list(_balanced_layers(model, stages))
+
+
+@lru_cache(maxsize=4096)
+def _balanced_layers(model: ModelSpec, stages: int) -> tuple[int, ...]:
+    weights = [0.0, *(model.layer_flops(1, model.is_moe_layer(i)) for i in range(model.layers)), model.logit_flops(1)]
+    sizes = even_sizes(weights, stages)
+    sizes[0] -= 1  # the embedding
+    sizes[-1] -= 1  # the head
+    return tuple(sizes)
+
+
 def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int = 1) -> StageCosts:
-    """Costs of each of `stages` program stages (layers split evenly; embedding on the first,
+    """Costs of each of `stages` program stages (layers split by `stage_layers`; embedding on the first,
     output layer on the last) for `layout` on `cluster`."""
     b, t, h, s = layout.microbatch, layout.tp, model.hidden, model.seq
-    per_stage_layers = model.layers // stages
+    layers = stage_layers(model, layout, stages)
+    assert layers is not None, "stage_costs: the layers do not split into the stages (search.py checks first)"
+    starts = [sum(layers[:st]) for st in range(stages)]
     q = tp_degree_3d(t) if layout.tp_mode == "3d" else 0
     sp, fused, mode = layout.sp, layout.fused, layout.recompute
     rate = cluster.peak_flops * cluster.gemm_efficiency * t  # FLOP/s of the tp group
@@ -218,9 +246,9 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
 
     F, B, I, W, reduce, after, step, psi, tpc, zg, waits, a2a_time, expert_psi, exchanges = ([] for _ in range(14))
     for st in range(stages):
-        n = per_stage_layers
-        blocks = [kinds[model.is_moe_layer(i)] for i in range(st * n, (st + 1) * n)]
-        n_moe = model.moe_layers_in(st * n, n)
+        n, first = layers[st], starts[st]
+        blocks = [kinds[model.is_moe_layer(i)] for i in range(first, first + n)]
+        n_moe = model.moe_layers_in(first, n)
         counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
         gemm = sum(c * (k.flops - core) for c, k in counts)
         params = sum(c * model.block_params(k is kinds.get(True)) for c, k in counts)  # before tp and ep

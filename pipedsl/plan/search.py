@@ -22,7 +22,7 @@ from pipedsl.library import builtin_names, load
 from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.cost import StageCosts, stage_costs, tp_degree_3d
+from pipedsl.plan.cost import StageCosts, stage_costs, stage_layers, tp_degree_3d
 from pipedsl.plan.memory import MemoryReport, model_states, moe_model_states, state_bytes
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.pipeline import compiled, program_peaks, run_pipeline, simulation_sizes, skeleton, stage_ranks
@@ -52,6 +52,13 @@ class Estimate:
     mfu: float  # model FLOPs (no recomputation) / (time · peak)
     memory: MemoryReport
     comm: dict[str, float]  # seconds per iteration on the busiest rank: tp, pp, dp, zero3, ep (MoE all-to-alls)
+    rank_memory: tuple[float, ...] = ()  # each pipeline rank's peak bytes (states + activations)
+    layers: tuple[int, ...] = ()  # the decoder layers of each program stage
+
+    @property
+    def memory_balance(self) -> float:
+        """The lightest pipeline rank's peak over the fullest's (1: even)."""
+        return min(self.rank_memory) / max(self.rank_memory) if self.rank_memory else 1.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,8 @@ class _Prepared:
     memory: MemoryReport
     bound: float
     on_rank: dict[int, list[int]]
+    rank_memory: tuple[float, ...]
+    layers: tuple[int, ...]
 
 
 def _check_shape(model: ModelSpec, layout: Layout) -> None:
@@ -100,7 +109,7 @@ def _check_shape(model: ModelSpec, layout: Layout) -> None:
                             f"microbatch {layout.microbatch} % q² != 0")
     elif model.heads % t or model.hidden % t or model.ffn_size % t or (model.kv_heads or model.heads) % t:
         raise LayoutError(f"divisibility: tp {t} must divide heads {model.heads}, kv heads and hidden {model.hidden}")
-    if model.layers % layout.pp:
+    if layout.split == "even" and model.layers % layout.pp:
         raise LayoutError(f"divisibility: {model.layers} layers do not split evenly over pp {layout.pp}")
     if layout.ep > 1 and not model.moe:
         raise LayoutError(f"divisibility: ep {layout.ep} needs a Mixture-of-Experts model")
@@ -116,7 +125,7 @@ def _check_shape(model: ModelSpec, layout: Layout) -> None:
 
 def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> None:
     """Before compiling anything: even the lightest rank's model states must fit."""
-    n, mode = model.layers // layout.pp, state_bytes("bf16", layout.grads)
+    n, mode = _lightest(model, layout), state_bytes("bf16", layout.grads)
     if model.moe:  # the lightest stage: the fewest MoE layers
         moe = min(model.moe_layers_in(st * n, n) for st in range(layout.pp))
         psi = ((n - moe) * model.layer_params + moe * model.moe_layer_params) / layout.tp
@@ -128,6 +137,25 @@ def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Non
     if states.total > cluster.memory - cluster.reserved_memory:
         raise LayoutError(f"out of memory: the model states alone take {states.total / 1e9:.1f} GB "
                         f"> {(cluster.memory - cluster.reserved_memory) / 1e9:.0f} GB usable")
+
+
+def _lightest(model: ModelSpec, layout: Layout) -> int:
+    """The fewest layers a pipeline rank holds: the even split's, or the balanced split's over pp stages (whatever
+    the schedule's stages a rank, it holds at least that share)."""
+    layers = stage_layers(model, layout, layout.pp) if layout.pp <= model.layers + 2 else None
+    return min(layers) if layers else model.layers // layout.pp
+
+
+def _layers(model: ModelSpec, layout: Layout, stages: int) -> list[int]:
+    """`stage_layers`, or the `LayoutError` saying why the layers do not split into the program's stages."""
+    layers = stage_layers(model, layout, stages)
+    if layers is None:
+        if layout.split == "even":
+            raise LayoutError(f"divisibility: {model.layers} layers do not split into {stages} stages")
+        raise LayoutError(f"divisibility: an embedding, {model.layers} layers and a head do not fill {stages} stages")
+    if layout.split != "even" and len(set(layers)) == 1:
+        raise LayoutError(f"duplicate: the balanced split of {model.layers} layers into {stages} stages is the even one")
+    return layers
 
 
 def _skeleton(layout: Layout):
@@ -176,10 +204,10 @@ def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> floa
     _check_states(model, cluster, layout)
     program = _skeleton(layout)
     S = program.num_stages
-    if model.layers % S:
-        raise LayoutError(f"divisibility: {model.layers} layers do not split into {S} stages")
+    layers = _layers(model, layout, S)
     costs = stage_costs(model, cluster, layout, S, program.num_replicas)
-    _check_memory(cluster, _memory(model, layout, costs, stage_ranks(program), program.peaks, S), "at least ")
+    _check_memory(cluster, _memory(model, layout, costs, stage_ranks(program), program.peaks, layers)[0],
+                  "at least ")
     return _placement_bound(program, costs, layout.microbatches)
 
 
@@ -201,28 +229,29 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepare
     except PipeDSLError as err:
         raise LayoutError(f"schedule: {err.message}") from None
     S = program.num_stages
-    if model.layers % S:
-        raise LayoutError(f"divisibility: {model.layers} layers do not split into {S} stages")
+    layers = _layers(model, layout, S)
     costs = stage_costs(model, cluster, layout, S, program.num_replicas)
     on_rank = stage_ranks(program)
-    memory = _memory(model, layout, costs, on_rank, peaks, S)
+    memory, per_rank = _memory(model, layout, costs, on_rank, peaks, layers)
     _check_memory(cluster, memory)
-    return _Prepared(layout, costs, memory, _placement_bound(program, costs, M), on_rank)
+    return _Prepared(layout, costs, memory, _placement_bound(program, costs, M), on_rank, per_rank, tuple(layers))
 
 
 def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]],
-            peaks: Sequence[float], stages: int) -> MemoryReport:
-    """The fullest rank: model states of its stages (`memory.model_states`, the function the runtime's
-    byte tests check), plus its peak live microbatch activations and one recomputed region's working set.
-    An MoE model: the experts' states over their dp/ep replicas (`memory.moe_model_states`), each layer's
-    activations the larger of a dense and an MoE layer's."""
+            peaks: Sequence[float], layers: Sequence[int]) -> tuple[MemoryReport, tuple[float, ...]]:
+    """The fullest rank (and every rank's total, by pipeline rank): model states of its stages
+    (`memory.model_states`, the function the runtime's byte tests check), plus its peak live microbatch
+    activations and one recomputed region's working set.  A rank's stage activations are counted at its
+    largest stage's layers (`layers`: each stage's).  An MoE model: the experts' states over their dp/ep
+    replicas (`memory.moe_model_states`), each layer's activations the larger of a dense and an MoE layer's."""
     t, b, sp, fused = layout.tp, layout.microbatch, layout.sp, layout.fused
     kinds = (False, True) if model.moe else (False,)
     per_layer = max(model.layer_activation_bytes(b, t, layout.recompute, sp, fused, moe) for moe in kinds)
     whole = max(model.layer_activation_bytes(b, t, "none", sp, fused, moe) for moe in kinds)
     working = whole - per_layer if layout.recompute != "none" else 0.0  # one block (or attention module) again
-    layers = model.layers // stages
+    stages = len(layers)
     worst: MemoryReport | None = None
+    totals: dict[int, float] = {}
     for r, st in on_rank.items():
         experts = sum(costs.expert_params[s] for s in st) * layout.ep if costs.expert_params else 0.0
         states = moe_model_states(sum(costs.stage_params[s] for s in st) - experts / layout.ep + experts, experts,
@@ -230,11 +259,12 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[i
         extra = working
         if stages - 1 in st:
             extra += 4 * b * model.seq * model.vocab / t  # fp32 logits of the microbatch in flight
-        report = MemoryReport(states, peaks[r] * layers * per_layer + extra, round(peaks[r]))
+        report = MemoryReport(states, peaks[r] * max(layers[s] for s in st) * per_layer + extra, round(peaks[r]))
+        totals[r] = report.total
         if worst is None or report.total > worst.total:
             worst = report
     assert worst is not None
-    return worst
+    return worst, tuple(totals[r] for r in sorted(totals))
 
 
 def _sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float, float, float] | None:
@@ -264,7 +294,8 @@ def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate
             "zero3": M * sum(costs.zero_gather[s] for s in stages),
             "ep": M * sum(costs.all_to_all[s] for s in stages) if costs.all_to_all else 0.0}
     return Estimate(layout, run.iteration, run.pipeline, hardware / run.iteration / gpus / 1e12,
-                    useful / run.iteration / gpus / cluster.peak_flops, prep.memory, comm)
+                    useful / run.iteration / gpus / cluster.peak_flops, prep.memory, comm, prep.rank_memory,
+                    prep.layers)
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate:
@@ -285,12 +316,14 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
             recompute: Iterable[str | bool] = RECOMPUTE_MODES, tp: Iterable[int] | None = None,
             pp: Iterable[int] | None = None, tp_modes: Iterable[str] = ("1d", "3d"),
             grads: str = "bf16", sequence_parallel: Iterable[bool] = (False, True),
-            attention: Iterable[str] | None = None, ep: Iterable[int] | None = None) -> list[Layout]:
+            attention: Iterable[str] | None = None, ep: Iterable[int] | None = None,
+            splits: Iterable[str] = ("even", "balanced")) -> list[Layout]:
     """Every candidate with dp · pp · tp = cluster.gpus and dp · M · microbatch = global batch; `grads`: the
     gradients' dtype under bf16 parameters with fp32 main parameters (runtime: --grad-dtype).  Sequence
     parallelism is tried only with 1-D tp > 1; `attention` defaults to the cluster's (`fused_attention`).
     An MoE model also tries each expert-parallel degree (`ep`, default every one) that divides dp and its
-    expert count; a dense model runs ep 1."""
+    expert count; a dense model runs ep 1.  Pipelines whose layers split evenly over pp also try each other of
+    `splits` (cost.py's `stage_layers`: balanced by FLOPs, the head counted)."""
     kernels = list(attention) if attention is not None else ["fused" if cluster.fused_attention else "eager"]
     # searched schedules (`order auto`, zb-auto) need the stage costs to compile: only when named
     names = list(schedules) if schedules is not None else [n for n in builtin_names() if not load(n).searched]
@@ -305,6 +338,9 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
                 if (N // t) % p:
                     continue
                 d = N // (t * p)
+                # balanced beside even where the layers split evenly: the space twice as large, not the pp values
+                # only an uneven split allows (each a new program to compile for every schedule)
+                layer_splits = tuple(splits) if p > 1 and model.layers % p == 0 else ("even",)
                 eps = [e for e in (_divisors(d) if ep is None else ep) if d % e == 0 and model.experts % e == 0] \
                     if model.moe else [1]
                 for b in microbatch_sizes:
@@ -318,7 +354,8 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
                                     for sp in (sequence_parallel if t > 1 and mode == "1d" else (False,)):
                                         for kernel in kernels:
                                             out.extend(Layout(d, p, t, name, b, M, z, rc, mode, params, grads,
-                                                              sp, kernel, e) for e in eps)
+                                                              sp, kernel, e, split) for e in eps
+                                                       for split in layer_splits)
     return out
 
 
