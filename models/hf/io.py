@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,9 +368,19 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     model.load_state_dict(state, assign=True, strict=True)
     model.config.dtype = EXPORT_DTYPES[dtype]
     target = Path(out)
-    target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target, safe_serialization=True)
-    for name, content in meta.get("tokenizer", {}).items():
-        (target / name).write_bytes(content)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")  # beside it: the move is a rename
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        for name, content in meta.get("tokenizer", {}).items():
+            (staging / name).write_bytes(content)
+        target.mkdir(exist_ok=True)
+        for f in sorted(staging.iterdir()):
+            os.replace(f, target / f.name)
+    except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError is no OSError: a full disk, a quota
+        shutil.rmtree(staging, ignore_errors=True)
+        cause = getattr(err, "strerror", None) or _one_line(err)
+        raise ModelDirError(f"cannot write the export to {target}: {cause} (nothing was written there)") from None
+    shutil.rmtree(staging, ignore_errors=True)
     return target, saved.info.step
 

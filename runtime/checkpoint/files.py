@@ -17,6 +17,7 @@ see train_cli.py.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -219,18 +220,24 @@ def part_reader(path: Path) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 def write_atomic(path: Path, data: bytes, fault: tuple[str, int, int] | None = None,
                  whole_first: bool = False) -> None:
-    """Write under a temporary name, fsync, rename over `path`, fsync the directory."""
+    """Write under a temporary name, fsync, rename over `path`, fsync the directory.  A write that fails (a full
+    disk) removes its temporary file: a failed save leaves no bytes behind."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        cut = len(data) if whole_first else len(data) // 2
-        f.write(data[:cut])
-        if fault is not None:
+    try:
+        with open(tmp, "wb") as f:
+            cut = len(data) if whole_first else len(data) // 2
+            f.write(data[:cut])
+            if fault is not None:
+                f.flush()
+                fault_point(*fault)
+            f.write(data[cut:])
             f.flush()
-            fault_point(*fault)
-        f.write(data[cut:])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -305,11 +312,24 @@ class Commit:
             self._wait([self.prefix + "begin"], lambda missing: [0], "preparing the checkpoint directory")
         data, meta = part()
         meta["file"] = f"rank-{rank:05d}.pt"
+        written = target / meta["file"]
         try:
-            write_atomic(target / meta["file"], data, fault=("save-part", rank, self.step))
+            write_atomic(written, data, fault=("save-part", rank, self.step))
         except OSError as err:
-            raise CheckpointError(f"rank {rank}: cannot write {target / meta['file']}: "
-                                  f"{err.strerror or err}") from None
+            raise CheckpointError(f"rank {rank}: cannot write {written}: {err.strerror or err}") from None
+        try:
+            return self._commit(meta, manifest)
+        except BaseException:  # abandoned: this rank's part never counts, so it takes no disk
+            if not (target / MANIFEST).exists():
+                with contextlib.suppress(OSError):
+                    written.unlink(missing_ok=True)
+                    target.rmdir()  # when it was the last file of the step (not an older, complete one's)
+            raise
+
+    def _commit(self, meta: dict[str, Any], manifest: Callable[[list[dict[str, Any]]], dict[str, Any]]
+                ) -> dict[str, Any]:
+        """After this rank's part is durable: report it, and on rank 0 write the manifest once every part is."""
+        store, rank, target = self.store, self.rank, self.target
         store.set(self.prefix + f"part/{rank}", json.dumps(meta))
         keys = [self.prefix + f"part/{r}" for r in range(self.world)]
         self._wait(keys, lambda missing: [int(k.rsplit("/", 1)[1]) for k in missing], "writing its part")

@@ -149,7 +149,7 @@ def test_fine_tune_starts_from_the_saved_weights(corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpus, tmp_path):
+def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpus, tmp_path, monkeypatch):
     """Gemma 3 (sliding and full layers, each with its own rotary) on dp2 x pp2, ZeRO-3, ZB-H1, full recomputation,
     clipping, cosine LR, a held-out file of its own (--eval-data) and TensorBoard: every step's loss and the
     held-out loss equal one process (fp32: 2e-5), and it learns; SIGTERM after the step-2 checkpoint and --resume to
@@ -201,6 +201,21 @@ def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpu
 
     caches = [data.TokenCache.open(p) for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     [heldout] = [c for c in caches if c.num_documents == 1]  # eval.txt's cache (the corpus has 12 documents)
+    with monkeypatch.context() as patch:  # a disk that fills during the export: one line, nothing left behind
+        import transformers as tf
+
+        def full_disk(self, directory, **_):
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            (Path(directory) / "model.safetensors").write_bytes(b"half")
+            raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                               "\"No space left on device\" })")
+
+        patch.setattr(tf.PreTrainedModel, "save_pretrained", full_disk)
+        failed = pipedsl("export", str(ckpt), "--hf", str(tmp_path / "hf"))
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+    [line] = failed.stderr.strip().splitlines()[-1:]
+    assert "cannot write the export to" in line and "No space left on device" in line, line
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial-*"))
     assert exported_loss(ckpt, tmp_path / "hf", data.PackedSequences(heldout, 32)) == pytest.approx(
         evals(tmp_path / "cut")[4], rel=1e-5)
 
