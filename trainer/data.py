@@ -526,6 +526,11 @@ def build_token_cache(paths: Paths, tokenizer: TextTokenizer, cache_dir: str | o
     elif max_tokens is not None and cache.num_tokens > max_tokens:
         raise DataError(f"{_names([item.path for item in inputs], 3)}: the data has {cache.num_tokens} tokens, more "
                         f"than max_tokens={max_tokens}")
+    specials = 1 + (cache.bos_id is not None)  # eos ends every document, bos may open it
+    if cache.num_documents and int(np.diff(cache.doc_offsets).max()) <= specials:
+        raise DataError(f"{_names([item.path for item in inputs], 3)}: every one of its {cache.num_documents} "
+                        f"documents is empty (no tokens but {'bos and ' if specials > 1 else ''}eos): nothing to "
+                        f"train on (is --text-field {text_field!r} the field that holds the text?)")
     if model_vocab is not None:
         check_vocab(cache, model_vocab, model_where)
     return cache

@@ -79,6 +79,7 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
         notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
     attn = cfg.model.attn or _attention(md)
     meta = _meta_model(md.config)  # shapes only: counted for memory, named for the weights files
+    hf_io.check_weights(md, meta)
     _check_memory(cfg, md, meta)
     local = _check_architecture(md, split, attn, meta)
     _check_tensor_parallel(cfg, md, meta, split, S)
@@ -162,6 +163,7 @@ def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFMod
         notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
     attn = cfg.model.attn or _attention(md)
     meta = _meta_model(md.config)
+    hf_io.check_weights(md, meta)
     _check_memory(cfg, md, meta)
     from pipedsl.models.hf.seq2seq import check_seq2seq_architecture, shallow_seq2seq_config
 

@@ -319,6 +319,64 @@ def _weights_reader(model_dir: str | os.PathLike) -> _Weights | None:
     return None
 
 
+SAFETENSORS_FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The header of a safetensors file ({name: {"dtype", "shape", "data_offsets"}}), read without loading a
+    tensor; a `ModelDirError` naming the file when it is unreadable or shorter than the tensors it describes."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER, size - 8):
+                raise ModelDirError(f"{path}: not a safetensors file (no readable header; truncated?)")
+            header = json.loads(f.read(n))
+    except OSError as err:
+        raise ModelDirError(f"{path}: cannot read: {err.strerror or err}") from None
+    except (ValueError, UnicodeDecodeError):
+        raise ModelDirError(f"{path}: not a safetensors file (its header is not JSON; truncated?)") from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+    if tensors is None or not all(isinstance(v, dict) and {"dtype", "shape", "data_offsets"} <= set(v)
+                                  for v in tensors.values()):
+        raise ModelDirError(f"{path}: not a safetensors file (its header does not describe tensors)")
+    need = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    if 8 + n + need > size:
+        raise ModelDirError(f"{path}: truncated: its header describes {8 + n + need:,} bytes, the file has "
+                            f"{size:,} (copy or download it again)")
+    return tensors
+
+
+def check_weights(model_dir: ModelDir, model: nn.Module) -> None:
+    """Every safetensors file of the directory readable and whole, and each tensor the model has by that name of
+    exactly its shape (no broadcast) and a float dtype: the model `model` (config.json's, on the meta device)
+    would otherwise load them wrong or fail on a rank.  A `ModelDirError` naming the file and the tensor."""
+    p = model_dir.path
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted({p / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ModelDirError(f"{index}: not a safetensors index (no weight_map)") from None
+    else:
+        files = [p / "model.safetensors"] if (p / "model.safetensors").is_file() else []
+    shapes = {n: list(t.shape) for n, t in model.state_dict().items()}
+    for f in files:
+        if not f.is_file():
+            raise ModelDirError(f"{index}: names {f.name}, which is not in {p}")
+        for name, entry in safetensors_header(f).items():
+            want = shapes.get(name)
+            if want is None:
+                continue
+            if list(entry["shape"]) != want:
+                raise ModelDirError(f"{f}: {name} is {entry['dtype']}{list(entry['shape'])}, the model of "
+                                    f"{p / CONFIG} has {want}: weights of another configuration")
+            if entry["dtype"] not in SAFETENSORS_FLOATS:
+                raise ModelDirError(f"{f}: {name} is {entry['dtype']}, not a floating-point type")
+
+
 def tokenizer_files(model_dir: str | os.PathLike) -> dict[str, bytes]:
     """The directory's tokenizer (and generation config) files, to travel with checkpoints."""
     out = {}

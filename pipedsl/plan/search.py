@@ -154,7 +154,8 @@ def _layers(model: ModelSpec, layout: Layout, stages: int) -> list[int]:
             raise LayoutError(f"divisibility: {model.layers} layers do not split into {stages} stages")
         raise LayoutError(f"divisibility: an embedding, {model.layers} layers and a head do not fill {stages} stages")
     if layout.split != "even" and len(set(layers)) == 1:
-        raise LayoutError(f"duplicate: the balanced split of {model.layers} layers into {stages} stages is the even one")
+        raise LayoutError(f"duplicate: the balanced split of {model.layers} layers into {stages} stages is the "
+                          f"even one")
     return layers
 
 

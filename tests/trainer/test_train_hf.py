@@ -342,6 +342,55 @@ def test_bad_input_is_one_line_before_any_rank(corpus, tmp_path):
     assert "no such checkpoint directory" in _refused("export", str(tmp_path / "nope"), "--hf", str(tmp_path / "x"))
 
 
+def test_weights_and_data_that_cannot_train_are_one_line_before_any_rank(corpus, tmp_path):
+    """Weights files that do not fit config.json's model — truncated, another shape, a shape that would broadcast,
+    an index naming a missing file — and data whose records are all empty are refused in the launcher (issue 39:
+    they were tracebacks on the ranks, or trained wrong)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    good = model_dir(tmp_path, "llama", weights=True)
+    base = ["--seq", "32", "--batch", "8", "-M", "2", "-P", "2", "-o", str(tmp_path / "o"),
+            "--cache-dir", str(tmp_path / "cache")]
+
+    def train(model: Path, data: Path = corpus) -> str:
+        return _refused("train", "--model", str(model), "--data", str(data), *base)
+
+    def variant(name: str, change) -> Path:
+        path = tmp_path / name
+        shutil.copytree(good, path)
+        change(path / "model.safetensors")
+        return path
+
+    def truncate(f: Path) -> None:
+        f.write_bytes(f.read_bytes()[:-1000])
+
+    def reshape(new_shape, key="model.layers.1.mlp.up_proj.weight"):
+        def change(f: Path) -> None:
+            tensors = load_file(f)
+            tensors[key] = torch.zeros(new_shape)
+            save_file(tensors, f, metadata={"format": "pt"})
+        return change
+
+    said = train(variant("truncated", truncate))
+    assert "truncated" in said and "model.safetensors" in said, said
+    said = train(variant("narrow", reshape((64, 16))))
+    assert "model.layers.1.mlp.up_proj.weight is F32[64, 16], the model of" in said and "has [64, 32]" in said, said
+    said = train(variant("broadcast", reshape((1, 32))))  # would broadcast on copy_: refused, not trained wrong
+    assert "F32[1, 32]" in said, said
+    indexed = tmp_path / "indexed"
+    shutil.copytree(good, indexed)
+    keys = list(load_file(indexed / "model.safetensors"))
+    (indexed / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "model-00002-of-00002.safetensors" for k in keys}}))
+    (indexed / "model.safetensors").unlink()
+    assert "model-00002-of-00002.safetensors, which is not in" in train(indexed)
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n' * 20)
+    said = train(good, tmp_path / "empty.jsonl")
+    assert "empty.jsonl" in said and "documents is empty" in said, said
+
+
 def test_config_file_and_flags(tmp_path):
     """Flags win over the file, sections and top-level keys both work, --print-config round-trips."""
     (tmp_path / "run.toml").write_text('schedule = "zb-h1"\n[training]\nsteps = 7\nlr = 0.01\nclip-grad = 0.5\n'
