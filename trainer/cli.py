@@ -201,6 +201,9 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), "
                         "or from the given checkpoint directory")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="without --resume: remove another run's checkpoints from --checkpoint-dir and start over "
+                        "(a run into a directory holding them is refused otherwise)")
     g = p.add_argument_group("data and evaluation (with --model)")
     g.add_argument("--data", nargs="+", metavar="PATH",
                    help="text files or folders, .jsonl (see --text-field), .parquet, or a `datasets` dataset saved "
@@ -419,7 +422,31 @@ def _config(program: Any, cfg: TrainConfig) -> TrainConfig:
     if cfg.checkpoint.resume:
         resume = _resume_point(program, cfg)
         cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resume))
+    elif cfg.checkpoint.checkpoint_dir:
+        _own_checkpoint_dir(cfg)
     return cfg
+
+
+def _own_checkpoint_dir(cfg: TrainConfig) -> None:
+    """A run without --resume owns its checkpoint directory: one holding another run's checkpoints is refused (its
+    latest would be exported or resumed as this run's), or emptied of them with --overwrite."""
+    import shutil
+
+    from pipedsl.errors import PipeDSLError
+    from pipedsl.runtime import checkpoint
+
+    directory = cfg.checkpoint.checkpoint_dir
+    saved = checkpoint.checkpoints(directory) if directory and os.path.isdir(directory) else []
+    if not saved:
+        return
+    last = saved[-1]
+    if not cfg.checkpoint.overwrite:
+        raise PipeDSLError(f"--checkpoint-dir {directory} holds another run's checkpoints (the latest: step "
+                           f"{last.step}, {checkpoint.schedule_name(last.manifest)}): continue it with --resume, or "
+                           f"pass --overwrite to remove them and start over")
+    for info in saved:
+        shutil.rmtree(info.path)
+    print(f"note: --overwrite: removed {len(saved)} checkpoint(s) of another run from {directory}", flush=True)
 
 
 def _check_local(ranks: int, cfg: TrainConfig) -> None:
@@ -488,6 +515,13 @@ def _resume_point(program: Any, cfg: TrainConfig) -> str | None:
             return None
     else:
         found = checkpoint.resolve(resume)
+    from pipedsl.trainer.train import model_record
+
+    differ = checkpoint.model_differences(found.manifest, model_record(cfg))
+    if differ:
+        shown = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, a, b in differ[:3])
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        raise checkpoint.CheckpointError(f"{found.path} is of another model than this run's: {shown}{more}")
     saved_tp = checkpoint.saved_parallel(found.manifest)["tp"]
     if saved_tp != tp and not cfg.hf:  # a Hugging Face model's DTensor shards are cut again on load
         raise checkpoint.CheckpointError(f"{found.path} was saved with --tp {saved_tp}, this run has --tp {tp}: "

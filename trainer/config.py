@@ -292,6 +292,7 @@ class CheckpointConfig(_Section):
     checkpoint_dir: str | None = _option(None, _optional(TEXT))
     checkpoint_every: int = _option(0, _at_least(0))  # 0: only after the last step
     resume: str | None = _option(None, _optional(TEXT))  # "latest" in checkpoint_dir, or a checkpoint
+    overwrite: bool = _option(False, FLAG)  # a new run may remove another run's checkpoints from checkpoint_dir
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,7 @@ class MetricsLogger:
         self.total = total_steps
         self.start_step = resume_from
         self.started = time.perf_counter()
-        self._file = (open(self.out / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - kept open for the run
-                      if self.out is not None else None)
+        self._file = _metrics_file(self.out / "metrics.jsonl", resume_from) if self.out is not None else None
         self._tb = self._wandb = self._live = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -186,6 +185,25 @@ def _import_wandb() -> Any:
 def _clock(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _metrics_file(path: Path, resume_from: int) -> Any:
+    """The run's metrics.jsonl, open for appending: a fresh run starts it empty (it is this run's, not a mix of
+    runs); a resumed run keeps the records up to its checkpoint's step and drops the later ones (the steps it
+    repeats), as TensorBoard purges them."""
+    if resume_from and path.is_file():
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                step = json.loads(line).get("step", 0)
+            except (ValueError, AttributeError):
+                continue  # a line cut by a kill: dropped
+            if isinstance(step, int) and step <= resume_from:
+                kept.append(line)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    return open(path, "a" if resume_from else "w", buffering=1)  # noqa: SIM115 - kept open for the run
 
 
 class _LiveLine:

@@ -227,6 +227,14 @@ def _flops(params: int, embedding: int, layers: int, hidden: int, seq: int) -> f
     return model_flops_per_token(params, embedding, layers, hidden, seq)
 
 
+def model_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The model's configuration as every checkpoint of the run records it: an HF model's config.json fields, the
+    GPT's `GPTConfig`; a resume under another is refused naming the fields (`checkpoint.model_differences`)."""
+    if cfg.hf is not None:
+        return dict(cfg.hf.export["config"])
+    return asdict(gpt_config(cfg))
+
+
 def gpt_config(cfg: TrainConfig) -> Any:
     """The built-in GPT's `GPTConfig` for the run (its heads and vocabulary are fixed: config.GPT_*)."""
     from pipedsl.models.gpt.model import GPTConfig
@@ -442,7 +450,8 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
         if source.eval_batches() and ((eval_every and step % eval_every == 0) or (step == steps and eval_at_end)):
             _evaluate(pipe, source, step, log)
         if directory and ((every and step % every == 0) or step == steps):
-            info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout)
+            info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout,
+                                   model=model_record(cfg))
             if log is not None:
                 log.note(f"checkpoint step {step}: {info.path}")
     return losses

@@ -95,7 +95,8 @@ if TYPE_CHECKING:  # pragma: no cover - for the annotations
 
 __all__ = ["FORMAT", "MANIFEST", "READABLE", "VERSION", "CheckpointError", "CheckpointInfo", "Restored",
            "SavedModel", "check", "check_partition", "checkpoints", "describe_stage", "describe_stage_tensors",
-           "fault_point", "fingerprint", "latest", "load", "loads_into", "read_model", "resolve", "save", "step_dir"]
+           "fault_point", "fingerprint", "latest", "load", "loads_into", "model_differences", "read_model", "resolve",
+           "save", "step_dir"]
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def _layout(pipe: Pipeline) -> _Layout:
 
 def save(pipe: Pipeline, directory: str | os.PathLike, step: int,
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | PipelineOptimizer | None = None, *,
-         extra: Any = None, shards: Any = None, timeout: float = 300.0) -> CheckpointInfo:
+         extra: Any = None, shards: Any = None, timeout: float = 300.0,
+         model: dict[str, Any] | None = None) -> CheckpointInfo:
     """Write this rank's part of checkpoint `step` under `directory`; call on every rank of the pipeline
     (under `parallel=`, on every rank of the world: dp × pp × tp).
 
@@ -214,7 +216,8 @@ def save(pipe: Pipeline, directory: str | os.PathLike, step: int,
     `pipe.optimizer(...)` returned (required with ZeRO, which holds the stages' parameters).
     `extra` (returned by `load` on the same rank) and `shards` (free-form) hold
     tensors, numbers, strings and lists, tuples and dicts of them.  Returns once the checkpoint
-    is complete (rank 0 wrote the manifest).  A rank that does not
+    is complete (rank 0 wrote the manifest).  `model`: the model's configuration (JSON), recorded in the
+    manifest so that a resume under another one is told which fields differ (`model_differences`).  A rank that does not
     report its part within `timeout` seconds makes the others raise an error naming it; the
     half-written checkpoint then has no manifest and never counts.
     """
@@ -226,7 +229,8 @@ def save(pipe: Pipeline, directory: str | os.PathLike, step: int,
         zeros, plain = _optimizers(pipe, optimizer)
         manifest = commit.run(lambda: _part(pipe, lay, step, zeros, plain, optimizer is not None, extra, shards,
                                             _training_state(pipe, optimizer)),
-                              lambda metas: _manifest(pipe, lay, step, metas))
+                              lambda metas: {**_manifest(pipe, lay, step, metas),
+                                             **({"model": _jsonable(model)} if model is not None else {})})
     return CheckpointInfo(commit.target, step, manifest)
 
 
@@ -413,6 +417,27 @@ def _manifest(pipe: Pipeline, lay: _Layout, step: int, metas: list[dict[str, Any
     return {"format": FORMAT, "version": VERSION, "step": step, "world_size": lay.size, "time": time.time(),
             "schedule": {**head, "fingerprint": _program_fingerprint(prog)}, "parallel": lay.parallel,
             "partition": partition, "parts": metas}
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` as the manifest's JSON holds it (what it cannot hold as text)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+VOLATILE = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "use_cache",
+            "output_attentions", "output_hidden_states", "return_dict")  # no bearing on the weights' meaning
+
+
+def model_differences(manifest: dict[str, Any], model: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, the checkpoint's value, `model`'s) of each configuration field that differs from the one the
+    checkpoint recorded (`save(model=…)`), apart from `VOLATILE` ones and dropout rates (regularisation a resumed
+    run may change); none when it recorded none."""
+    saved = manifest.get("model")
+    if not isinstance(saved, dict):
+        return []
+    now = _jsonable(model)
+    keys = sorted(k for k in (set(saved) | set(now)) - set(VOLATILE) if "dropout" not in k)
+    return [(k, saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)]
 
 
 def _program_fingerprint(prog: Any) -> str:

@@ -175,3 +175,31 @@ def test_train_schedule_auto_profiles_searches_switches_and_equals_one_process(t
     assert switch["split"] in ([2], [3]) and switch["predicted_ms"] < switch["kept_split_ms"], switch
     assert switch["cost"]["F"] > 0 and switch["cost"]["W"] > 0
     assert not (out / "auto-switch").exists()  # the hand-over checkpoint is gone
+
+
+@pytest.mark.slow
+def test_a_run_owns_its_checkpoints_and_metrics(tmp_path) -> None:
+    """Issue 39: a new run into a directory holding another run's checkpoints is refused before any rank (its
+    latest would be exported or resumed as this run's) unless --overwrite removes them; a resume under another
+    model configuration names the fields; metrics.jsonl is the run's own, and a resume replaces the steps it
+    repeats."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    gpt = ["--seq", "8", "--embd", "16", "-o", str(out), "--checkpoint-dir", str(ckpt), "--layers", "2"]
+    first = pipedsl_here("train", "-P", "2", "--steps", "4", "--checkpoint-every", "2", *gpt)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = pipedsl_here("train", "-P", "2", "--steps", "2", *gpt)
+    assert again.returncode == 2 and "holds another run's checkpoints (the latest: step 4" in again.stderr
+    assert "--resume" in again.stderr and "--overwrite" in again.stderr
+    other = pipedsl_here("train", "-P", "2", "--steps", "4", "--resume", *gpt, "--embd", "32")
+    assert other.returncode == 2 and "of another model than this run's: n_embd: 16 there, 32 here\n" in other.stderr
+    resumed = pipedsl_here("train", "-P", "2", "--steps", "6", "--resume", str(ckpt / "step-00000002"), *gpt)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # 3 and 4 once: the resumed run's
+    fresh = pipedsl_here("train", "-P", "2", "--steps", "2", "--overwrite", *gpt)
+    assert fresh.returncode == 0 and "removed 3 checkpoint(s) of another run" in fresh.stdout, fresh.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == [1, 2]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002"]

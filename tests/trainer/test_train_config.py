@@ -44,7 +44,7 @@ OLD_SECTIONS = {
     "training": ("steps", "batch", "lr", "weight_decay", "precision", "param_dtype", "grad_dtype", "clip_grad",
                  "lr_schedule", "warmup_steps", "recompute", "loss_reduction", "threads"),
     "eval": ("eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite"),
     "logging": ("out", "tensorboard", "wandb", "peak_tflops"),
     "run": ("timeout", "checkpoint_timeout", "join_timeout", "allow_oversubscribe"),
 }
