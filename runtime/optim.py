@@ -37,26 +37,35 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipedsl.runtime.pipeline import Pipeline
 
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
+WSD_DECAY = 0.1  # wsd without `decay`: the last tenth of the steps after the warmup decays
 
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Linear warmup over `warmup` steps from lr/warmup to `lr`, then constant or a cosine decay to
-    `min_lr` at step `total` (GPT-3 / Megatron-LM's warmup + cosine).  A pure function of the step."""
+    """Linear warmup over `warmup` steps from lr/warmup to `lr`, then: constant; a cosine decay to `min_lr` at step
+    `total` (GPT-3 / Megatron-LM's); a linear decay to `min_lr` at `total`; or warmup-stable-decay (`wsd`, MiniCPM's):
+    `lr` until the last `decay` steps (default a tenth of those after the warmup), then linear to `min_lr` at
+    `total`.  A pure function of the step."""
 
     kind: str = "constant"
     lr: float = 1e-3
     warmup: int = 0
     total: int = 0
     min_lr: float = 0.0
+    decay: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in LR_SCHEDULES:
             raise ValueError(f"lr schedule must be one of {', '.join(map(repr, LR_SCHEDULES))}, got {self.kind!r}")
-        if self.warmup < 0 or (self.kind == "cosine" and self.total <= self.warmup):
+        if self.warmup < 0 or (self.kind != "constant" and self.total <= self.warmup):
             raise ValueError(f"a {self.kind} lr schedule needs 0 <= warmup < total, got warmup={self.warmup}, "
                              f"total={self.total}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr:g}], got {self.min_lr:g}")
+        if self.decay < 0 or (self.kind == "wsd" and self.decay > self.total - self.warmup):
+            raise ValueError(f"a wsd schedule decays over at most the {self.total - self.warmup} steps after the "
+                             f"warmup, got decay={self.decay}")
 
     def __call__(self, step: int) -> float:
         """The learning rate of step `step` (1-based: the first step is 1)."""
@@ -64,8 +73,18 @@ class LRSchedule:
             return self.lr * step / self.warmup
         if self.kind == "constant":
             return self.lr
-        progress = min(1.0, (step - self.warmup) / (self.total - self.warmup))
+        span = self.total - self.warmup
+        if self.kind == "wsd":
+            decay = self.decay or max(1, round(WSD_DECAY * span))
+            start = self.total - decay
+            return self.lr if step <= start else self._linear(min(1.0, (step - start) / decay))
+        progress = min(1.0, (step - self.warmup) / span)
+        if self.kind == "linear":
+            return self._linear(progress)
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def _linear(self, progress: float) -> float:
+        return self.lr + (self.min_lr - self.lr) * progress
 
 
 class PipelineOptimizer:

@@ -175,8 +175,13 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--clip-grad", type=positive_float, metavar="MAX_NORM",
                    help="clip the whole model's gradient norm (over every rank) to MAX_NORM (default: no clipping)")
     p.add_argument("--lr-schedule", choices=config.LR_SCHEDULES,
-                   help=f"after --warmup-steps of linear warmup: constant (default {t.lr_schedule}), or a cosine "
-                        "decay to 0 at --steps")
+                   help=f"after --warmup-steps of linear warmup: constant (default {t.lr_schedule}), a cosine or a "
+                        "linear decay to --min-lr at --steps, or wsd (warmup-stable-decay: constant, then linear to "
+                        "--min-lr over the last --decay-steps)")
+    p.add_argument("--min-lr", type=nonnegative_float,
+                   help=f"the learning rate cosine, linear and wsd decay to (default {t.min_lr:g})")
+    p.add_argument("--decay-steps", type=nonnegative_int, metavar="N",
+                   help="wsd: the final decay's steps (default: a tenth of those after the warmup)")
     p.add_argument("--warmup-steps", type=nonnegative_int, metavar="N",
                    help=f"linear learning-rate warmup over the first N steps (default {t.warmup_steps})")
     p.add_argument("--recompute", choices=config.RECOMPUTES,

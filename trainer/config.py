@@ -49,7 +49,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 SPLITS = ("count", "blocks", "flops")
 ATTENTIONS = ("sdpa", "eager")
 PACKINGS = ("pack", "pad")
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 RECOMPUTES = ("none", "full", "selective")
 LOSS_REDUCTIONS = ("microbatch", "token")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -272,6 +272,8 @@ class TrainingConfig(_Section):
     clip_grad: float | None = _option(None, _optional(POSITIVE))
     lr_schedule: str = _option("constant", _one_of(*LR_SCHEDULES))
     warmup_steps: int = _option(0, _at_least(0))
+    min_lr: float = _option(0.0, NONNEGATIVE)  # where cosine, linear and wsd decay to
+    decay_steps: int = _option(0, _at_least(0))  # wsd's final decay; 0: a tenth of the steps after the warmup
     recompute: str = _option("none", _one_of(*RECOMPUTES))
     loss_reduction: str | None = _option(None, _optional(_one_of(*LOSS_REDUCTIONS)))  # see TrainConfig's
     threads: int = _option(1, _at_least(1))
@@ -387,9 +389,17 @@ class TrainConfig:
                               f"parallelism yet; shard the experts over data-parallel ranks alone")
         if c.checkpoint_every and not c.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
-        if t.lr_schedule == "cosine" and t.warmup_steps >= t.steps:
+        if t.lr_schedule != "constant" and t.warmup_steps >= t.steps:
             raise ConfigError(f"--warmup-steps {t.warmup_steps} must be less than --steps {t.steps} for the "
-                              f"cosine schedule (it decays after the warmup, until --steps)")
+                              f"{t.lr_schedule} schedule (it decays after the warmup, until --steps)")
+        if t.min_lr > t.lr:
+            raise ConfigError(f"--min-lr {t.min_lr:g} is above --lr {t.lr:g}: the schedule decays from --lr to it")
+        if t.decay_steps and t.lr_schedule != "wsd":
+            raise ConfigError(f"--decay-steps {t.decay_steps} sets the wsd schedule's final decay; this run's "
+                              f"--lr-schedule is {t.lr_schedule}")
+        if t.lr_schedule == "wsd" and t.decay_steps > t.steps - t.warmup_steps:
+            raise ConfigError(f"--decay-steps {t.decay_steps} is more than the {t.steps - t.warmup_steps} steps after "
+                              f"the warmup")
         if c.resume == "latest" and not c.checkpoint_dir:
             raise ConfigError("--resume without a checkpoint needs --checkpoint-dir (or give --resume CHECKPOINT)")
         if t.param_dtype not in ("fp32", t.precision):

@@ -320,7 +320,8 @@ def _build(rank: int, program: pipedsl.Program, cfg: TrainConfig, parallel: Any)
     opt = pipe.optimizer(torch.optim.AdamW, lr=t.lr, weight_decay=t.weight_decay)
     if t.lr_schedule != "constant" or t.warmup_steps:
         from pipedsl.runtime.optim import LRSchedule
-        opt.lr_schedule = LRSchedule(t.lr_schedule, lr=t.lr, warmup=t.warmup_steps, total=t.steps)
+        opt.lr_schedule = LRSchedule(t.lr_schedule, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
+                                     decay=t.decay_steps)
     return pipe, opt, source, load
 
 

@@ -104,6 +104,23 @@ def test_lr_schedule_warmup_then_cosine():
         LRSchedule("cosine", lr=1.0, warmup=5, total=5)
 
 
+def test_lr_schedule_linear_and_warmup_stable_decay():
+    """linear: from lr after the warmup to min_lr at total; wsd (MiniCPM): lr until the last `decay` steps, then
+    linear to min_lr (by default the last tenth of the steps after the warmup decays)."""
+    linear = LRSchedule("linear", lr=1.0, warmup=2, total=12, min_lr=0.2)
+    assert [linear(k) for k in (1, 2)] == [0.5, 1.0]
+    assert math.isclose(linear(7), 0.6) and math.isclose(linear(12), 0.2) and math.isclose(linear(30), 0.2)
+    wsd = LRSchedule("wsd", lr=1.0, warmup=2, total=22, min_lr=0.0, decay=4)
+    assert [wsd(k) for k in (3, 10, 18)] == [1.0, 1.0, 1.0]
+    assert [wsd(k) for k in (19, 20, 21, 22)] == [0.75, 0.5, 0.25, 0.0]
+    default = LRSchedule("wsd", lr=1.0, warmup=0, total=100)
+    assert default(90) == 1.0 and math.isclose(default(95), 0.5) and default(100) == 0.0
+    with pytest.raises(ValueError, match="min_lr must be in"):
+        LRSchedule("linear", lr=1.0, total=10, min_lr=2.0)
+    with pytest.raises(ValueError, match="decays over at most the 8 steps"):
+        LRSchedule("wsd", lr=1.0, warmup=2, total=10, decay=9)
+
+
 def test_bad_precision_is_one_clear_error():
     with pytest.raises(PipeRuntimeError, match="precision must be one of 'fp32', 'bf16', 'fp16'"):
         policy("half")
