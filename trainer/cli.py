@@ -199,10 +199,16 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
                    help="seconds to wait for the other ranks' checkpoint parts (default: --timeout)")
     p.add_argument("--join-timeout", type=positive_float,
                    help=f"seconds the whole run may take before its processes are killed (default {r.join_timeout:g})")
+    p.add_argument("--max-time", type=positive_float, metavar="SECONDS",
+                   help="stop before the run has taken SECONDS (from the command's start), saving a checkpoint "
+                        "with --checkpoint-dir; --resume continues it")
     p.add_argument("--threads", type=positive_int, help=f"torch threads per rank (default {t.threads})")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints under DIR/step-NNNNNNNN/")
     p.add_argument("--checkpoint-every", type=nonnegative_int, metavar="N",
                    help="checkpoint every N steps (default: only after the last step)")
+    p.add_argument("--keep-checkpoints", type=nonnegative_int, metavar="N",
+                   help="keep the newest N complete checkpoints, removing older ones after each save "
+                        "(default 0: keep every one)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), "
                         "or from the given checkpoint directory")
@@ -247,6 +253,8 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files to DIR")
     g.add_argument("--wandb", metavar="PROJECT", help="also log to Weights & Biases (offline unless WANDB_MODE says)")
+    g.add_argument("--log-every", type=positive_int, metavar="N",
+                   help="record the metrics every N steps (and the first and the last; default 1)")
     g.add_argument("--peak-tflops", type=positive_float, metavar="X",
                    help="peak TFLOP/s of one device for MFU (default: a known GPU's datasheet, or measured on a CPU)")
     p.add_argument("-o", "--out", help="directory for metrics.jsonl, timeline.json, losses.json "

@@ -295,6 +295,7 @@ class CheckpointConfig(_Section):
     checkpoint_every: int = _option(0, _at_least(0))  # 0: only after the last step
     resume: str | None = _option(None, _optional(TEXT))  # "latest" in checkpoint_dir, or a checkpoint
     overwrite: bool = _option(False, FLAG)  # a new run may remove another run's checkpoints from checkpoint_dir
+    keep_checkpoints: int = _option(0, _at_least(0))  # the newest N complete checkpoints stay; 0: every one
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,7 @@ class LoggingConfig(_Section):
     tensorboard: str | None = _option(None, _optional(TEXT))
     wandb: str | None = _option(None, _optional(TEXT))
     peak_tflops: float | None = _option(None, _optional(POSITIVE))  # None: a datasheet's, or measured
+    log_every: int = _option(1, _at_least(1))  # steps between metric records (the first and the last always)
 
 
 @dataclass(frozen=True)
@@ -315,6 +317,7 @@ class RunConfig(_Section):
     checkpoint_timeout: float | None = _option(None, _optional(POSITIVE), WITHIN_A_YEAR)
     join_timeout: float = _option(3600.0, POSITIVE, WITHIN_A_YEAR)
     allow_oversubscribe: bool = _option(False, FLAG)
+    max_time: float | None = _option(None, _optional(POSITIVE), WITHIN_A_YEAR)  # stop (and save) before this
 
     @property
     def save_timeout(self) -> float:

@@ -273,20 +273,23 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
             print(f"resumed at step {start} ({restored.saved_schedule}{changed})", flush=True)
     _arm_step_fault(pipe, rank)
     log = _logger(cfg, start) if rank == 0 else None
+    began = cfg.started_at or time.time()
+    deadline = began + cfg.run.max_time if cfg.run.max_time else None
     try:
         if cfg.schedule.schedule == AUTO and start < t.steps:
             until = min(start + AUTO_PROFILE_STEPS, t.steps)
             clock = _unit_clock(pipe, cfg) if until < t.steps else None
             try:
-                losses = _loop(rank, pipe, opt, source, cfg, start, log, load, until=until)
+                losses = _loop(rank, pipe, opt, source, cfg, start, log, load, until=until, deadline=deadline)
             finally:
                 if clock is not None:
                     clock.close()
-            if until < t.steps:
+            if until < t.steps and max(losses, default=start) == until:  # not stopped by --max-time
                 pipe, opt, source, load, cfg = _switch(rank, pipe, opt, source, cfg, parallel, until, log, clock)
-                losses.update(_loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load))
+                losses.update(_loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load,
+                                    deadline=deadline))
         else:
-            losses = _loop(rank, pipe, opt, source, cfg, start, log, load)
+            losses = _loop(rank, pipe, opt, source, cfg, start, log, load, deadline=deadline)
     finally:
         if log is not None:
             log.close()
@@ -413,10 +416,12 @@ def _logger(cfg: TrainConfig, start: int) -> Any:
 
 
 def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any,
-          load: Any = None, until: int | None = None) -> dict[int, float]:
-    """Steps start+1 … `until` (default the last)."""
+          load: Any = None, until: int | None = None, deadline: float | None = None) -> dict[int, float]:
+    """Steps start+1 … `until` (default the last), or fewer: the last one before `deadline` (`--max-time`), which
+    saves a checkpoint when the run has a directory."""
     clip, steps = cfg.training.clip_grad, cfg.training.steps
     every, directory = cfg.checkpoint.checkpoint_every, cfg.checkpoint.checkpoint_dir
+    log_every = cfg.logging.log_every
     eval_every, eval_at_end = cfg.eval.eval_every, cfg.hf is not None and cfg.hf.eval_at_end
     peak = cfg.peak_flops or 0.0
     losses: dict[int, float] = {}
@@ -430,7 +435,7 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
         dt = time.perf_counter() - t0
         losses[step] = loss
         experts = load.read() if load is not None else None  # every rank: a collective
-        if log is not None:
+        if log is not None and (step % log_every == 0 or step in (start + 1, steps)):
             m: dict[str, Any] = {"loss": loss, "step_ms": dt * 1e3, "samples_per_s": source.samples_per_step / dt,
                                  "tokens_per_s": source.tokens_per_step / dt}
             if peak:
@@ -450,12 +455,29 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
             log.log(step, m)
         if source.eval_batches() and ((eval_every and step % eval_every == 0) or (step == steps and eval_at_end)):
             _evaluate(pipe, source, step, log)
-        if directory and ((every and step % every == 0) or step == steps):
+        stop = deadline is not None and step < steps and _out_of_time(pipe, deadline, dt)
+        if directory and ((every and step % every == 0) or step == steps or stop):
             info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout,
                                    model=model_record(cfg))
             if log is not None:
                 log.note(f"checkpoint step {step}: {info.path}")
+            if rank == 0 and cfg.checkpoint.keep_checkpoints:
+                checkpoint.prune(directory, cfg.checkpoint.keep_checkpoints)
+        if stop:
+            if log is not None:
+                log.note(f"stopped after step {step} of {steps}: another step would pass --max-time "
+                         f"{cfg.run.max_time:g} s" + (" (--resume continues it)" if directory else ""))
+            break
     return losses
+
+
+def _out_of_time(pipe: Any, deadline: float, last_step: float) -> bool:
+    """Whether another step (as long as the last one) would end past `deadline`: rank 0's clock decides for every
+    rank (a broadcast over the world), so that all of them stop after the same step."""
+    flag = torch.tensor([float(time.time() + last_step > deadline)], device=pipe.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def _evaluate(pipe: Any, source: Any, step: int, log: Any) -> None:

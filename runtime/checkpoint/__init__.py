@@ -20,7 +20,7 @@ from pipedsl.registry import lazy_attributes
 _STATE = ("Restored", "SavedModel", "check_partition", "describe_stage", "describe_stage_tensors", "fingerprint",
           "load", "loads_into", "model_differences", "read_model", "save", "tp_dims")
 _FILES = ("FORMAT", "MANIFEST", "READABLE", "VERSION", "CheckpointError", "CheckpointInfo", "check", "checkpoints",
-          "fault_point", "latest", "resolve", "saved_parallel", "schedule_name", "step_dir")
+          "fault_point", "latest", "prune", "resolve", "saved_parallel", "schedule_name", "step_dir")
 _EXPORTS = {**{name: "state" for name in _STATE}, **{name: "files" for name in _FILES}}
 __all__ = sorted(_EXPORTS)
 

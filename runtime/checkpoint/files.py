@@ -122,6 +122,25 @@ def checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
     return found
 
 
+def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` complete checkpoints under `directory`, and every incomplete step older
+    than the newest complete one (an abandoned save); returns what was removed.  Call once the newest is
+    complete (`save` returned), on one process."""
+    import shutil
+
+    complete = checkpoints(directory)
+    if not complete:
+        return []
+    newest = complete[-1].step
+    kept = {info.path for info in complete[-keep:]} if keep else {info.path for info in complete}
+    removed = []
+    for step, path in _step_dirs(directory):
+        if path not in kept and (step < newest or path in {i.path for i in complete}):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def latest(directory: str | os.PathLike) -> CheckpointInfo | None:
     """The complete checkpoint with the highest step under `directory`, or None."""
     for _step, path in reversed(_step_dirs(directory)):

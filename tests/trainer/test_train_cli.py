@@ -203,3 +203,25 @@ def test_a_run_owns_its_checkpoints_and_metrics(tmp_path) -> None:
              if json.loads(line)["kind"] == "train"]
     assert steps == [1, 2]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002"]
+
+
+@pytest.mark.slow
+def test_max_time_stops_with_a_checkpoint_keeps_the_newest_and_logs_every_n(tmp_path) -> None:
+    """--max-time: every rank stops after the same step, before the limit, with a checkpoint that --resume continues;
+    --keep-checkpoints 2 leaves the newest two; --log-every 5 records steps 1, 5, 10, … and the last."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    gpt = ["-P", "2", "--seq", "8", "--embd", "16", "--layers", "2", "-o", str(out), "--checkpoint-dir", str(ckpt)]
+    proc = pipedsl_here("train", *gpt, "--steps", "100000", "--max-time", "6", "--checkpoint-every", "3",
+                        "--keep-checkpoints", "2", "--log-every", "5")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    done = json.loads((out / "losses.json").read_text())["losses"]
+    last = max(map(int, done))
+    assert 3 < last < 100000
+    saved = sorted(p.name for p in ckpt.iterdir())
+    assert len(saved) == 2 and saved[-1] == f"step-{last:08d}", saved
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == sorted({1, *range(5, last + 1, 5)}), steps
+    resumed = pipedsl_here("train", *gpt, "--steps", str(last + 2), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(json.loads((out / "losses.json").read_text())["losses"]) == [str(last + 1), str(last + 2)]

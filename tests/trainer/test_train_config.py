@@ -44,9 +44,9 @@ OLD_SECTIONS = {
     "training": ("steps", "batch", "lr", "weight_decay", "precision", "param_dtype", "grad_dtype", "clip_grad",
                  "lr_schedule", "warmup_steps", "min_lr", "decay_steps", "recompute", "loss_reduction", "threads"),
     "eval": ("eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite"),
-    "logging": ("out", "tensorboard", "wandb", "peak_tflops"),
-    "run": ("timeout", "checkpoint_timeout", "join_timeout", "allow_oversubscribe"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "keep_checkpoints"),
+    "logging": ("out", "tensorboard", "wandb", "peak_tflops", "log_every"),
+    "run": ("timeout", "checkpoint_timeout", "join_timeout", "allow_oversubscribe", "max_time"),
 }
 
 
