@@ -296,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     s = cfg.schedule
     _check_local(s.ranks, cfg)  # before compiling: a huge -P is refused, not compiled
+    _check_paths(cfg)
     _start_fork_server(cfg)
     if s.schedule == "auto":  # profile under ZB-H1, then search ZB-auto from its costs (trainer/train.py: _switch)
         pipedsl.load("zb-auto").compile(P=s.ranks, M=s.microbatches, **s.params)  # its parameters, checked now
@@ -314,8 +315,23 @@ def run_program(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     if cfg is None:
         return 0
+    _check_paths(cfg)
     _start_fork_server(cfg)
     return _execute(read_program(cfg.schedule.program, ranks=cfg.schedule.ranks), cfg, started)
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    """The model directory's config.json and the data paths, checked before anything imports torch or
+    transformers (the fork server, the model's config): a wrong path fails in a moment, not after the imports."""
+    from pipedsl.trainer import data
+
+    if cfg.model.is_hf:
+        from pipedsl.models.hf import read_config_file
+
+        read_config_file(cfg.model.model)
+    for paths in (cfg.data.data, cfg.data.eval_data):
+        if paths:
+            data.check_data_paths(paths)
 
 
 def _start_fork_server(cfg: TrainConfig) -> None:

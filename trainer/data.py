@@ -233,6 +233,12 @@ def read_documents(paths: Paths, text_field: str = "text") -> Iterator[Document]
         yield from _READERS[item.kind](item, text_field)
 
 
+def check_data_paths(paths: Paths) -> None:
+    """Every data path exists and a folder holds a readable file: a DataError naming the path (what the launcher
+    checks before the heavy imports)."""
+    _inputs(paths)
+
+
 def _inputs(paths: Paths) -> list[_Input]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]

@@ -29,11 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipedsl.errors import PipeDSLError
 from pipedsl.models import hf
+from pipedsl.models.hf import CONFIG, ModelDirError, read_config_file
 from pipedsl.models.hf.stages import require_transformers
 
-CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 # what travels with a checkpoint to the export: every file a tokenizer is read from, and their companions
 TOKENIZER_FILES = (*hf.TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
@@ -41,10 +40,6 @@ TOKENIZER_FILES = (*hf.TOKENIZER_FILES, "special_tokens_map.json", "added_tokens
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ModelDirError(PipeDSLError):
-    """A model directory that cannot be used, or a checkpoint that cannot be exported."""
-
-    kind = "model error"
 
 
 @dataclass(frozen=True)
@@ -78,20 +73,10 @@ class ModelDir:
 
 def inspect_model_dir(path: str | os.PathLike) -> ModelDir:
     """The directory's config, checked; one `ModelDirError` line for anything wrong."""
+    raw = read_config_file(path)
     tf = require_transformers()
     p = Path(path)
-    if not os.path.isdir(p):
-        raise ModelDirError(f"--model {path}: no such directory (a local Hugging Face model directory with "
-                            f"{CONFIG})")
     cfg_file = p / CONFIG
-    if not cfg_file.is_file():
-        raise ModelDirError(f"--model {path}: no {CONFIG} in the directory")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ModelDirError(f"{cfg_file}: not valid JSON: {err}") from None
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise ModelDirError(f"{cfg_file}: no 'model_type' (transformers cannot tell which model it is)")
     try:
         config = tf.AutoConfig.from_pretrained(str(p), local_files_only=True)
     except Exception as err:  # noqa: BLE001 - whatever transformers refuses, said in one line
