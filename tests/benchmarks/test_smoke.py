@@ -257,10 +257,10 @@ def test_moe_overlap(runs, request):
 
 @pytest.mark.slow
 def test_auto_schedule(runs, request):
-    """Four rows (1F1B, ZB-H1 and ZB-V split by count, the searched schedule split by FLOPs) with the searched
-    one's prediction, made before it ran."""
+    """Four rows (1F1B, ZB-H1 and ZB-V split by count, the searched schedule on the cut its profile chose) with the
+    searched one's prediction, made before it ran."""
     got = run(runs, request, "auto_schedule")
-    assert [(r["schedule"], r["split"]) for r in got["rows"]] == [("1f1b", "count"), ("zb-h1", "count"),
-                                                                  ("zb-v", "count"), ("auto", "flops")]
+    assert [r["schedule"] for r in got["rows"]] == ["1f1b", "zb-h1", "zb-v", "auto"]
+    assert [r["split"] for r in got["rows"][:3]] == ["count"] * 3 and got["rows"][-1]["split"] != "flops"
     assert got["rows"][-1]["predicted_ms"] > 0 and max(got["rows"][-1]["peaks"]) <= 4
     assert set(got["checks"]) == {"auto_over_best_even", "predicted_over_measured"}

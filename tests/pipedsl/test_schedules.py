@@ -461,10 +461,11 @@ def test_looped_bfs_is_torchs_order(size):
 
 @pytest.mark.parametrize("name", pipedsl.builtin_names())
 def test_check_passes_for_every_builtin(name, capsys):
-    status = main(["check", name, "--ranks", "2,4,8"])
+    ranks = [2, 4] if pipedsl.load(name).searched else [2, 4, 8]  # a search per M: P=8 is compile_scale's (suite time)
+    status = main(["check", name, "--ranks", ",".join(map(str, ranks))])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert [line.split(":")[0] for line in out.splitlines() if line.endswith(" 0 failed")] == ["P=2", "P=4", "P=8"]
+    assert [line.split(":")[0] for line in out.splitlines() if line.endswith(" 0 failed")] == [f"P={P}" for P in ranks]
 
 
 def test_the_compiler_names_no_schedule():

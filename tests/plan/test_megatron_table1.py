@@ -78,7 +78,7 @@ def test_table1_trend_rises_with_model_size():
 def test_planner_choice_no_worse_than_published(row):
     published = published_estimate(row)
     model, cluster = model_preset(row[0]), cluster_preset("a100-80gb").with_gpus(row[3])
-    result = search(model, cluster, top=1)
+    result = search(model, cluster, top=1, splits=("even",))  # Megatron's split, as the table ran (balanced: below)
     assert result.ranked, f"{row[0]}: the planner found nothing"
     best = result.ranked[0]
     assert best.iteration <= published.iteration * (1 + 1e-9), (str(best.layout), str(published.layout))

@@ -44,9 +44,9 @@ def test_the_balanced_layout_is_faster_and_reports_each_ranks_memory() -> None:
 
 
 def test_search_tries_both_and_is_never_worse_than_even_only() -> None:
-    """gpt-1.7b (V = 51200) on 32 A100s: the search with balanced splits finds a faster layout than Megatron's even
+    """gpt-3.6b (V = 51200) on 64 A100s: the search with balanced splits finds a faster layout than Megatron's even
     split alone, and it is a balanced one."""
-    model, cluster = model_preset("gpt-1.7b"), cluster_preset("a100-80gb").with_gpus(32)
+    model, cluster = model_preset("gpt-3.6b"), cluster_preset("a100-80gb").with_gpus(64)
     both = search(model, cluster, top=1)
     even = search(model, cluster, top=1, splits=("even",))
     assert both.ranked[0].iteration < even.ranked[0].iteration

@@ -264,8 +264,8 @@ def test_a_dp_rank_that_never_writes_its_part_is_named_and_the_save_does_not_cou
     for r in dp2[:3]:
         assert "rank 3 did not finish writing its part within 3 s" in r["dead"], r["dead"]
     step = root / "z2" / "step-00000099"
-    names = {p.name for p in step.iterdir()}
-    assert names == {"rank-00000.pt", "rank-00001.pt", "rank-00002.pt"}, names
+    # the ranks that wrote their parts removed them when the save was abandoned (issue 39: no bytes left behind)
+    assert not step.exists() or not list(step.iterdir()), list(step.iterdir())
     assert checkpoint.latest(root / "z2").step == K, "the incomplete step 99 is skipped"
 
 
