@@ -25,7 +25,7 @@ to `losses.json`.  `--steps` is the step to reach: a run resumed from step 20 wi
 that never stopped.
 
 Everything the user can get wrong (sizes, the program file, its rank count, a batch that does
-not split into M, a checkpoint of another stage partition) is reported before any process
+not split into M, a checkpoint of another model) is reported before any process
 starts, as one line, exit status 2 — more local processes (dp x P), threads or model memory
 than this machine can hold included, unless `--allow-oversubscribe` (runtime/launch/capacity.py).  A
 failure while running (a rank that dies, a timeout) exits with status 1 and names the rank
@@ -531,7 +531,8 @@ def _split_arg(value: str) -> str:
 
 
 def _resume_point(program: Any, cfg: TrainConfig) -> str | None:
-    """The checkpoint to resume from (None: start fresh), checked against the model's stage partition."""
+    """The checkpoint to resume from (None: start fresh), checked against the model: its configuration, and its
+    tensors in this run's stage partition (the same, or another one that loads by name)."""
     import torch
 
     from pipedsl.runtime import checkpoint
