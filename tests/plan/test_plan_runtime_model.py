@@ -85,7 +85,7 @@ def test_sequence_parallelism_and_fused_attention_in_the_costs() -> None:
 
 
 def test_llama70b_on_512_h100_first_choice_is_runnable() -> None:
-    result = search(model_preset("llama-70b"), cluster_preset("h100").with_gpus(512), top=3)
+    result = search(model_preset("llama-70b"), cluster_preset("h100").with_gpus(512), top=1)
     assert result.ranked
     for e in result.ranked:
         check_runnable(result.model, e.layout)

@@ -199,7 +199,7 @@ def test_max_time_stops_with_a_checkpoint_keeps_the_newest_and_logs_every_n(tmp_
     --keep-checkpoints 2 leaves the newest two; --log-every 5 records steps 1, 5, 10, … and the last."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     gpt = ["-P", "2", "--seq", "8", "--embd", "16", "--layers", "2", "-o", str(out), "--checkpoint-dir", str(ckpt)]
-    proc = pipedsl_here("train", *gpt, "--steps", "100000", "--max-time", "4", "--checkpoint-every", "3",
+    proc = pipedsl_here("train", *gpt, "--steps", "100000", "--max-time", "3", "--checkpoint-every", "2",
                         "--keep-checkpoints", "2", "--log-every", "5")
     assert proc.returncode == 0, proc.stderr[-2000:]
     done = json.loads((out / "losses.json").read_text())["losses"]
