@@ -130,3 +130,24 @@ def data_parallel_save(rank: int, directory: str) -> list[str]:
         except PipeDSLError as err:
             out.append(str(err))
     return out
+
+
+def resumable_run(pipe: Any, opt: Any, batch: Any, steps: int, *, save_at: int, directory: str | None = None,
+                  resume: str | None = None, optimizer_state: bool = True) -> dict:
+    """Train `pipe` to `steps` on `batch(gen)`'s batches (a generator seeded 1), saving after step `save_at` into
+    `directory`, or first resuming from `resume` (the data position with it): {"losses": {step: loss}, "changed":
+    whether the load changed the stage partition (None without one)}.  The checkpoint tests' shared loop."""
+    gen, start, changed = torch.Generator().manual_seed(1), 0, None
+    if resume is not None:
+        restored = checkpoint.load(pipe, resume, opt if optimizer_state else None)
+        gen.set_state(restored.extra["data"])
+        start, changed = restored.step, restored.partition_changed
+    losses = {}
+    for step in range(start + 1, steps + 1):
+        losses[step] = pipe.step(*batch(gen))
+        opt.step()
+        opt.zero_grad()
+        if step == save_at and directory is not None:
+            checkpoint.save(pipe, directory, step, opt, extra={"data": gen.get_state()}, timeout=60.0)
+    pipe.close()
+    return {"losses": losses, "changed": changed}

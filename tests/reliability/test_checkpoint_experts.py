@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+import reliability_cases as cases
 import torch
 import torch.distributed as dist
 
@@ -39,20 +40,8 @@ def _run(mesh: ParallelMesh, zero: int, *, seed: int = 0, directory: str | None 
     pipe = pipedsl.Pipeline(_model(seed).stages(PP), "1f1b", microbatches=M, loss_fn=gpt_loss,
                             parallel=mesh.with_zero(zero))
     opt = pipe.optimizer(torch.optim.Adam, lr=1e-2)
-    gen, start = torch.Generator().manual_seed(1), 0
-    if resume is not None:
-        restored = checkpoint.load(pipe, resume, opt if optimizer_state else None)
-        gen.set_state(restored.extra["data"])
-        start = restored.step
-    losses = {}
-    for step in range(start + 1, STEPS + 1):
-        losses[step] = pipe.step(*synthetic_batch(BATCH, CFG.block_size, CFG.vocab_size, gen))
-        opt.step()
-        opt.zero_grad()
-        if step == K and directory is not None:
-            checkpoint.save(pipe, directory, step, opt, extra={"data": gen.get_state()}, timeout=60.0)
-    pipe.close()
-    return {"losses": losses}
+    return cases.resumable_run(pipe, opt, lambda gen: synthetic_batch(BATCH, CFG.block_size, CFG.vocab_size, gen),
+                               STEPS, save_at=K, directory=directory, resume=resume, optimizer_state=optimizer_state)
 
 
 def ep_job(root: str) -> dict:

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+import reliability_cases as cases
 import torch
 import torch.distributed as dist
 
@@ -44,20 +45,8 @@ def _run(cfg: GPTConfig, pp: int, points: list[int] | None, *, mesh: ParallelMes
         pipe = pipedsl.Pipeline(model.stages(pp, points=points), schedule, microbatches=microbatches, loss_fn=gpt_loss,
                                 parallel=mesh.with_zero(zero))
         opt = pipe.optimizer(torch.optim.Adam, lr=1e-2)
-    gen, start, changed = torch.Generator().manual_seed(1), 0, None
-    if resume is not None:
-        restored = checkpoint.load(pipe, resume, opt if optimizer_state else None)
-        gen.set_state(restored.extra["data"])
-        start, changed = restored.step, restored.partition_changed
-    losses = {}
-    for step in range(start + 1, STEPS + 1):
-        losses[step] = pipe.step(*synthetic_batch(BATCH, cfg.block_size, cfg.vocab_size, gen))
-        opt.step()
-        opt.zero_grad()
-        if step == K and directory is not None:
-            checkpoint.save(pipe, directory, step, opt, extra={"data": gen.get_state()}, timeout=60.0)
-    pipe.close()
-    return {"losses": losses, "changed": changed}
+    return cases.resumable_run(pipe, opt, lambda gen: synthetic_batch(BATCH, cfg.block_size, cfg.vocab_size, gen),
+                               STEPS, save_at=K, directory=directory, resume=resume, optimizer_state=optimizer_state)
 
 
 def job(root: str) -> dict:
@@ -141,21 +130,13 @@ def _hf_run(points: list[int] | None, *, seed: int, directory: str | None = None
     model = tf.LlamaForCausalLM(config)
     pipe = pipedsl.Pipeline(causal_lm_stages(model, 2, points=points), "1f1b", microbatches=M, loss_fn=causal_lm_loss)
     opt = torch.optim.Adam([p for m in pipe.local_stages().values() for p in m.parameters()], lr=1e-2)
-    gen, start, changed = torch.Generator().manual_seed(1), 0, None
-    if resume is not None:
-        restored = checkpoint.load(pipe, resume, opt)
-        gen.set_state(restored.extra["data"])
-        start, changed = restored.step, restored.partition_changed
-    losses = {}
-    for step in range(start + 1, STEPS + 1):
+
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randint(VOCAB, (BATCH, 8), generator=gen)
-        losses[step] = pipe.step(x, shift_labels(x))
-        opt.step()
-        opt.zero_grad()
-        if step == K and directory is not None:
-            checkpoint.save(pipe, directory, step, opt, extra={"data": gen.get_state()}, timeout=60.0)
-    pipe.close()
-    return {"losses": losses, "changed": changed, "ties": len(pipe.ties.names)}
+        return x, shift_labels(x)
+
+    return {**cases.resumable_run(pipe, opt, batch, STEPS, save_at=K, directory=directory, resume=resume),
+            "ties": len(pipe.ties.names)}
 
 
 def hf_job(root: str) -> dict:
