@@ -48,7 +48,6 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     from pipedsl.models.split import matmul_weights
     from pipedsl.plan.recut import choose_cut
     from pipedsl.runtime.unit_clock import UnitClock
-    from pipedsl.simulate import Cost, simulate
 
     class Timed(nn.Module):
         """`inner` with emulated compute in proportion to its matmul weights: F after its forward, I in the
@@ -112,9 +111,8 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             torch.distributed.all_gather_object(units, clock[0].report())
             plan = [choose_cut(profile, units, profiled, {"mem": P}) if profile is not None else None]
             torch.distributed.broadcast_object_list(plan, src=0)
-            cost, points, kept = Cost(**plan[0]["cost"]), plan[0]["points"], plan[0]["kept_ms"] / 1e3
-            program = pipedsl.load("zb-auto").compile(P=P, M=M, mem=P, cost=cost)
-            predicted = simulate(program, cost).makespan
+            points, kept, predicted = plan[0]["points"], plan[0]["kept_ms"] / 1e3, plan[0]["predicted_ms"] / 1e3
+            program = pipedsl.Program.from_json(plan[0]["program"])
         else:
             program = pipedsl.load(name).compile(P=P, M=M)
         _, times, timeline = run(program, by, cfg["steps"], cfg["warmup"], points=points)

@@ -52,7 +52,7 @@ from pipedsl.output import write_text
 from pipedsl.runtime.launch.capacity import check_local_ranks, total_memory, usable_cores
 from pipedsl.runtime.launch.lifecycle import exit_on_signals
 from pipedsl.trainer import config
-from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_points
+from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_keywords
 
 D = TrainConfig()  # the defaults the help texts quote; every flag defaults to None (not given)
 
@@ -567,9 +567,7 @@ def _resume_point(program: Any, cfg: TrainConfig) -> str | None:
             from pipedsl.models.gpt.model import GPT
             from pipedsl.trainer.train import gpt_config
 
-            points = split_points(cfg.model.split)
-            stages = GPT(gpt_config(cfg)).stages(program.num_stages, by="count" if points else cfg.model.split,
-                                                 points=points)
+            stages = GPT(gpt_config(cfg)).stages(program.num_stages, **split_keywords(cfg.model.split))
             what = f"the {cfg.model.layers}-block GPT cut into {program.num_stages} stages"
     if checkpoint.loads_into(found.manifest, dict(enumerate(stages)), program.num_stages, where=what):
         saved = found.manifest["partition"]["num_stages"]

@@ -102,6 +102,12 @@ def split_points(split: str) -> list[int] | None:
     return [int(p) for p in parts]
 
 
+def split_keywords(split: str) -> dict[str, Any]:
+    """`--split` as `GPT.stages` / `split_gpt` keywords: {"by": rule} or {"points": cut points}."""
+    points = split_points(split)
+    return {"points": points} if points is not None else {"by": split}
+
+
 def check_points(points: list[int], units: int, stages: int, what: str) -> None:
     """Refuse `--split` points that do not cut `units` units into `stages` non-empty stages, in one line."""
     if len(points) != stages - 1:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.output import write_text
 
 # dense bf16/fp16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name(); fp32 runs use TF32
 GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "V100": 125e12}
@@ -200,9 +201,7 @@ def _metrics_file(path: Path, resume_from: int) -> Any:
                 continue  # a line cut by a kill: dropped
             if isinstance(step, int) and step <= resume_from:
                 kept.append(line)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        write_text(path, "".join(f"{line}\n" for line in kept))
     return open(path, "a" if resume_from else "w", buffering=1)  # noqa: SIM115 - kept open for the run
 
 

@@ -35,7 +35,7 @@ from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import COMPUTE
 from pipedsl.runtime import checkpoint
 from pipedsl.runtime.precision import MixedPrecision
-from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_points
+from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_keywords
 
 
 class GPTSource:
@@ -52,17 +52,15 @@ class GPTSource:
         torch.manual_seed(cfg.model.seed)
         self.model = GPT(self.gcfg)  # the same weights on every rank; each keeps only its stages (or slices)
         self.token = cfg.loss_reduction == "token"
-        by = cfg.model.split
+        split = split_keywords(cfg.model.split)
         if cfg.parallel.tp > 1:  # Megatron's 1-D slices of the same dense model (models/gpt/tp.py)
             from pipedsl.models.gpt.tp import tp_gpt_loss
 
-            points = split_points(by)
-            self.stages = self.model.tp_stages(program.num_stages, mesh, by="count" if points else by,
-                                               sequence_parallel=cfg.parallel.sequence_parallel, points=points)
+            self.stages = self.model.tp_stages(program.num_stages, mesh,
+                                               sequence_parallel=cfg.parallel.sequence_parallel, **split)
             self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
         else:
-            points = split_points(by)
-            self.stages = self.model.stages(program.num_stages, by="count" if points else by, points=points)
+            self.stages = self.model.stages(program.num_stages, **split)
             self.loss_fn = _token_loss_sum if self.token else gpt_loss
         self.recompute_filter = _is_attention
         self.gen = torch.Generator().manual_seed(cfg.model.seed + 1)
@@ -345,7 +343,7 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
             log: Any, clock: Any) -> tuple[Any, Any, Any, Any, TrainConfig]:
     """`--schedule auto` after its profile steps: the op and message costs fitted to the last step's trace
     (`Cost.fit`, means, per stage), the units re-partitioned from their measured times (`choose_cut`), ZB-auto
-    searched under the costs of that partition (every rank alike: the search is deterministic), and the run
+    searched under the costs of that partition (on rank 0, which sends every rank the program), and the run
     carried over through a checkpoint of this step — weights, optimizer state, random state, the data position
     — into a pipeline for the new program.  A new partition loads from that checkpoint by tensor name
     (runtime/checkpoint/state.py), so later checkpoints are of the new partition and a resume may use any;
@@ -366,9 +364,7 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     cost = Cost(**decision["cost"])
     if decision["points"] is not None:
         cfg = _with_points(cfg, decision["points"])
-    s = cfg.schedule
-    program = pipedsl.load("zb-auto").compile(P=pipe.program.num_ranks, M=pipe.program.num_microbatches,
-                                              cost=cost, **s.params)
+    program = pipedsl.Program.from_json(decision["program"])  # searched once, on rank 0
     directory = Path(cfg.logging.out) / "auto-switch"
     checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout)
     pipe.close()
@@ -403,8 +399,7 @@ def _with_points(cfg: TrainConfig, points: list[int]) -> TrainConfig:
         return cfg
     keywords = {k: v for k, v in cfg.hf.split.items() if k != "by"}
     keywords["points"] = list(points)
-    export = {**cfg.hf.export, "split": dict(keywords)} if isinstance(cfg.hf.export, dict) else cfg.hf.export
-    return replace(cfg, hf=replace(cfg.hf, split=keywords, export=export))
+    return replace(cfg, hf=replace(cfg.hf, split=keywords, export={**cfg.hf.export, "split": dict(keywords)}))
 
 
 def _logger(cfg: TrainConfig, start: int) -> Any:
@@ -421,7 +416,7 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
     saves a checkpoint when the run has a directory."""
     clip, steps = cfg.training.clip_grad, cfg.training.steps
     every, directory = cfg.checkpoint.checkpoint_every, cfg.checkpoint.checkpoint_dir
-    log_every = cfg.logging.log_every
+    log_every, record = cfg.logging.log_every, model_record(cfg)
     eval_every, eval_at_end = cfg.eval.eval_every, cfg.hf is not None and cfg.hf.eval_at_end
     peak = cfg.peak_flops or 0.0
     losses: dict[int, float] = {}
@@ -458,7 +453,7 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
         stop = deadline is not None and step < steps and _out_of_time(pipe, deadline, dt)
         if directory and ((every and step % every == 0) or step == steps or stop):
             info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout,
-                                   model=model_record(cfg))
+                                   model=record)
             if log is not None:
                 log.note(f"checkpoint step {step}: {info.path}")
             if rank == 0 and cfg.checkpoint.keep_checkpoints:

@@ -24,21 +24,23 @@ UnitTimes = tuple[dict[int, float], dict[int, list[int]]]  # a rank's (unit -> m
 
 def choose_cut(timeline: Timeline, units: list[UnitTimes | None], program: Any,
                params: dict[str, int] | None = None) -> dict[str, Any]:
-    """{"cost": the costs to search ZB-auto under (a `Cost`'s fields), "points": the new cut points or None (keep
-    the cut), "predicted_ms" (ZB-auto's simulated step under the chosen cut), "kept_ms" (under the current
-    one), "profiled_ms" (the traced step)}; `units` None on some rank (stages without units) keeps the cut."""
+    """{"cost": the costs to search ZB-auto under (a `Cost`'s fields), "program": ZB-auto searched under them (its
+    JSON: the search runs once, here), "points": the new cut points or None (keep the cut), "predicted_ms"
+    (ZB-auto's simulated step under the chosen cut), "kept_ms" (under the current one), "profiled_ms" (the
+    traced step)}; `units` None on some rank (stages without units) keeps the cut."""
     fitted = Cost.fit(timeline, statistic="mean")  # a path's expected length is the sum of mean costs
     typical = Cost.fit(timeline, statistic="median").per_stage  # a stage's: one slow op does not move it
     cost = replace(fitted, per_stage={s: {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
                                       for s, c in typical.items()})
     P, M, params = program.num_ranks, program.num_microbatches, params or {}
 
-    def predicted(c: Cost) -> float:
-        return simulate(pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **params), c).makespan
+    def searched(c: Cost) -> tuple[Any, float]:
+        found = pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **params)
+        return found, simulate(found, c).makespan
 
-    kept = predicted(cost)
-    decision = {"cost": cost.__dict__, "points": None, "predicted_ms": kept * 1e3, "kept_ms": kept * 1e3,
-                "profiled_ms": timeline.makespan * 1e3}
+    kept_program, kept = searched(cost)
+    decision = {"cost": cost.__dict__, "program": kept_program.to_json(), "points": None, "predicted_ms": kept * 1e3,
+                "kept_ms": kept * 1e3, "profiled_ms": timeline.makespan * 1e3}
     if any(u is None for u in units):
         return decision
     seconds: dict[int, list[float]] = {}
@@ -56,7 +58,8 @@ def choose_cut(timeline: Timeline, units: list[UnitTimes | None], program: Any,
     if cut == bounds:
         return decision
     recut = replace(cost, per_stage=stage_costs_of(per_unit, cut))
-    then = predicted(recut)
+    recut_program, then = searched(recut)
     if then < GAIN * kept:
-        decision.update(cost=recut.__dict__, points=cut[1:-1], predicted_ms=then * 1e3)
+        decision.update(cost=recut.__dict__, program=recut_program.to_json(), points=cut[1:-1],
+                        predicted_ms=then * 1e3)
     return decision

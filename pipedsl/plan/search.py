@@ -142,7 +142,7 @@ def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Non
 def _lightest(model: ModelSpec, layout: Layout) -> int:
     """The fewest layers a pipeline rank holds: the even split's, or the balanced split's over pp stages (whatever
     the schedule's stages a rank, it holds at least that share)."""
-    layers = stage_layers(model, layout, layout.pp) if layout.pp <= model.layers + 2 else None
+    layers = stage_layers(model, layout, layout.pp)
     return min(layers) if layers else model.layers // layout.pp
 
 

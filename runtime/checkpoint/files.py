@@ -135,7 +135,7 @@ def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
     kept = {info.path for info in complete[-keep:]} if keep else {info.path for info in complete}
     removed = []
     for step, path in _step_dirs(directory):
-        if path not in kept and (step < newest or path in {i.path for i in complete}):
+        if path not in kept and step < newest:  # an older complete one beyond `keep`, or an abandoned step
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -303,6 +303,7 @@ def _part(pipe: Pipeline, lay: _Layout, step: int, zeros: dict[int, ZeroOptimize
     copies = pipe.local_copies()
     key = {s: min(c for (c, s2) in copies if s2 == s) for s in stages}  # canonical (stage, replica) per module
     first = lay.coords[0] < lay.parallel.get("ep", 1)
+    described = {s: _describe(m, zeros.get(s)) for s, m in stages.items()} if first else {}
     modules = {f"{s}/{key[s]}": m.state_dict() for s, m in stages.items() if s not in zeros} if first else {}
     buffers = {f"{s}/{key[s]}": _buffers(m, zeros[s]) for s, m in stages.items() if s in zeros} if first else {}
     zero = {str(s): z.shard_state(optimizer=with_optimizer) for s, z in sorted(zeros.items())}
@@ -315,8 +316,8 @@ def _part(pipe: Pipeline, lay: _Layout, step: int, zeros: dict[int, ZeroOptimize
     meta = {"rank": lay.rank, "coords": list(lay.coords), **digest,
             "modules": sorted(modules), "buffers": sorted(buffers), "zero": sorted(zero),
             "copies": sorted([s, c] for c, s in copies),
-            "stages": {str(s): _describe(m, zeros.get(s)) for s, m in stages.items()} if first else {},
-            "names": {str(s): _model_names(m, _describe(m, zeros.get(s))) for s, m in stages.items()} if first else {},
+            "stages": {str(s): d for s, d in described.items()},
+            "names": {str(s): _model_names(stages[s], d) for s, d in described.items()},
             **({"tp_dims": {str(s): tp_dims(m, zeros.get(s)) for s, m in stages.items()}} if lay.parallel["tp"] > 1
                else {}),
             **({"ep_params": {str(s): sorted(expert_shards(m)) for s, m in stages.items()}}
