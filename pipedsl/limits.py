@@ -38,6 +38,7 @@ MAX_DRAWING_COLUMNS = 10_000  # `show --width`: P rows of this many characters
 # ---- the planner (`pipedsl plan`)
 MAX_PLAN_GPUS = 1 << 20  # ~1M GPUs, 10x the largest cluster built; divisors are found by trial (~0.2 s)
 MAX_PLAN_SIZE = 1 << 30  # layers, hidden, heads, seq, vocab, ffn, global batch: ~1e9, floats stay exact
+MAX_BALANCED_LAYERS = 512  # `split="balanced"`: its exact DP is quadratic in layers (~0.3 s a stage count at 512)
 MAX_PLAN_TOP = 100  # ranked rows: each one is a simulated pipeline (pruning stops at the top-th)
 PLAN_RATE_RANGE = (1e-3, 1e6)  # TFLOP/s, GB, GB/s and microseconds on the command line: far beyond any GPU
 

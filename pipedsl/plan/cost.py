@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
 from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES, state_bytes
@@ -147,11 +148,11 @@ def stage_layers(model: ModelSpec, layout: Layout, stages: int) -> list[int] | N
     not divide).  `"balanced"`: the pieces [embedding, layers…, head] cut where the heaviest stage's forward
     FLOPs are least and, among those cuts, the most even (`partition.even_sizes`, what `pipedsl train --split
     flops` does): a large vocabulary's head takes the place of layers on the last stage (None when the pieces
-    are fewer than the stages)."""
+    are fewer than the stages, or the layers more than `MAX_BALANCED_LAYERS`)."""
     L = model.layers
     if layout.split == "even":
         return [L // stages] * stages if L % stages == 0 else None
-    if stages > L + 2:
+    if stages > L + 2 or L > MAX_BALANCED_LAYERS:
         return None
     return list(_balanced_layers(model, stages))
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import builtin_names, load
+from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
@@ -152,6 +153,9 @@ def _layers(model: ModelSpec, layout: Layout, stages: int) -> list[int]:
     if layers is None:
         if layout.split == "even":
             raise LayoutError(f"divisibility: {model.layers} layers do not split into {stages} stages")
+        if model.layers > MAX_BALANCED_LAYERS:
+            raise LayoutError(f"size: balanced splits are searched up to {MAX_BALANCED_LAYERS} layers (limits.py), "
+                              f"this model has {model.layers}")
         raise LayoutError(f"divisibility: an embedding, {model.layers} layers and a head do not fill {stages} stages")
     if layout.split != "even" and len(set(layers)) == 1:
         raise LayoutError(f"duplicate: the balanced split of {model.layers} layers into {stages} stages is the "

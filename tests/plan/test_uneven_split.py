@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.models.gpt.model import GPT, GPTConfig
 from pipedsl.plan.cli import train_split
 from pipedsl.plan.cluster import cluster_preset
@@ -70,3 +71,12 @@ def test_the_train_split_cuts_the_runtime_gpt_like_the_plan(layers) -> None:
     stages = model.stages(len(layers), by="blocks", points=points)
     blocks = [sum(1 for i, _ in stage.units() if 1 <= i <= sum(layers)) for stage in stages]
     assert blocks == list(layers)
+
+
+def test_a_model_deeper_than_the_balanced_limit_is_searched_even_only_and_says_why() -> None:
+    """The balanced split's exact DP is quadratic in layers: past `MAX_BALANCED_LAYERS` a layout is rejected as
+    `size:` (the fuzzer's 510,920 layers once ran for minutes), the even split still searched."""
+    deep = ModelSpec("deep", layers=MAX_BALANCED_LAYERS * 2, hidden=64, heads=4, seq=32, vocab=100, global_batch=8)
+    result = search(deep, cluster_preset("a100-80gb").with_gpus(4), top=5)
+    assert result.ranked and all(e.layout.split == "even" for e in result.ranked)
+    assert any(r.reason.startswith("size: balanced splits") for r in result.rejected)
