@@ -102,7 +102,7 @@ full tensors by name and keeps this rank's slices (resharding to another dp size
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +118,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from pipedsl.parallel.comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
 from pipedsl.parallel.config import REDUCE_MODES, ParallelConfigError
 from pipedsl.parallel.replicated import FromLocalSummedLater, sums_grads_later
+from pipedsl.parallel.weight_decay import merged, split_decay
 
 
 @dataclass(frozen=True)
@@ -386,7 +387,8 @@ class ZeroOptimizer:
                  group: ProcessGroup | None, stage: int = 2, reduce: str = "step",
                  units: Iterable[nn.Module] | None = None, prefetch: bool = True, separate: Iterable[str] = (),
                  param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
-                 groups: Iterable[tuple[nn.Module, ProcessGroup | None, int]] = (), **optimizer_kwargs) -> None:
+                 groups: Iterable[tuple[nn.Module, ProcessGroup | None, int]] = (), no_decay: Collection[str] = (),
+                 **optimizer_kwargs) -> None:
         if stage not in (0, 1, 2, 3):
             raise ParallelConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if reduce not in REDUCE_MODES:
@@ -422,6 +424,11 @@ class ZeroOptimizer:
         self.units = self._build_units(unit_modules, group, dtype, separate)
         self.main = param_dtype is not None  # the optimizer steps fp32 main copies of the owned slices
         self.numel = sum(u.numel for u in self.units)
+        # weight decay on element ranges of the flat buffers when some parameters are exempt (weight_decay.py)
+        optimizer_kwargs, self.decay = split_decay(optimizer_class, optimizer_kwargs) if no_decay else \
+            (optimizer_kwargs, None)
+        if self.decay is not None:
+            self.decay.spans = self._decayed_spans(set(no_decay))
         # one explicit group: a stage whose parameters are all frozen still has an optimizer (stepping nothing)
         self.optimizer = optimizer_class([{"params": [self._param_of(u) for u in self.units if u.trainable]}],
                                          **optimizer_kwargs)
@@ -533,6 +540,20 @@ class ZeroOptimizer:
                 name = f"_zero_flat{n}"
             u.module.register_parameter(name, u.flat)
         return units
+
+    def _decayed_spans(self, exempt: set[str]) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+        """Each trainable unit's stepped tensor with the ranges of it that hold decayed parameters (entries none of
+        whose names is `exempt`), clipped to this rank's slice; padding is never decayed."""
+        spans = []
+        for u in self.units:
+            if not u.trainable:
+                continue
+            lo, n = (0, u.padded) if self.stage == 0 else (u.own.start, u.size)
+            ranges = merged((max(e.offset, lo) - lo, min(e.offset + e.numel, lo + n) - lo) for e in u.entries
+                            if e.name not in exempt and not exempt.intersection(e.also))
+            if ranges:
+                spans.append((self._param_of(u), ranges))
+        return spans
 
     # ------------------------------------------------------------------ hooks
 
@@ -752,6 +773,8 @@ class ZeroOptimizer:
                 u.release()  # its values are about to go stale (skip: regathered at the next forward anyway)
         if skip:
             return
+        if self.decay is not None:
+            self.decay.apply(self.optimizer)
         self.optimizer.step()
         with torch.no_grad():
             for u in self.units:  # the stepped main parameters, rounded into the model's (Megatron's copy-back)

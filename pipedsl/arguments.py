@@ -9,6 +9,19 @@ from collections.abc import Sequence
 from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_MICROBATCHES, MAX_NUMBER_DIGITS, MAX_RANKS, shorten
 
+NO_DECAY_KINDS = ("biases", "norms", "embeddings")  # what weight decay may spare (parallel/weight_decay.py)
+
+
+def no_decay_kinds(text: str) -> tuple[str, ...]:
+    """`--no-decay`'s value: kinds of NO_DECAY_KINDS separated by commas, or "none" (decay every parameter)."""
+    if text.strip() == "none":
+        return ()
+    kinds = tuple(k.strip() for k in text.split(","))
+    if not all(k in NO_DECAY_KINDS for k in kinds):
+        raise argparse.ArgumentTypeError(f"{shorten(text)} is not 'none' or some of {', '.join(NO_DECAY_KINDS)} "
+                                         f"separated by commas")
+    return tuple(dict.fromkeys(kinds))
+
 
 def _number(text: str, convert: type, ok, requirement: str) -> int | float:
     """Parse `text` with `convert` and check `ok(value)`; an argparse error names `requirement`."""

@@ -30,6 +30,7 @@ from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import Program
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.expert import ExpertParallel
+from pipedsl.parallel.weight_decay import Decay, split_decay
 from pipedsl.parallel.zero import ZeroOptimizer
 from pipedsl.runtime import clip
 from pipedsl.runtime.precision import MixedPrecision
@@ -59,12 +60,21 @@ class Replicated:
         if self.ep > 1:
             reducer.add_hook(ExpertReducer())
 
-    def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
-              kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
+    def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any],
+              exempt: dict[int, set[str]]) -> tuple[torch.optim.Optimizer | None, Decay | None]:
+        """The optimizer over the trainable parameters, and the weight decay that replaces its own when `exempt`
+        ({stage: parameter names}, weight_decay.py) spares some."""
         # frozen parameters stay out: no optimizer (weight decay included) touches them; a rank whose stages are
         # all frozen (a frozen embedding stage under adapters) has nothing to step
         trainable = [p for p in pipe.parameters() if p.requires_grad]
-        return optimizer_class(trainable, **kwargs) if trainable else None
+        if not trainable:
+            return None, None
+        kwargs, decay = split_decay(optimizer_class, kwargs) if any(exempt.values()) else (kwargs, None)
+        if decay is not None:
+            spared = {id(p) for s, module in pipe.local_stages().items()
+                      for name, p in module.named_parameters(remove_duplicate=False) if name in exempt.get(s, ())}
+            decay.spans = [(p, None) for p in trainable if id(p) not in spared]
+        return optimizer_class(trainable, **kwargs), decay
 
     def gradients(self, ownership: clip.GradientOwnership) -> clip.Gradients:
         return ownership.gradients({})
@@ -101,18 +111,19 @@ class Flat:
         zero.reduce_gradients(async_op=True)
         return zero  # its wait() completes the reduction at the step end
 
-    def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
-              kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
+    def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any],
+              exempt: dict[int, set[str]]) -> tuple[None, None]:
+        """A ZeroOptimizer per local stage (each applies its own weight decay, sparing `exempt`'s names)."""
         for s, module in sorted(pipe.local_stages().items()):  # the same order on every dp peer
             shards = [(m, m.edp_group, m.dp) for m in module.modules() if isinstance(m, ExpertParallel)]
             self.zero[s] = ZeroOptimizer(module, optimizer_class, group=self.group, stage=self.level,
                                          reduce=self.reduce, separate=pipe.ties.separate(s), groups=shards,
-                                         **self.lowp, **kwargs)
+                                         no_decay=exempt.get(s, set()), **self.lowp, **kwargs)
         pipe.ties.use_zero(self.zero)  # a tie's copies are now the stages' own units of it (ties.py)
         if self.level == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
             for s, zero in sorted(self.zero.items()):
                 pipe.register_weight_pass_hook(s, zero.before_weight_pass, zero.after_weight_pass)
-        return None
+        return None, None
 
     def gradients(self, ownership: clip.GradientOwnership) -> clip.Gradients:
         if not self.zero:

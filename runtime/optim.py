@@ -25,12 +25,14 @@ ZeRO-3), e.g. for a checkpoint or to compare with a reference.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.parallel.weight_decay import NO_DECAY_KINDS, exempt_names
 from pipedsl.parallel.zero import MemoryReport, ZeroOptimizer, unique_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,13 +92,19 @@ class LRSchedule:
 class PipelineOptimizer:
     """step() / zero_grad() for every stage this rank holds (see the module docstring)."""
 
-    def __init__(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> None:
+    def __init__(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
+                 no_decay: Collection[str] = (), **kwargs: Any) -> None:
         self._pipe = pipe
         self.lr_schedule: LRSchedule | None = None
         self._modules = pipe.local_stages()
+        unknown = set(no_decay) - set(NO_DECAY_KINDS)
+        if unknown or isinstance(no_decay, str):
+            raise PipeRuntimeError(f"no_decay takes some of {', '.join(NO_DECAY_KINDS)}, got {no_decay!r}")
+        exempt = {s: exempt_names(m, no_decay, pipe.ties.separate(s)) for s, m in self._modules.items()}
         # the pipeline's data-parallel strategy makes it: one torch optimizer over the parameters, or a ZeroOptimizer
         # per stage over flat buffers (ZeRO 1-3, or fp32 main parameters beside low-precision ones)
-        self.optimizer: torch.optim.Optimizer | None = pipe.data_parallel.build(pipe, optimizer_class, kwargs)
+        self.optimizer: torch.optim.Optimizer | None
+        self.optimizer, self._decay = pipe.data_parallel.build(pipe, optimizer_class, kwargs, exempt)
         self.zero: dict[int, ZeroOptimizer] = pipe.data_parallel.zero
 
     def step(self) -> bool:
@@ -106,6 +114,8 @@ class PipelineOptimizer:
         if self.lr_schedule is not None:
             self.set_lr(self.lr_schedule(self._pipe.steps))
         if self.optimizer is not None and not skip:
+            if self._decay is not None:
+                self._decay.apply(self.optimizer)
             self.optimizer.step()
         for _, zero in sorted(self.zero.items()):
             zero.step(skip=skip)

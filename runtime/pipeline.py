@@ -343,7 +343,8 @@ class Pipeline:
         and with fp32 parameters, `optimizer_class` over `parameters()`; under ZeRO 1-3 or with
         bf16/fp16 parameters, one `ZeroOptimizer` per local stage over the dp group, which takes
         the stage's parameters over now (so call this before the first step) and reduces its
-        gradients at REDUCE_GRAD.
+        gradients at REDUCE_GRAD.  `no_decay=` kinds of parameters weight decay spares ("biases", "norms",
+        "embeddings"; parallel/weight_decay.py), default none: torch's optimizers decay every one.
         """
         from pipedsl.runtime.optim import PipelineOptimizer
 

@@ -47,7 +47,15 @@ from functools import wraps
 from pathlib import Path
 from typing import Any
 
-from pipedsl.arguments import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int
+from pipedsl.arguments import (
+    NO_DECAY_KINDS,
+    fraction,
+    no_decay_kinds,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from pipedsl.output import write_text
 from pipedsl.runtime.launch.capacity import check_local_ranks, total_memory, usable_cores
 from pipedsl.runtime.launch.lifecycle import exit_on_signals
@@ -55,6 +63,11 @@ from pipedsl.trainer import config
 from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_keywords
 
 D = TrainConfig()  # the defaults the help texts quote; every flag defaults to None (not given)
+
+
+def _no_decay(text: str) -> str:
+    """`--no-decay` checked and written as the configuration keeps it ("none" for no kind)."""
+    return ",".join(no_decay_kinds(text)) or "none"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -138,6 +151,9 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--lr", type=positive_float, help=f"AdamW's learning rate (default {t.lr:g})")
     p.add_argument("--weight-decay", type=nonnegative_float,
                    help=f"AdamW's weight decay (default {t.weight_decay:g})")
+    p.add_argument("--no-decay", type=_no_decay,
+                   help=f"what weight decay spares: some of {', '.join(NO_DECAY_KINDS)} separated by commas, or "
+                        f"none (default {t.no_decay}: HF Trainer's and torchtitan's choice)")
     p.add_argument("--dropout", type=fraction, help=f"dropout probability (default {m.dropout:g})")
     p.add_argument("--seed", type=int, help=f"the seed of the weights and the data order (default {m.seed})")
     p.add_argument("--dp", type=positive_int,

@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from pipedsl.arguments import NO_DECAY_KINDS
 from pipedsl.errors import PipeDSLError
 
 GPT_HEADS = 4  # the built-in GPT's attention heads and synthetic vocabulary: fixed, so not options
@@ -130,6 +131,9 @@ FLAG: Rule = ("must be true or false", lambda v: isinstance(v, bool))
 PATHS: Rule = ("must be a list of paths", lambda v: isinstance(v, tuple) and bool(v) and
                all(isinstance(p, str) for p in v))
 SEED: Rule = ("must be in [0, 2**63 - 2]", lambda v: _is_int(v) and 0 <= v <= MAX_SEED)
+NO_DECAY: Rule = (f"must be 'none' or some of {', '.join(NO_DECAY_KINDS)} separated by commas",
+                  lambda v: isinstance(v, str) and (v.strip() == "none" or
+                                                    all(k.strip() in NO_DECAY_KINDS for k in v.split(","))))
 WITHIN_A_YEAR: Rule = (f"more than a year ({MAX_SECONDS:g} s)", lambda v: v is None or v <= MAX_SECONDS)
 
 
@@ -272,6 +276,7 @@ class TrainingConfig(_Section):
     batch: int = _option(0, _at_least(0))  # 0: 4 sequences a microbatch and replica (`for_program`)
     lr: float = _option(3e-3, POSITIVE)
     weight_decay: float = _option(0.01, NONNEGATIVE)
+    no_decay: str = _option(",".join(NO_DECAY_KINDS), NO_DECAY)  # what weight decay spares, or "none"
     precision: str = _option("fp32", _one_of(*DTYPES))
     param_dtype: str = _option("fp32", _one_of(*DTYPES))
     grad_dtype: str = _option("fp32", _one_of(*DTYPES))

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import pipedsl
+from pipedsl.arguments import no_decay_kinds
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import COMPUTE
 from pipedsl.runtime import checkpoint
@@ -318,7 +319,7 @@ def _build(rank: int, program: pipedsl.Program, cfg: TrainConfig, parallel: Any)
     if source.num_experts:  # router statistics: each step's routings per expert over every rank (a small all-reduce)
         from pipedsl.runtime.expert_load import ExpertLoad
         load = ExpertLoad(pipe.local_stages().values(), source.num_experts, pipe.device)
-    opt = pipe.optimizer(torch.optim.AdamW, lr=t.lr, weight_decay=t.weight_decay)
+    opt = pipe.optimizer(torch.optim.AdamW, lr=t.lr, weight_decay=t.weight_decay, no_decay=no_decay_kinds(t.no_decay))
     if t.lr_schedule != "constant" or t.warmup_steps:
         from pipedsl.runtime.optim import LRSchedule
         opt.lr_schedule = LRSchedule(t.lr_schedule, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
