@@ -218,6 +218,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--max-time", type=positive_float, metavar="SECONDS",
                    help="stop before the run has taken SECONDS (from the command's start), saving a checkpoint "
                         "with --checkpoint-dir; --resume continues it")
+    p.add_argument("--stop-timeout", type=positive_float, metavar="SECONDS",
+                   help="after SIGTERM, SIGINT or SIGHUP the ranks finish their step and save a checkpoint (with "
+                        f"--checkpoint-dir); killed if that takes longer than SECONDS (default {r.stop_timeout:g}; "
+                        "a second signal kills at once)")
     p.add_argument("--threads", type=positive_int, help=f"torch threads per rank (default {t.threads})")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints under DIR/step-NNNNNNNN/")
     p.add_argument("--checkpoint-every", type=nonnegative_int, metavar="N",
@@ -395,7 +399,8 @@ def _execute(program: Any, cfg: TrainConfig, started: float) -> int:
         from pipedsl.trainer.train import train
 
         results = pipedsl.launch(train, nprocs, program.to_json(), cfg, timeout=cfg.run.timeout,
-                                 join_timeout=cfg.run.join_timeout, threads=cfg.training.threads,
+                                 join_timeout=cfg.run.join_timeout, stop_grace=cfg.run.stop_timeout,
+                                 threads=cfg.training.threads,
                                  max_local=nprocs if cfg.run.allow_oversubscribe else None)
     except PipeRuntimeError as err:
         print(err.render(), file=sys.stderr)

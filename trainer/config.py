@@ -329,6 +329,7 @@ class RunConfig(_Section):
     join_timeout: float = _option(3600.0, POSITIVE, WITHIN_A_YEAR)
     allow_oversubscribe: bool = _option(False, FLAG)
     max_time: float | None = _option(None, _optional(POSITIVE), WITHIN_A_YEAR)  # stop (and save) before this
+    stop_timeout: float = _option(120.0, POSITIVE, WITHIN_A_YEAR)  # after a stop signal: to end the step and save
 
     @property
     def save_timeout(self) -> float:

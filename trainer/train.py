@@ -37,6 +37,7 @@ from pipedsl.ir import COMPUTE
 from pipedsl.runtime import checkpoint
 from pipedsl.runtime.precision import MixedPrecision
 from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_keywords
+from pipedsl.trainer.stop import Stop
 
 
 class GPTSource:
@@ -273,22 +274,23 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     _arm_step_fault(pipe, rank)
     log = _logger(cfg, start) if rank == 0 else None
     began = cfg.started_at or time.time()
-    deadline = began + cfg.run.max_time if cfg.run.max_time else None
+    stop = Stop(began + cfg.run.max_time if cfg.run.max_time else None)
     try:
-        if cfg.schedule.schedule == AUTO and start < t.steps:
-            until = min(start + AUTO_PROFILE_STEPS, t.steps)
-            clock = _unit_clock(pipe, cfg) if until < t.steps else None
-            try:
-                losses = _loop(rank, pipe, opt, source, cfg, start, log, load, until=until, deadline=deadline)
-            finally:
-                if clock is not None:
-                    clock.close()
-            if until < t.steps and max(losses, default=start) == until:  # not stopped by --max-time
-                pipe, opt, source, load, cfg = _switch(rank, pipe, opt, source, cfg, parallel, until, log, clock)
-                losses.update(_loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load,
-                                    deadline=deadline))
-        else:
-            losses = _loop(rank, pipe, opt, source, cfg, start, log, load, deadline=deadline)
+        with stop.catching():
+            if cfg.schedule.schedule == AUTO and start < t.steps:
+                until = min(start + AUTO_PROFILE_STEPS, t.steps)
+                clock = _unit_clock(pipe, cfg) if until < t.steps else None
+                try:
+                    losses = _loop(rank, pipe, opt, source, cfg, start, log, load, stop, until=until)
+                finally:
+                    if clock is not None:
+                        clock.close()
+                if until < t.steps and max(losses, default=start) == until:  # not stopped early
+                    pipe, opt, source, load, cfg = _switch(rank, pipe, opt, source, cfg, parallel, until, log, clock)
+                    losses.update(_loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load,
+                                        stop))
+            else:
+                losses = _loop(rank, pipe, opt, source, cfg, start, log, load, stop)
     finally:
         if log is not None:
             log.close()
@@ -411,10 +413,10 @@ def _logger(cfg: TrainConfig, start: int) -> Any:
                          wandb_project=log.wandb, config=cfg.options(), resume_from=start)
 
 
-def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any,
-          load: Any = None, until: int | None = None, deadline: float | None = None) -> dict[int, float]:
-    """Steps start+1 … `until` (default the last), or fewer: the last one before `deadline` (`--max-time`), which
-    saves a checkpoint when the run has a directory."""
+def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any, load: Any,
+          stop: Stop, until: int | None = None) -> dict[int, float]:
+    """Steps start+1 … `until` (default the last), or fewer: up to the one after which `stop` says to end
+    (`--max-time`, a stop signal), which saves a checkpoint when the run has a directory."""
     clip, steps = cfg.training.clip_grad, cfg.training.steps
     every, directory = cfg.checkpoint.checkpoint_every, cfg.checkpoint.checkpoint_dir
     log_every, record = cfg.logging.log_every, model_record(cfg)
@@ -451,29 +453,23 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
             log.log(step, m)
         if source.eval_batches() and ((eval_every and step % eval_every == 0) or (step == steps and eval_at_end)):
             _evaluate(pipe, source, step, log)
-        stop = deadline is not None and step < steps and _out_of_time(pipe, deadline, dt)
-        if directory and ((every and step % every == 0) or step == steps or stop):
+        reason = stop.reason(pipe, dt) if step < steps else None
+        if directory and ((every and step % every == 0) or step == steps or reason):
             info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout,
                                    model=record)
             if log is not None:
                 log.note(f"checkpoint step {step}: {info.path}")
             if rank == 0 and cfg.checkpoint.keep_checkpoints:
                 checkpoint.prune(directory, cfg.checkpoint.keep_checkpoints)
-        if stop:
+        if reason:
             if log is not None:
-                log.note(f"stopped after step {step} of {steps}: another step would pass --max-time "
-                         f"{cfg.run.max_time:g} s" + (" (--resume continues it)" if directory else ""))
+                why = (f"another step would pass --max-time {cfg.run.max_time:g} s" if reason == "--max-time"
+                       else f"{reason} received")
+                log.note(f"stopped after step {step} of {steps}: {why}" +
+                         (" (checkpoint saved; --resume continues it)" if directory else " (no --checkpoint-dir: "
+                          "nothing saved)"))
             break
     return losses
-
-
-def _out_of_time(pipe: Any, deadline: float, last_step: float) -> bool:
-    """Whether another step (as long as the last one) would end past `deadline`: rank 0's clock decides for every
-    rank (a broadcast over the world), so that all of them stop after the same step."""
-    flag = torch.tensor([float(time.time() + last_step > deadline)], device=pipe.device)
-    if torch.distributed.is_initialized():
-        torch.distributed.broadcast(flag, src=0)
-    return bool(flag.item())
 
 
 def _evaluate(pipe: Any, source: Any, step: int, log: Any) -> None:

@@ -190,10 +190,11 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.slow
-def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one_and_resumes_bit_exactly(tmp_path) -> None:
-    """Rank 1 freezes (SIGSTOP) with its step-4 part half written; SIGTERM to the launcher then.
-    Step 4 never counts, step 2 does, and resuming from step 2 rewrites rank 0's step-4 part
-    bit for bit (parameters, optimizer state, RNG, data generator)."""
+def test_sigterm_while_a_checkpoint_is_written_finishes_it_saves_the_next_step_and_resumes_bit_exactly(tmp_path) -> None:
+    """Rank 1 freezes (SIGSTOP) with its step-4 part half written; SIGTERM to the launcher then.  The ranks only
+    record it (trainer/stop.py): rank 1, continued, completes step 4's checkpoint, every rank runs step 5, saves it
+    and exits; the launcher exits 128 + SIGTERM with its one line.  Resuming from step 4 rewrites rank 0's step-5
+    part bit for bit (parameters, optimizer state, RNG, data generator): the stop lost nothing."""
     ck = tmp_path / "ck"
     step4 = ck / "step-00000004"
     proc = train(tmp_path, "--steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
@@ -207,21 +208,22 @@ def test_sigterm_while_a_checkpoint_is_written_keeps_the_previous_one_and_resume
     pids = workers(proc.pid)
     t0 = time.monotonic()
     took = stop(proc, signal.SIGTERM, pids)
-    print(f"SIGTERM while saving -> every worker gone: {max(took.values()):.2f} s (rank 1 stopped by SIGSTOP: "
-          f"SIGCONT+SIGTERM); launcher exited after {time.monotonic() - t0:.2f} s")
-    assert "manifest.json" not in [p.name for p in step4.iterdir()]
-    assert checkpoint.latest(ck).step == 2
+    print(f"SIGTERM while saving -> step 4 completed, step 5 run and saved, every worker gone: "
+          f"{max(took.values()):.2f} s; launcher exited after {time.monotonic() - t0:.2f} s")
+    assert "stopped after step 5 of 6: SIGTERM received (checkpoint saved; --resume continues it)" in \
+        (tmp_path / "stdout.txt").read_text()
+    assert [c.step for c in checkpoint.checkpoints(ck)] == [2, 4, 5]
+    assert not [p for p in ck.rglob("*") if ".tmp" in p.name]
     again = tmp_path / "again"
     again.mkdir()
-    proc = train(again, "--steps", "4", "--resume", str(ck / "step-00000002"), "--checkpoint-dir", str(again / "ck"),
-                 "--checkpoint-every", "2")
+    proc = train(again, "--steps", "5", "--resume", str(step4), "--checkpoint-dir", str(again / "ck"))
     _, err = proc.communicate(timeout=START_LIMIT)
     assert proc.returncode == 0, err[-2000:]
-    interrupted = torch.load(step4 / "rank-00000.pt", weights_only=False)
-    resumed = torch.load(again / "ck" / "step-00000004" / "rank-00000.pt", weights_only=False)
-    assert interrupted["step"] == resumed["step"] == 4
+    stopped = torch.load(ck / "step-00000005" / "rank-00000.pt", weights_only=False)
+    resumed = torch.load(again / "ck" / "step-00000005" / "rank-00000.pt", weights_only=False)
+    assert stopped["step"] == resumed["step"] == 5
     for key in ("modules", "optimizers", "rng", "extra"):
-        assert same(interrupted[key], resumed[key]), key
+        assert same(stopped[key], resumed[key]), key
 
 
 @pytest.mark.slow

@@ -76,9 +76,10 @@ def losses(out: Path) -> dict[int, float]:
     return {int(k): v for k, v in json.loads((out / "losses.json").read_text())["losses"].items()}
 
 
-def evals(out: Path) -> dict[int, float]:
+def evals(out: Path, kind: str = "eval") -> dict[int, float]:
+    """The losses metrics.jsonl holds (its rows survive a stop and a resume, unlike losses.json's run)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "eval"}
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == kind}
 
 
 ZERO3 = ["-P", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1", "--recompute", "full"]
@@ -152,8 +153,8 @@ def test_fine_tune_starts_from_the_saved_weights(corpus, tmp_path):
 def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpus, tmp_path, monkeypatch):
     """Gemma 3 (sliding and full layers, each with its own rotary) on dp2 x pp2, ZeRO-3, ZB-H1, full recomputation,
     clipping, cosine LR, a held-out file of its own (--eval-data) and TensorBoard: every step's loss and the
-    held-out loss equal one process (fp32: 2e-5), and it learns; SIGTERM after the step-2 checkpoint and --resume to
-    step 4 give the same losses as the run that never stopped, bit for bit (the data position included); `pipedsl
+    held-out loss equal one process (fp32: 2e-5), and it learns; SIGTERM after the step-2 checkpoint (the ranks
+    finish step 3 and save it) and --resume to step 4 give the same losses as the run that never stopped, bit for bit (the data position included); `pipedsl
     export` of the last checkpoint loads with `from_pretrained` and gives the pipeline's final evaluation loss.
     (Suite time: this was a Llama run plus a Gemma 3 parameter of the test above with the same layout and the same
     one-process comparison; one Gemma 3 run now asserts both.  Llama under dp2 x pp2 ZeRO-3 ZB-H1 is
@@ -192,10 +193,12 @@ def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpu
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     log.close()
+    # the ranks finished the step in flight and saved it (trainer/stop.py): the resume starts from step 3
+    assert "stopped after step 3 of 4: SIGTERM received" in (tmp_path / "cut.log").read_text()
     resumed = pipedsl(*flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {ckpt}" in resumed.stdout
-    cut = losses(tmp_path / "cut")
+    cut = evals(tmp_path / "cut", "train")  # step 3 from the stopped run, step 4 from the resumed one
     assert {s: cut[s] for s in (3, 4)} == {s: got[s] for s in (3, 4)}  # bit for bit
     assert evals(tmp_path / "cut")[4] == evals(tmp_path / "whole")[4]
 
