@@ -257,8 +257,8 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--doc-mask", action="store_true", default=None,
                    help="packed rows: keep attention inside each document (position ids restart after end-of-text)")
     g.add_argument("--eval-fraction", type=fraction,
-                   help=f"share of the samples held out for evaluation, at the end of the data (default "
-                        f"{d.eval_fraction:g})")
+                   help=f"share of the samples held out for evaluation, in blocks spread over the data "
+                        f"(default {d.eval_fraction:g})")
     g.add_argument("--eval-data", nargs="+", metavar="PATH",
                    help="a held-out set of its own (same formats as --data); then all of --data trains and "
                         "--eval-fraction is ignored")
@@ -266,7 +266,8 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
                    help="evaluate held-out loss and perplexity every N steps and after the last (default: only "
                         "after the last)")
     g.add_argument("--eval-batches", type=nonnegative_int, metavar="N",
-                   help="held-out global batches per evaluation (default 0: all of them)")
+                   help=f"held-out global batches an evaluation runs, spread over the held-out set (default "
+                        f"{D.eval.eval_batches}; 0: all of them)")
     g.add_argument("--cache-dir", metavar="DIR", help="where tokenized data is cached (default OUT/token-cache)")
     g.add_argument("--attn", choices=config.ATTENTIONS,
                    help="the model's attention implementation (default sdpa, eager where transformers has no sdpa)")

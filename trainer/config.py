@@ -295,7 +295,7 @@ class EvalConfig(_Section):
     """[eval]: when and how much held-out data is evaluated (a Hugging Face model's)."""
 
     eval_every: int = _option(0, _at_least(0))  # 0: only after the last step
-    eval_batches: int = _option(0, _at_least(0))  # 0: all of them
+    eval_batches: int = _option(20, _at_least(0))  # spread over the held-out set; 0: all of them
 
 
 @dataclass(frozen=True)

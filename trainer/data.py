@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # a target that counts in no loss (models/hf/stages.py, transformers)
 CACHE_FORMAT = 1  # bump when the cache's files or their meaning change: old caches are then rebuilt
 SNIFF_BYTES = 8192  # how much of a text file is checked for binary content before reading it all
+HELDOUT_BLOCK = 16  # consecutive samples a held-out block holds (`PackedSequences.split`)
 JSONL_SUFFIXES = (".jsonl", ".json-lines", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 MODES = ("pack", "pad")
@@ -690,14 +691,17 @@ class PackedSequences:
             self._docs = np.flatnonzero(np.diff(cache.doc_offsets) >= 2)
             count = len(self._docs)
         self.start, self.stop = 0, count
+        self._rows: np.ndarray | None = None  # a split's samples, when not one contiguous range (`split`)
 
     def __len__(self) -> int:
-        return self.stop - self.start
+        return len(self._rows) if self._rows is not None else self.stop - self.start
 
     @property
     def fingerprint(self) -> str:
         """The cache's fingerprint with the cut: what a checkpointed data order depends on."""
-        cut = f"{self.cache.fingerprint}/{self.mode}/{self.seq_len}/{self.doc_mask}/{self.start}:{self.stop}"
+        which = (hashlib.sha256(self._rows.tobytes()).hexdigest() if self._rows is not None
+                 else f"{self.start}:{self.stop}")
+        cut = f"{self.cache.fingerprint}/{self.mode}/{self.seq_len}/{self.doc_mask}/{which}"
         return hashlib.sha256(cut.encode()).hexdigest()[:24]
 
     def describe(self) -> str:
@@ -719,7 +723,7 @@ class PackedSequences:
         rows = np.asarray(indices, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"sample index out of range 0 .. {len(self) - 1}: {rows.tolist()}")
-        rows = rows + self.start
+        rows = self._rows[rows] if self._rows is not None else rows + self.start
         out = self._packed(rows) if self.mode == "pack" else self._padded(rows)
         return {name: torch.from_numpy(a) for name, a in out.items()}
 
@@ -745,19 +749,44 @@ class PackedSequences:
         return {"input_ids": ids, "targets": targets, "attention_mask": mask}
 
     def split(self, eval_fraction: float) -> tuple[PackedSequences, PackedSequences]:
-        """(train, heldout): the held-out set is the last ceil(eval_fraction · n) samples.
+        """(train, heldout): ceil(eval_fraction · n) samples held out, in blocks of `HELDOUT_BLOCK` consecutive samples
+        spread evenly over the whole stream.
 
-        Contiguous at the end of the stream, so only the document crossing the cut is in both
-        (and, packed, the one token the two windows at the cut share).
+        Not the last samples: a corpus read file by file would hold out its last file alone (one source, one
+        topic).  Blocks, not single samples: packed, a document crossing a cut is in both sets, so cuts are
+        few (two a block).  Deterministic (no seed): the same data gives the same split on every rank and run.
         """
         n = len(self)
         held = held_out(n, eval_fraction, self)
-        return self.subset(0, n - held), self.subset(n - held, n)
+        if not held:
+            return self.subset(0, n), self.subset(n, n)
+        blocks = -(-held // HELDOUT_BLOCK)
+        starts = np.floor((np.arange(blocks) + 0.5) * n / blocks).astype(np.int64)  # block centres, evenly spaced
+        starts = np.minimum(np.maximum(starts - HELDOUT_BLOCK // 2, 0), n - HELDOUT_BLOCK) if n >= HELDOUT_BLOCK \
+            else np.zeros(1, dtype=np.int64)
+        chosen = np.zeros(n, dtype=bool)
+        for first in starts:
+            chosen[first:first + HELDOUT_BLOCK] = True
+        picked = np.flatnonzero(chosen)[:held]  # blocks may touch (a large fraction): exactly `held` samples
+        if len(picked) < held:
+            picked = np.sort(np.concatenate([picked, np.flatnonzero(~chosen)[:held - len(picked)]]))
+        chosen[:] = False
+        chosen[picked] = True
+        return self._pick(np.flatnonzero(~chosen)), self._pick(picked)
+
+    def _pick(self, rows: np.ndarray) -> PackedSequences:
+        """These samples (indices into this set), sharing the cache."""
+        part = object.__new__(PackedSequences)
+        part.__dict__.update(self.__dict__)
+        part._rows = self._rows[rows] if self._rows is not None else rows + self.start
+        return part
 
     def subset(self, start: int, stop: int) -> PackedSequences:
-        """Samples [start, stop) of these, sharing the cache (how `split` cuts)."""
+        """Samples [start, stop) of these, sharing the cache."""
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"subset [{start}, {stop}) of {len(self)} samples")
+        if self._rows is not None:
+            return self._pick(np.arange(start, stop))
         part = object.__new__(PackedSequences)
         part.__dict__.update(self.__dict__)
         part.start, part.stop = self.start + start, self.start + stop
@@ -891,6 +920,7 @@ class BatchLoader:
 def eval_batches(heldout: PackedSequences, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
                  max_batches: int | None = None) -> list[tuple[Any, torch.Tensor]]:
     """The held-out samples in order as this dp rank's share of global batches; the incomplete last one is dropped.
+    `max_batches` of them, evenly spaced over the set, when there are more.
 
     Dropping it keeps every evaluation batch the shape training batches have (the pipeline's
     microbatch split), at the cost of up to B − 1 unused samples.
@@ -900,9 +930,11 @@ def eval_batches(heldout: PackedSequences, global_batch: int, dp_rank: int = 0, 
         raise DataError(f"{heldout.cache.path}: the held-out set has {heldout.describe()}, fewer than one global "
                         f"batch of {global_batch}; hold out more or lower the batch")
     count = len(heldout) // global_batch
-    count = count if max_batches is None else min(count, max_batches)
+    chosen = np.arange(count)
+    if max_batches is not None and max_batches < count:  # spread over the held-out set, not its beginning
+        chosen = np.floor((np.arange(max_batches) + 0.5) * count / max_batches).astype(np.int64)
     share = global_batch // dp_size
-    first = np.arange(count) * global_batch + dp_rank * share
+    first = chosen * global_batch + dp_rank * share
     return [_step_args(heldout.batch(np.arange(f, f + share))) for f in first]
 
 

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipedsl.trainer.data import (
+    HELDOUT_BLOCK,
     IGNORE_INDEX,
     BatchLoader,
     ByteTokenizer,
@@ -444,22 +445,36 @@ def test_pad_mode_one_document_a_sample(bytes_cache):
     assert any(len(d) > T + 1 for d in kept)  # some were truncated
 
 
-def test_split_holds_out_the_last_samples(bytes_cache):
+def test_split_holds_out_blocks_spread_over_the_whole_stream(bytes_cache):
+    """ceil(f·n) samples in blocks of HELDOUT_BLOCK spread from the start to the end (not the last file's samples),
+    disjoint from the training samples and together all of them; exact counts at the edges."""
     samples = PackedSequences(bytes_cache, 5)
     n = len(samples)
-    train, held = samples.split(0.1)
-    assert len(held) == -(-n // 10) and len(train) + len(held) == n
-    assert [held.sample(i)["input_ids"].tolist() for i in range(len(held))] == \
-           [samples.sample(i)["input_ids"].tolist() for i in range(n - len(held), n)]
-    assert train.sample(0)["input_ids"].tolist() == samples.sample(0)["input_ids"].tolist()
+    assert n >= 6 * HELDOUT_BLOCK
+    train, held = samples.split(0.3)
+    assert len(held) == -(-3 * n // 10) > 2 * HELDOUT_BLOCK and len(train) + len(held) == n
+    held_rows, train_rows = held._rows.tolist(), train._rows.tolist()  # which of the samples each holds, in order
+    for part, rows in ((held, held_rows), (train, train_rows)):
+        assert rows == sorted(rows)
+        assert torch.equal(part.batch(range(len(part)))["input_ids"], samples.batch(rows)["input_ids"])
+    assert set(held_rows).isdisjoint(train_rows) and set(held_rows) | set(train_rows) == set(range(n))
+    runs = 1 + sum(b != a + 1 for a, b in zip(held_rows, held_rows[1:]))
+    assert runs == -(-len(held) // HELDOUT_BLOCK)  # whole blocks, few cuts
+    assert held_rows[0] < n // 4 and held_rows[-1] > 3 * n // 4  # spread over the stream
+    assert train.sample(0)["input_ids"].tolist() == samples.sample(train_rows[0])["input_ids"].tolist()
     with pytest.raises(IndexError):
         train.sample(len(train))
     assert train.fingerprint != held.fingerprint != samples.fingerprint
+    assert samples.split(0.3)[1].fingerprint == held.fingerprint  # deterministic
     ten = samples.split(0)[0].subset(0, 10)
     assert len(ten.split(0.7)[1]) == 7  # 0.7 * 10 = 7.000000000000001 in floating point
     assert len(ten.split(0.01)[1]) == 1 and len(ten.split(0)[1]) == 0
+    for fraction in (0.5, 0.9, 0.97):  # touching blocks still hold out exactly ceil(f·n)
+        assert len(samples.split(fraction)[1]) == -(-int(fraction * n * 1000) // 1000)
     with pytest.raises(DataError, match="leaves none to train on"):
         ten.subset(0, 1).split(0.5)
+    sub = held.subset(2, 5)  # a subset of a sampled split indexes its samples
+    assert sub.sample(0)["input_ids"].tolist() == held.sample(2)["input_ids"].tolist() and len(sub) == 3
 
 
 # ---------------------------------------------------------------- batches
@@ -565,6 +580,8 @@ def test_eval_batches_in_order_incomplete_last_dropped(samples):
         for k in range(n // B):
             rows = torch.cat([shards[d][k][0] for d in range(dp)])
             assert torch.equal(rows, samples.batch(range(k * B, (k + 1) * B))["input_ids"])
-    assert len(eval_batches(samples, B, max_batches=2)) == 2
+    spread = eval_batches(samples, B, max_batches=2)  # the 1st and 3rd of 3 batches: over the set, not its start
+    assert [torch.equal(x, samples.batch(range(k * B, (k + 1) * B))["input_ids"]) for (x, _), k in zip(spread, (0, 2))] \
+        == [True, True]
     with pytest.raises(DataError, match="the held-out set has 0 samples"):
         eval_batches(samples.split(0)[1], B)
