@@ -272,7 +272,9 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--attn", choices=config.ATTENTIONS,
                    help="the model's attention implementation (default sdpa, eager where transformers has no sdpa)")
     g = p.add_argument_group("logging")
-    g.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files to DIR")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="also write TensorBoard event files, to DIR/NAME with NAME the output directory's (-o) "
+                        "name: runs sharing DIR show side by side")
     g.add_argument("--wandb", metavar="PROJECT", help="also log to Weights & Biases (offline unless WANDB_MODE says)")
     g.add_argument("--log-every", type=positive_int, metavar="N",
                    help="record the metrics every N steps (and the first and the last; default 1)")

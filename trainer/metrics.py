@@ -73,6 +73,13 @@ def peak_flops(devices: int, cores: int, override_tflops: float | None = None) -
     return one * cores, f"measured fp32 GEMM {one / 1e9:.1f} GFLOP/s a core x {cores} cores"
 
 
+def tensorboard_run(root: str | os.PathLike, out: Path | None) -> Path:
+    """Where a run's TensorBoard events go: a folder of `root` named after the run's output directory (`-o`).
+    TensorBoard shows each subfolder as a run of its own, so a fine-tune or another model given the same
+    `--tensorboard` (a TOML file reused) sits beside the first run instead of writing into its curves."""
+    return Path(root) / (out.resolve().name if out is not None else "run")
+
+
 class MetricsLogger:
     """Rank 0's sink for every metric of a run (see the module docstring)."""
 
@@ -87,10 +94,13 @@ class MetricsLogger:
         self.started = time.perf_counter()
         self._file = _metrics_file(self.out / "metrics.jsonl", resume_from) if self.out is not None else None
         self._tb = self._wandb = self._live = None
-        if tensorboard:
+        self.tensorboard = tensorboard_run(tensorboard, self.out) if tensorboard else None
+        if self.tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=tensorboard, purge_step=resume_from + 1 if resume_from else None)
+            # a fresh run replaces this run folder's earlier events, a resumed one those past its step (as
+            # metrics.jsonl is rewritten): TensorBoard then shows each step once
+            self._tb = SummaryWriter(log_dir=str(self.tensorboard), purge_step=resume_from + 1)
         if wandb_project:
             wandb = _import_wandb()
             os.environ.setdefault("WANDB_MODE", "offline")

@@ -22,7 +22,7 @@ def test_jsonl_tensorboard_and_console(tmp_path, capsys):
     log.close()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"], r["loss"]) for r in rows] == [("train", 1, 3.0), ("train", 2, 2.5), ("eval", 2, 2.0)]
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(tmp_path / "tb" / "out"))  # the run's folder: named after its output directory
     acc.Reload()
     assert [e.value for e in acc.Scalars("train/loss")] == [3.0, 2.5]
     assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(2, 2.0)]
@@ -30,6 +30,34 @@ def test_jsonl_tensorboard_and_console(tmp_path, capsys):
     assert out[0].startswith("step   1/2  loss 3.0000  1,000 tok/s  MFU 25.00%")
     assert "ETA" in out[0] and "ETA" not in out[1]  # none after the last step
     assert out[2].startswith("eval   2/2  loss 2.0000  perplexity 7.389")
+
+
+def test_each_run_has_its_own_tensorboard_folder_and_a_fresh_run_replaces_its_events(tmp_path):
+    """Two runs (a training and its fine-tune) given one --tensorboard root: two TensorBoard runs.  Running the
+    first again from scratch shows only the new run's steps; a resume from step 1 replaces step 2 and later."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def run(out: str, losses: list[float], resume_from: int = 0) -> None:
+        log = MetricsLogger(tmp_path / out, total_steps=3, tensorboard=str(tmp_path / "tb"), live=False,
+                            resume_from=resume_from)
+        for step, loss in enumerate(losses, resume_from + 1):
+            log.log(step, {"loss": loss, "step_ms": 1.0})
+        log.close()
+
+    def curve(out: str) -> list[tuple[int, float]]:
+        acc = EventAccumulator(str(tmp_path / "tb" / out))
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+
+    run("pretrain", [3.0, 2.0, 1.0])
+    run("finetune", [0.5, 0.25])
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["finetune", "pretrain"]
+    assert curve("pretrain") == [(1, 3.0), (2, 2.0), (3, 1.0)] and curve("finetune") == [(1, 0.5), (2, 0.25)]
+    run("pretrain", [9.0])
+    assert curve("pretrain") == [(1, 9.0)]
+    run("pretrain", [8.0, 7.0], resume_from=1)
+    assert curve("pretrain") == [(1, 9.0), (2, 8.0), (3, 7.0)]
 
 
 def test_wandb_gets_every_number(tmp_path, monkeypatch):

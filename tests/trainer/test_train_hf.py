@@ -178,7 +178,7 @@ def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpu
     assert evals(tmp_path / "whole").keys() == evals(tmp_path / "one").keys() == {2, 4}
     for step, loss in evals(tmp_path / "one").items():
         assert evals(tmp_path / "whole")[step] == pytest.approx(loss, rel=2e-5)
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert list((tmp_path / "tb" / "whole").glob("events.out.tfevents.*")), "no TensorBoard event file"
 
     ckpt = tmp_path / "ckpt"
     flags = [*common_flags(model, corpus, tmp_path / "cut"), *ZERO3, *heldout_file, "--checkpoint-dir", str(ckpt),
@@ -405,10 +405,108 @@ def test_weights_and_data_that_cannot_train_are_one_line_before_any_rank(corpus,
     assert "empty.jsonl" in said and "documents is empty" in said, said
 
 
+def test_configs_transformers_accepts_but_cannot_run_are_one_line_before_any_rank(corpus, tmp_path):
+    """Heads that do not divide the hidden size (without a head_dim), key/value heads that do not divide the heads,
+    an unknown rope type: refused naming config.json, the field and the values (issue 39: tracebacks of 94 and 46
+    lines, or a model narrower than the file says)."""
+    good = json.loads((model_dir(tmp_path, "llama") / "config.json").read_text())
+    base = ["--seq", "32", "--batch", "8", "-M", "2", "-P", "2", "-o", str(tmp_path / "o"),
+            "--cache-dir", str(tmp_path / "cache")]
+
+    def variant(name: str, drop: tuple[str, ...] = (), **changes) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({k: v for k, v in {**good, **changes}.items() if k not in drop}))
+        return path
+
+    def refused(model: Path) -> str:
+        said = _refused("train", "--model", str(model), "--data", str(corpus), *base)
+        assert f"{model / 'config.json'}: " in said, said
+        return said
+
+    heads = variant("heads", drop=("head_dim",), num_attention_heads=3, num_key_value_heads=3)  # as written by hand
+    assert "num_attention_heads 3 does not divide hidden_size 32" in refused(heads)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 260, "n_embd": 32, "n_head": 3,
+                                                  "n_layer": 2, "n_positions": 128}))
+    assert "n_head 3 does not divide n_embd 32" in refused(gpt2)  # the names the file uses
+    assert "num_key_value_heads 3 does not divide num_attention_heads 4" in refused(variant("kv", num_key_value_heads=3))
+    starcoder2 = variant("starcoder2", drop=("num_key_value_heads", "head_dim"), model_type="starcoder2",
+                         num_attention_heads=3, hidden_size=36)
+    said = refused(starcoder2)  # a field the file leaves out: transformers' default, said so
+    assert "num_key_value_heads 2 (starcoder2's default) does not divide num_attention_heads 3" in said, said
+    for field in ("rope_scaling", "rope_parameters"):
+        said = refused(variant(field, **{field: {"rope_type": "bogus", "factor": 2.0, "rope_theta": 10000.0}}))
+        assert f"{field} rope_type 'bogus' is not one of transformers' default, " in said and "linear" in said, said
+
+    from pipedsl.models.hf.io import inspect_model_dir
+
+    inspect_model_dir(variant("head-dim", model_type="qwen3", num_attention_heads=3, num_key_value_heads=3,
+                              head_dim=8))  # a head size of its own: the heads need not divide the hidden size
+    inspect_model_dir(variant("linear", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 10000.0}))
+
+
+def test_a_config_whose_model_transformers_cannot_build_is_one_line(tmp_path):
+    """What config_checks.py does not foresee and transformers only finds while building the model is still one
+    line naming config.json, not a traceback (the backstop around every meta-device build in the launcher)."""
+    import transformers as tf
+
+    from pipedsl.models.hf import ModelDirError
+    from pipedsl.trainer.hf_setup import _meta_model
+
+    path = model_dir(tmp_path, "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "bogus",
+                                                                           "rope_theta": 10000.0}}))
+    config = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)  # the config builds, its model not
+    with pytest.raises(ModelDirError) as err:
+        _meta_model(config)
+    assert err.value.message.startswith(f"{path / 'config.json'}: transformers cannot build its model: KeyError")
+
+
+def test_library_warnings_never_precede_a_refusal(corpus, tmp_path, monkeypatch):
+    """Warnings printed while the launcher checks a model — transformers' log (a token id outside the
+    vocabulary) and a Python FutureWarning — are held back: the refusal is the first line on stderr, and the
+    only one (issue 39: 4 lines of library warnings stood above several refusals)."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as tf_logging
+
+    from pipedsl.models.hf import io as hf_io
+
+    path = model_dir(tmp_path, "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 5000}))  # transformers logs a warning
+    inspect = hf_io.inspect_model_dir
+
+    def warning_inspect(model):
+        warnings.warn("a library's deprecation", FutureWarning, stacklevel=1)
+        return inspect(model)
+
+    monkeypatch.setattr(hf_io, "inspect_model_dir", warning_inspect)
+    err, out = io.StringIO(), io.StringIO()
+    tf_logging.get_logger()  # its handler set up, to write where this test reads
+    for handler in logging.getLogger("transformers").handlers:
+        if isinstance(handler, logging.StreamHandler):
+            monkeypatch.setattr(handler, "stream", err)
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno, file=None, line=None:
+                        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line)))
+    with warnings.catch_warnings(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        warnings.simplefilter("always")
+        code = main(["train", "--model", str(path), "--data", str(corpus), "--seq", "256", "--batch", "8", "-M", "2",
+                     "-P", "2", "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "cache")])
+    lines = err.getvalue().splitlines()
+    assert code == 2 and lines[0].startswith("error: --seq 256 is longer than the model's 128 positions"), lines
+    assert len(lines) == 1, lines
+
+
 def test_config_file_and_flags(tmp_path):
     """Flags win over the file, sections and top-level keys both work, --print-config round-trips."""
     (tmp_path / "run.toml").write_text('schedule = "zb-h1"\n[training]\nsteps = 7\nlr = 0.01\nclip-grad = 0.5\n'
-                                       '[parallel]\ndp = 2\n[data]\ndoc_mask = true\n')
+                                       '[parallel]\ndp = 2\n[data]\npad_fraction = 0.25\n')
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["train", "--config", str(tmp_path / "run.toml"), "--steps", "9", "--print-config"]) == 0
@@ -419,7 +517,7 @@ def test_config_file_and_flags(tmp_path):
     assert resolved["training"]["steps"] == 9  # the flag
     assert resolved["training"]["lr"] == 0.01 and resolved["training"]["clip-grad"] == 0.5
     assert resolved["schedule"]["schedule"] == "zb-h1" and resolved["parallel"]["dp"] == 2
-    assert resolved["data"]["doc-mask"] is True
+    assert resolved["data"]["pad-fraction"] == 0.25
     (tmp_path / "again.toml").write_text(text)
     again = io.StringIO()
     with contextlib.redirect_stdout(again):
