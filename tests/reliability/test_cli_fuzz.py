@@ -95,6 +95,13 @@ TRAIN_FLAGS = {
     "--eval-fraction": numbers, "--eval-every": ints, "--eval-batches": ints, "--text-field": st.text(max_size=4),
     "--peak-tflops": numbers, "--weight-decay": numbers, "--attn": st.sampled_from(["sdpa", "eager", "flash"]),
     "--loss-reduction": st.sampled_from(["token", "microbatch", "mean"]),
+    # issue 39's options: stopping, retention, logging, LR schedules, weight decay, cut points
+    "--max-time": numbers, "--stop-timeout": numbers, "--keep-checkpoints": ints, "--log-every": ints,
+    "--overwrite": None, "--min-lr": numbers, "--decay-steps": ints, "--warmup-steps": ints,
+    "--lr-schedule": st.sampled_from(["constant", "cosine", "linear", "wsd", "step", ""]),
+    "--no-decay": st.sampled_from(["none", "biases", "biases,norms,embeddings", "norms,,", "bias", "", "none,biases"]),
+    "--split": st.sampled_from(["count", "blocks", "flops", "1", "3,7", "7,3", "0", "1,1", "a,b", ""]),
+    "--eval-data": st.one_of(paths, st.sampled_from(["corpus.txt"])),
 }
 FLAGS = {
     "compile": {**SIZE_FLAGS, "--format": st.sampled_from(["text", "json", "csv", "xml"]), "-o": outputs},
