@@ -27,9 +27,11 @@ that never stopped.
 Everything the user can get wrong (sizes, the program file, its rank count, a batch that does
 not split into M, a checkpoint of another model) is reported before any process
 starts, as one line, exit status 2 — more local processes (dp x P), threads or model memory
-than this machine can hold included, unless `--allow-oversubscribe` (runtime/launch/capacity.py).  A
-failure while running (a rank that dies, a timeout) exits with status 1 and names the rank
-that failed first.  SIGTERM, SIGINT or SIGHUP stop every rank, print `interrupted by SIGTERM:
+than this machine can hold included, unless `--allow-oversubscribe` (runtime/launch/capacity.py);
+library warnings met on the way are held until the checks pass (trainer/held_warnings.py), so a refusal is
+the first line.  `--print-config` makes the same checks, short of reading the model, the data and a
+checkpoint, before it prints.  A failure while running (a rank that dies, a timeout) exits with status 1
+and names the rank that failed first.  SIGTERM, SIGINT or SIGHUP stop every rank, print `interrupted by SIGTERM:
 stopped 4 ranks` and exit with status 128 + signal; no rank outlives the command, not even a
 SIGKILL of it (runtime/launch/lifecycle.py).
 """
@@ -298,14 +300,15 @@ def _stoppable(command: Callable[[argparse.Namespace], int]) -> Callable[[argpar
     return wrapper
 
 
-def _resolve(args: argparse.Namespace) -> TrainConfig | None:
-    """The command's `TrainConfig` (flags over `--config`); None when the command only prints it."""
-    cfg = config.from_args(args)
-    if args.print_config:
-        parser = getattr(args, "_parser", None)
-        print(config.render(cfg, config.option_names(parser) if parser is not None else None), end="")
-        return None
-    return cfg
+def _print_config(args: argparse.Namespace, program: Any, cfg: TrainConfig) -> int:
+    """`--print-config`: the configuration as TOML, once it has passed what a run checks before it reads the
+    model, the data or a checkpoint (`_checked`), so that a file it prints is not refused for its options; the
+    keys of the other model source are left out (`config.render`).  Not this machine's capacity: the file may be
+    for torchrun on a cluster.  Starts nothing, writes nothing."""
+    _checked(program, cfg, here=False)
+    parser = getattr(args, "_parser", None)
+    print(config.render(cfg, config.option_names(parser) if parser is not None else None), end="")
+    return 0
 
 
 @_stoppable
@@ -314,18 +317,20 @@ def run(args: argparse.Namespace) -> int:
     import pipedsl
 
     started = time.time()
-    cfg = _resolve(args)
-    if cfg is None:
-        return 0
+    cfg = config.from_args(args)
     s = cfg.schedule
-    _check_local(s.ranks, cfg)  # before compiling: a huge -P is refused, not compiled
+    if not args.print_config:  # a printed file may be for a cluster (torchrun): not this machine's capacity
+        _check_local(s.ranks, cfg)  # before compiling: a huge -P is refused, not compiled
     _check_paths(cfg)
-    _start_fork_server(cfg)
+    if not args.print_config:
+        _start_fork_server(cfg)
     if s.schedule == "auto":  # profile under ZB-H1, then search ZB-auto from its costs (trainer/train.py: _switch)
         pipedsl.load("zb-auto").compile(P=s.ranks, M=s.microbatches, **s.params)  # its parameters, checked now
         program = pipedsl.load("zb-h1").compile(P=s.ranks, M=s.microbatches)
     else:
         program = pipedsl.load(s.schedule).compile(P=s.ranks, M=s.microbatches, **s.params)
+    if args.print_config:
+        return _print_config(args, program, cfg)
     return _execute(program, cfg, started)
 
 
@@ -335,12 +340,14 @@ def run_program(args: argparse.Namespace) -> int:
     from pipedsl.runtime.program_file import read_program
 
     started = time.time()
-    cfg = _resolve(args)
-    if cfg is None:
-        return 0
+    cfg = config.from_args(args)
     _check_paths(cfg)
-    _start_fork_server(cfg)
-    return _execute(read_program(cfg.schedule.program, ranks=cfg.schedule.ranks), cfg, started)
+    if not args.print_config:
+        _start_fork_server(cfg)
+    program = read_program(cfg.schedule.program, ranks=cfg.schedule.ranks)
+    if args.print_config:
+        return _print_config(args, program, cfg)
+    return _execute(program, cfg, started)
 
 
 def _check_paths(cfg: TrainConfig) -> None:
@@ -371,8 +378,10 @@ def _execute(program: Any, cfg: TrainConfig, started: float) -> int:
     import pipedsl
     from pipedsl.errors import PipeDSLError, PipeRuntimeError
     from pipedsl.timeline import Timeline
+    from pipedsl.trainer.held_warnings import held
 
-    cfg = replace(_config(program, cfg), started_at=started)
+    with held(transformers=cfg.model.is_hf):  # library warnings never above a refusal: shown after the checks pass
+        cfg = replace(_config(program, cfg), started_at=started)
     out = Path(cfg.logging.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -452,22 +461,7 @@ def _config(program: Any, cfg: TrainConfig) -> TrainConfig:
     """`cfg` made concrete for `program` and for this machine — the output folder, the batch and the GPT's
     layers, the Hugging Face model's facts, the checkpoint to resume — with every input error that needs the
     program, the files or the machine, before any process starts.  What the ranks receive."""
-    from pipedsl.errors import PipeDSLError
-
-    _check_local(program.num_ranks, cfg)
-    cfg = cfg.for_program(program)
-    if cfg.logging.out is None:  # a configuration not built by from_args: the command's folder
-        command = "run" if cfg.schedule.program else "train"
-        cfg = replace(cfg, logging=replace(cfg.logging, out=config.COMMAND_DEFAULTS[command]["out"]))
-    for flag, path in (("checkpoint_dir", cfg.checkpoint.checkpoint_dir), ("cache_dir", cfg.data.cache_dir),
-                       ("tensorboard", cfg.logging.tensorboard)):
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise PipeDSLError(f"--{flag.replace('_', '-')} {path}: not a directory")
-    if cfg.logging.wandb:
-        from pipedsl.trainer.metrics import _import_wandb
-
-        _import_wandb()  # not installed: one line now, not a failed rank later
-    _check_machine(cfg, cfg.parallel.dp * program.num_ranks * cfg.parallel.tp)
+    cfg = _checked(program, cfg)
     if cfg.model.is_hf:
         from pipedsl.trainer.hf_setup import hf_config
 
@@ -477,6 +471,31 @@ def _config(program: Any, cfg: TrainConfig) -> TrainConfig:
         cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resume))
     elif cfg.checkpoint.checkpoint_dir:
         _own_checkpoint_dir(cfg)
+    return cfg
+
+
+def _checked(program: Any, cfg: TrainConfig, here: bool = True) -> TrainConfig:
+    """`cfg` made concrete for `program` (the batch, the GPT's layers, the output folder) and checked against the
+    paths it names and (`here`) this machine's processes, threads, memory and packages: what a run checks before
+    it reads the model, the data or a checkpoint, and all that `--print-config` checks."""
+    from pipedsl.errors import PipeDSLError
+
+    if here:
+        _check_local(program.num_ranks, cfg)
+    cfg = cfg.for_program(program)
+    if cfg.logging.out is None:  # a configuration not built by from_args: the command's folder
+        command = "run" if cfg.schedule.program else "train"
+        cfg = replace(cfg, logging=replace(cfg.logging, out=config.COMMAND_DEFAULTS[command]["out"]))
+    for flag, path in (("checkpoint_dir", cfg.checkpoint.checkpoint_dir), ("cache_dir", cfg.data.cache_dir),
+                       ("tensorboard", cfg.logging.tensorboard)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise PipeDSLError(f"--{flag.replace('_', '-')} {path}: not a directory")
+    if here and cfg.logging.wandb:
+        from pipedsl.trainer.metrics import _import_wandb
+
+        _import_wandb()  # not installed: one line now, not a failed rank later
+    if here:
+        _check_machine(cfg, cfg.parallel.dp * program.num_ranks * cfg.parallel.tp)
     return cfg
 
 

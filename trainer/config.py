@@ -23,9 +23,10 @@ batch, the GPT's layers) and adds what it found out (`hf`: the Hugging Face mode
 fields) or at the top level.  The file is checked as strictly as the flags: an unknown key names
 its section and the keys that section takes, a value of the wrong type or out of range names the
 key and what it expected — one line, exit status 2, before anything starts.  A flag given on the
-command line wins over the file (torchtitan's rule); `--print-config` prints the configuration
-as TOML and exits, so `pipedsl train … --print-config > run.toml` writes a file that reproduces
-the run (`render`; reading it back gives an equal `TrainConfig`).
+command line wins over the file (torchtitan's rule); `--print-config` checks the configuration as a
+run would before it reads the model or the data (trainer/cli.py), prints it as TOML and exits, so
+`pipedsl train … --print-config > run.toml` writes a file that reproduces the run (`render`: the
+options of the model source it trains, GPT or Hugging Face; read back, it prints the same text).
 """
 
 from __future__ import annotations
@@ -344,6 +345,11 @@ SECTION_TYPES: dict[str, type[_Section]] = {
 SECTIONS: dict[str, tuple[str, ...]] = {name: tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
                                         for name, cls in SECTION_TYPES.items()}
 SECTION_OF: dict[str, str] = {key: section for section, keys in SECTIONS.items() for key in keys}
+# the options only one model source reads (`render` prints the chosen one's): the built-in GPT's shape and
+# synthetic padding; a Hugging Face model's attention, its data (all of [data] but seq and pad_fraction) and [eval]
+GPT_ONLY: tuple[str, ...] = ("layers", "embd", "dropout", "experts", "top_k", "capacity_factor", "pad_fraction")
+HF_ONLY: tuple[str, ...] = ("attn", *(k for k in SECTIONS["data"] if k not in ("seq", "pad_fraction")),
+                            *SECTIONS["eval"])
 
 
 @dataclass(frozen=True)
@@ -641,12 +647,15 @@ def _show(value: Any) -> str:
 
 def render(cfg: TrainConfig, keys: Collection[str] | None = None) -> str:
     """The configuration's options as TOML, by section (what `--print-config` prints); `keys`: only these
-    (the command's options).  Unset options (None) are left out: reading the text back gives `cfg` again."""
+    (the command's options).  Unset options (None) and those of the other model source (`GPT_ONLY` under
+    --model, `HF_ONLY` for the GPT: the run ignores them) are left out: reading the text back gives `cfg`
+    again, those at their defaults, and renders the same text."""
+    other = GPT_ONLY if cfg.model.is_hf else HF_ONLY
     lines: list[str] = []
     for section, names in SECTIONS.items():
         part = getattr(cfg, section)
         body = [f"{n.replace('_', '-')} = {_toml(getattr(part, n))}" for n in names
-                if (keys is None or n in keys) and getattr(part, n) is not None]
+                if (keys is None or n in keys) and n not in other and getattr(part, n) is not None]
         if body:
             lines += [f"[{section}]", *body, ""]
     return "\n".join(lines)

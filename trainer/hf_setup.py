@@ -316,13 +316,20 @@ def _weights_cover(md: Any, model: Any = None) -> bool:
 
 
 def _meta_model(config: Any) -> Any:
-    """The language model of `config` on the meta device: its shapes and names, no memory."""
+    """The language model of `config` on the meta device: its shapes and names, no memory.  A config transformers
+    read but cannot build a model of (what models/hf/config_checks.py does not foresee) is one line naming it."""
     import torch
 
-    from pipedsl.models.hf.io import auto_class
+    from pipedsl.models.hf import CONFIG, ModelDirError
+    from pipedsl.models.hf.io import _one_line, auto_class
 
-    with torch.device("meta"):
-        return auto_class(config).from_config(config, dtype=torch.float32)
+    try:
+        with torch.device("meta"):
+            return auto_class(config).from_config(config, dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - whatever transformers' model code refuses, said in one line
+        where = Path(config.name_or_path) / CONFIG if getattr(config, "name_or_path", "") else type(config).__name__
+        raise ModelDirError(f"{where}: transformers cannot build its model: {type(err).__name__}: "
+                            f"{_one_line(err)}") from None
 
 
 def _count_parameters(config: Any) -> int:

@@ -1,7 +1,8 @@
 """Hugging Face model directories in and out of pipedsl.
 
 In: `inspect_model_dir(DIR)` reads and checks a local model directory *before any rank
-starts* (the config transformers builds, weights present or not, positions, vocabulary);
+starts* (the config transformers builds, what it builds but cannot run — heads, rope type:
+config_checks.py —, weights present or not, positions, vocabulary);
 `LocalStages(...)` then makes on each rank only the stages it holds — from the directory's
 safetensors weights when it has them, from a seeded random initialisation when it has only
 `config.json` — and `build_model(...)` the whole model where that cannot be done exactly.
@@ -31,6 +32,7 @@ from torch import nn
 
 from pipedsl.models import hf
 from pipedsl.models.hf import CONFIG, ModelDirError, read_config_file
+from pipedsl.models.hf.config_checks import check_config
 from pipedsl.models.hf.stages import require_transformers
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -77,6 +79,7 @@ def inspect_model_dir(path: str | os.PathLike) -> ModelDir:
     tf = require_transformers()
     p = Path(path)
     cfg_file = p / CONFIG
+    check_config(raw, cfg_file)  # heads, key/value heads, rope type: what transformers accepts but cannot run
     try:
         config = tf.AutoConfig.from_pretrained(str(p), local_files_only=True)
     except Exception as err:  # noqa: BLE001 - whatever transformers refuses, said in one line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import pipedsl
 from pipedsl.cli import build_parser
 from pipedsl.trainer.config import (
     COMMAND_DEFAULTS,
+    GPT_ONLY,
+    HF_ONLY,
     SECTION_OF,
     SECTION_TYPES,
     SECTIONS,
@@ -98,19 +101,34 @@ def test_the_example_toml_file_still_reads() -> None:
                                                                                                 "out/train-tiny/tb")
 
 
+@pytest.fixture
+def inputs(tmp_path, monkeypatch) -> Path:
+    """A working directory holding what the configurations below name (--print-config checks the paths as a run
+    does): a model directory's config.json, data files and a folder, a compiled program."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "some" / "dir").mkdir(parents=True)
+    (tmp_path / "some" / "dir" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "a.txt").write_text("some text\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "doc.txt").write_text("more text\n")
+    (tmp_path / "c.jsonl").write_text('{"body": "held out"}\n')
+    (tmp_path / "prog.json").write_text(pipedsl.load("1f1b").compile(P=2, M=2).to_json())
+    return tmp_path
+
+
 @pytest.mark.parametrize("argv", [
     ["train"],
-    ["train", "--schedule", "zb-v", "-P", "2", "-M", "4", "-p", "V=2", "--dp", "2", "--zero", "1", "--steps", "7",
-     "--lr", "1e-4", "--clip-grad", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "2", "--seed", "12",
+    ["train", "--schedule", "interleaved", "-P", "2", "-M", "4", "-p", "V=2", "--dp", "2", "--zero", "1", "--steps",
+     "7", "--lr", "1e-4", "--clip-grad", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "2", "--seed", "12",
      "--precision", "bf16", "--param-dtype", "bf16", "--recompute", "selective", "--loss-reduction", "token",
      "--checkpoint-dir", "ck", "--checkpoint-every", "3", "--resume", "--checkpoint-timeout", "30",
      "--tensorboard", "tb", "--peak-tflops", "1.5", "--allow-oversubscribe", "-o", 'odd "dir"\\ \n\x7f'],
     ["train", "--model", "some/dir", "--data", "a.txt", "b/", "--eval-data", "c.jsonl", "--text-field", "body",
      "--packing", "pack", "--doc-mask", "--eval-every", "5", "--eval-batches", "2", "--attn", "eager",
      "--cache-dir", "cache", "--tp", "2", "--sequence-parallel", "--seq", "64"],
-    ["run", "--program", "prog.json", "-P", "2", "--batch", "8", "--wandb", "proj"],
+    ["run", "--program", "prog.json", "-P", "2", "--batch", "8", "--log-every", "3"],
 ])
-def test_print_config_reads_back_as_an_equal_config(tmp_path, capsys, argv) -> None:
+def test_print_config_reads_back_as_an_equal_config(inputs, tmp_path, capsys, argv) -> None:
     from pipedsl.cli import main
 
     cfg = config_of(*argv)
@@ -120,6 +138,63 @@ def test_print_config_reads_back_as_an_equal_config(tmp_path, capsys, argv) -> N
     (tmp_path / "run.toml").write_text(text)
     base = [argv[0], *(["--program", "prog.json"] if argv[0] == "run" else [])]
     assert config_of(*base, "--config", str(tmp_path / "run.toml")) == cfg
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["train", "--batch", "7"], "--batch 7 does not split into M=8 equal microbatches"),
+    (["train", "-P", "3", "--split", "3,2"], "--split 3,2: cut points must increase"),
+    (["train", "--tensorboard", "a.txt"], "--tensorboard a.txt: not a directory"),
+    (["train", "--model", "nope", "--data", "a.txt"], "--model nope: no such directory"),
+    (["train", "--model", "some/dir", "--data", "missing.txt"], "missing.txt: no such file or folder"),
+    (["run", "--program", "missing.json"], "missing.json"),
+])
+def test_print_config_checks_what_it_prints(inputs, capsys, argv, message) -> None:
+    """A configuration that would not start is refused as a run refuses it — one line, exit status 2 — and not
+    printed (issue 39: --print-config printed whatever it was given)."""
+    from pipedsl.cli import main
+
+    assert main([*argv, "--print-config"]) == 2
+    said = capsys.readouterr()
+    assert said.out == ""
+    assert len(said.err.strip().splitlines()) == 1 and message in said.err, said.err
+
+
+def test_print_config_writes_a_cluster_file_this_machine_could_not_run(inputs, capsys) -> None:
+    """What this machine holds is not checked: the file may be for torchrun on many machines (docs/training.md)."""
+    from pipedsl.cli import main
+
+    assert main(["train", "-P", "8", "--dp", "16", "--threads", "64", "--print-config"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    assert printed["parallel"]["dp"] == 16 and printed["training"]["threads"] == 64
+    assert main(["train", "-P", "8", "--dp", "16", "--threads", "64"]) == 2  # a run here is refused
+    assert "local processes is more than" in capsys.readouterr().err
+
+
+def _keys(text: str) -> set[str]:
+    return {key.replace("-", "_") for section in tomllib.loads(text).values() for key in section}
+
+
+@pytest.mark.parametrize(("argv", "shown", "other"), [
+    (["train", "--layers", "6", "--embd", "32", "--pad-fraction", "0.25", "--packing", "pad", "--eval-every", "2"],
+     {"layers", "embd", "pad_fraction"}, HF_ONLY),
+    (["train", "--model", "some/dir", "--data", "a.txt", "--layers", "6", "--embd", "32", "--dropout", "0.1",
+      "--attn", "eager", "--eval-every", "2"], {"data", "attn", "eval_every"}, GPT_ONLY),
+])
+def test_print_config_prints_the_keys_of_the_chosen_model_source(inputs, capsys, argv, shown, other) -> None:
+    """The GPT's keys (layers, embd, …) are not printed for a Hugging Face model, nor a Hugging Face model's
+    (attn, data, packing, [eval], …) for the GPT: the run ignores them (issue 39).  The printed TOML, given back
+    with --config, prints the same text."""
+    from pipedsl.cli import main
+
+    assert main([*argv, "--print-config"]) == 0
+    text = capsys.readouterr().out
+    keys = _keys(text)
+    assert not keys & set(other), keys & set(other)
+    assert shown <= keys
+    assert {"seq", "split", "seed", "steps"} <= keys  # what both read
+    (inputs / "printed.toml").write_text(text)
+    assert main(["train", "--config", "printed.toml", "--print-config"]) == 0
+    assert capsys.readouterr().out == text
 
 
 def test_flags_win_over_the_file_and_the_file_over_the_defaults(tmp_path) -> None:
