@@ -33,7 +33,7 @@ RUNS = {
                                          *TINY]),
     "test_bench_quick_gates_on_its_baseline": ("bench_quick", ["--tiny", "--baseline", "{tmp}/baseline.json"]),
     "test_gpu_check_dry_run_on_gloo": ("gpu_check", ["--device", "cpu", "--tiny"]),
-    "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--against", "HEAD"]),
+    "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--M", "4", "--against", "HEAD"]),
     "test_shape_change": ("shape_change", ["--quick"]),
     "test_startup": ("startup", ["--quick"]),
     "test_auto_schedule": ("auto_schedule", ["--quick", "--vocab", "2048", "--us-per-mweight", "5"]),

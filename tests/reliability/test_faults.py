@@ -110,12 +110,12 @@ def test_rank_0_killed_before_the_manifest_leaves_the_checkpoint_invalid(tmp_pat
 
 @pytest.mark.slow
 def test_the_join_timeout_bounds_a_whole_run(tmp_path) -> None:
-    proc, elapsed = train(tmp_path, "slow", "--steps", "100000", "--join-timeout", "6")
+    proc, elapsed = train(tmp_path, "slow", "--steps", "100000", "--join-timeout", "3")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines == ["runtime error: rank 0 failed: still running after the join timeout (6 s); killed",
-                     "  note: rank 1: still running after the join timeout (6 s); killed"], proc.stderr
-    assert elapsed < 6 + 60
+    assert lines == ["runtime error: rank 0 failed: still running after the join timeout (3 s); killed",
+                     "  note: rank 1: still running after the join timeout (3 s); killed"], proc.stderr
+    assert elapsed < 3 + 60
 
 
 STUCK_TIMEOUT = 8  # --timeout of the stuck-rank run

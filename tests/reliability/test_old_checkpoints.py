@@ -22,7 +22,7 @@ def test_a_checkpoint_from_before_the_layout_change_resumes_bit_exactly(tmp_path
     out = tmp_path / "out"
     proc = pipedsl_here("train", "--schedule", "1f1b", "-P", "2", "-M", "2", "--steps", "5", "--batch", "4",
                         "--seq", "8", "--layers", "2", "--embd", "8", "-o", str(out), "--checkpoint-dir", str(ckpt),
-                        "--resume")
+                        "--resume", "--no-decay", "none")  # that code decayed every parameter (no --no-decay yet)
     assert proc.returncode == 0, proc.stderr
     expected = json.loads((DATA / "expected.json").read_text())["losses"]
     got = json.loads((out / "losses.json").read_text())["losses"]

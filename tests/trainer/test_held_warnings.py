@@ -22,6 +22,8 @@ def _stderr(monkeypatch) -> Iterator[io.StringIO]:
     tf_logging = pytest.importorskip("transformers.utils.logging")
     err = io.StringIO()
     tf_logging.get_logger()  # its handler set up, to write here
+    # only its own handler: another test may have turned propagation on (pytest's handlers then print here too)
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", False)
     for handler in logging.getLogger("transformers").handlers:
         if isinstance(handler, logging.StreamHandler):
             monkeypatch.setattr(handler, "stream", err)
