@@ -22,11 +22,13 @@ def _stderr(monkeypatch) -> Iterator[io.StringIO]:
     tf_logging = pytest.importorskip("transformers.utils.logging")
     err = io.StringIO()
     tf_logging.get_logger()  # its handler set up, to write here
-    # only its own handler: another test may have turned propagation on (pytest's handlers then print here too)
-    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", False)
-    for handler in logging.getLogger("transformers").handlers:
-        if isinstance(handler, logging.StreamHandler):
-            monkeypatch.setattr(handler, "stream", err)
+    library = logging.getLogger("transformers")
+    # its own stream handler only: after other tests pytest's capture handlers sit on this logger too (they
+    # would print each record again, in their own format)
+    monkeypatch.setattr(library, "handlers", [h for h in library.handlers if type(h) is logging.StreamHandler])
+    monkeypatch.setattr(library, "propagate", False)
+    for handler in library.handlers:
+        monkeypatch.setattr(handler, "stream", err)
     monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno, file=None, line=None:
                         sys.stderr.write(f"{category.__name__}: {message}\n"))
     with warnings.catch_warnings(), contextlib.redirect_stderr(err):
