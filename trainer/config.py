@@ -551,10 +551,28 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
     TOML file of `--config`, under the flags given (each flag defaults to None: not given)."""
     parser: argparse.ArgumentParser | None = getattr(args, "_parser", None)
     options: dict[str, Any] = dict(COMMAND_DEFAULTS.get(getattr(args, "command", None) or "train", {}))
+    chosen: dict[str, Any] = {}  # what the file and the flags set
     if getattr(args, "config", None) and parser is not None:
-        options.update(read_file(args.config, _actions(parser)))
-    options.update({k: v for k, v in vars(args).items() if k in SECTION_OF and v is not None})
-    return TrainConfig.from_options(options)
+        chosen.update(read_file(args.config, _actions(parser)))
+    chosen.update({k: v for k, v in vars(args).items() if k in SECTION_OF and v is not None})
+    _check_model_source(chosen)
+    return TrainConfig.from_options({**options, **chosen})
+
+
+def _check_model_source(chosen: Mapping[str, Any]) -> None:
+    """Options of the other model source refused by name: a run would ignore them (`--layers` under --model
+    trained the directory's own number of layers without a word)."""
+    hf = chosen.get("model") not in (None, "gpt")
+    other = [k for k in (GPT_ONLY if hf else HF_ONLY) if k in chosen and k not in ("data", "eval_data")]
+    if not other:
+        return  # --data without --model has its own message (TrainConfig._check_gpt)
+    flags = ", ".join(f"--{k.replace('_', '-')}" for k in other)
+    if hf:
+        raise ConfigError(f"{flags}: the built-in GPT's; --model {chosen['model']} brings its own (its config.json "
+                          f"sets its shape): leave {'them' if len(other) > 1 else 'it'} out")
+    raise ConfigError(f"{flags}: {'options' if len(other) > 1 else 'an option'} of a Hugging Face model, its data "
+                      f"or its evaluation: give --model DIR (the built-in GPT trains on synthetic tokens, without "
+                      f"held-out data)")
 
 
 def read_file(path: str, actions: dict[str, argparse.Action]) -> dict[str, Any]:

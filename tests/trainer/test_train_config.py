@@ -147,6 +147,10 @@ def test_print_config_reads_back_as_an_equal_config(inputs, tmp_path, capsys, ar
     (["train", "--model", "nope", "--data", "a.txt"], "--model nope: no such directory"),
     (["train", "--model", "some/dir", "--data", "missing.txt"], "missing.txt: no such file or folder"),
     (["run", "--program", "missing.json"], "missing.json"),
+    # the other model source's options, which a run would ignore without a word
+    (["train", "--model", "some/dir", "--data", "a.txt", "--layers", "6", "--embd", "32"],
+     "--layers, --embd: the built-in GPT's; --model some/dir brings its own"),
+    (["train", "--packing", "pad", "--eval-every", "2"], "--packing, --eval-every: options of a Hugging Face model"),
 ])
 def test_print_config_checks_what_it_prints(inputs, capsys, argv, message) -> None:
     """A configuration that would not start is refused as a run refuses it — one line, exit status 2 — and not
@@ -175,10 +179,9 @@ def _keys(text: str) -> set[str]:
 
 
 @pytest.mark.parametrize(("argv", "shown", "other"), [
-    (["train", "--layers", "6", "--embd", "32", "--pad-fraction", "0.25", "--packing", "pad", "--eval-every", "2"],
-     {"layers", "embd", "pad_fraction"}, HF_ONLY),
-    (["train", "--model", "some/dir", "--data", "a.txt", "--layers", "6", "--embd", "32", "--dropout", "0.1",
-      "--attn", "eager", "--eval-every", "2"], {"data", "attn", "eval_every"}, GPT_ONLY),
+    (["train", "--layers", "6", "--embd", "32", "--pad-fraction", "0.25"], {"layers", "embd", "pad_fraction"}, HF_ONLY),
+    (["train", "--model", "some/dir", "--data", "a.txt", "--attn", "eager", "--eval-every", "2"],
+     {"data", "attn", "eval_every"}, GPT_ONLY),
 ])
 def test_print_config_prints_the_keys_of_the_chosen_model_source(inputs, capsys, argv, shown, other) -> None:
     """The GPT's keys (layers, embd, …) are not printed for a Hugging Face model, nor a Hugging Face model's
