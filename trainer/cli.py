@@ -83,6 +83,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--schedule", help=f"a built-in name or a .pipe file (default {D.schedule.schedule}); auto: "
                                       "profile a few steps under ZB-H1, then continue under ZB-auto searched from "
                                       "the measured op and message times (-p mem=N: its memory cap, default 2P)")
+    p.add_argument("--auto-memory", type=positive_float, metavar="GB",
+                   help="with --schedule auto and no -p mem: the memory a rank gives activations, which sets "
+                        "ZB-auto's cap from one activation's bytes measured in the profile steps (default: the "
+                        "device's free memory then, less a tenth; the cap is at most 2P)")
     p.add_argument("-P", "--ranks", type=positive_int,
                    help=f"pipeline ranks = local processes (default {config.COMMAND_DEFAULTS['train']['ranks']})")
     p.add_argument("-M", "--microbatches", type=positive_int,
@@ -97,6 +101,10 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p = subparsers.add_parser("run", help="train the small GPT with a compiled program file (JSON, CSV or text)")
     p.add_argument("--program", required=True, metavar="FILE",
                    help="a program as written by `pipedsl compile --format json|csv|text`")
+    p.add_argument("--auto-memory", type=positive_float, metavar="GB",
+                   help="with --schedule auto and no -p mem: the memory a rank gives activations, which sets "
+                        "ZB-auto's cap from one activation's bytes measured in the profile steps (default: the "
+                        "device's free memory then, less a tenth; the cap is at most 2P)")
     p.add_argument("-P", "--ranks", type=positive_int, help="the ranks the program must have (default: its own)")
     p.add_argument("--config", metavar="TOML", help="read every option from a TOML file (flags given here win)")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")

@@ -237,6 +237,7 @@ class ScheduleConfig(_Section):
     param: tuple[str, ...] = _option((), ("must be a list of NAME=VALUE strings", lambda v: isinstance(v, tuple)
                                           and all(isinstance(p, str) for p in v)))
     program: str | None = _option(None, _optional(TEXT))
+    auto_memory: float | None = _option(None, _optional(POSITIVE))  # GB for activations under auto; None: free now
 
     def __post_init__(self) -> None:
         _Section.__post_init__(self)
@@ -244,6 +245,9 @@ class ScheduleConfig(_Section):
             name, sep, value = item.partition("=")
             if not sep or not name.strip() or _integer(value) is None:
                 raise ConfigError(f"-p {item!r}: expected NAME=INTEGER")
+        if self.auto_memory is not None and self.schedule != "auto":
+            raise ConfigError(f"--auto-memory {self.auto_memory:g} sizes --schedule auto's memory cap; the schedule "
+                              f"is {self.schedule!r}")
 
     @property
     def params(self) -> dict[str, int]:

@@ -361,7 +361,10 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     units = None if clock is None else clock.report()
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, units)
-    plan = [choose_cut(timeline, gathered, pipe.program, cfg.schedule.params) if timeline is not None else None]
+    wanted, room = dict(cfg.schedule.params), _activation_room(pipe, cfg)  # collective
+    if "mem" not in wanted:  # the user's -p mem wins; else what the device holds, at most ZB-2p's 2P
+        wanted["mem"] = max(1, min(2 * pipe.program.num_ranks, room))
+    plan = [choose_cut(timeline, gathered, pipe.program, wanted) if timeline is not None else None]
     torch.distributed.broadcast_object_list(plan, src=0)
     decision = plan[0]
     cost = Cost(**decision["cost"])
@@ -377,13 +380,16 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
-        params = " ".join(f"{k}={v}" for k, v in program.params.items())
         split = (f"stages re-cut at units {','.join(map(str, decision['points']))} (predicted "
                  f"{decision['kept_ms']:.1f} ms on the old cut), " if decision["points"] is not None else "")
+        fit = f"{room:,}" if room < (1 << 30) else "any number of"
+        params = " ".join(f"{k}={v}" for k, v in program.params.items()) + \
+            f" ({fit} stage activations fit a rank{'; 1 is the least ZB-auto runs with' if room < 1 else ''})"
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
                 f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted step "
                 f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms measured")
-        fields = {"program": program.name, "params": program.params, "predicted_ms": decision["predicted_ms"],
+        fields = {"program": program.name, "params": program.params, "activations_that_fit": room,
+                  "predicted_ms": decision["predicted_ms"],
                   "profiled_ms": decision["profiled_ms"], "split": decision["points"],
                   "kept_split_ms": decision["kept_ms"],
                   "cost": {k: getattr(cost, k) for k in ("F", "I", "W", "comm")}}
@@ -392,6 +398,35 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         else:
             print(line, flush=True)
     return new, new_opt, new_source, load, cfg
+
+
+def _activation_room(pipe: Any, cfg: TrainConfig) -> int:
+    """How many stage activations fit each rank, the least over the ranks (collective): the memory for them
+    (--auto-memory, else the device's free memory now, between steps, less a tenth) over one stage activation's
+    saved bytes as this rank measured them in the last profile step."""
+    counter = pipe.counter
+    each = counter.peak_bytes / counter.peak if counter.peak else 0.0
+    budget = cfg.schedule.auto_memory * 2**30 if cfg.schedule.auto_memory else 0.9 * _free_bytes(pipe.device)
+    room = torch.tensor([float(budget // each) if each > 0 else float(1 << 30)], device=pipe.device)
+    torch.distributed.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
+    return int(min(room.item(), 1 << 30))
+
+
+def _free_bytes(device: torch.device) -> float:
+    """Memory this rank may still use: the GPU's free memory plus what torch holds cached but unused; on a CPU the
+    machine's available memory shared by the ranks on it."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        from pipedsl.runtime.launch.capacity import total_memory
+
+        available = total_memory() or 0
+    return available / max(local, 1)
 
 
 def _with_points(cfg: TrainConfig, points: list[int]) -> TrainConfig:

@@ -157,6 +157,20 @@ def test_train_schedule_auto_profiles_searches_switches_and_equals_one_process(t
     assert switch["cost"]["F"] > 0 and switch["cost"]["W"] > 0
     assert not (out / "auto-switch").exists()  # the hand-over checkpoint is gone
 
+    # without -p mem the cap is what the device holds: --auto-memory of 1 KB fits no activation, so ZB-auto runs
+    # with its least cap, 1 a rank (measured), and still every loss equals one process
+    small = tmp_path / "small"
+    proc = pipedsl_here("train", "-P", "2", "--seq", "8", "--embd", "16", "-o", str(small), "--schedule", "auto",
+                        "--auto-memory", "0.000001", *common)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (small / "metrics.jsonl").read_text().splitlines()]
+    [switch] = [r for r in rows if r["kind"] == "schedule"]
+    assert switch["params"]["mem"] == 1 and switch["activations_that_fit"] == 0, switch
+    assert "peak activations per rank [1, 1]" in proc.stdout
+    capped = json.loads((small / "losses.json").read_text())["losses"]
+    for step, loss in one.items():
+        assert capped[step] == pytest.approx(loss, rel=1e-5), step
+
 
 @pytest.mark.slow
 def test_a_run_owns_its_checkpoints_and_metrics(tmp_path) -> None:

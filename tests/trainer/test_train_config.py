@@ -147,6 +147,7 @@ def test_print_config_reads_back_as_an_equal_config(inputs, tmp_path, capsys, ar
     (["train", "--model", "nope", "--data", "a.txt"], "--model nope: no such directory"),
     (["train", "--model", "some/dir", "--data", "missing.txt"], "missing.txt: no such file or folder"),
     (["run", "--program", "missing.json"], "missing.json"),
+    (["train", "--auto-memory", "2"], "--auto-memory 2 sizes --schedule auto's memory cap; the schedule is '1f1b'"),
     # the other model source's options, which a run would ignore without a word
     (["train", "--model", "some/dir", "--data", "a.txt", "--layers", "6", "--embd", "32"],
      "--layers, --embd: the built-in GPT's; --model some/dir brings its own"),
