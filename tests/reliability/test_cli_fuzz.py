@@ -97,6 +97,7 @@ TRAIN_FLAGS = {
     "--loss-reduction": st.sampled_from(["token", "microbatch", "mean"]),
     # issue 39's options: stopping, retention, logging, LR schedules, weight decay, cut points
     "--max-time": numbers, "--stop-timeout": numbers, "--keep-checkpoints": ints, "--log-every": ints,
+    "--auto-memory": numbers,
     "--overwrite": None, "--min-lr": numbers, "--decay-steps": ints, "--warmup-steps": ints,
     "--lr-schedule": st.sampled_from(["constant", "cosine", "linear", "wsd", "step", ""]),
     "--no-decay": st.sampled_from(["none", "biases", "biases,norms,embeddings", "norms,,", "bias", "", "none,biases"]),
