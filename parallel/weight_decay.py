@@ -30,6 +30,7 @@ from pipedsl.parallel.config import ParallelConfigError
 
 __all__ = ["NO_DECAY_KINDS", "Decay", "exempt_names", "merged", "split_decay"]
 
+
 def exempt_names(module: nn.Module, kinds: Collection[str], tied: Iterable[str] = ()) -> set[str]:
     """The qualified names (every name of a shared parameter) of `module`'s parameters weight decay skips:
     biases (a name ending in "bias"), the parameters of normalization layers (a class named *Norm*) and those of
@@ -66,12 +67,19 @@ class Decay:
     decoupled: bool
     spans: list[tuple[torch.Tensor, list[tuple[int, int]] | None]] = field(default_factory=list)
 
+    def hold(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep `optimizer` (built with weight_decay=0) from decaying for good: `load_state_dict` restores the saved
+        groups' hyperparameters, and a checkpoint of a run without exemptions saved its decay there."""
+
+        def undecayed(opt: torch.optim.Optimizer) -> None:
+            for group in opt.param_groups:
+                group["weight_decay"] = 0.0
+
+        optimizer.register_load_state_dict_post_hook(undecayed)
+
     def apply(self, optimizer: torch.optim.Optimizer) -> None:
         """Decay before `optimizer.step()`, as the optimizer itself would (a tensor without a gradient is skipped,
-        as torch's optimizers skip it).  The optimizer's groups are held at weight_decay=0: a checkpoint's saved
-        groups must not bring the decay back."""
-        for group in optimizer.param_groups:
-            group["weight_decay"] = 0.0
+        as torch's optimizers skip it)."""
         lr = float(optimizer.param_groups[0]["lr"])
         with torch.no_grad():
             for p, ranges in self.spans:

@@ -432,6 +432,8 @@ class ZeroOptimizer:
         # one explicit group: a stage whose parameters are all frozen still has an optimizer (stepping nothing)
         self.optimizer = optimizer_class([{"params": [self._param_of(u) for u in self.units if u.trainable]}],
                                          **optimizer_kwargs)
+        if self.decay is not None:
+            self.decay.hold(self.optimizer)
         self._order: list[int] = []  # units in forward execution order (recorded on the first forward)
         self._recorded = False
         self._in_weight_pass = False  # inside a split backward's W (the units stay gathered until it ends)

@@ -74,7 +74,10 @@ class Replicated:
             spared = {id(p) for s, module in pipe.local_stages().items()
                       for name, p in module.named_parameters(remove_duplicate=False) if name in exempt.get(s, ())}
             decay.spans = [(p, None) for p in trainable if id(p) not in spared]
-        return optimizer_class(trainable, **kwargs), decay
+        optimizer = optimizer_class(trainable, **kwargs)
+        if decay is not None:
+            decay.hold(optimizer)
+        return optimizer, decay
 
     def gradients(self, ownership: clip.GradientOwnership) -> clip.Gradients:
         return ownership.gradients({})

@@ -101,10 +101,6 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p = subparsers.add_parser("run", help="train the small GPT with a compiled program file (JSON, CSV or text)")
     p.add_argument("--program", required=True, metavar="FILE",
                    help="a program as written by `pipedsl compile --format json|csv|text`")
-    p.add_argument("--auto-memory", type=positive_float, metavar="GB",
-                   help="with --schedule auto and no -p mem: the memory a rank gives activations, which sets "
-                        "ZB-auto's cap from one activation's bytes measured in the profile steps (default: the "
-                        "device's free memory then, less a tenth; the cap is at most 2P)")
     p.add_argument("-P", "--ranks", type=positive_int, help="the ranks the program must have (default: its own)")
     p.add_argument("--config", metavar="TOML", help="read every option from a TOML file (flags given here win)")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
@@ -329,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     s = cfg.schedule
     if not args.print_config:  # a printed file may be for a cluster (torchrun): not this machine's capacity
         _check_local(s.ranks, cfg)  # before compiling: a huge -P is refused, not compiled
-    _check_paths(cfg)
+    _check_paths(cfg)  # before the fork server's imports: a wrong path fails in a moment
     if not args.print_config:
         _start_fork_server(cfg)
     if s.schedule == "auto":  # profile under ZB-H1, then search ZB-auto from its costs (trainer/train.py: _switch)
@@ -488,7 +484,7 @@ def _checked(program: Any, cfg: TrainConfig, here: bool = True) -> TrainConfig:
     it reads the model, the data or a checkpoint, and all that `--print-config` checks."""
     from pipedsl.errors import PipeDSLError
 
-    if here:
+    if here:  # the process count first (for `pipedsl run`, its first check; `pipedsl train` checked it to compile)
         _check_local(program.num_ranks, cfg)
     cfg = cfg.for_program(program)
     if cfg.logging.out is None:  # a configuration not built by from_args: the command's folder
@@ -498,11 +494,11 @@ def _checked(program: Any, cfg: TrainConfig, here: bool = True) -> TrainConfig:
                        ("tensorboard", cfg.logging.tensorboard)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise PipeDSLError(f"--{flag.replace('_', '-')} {path}: not a directory")
-    if here and cfg.logging.wandb:
-        from pipedsl.trainer.metrics import _import_wandb
+    if here:  # this machine's packages, threads and memory
+        if cfg.logging.wandb:
+            from pipedsl.trainer.metrics import _import_wandb
 
-        _import_wandb()  # not installed: one line now, not a failed rank later
-    if here:
+            _import_wandb()  # not installed: one line now, not a failed rank later
         _check_machine(cfg, cfg.parallel.dp * program.num_ranks * cfg.parallel.tp)
     return cfg
 

@@ -39,7 +39,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pipedsl.arguments import NO_DECAY_KINDS
+from pipedsl.arguments import NO_DECAY_KINDS, no_decay_kinds
 from pipedsl.errors import PipeDSLError
 
 GPT_HEADS = 4  # the built-in GPT's attention heads and synthetic vocabulary: fixed, so not options
@@ -120,6 +120,15 @@ def check_points(points: list[int], units: int, stages: int, what: str) -> None:
                           f"({what}: {units} units, the embedding, the blocks and the head)")
 
 
+def _parses(parse: Callable[[str], Any], text: str) -> bool:
+    """Whether a command-line parser (pipedsl/arguments.py) takes `text`: one rule for a flag and its TOML key."""
+    try:
+        parse(text)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
 def _optional(rule: Rule) -> Rule:
     return rule[0], lambda v: v is None or rule[1](v)
 
@@ -133,8 +142,7 @@ PATHS: Rule = ("must be a list of paths", lambda v: isinstance(v, tuple) and boo
                all(isinstance(p, str) for p in v))
 SEED: Rule = ("must be in [0, 2**63 - 2]", lambda v: _is_int(v) and 0 <= v <= MAX_SEED)
 NO_DECAY: Rule = (f"must be 'none' or some of {', '.join(NO_DECAY_KINDS)} separated by commas",
-                  lambda v: isinstance(v, str) and (v.strip() == "none" or
-                                                    all(k.strip() in NO_DECAY_KINDS for k in v.split(","))))
+                  lambda v: isinstance(v, str) and _parses(no_decay_kinds, v))
 WITHIN_A_YEAR: Rule = (f"more than a year ({MAX_SECONDS:g} s)", lambda v: v is None or v <= MAX_SECONDS)
 
 

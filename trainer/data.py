@@ -776,10 +776,7 @@ class PackedSequences:
 
     def _pick(self, rows: np.ndarray) -> PackedSequences:
         """These samples (indices into this set), sharing the cache."""
-        part = object.__new__(PackedSequences)
-        part.__dict__.update(self.__dict__)
-        part._rows = self._rows[rows] if self._rows is not None else rows + self.start
-        return part
+        return self._part(_rows=self._rows[rows] if self._rows is not None else rows + self.start)
 
     def subset(self, start: int, stop: int) -> PackedSequences:
         """Samples [start, stop) of these, sharing the cache."""
@@ -787,9 +784,12 @@ class PackedSequences:
             raise IndexError(f"subset [{start}, {stop}) of {len(self)} samples")
         if self._rows is not None:
             return self._pick(np.arange(start, stop))
+        return self._part(start=self.start + start, stop=self.start + stop)
+
+    def _part(self, **changed: Any) -> PackedSequences:
+        """A copy of this set (the cache shared) with `changed` attributes: how subsets and splits are made."""
         part = object.__new__(PackedSequences)
-        part.__dict__.update(self.__dict__)
-        part.start, part.stop = self.start + start, self.start + stop
+        part.__dict__.update(self.__dict__, **changed)
         return part
 
 

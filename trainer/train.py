@@ -300,6 +300,7 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     return _report(pipe, losses, start, source)
 
 
+ROOM_UNBOUNDED = 1 << 30  # `_activation_room` where nothing was measured: no limit from memory
 AUTO = "auto"  # the schedule name that profiles, searches and switches (`_switch`)
 
 
@@ -382,7 +383,7 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         shutil.rmtree(directory, ignore_errors=True)
         split = (f"stages re-cut at units {','.join(map(str, decision['points']))} (predicted "
                  f"{decision['kept_ms']:.1f} ms on the old cut), " if decision["points"] is not None else "")
-        fit = f"{room:,}" if room < (1 << 30) else "any number of"
+        fit = f"{room:,}" if room < ROOM_UNBOUNDED else "any number of"
         params = " ".join(f"{k}={v}" for k, v in program.params.items()) + \
             f" ({fit} stage activations fit a rank{'; 1 is the least ZB-auto runs with' if room < 1 else ''})"
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
@@ -407,9 +408,10 @@ def _activation_room(pipe: Any, cfg: TrainConfig) -> int:
     counter = pipe.counter
     each = counter.peak_bytes / counter.peak if counter.peak else 0.0
     budget = cfg.schedule.auto_memory * 2**30 if cfg.schedule.auto_memory else 0.9 * _free_bytes(pipe.device)
-    room = torch.tensor([float(budget // each) if each > 0 else float(1 << 30)], device=pipe.device)
+    room = torch.tensor([float(min(budget // each, ROOM_UNBOUNDED) if each > 0 else ROOM_UNBOUNDED)],
+                        device=pipe.device)
     torch.distributed.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
-    return int(min(room.item(), 1 << 30))
+    return int(room.item())
 
 
 def _free_bytes(device: torch.device) -> float:
@@ -418,15 +420,10 @@ def _free_bytes(device: torch.device) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        from pipedsl.runtime.launch.capacity import total_memory
+    from pipedsl.runtime.launch.capacity import available_memory
 
-        available = total_memory() or 0
-    return available / max(local, 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
+    return (available_memory() or 0) / max(local, 1)
 
 
 def _with_points(cfg: TrainConfig, points: list[int]) -> TrainConfig:

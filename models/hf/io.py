@@ -42,8 +42,6 @@ TOKENIZER_FILES = (*hf.TOKENIZER_FILES, "special_tokens_map.json", "added_tokens
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-
-
 @dataclass(frozen=True)
 class ModelDir:
     """A checked local model directory."""

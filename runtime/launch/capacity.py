@@ -41,6 +41,16 @@ def total_memory() -> int | None:
         return None
 
 
+def available_memory() -> int | None:
+    """Memory the machine can still give (Linux's MemAvailable, which counts reclaimable cache), else its physical
+    memory, else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return total_memory()
+
+
 def max_local_ranks() -> int:
     """The default limit on local ranks (see the module docstring)."""
     by_cores = RANKS_PER_CORE * usable_cores()
