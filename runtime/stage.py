@@ -96,7 +96,7 @@ class ActivationToken:
 
     def add(self, t: torch.Tensor) -> None:
         """Count `t`'s storage once, unless it holds a parameter."""
-        key_n = _storage(t)
+        key_n = storage_key(t)
         if key_n is None or key_n[0] in self.storages:
             return
         self.storages.add(key_n[0])
@@ -107,9 +107,9 @@ class ActivationToken:
 
         Not deduplicated against the rest of the record: a storage it counted may be freed by now
         (a backward releases saved tensors as it goes) and its address reused."""
-        seen = {k[0] for k in map(_storage, inputs) if k is not None}
+        seen = {k[0] for k in map(storage_key, inputs) if k is not None}
         for t in saved:
-            key_n = _storage(t)
+            key_n = storage_key(t)
             if key_n is not None and key_n[0] not in seen:
                 seen.add(key_n[0])
                 self._count(key_n[1])
@@ -442,7 +442,7 @@ def overlapped_forward_backward(fwd: Stage, inputs: list[torch.Tensor], target: 
     return act0, outs, [] if bwd.is_first else bwd._input_grads(act, None)
 
 
-def _storage(t: Any) -> tuple[int, int] | None:
+def storage_key(t: Any) -> tuple[int, int] | None:
     """(storage address, bytes) of an activation tensor; None for parameters and views of them.
 
     Runs for every tensor autograd saves: a plain tensor (almost all of them) is told apart by its

@@ -1,5 +1,12 @@
-"""How long each unit of a model (the embedding, a block, the head) takes to run forward, on this rank's stages:
-what `pipedsl train --schedule auto` re-partitions from (plan/partition.py's `unit_costs`).
+"""How long each unit of a model (the embedding, a block, the head) takes to run forward, on this rank's stages,
+and what it leaves saved for its backward: what `pipedsl train --schedule auto` re-partitions from (plan/partition.py's
+`unit_costs`, plan/recut.py's memory caps).
+
+A unit's saved bytes are what the rank's `ActivationCounter` counted while its forward ran.  A stage's first unit
+finds its input counted already (the stage keeps it for the backward), so its input's bytes are added: each unit's
+figure then includes its input, as a block's does in the middle of a stage (its first norm saves it), and a stage
+of any cut keeps the sum of its units' figures.  Under recomputation the units keep next to nothing of what their
+backward needs again, so no bytes are reported then.
 
 A stage offers its units with `units()` — (index in the whole model's unit list, module): models/split.py's
 `SequentialStage`, the HF causal stages.  Forward pre- and post-hooks time each unit's training forwards (not a
@@ -18,15 +25,19 @@ import torch
 from torch import nn
 
 from pipedsl.runtime.recompute import is_recomputing
+from pipedsl.runtime.stage import ActivationCounter, storage_key
 
 
 class UnitClock:
     """Forward seconds of every unit of `stages` ({stage: module with `units()`}), per call, until `close()`."""
 
-    def __init__(self, stages: Mapping[int, nn.Module]) -> None:
+    def __init__(self, stages: Mapping[int, nn.Module], counter: ActivationCounter | None = None) -> None:
         self.seconds: dict[int, list[float]] = {}
+        self.saved: dict[int, list[int]] = {}  # unit -> bytes its forward left saved, a call (with `counter`)
         self.held = {s: [u for u, _ in m.units()] for s, m in sorted(stages.items())}  # type: ignore[operator]
-        self._started: dict[int, float] = {}
+        self._counter = counter if counter is not None and counter.count_bytes else None
+        self._firsts = {units[0] for s, units in self.held.items() if units}
+        self._started: dict[int, tuple[float, int]] = {}  # unit -> (start time, counted bytes then)
         self._hooks: list[Any] = []
         for stage in stages.values():
             for index, module in stage.units():  # type: ignore[operator]
@@ -42,7 +53,10 @@ class UnitClock:
         def hook(module: nn.Module, args: Any) -> None:
             if torch.is_grad_enabled() and not is_recomputing():
                 _sync(module)
-                self._started[index] = time.perf_counter()
+                counted = self._counter.live_bytes if self._counter is not None else 0
+                if index in self._firsts:  # the stage counted its input before this unit ran
+                    counted -= _bytes(args)
+                self._started[index] = (time.perf_counter(), counted)
         return hook
 
     def _post(self, index: int) -> Any:
@@ -50,21 +64,39 @@ class UnitClock:
             start = self._started.pop(index, None)
             if start is not None:
                 _sync(module)
-                self.seconds.setdefault(index, []).append(time.perf_counter() - start)
+                self.seconds.setdefault(index, []).append(time.perf_counter() - start[0])
+                if self._counter is not None:
+                    self.saved.setdefault(index, []).append(max(self._counter.live_bytes - start[1], 0))
         return hook
 
     def medians(self) -> dict[int, float]:
         """{unit: its median forward seconds a call} over what was timed."""
         return {u: statistics.median(v) for u, v in sorted(self.seconds.items())}
 
-    def report(self) -> tuple[dict[int, float], dict[int, list[int]]]:
-        """(`medians()`, {stage: its units}): this rank's part of what plan/recut.py's `choose_cut` takes."""
-        return self.medians(), self.held
+    def saved_bytes(self) -> dict[int, float]:
+        """{unit: the median bytes its forward left saved, input included} (none without a byte-counting counter)."""
+        return {u: float(statistics.median(v)) for u, v in sorted(self.saved.items())}
+
+    def report(self) -> tuple[dict[int, float], dict[int, list[int]], dict[int, float]]:
+        """(`medians()`, {stage: its units}, `saved_bytes()`): this rank's part of what plan/recut.py's `choose_cut`
+        takes."""
+        return self.medians(), self.held, self.saved_bytes()
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _bytes(args: Any) -> int:
+    """The bytes of the distinct storages of the tensors among `args` (as the counter counts a stage's inputs)."""
+    seen: dict[int, int] = {}
+    for t in args if isinstance(args, (tuple, list)) else (args,):
+        if isinstance(t, torch.Tensor):
+            key_n = storage_key(t)
+            if key_n is not None:
+                seen[key_n[0]] = key_n[1]
+    return sum(seen.values())
 
 
 def _sync(module: nn.Module) -> None:

@@ -300,7 +300,6 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     return _report(pipe, losses, start, source)
 
 
-ROOM_UNBOUNDED = 1 << 30  # `_activation_room` where nothing was measured: no limit from memory
 AUTO = "auto"  # the schedule name that profiles, searches and switches (`_switch`)
 
 
@@ -331,16 +330,16 @@ def _build(rank: int, program: pipedsl.Program, cfg: TrainConfig, parallel: Any)
 
 
 def _unit_clock(pipe: Any, cfg: TrainConfig) -> Any:
-    """`--schedule auto`'s timer of each unit's forward during the profile steps, when the run may re-partition:
-    stages that offer their units (the GPT's, an HF decoder's), no tensor parallelism (whose checkpoints load
-    only into the same partition)."""
+    """`--schedule auto`'s timer of each unit's forward, and of what it saves, during the profile steps, when the
+    run may re-partition: stages that offer their units (the GPT's, an HF decoder's), no tensor parallelism (whose
+    checkpoints load only into the same partition); bytes without recomputation only (unit_clock.py)."""
     from pipedsl.runtime.unit_clock import UnitClock
 
     stages = pipe.local_stages()
     seq2seq = cfg.hf is not None and cfg.hf.seq2seq is not None
     if cfg.parallel.tp > 1 or seq2seq or not UnitClock.supports(stages.values()):
         return None
-    return UnitClock(stages)
+    return UnitClock(stages, pipe.counter if pipe.recompute is None else None)
 
 
 def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, parallel: Any, step: int,
@@ -351,21 +350,21 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     carried over through a checkpoint of this step — weights, optimizer state, random state, the data position
     — into a pipeline for the new program.  A new partition loads from that checkpoint by tensor name
     (runtime/checkpoint/state.py), so later checkpoints are of the new partition and a resume may use any;
-    the gradients stay one process's.  Returns the new pipeline, optimizer, source, router statistics and
+    the gradients stay one process's.  Without `-p mem` the cap is what each rank's memory holds of the chosen
+    cut's stage activations (`_room`).  Returns the new pipeline, optimizer, source, router statistics and
     configuration (its `--split` the new cut points)."""
     import shutil
 
-    from pipedsl.plan.recut import choose_cut
+    from pipedsl.plan.recut import ROOM_UNBOUNDED, choose_cut
     from pipedsl.simulate import Cost
 
     timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
     units = None if clock is None else clock.report()
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, units)
-    wanted, room = dict(cfg.schedule.params), _activation_room(pipe, cfg)  # collective
-    if "mem" not in wanted:  # the user's -p mem wins; else what the device holds, at most ZB-2p's 2P
-        wanted["mem"] = max(1, min(2 * pipe.program.num_ranks, room))
-    plan = [choose_cut(timeline, gathered, pipe.program, wanted) if timeline is not None else None]
+    room = _room(pipe, cfg)  # collective
+    wanted = dict(cfg.schedule.params)  # the user's -p mem wins over what the memory holds
+    plan = [choose_cut(timeline, gathered, pipe.program, wanted, room) if timeline is not None else None]
     torch.distributed.broadcast_object_list(plan, src=0)
     decision = plan[0]
     cost = Cost(**decision["cost"])
@@ -383,13 +382,19 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         shutil.rmtree(directory, ignore_errors=True)
         split = (f"stages re-cut at units {','.join(map(str, decision['points']))} (predicted "
                  f"{decision['kept_ms']:.1f} ms on the old cut), " if decision["points"] is not None else "")
-        fit = f"{room:,}" if room < ROOM_UNBOUNDED else "any number of"
-        params = " ".join(f"{k}={v}" for k, v in program.params.items()) + \
-            f" ({fit} stage activations fit a rank{'; 1 is the least ZB-auto runs with' if room < 1 else ''})"
+        fit = decision["fit"]
+        params = " ".join(f"{k}={v}" for k, v in program.params.items())
+        if fit is not None:
+            said = f"{fit:,}" if fit < ROOM_UNBOUNDED else "any number of"
+            params += f" ({said} stage activations fit a rank{'; 1 is the least ZB-auto runs with' if fit < 1 else ''})"
+        if decision["peak_bytes"] is not None:
+            mib = [round(b / 2**20, 2) for b in decision["peak_bytes"]]
+            params += f", predicted peak activation MiB per rank {mib}"
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
                 f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted step "
                 f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms measured")
-        fields = {"program": program.name, "params": program.params, "activations_that_fit": room,
+        fields = {"program": program.name, "params": program.params, "activations_that_fit": fit,
+                  "stage_bytes": decision["stage_bytes"], "predicted_peak_bytes": decision["peak_bytes"],
                   "predicted_ms": decision["predicted_ms"],
                   "profiled_ms": decision["profiled_ms"], "split": decision["points"],
                   "kept_split_ms": decision["kept_ms"],
@@ -401,17 +406,21 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     return new, new_opt, new_source, load, cfg
 
 
-def _activation_room(pipe: Any, cfg: TrainConfig) -> int:
-    """How many stage activations fit each rank, the least over the ranks (collective): the memory for them
-    (--auto-memory, else the device's free memory now, between steps, less a tenth) over one stage activation's
-    saved bytes as this rank measured them in the last profile step."""
+def _room(pipe: Any, cfg: TrainConfig) -> Any:
+    """Per pipeline rank (collective): the memory it gives activations — --auto-memory, else the device's free
+    memory now, between steps, less a tenth; the least over its data-parallel replicas — and one stage activation's
+    saved bytes as it measured them in the last profile step (the most over the replicas)."""
+    from pipedsl.plan.recut import Room
+
     counter = pipe.counter
     each = counter.peak_bytes / counter.peak if counter.peak else 0.0
     budget = cfg.schedule.auto_memory * 2**30 if cfg.schedule.auto_memory else 0.9 * _free_bytes(pipe.device)
-    room = torch.tensor([float(min(budget // each, ROOM_UNBOUNDED) if each > 0 else ROOM_UNBOUNDED)],
-                        device=pipe.device)
-    torch.distributed.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
-    return int(room.item())
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (pipe.rank, budget, each))
+    budgets, measured = [float("inf")] * pipe.size, [0.0] * pipe.size
+    for r, b, e in gathered:
+        budgets[r], measured[r] = min(budgets[r], b), max(measured[r], e)
+    return Room(tuple(budgets), tuple(measured))
 
 
 def _free_bytes(device: torch.device) -> float:

@@ -2,7 +2,8 @@
 
 A stage is a run of consecutive units (layers, an embedding, a head); its weight is the sum of its
 units' (parameters, or seconds).  `balanced_sizes` minimises the heaviest stage; `even_sizes`, among
-those, the spread (Σ stage²).  `bounds_of` turns sizes into unit boundaries [0, …, L].
+those, the spread (Σ stage²).  Both may be held to the splits where every stage `fits` (what its rank's memory
+holds: plan/recut.py).  `bounds_of` turns sizes into unit boundaries [0, …, L].
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from pipedsl.errors import PipeDSLError
 
+Fits = Callable[[int, int, int], bool]  # (stage, first unit, end unit) -> whether the stage may hold those units
 
-def balanced_sizes(weights: Sequence[float], n: int) -> list[int]:
+
+def balanced_sizes(weights: Sequence[float], n: int, fits: Fits | None = None) -> list[int]:
     """Sizes of `n` contiguous non-empty parts of `weights` minimising the heaviest part (exact DP; ties go
-    to the earliest cut).  `split_sequential(by="params")` and the seq2seq/causal stages' `by="params"` cut
-    with it, so the planner's "params" split is the runtime's."""
+    to the earliest cut), among the splits where every part `fits` (all, without it; an error when none does).
+    `split_sequential(by="params")` and the seq2seq/causal stages' `by="params"` cut with it, so the planner's
+    "params" split is the runtime's."""
     L = len(weights)
     if not 1 <= n <= L:
         raise PipeDSLError(f"cannot split {L} units into {n} non-empty stages")
@@ -23,17 +27,19 @@ def balanced_sizes(weights: Sequence[float], n: int) -> list[int]:
 
     def parts(i: int, k: int) -> Iterator[tuple[int, float]]:  # (cut j, part j:i) in the order ties favour
         for j in range(k - 1, i):
-            yield j, prefix[i] - prefix[j]
+            if fits is None or fits(k - 1, j, i):
+                yield j, prefix[i] - prefix[j]
 
     return _cheapest(L, n, parts, max)
 
 
-def even_sizes(weights: Sequence[float], n: int) -> list[int]:
+def even_sizes(weights: Sequence[float], n: int, fits: Fits | None = None) -> list[int]:
     """Among the splits of `weights` into `n` contiguous parts whose heaviest part is the least possible
-    (`balanced_sizes`), the most even one: the least Σ part² (a second exact DP, capped at that heaviest part).
-    The slowest stage sets a pipeline's pace, but when one unit is the bottleneck (a 250k-vocabulary head) many
-    splits share it, and with several stages a rank (interleaved, V-shapes) the even one keeps the ranks even."""
-    sizes = balanced_sizes(weights, n)
+    (`balanced_sizes`, under the same `fits`), the most even one: the least Σ part² (a second exact DP, capped
+    at that heaviest part).  The slowest stage sets a pipeline's pace, but when one unit is the bottleneck (a
+    250k-vocabulary head) many splits share it, and with several stages a rank (interleaved, V-shapes) the even
+    one keeps the ranks even."""
+    sizes = balanced_sizes(weights, n, fits)
     prefix = _prefix(weights)
     edges = bounds_of(sizes)
     cap = max(prefix[b] - prefix[a] for a, b in zip(edges, edges[1:])) * (1 + 1e-9)
@@ -43,7 +49,8 @@ def even_sizes(weights: Sequence[float], n: int) -> list[int]:
             part = prefix[i] - prefix[j]
             if part > cap:
                 return
-            yield j, part
+            if fits is None or fits(k - 1, j, i):
+                yield j, part
 
     return _cheapest(len(weights), n, parts, lambda before, part: before + part * part)
 
@@ -70,6 +77,8 @@ def _cheapest(L: int, n: int, parts: Callable[[int, int], Iterator[tuple[int, fl
                 cost = combine(prev[j], part)
                 if cost < row[i]:
                     row[i], cut[k][i] = cost, j
+    if best[n][L] == inf:
+        raise PipeDSLError(f"no split of {L} units into {n} stages fits")
     sizes, i = [], L
     for k in range(n, 0, -1):
         j = cut[k][i]

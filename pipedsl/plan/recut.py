@@ -2,64 +2,141 @@
 the decision `pipedsl train --schedule auto` takes after its profile steps (trainer/train.py's `_switch`).
 
 Inputs: the traced step (a measured `Timeline` of some program over S stages) and, from every rank, each unit's
-median forward seconds with the units each stage holds (runtime/unit_clock.py).  Each stage's measured F, I and
-W are split among its units in proportion to their forward times (`partition.unit_costs`), the units are cut
-again where the heaviest stage is lightest (`partition.even_sizes`), and the new cut is kept when ZB-auto's
-simulated step on it is at least `GAIN` shorter than on the current one.
+median forward seconds and saved bytes with the units each stage holds (runtime/unit_clock.py), and what each
+rank gives activations (`Room`).  Each stage's measured F, I and W are split among its units in proportion to
+their forward times (`partition.unit_costs`).
+
+Memory: ZB-auto's cap counts stage activations, but a cut decides how large a stage activation is, so the cap is
+taken per cut — the activations of its stage that fit each rank's budget, the least over ranks, at most 2P (ZB-2p)
+and at least 1 — unless the user fixed it (`-p mem`).  The candidates are the current cut, the cut where the
+heaviest stage is lightest (`partition.even_sizes`), and the same held to stages whose activations fit their
+rank k times for larger caps k (a memory-bound rank gives up layers so that more microbatches fit everywhere).
+The one whose ZB-auto step simulates shortest is taken when it is at least `GAIN` shorter than the current cut's.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pipedsl
-from pipedsl.plan.partition import bounds_of, even_sizes, stage_costs_of, unit_costs
+from pipedsl.errors import PipeDSLError
+from pipedsl.plan.partition import Fits, bounds_of, even_sizes, stage_costs_of, unit_costs
 from pipedsl.simulate import Cost, simulate
 from pipedsl.timeline import Timeline
 
 GAIN = 0.97  # a new cut is taken for a predicted step this much of the current one's or less
-UnitTimes = tuple[dict[int, float], dict[int, list[int]]]  # a rank's (unit -> median seconds, stage -> its units)
+ROOM_UNBOUNDED = 1 << 30  # "any number of activations fit": no budget, or activations of no bytes
+# a rank's (unit -> median seconds, stage -> its units, unit -> median saved bytes (none when not counted))
+UnitTimes = tuple[dict[int, float], dict[int, list[int]], dict[int, float]]
 
 
-def choose_cut(timeline: Timeline, units: list[UnitTimes | None], program: Any,
-               params: dict[str, int] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Room:
+    """Per rank: the bytes it gives stage activations, and one activation's bytes as it measured them on the
+    profiled cut (0: not counted)."""
+
+    budget: tuple[float, ...]
+    measured: tuple[float, ...]
+
+
+def activations_that_fit(budget: float, each: float) -> int:
+    """How many activations of `each` bytes fit `budget` (`ROOM_UNBOUNDED` for activations of no bytes)."""
+    return ROOM_UNBOUNDED if each <= 0 else int(min(budget // each, ROOM_UNBOUNDED))
+
+
+def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: Any,
+               params: dict[str, int] | None = None, room: Room | None = None) -> dict[str, Any]:
     """{"cost": the costs to search ZB-auto under (a `Cost`'s fields), "program": ZB-auto searched under them (its
     JSON: the search runs once, here), "points": the new cut points or None (keep the cut), "predicted_ms"
     (ZB-auto's simulated step under the chosen cut), "kept_ms" (under the current one), "profiled_ms" (the
-    traced step)}; `units` None on some rank (stages without units) keeps the cut."""
+    traced step), "mem" (ZB-auto's cap), "fit" (the stage activations that fit a rank, the least over ranks;
+    None without a `room`), "stage_bytes" (one activation's predicted bytes per stage; None when not counted),
+    "peak_bytes" (per rank: its simulated peak activations times its stage's bytes)}.  `units` None on some rank
+    (stages without units) keeps the cut; `params["mem"]` fixes the cap."""
     fitted = Cost.fit(timeline, statistic="mean")  # a path's expected length is the sum of mean costs
     typical = Cost.fit(timeline, statistic="median").per_stage  # a stage's: one slow op does not move it
     cost = replace(fitted, per_stage={s: {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
                                       for s, c in typical.items()})
-    P, M, params = program.num_ranks, program.num_microbatches, params or {}
+    P, M, S = program.num_ranks, program.num_microbatches, program.num_stages
+    params = dict(params or {})
+    fixed = "mem" in params or room is None
 
-    def searched(c: Cost) -> tuple[Any, float]:
-        found = pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **params)
-        return found, simulate(found, c).makespan
+    def cap(stage_bytes: Sequence[float] | None) -> tuple[int, int | None]:
+        """(ZB-auto's cap, the activations that fit) for stages of these bytes, one a rank."""
+        if fixed or stage_bytes is None:
+            return params.get("mem", 2 * P), None
+        fit = min(activations_that_fit(b, e) for b, e in zip(room.budget, stage_bytes))  # type: ignore[union-attr]
+        return max(1, min(2 * P, fit)), fit
 
-    kept_program, kept = searched(cost)
-    decision = {"cost": cost.__dict__, "program": kept_program.to_json(), "points": None, "predicted_ms": kept * 1e3,
-                "kept_ms": kept * 1e3, "profiled_ms": timeline.makespan * 1e3}
-    if any(u is None for u in units):
-        return decision
-    seconds: dict[int, list[float]] = {}
+    def searched(c: Cost, stage_bytes: Sequence[float] | None, points: list[int] | None) -> dict[str, Any]:
+        mem, fit = cap(stage_bytes)
+        found = pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **{**params, "mem": mem})
+        timed = simulate(found, c)
+        peaks = None if stage_bytes is None else [n * b for n, b in zip(timed.peak_activations, stage_bytes)]
+        return {"cost": c.__dict__, "program": found.to_json(), "points": points, "predicted_ms": timed.makespan * 1e3,
+                "mem": mem, "fit": fit, "stage_bytes": None if stage_bytes is None else list(stage_bytes),
+                "peak_bytes": peaks}
+
+    whole = units and all(u is not None for u in units)
     held: dict[int, list[int]] = {}
-    for medians, stages in units:  # type: ignore[misc]
+    for report in units if whole else ():
+        held.update(report[1])  # type: ignore[index]
+    if not whole or sorted(held) != list(range(S)):  # no units to move: the current cut, its measured bytes
+        measured = list(room.measured) if room is not None and len(room.measured) == S else None
+        decision = searched(cost, measured if measured and all(measured) else None, None)
+        return {**decision, "kept_ms": decision["predicted_ms"], "profiled_ms": timeline.makespan * 1e3}
+    seconds: dict[int, list[float]] = {}
+    saved: dict[int, float] = {}
+    for medians, _, unit_bytes in units:  # type: ignore[misc]
         for u, t in medians.items():
             seconds.setdefault(u, []).append(t)
-        held.update(stages)
-    S = program.num_stages
-    if sorted(held) != list(range(S)):
-        return decision
+        saved.update(unit_bytes)
     bounds = [min(held[s]) for s in range(S)] + [max(held[S - 1]) + 1]
     per_unit = unit_costs(cost.per_stage, {u: sum(t) / len(t) for u, t in seconds.items()}, bounds)
-    cut = list(bounds_of(even_sizes([sum(c.values()) for c in per_unit], S)))
-    if cut == bounds:
-        return decision
-    recut = replace(cost, per_stage=stage_costs_of(per_unit, cut))
-    recut_program, then = searched(recut)
-    if then < GAIN * kept:
-        decision.update(cost=recut.__dict__, program=recut_program.to_json(), points=cut[1:-1],
-                        predicted_ms=then * 1e3)
-    return decision
+    weights = [sum(c.values()) for c in per_unit]
+    unit_bytes = _unit_bytes(saved, bounds, room)
+
+    def stage_bytes(cut: Sequence[int]) -> list[float] | None:
+        return None if unit_bytes is None else [sum(unit_bytes[a:b]) for a, b in zip(cut, cut[1:])]
+
+    kept = searched(cost, stage_bytes(bounds), None)
+    cuts = [list(bounds_of(even_sizes(weights, S)))]
+    if unit_bytes is not None and room is not None and not fixed:
+        even_cap = cap(stage_bytes(cuts[0]))[0]
+        for k in sorted({2 * P, (3 * P + 1) // 2, P, even_cap + 1}, reverse=True):
+            if even_cap < k <= 2 * P:
+                try:
+                    cuts.append(list(bounds_of(even_sizes(weights, S, _fitting(unit_bytes, room.budget, k)))))
+                except PipeDSLError:  # no cut holds k activations on every rank
+                    continue
+    best = kept
+    for cut in dict.fromkeys(map(tuple, cuts)):  # each distinct cut once, in order
+        if list(cut) == bounds:
+            continue
+        tried = searched(replace(cost, per_stage=stage_costs_of(per_unit, cut)), stage_bytes(cut), list(cut[1:-1]))
+        if tried["predicted_ms"] < min(GAIN * kept["predicted_ms"], best["predicted_ms"]):
+            best = tried
+    return {**best, "kept_ms": kept["predicted_ms"], "profiled_ms": timeline.makespan * 1e3}
+
+
+def _unit_bytes(saved: dict[int, float], bounds: list[int], room: Room | None) -> list[float] | None:
+    """Each unit's bytes of one activation: what its forward saved (runtime/unit_clock.py), and a stage's measured
+    bytes beyond its units' (the loss after the head) with its last unit; None where a unit was not counted."""
+    L = bounds[-1]
+    if any(u not in saved for u in range(L)):
+        return None
+    out = [saved[u] for u in range(L)]
+    if room is not None and len(room.measured) == len(bounds) - 1:
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            out[b - 1] += max(room.measured[s] - sum(out[a:b]), 0.0)
+    return out
+
+
+def _fitting(unit_bytes: list[float], budget: Sequence[float], k: int) -> Fits:
+    """The `partition.Fits` of stages whose activations fit their rank's `budget` `k` times (stage s on rank s)."""
+    prefix = [0.0]
+    for b in unit_bytes:
+        prefix.append(prefix[-1] + b)
+    return lambda s, a, b: (prefix[b] - prefix[a]) * k <= budget[s]

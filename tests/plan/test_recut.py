@@ -14,7 +14,7 @@ from torch import nn
 import pipedsl
 from pipedsl.models.split import split_sequential
 from pipedsl.plan.partition import bounds_of, stage_costs_of, unit_costs
-from pipedsl.plan.recut import choose_cut
+from pipedsl.plan.recut import Room, choose_cut
 from pipedsl.runtime.recompute import Recompute
 from pipedsl.runtime.unit_clock import UnitClock
 
@@ -49,7 +49,7 @@ def _profile(unit_f: list[float], bounds: list[int], P: int, M: int) -> tuple[pi
     cost = pipedsl.Cost(F=1.0, I=1.0, W=1.0, comm=0.01,
                         per_stage={s: {"F": f, "I": f, "W": f} for s, f in stage.items()})
     timeline = pipedsl.simulate(pipedsl.load("zb-h1").compile(P=P, M=M), cost)
-    reports = [({u: unit_f[u] for u in range(a, b)}, {s: list(range(a, b))})
+    reports = [({u: unit_f[u] for u in range(a, b)}, {s: list(range(a, b))}, {})
                for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return timeline, reports
 
@@ -91,9 +91,85 @@ def test_unit_clock_times_training_forwards_only() -> None:
         stages[0](x)
     recompute = Recompute(stages[1], "full")
     recompute.run(stages[1], (stages[0](x),), None).sum().backward()  # forward once, again in the backward
-    medians, held = clock.report()
-    assert set(medians) == {0, 1, 2, 3} and all(t > 0 for t in medians.values())
+    medians, held, saved = clock.report()
+    assert set(medians) == {0, 1, 2, 3} and all(t > 0 for t in medians.values()) and saved == {}  # no counter
     assert {u: len(v) for u, v in clock.seconds.items()} == {0: 2, 1: 2, 2: 2, 3: 2}
     clock.close()
     stages[0](x)
     assert len(clock.seconds[0]) == 2  # the hooks are gone
+
+
+def _reports_with_bytes(unit_f: list[float], unit_b: list[float], bounds: list[int], P: int, M: int
+                        ) -> tuple[pipedsl.Timeline, list]:
+    timeline, reports = _profile(unit_f, bounds, P, M)
+    return timeline, [(t, held, {u: unit_b[u] for u in t}) for t, held, _ in reports]
+
+
+def test_choose_cut_gives_a_memory_bound_rank_fewer_layers() -> None:
+    """An embedding, 8 blocks and a head whose logits make its activation 3 blocks' bytes; rank 0 (which holds
+    the most activations) has room for 8 block activations, the others for 100.  Cut [3, 3, 2, 2], stage 0's
+    activation is 2.1 blocks', so 3 fit and ZB-auto runs at mem=3; the cut chosen gives stage 0 the embedding
+    and one block (1.1: 7 fit), and its step is shorter.  Every rank's predicted peak is within its room."""
+    unit_f, unit_b = [0.05, *[1.0] * 8, 1.5], [0.1, *[1.0] * 8, 3.0]
+    timeline, reports = _reports_with_bytes(unit_f, unit_b, list(bounds_of([3, 3, 2, 2])), 4, 8)
+    program = pipedsl.load("zb-h1").compile(P=4, M=8)
+    budget = (8.0, 100.0, 100.0, 100.0)
+    decision = choose_cut(timeline, reports, program, {}, Room(budget, (0.0,) * 4))
+    assert decision["points"] == [2, 5, 8] and decision["mem"] == decision["fit"] == 7, decision
+    assert decision["stage_bytes"] == pytest.approx([1.1, 3.0, 3.0, 4.0])
+    assert all(p <= b for p, b in zip(decision["peak_bytes"], budget))
+    assert decision["predicted_ms"] < 0.97 * decision["kept_ms"]
+    kept = choose_cut(timeline, reports, program, {"mem": 3})  # the current cut's own cap, fixed: what it runs at
+    assert kept["points"] is None and decision["kept_ms"] == pytest.approx(kept["kept_ms"])
+    unbounded = choose_cut(timeline, reports, program, {}, Room((100.0,) * 4, (0.0,) * 4))
+    assert unbounded["points"] is None and unbounded["mem"] == 8 and unbounded["fit"] == 25
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 3.0), st.floats(0.1, 4.0)), min_size=4, max_size=8), st.integers(2, 3),
+       st.lists(st.floats(1.0, 30.0), min_size=3, max_size=3))
+def test_choose_cut_keeps_every_rank_within_its_memory(units, P, budgets) -> None:
+    """Whatever the units' times and bytes and the ranks' rooms, the cap is the activations of the chosen cut's
+    stages that fit (at most 2P, at least 1), and wherever one fits every rank's simulated peak is within its
+    room."""
+    unit_f, unit_b = [t for t, _ in units], [b for _, b in units]
+    L = len(units)
+    timeline, reports = _reports_with_bytes(unit_f, unit_b, list(bounds_of([L // P] * (P - 1) + [L - L // P * (P - 1)])),
+                                            P, 2 * P)
+    budget = tuple(budgets[:P])
+    decision = choose_cut(timeline, reports, pipedsl.load("zb-h1").compile(P=P, M=2 * P), {}, Room(budget, (0.0,) * P))
+    fit = min(int(b // s) for b, s in zip(budget, decision["stage_bytes"]))
+    assert decision["fit"] == fit and decision["mem"] == max(1, min(2 * P, fit))
+    if fit >= 1:
+        assert all(p <= b * (1 + 1e-9) for p, b in zip(decision["peak_bytes"], budget)), decision
+
+
+def test_unit_bytes_predict_the_saved_bytes_of_every_cut() -> None:
+    """GPT blocks, a norm and a head on runtime stages counting their saved bytes: the unit clock's figures, taken
+    on one cut, add up to what each stage of any other cut counts for one activation (exactly)."""
+    from pipedsl.models.gpt.model import Block, GPTConfig
+    from pipedsl.runtime.stage import ActivationCounter, Stage
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_embd=32, n_head=4, block_size=16)
+    layers = nn.Sequential(*[Block(cfg) for _ in range(4)], nn.LayerNorm(32), nn.Linear(32, 64))
+
+    def run(points: list[int]) -> tuple[list[int], dict[int, float]]:
+        stages = split_sequential(layers, points=points)
+        counter = ActivationCounter()
+        clock = UnitClock(dict(enumerate(stages)), counter)
+        x, counted, kept = torch.randn(2, 16, 32), [], []
+        for s, module in enumerate(stages):
+            before = counter.live_bytes
+            act, outs = Stage(module, s, len(stages) + 1, None, 1, counter).forward([x])
+            kept.append(act)
+            counted.append(counter.live_bytes - before)
+            x = outs[0]
+        clock.close()
+        return counted, clock.saved_bytes()
+
+    _, unit_bytes = run([1, 3])
+    for points in ([1, 3], [2, 5], [3, 4], [1, 2]):
+        edges = [0, *points, 6]
+        counted, _ = run(points)
+        assert counted == [sum(unit_bytes[u] for u in range(a, b)) for a, b in zip(edges, edges[1:])], points

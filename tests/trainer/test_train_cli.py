@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -156,6 +157,10 @@ def test_train_schedule_auto_profiles_searches_switches_and_equals_one_process(t
     assert switch["split"] in ([2], [3]) and switch["predicted_ms"] < switch["kept_split_ms"], switch
     assert switch["cost"]["F"] > 0 and switch["cost"]["W"] > 0
     assert not (out / "auto-switch").exists()  # the hand-over checkpoint is gone
+    # each rank's peak saved bytes under the new cut, predicted from the units' bytes measured on the old one: what
+    # the last step counted (the stdout's KiB, rounded to 0.1)
+    measured = json.loads(re.search(r"saved-activation KiB per rank (\[[^]]*\])", proc.stdout).group(1))
+    assert measured == pytest.approx([b / 1024 for b in switch["predicted_peak_bytes"]], abs=0.051), switch
 
     # without -p mem the cap is what the device holds: --auto-memory of 1 KB fits no activation, so ZB-auto runs
     # with its least cap, 1 a rank (measured), and still every loss equals one process
