@@ -157,20 +157,45 @@ def stage_layers(model: ModelSpec, layout: Layout, stages: int) -> list[int] | N
     return list(_balanced_layers(model, stages))
 
 
+def piece_flops(model: ModelSpec) -> list[float]:
+    """The forward FLOPs of a sample through each piece of [embedding, layers…, head]: what a balanced split
+    balances (the embedding's lookup counted as none)."""
+    return [0.0, *(model.layer_flops(1, model.is_moe_layer(i)) for i in range(model.layers)), model.logit_flops(1)]
+
+
 @lru_cache(maxsize=4096)
 def _balanced_layers(model: ModelSpec, stages: int) -> tuple[int, ...]:
-    weights = [0.0, *(model.layer_flops(1, model.is_moe_layer(i)) for i in range(model.layers)), model.logit_flops(1)]
-    sizes = even_sizes(weights, stages)
+    sizes = even_sizes(piece_flops(model), stages)
     sizes[0] -= 1  # the embedding
     sizes[-1] -= 1  # the head
     return tuple(sizes)
 
 
-def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int = 1) -> StageCosts:
-    """Costs of each of `stages` program stages (layers split by `stage_layers`; embedding on the first,
-    output layer on the last) for `layout` on `cluster`."""
+def piece_params(model: ModelSpec, layout: Layout) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per piece of [embedding, layers…, head]: its parameters per GPU, and the routed experts' share of them (already
+    / ep): what `stage_costs` gives a stage holding those pieces (`stage_params`, `expert_params`)."""
+    return _piece_params(model, layout.tp, layout.ep)
+
+
+@lru_cache(maxsize=256)
+def _piece_params(model: ModelSpec, t: int, ep: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    params, experts = [model.embedding_params / t], [0.0]
+    for i in range(model.layers):
+        moe = model.is_moe_layer(i)
+        e = model.moe_layer_expert_params / t / ep if moe else 0.0
+        params.append((model.block_params(moe) - e * t * (ep - 1)) / t)
+        experts.append(e)
+    params.append((model.vocab * model.hidden + 2 * model.hidden) / t)  # the output layer, the final norm
+    experts.append(0.0)
+    return tuple(params), tuple(experts)
+
+
+def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int = 1,
+                layers: Sequence[int] | None = None) -> StageCosts:
+    """Costs of each of `stages` program stages (`layers` each, or split by `stage_layers`; embedding on the
+    first, output layer on the last) for `layout` on `cluster`."""
     b, t, h, s = layout.microbatch, layout.tp, model.hidden, model.seq
-    layers = stage_layers(model, layout, stages)
+    layers = list(layers) if layers is not None else stage_layers(model, layout, stages)
     assert layers is not None, "stage_costs: the layers do not split into the stages (search.py checks first)"
     starts = [sum(layers[:st]) for st in range(stages)]
     q = tp_degree_3d(t) if layout.tp_mode == "3d" else 0

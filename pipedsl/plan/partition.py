@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from pipedsl.errors import PipeDSLError
 
-Fits = Callable[[int, int, int], bool]  # (stage, first unit, end unit) -> whether the stage may hold those units
+# (stage, first unit, end unit) -> whether the stage may hold those units; a part that fits still fits with fewer
+Fits = Callable[[int, int, int], bool]
 
 
 def balanced_sizes(weights: Sequence[float], n: int, fits: Fits | None = None) -> list[int]:
@@ -23,12 +24,18 @@ def balanced_sizes(weights: Sequence[float], n: int, fits: Fits | None = None) -
     L = len(weights)
     if not 1 <= n <= L:
         raise PipeDSLError(f"cannot split {L} units into {n} non-empty stages")
+    if fits is not None and not _coverable(L, n, fits):
+        raise PipeDSLError(f"no split of {L} units into {n} stages fits")
     prefix = _prefix(weights)
 
     def parts(i: int, k: int) -> Iterator[tuple[int, float]]:  # (cut j, part j:i) in the order ties favour
-        for j in range(k - 1, i):
-            if fits is None or fits(k - 1, j, i):
-                yield j, prefix[i] - prefix[j]
+        first = k - 1
+        if fits is not None:  # the longest part j:i that fits: fewer units fit too
+            first = i
+            while first > k - 1 and fits(k - 1, first - 1, i):
+                first -= 1
+        for j in range(first, i):
+            yield j, prefix[i] - prefix[j]
 
     return _cheapest(L, n, parts, max)
 
@@ -47,12 +54,25 @@ def even_sizes(weights: Sequence[float], n: int, fits: Fits | None = None) -> li
     def parts(i: int, k: int) -> Iterator[tuple[int, float]]:
         for j in range(i - 1, k - 2, -1):  # the part j:i grows as j falls: stop past the cap
             part = prefix[i] - prefix[j]
-            if part > cap:
+            if part > cap or (fits is not None and not fits(k - 1, j, i)):  # longer parts neither
                 return
-            if fits is None or fits(k - 1, j, i):
-                yield j, part
+            yield j, part
 
     return _cheapest(len(weights), n, parts, lambda before, part: before + part * part)
+
+
+def _coverable(L: int, n: int, fits: Fits) -> bool:
+    """Whether some split of L units into n non-empty parts fits: each part taken as long as it fits, leaving a unit
+    for each part after it (a shorter part leaves the rest no easier, since fewer units fit too)."""
+    a = 0
+    for k in range(n):
+        if a >= L or not fits(k, a, a + 1):
+            return False
+        b = a + 1
+        while b < L - (n - 1 - k) and fits(k, a, b + 1):
+            b += 1
+        a = b
+    return a == L
 
 
 def _prefix(weights: Sequence[float]) -> list[float]:

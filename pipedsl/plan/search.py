@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import builtin_names, load
@@ -23,9 +24,10 @@ from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.cost import StageCosts, stage_costs, stage_layers, tp_degree_3d
+from pipedsl.plan.cost import StageCosts, piece_flops, piece_params, stage_costs, stage_layers, tp_degree_3d
 from pipedsl.plan.memory import MemoryReport, model_states, moe_model_states, state_bytes
 from pipedsl.plan.model import ModelSpec
+from pipedsl.plan.partition import even_sizes
 from pipedsl.plan.pipeline import compiled, program_peaks, run_pipeline, simulation_sizes, skeleton, stage_ranks
 from pipedsl.plan.runnable import NotRunnableError, check_runnable
 
@@ -208,11 +210,9 @@ def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> floa
     _check_shape(model, layout)
     _check_states(model, cluster, layout)
     program = _skeleton(layout)
-    S = program.num_stages
-    layers = _layers(model, layout, S)
-    costs = stage_costs(model, cluster, layout, S, program.num_replicas)
-    _check_memory(cluster, _memory(model, layout, costs, stage_ranks(program), program.peaks, layers)[0],
-                  "at least ")
+    layers, costs, _, _ = _costed(model, cluster, layout, program, program.peaks, "at least ")
+    if layers != stage_layers(model, layout, program.num_stages):  # fitted to the small size's peaks: the full
+        return 0.0  # size's may take other layers, whose bound this one is not
     return _placement_bound(program, costs, layout.microbatches)
 
 
@@ -233,43 +233,114 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepare
         peaks = program_peaks(layout.schedule, P, M, layout.params)
     except PipeDSLError as err:
         raise LayoutError(f"schedule: {err.message}") from None
-    S = program.num_stages
-    layers = _layers(model, layout, S)
-    costs = stage_costs(model, cluster, layout, S, program.num_replicas)
+    layers, costs, memory, per_rank = _costed(model, cluster, layout, program, peaks)
     on_rank = stage_ranks(program)
-    memory, per_rank = _memory(model, layout, costs, on_rank, peaks, layers)
-    _check_memory(cluster, memory)
     return _Prepared(layout, costs, memory, _placement_bound(program, costs, M), on_rank, per_rank, tuple(layers))
 
 
 def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]],
             peaks: Sequence[float], layers: Sequence[int]) -> tuple[MemoryReport, tuple[float, ...]]:
-    """The fullest rank (and every rank's total, by pipeline rank): model states of its stages
-    (`memory.model_states`, the function the runtime's byte tests check), plus its peak live microbatch
-    activations and one recomputed region's working set.  A rank's stage activations are counted at its
-    largest stage's layers (`layers`: each stage's).  An MoE model: the experts' states over their dp/ep
-    replicas (`memory.moe_model_states`), each layer's activations the larger of a dense and an MoE layer's."""
-    t, b, sp, fused = layout.tp, layout.microbatch, layout.sp, layout.fused
-    kinds = (False, True) if model.moe else (False,)
-    per_layer = max(model.layer_activation_bytes(b, t, layout.recompute, sp, fused, moe) for moe in kinds)
-    whole = max(model.layer_activation_bytes(b, t, "none", sp, fused, moe) for moe in kinds)
-    working = whole - per_layer if layout.recompute != "none" else 0.0  # one block (or attention module) again
-    stages = len(layers)
+    """The fullest rank (and every rank's total, by pipeline rank): `_rank_memory` of the stages on it, their
+    activations counted at its largest stage's layers (`layers`: each stage's)."""
+    stages, terms = len(layers), _activation_terms(model, layout)
     worst: MemoryReport | None = None
     totals: dict[int, float] = {}
     for r, st in on_rank.items():
-        experts = sum(costs.expert_params[s] for s in st) * layout.ep if costs.expert_params else 0.0
-        states = moe_model_states(sum(costs.stage_params[s] for s in st) - experts / layout.ep + experts, experts,
-                                  layout.dp, layout.ep, layout.zero, state_bytes("bf16", layout.grads))
-        extra = working
-        if stages - 1 in st:
-            extra += 4 * b * model.seq * model.vocab / t  # fp32 logits of the microbatch in flight
-        report = MemoryReport(states, peaks[r] * max(layers[s] for s in st) * per_layer + extra, round(peaks[r]))
+        experts = sum(costs.expert_params[s] for s in st) if costs.expert_params else 0.0
+        report = _rank_memory(model, layout, sum(costs.stage_params[s] for s in st), experts, peaks[r],
+                              max(layers[s] for s in st), stages - 1 in st, terms)
         totals[r] = report.total
         if worst is None or report.total > worst.total:
             worst = report
     assert worst is not None
     return worst, tuple(totals[r] for r in sorted(totals))
+
+
+def _rank_memory(model: ModelSpec, layout: Layout, params: float, experts: float, peak: float, layers: int,
+                 last: bool, terms: tuple[float, float, float] | None = None) -> MemoryReport:
+    """One rank's peak: the model states of its `params` per GPU (`memory.model_states`, the function the runtime's
+    byte tests check; `experts` of them routed experts, already / ep: `memory.moe_model_states` over their dp/ep
+    replicas), plus its `peak` live microbatch activations of `layers` layers each and one recomputed region's
+    working set (the last stage: the fp32 logits of the microbatch in flight too); `terms`: `_activation_terms`."""
+    per_layer, extra, logits = terms or _activation_terms(model, layout)
+    routed = experts * layout.ep
+    states = moe_model_states(params - experts + routed, routed, layout.dp, layout.ep, layout.zero,
+                              state_bytes("bf16", layout.grads))
+    return MemoryReport(states, peak * layers * per_layer + extra + (logits if last else 0.0), round(peak))
+
+
+def _activation_terms(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
+    """(one layer's stored activation bytes a microbatch, one recomputed region's working set, the last stage's fp32
+    logits of the microbatch in flight).  An MoE model: each layer's the larger of a dense and an MoE layer's."""
+    t, b, sp, fused = layout.tp, layout.microbatch, layout.sp, layout.fused
+    kinds = (False, True) if model.moe else (False,)
+    per_layer = max(model.layer_activation_bytes(b, t, layout.recompute, sp, fused, moe) for moe in kinds)
+    whole = max(model.layer_activation_bytes(b, t, "none", sp, fused, moe) for moe in kinds)
+    working = whole - per_layer if layout.recompute != "none" else 0.0  # one block (or attention module) again
+    return per_layer, working, 4 * b * model.seq * model.vocab / t
+
+
+def _fitted_layers(model: ModelSpec, cluster: ClusterSpec, layout: Layout, on_rank: dict[int, list[int]],
+                   peaks: Sequence[float], stages: int) -> list[int] | None:
+    """A balanced split's layers when the FLOP-balanced one leaves a rank out of memory: the FLOP-balanced split
+    among those where every rank fits (`partition.even_sizes` held to them).  A schedule's first ranks hold the
+    most activations, so they give up layers (Megatron's smaller first stage, for memory).  One stage a rank
+    only; None when no split fits."""
+    if layout.split != "balanced" or any(len(st) != 1 for st in on_rank.values()) or model.layers > MAX_BALANCED_LAYERS:
+        return None
+    rank_of = {st[0]: r for r, st in on_rank.items()}
+    return _fitted(model, layout, cluster.memory - cluster.reserved_memory,
+                   tuple(peaks[rank_of[s]] for s in range(stages)))
+
+
+@lru_cache(maxsize=4096)
+def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float, ...]) -> list[int] | None:
+    """`_fitted_layers` for stage s's rank holding `peaks[s]` activations at most, in `usable` bytes."""
+    params, experts = piece_params(model, layout)
+    p_sum, e_sum = [0.0], [0.0]
+    for p, e in zip(params, experts):
+        p_sum.append(p_sum[-1] + p)
+        e_sum.append(e_sum[-1] + e)
+    pieces = model.layers + 2
+    # a rank's bytes are linear in its parameters and its layers: price one of each once
+    base = _rank_memory(model, layout, 0.0, 0.0, 0.0, 0, False).total  # the recomputed working set
+    per_param = _rank_memory(model, layout, 1.0, 0.0, 0.0, 0, False).total - base
+    per_expert = _rank_memory(model, layout, 1.0, 1.0, 0.0, 0, False).total - base - per_param
+    per_layer, _, logits = _activation_terms(model, layout)
+
+    def fits(s: int, a: int, b: int) -> bool:  # stage s holds pieces a..b-1 of [embedding, layers…, head]
+        layers = min(b, pieces - 1) - max(a, 1)
+        total = (base + per_param * (p_sum[b] - p_sum[a]) + per_expert * (e_sum[b] - e_sum[a])
+                 + peaks[s] * layers * per_layer + (logits if b == pieces else 0.0))
+        return total <= usable
+
+    try:
+        sizes = even_sizes(piece_flops(model), len(peaks), fits)
+    except PipeDSLError:
+        return None
+    sizes[0] -= 1  # the embedding
+    sizes[-1] -= 1  # the head
+    return sizes
+
+
+def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, peaks: Sequence[float],
+            qualifier: str = "") -> tuple[list[int], StageCosts, MemoryReport, tuple[float, ...]]:
+    """The layers of each stage, their costs, the fullest rank's memory and every rank's: the layout's split,
+    or where its balanced split leaves a rank out of memory, the balanced split that fits (`_fitted_layers`);
+    a `LayoutError` when the memory does not hold it."""
+    S = program.num_stages
+    layers = _layers(model, layout, S)
+    costs = stage_costs(model, cluster, layout, S, program.num_replicas)
+    on_rank = stage_ranks(program)
+    memory, per_rank = _memory(model, layout, costs, on_rank, peaks, layers)
+    if memory.total > cluster.memory - cluster.reserved_memory:
+        fitted = _fitted_layers(model, cluster, layout, on_rank, peaks, S)
+        if fitted is not None and fitted != layers:
+            layers = fitted
+            costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
+            memory, per_rank = _memory(model, layout, costs, on_rank, peaks, layers)
+    _check_memory(cluster, memory, qualifier)
+    return layers, costs, memory, per_rank
 
 
 def _sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float, float, float] | None:

@@ -12,7 +12,7 @@ from pipedsl.models.gpt.model import GPT, GPTConfig
 from pipedsl.plan.cli import train_split
 from pipedsl.plan.cluster import cluster_preset
 from pipedsl.plan.config import Layout
-from pipedsl.plan.cost import stage_costs, stage_layers
+from pipedsl.plan.cost import piece_params, stage_costs, stage_layers
 from pipedsl.plan.model import ModelSpec, model_preset
 from pipedsl.plan.search import evaluate, search
 
@@ -80,3 +80,60 @@ def test_a_model_deeper_than_the_balanced_limit_is_searched_even_only_and_says_w
     result = search(deep, cluster_preset("a100-80gb").with_gpus(4), top=5)
     assert result.ranked and all(e.layout.split == "even" for e in result.ranked)
     assert any(r.reason.startswith("size: balanced splits") for r in result.rejected)
+
+
+def test_piece_params_add_up_to_each_stages_params() -> None:
+    """`piece_params`, summed over the pieces of any split, gives `stage_costs`' parameters and expert parameters per
+    stage (what the memory-fitted split prices each candidate stage with): dense and MoE (DeepSeek-V3's dense
+    first layers, ep 8, tp 2)."""
+    cluster = cluster_preset("h100").with_gpus(64)
+    for model, layout in ((model_preset("llama-8b"), Layout(dp=2, pp=4, tp=2, schedule="1f1b", microbatch=1, microbatches=8)),
+                          (model_preset("deepseek-v3"), Layout(dp=8, pp=4, tp=2, schedule="1f1b", ep=8, microbatch=1, microbatches=8))):
+        params, experts = piece_params(model, layout)
+        L = model.layers
+        for layers in ([L - 3, 1, 1, 1], [1, L - 3, 1, 1], [0, L // 2, L - L // 2, 0]):
+            costs = stage_costs(model, cluster, layout, 4, 1, layers)
+            edges = [0, layers[0] + 1, layers[0] + 1 + layers[1], layers[0] + 1 + layers[1] + layers[2], L + 2]
+            for s, (a, b) in enumerate(zip(edges, edges[1:])):
+                assert sum(params[a:b]) == pytest.approx(costs.stage_params[s], rel=1e-12)
+                assert sum(experts[a:b]) == pytest.approx(costs.expert_params[s] if costs.expert_params else 0.0,
+                                                          rel=1e-12, abs=1e-9)
+
+
+def test_a_rank_short_of_memory_gives_up_layers_in_the_balanced_split() -> None:
+    """16 layers of hidden 2048 on 4 ranks under 1F1B, 5 GB usable: the FLOP-balanced split [5, 4, 4, 3] needs 5.8 GB
+    on rank 0, which holds 4 microbatches' activations.  The balanced layout then takes the FLOP-balanced split among
+    those where every rank fits: rank 0 gives up a layer, every rank is within 5 GB, and no split that fits (all
+    680, tried) has a lighter heaviest stage.  The step is 0.3 % slower than with memory to spare."""
+    import dataclasses
+    import itertools
+
+    from pipedsl.plan.cost import piece_flops
+    from pipedsl.plan.pipeline import compiled, program_peaks, stage_ranks
+    from pipedsl.plan.search import _memory
+
+    model = ModelSpec("deep", layers=16, hidden=2048, heads=16, seq=2048, vocab=32000, global_batch=64)
+    layout = _layout("balanced")
+    roomy = cluster_preset("h100").with_gpus(4)
+    cluster = dataclasses.replace(roomy, memory=roomy.reserved_memory + 5e9)
+    usable = 5e9
+    on_rank, peaks = stage_ranks(compiled("1f1b", 4, 8)), program_peaks("1f1b", 4, 64)
+
+    def memory(layers: list[int]) -> float:
+        return _memory(model, layout, stage_costs(model, cluster, layout, 4, 1, layers), on_rank, peaks, layers)[0].total
+
+    flop_balanced = stage_layers(model, layout, 4)
+    assert flop_balanced == [5, 4, 4, 3] and memory(flop_balanced) > usable
+    fitted = evaluate(model, cluster, layout)
+    assert fitted.layers[0] < 5 and sum(fitted.layers) == 16 and max(fitted.rank_memory) <= usable
+    weights = piece_flops(model)
+
+    def heaviest(layers: tuple[int, ...]) -> float:
+        edges = [0, *itertools.accumulate([layers[0] + 1, *layers[1:-1], layers[-1] + 1])]
+        return max(sum(weights[a:b]) for a, b in zip(edges, edges[1:]))
+
+    splits = [(a, b, c, 16 - a - b - c) for a in range(17) for b in range(1, 17) for c in range(1, 17)
+              if a + b + c <= 16]
+    fitting = [s for s in splits if memory(list(s)) <= usable]
+    assert len(splits) == 680 and fitting and heaviest(fitted.layers) == min(map(heaviest, fitting))
+    assert fitted.iteration <= 1.01 * evaluate(model, roomy, layout).iteration
