@@ -29,8 +29,9 @@ from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
 from pipedsl.plan.encdec import ENCDEC_RECOMPUTE, EncDecSpec
 from pipedsl.plan.encdec_cost import EncDecStages, RankMemory, encdec_stage_costs, points, rank_memory, split_bounds
-from pipedsl.plan.pipeline import compiled, run_pipeline, simulation_sizes, stage_ranks
+from pipedsl.plan.pipeline import compiled, is_searched, run_pipeline, simulation_sizes, stage_ranks
 from pipedsl.plan.search import MICROBATCH_SIZES, VARIANTS, LayoutError, Rejected, _placement_bound, _sharing, _skeleton
+from pipedsl.simulate import Cost
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,11 @@ def _live(program: Program, per_stage: Sequence[float]) -> tuple[list[float], li
 
 
 def live_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...],
-               per_stage: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """`_live` of the schedule's program at M, extended linearly past the simulated sizes (as `program_peaks`)."""
+               per_stage: Sequence[float], cost: Cost | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`_live` of the schedule's program at M, extended linearly past the simulated sizes (as `program_peaks`); a
+    searched schedule's as searched under `cost`."""
     sizes = simulation_sizes(M, P)
-    runs = [_live(compiled(schedule, P, m, params), per_stage) for m in sizes]
+    runs = [_live(compiled(schedule, P, m, params, cost), per_stage) for m in sizes]
     if len(runs) == 1:
         return tuple(runs[0][0]), tuple(runs[0][1])
     k = (M - sizes[0]) / (sizes[1] - sizes[0])
@@ -188,7 +190,8 @@ def _quick(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str,
     fullest = _fullest(rank_memory(stages, layout, on_rank, at_least, program.peaks, program.split_backward))
     if result is not None:
         result.least_memory = min(result.least_memory, fullest.total)
-    _check_memory(cluster, fullest, "at least ")
+    if not is_searched(layout.schedule):  # a searched order's peaks come with the costs: checked in `_prepare`
+        _check_memory(cluster, fullest, "at least ")
     return _placement_bound(program, stages.costs, layout.microbatches)
 
 
@@ -200,7 +203,11 @@ def _prepare(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str)
         raise LayoutError(f"schedule: {err.message}") from None
     stages = _stages(spec, cluster, layout, program.num_stages, program.num_replicas, split)
     on_rank = stage_ranks(program)
-    peaks, live = live_peaks(layout.schedule, P, M, layout.params, stages.activation)
+    try:
+        peaks, live = live_peaks(layout.schedule, P, M, layout.params, stages.activation,
+                                 stages.costs.simulator_cost())
+    except PipeDSLError as err:
+        raise LayoutError(f"schedule: {err.message}") from None
     ranks = tuple(rank_memory(stages, layout, on_rank, live, peaks, program.split_backward))
     _check_memory(cluster, _fullest(ranks))
     return _Prepared(layout, stages, ranks, _placement_bound(program, stages.costs, M), on_rank)

@@ -34,6 +34,11 @@ def _schedule(name: str):
     return load(name)
 
 
+def is_searched(schedule: str) -> bool:
+    """Whether the schedule's order is searched from costs (`order auto`): its program comes with a layout's costs."""
+    return _schedule(schedule).searched
+
+
 @lru_cache(maxsize=1024)
 def _compiled_or_error(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...]) -> Program | PipeDSLError:
     try:
@@ -42,9 +47,34 @@ def _compiled_or_error(schedule: str, P: int, M: int, params: tuple[tuple[str, i
         return err
 
 
-def compiled(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> Program:
-    """The schedule's program for P ranks and M microbatches (cached; raises PipeDSLError)."""
-    return _raised(_compiled_or_error(schedule, P, M, params))
+def compiled(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = (), cost: Cost | None = None
+             ) -> Program:
+    """The schedule's program for P ranks and M microbatches (cached; raises PipeDSLError).  A searched schedule
+    (`order auto`: zb-auto) is searched under `cost`, the layout's own stage costs, as it would run; without one,
+    under `Cost()`."""
+    if cost is None or not is_searched(schedule):
+        return _raised(_compiled_or_error(schedule, P, M, params))
+    key = (schedule, P, M, params, _cost_key(cost))
+    found = _SEARCHED.get(key)
+    if found is None:
+        try:
+            found = _schedule(schedule).compile(P=P, M=M, cost=cost, **dict(params))
+        except PipeDSLError as err:
+            found = err
+        if len(_SEARCHED) >= _SEARCHED_KEPT:
+            _SEARCHED.pop(next(iter(_SEARCHED)))
+        _SEARCHED[key] = found
+    return _raised(found)
+
+
+_SEARCHED: dict[tuple, Program | PipeDSLError] = {}  # searched programs by schedule, size and costs
+_SEARCHED_KEPT = 256
+
+
+def _cost_key(cost: Cost) -> tuple:
+    """`cost`'s fields as a hashable key (its per-stage costs are a dict)."""
+    fields = tuple((k, v) for k, v in sorted(vars(cost).items()) if k != "per_stage")
+    return fields + tuple(sorted((s, tuple(sorted(c.items()))) for s, c in cost.per_stage.items()))
 
 
 def _raised(out):
@@ -60,11 +90,24 @@ def compiled_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int],
     return tuple(peak_live(compiled(schedule, P, M, params)))
 
 
+def program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = (),
+                  cost: Cost | None = None) -> tuple[float, ...]:
+    """Per rank, the peak live stage activations of the schedule at M (extended linearly past the cap); a searched
+    schedule's as searched under `cost` (`compiled`)."""
+    if cost is not None and is_searched(schedule):
+        return _extended_peaks(M, P, [tuple(peak_live(compiled(schedule, P, m, params, cost)))
+                                      for m in simulation_sizes(M, P)])
+    return _program_peaks(schedule, P, M, params)
+
+
 @lru_cache(maxsize=512)
-def program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> tuple[float, ...]:
-    """Per rank, the peak live stage activations of the schedule at M (extended linearly past the cap)."""
+def _program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...]) -> tuple[float, ...]:
+    return _extended_peaks(M, P, [compiled_peaks(schedule, P, m, params) for m in simulation_sizes(M, P)])
+
+
+def _extended_peaks(M: int, P: int, peaks: list[tuple[int, ...]]) -> tuple[float, ...]:
+    """The peaks at the simulated sizes, extended linearly to M."""
     sizes = simulation_sizes(M, P)
-    peaks = [compiled_peaks(schedule, P, m, params) for m in sizes]
     if len(peaks) == 1:
         return tuple(map(float, peaks[0]))
     k = (M - sizes[0]) / (sizes[1] - sizes[0])
@@ -166,8 +209,8 @@ def iteration_time(timeline: Timeline, program: Program, costs: StageCosts) -> f
 
 def _run_exact(schedule: str, P: int, M: int, params: tuple, costs: StageCosts,
                sharing: tuple[float, float, float, float] | None) -> tuple[float, float, list[int], float]:
-    program = compiled(schedule, P, M, params)
     cost = costs.simulator_cost()
+    program = compiled(schedule, P, M, params, cost)
     timeline = simulate(program, cost) if sharing is None else _shared_timeline(program, cost, costs, *sharing)
     return iteration_time(timeline, program, costs), timeline.makespan, peak_live(program), max(timeline.busy)
 

@@ -28,7 +28,15 @@ from pipedsl.plan.cost import StageCosts, piece_flops, piece_params, stage_costs
 from pipedsl.plan.memory import MemoryReport, model_states, moe_model_states, state_bytes
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.partition import even_sizes
-from pipedsl.plan.pipeline import compiled, program_peaks, run_pipeline, simulation_sizes, skeleton, stage_ranks
+from pipedsl.plan.pipeline import (
+    compiled,
+    is_searched,
+    program_peaks,
+    run_pipeline,
+    simulation_sizes,
+    skeleton,
+    stage_ranks,
+)
 from pipedsl.plan.runnable import NotRunnableError, check_runnable
 
 # Chunk variants searched per built-in (parameter name, values); others run with their defaults.
@@ -210,6 +218,10 @@ def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> floa
     _check_shape(model, layout)
     _check_states(model, cluster, layout)
     program = _skeleton(layout)
+    if is_searched(layout.schedule):  # its order, and so its peaks, come with the costs: checked in `_prepare`
+        layers = _layers(model, layout, program.num_stages)
+        return _placement_bound(program, stage_costs(model, cluster, layout, program.num_stages,
+                                                     program.num_replicas, layers), layout.microbatches)
     layers, costs, _, _ = _costed(model, cluster, layout, program, program.peaks, "at least ")
     if layers != stage_layers(model, layout, program.num_stages):  # fitted to the small size's peaks: the full
         return 0.0  # size's may take other layers, whose bound this one is not
@@ -228,11 +240,14 @@ def _check_memory(cluster: ClusterSpec, memory: MemoryReport, qualifier: str = "
 
 def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepared:
     P, M = layout.pp, layout.microbatches
-    try:
-        program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
-        peaks = program_peaks(layout.schedule, P, M, layout.params)
-    except PipeDSLError as err:
-        raise LayoutError(f"schedule: {err.message}") from None
+    if is_searched(layout.schedule):  # placed without its order: `_costed` searches it under the costs
+        program, peaks = _skeleton(layout), ()
+    else:
+        try:
+            program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+            peaks = program_peaks(layout.schedule, P, M, layout.params)
+        except PipeDSLError as err:
+            raise LayoutError(f"schedule: {err.message}") from None
     layers, costs, memory, per_rank = _costed(model, cluster, layout, program, peaks)
     on_rank = stage_ranks(program)
     return _Prepared(layout, costs, memory, _placement_bound(program, costs, M), on_rank, per_rank, tuple(layers))
@@ -327,18 +342,28 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
             qualifier: str = "") -> tuple[list[int], StageCosts, MemoryReport, tuple[float, ...]]:
     """The layers of each stage, their costs, the fullest rank's memory and every rank's: the layout's split,
     or where its balanced split leaves a rank out of memory, the balanced split that fits (`_fitted_layers`);
-    a `LayoutError` when the memory does not hold it."""
+    a `LayoutError` when the memory does not hold it.  A searched schedule's peaks are its program's as
+    searched under the costs of the split (`pipeline.compiled`), not `peaks`."""
     S = program.num_stages
-    layers = _layers(model, layout, S)
-    costs = stage_costs(model, cluster, layout, S, program.num_replicas)
     on_rank = stage_ranks(program)
-    memory, per_rank = _memory(model, layout, costs, on_rank, peaks, layers)
+    searched = is_searched(layout.schedule)
+
+    def priced(layers: list[int] | None) -> tuple[list[int], StageCosts, Sequence[float], MemoryReport,
+                                                  tuple[float, ...]]:
+        layers = layers if layers is not None else _layers(model, layout, S)
+        costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
+        try:
+            live = program_peaks(layout.schedule, layout.pp, layout.microbatches, layout.params,
+                                 costs.simulator_cost()) if searched else peaks
+        except PipeDSLError as err:
+            raise LayoutError(f"schedule: {err.message}") from None
+        return (layers, costs, live, *_memory(model, layout, costs, on_rank, live, layers))
+
+    layers, costs, live, memory, per_rank = priced(None)
     if memory.total > cluster.memory - cluster.reserved_memory:
-        fitted = _fitted_layers(model, cluster, layout, on_rank, peaks, S)
+        fitted = _fitted_layers(model, cluster, layout, on_rank, live, S)
         if fitted is not None and fitted != layers:
-            layers = fitted
-            costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
-            memory, per_rank = _memory(model, layout, costs, on_rank, peaks, layers)
+            layers, costs, live, memory, per_rank = priced(fitted)
     _check_memory(cluster, memory, qualifier)
     return layers, costs, memory, per_rank
 
