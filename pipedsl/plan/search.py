@@ -190,8 +190,9 @@ def _skeleton(layout: Layout):
 def _placement_bound(program, costs: StageCosts, M: int) -> float:
     """No schedule with this placement beats: for each rank, the forward chain that must run before
     its first stage can start (Σ F of the stages below), its own work, and the backward chain
-    below its lowest stage that must follow its last backward; plus the optimizer step.
-    For 1F1B with equal stages this is (M + P - 1)(F + B), its exact makespan."""
+    below its lowest stage that must follow its last backward (split: its last I — its W's may run
+    meanwhile); plus the optimizer step.  For 1F1B with equal stages this is (M + P - 1)(F + B), its
+    exact makespan; for ZB-H1 with F = I = W, M(F + I + W) + (P - 1)(F + I − W), its exact makespan too."""
     S = program.num_stages
     split = program.split_backward
     back = costs.I if split else costs.B
@@ -207,8 +208,9 @@ def _placement_bound(program, costs: StageCosts, M: int) -> float:
             continue
         lowest = min(stages)
         work = sum(costs.F[x] + (costs.I[x] + costs.W[x] if split else costs.B[x]) for x in stages) * share
+        deferrable = sum(costs.W[x] for x in stages) * share if split else 0.0
         tail = sum(costs.step[x] + costs.after_step[x] for x in stages)
-        bound = max(bound, below_f[lowest] + work + below_b[lowest] + tail)
+        bound = max(bound, below_f[lowest] + max(work, work - deferrable + below_b[lowest]) + tail)
     return bound
 
 
