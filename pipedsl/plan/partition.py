@@ -62,17 +62,27 @@ def even_sizes(weights: Sequence[float], n: int, fits: Fits | None = None) -> li
 
 
 def _coverable(L: int, n: int, fits: Fits) -> bool:
-    """Whether some split of L units into n non-empty parts fits: each part taken as long as it fits, leaving a unit
-    for each part after it (a shorter part leaves the rest no easier, since fewer units fit too)."""
-    a = 0
+    """Whether some split of L units into n non-empty parts fits (exact, O(n·L) calls of `fits`): the ends part k
+    can reach from each start part k−1 reached.  From a later start a part reaches at least as far (fewer units fit
+    too), so one pointer sweeps each part's ends."""
+    reached = [True] + [False] * L  # after the parts so far: which unit counts their split can end at
     for k in range(n):
-        if a >= L or not fits(k, a, a + 1):
-            return False
-        b = a + 1
-        while b < L - (n - 1 - k) and fits(k, a, b + 1):
-            b += 1
-        a = b
-    return a == L
+        opens = [0] * (L + 2)  # a difference array of the ends part k reaches
+        end = 0
+        for a in range(L):
+            if not reached[a]:
+                continue
+            end = max(end, a)
+            while end < L and fits(k, a, end + 1):
+                end += 1
+            if end > a:
+                opens[a + 1] += 1
+                opens[end + 1] -= 1
+        running, reached = 0, [False] * (L + 1)
+        for i in range(1, L + 1):
+            running += opens[i]
+            reached[i] = running > 0
+    return reached[L]
 
 
 def _prefix(weights: Sequence[float]) -> list[float]:

@@ -4,9 +4,14 @@ memory, and names the `pipedsl train --split` points that cut the runtime's mode
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.models.gpt.model import GPT, GPTConfig
 from pipedsl.plan.cli import train_split
@@ -14,6 +19,7 @@ from pipedsl.plan.cluster import cluster_preset
 from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import piece_params, stage_costs, stage_layers
 from pipedsl.plan.model import ModelSpec, model_preset
+from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
 from pipedsl.plan.search import evaluate, search
 
 BIG_VOCAB = ModelSpec("big-vocab", layers=16, hidden=1024, heads=16, seq=1024, vocab=256_000, global_batch=64)
@@ -106,7 +112,6 @@ def test_a_rank_short_of_memory_gives_up_layers_in_the_balanced_split() -> None:
     those where every rank fits: rank 0 gives up a layer, every rank is within 5 GB, and no split that fits (all
     680, tried) has a lighter heaviest stage.  The step is 0.3 % slower than with memory to spare."""
     import dataclasses
-    import itertools
 
     from pipedsl.plan.cost import piece_flops
     from pipedsl.plan.pipeline import compiled, program_peaks, stage_ranks
@@ -137,3 +142,39 @@ def test_a_rank_short_of_memory_gives_up_layers_in_the_balanced_split() -> None:
     fitting = [s for s in splits if memory(list(s)) <= usable]
     assert len(splits) == 680 and fitting and heaviest(fitted.layers) == min(map(heaviest, fitting))
     assert fitted.iteration <= 1.01 * evaluate(model, roomy, layout).iteration
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=8), st.data())
+def test_splits_held_to_what_each_stage_fits_against_every_split(weights, data) -> None:
+    """`balanced_sizes` / `even_sizes` with a per-stage `fits` (each stage its own capacity, as ranks' memories
+    differ): a split exactly when one fits, the least heaviest part among those that fit, and among those the least
+    Σ part²; else an error.  Checked against every split."""
+    L = len(weights)
+    n = data.draw(st.integers(1, L))
+    caps = data.draw(st.lists(st.integers(1, 14), min_size=n, max_size=n))
+
+    def fits(s: int, a: int, b: int) -> bool:
+        return sum(weights[a:b]) <= caps[s]
+
+    def parts(sizes) -> list[int]:
+        edges = bounds_of(sizes)
+        return [sum(weights[a:b]) for a, b in zip(edges, edges[1:])]
+
+    splits = []
+    for cuts in itertools.combinations(range(1, L), n - 1):
+        edges = [0, *cuts, L]
+        sizes = [b - a for a, b in zip(edges, edges[1:])]
+        if all(p <= c for p, c in zip(parts(sizes), caps)):
+            splits.append(sizes)
+    if not splits:
+        with pytest.raises(PipeDSLError):
+            balanced_sizes(weights, n, fits)
+        return
+    least = min(max(parts(s)) for s in splits)
+    got = balanced_sizes(weights, n, fits)
+    assert got in splits and max(parts(got)) == least
+    even = even_sizes(weights, n, fits)
+    assert even in splits and max(parts(even)) == least
+    assert sum(p * p for p in parts(even)) == min(sum(p * p for p in parts(s)) for s in splits
+                                                  if max(parts(s)) == least)
