@@ -35,6 +35,9 @@ class UnitClock:
         self.seconds: dict[int, list[float]] = {}
         self.saved: dict[int, list[int]] = {}  # unit -> bytes its forward left saved, a call (with `counter`)
         self.held = {s: [u for u, _ in m.units()] for s, m in sorted(stages.items())}  # type: ignore[operator]
+        # unit -> its parameters (their states move with it when a cut moves it)
+        self.params = {u: sum(p.numel() for p in module.parameters())
+                       for stage in stages.values() for u, module in stage.units()}  # type: ignore[operator]
         self._counter = counter if counter is not None and counter.count_bytes else None
         self._firsts = {units[0] for s, units in self.held.items() if units}
         self._started: dict[int, tuple[float, int]] = {}  # unit -> (start time, counted bytes then)
@@ -77,10 +80,10 @@ class UnitClock:
         """{unit: the median bytes its forward left saved, input included} (none without a byte-counting counter)."""
         return {u: float(statistics.median(v)) for u, v in sorted(self.saved.items())}
 
-    def report(self) -> tuple[dict[int, float], dict[int, list[int]], dict[int, float]]:
-        """(`medians()`, {stage: its units}, `saved_bytes()`): this rank's part of what plan/recut.py's `choose_cut`
-        takes."""
-        return self.medians(), self.held, self.saved_bytes()
+    def report(self) -> tuple[dict[int, float], dict[int, list[int]], dict[int, float], dict[int, int]]:
+        """(`medians()`, {stage: its units}, `saved_bytes()`, {unit: its parameters}): this rank's part of what
+        plan/recut.py's `choose_cut` takes."""
+        return self.medians(), self.held, self.saved_bytes(), dict(self.params)
 
     def close(self) -> None:
         for h in self._hooks:

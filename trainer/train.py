@@ -409,7 +409,9 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
 def _room(pipe: Any, cfg: TrainConfig) -> Any:
     """Per pipeline rank (collective): the memory it gives activations — --auto-memory, else the device's free
     memory now, between steps, less a tenth; the least over its data-parallel replicas — and one stage activation's
-    saved bytes as it measured them in the last profile step (the most over the replicas)."""
+    saved bytes as it measured them in the last profile step (the most over the replicas); with free memory, the
+    model-state bytes a parameter brings, which a re-cut moves with its layers."""
+    from pipedsl.plan.memory import model_states, state_bytes
     from pipedsl.plan.recut import Room
 
     counter = pipe.counter
@@ -420,7 +422,11 @@ def _room(pipe: Any, cfg: TrainConfig) -> Any:
     budgets, measured = [float("inf")] * pipe.size, [0.0] * pipe.size
     for r, b, e in gathered:
         budgets[r], measured[r] = min(budgets[r], b), max(measured[r], e)
-    return Room(tuple(budgets), tuple(measured))
+    # free memory also pays for the model states of the layers a new cut brings: weights, gradients, AdamW's state
+    t = cfg.training
+    mode = state_bytes(t.param_dtype, t.grad_dtype, "adamw")
+    per_param = 0.0 if cfg.schedule.auto_memory else model_states(1, cfg.parallel.dp, cfg.parallel.zero, mode).total
+    return Room(tuple(budgets), tuple(measured), per_param)
 
 
 def _free_bytes(device: torch.device) -> float:

@@ -8,15 +8,17 @@ their forward times (`partition.unit_costs`).
 
 Memory: ZB-auto's cap counts stage activations, but a cut decides how large a stage activation is, so the cap is
 taken per cut — the activations of its stage that fit each rank's budget, the least over ranks, at most 2P (ZB-2p)
-and at least 1 — unless the user fixed it (`-p mem`).  The candidates are the current cut, the cut where the
-heaviest stage is lightest (`partition.even_sizes`), and the same held to stages whose activations fit their
-rank k times for larger caps k (a memory-bound rank gives up layers so that more microbatches fit everywhere).
+and at least 1 — unless the user fixed it (`-p mem`).  A rank's budget on another cut is its budget on the
+profiled one less the model states of the units it gains (`Room.per_param`).  The candidates are the current cut,
+the cut where the heaviest stage is lightest (`partition.even_sizes`), and the same held to stages whose
+activations fit their rank k times, for k of 2P, ⌈3P/2⌉, P and one more than that cut's cap (a memory-bound rank
+gives up layers so that more microbatches fit everywhere).
 The one whose ZB-auto step simulates shortest is taken when it is at least `GAIN` shorter than the current cut's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,22 +30,25 @@ from pipedsl.timeline import Timeline
 
 GAIN = 0.97  # a new cut is taken for a predicted step this much of the current one's or less
 ROOM_UNBOUNDED = 1 << 30  # "any number of activations fit": no budget, or activations of no bytes
-# a rank's (unit -> median seconds, stage -> its units, unit -> median saved bytes (none when not counted))
-UnitTimes = tuple[dict[int, float], dict[int, list[int]], dict[int, float]]
+# a rank's (unit -> median seconds, stage -> its units, unit -> median saved bytes (none when not counted),
+# unit -> its parameters)
+UnitTimes = tuple[dict[int, float], dict[int, list[int]], dict[int, float], dict[int, int]]
 
 
 @dataclass(frozen=True)
 class Room:
-    """Per rank: the bytes it gives stage activations, and one activation's bytes as it measured them on the
-    profiled cut (0: not counted)."""
+    """Per rank: the bytes it gives stage activations on the profiled cut, and one activation's bytes as it measured
+    them there (0: not counted); `per_param`: the bytes of model states a parameter brings (weights, gradients,
+    optimizer state), which a cut that moves a unit moves with it (0: the budget is for activations alone)."""
 
     budget: tuple[float, ...]
     measured: tuple[float, ...]
+    per_param: float = 0.0
 
 
 def activations_that_fit(budget: float, each: float) -> int:
     """How many activations of `each` bytes fit `budget` (`ROOM_UNBOUNDED` for activations of no bytes)."""
-    return ROOM_UNBOUNDED if each <= 0 else int(min(budget // each, ROOM_UNBOUNDED))
+    return ROOM_UNBOUNDED if each <= 0 else int(min(max(budget, 0.0) // each, ROOM_UNBOUNDED))
 
 
 def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: Any,
@@ -63,15 +68,17 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
     params = dict(params or {})
     fixed = "mem" in params or room is None
 
-    def cap(stage_bytes: Sequence[float] | None) -> tuple[int, int | None]:
-        """(ZB-auto's cap, the activations that fit) for stages of these bytes, one a rank."""
+    def cap(stage_bytes: Sequence[float] | None, budget: Sequence[float] = ()) -> tuple[int, int | None]:
+        """(ZB-auto's cap, the activations that fit) for stages of these bytes, one a rank, in `budget` (the
+        room's, by default)."""
         if fixed or stage_bytes is None:
             return params.get("mem", 2 * P), None
-        fit = min(activations_that_fit(b, e) for b, e in zip(room.budget, stage_bytes))  # type: ignore[union-attr]
+        fit = min(activations_that_fit(b, e) for b, e in zip(budget or room.budget, stage_bytes))  # type: ignore
         return max(1, min(2 * P, fit)), fit
 
-    def searched(c: Cost, stage_bytes: Sequence[float] | None, points: list[int] | None) -> dict[str, Any]:
-        mem, fit = cap(stage_bytes)
+    def searched(c: Cost, stage_bytes: Sequence[float] | None, points: list[int] | None,
+                 budget: Sequence[float] = ()) -> dict[str, Any]:
+        mem, fit = cap(stage_bytes, budget)
         found = pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **{**params, "mem": mem})
         timed = simulate(found, c)
         peaks = None if stage_bytes is None else [n * b for n, b in zip(timed.peak_activations, stage_bytes)]
@@ -79,64 +86,94 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
                 "mem": mem, "fit": fit, "stage_bytes": None if stage_bytes is None else list(stage_bytes),
                 "peak_bytes": peaks}
 
+    measured = list(room.measured) if room is not None and len(room.measured) == S and all(room.measured) else None
     whole = units and all(u is not None for u in units)
     held: dict[int, list[int]] = {}
     for report in units if whole else ():
         held.update(report[1])  # type: ignore[index]
     if not whole or sorted(held) != list(range(S)):  # no units to move: the current cut, its measured bytes
-        measured = list(room.measured) if room is not None and len(room.measured) == S else None
-        decision = searched(cost, measured if measured and all(measured) else None, None)
+        decision = searched(cost, measured, None)
         return {**decision, "kept_ms": decision["predicted_ms"], "profiled_ms": timeline.makespan * 1e3}
     seconds: dict[int, list[float]] = {}
     saved: dict[int, float] = {}
-    for medians, _, unit_bytes in units:  # type: ignore[misc]
+    unit_params: dict[int, int] = {}
+    for medians, _, unit_saved, counts in units:  # type: ignore[misc]
         for u, t in medians.items():
             seconds.setdefault(u, []).append(t)
-        saved.update(unit_bytes)
+        for u, b in unit_saved.items():  # data-parallel replicas: the most any measured, as for `Room.measured`
+            saved[u] = max(saved.get(u, 0.0), b)
+        unit_params.update(counts)
     bounds = [min(held[s]) for s in range(S)] + [max(held[S - 1]) + 1]
     per_unit = unit_costs(cost.per_stage, {u: sum(t) / len(t) for u, t in seconds.items()}, bounds)
     weights = [sum(c.values()) for c in per_unit]
-    unit_bytes = _unit_bytes(saved, bounds, room)
+    unit_bytes = _unit_bytes(saved, bounds, measured)
+    moved = _moved_states(unit_params, bounds, room)
 
     def stage_bytes(cut: Sequence[int]) -> list[float] | None:
-        return None if unit_bytes is None else [sum(unit_bytes[a:b]) for a, b in zip(cut, cut[1:])]
+        """Per stage of `cut`, one activation's bytes: its units' sum; without units' bytes (recomputation), each
+        stage's as measured on the profiled cut (a stage under recomputation keeps about its input, whatever its
+        layers)."""
+        return measured if unit_bytes is None else [sum(unit_bytes[a:b]) for a, b in zip(cut, cut[1:])]
 
-    kept = searched(cost, stage_bytes(bounds), None)
+    def budget(cut: Sequence[int]) -> list[float]:
+        """Each rank's room on `cut`: its room on the profiled cut less the model states of the units it gains."""
+        if room is None:
+            return []
+        return [b - moved(s, a, e) for s, (b, a, e) in enumerate(zip(room.budget, cut, cut[1:]))]
+
+    kept = searched(cost, stage_bytes(bounds), None, budget(bounds))
     cuts = [list(bounds_of(even_sizes(weights, S)))]
     if unit_bytes is not None and room is not None and not fixed:
-        even_cap = cap(stage_bytes(cuts[0]))[0]
+        even_cap = cap(stage_bytes(cuts[0]), budget(cuts[0]))[0]
         for k in sorted({2 * P, (3 * P + 1) // 2, P, even_cap + 1}, reverse=True):
             if even_cap < k <= 2 * P:
                 try:
-                    cuts.append(list(bounds_of(even_sizes(weights, S, _fitting(unit_bytes, room.budget, k)))))
+                    cuts.append(list(bounds_of(even_sizes(weights, S, _fitting(unit_bytes, room.budget, moved, k)))))
                 except PipeDSLError:  # no cut holds k activations on every rank
                     continue
     best = kept
     for cut in dict.fromkeys(map(tuple, cuts)):  # each distinct cut once, in order
         if list(cut) == bounds:
             continue
-        tried = searched(replace(cost, per_stage=stage_costs_of(per_unit, cut)), stage_bytes(cut), list(cut[1:-1]))
+        tried = searched(replace(cost, per_stage=stage_costs_of(per_unit, cut)), stage_bytes(cut), list(cut[1:-1]),
+                         budget(cut))
         if tried["predicted_ms"] < min(GAIN * kept["predicted_ms"], best["predicted_ms"]):
             best = tried
     return {**best, "kept_ms": kept["predicted_ms"], "profiled_ms": timeline.makespan * 1e3}
 
 
-def _unit_bytes(saved: dict[int, float], bounds: list[int], room: Room | None) -> list[float] | None:
-    """Each unit's bytes of one activation: what its forward saved (runtime/unit_clock.py), and a stage's measured
-    bytes beyond its units' (the loss after the head) with its last unit; None where a unit was not counted."""
+def _unit_bytes(saved: dict[int, float], bounds: list[int], measured: list[float] | None) -> list[float] | None:
+    """Each unit's bytes of one activation: what its forward saved (runtime/unit_clock.py), and the last stage's
+    measured bytes beyond its units' (the loss after the head) with the last unit; None where a unit was not
+    counted."""
     L = bounds[-1]
     if any(u not in saved for u in range(L)):
         return None
     out = [saved[u] for u in range(L)]
-    if room is not None and len(room.measured) == len(bounds) - 1:
-        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            out[b - 1] += max(room.measured[s] - sum(out[a:b]), 0.0)
+    if measured is not None:
+        out[-1] += max(measured[-1] - sum(out[bounds[-2]:]), 0.0)
     return out
 
 
-def _fitting(unit_bytes: list[float], budget: Sequence[float], k: int) -> Fits:
-    """The `partition.Fits` of stages whose activations fit their rank's `budget` `k` times (stage s on rank s)."""
+def _moved_states(unit_params: dict[int, int], bounds: list[int],
+                  room: Room | None) -> Callable[[int, int, int], float]:
+    """(stage, first unit, end unit) -> the bytes of model states that stage gains over its profiled units by
+    holding these (negative: it gives some up); 0 without `Room.per_param` or the units' parameter counts."""
+    L = bounds[-1]
+    per_param = room.per_param if room is not None else 0.0
+    if not per_param or any(u not in unit_params for u in range(L)):
+        return lambda s, a, b: 0.0
+    prefix = [0]
+    for u in range(L):
+        prefix.append(prefix[-1] + unit_params[u])
+    return lambda s, a, b: per_param * ((prefix[b] - prefix[a]) - (prefix[bounds[s + 1]] - prefix[bounds[s]]))
+
+
+def _fitting(unit_bytes: list[float], budget: Sequence[float], moved: Callable[[int, int, int], float],
+             k: int) -> Fits:
+    """The `partition.Fits` of stages whose activations fit their rank's `budget` `k` times, after the model states
+    the units they gain bring (stage s on rank s)."""
     prefix = [0.0]
     for b in unit_bytes:
         prefix.append(prefix[-1] + b)
-    return lambda s, a, b: (prefix[b] - prefix[a]) * k <= budget[s]
+    return lambda s, a, b: (prefix[b] - prefix[a]) * k <= budget[s] - moved(s, a, b)

@@ -14,7 +14,7 @@ of the top is exact, the rest are counted as pruned.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -230,14 +230,25 @@ def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> floa
     return _placement_bound(program, costs, layout.microbatches)
 
 
-def _check_memory(cluster: ClusterSpec, memory: MemoryReport, qualifier: str = "") -> None:
+def _fits_at_small_size(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> bool:
+    """Whether the layout's own split fits at the schedule's small size (the quick bound's check): only a layout
+    that does not is fitted (`_costed`), so the quick bound of every other is its split's, which `_prepare` keeps."""
+    program = _skeleton(layout)
+    S = program.num_stages
+    layers = _layers(model, layout, S)
+    costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
+    memory = _memory(model, layout, costs, stage_ranks(program), program.peaks, layers)[0]
+    return memory.total <= cluster.memory - cluster.reserved_memory
+
+
+def _check_memory(cluster: ClusterSpec, memory: MemoryReport, qualifier: str = "", note: str = "") -> None:
     usable = cluster.memory - cluster.reserved_memory
     if memory.total > usable:
         gb = 1e9
         st = memory.states
         raise LayoutError(f"out of memory: {qualifier}{memory.total / gb:.1f} GB > {usable / gb:.0f} GB usable "
                         f"(params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer {st.optimizer / gb:.1f}, "
-                        f"activations {memory.activations / gb:.1f} for {memory.peak_live} live)")
+                        f"activations {memory.activations / gb:.1f} for {memory.peak_live} live){note}")
 
 
 def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepared:
@@ -250,7 +261,8 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepare
             peaks = program_peaks(layout.schedule, P, M, layout.params)
         except PipeDSLError as err:
             raise LayoutError(f"schedule: {err.message}") from None
-    layers, costs, memory, per_rank = _costed(model, cluster, layout, program, peaks)
+    layers, costs, memory, per_rank = _costed(model, cluster, layout, program, peaks,
+                                              may_fit=lambda: not _fits_at_small_size(model, cluster, layout))
     on_rank = stage_ranks(program)
     return _Prepared(layout, costs, memory, _placement_bound(program, costs, M), on_rank, per_rank, tuple(layers))
 
@@ -306,12 +318,13 @@ def _fitted_layers(model: ModelSpec, cluster: ClusterSpec, layout: Layout, on_ra
     if layout.split != "balanced" or any(len(st) != 1 for st in on_rank.values()) or model.layers > MAX_BALANCED_LAYERS:
         return None
     rank_of = {st[0]: r for r, st in on_rank.items()}
-    return _fitted(model, layout, cluster.memory - cluster.reserved_memory,
-                   tuple(peaks[rank_of[s]] for s in range(stages)))
+    fitted = _fitted(model, layout, cluster.memory - cluster.reserved_memory,
+                     tuple(peaks[rank_of[s]] for s in range(stages)))
+    return None if fitted is None else list(fitted)
 
 
 @lru_cache(maxsize=4096)
-def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float, ...]) -> list[int] | None:
+def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float, ...]) -> tuple[int, ...] | None:
     """`_fitted_layers` for stage s's rank holding `peaks[s]` activations at most, in `usable` bytes."""
     params, experts = piece_params(model, layout)
     p_sum, e_sum = [0.0], [0.0]
@@ -335,17 +348,16 @@ def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float,
         sizes = even_sizes(piece_flops(model), len(peaks), fits)
     except PipeDSLError:
         return None
-    sizes[0] -= 1  # the embedding
-    sizes[-1] -= 1  # the head
-    return sizes
+    return (sizes[0] - 1, *sizes[1:-1], sizes[-1] - 1)  # less the embedding and the head
 
 
 def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, peaks: Sequence[float],
-            qualifier: str = "") -> tuple[list[int], StageCosts, MemoryReport, tuple[float, ...]]:
+            qualifier: str = "", may_fit: Callable[[], bool] = lambda: True
+            ) -> tuple[list[int], StageCosts, MemoryReport, tuple[float, ...]]:
     """The layers of each stage, their costs, the fullest rank's memory and every rank's: the layout's split,
-    or where its balanced split leaves a rank out of memory, the balanced split that fits (`_fitted_layers`);
-    a `LayoutError` when the memory does not hold it.  A searched schedule's peaks are its program's as
-    searched under the costs of the split (`pipeline.compiled`), not `peaks`."""
+    or where its balanced split leaves a rank out of memory and `may_fit()`, the balanced split that fits
+    (`_fitted_layers`); a `LayoutError` when the memory does not hold it.  A searched schedule's peaks are its
+    program's as searched under the costs of the split (`pipeline.compiled`), not `peaks`; it is not fitted."""
     S = program.num_stages
     on_rank = stage_ranks(program)
     searched = is_searched(layout.schedule)
@@ -362,11 +374,17 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
         return (layers, costs, live, *_memory(model, layout, costs, on_rank, live, layers))
 
     layers, costs, live, memory, per_rank = priced(None)
-    if memory.total > cluster.memory - cluster.reserved_memory:
+    note = ""
+    if memory.total > cluster.memory - cluster.reserved_memory and not searched and may_fit():
         fitted = _fitted_layers(model, cluster, layout, on_rank, live, S)
-        if fitted is not None and fitted != layers:
+        if fitted is None and layout.split == "balanced" and all(len(st) == 1 for st in on_rank.values()):
+            note = "; no other split of the layers fits either"
+        elif fitted is not None and len(set(fitted)) == 1:
+            raise LayoutError(f"duplicate: the balanced split of {model.layers} layers that fits the memory is the "
+                              f"even one")
+        elif fitted is not None:
             layers, costs, live, memory, per_rank = priced(fitted)
-    _check_memory(cluster, memory, qualifier)
+    _check_memory(cluster, memory, qualifier, note)
     return layers, costs, memory, per_rank
 
 

@@ -49,7 +49,7 @@ def _profile(unit_f: list[float], bounds: list[int], P: int, M: int) -> tuple[pi
     cost = pipedsl.Cost(F=1.0, I=1.0, W=1.0, comm=0.01,
                         per_stage={s: {"F": f, "I": f, "W": f} for s, f in stage.items()})
     timeline = pipedsl.simulate(pipedsl.load("zb-h1").compile(P=P, M=M), cost)
-    reports = [({u: unit_f[u] for u in range(a, b)}, {s: list(range(a, b))}, {})
+    reports = [({u: unit_f[u] for u in range(a, b)}, {s: list(range(a, b))}, {}, {})
                for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return timeline, reports
 
@@ -91,18 +91,20 @@ def test_unit_clock_times_training_forwards_only() -> None:
         stages[0](x)
     recompute = Recompute(stages[1], "full")
     recompute.run(stages[1], (stages[0](x),), None).sum().backward()  # forward once, again in the backward
-    medians, held, saved = clock.report()
+    medians, held, saved, params = clock.report()
     assert set(medians) == {0, 1, 2, 3} and all(t > 0 for t in medians.values()) and saved == {}  # no counter
+    assert params == {0: 20, 1: 0, 2: 20, 3: 0}  # Linear(4, 4): 16 weights and 4 biases
     assert {u: len(v) for u, v in clock.seconds.items()} == {0: 2, 1: 2, 2: 2, 3: 2}
     clock.close()
     stages[0](x)
     assert len(clock.seconds[0]) == 2  # the hooks are gone
 
 
-def _reports_with_bytes(unit_f: list[float], unit_b: list[float], bounds: list[int], P: int, M: int
-                        ) -> tuple[pipedsl.Timeline, list]:
+def _reports_with_bytes(unit_f: list[float], unit_b: list[float], bounds: list[int], P: int, M: int,
+                        unit_p: list[int] | None = None) -> tuple[pipedsl.Timeline, list]:
     timeline, reports = _profile(unit_f, bounds, P, M)
-    return timeline, [(t, held, {u: unit_b[u] for u in t}) for t, held, _ in reports]
+    return timeline, [(t, held, {u: unit_b[u] for u in t}, {u: unit_p[u] for u in t} if unit_p else {})
+                      for t, held, _, _ in reports]
 
 
 def test_choose_cut_gives_a_memory_bound_rank_fewer_layers() -> None:
@@ -126,22 +128,40 @@ def test_choose_cut_gives_a_memory_bound_rank_fewer_layers() -> None:
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.1, 3.0), st.floats(0.1, 4.0)), min_size=4, max_size=8), st.integers(2, 3),
-       st.lists(st.floats(1.0, 30.0), min_size=3, max_size=3))
-def test_choose_cut_keeps_every_rank_within_its_memory(units, P, budgets) -> None:
-    """Whatever the units' times and bytes and the ranks' rooms, the cap is the activations of the chosen cut's
-    stages that fit (at most 2P, at least 1), and wherever one fits every rank's simulated peak is within its
-    room."""
-    unit_f, unit_b = [t for t, _ in units], [b for _, b in units]
+@given(st.lists(st.tuples(st.floats(0.1, 3.0), st.floats(0.1, 4.0), st.integers(0, 5)), min_size=4, max_size=8),
+       st.integers(2, 3), st.lists(st.floats(1.0, 30.0), min_size=3, max_size=3), st.sampled_from([0.0, 0.5]))
+def test_choose_cut_keeps_every_rank_within_its_memory(units, P, budgets, per_param) -> None:
+    """Whatever the units' times, bytes and parameters and the ranks' rooms: each stage's bytes are its units' sum
+    on the chosen cut, the cap is the activations of those stages that fit (at most 2P, at least 1) in each rank's
+    room less the model states of the units it gained, and wherever one fits every rank's simulated peak plus those
+    states is within its room."""
+    unit_f, unit_b, unit_p = [t for t, _, _ in units], [b for _, b, _ in units], [p for _, _, p in units]
     L = len(units)
-    timeline, reports = _reports_with_bytes(unit_f, unit_b, list(bounds_of([L // P] * (P - 1) + [L - L // P * (P - 1)])),
-                                            P, 2 * P)
+    bounds = list(bounds_of([L // P] * (P - 1) + [L - L // P * (P - 1)]))
+    timeline, reports = _reports_with_bytes(unit_f, unit_b, bounds, P, 2 * P, unit_p)
     budget = tuple(budgets[:P])
-    decision = choose_cut(timeline, reports, pipedsl.load("zb-h1").compile(P=P, M=2 * P), {}, Room(budget, (0.0,) * P))
-    fit = min(int(b // s) for b, s in zip(budget, decision["stage_bytes"]))
+    room = Room(budget, (0.0,) * P, per_param)
+    decision = choose_cut(timeline, reports, pipedsl.load("zb-h1").compile(P=P, M=2 * P), {}, room)
+    cut = [0, *(decision["points"] or bounds[1:-1]), L]
+    parts = list(zip(cut, cut[1:]))
+    assert decision["stage_bytes"] == pytest.approx([sum(unit_b[a:b]) for a, b in parts])
+    gained = [per_param * (sum(unit_p[a:b]) - sum(unit_p[c:d])) for (a, b), (c, d) in zip(parts, zip(bounds, bounds[1:]))]
+    room_left = [b - g for b, g in zip(budget, gained)]
+    fit = min(max(int(r // s), 0) for r, s in zip(room_left, decision["stage_bytes"]))
     assert decision["fit"] == fit and decision["mem"] == max(1, min(2 * P, fit))
     if fit >= 1:
-        assert all(p <= b * (1 + 1e-9) for p, b in zip(decision["peak_bytes"], budget)), decision
+        assert all(p <= r * (1 + 1e-9) for p, r in zip(decision["peak_bytes"], room_left)), decision
+
+
+def test_without_unit_bytes_the_cap_is_from_each_stages_measured_bytes() -> None:
+    """Under recomputation the units report no bytes: the cap still comes from each stage's measured activation
+    (2.1, 3, 2, 4 against rooms 8, 100, 100, 100: 3 fit), for the current cut and a re-cut alike, not the 2P of no
+    limit."""
+    unit_f = [0.05, *[1.0] * 8, 1.5]
+    timeline, reports = _profile(unit_f, list(bounds_of([3, 3, 2, 2])), 4, 8)
+    program = pipedsl.load("zb-h1").compile(P=4, M=8)
+    decision = choose_cut(timeline, reports, program, {}, Room((8.0, 100.0, 100.0, 100.0), (2.1, 3.0, 2.0, 4.0)))
+    assert decision["mem"] == decision["fit"] == 3 and decision["stage_bytes"] == [2.1, 3.0, 2.0, 4.0], decision
 
 
 def test_unit_bytes_predict_the_saved_bytes_of_every_cut() -> None:

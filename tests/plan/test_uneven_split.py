@@ -20,7 +20,7 @@ from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import piece_params, stage_costs, stage_layers
 from pipedsl.plan.model import ModelSpec, model_preset
 from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
-from pipedsl.plan.search import evaluate, search
+from pipedsl.plan.search import LayoutError, evaluate, search
 
 BIG_VOCAB = ModelSpec("big-vocab", layers=16, hidden=1024, heads=16, seq=1024, vocab=256_000, global_batch=64)
 
@@ -142,6 +142,8 @@ def test_a_rank_short_of_memory_gives_up_layers_in_the_balanced_split() -> None:
     fitting = [s for s in splits if memory(list(s)) <= usable]
     assert len(splits) == 680 and fitting and heaviest(fitted.layers) == min(map(heaviest, fitting))
     assert fitted.iteration <= 1.01 * evaluate(model, roomy, layout).iteration
+    with pytest.raises(LayoutError, match=r"out of memory: .*; no other split of the layers fits either$"):
+        evaluate(model, dataclasses.replace(roomy, memory=roomy.reserved_memory + 3e9), layout)
 
 
 @settings(max_examples=300, deadline=None)
