@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from pipedsl.errors import PipeDSLError
@@ -318,7 +318,9 @@ def _fitted_layers(model: ModelSpec, cluster: ClusterSpec, layout: Layout, on_ra
     if layout.split != "balanced" or any(len(st) != 1 for st in on_rank.values()) or model.layers > MAX_BALANCED_LAYERS:
         return None
     rank_of = {st[0]: r for r, st in on_rank.items()}
-    fitted = _fitted(model, layout, cluster.memory - cluster.reserved_memory,
+    # the fields a rank's memory does not depend on set alike, so that layouts of the same memory share the answer
+    alike = replace(layout, schedule="", microbatches=0, params=())
+    fitted = _fitted(model, alike, cluster.memory - cluster.reserved_memory,
                      tuple(peaks[rank_of[s]] for s in range(stages)))
     return None if fitted is None else list(fitted)
 
