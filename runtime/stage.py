@@ -64,12 +64,15 @@ class ActivationCounter:
         self.peak = 0
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.counted: set[int] = set()  # the storages the newest activation counts (unit_clock.py reads them)
 
     def token(self) -> ActivationToken:
         self.live += 1
         if self.live > self.peak:
             self.peak = self.live
-        return ActivationToken(self)
+        token = ActivationToken(self)
+        self.counted = token.storages  # the set itself: holding it keeps no activation alive
+        return token
 
     def reset(self) -> None:
         self.peak = self.live

@@ -3,7 +3,7 @@ and what it leaves saved for its backward: what `pipedsl train --schedule auto` 
 `unit_costs`, plan/recut.py's memory caps).
 
 A unit's saved bytes are what the rank's `ActivationCounter` counted while its forward ran.  A stage's first unit
-finds its input counted already (the stage keeps it for the backward), so its input's bytes are added: each unit's
+finds its input counted already (the stage keeps it for the backward), so those bytes are added: each unit's
 figure then includes its input, as a block's does in the middle of a stage (its first norm saves it), and a stage
 of any cut keeps the sum of its units' figures.  Under recomputation the units keep next to nothing of what their
 backward needs again, so no bytes are reported then.
@@ -56,9 +56,11 @@ class UnitClock:
         def hook(module: nn.Module, args: Any) -> None:
             if torch.is_grad_enabled() and not is_recomputing():
                 _sync(module)
-                counted = self._counter.live_bytes if self._counter is not None else 0
-                if index in self._firsts:  # the stage counted its input before this unit ran
-                    counted -= _bytes(args)
+                counted = 0
+                if self._counter is not None:
+                    counted = self._counter.live_bytes
+                    if index in self._firsts:  # the stage counted its input before this unit ran
+                        counted -= _bytes(args, self._counter.counted)
                 self._started[index] = (time.perf_counter(), counted)
         return hook
 
@@ -91,13 +93,14 @@ class UnitClock:
         self._hooks.clear()
 
 
-def _bytes(args: Any) -> int:
-    """The bytes of the distinct storages of the tensors among `args` (as the counter counts a stage's inputs)."""
+def _bytes(args: Any, counted: set[int]) -> int:
+    """The bytes of the distinct storages among the tensors of `args` that the activation has `counted` already (the
+    stage's inputs; not what the stage computed before its first unit, such as rotary tables)."""
     seen: dict[int, int] = {}
     for t in args if isinstance(args, (tuple, list)) else (args,):
         if isinstance(t, torch.Tensor):
             key_n = storage_key(t)
-            if key_n is not None:
+            if key_n is not None and key_n[0] in counted:
                 seen[key_n[0]] = key_n[1]
     return sum(seen.values())
 

@@ -193,3 +193,39 @@ def test_unit_bytes_predict_the_saved_bytes_of_every_cut() -> None:
         edges = [0, *points, 6]
         counted, _ = run(points)
         assert counted == [sum(unit_bytes[u] for u in range(a, b)) for a, b in zip(edges, edges[1:])], points
+
+
+def test_unit_bytes_of_a_hugging_face_decoder_predict_every_cut_within_its_rotary_tables() -> None:
+    """A Llama's stages compute their rotary tables once, before their first layer, which saves them: taken on one
+    cut, the units' figures give each stage of another cut its counted bytes within those tables (1 KiB here, under
+    1 % of a stage)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipedsl.models.hf.stages import causal_lm_stages
+    from pipedsl.runtime.stage import ActivationCounter, Stage
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+    def run(points: list[int]) -> tuple[list[int], dict[int, float]]:
+        stages = causal_lm_stages(model, len(points) + 1, points=points)
+        counter = ActivationCounter()
+        clock = UnitClock(dict(enumerate(stages)), counter)
+        inputs, counted, kept = [torch.randint(0, 128, (2, 16))], [], []
+        for s, module in enumerate(stages):
+            before = counter.live_bytes
+            act, inputs = Stage(module, s, len(stages) + 1, None, 1, counter).forward(inputs)
+            kept.append(act)
+            counted.append(counter.live_bytes - before)
+        clock.close()
+        return counted, clock.saved_bytes()
+
+    _, unit_bytes = run([2, 4])
+    tables = 2 * 16 * 8 * 4  # cos and sin, [16 positions, head_dim 8], fp32
+    for points in ([1, 3], [3, 5], [1, 2]):
+        edges = [0, *points, 6]
+        counted, _ = run(points)
+        predicted = [sum(unit_bytes[u] for u in range(a, b)) for a, b in zip(edges, edges[1:])]
+        assert all(abs(p - c) <= tables for p, c in zip(predicted, counted)), (points, predicted, counted)
+        assert all(abs(p - c) <= 0.01 * c for p, c in zip(predicted, counted) if c > 1000), (points, predicted, counted)
