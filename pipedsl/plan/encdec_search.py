@@ -197,10 +197,13 @@ def _quick(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str,
 
 def _prepare(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str) -> _Prepared:
     P, M = layout.pp, layout.microbatches
-    try:
-        program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
-    except PipeDSLError as err:
-        raise LayoutError(f"schedule: {err.message}") from None
+    if is_searched(layout.schedule):  # placed without its order: `live_peaks` searches it under the costs
+        program = _skeleton(layout)
+    else:
+        try:
+            program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+        except PipeDSLError as err:
+            raise LayoutError(f"schedule: {err.message}") from None
     stages = _stages(spec, cluster, layout, program.num_stages, program.num_replicas, split)
     on_rank = stage_ranks(program)
     try:
