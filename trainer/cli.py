@@ -560,14 +560,13 @@ def _memory_estimate(cfg: TrainConfig, nprocs: int) -> int:
     each dp replica's model states under the run's precision and ZeRO stage (`pipedsl.plan.memory`);
     activations of the whole batch (Korthikanti et al. 2022: 34·s·b·h + 5·a·s²·b bytes per layer in fp16,
     doubled for fp32)."""
-    from pipedsl.plan.memory import model_states, state_bytes
+    from pipedsl.plan.memory import model_states
 
     C, T, L, B = cfg.model.embd, cfg.data.seq, cfg.model.layers, cfg.training.batch
     params = 2 * GPT_VOCAB * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
     activations = L * (68 * T * B * C + 10 * GPT_HEADS * T * T * B) + 16 * B * T
-    mode = state_bytes(cfg.training.param_dtype, cfg.training.grad_dtype, "adamw")
     dp = cfg.parallel.dp
-    states = dp * model_states(params, dp, cfg.parallel.zero, mode).total
+    states = dp * model_states(params, dp, cfg.parallel.zero, cfg.training.state_bytes).total
     return int(4 * params * nprocs + states + activations)
 
 

@@ -302,6 +302,14 @@ class TrainingConfig(_Section):
     loss_reduction: str | None = _option(None, _optional(_one_of(*LOSS_REDUCTIONS)))  # see TrainConfig's
     threads: int = _option(1, _at_least(1))
 
+    @property
+    def state_bytes(self) -> Any:
+        """The bytes a parameter's model states take in this run (its dtypes, AdamW): `plan.memory.StateBytes`,
+        what the launcher's memory checks and `--schedule auto`'s room count with."""
+        from pipedsl.plan.memory import state_bytes
+
+        return state_bytes(self.param_dtype, self.grad_dtype, "adamw")
+
 
 @dataclass(frozen=True)
 class EvalConfig(_Section):

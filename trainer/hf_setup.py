@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedsl.errors import PipeDSLError
-from pipedsl.plan.memory import model_states, state_bytes
+from pipedsl.plan.memory import model_states
 from pipedsl.runtime.launch.capacity import total_memory
 from pipedsl.trainer.config import HFModelConfig, TrainConfig, check_points, split_points
 
@@ -231,7 +231,7 @@ def _check_memory(cfg: TrainConfig, md: Any, meta: Any) -> None:
         return
     dp, zero = cfg.parallel.dp, cfg.parallel.zero
     params = sum(p.numel() for p in meta.parameters())
-    mode = state_bytes(cfg.training.param_dtype, cfg.training.grad_dtype, "adamw")
+    mode = cfg.training.state_bytes
     need, memory = dp * model_states(params, dp, zero, mode).total, total_memory()
     if memory and need > memory:
         raise PipeDSLError(f"{md.path}: {params / 1e6:.1f} M parameters on {dp} data-parallel replica(s) need "

@@ -351,20 +351,23 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     — into a pipeline for the new program.  A new partition loads from that checkpoint by tensor name
     (runtime/checkpoint/state.py), so later checkpoints are of the new partition and a resume may use any;
     the gradients stay one process's.  Without `-p mem` the cap is what each rank's memory holds of the chosen
-    cut's stage activations (`_room`).  Returns the new pipeline, optimizer, source, router statistics and
-    configuration (its `--split` the new cut points)."""
+    cut's stage activations (`_room`; what each rank reports is gathered at once).  Returns the new pipeline,
+    optimizer, source, router statistics and configuration (its `--split` the new cut points)."""
     import shutil
 
     from pipedsl.plan.recut import ROOM_UNBOUNDED, choose_cut
     from pipedsl.simulate import Cost
 
     timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
-    units = None if clock is None else clock.report()
+    counter = pipe.counter
+    mine = (None if clock is None else clock.report(), pipe.rank, _budget(pipe, cfg),
+            counter.peak_bytes / counter.peak if counter.peak else 0.0)  # one stage activation's bytes, measured
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, units)
-    room = _room(pipe, cfg)  # collective
+    torch.distributed.all_gather_object(gathered, mine)
+    units = [g[0] for g in gathered]
     wanted = dict(cfg.schedule.params)  # the user's -p mem wins over what the memory holds
-    plan = [choose_cut(timeline, gathered, pipe.program, wanted, room) if timeline is not None else None]
+    plan = [choose_cut(timeline, units, pipe.program, wanted, _room(pipe.size, cfg, [g[1:] for g in gathered]))
+            if timeline is not None else None]
     torch.distributed.broadcast_object_list(plan, src=0)
     decision = plan[0]
     cost = Cost(**decision["cost"])
@@ -406,26 +409,25 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     return new, new_opt, new_source, load, cfg
 
 
-def _room(pipe: Any, cfg: TrainConfig) -> Any:
-    """Per pipeline rank (collective): the memory it gives activations — --auto-memory, else the device's free
-    memory now, between steps, less a tenth; the least over its data-parallel replicas — and one stage activation's
-    saved bytes as it measured them in the last profile step (the most over the replicas); with free memory, the
-    model-state bytes a parameter brings, which a re-cut moves with its layers."""
-    from pipedsl.plan.memory import model_states, state_bytes
+def _budget(pipe: Any, cfg: TrainConfig) -> float:
+    """The memory this rank gives activations: --auto-memory, else the device's free memory now, between steps,
+    less a tenth."""
+    return cfg.schedule.auto_memory * 2**30 if cfg.schedule.auto_memory else 0.9 * _free_bytes(pipe.device)
+
+
+def _room(size: int, cfg: TrainConfig, shares: list[tuple[int, float, float]]) -> Any:
+    """Per pipeline rank, from every rank's (pipeline rank, `_budget`, one stage activation's measured bytes): the
+    least budget over its data-parallel replicas and the most bytes; with free memory, the model-state bytes a
+    parameter brings, which a re-cut moves with its layers."""
+    from pipedsl.plan.memory import model_states
     from pipedsl.plan.recut import Room
 
-    counter = pipe.counter
-    each = counter.peak_bytes / counter.peak if counter.peak else 0.0
-    budget = cfg.schedule.auto_memory * 2**30 if cfg.schedule.auto_memory else 0.9 * _free_bytes(pipe.device)
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, (pipe.rank, budget, each))
-    budgets, measured = [float("inf")] * pipe.size, [0.0] * pipe.size
-    for r, b, e in gathered:
+    budgets, measured = [float("inf")] * size, [0.0] * size
+    for r, b, e in shares:
         budgets[r], measured[r] = min(budgets[r], b), max(measured[r], e)
     # free memory also pays for the model states of the layers a new cut brings: weights, gradients, AdamW's state
-    t = cfg.training
-    mode = state_bytes(t.param_dtype, t.grad_dtype, "adamw")
-    per_param = 0.0 if cfg.schedule.auto_memory else model_states(1, cfg.parallel.dp, cfg.parallel.zero, mode).total
+    per_param = 0.0 if cfg.schedule.auto_memory else \
+        model_states(1, cfg.parallel.dp, cfg.parallel.zero, cfg.training.state_bytes).total
     return Room(tuple(budgets), tuple(measured), per_param)
 
 

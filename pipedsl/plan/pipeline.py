@@ -54,27 +54,25 @@ def compiled(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] 
     under `Cost()`."""
     if cost is None or not is_searched(schedule):
         return _raised(_compiled_or_error(schedule, P, M, params))
-    key = (schedule, P, M, params, _cost_key(cost))
-    found = _SEARCHED.get(key)
-    if found is None:
-        try:
-            found = _schedule(schedule).compile(P=P, M=M, cost=cost, **dict(params))
-        except PipeDSLError as err:
-            found = err
-        if len(_SEARCHED) >= _SEARCHED_KEPT:
-            _SEARCHED.pop(next(iter(_SEARCHED)))
-        _SEARCHED[key] = found
-    return _raised(found)
+    return _raised(_searched_or_error(schedule, P, M, params, _cost_key(cost)))
 
 
-_SEARCHED: dict[tuple, Program | PipeDSLError] = {}  # searched programs by schedule, size and costs
-_SEARCHED_KEPT = 256
+@lru_cache(maxsize=256)
+def _searched_or_error(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...],
+                       cost: tuple) -> Program | PipeDSLError:
+    """`compiled` of a searched schedule under the costs `cost` stands for (`_cost_key`)."""
+    fields, per_stage = cost
+    searched_under = Cost(**dict(fields), per_stage={s: dict(c) for s, c in per_stage})
+    try:
+        return _schedule(schedule).compile(P=P, M=M, cost=searched_under, **dict(params))
+    except PipeDSLError as err:
+        return err
 
 
 def _cost_key(cost: Cost) -> tuple:
-    """`cost`'s fields as a hashable key (its per-stage costs are a dict)."""
-    fields = tuple((k, v) for k, v in sorted(vars(cost).items()) if k != "per_stage")
-    return fields + tuple(sorted((s, tuple(sorted(c.items()))) for s, c in cost.per_stage.items()))
+    """`cost` as a hashable key: its fields, and its per-stage costs (a dict) as sorted pairs."""
+    return (tuple(sorted((k, v) for k, v in vars(cost).items() if k != "per_stage")),
+            tuple(sorted((s, tuple(sorted(c.items()))) for s, c in cost.per_stage.items())))
 
 
 def _raised(out):

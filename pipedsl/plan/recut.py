@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Any
 
 import pipedsl
@@ -68,16 +69,15 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
     params = dict(params or {})
     fixed = "mem" in params or room is None
 
-    def cap(stage_bytes: Sequence[float] | None, budget: Sequence[float] = ()) -> tuple[int, int | None]:
-        """(ZB-auto's cap, the activations that fit) for stages of these bytes, one a rank, in `budget` (the
-        room's, by default)."""
+    def cap(stage_bytes: Sequence[float] | None, budget: Sequence[float]) -> tuple[int, int | None]:
+        """(ZB-auto's cap, the activations that fit) for stages of these bytes, one a rank, in `budget`."""
         if fixed or stage_bytes is None:
             return params.get("mem", 2 * P), None
-        fit = min(activations_that_fit(b, e) for b, e in zip(budget or room.budget, stage_bytes))  # type: ignore
+        fit = min(activations_that_fit(b, e) for b, e in zip(budget, stage_bytes))
         return max(1, min(2 * P, fit)), fit
 
     def searched(c: Cost, stage_bytes: Sequence[float] | None, points: list[int] | None,
-                 budget: Sequence[float] = ()) -> dict[str, Any]:
+                 budget: Sequence[float]) -> dict[str, Any]:
         mem, fit = cap(stage_bytes, budget)
         found = pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **{**params, "mem": mem})
         timed = simulate(found, c)
@@ -92,7 +92,7 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
     for report in units if whole else ():
         held.update(report[1])  # type: ignore[index]
     if not whole or sorted(held) != list(range(S)):  # no units to move: the current cut, its measured bytes
-        decision = searched(cost, measured, None)
+        decision = searched(cost, measured, None, room.budget if room is not None else ())
         return {**decision, "kept_ms": decision["predicted_ms"], "profiled_ms": timeline.makespan * 1e3}
     seconds: dict[int, list[float]] = {}
     saved: dict[int, float] = {}
@@ -163,9 +163,7 @@ def _moved_states(unit_params: dict[int, int], bounds: list[int],
     per_param = room.per_param if room is not None else 0.0
     if not per_param or any(u not in unit_params for u in range(L)):
         return lambda s, a, b: 0.0
-    prefix = [0]
-    for u in range(L):
-        prefix.append(prefix[-1] + unit_params[u])
+    prefix = list(accumulate((unit_params[u] for u in range(L)), initial=0))
     return lambda s, a, b: per_param * ((prefix[b] - prefix[a]) - (prefix[bounds[s + 1]] - prefix[bounds[s]]))
 
 
@@ -173,7 +171,5 @@ def _fitting(unit_bytes: list[float], budget: Sequence[float], moved: Callable[[
              k: int) -> Fits:
     """The `partition.Fits` of stages whose activations fit their rank's `budget` `k` times, after the model states
     the units they gain bring (stage s on rank s)."""
-    prefix = [0.0]
-    for b in unit_bytes:
-        prefix.append(prefix[-1] + b)
+    prefix = list(accumulate(unit_bytes, initial=0.0))
     return lambda s, a, b: (prefix[b] - prefix[a]) * k <= budget[s] - moved(s, a, b)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import accumulate
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import builtin_names, load
@@ -315,7 +316,7 @@ def _fitted_layers(model: ModelSpec, cluster: ClusterSpec, layout: Layout, on_ra
     among those where every rank fits (`partition.even_sizes` held to them).  A schedule's first ranks hold the
     most activations, so they give up layers (Megatron's smaller first stage, for memory).  One stage a rank
     only; None when no split fits."""
-    if layout.split != "balanced" or any(len(st) != 1 for st in on_rank.values()) or model.layers > MAX_BALANCED_LAYERS:
+    if not _fittable(model, layout, on_rank):
         return None
     rank_of = {st[0]: r for r, st in on_rank.items()}
     # the fields a rank's memory does not depend on set alike, so that layouts of the same memory share the answer
@@ -325,14 +326,17 @@ def _fitted_layers(model: ModelSpec, cluster: ClusterSpec, layout: Layout, on_ra
     return None if fitted is None else list(fitted)
 
 
+def _fittable(model: ModelSpec, layout: Layout, on_rank: dict[int, list[int]]) -> bool:
+    """Whether `_fitted_layers` may re-split this layout: a balanced split, one stage a rank, a depth it searches."""
+    return (layout.split == "balanced" and all(len(st) == 1 for st in on_rank.values())
+            and model.layers <= MAX_BALANCED_LAYERS)
+
+
 @lru_cache(maxsize=4096)
 def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float, ...]) -> tuple[int, ...] | None:
     """`_fitted_layers` for stage s's rank holding `peaks[s]` activations at most, in `usable` bytes."""
     params, experts = piece_params(model, layout)
-    p_sum, e_sum = [0.0], [0.0]
-    for p, e in zip(params, experts):
-        p_sum.append(p_sum[-1] + p)
-        e_sum.append(e_sum[-1] + e)
+    p_sum, e_sum = list(accumulate(params, initial=0.0)), list(accumulate(experts, initial=0.0))
     pieces = model.layers + 2
     # a rank's bytes are linear in its parameters and its layers: price one of each once
     base = _rank_memory(model, layout, 0.0, 0.0, 0.0, 0, False).total  # the recomputed working set
@@ -379,7 +383,7 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
     note = ""
     if memory.total > cluster.memory - cluster.reserved_memory and not searched and may_fit():
         fitted = _fitted_layers(model, cluster, layout, on_rank, live, S)
-        if fitted is None and layout.split == "balanced" and all(len(st) == 1 for st in on_rank.values()):
+        if fitted is None and _fittable(model, layout, on_rank):
             note = "; no other split of the layers fits either"
         elif fitted is not None and len(set(fitted)) == 1:
             raise LayoutError(f"duplicate: the balanced split of {model.layers} layers that fits the memory is the "
