@@ -57,6 +57,17 @@ class Timeline:
         return [sum(e.end - e.start for e in events if e.instr.op in COMPUTE) for events in self.ranks]
 
     @cached_property
+    def rank_spans(self) -> list[float]:
+        """Per rank, the time from its first compute op's start to its last one's end: where nothing collective
+        separates one step from the next, the steps overlap and the longest span is the step's time (the cost in
+        the zero-bubble paper's bubble rate, Qi et al., ICLR'24, section 5)."""
+        spans = []
+        for events in self.ranks:
+            compute = [e for e in events if e.instr.op in COMPUTE]
+            spans.append(compute[-1].end - compute[0].start if compute else 0.0)
+        return spans
+
+    @cached_property
     def bubble_ratio(self) -> float:
         """1 − Σ busy / (P · makespan): the idle fraction of the ranks' time."""
         if self.makespan <= 0:

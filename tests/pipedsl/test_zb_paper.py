@@ -1,0 +1,53 @@
+"""The simulator against the zero-bubble paper's own numbers (Qi et al., "Zero Bubble Pipeline Parallelism",
+ICLR'24): its Table 6 profiles T_F, T_B (our I), T_W and T_comm in ms for each setup, and its Table 5 gives
+each handcrafted schedule's bubble rate under those costs, (cost − m(T_F + T_B + T_W)) / cost with cost the
+longest stage's time (`Timeline.rank_spans`).  pipedsl's built-in 1F1B, ZB-H1 and ZB-H2 reproduce the three
+columns to the paper's 4 decimals.
+
+Two of the paper's twelve setups (1.5B at m = 32 and 64) are left out: the costs we hold for them do not
+reproduce the paper's 1F1B bubble, which depends on nothing but the costs, so they are not the costs the
+paper used."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipedsl
+
+# model, p, m: T_F, T_B, T_W, T_comm (Table 6); bubble of 1F1B, ZB-H1, ZB-H2 (Table 5)
+SETUPS = {
+    ("1.5B", 8, 24): ((18.522, 18.086, 9.337, 0.601), (0.2431, 0.1585, 0.1083)),
+    ("6.2B", 8, 24): ((29.718, 29.444, 19.927, 0.527), (0.2347, 0.1323, 0.0698)),
+    ("6.2B", 8, 32): ((29.802, 29.428, 19.530, 0.577), (0.1898, 0.1045, 0.0559)),
+    ("6.2B", 8, 64): ((29.935, 29.621, 19.388, 0.535), (0.1091, 0.0554, 0.0294)),
+    ("14.6B", 16, 48): ((11.347, 11.248, 8.132, 0.377), (0.2552, 0.1397, 0.0672)),
+    ("14.6B", 16, 64): ((11.307, 11.254, 8.101, 0.379), (0.2082, 0.1088, 0.0516)),
+    ("14.6B", 16, 128): ((11.325, 11.308, 8.109, 0.378), (0.1251, 0.0576, 0.0266)),
+    ("28.3B", 32, 96): ((10.419, 10.207, 7.715, 0.408), (0.2646, 0.1421, 0.0641)),
+    ("28.3B", 32, 128): ((10.408, 10.204, 7.703, 0.408), (0.2168, 0.1106, 0.0490)),
+    ("28.3B", 32, 256): ((10.402, 10.248, 7.698, 0.460), (0.1352, 0.0594, 0.0257)),
+}
+
+
+def paper_bubble(program: pipedsl.Program, cost: pipedsl.Cost, M: int) -> float:
+    cost_of_step = max(pipedsl.simulate(program, cost).rank_spans)
+    return (cost_of_step - M * (cost.F + cost.I + cost.W)) / cost_of_step
+
+
+@pytest.mark.parametrize("setup", list(SETUPS), ids=lambda s: f"{s[0]}-p{s[1]}-m{s[2]}")
+def test_handcrafted_schedules_reproduce_the_papers_bubble_rates(setup: tuple[str, int, int]) -> None:
+    _, P, M = setup
+    (F, I, W, comm), published = SETUPS[setup]  # noqa: E741
+    cost = pipedsl.Cost(F=F, B=I + W, I=I, W=W, comm=comm)
+    for name, bubble in zip(("1f1b", "zb-h1", "zb-h2"), published, strict=True):
+        assert round(paper_bubble(pipedsl.load(name).compile(P=P, M=M), cost, M), 4) == bubble, name
+
+
+def test_zb_auto_at_the_memory_of_1f1b_is_at_or_below_zb_h1_on_the_papers_costs() -> None:
+    """At p activations a rank the search finds ZB-H1's bubble or lower (the paper's ZB-1p column is not held
+    here; ZB-2p rests on a memory model where I frees most of an activation, which docs/schedules.md discusses)."""
+    (F, I, W, comm), (_, zb_h1, _) = SETUPS[("6.2B", 8, 24)]  # noqa: E741
+    cost = pipedsl.Cost(F=F, B=I + W, I=I, W=W, comm=comm)
+    program = pipedsl.load("zb-auto").compile(P=8, M=24, mem=8, cost=cost)
+    assert paper_bubble(program, cost, 24) <= zb_h1 + 5e-5
+    assert max(pipedsl.simulate(program, cost).peak_activations) <= 8
