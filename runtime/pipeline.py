@@ -160,7 +160,7 @@ class Pipeline:
             self._check_expert_peers()
         self.counter = ActivationCounter(count_bytes=activation_bytes)
         self.loss = LossPolicy(loss_reduction, self.num_microbatches, ignore_index)  # one, shared by the stages
-        options = StageOptions(self.precision, self.device, overlap)
+        options = StageOptions(self.precision, self.device, overlap, release=prog.split_backward)
         self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter,
                                  None if recompute is None else Recompute(m, recompute, recompute_filter),
                                  options=options, loss=self.loss)

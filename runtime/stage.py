@@ -14,11 +14,17 @@ set by the pipeline each step).
   parameter — to capture the gradient flowing into them; the graph is retained.
 - `backward_weight` (W): `autograd.grad` from those boundary nodes (with the captured
   gradients) to the parameters, so W repeats none of I's work; the graph is freed.
+- After I, every saved tensor that W's nodes do not read is dropped (`StageOptions.release`):
+  what stays until W is, as in Megatron-LM's zero-bubble W, the inputs of the layers with
+  weights and the gradients entering them; attention's internals, activations' inputs and
+  norms' statistics go at I.
 
 Live activations are counted honestly: every tensor the forward's autograd graph saves is
 packed together with a token, and the token is also held by the `Activation`; an activation
 is live until the executor released it *and* autograd freed everything it saved.  The token
-also counts the bytes of what it keeps (see `ActivationCounter`).
+also counts the bytes of what it keeps (see `ActivationCounter`): the forward's, until W, the unit
+the compiler and the planners count memory in (what I drops and the gradients it captures for W
+are not counted; docs/runtime.md, "Split backward's memory").
 
 Recomputation (`recompute=`, see recompute.py): the forward's saved tensors inside a region
 become slot numbers and are recomputed by the first backward that reads them; I recomputes,
@@ -29,6 +35,7 @@ hooks (ZeRO-3 keeps the parameters gathered through it).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -85,12 +92,13 @@ class ActivationToken:
     Runs for every tensor autograd saves (`pack`), so it is kept lean: no finalizer registry
     (`__del__` gives the bytes back) and the counter's fields updated in place."""
 
-    __slots__ = ("counter", "nbytes", "storages")
+    __slots__ = ("counter", "nbytes", "storages", "saved")
 
     def __init__(self, counter: ActivationCounter) -> None:
         self.counter = counter
         self.nbytes = 0  # bytes counted
         self.storages: set[int] = set()
+        self.saved: list[weakref.ref[Saved]] | None = None  # what it packed, where I may drop some (`release`)
 
     def __del__(self) -> None:
         counter = self.counter
@@ -126,10 +134,25 @@ class ActivationToken:
         if counter.live_bytes > counter.peak_bytes:
             counter.peak_bytes = counter.live_bytes
 
-    def pack(self, t: torch.Tensor) -> tuple[ActivationToken, torch.Tensor]:
-        self.add(t)
+    def pack(self, t: torch.Tensor) -> Saved:
+        if self.counter.count_bytes:
+            self.add(t)
         # detached: a saved *output* must not own its own grad_fn (a cycle autograd never frees)
-        return self, t.detach()
+        saved = Saved(self, t.detach())
+        if self.saved is not None:  # by weak reference: the token held by what it holds would be a cycle
+            self.saved.append(weakref.ref(saved))
+        return saved
+
+
+class Saved:
+    """One tensor autograd saved, as the pack hook hands it to autograd: the token keeps the activation
+    counted while autograd holds it; `tensor` is None once I dropped it (W never reads it)."""
+
+    __slots__ = ("token", "tensor", "__weakref__")
+
+    def __init__(self, token: ActivationToken, tensor: torch.Tensor) -> None:
+        self.token = token
+        self.tensor: torch.Tensor | None = tensor
 
 
 class Activation:
@@ -158,6 +181,7 @@ class StageOptions:
     precision: MixedPrecision = MixedPrecision()
     device: torch.device | str = "cpu"
     overlap: bool = True  # an F&B pair's halves hand over at expert exchanges (runtime/overlap.py)
+    release: bool = False  # I drops the saved tensors W does not read (programs with split backward)
 
 
 class Stage:
@@ -181,6 +205,8 @@ class Stage:
         self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
         options = options or StageOptions()
         self.precision, self.device = options.precision, options.device
+        # dropping at I needs every saved tensor packed by this stage; recomputation packs its own
+        self.release = options.release and recompute is None
         self.overlap = options.overlap and has_exchanges(module)
         # which half of an overlapped pair starts, when this stage runs the forward (runtime/overlap.py)
         self.pair_first = "backward" if self.overlap and fixed_size(module) else "forward"
@@ -220,6 +246,8 @@ class Stage:
         if count_bytes:
             for t in inputs:
                 token.add(t)  # kept for the backward
+        if self.release:
+            token.saved = []
 
         def plain(*xs: Any) -> tuple[Any, torch.Tensor | None]:
             return self._with_loss(self.module(*xs), target)
@@ -227,7 +255,8 @@ class Stage:
         def compute(*xs: Any) -> tuple[Any, torch.Tensor | None]:
             return plain(*xs) if run is None else self._with_loss(run(list(xs)), target)
 
-        saving = torch.autograd.graph.saved_tensors_hooks(token.pack, _unpack) if count_bytes else _NO_HOOKS
+        hooked = count_bytes or self.release
+        saving = torch.autograd.graph.saved_tensors_hooks(token.pack, _unpack) if hooked else _NO_HOOKS
         with saving, self.precision.autocast(self.device):
             if self.recompute is None:
                 out, loss = self._with_loss(self.module(*inputs) if run is None else run(inputs), target)
@@ -346,6 +375,8 @@ class Stage:
                 h.remove()
         act.boundary = plan.weight_groups(graph.nodes, captured, outs, gs)
         act.outputs = []  # what W needs lives on through the boundary nodes
+        if self.release:
+            _drop_unread(act.token, [graph.nodes[k] for k in plan.weight_nodes])
         return self._input_grads(act, list(got))
 
     def backward_weight(self, act: Activation) -> None:
@@ -463,8 +494,50 @@ def storage_key(t: Any) -> tuple[int, int] | None:
         return id(t), t.numel() * t.element_size()
 
 
-def _unpack(packed: tuple[object, torch.Tensor]) -> torch.Tensor:
-    return packed[1]
+_READ: set[int] | None = None  # while `_drop_unread` reads W's nodes: the ids of the `Saved` they hold
+
+
+def _unpack(saved: Saved) -> torch.Tensor:
+    t = saved.tensor
+    if t is None:
+        raise RuntimeError("pipedsl: W read a tensor its I had dropped as unread; please report this with the model")
+    if _READ is not None:
+        _READ.add(id(saved))
+    return t
+
+
+def _drop_unread(token: ActivationToken, weight_nodes: list[Node]) -> None:
+    """After I: drop every tensor the activation's forward saved except those W's nodes read (reading each
+    node's saved tensors once marks them)."""
+    global _READ
+    assert token.saved is not None
+    _READ = read = set()
+    try:
+        for node in weight_nodes:
+            for name in _saved_names(node):
+                getattr(node, name)
+    finally:
+        _READ = None
+    for ref in token.saved:
+        saved = ref()
+        if saved is not None and id(saved) not in read:
+            saved.tensor = None
+    token.saved = []
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_names(node: Node) -> tuple[str, ...]:
+    """The attributes through which a node's saved tensors are read (each read unpacks them)."""
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            names = ("saved_tensors",)
+        else:
+            names = tuple("_saved_" + a[len("_raw_saved_"):] for a in dir(node) if a.startswith("_raw_saved_"))
+        _SAVED_NAMES[type(node)] = names
+    return names
 
 
 def _is_float(t: Any) -> bool:
@@ -576,6 +649,24 @@ class _WeightPlan:
                 entries.append(("root", k, params_below([r])))
         self.hooked = [u for kind, u, _ in entries if kind == "node"]
         self.groups = _merge_sharing(entries)
+        self.weight_nodes = sorted(self._weight_nodes(graph, param_of))
+
+    def _weight_nodes(self, graph: _Graph, param_of: dict[int, int]) -> set[int]:
+        """The nodes W runs: those on a path from a group's starts to one of the group's parameters (autograd
+        runs no other node of a `backward(..., inputs=)`)."""
+        run: set[int] = set()
+        for members, pidx in self.groups:
+            wanted = set(pidx)
+            reach = _reaching(graph.children, {k for k, p in param_of.items() if p in wanted})
+            stack = [u if kind == "node" else graph.roots[u] for kind, u in members]
+            stack = [u for u in stack if u is not None and reach[u] and u not in run]
+            run.update(stack)
+            while stack:
+                for c in graph.children[stack.pop()]:
+                    if reach[c] and c not in run:
+                        run.add(c)
+                        stack.append(c)
+        return run
 
     def weight_groups(self, nodes: list[Node], captured: dict[Node, tuple], outs: list[torch.Tensor],
                       gs: list) -> list[tuple]:

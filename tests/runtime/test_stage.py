@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipedsl.runtime.stage import ActivationCounter, ActivationToken, Stage
+from pipedsl.runtime.stage import ActivationCounter, ActivationToken, Stage, StageOptions
 
 
 class Shared(nn.Module):
@@ -39,7 +39,9 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("last", [False, True])
-def test_split_backward_equals_full(name: str, last: bool) -> None:
+@pytest.mark.parametrize("release", [False, True])
+def test_split_backward_equals_full(name: str, last: bool, release: bool) -> None:
+    """Also where I drops what W does not read (`release`): W reads nothing I dropped."""
     torch.manual_seed(0)
     make, shape = CASES[name]
     module = make()
@@ -53,7 +55,7 @@ def test_split_backward_equals_full(name: str, last: bool) -> None:
     target = torch.randn(shape)
     num = 2 if last else 3
     full = Stage(module, 1, num, loss_fn, 2, ActivationCounter())
-    split = Stage(twin, 1, num, loss_fn, 2, ActivationCounter())
+    split = Stage(twin, 1, num, loss_fn, 2, ActivationCounter(), options=StageOptions(release=release))
     act_a, outs = full.forward([x], target)
     act_b, _ = split.forward([x], target)
     grads = None if last else [torch.randn_like(o) for o in outs if o.is_floating_point()]
@@ -148,3 +150,54 @@ def test_compiled_blocks_under_split_backward(pool2, schedule) -> None:
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
     assert [r["backward_runs"] for r in results] == [4, 4]
+
+
+def test_input_gradient_drops_what_the_weight_gradient_does_not_read() -> None:
+    """Split backward's memory (docs/runtime.md): after I, of everything a GPT block's forward saved only the
+    inputs of its linear layers and layer norms stay (W reads them for the weight gradients: found here by
+    forward pre-hooks, not by the runtime's graph walk); attention's and GELU's saved tensors are freed.
+    Without `release` everything stays until W.  The gradients equal a full backward either way."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from pipedsl.models.gpt.model import Block, GPTConfig
+    from pipedsl.runtime.stage import _saved_names
+
+    B, T, C = 2, 16, 32
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_embd=C, n_head=4, block_size=T))
+    reference = copy.deepcopy(block)
+    x = torch.randn(B, T, C)
+    g = torch.randn(B, T, C)
+    out = reference(x.clone().requires_grad_())
+    out.backward(g)
+    for release in (False, True):
+        module = copy.deepcopy(block)
+        read_by_w: set[int] = set()
+        for m in module.modules():
+            if isinstance(m, (nn.Linear, nn.LayerNorm)):
+                m.register_forward_pre_hook(lambda _m, args: read_by_w.add(args[0].untyped_storage().data_ptr()))
+        stage = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=release))
+        act, outs = stage.forward([x])
+        weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        saved: dict[int, StorageWeakRef] = {}
+        stack, seen = [outs[0].grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for name in _saved_names(node):
+                value = getattr(node, name)
+                for t in value if isinstance(value, tuple) else (value,):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in weights \
+                            and t.numel() >= B * T * C:  # (norms' statistics are smaller)
+                        saved[t.untyped_storage().data_ptr()] = StorageWeakRef(t.untyped_storage())
+            stack.extend(f for f, _ in node.next_functions)
+        del outs
+        stage.backward_input(act, [g])
+        alive = {k for k, ref in saved.items() if not ref.expired()}
+        assert read_by_w < set(saved)  # attention's and GELU's saved tensors besides
+        assert alive == (read_by_w if release else set(saved)), release
+        stage.backward_weight(act)
+        for (n, p), q in zip(reference.named_parameters(), module.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=n: f"{n}: {m}")
