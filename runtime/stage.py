@@ -230,8 +230,17 @@ class Stage:
         if plan is None:
             if len(self._plans) >= _MAX_PLANS:  # a stage whose graph keeps changing shape
                 self._plans.pop(next(iter(self._plans)))
-            plan = self._plans[graph.signature] = _WeightPlan(graph, inputs, self.param_nodes)
+            plan = self._plans[graph.signature] = _WeightPlan(graph, inputs, self.param_nodes, self._early())
         return plan
+
+    def _early(self) -> set[int]:
+        """Parameters whose gradients I may compute with the input gradients: those with no matrix (norms'
+        scales, biases: their gradient comes out of the kernel I runs anyway), where I drops what W does not
+        read, so W keeps only the matrix multiplications' inputs and output gradients (Megatron-LM's
+        zero-bubble W).  Not under weight-pass hooks (ZeRO-3 gathers and reduces around W)."""
+        if not self.release or self.weight_pass_hooks:
+            return set()
+        return {i for i, p in enumerate(self.params) if p.dim() <= 1}
 
     # ------------------------------------------------------------ forward
 
@@ -369,7 +378,12 @@ class Stage:
                    for u in map(graph.nodes.__getitem__, plan.hooked)]
         try:
             with self._weights_gathered(self.recompute is not None):
-                got = torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
+                if plan.early:  # accumulated through their AccumulateGrad nodes, as W would (hooks run)
+                    torch.autograd.backward(outs, gs, retain_graph=bool(plan.groups),
+                                            inputs=want + [self.params[i] for i in plan.early])
+                    got = [t.grad for t in want]
+                else:
+                    got = torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
@@ -616,7 +630,8 @@ class _WeightPlan:
     Everything is in node numbers of a `_Graph`, so one plan serves every graph of its shape.
     """
 
-    def __init__(self, graph: _Graph, inputs: dict[Node, int], params: dict[Node, int]) -> None:
+    def __init__(self, graph: _Graph, inputs: dict[Node, int], params: dict[Node, int],
+                 early: set[int] = frozenset()) -> None:
         # torch.compile's regions: one backward node for inputs and weights alike, which cannot be split (decided
         # once per graph shape: the signature holds every node's type)
         self.opaque = any(type(n).__name__ == "CompiledFunctionBackward" for n in graph.nodes)
@@ -647,6 +662,11 @@ class _WeightPlan:
         for k, r in enumerate(graph.roots):
             if r is not None and not on_path[r] and to_param[r]:
                 entries.append(("root", k, params_below([r])))
+        # parameters I computes (`early`): only where every branch reaching them is theirs alone, so none is
+        # reached again by W
+        late = set().union(*(ps for kind, _, ps in entries if kind == "root" or not ps <= early))
+        self.early = sorted(set().union(*(ps for _, _, ps in entries)) & early - late)
+        entries = [e for e in entries if not e[2] <= set(self.early)]
         self.hooked = [u for kind, u, _ in entries if kind == "node"]
         self.groups = _merge_sharing(entries)
         self.weight_nodes = sorted(self._weight_nodes(graph, param_of))
