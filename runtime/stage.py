@@ -678,14 +678,15 @@ class _WeightPlan:
         for members, pidx in self.groups:
             wanted = set(pidx)
             reach = _reaching(graph.children, {k for k, p in param_of.items() if p in wanted})
-            stack = [u if kind == "node" else graph.roots[u] for kind, u in members]
-            stack = [u for u in stack if u is not None and reach[u] and u not in run]
-            run.update(stack)
+            starts = {u if kind == "node" else graph.roots[u] for kind, u in members}
+            stack = [u for u in starts if u is not None and reach[u]]
+            seen = set(stack)  # per group: a node another group ran may lead to this group's parameters
             while stack:
                 for c in graph.children[stack.pop()]:
-                    if reach[c] and c not in run:
-                        run.add(c)
+                    if reach[c] and c not in seen:
+                        seen.add(c)
                         stack.append(c)
+            run |= seen
         return run
 
     def weight_groups(self, nodes: list[Node], captured: dict[Node, tuple], outs: list[torch.Tensor],
