@@ -35,6 +35,7 @@ RUNS = {
     "test_gpu_check_dry_run_on_gloo": ("gpu_check", ["--device", "cpu", "--tiny"]),
     "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--M", "4", "--against", "HEAD"]),
     "test_shape_change": ("shape_change", ["--quick"]),
+    "test_split_backward": ("split_backward", ["--quick"]),
     "test_startup": ("startup", ["--quick"]),
     "test_auto_schedule": ("auto_schedule", ["--quick", "--vocab", "2048", "--us-per-mweight", "5"]),
     "test_moe_overlap": ("moe_overlap", ["--quick", "--M", "4", "--latency", "0.5", "--attn", "0.2", "--experts-ms",
@@ -144,6 +145,15 @@ def test_op_cpu_against_another_tree(runs, request):
     got = run(runs, request, "op_cpu")
     assert [(r["tree"], r["P"]) for r in got["rows"]] == [("HEAD", 2), ("this", 2)]  # HEAD from a worktree
     assert all(r["pipedsl_ms_per_op"] > 0 and r["torch_ms_per_op"] > 0 and r["ratio"] > 0 for r in got["rows"])
+
+
+@pytest.mark.slow
+def test_split_backward(runs, request):
+    got = run(runs, request, "split_backward")
+    kept = {r["stage"]: r for r in got["held"] if not r["release"]}
+    for r in (r for r in got["held"] if r["release"]):  # I keeping only W's part holds less than keeping all
+        assert r["after_I_saved"] < kept[r["stage"]]["after_I_saved"], r
+    assert got["step"]["ratio"] > 0
 
 
 @pytest.mark.slow
