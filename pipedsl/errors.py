@@ -100,3 +100,10 @@ def _excerpt(source: str, span: Span) -> list[str]:
 
 
 _EXCERPT = 100  # characters of a source line shown
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message as one line of at most `limit` characters (its type's name if it has none), for
+    refusals that quote what a library raised."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."

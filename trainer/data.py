@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from pipedsl.errors import PipeDSLError
+from pipedsl.errors import PipeDSLError, one_line
 from pipedsl.models.hf import TOKENIZER_FILES
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ def load_tokenizer(model_dir: str | os.PathLike | None) -> TextTokenizer:
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
     except Exception as err:  # noqa: BLE001 - any failure of a broken tokenizer folder is the user's to fix
-        raise DataError(f"{where}: cannot load its tokenizer: {_one_line(err)}") from None
+        raise DataError(f"{where}: cannot load its tokenizer: {one_line(err)}") from None
     return HFTokenizer(tokenizer, where)
 
 
@@ -312,7 +312,7 @@ def _json_file(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
     except (OSError, ValueError) as err:
-        raise DataError(f"{path}: unreadable: {_one_line(err)}") from None
+        raise DataError(f"{path}: unreadable: {one_line(err)}") from None
     if not isinstance(value, dict):
         raise DataError(f"{path}: expected a JSON object")
     return value
@@ -376,7 +376,7 @@ def _read_parquet(item: _Input, field: str) -> Iterator[Document]:
     try:
         parquet = pq.ParquetFile(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises several kinds for a file that is not Parquet
-        raise DataError(f"{path}: not a Parquet file ({_one_line(err)})") from None
+        raise DataError(f"{path}: not a Parquet file ({one_line(err)})") from None
     _check_column(path, parquet.schema_arrow, field)
     row = 0
     for group in range(parquet.num_row_groups):  # one row group in memory at a time
@@ -397,7 +397,7 @@ def _read_dataset(item: _Input, field: str) -> Iterator[Document]:
         try:
             reader = pa.ipc.open_stream(pa.memory_map(path))
         except Exception as err:  # noqa: BLE001
-            raise DataError(f"{path}: not an Arrow stream written by datasets ({_one_line(err)})") from None
+            raise DataError(f"{path}: not an Arrow stream written by datasets ({one_line(err)})") from None
         _check_column(item.path, reader.schema, field)
         for batch in reader:
             yield from _rows(item.path, batch.column(batch.schema.get_field_index(field)), row, field)
@@ -454,11 +454,6 @@ def _names(names: Sequence[str], limit: int = 12) -> str:
     return (shown + f", … ({len(names)} in all)" if len(names) > limit else shown) or "none"
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 # ---------------------------------------------------------------- the token cache
 
 
@@ -507,7 +502,7 @@ class TokenCache:
             tokens = np.load(os.path.join(path, "tokens.npy"), mmap_mode="r")
             offsets = np.load(os.path.join(path, "doc_offsets.npy"), mmap_mode="r")
         except (OSError, ValueError) as err:
-            raise DataError(f"{path}: damaged token cache ({_one_line(err)}); delete it to rebuild") from None
+            raise DataError(f"{path}: damaged token cache ({one_line(err)}); delete it to rebuild") from None
         if (tokens.dtype != np.uint32 or len(tokens) != meta["num_tokens"]
                 or len(offsets) != meta["num_documents"] + 1 or offsets[-1] != len(tokens)):
             raise DataError(f"{path}: damaged token cache (its arrays do not match meta.json); delete it to rebuild")

@@ -320,8 +320,9 @@ def _meta_model(config: Any) -> Any:
     read but cannot build a model of (what models/hf/config_checks.py does not foresee) is one line naming it."""
     import torch
 
+    from pipedsl.errors import one_line
     from pipedsl.models.hf import CONFIG, ModelDirError
-    from pipedsl.models.hf.io import _one_line, auto_class
+    from pipedsl.models.hf.io import auto_class
 
     try:
         with torch.device("meta"):
@@ -329,7 +330,7 @@ def _meta_model(config: Any) -> Any:
     except Exception as err:  # noqa: BLE001 - whatever transformers' model code refuses, said in one line
         where = Path(config.name_or_path) / CONFIG if getattr(config, "name_or_path", "") else type(config).__name__
         raise ModelDirError(f"{where}: transformers cannot build its model: {type(err).__name__}: "
-                            f"{_one_line(err)}") from None
+                            f"{one_line(err)}") from None
 
 
 def _count_parameters(config: Any) -> int:

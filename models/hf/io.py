@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipedsl.errors import one_line
 from pipedsl.models import hf
 from pipedsl.models.hf import CONFIG, ModelDirError, read_config_file
 from pipedsl.models.hf.config_checks import check_config
@@ -81,7 +82,7 @@ def inspect_model_dir(path: str | os.PathLike) -> ModelDir:
     try:
         config = tf.AutoConfig.from_pretrained(str(p), local_files_only=True)
     except Exception as err:  # noqa: BLE001 - whatever transformers refuses, said in one line
-        raise ModelDirError(f"{cfg_file}: transformers cannot build this config: {_one_line(err)}") from None
+        raise ModelDirError(f"{cfg_file}: transformers cannot build this config: {one_line(err)}") from None
     if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING and not _is_seq2seq(config):
         raise ModelDirError(f"{cfg_file}: model_type {raw['model_type']!r} has neither a causal language model nor "
                             f"a sequence-to-sequence (encoder-decoder) one in transformers {tf.__version__}")
@@ -121,11 +122,6 @@ def model_stages(model: nn.Module, num_stages: int, split: dict[str, Any], **kwa
     from pipedsl.models.hf.stages import causal_lm_stages
 
     return causal_lm_stages(model, num_stages, **split, **kwargs)
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def build_model(model_dir: str | os.PathLike, *, seed: int = 0, attn: str = "sdpa") -> nn.Module:
@@ -423,7 +419,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
             os.replace(f, target / f.name)
     except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError is no OSError: a full disk, a quota
         shutil.rmtree(staging, ignore_errors=True)
-        cause = getattr(err, "strerror", None) or _one_line(err)
+        cause = getattr(err, "strerror", None) or one_line(err)
         raise ModelDirError(f"cannot write the export to {target}: {cause} (nothing was written there)") from None
     shutil.rmtree(staging, ignore_errors=True)
     return target, saved.info.step

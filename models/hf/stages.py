@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from pipedsl.errors import PipeRuntimeError
+from pipedsl.errors import PipeRuntimeError, one_line
 from pipedsl.models.split import ModelNamed, _bounds
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here" (padding, prompts)
@@ -478,8 +478,8 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
                     x = stage(*x) if isinstance(x, tuple) else stage(x)
             except Exception as err:  # noqa: BLE001 - whatever the layers refuse, said as the model's refusal
                 raise PipeRuntimeError(f"{who}: {name}'s layers fail when called as pipedsl's stages call them "
-                                       f"({type(err).__name__}: {one_line(err)}): its forward passes them something "
-                                       f"the stages do not") from None
+                                       f"({type(err).__name__}: {one_line(err, 200)}): its forward passes them "
+                                       f"something the stages do not") from None
             got, aux = (x[0], x[1]) if isinstance(x, tuple) else (x, None)
             got = got.float()
     finally:
@@ -493,12 +493,6 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
                                f"from the model's own forward: its forward does something between {pieces} that "
                                f"pipedsl does not reproduce")
     return diff
-
-
-def one_line(err: BaseException) -> str:
-    """An exception as one line of at most 200 characters, for refusals that quote it."""
-    text = " ".join(str(err).split())
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def shallow_config(config: Any) -> Any:
@@ -554,7 +548,7 @@ def check_on_shallow_copy(model: nn.Module, shallow: Callable[[Any], Any], cut_a
             size = 4 * sum(p.numel() for p in build().parameters())
     except Exception as err:  # noqa: BLE001 - a config no shallow copy can be made of: unverifiable
         raise PipeRuntimeError(f"{who}: {name} cannot be verified: a shallow copy of it cannot be built "
-                               f"({type(err).__name__}: {one_line(err)}){unverified}") from None
+                               f"({type(err).__name__}: {one_line(err, 200)}){unverified}") from None
     if size > MAX_CHECK_BYTES:
         return None
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
@@ -565,7 +559,7 @@ def check_on_shallow_copy(model: nn.Module, shallow: Callable[[Any], Any], cut_a
             raise
         except Exception as err:  # noqa: BLE001 - the model's own forward fails on its shallow copy
             raise PipeRuntimeError(f"{who}: {name} cannot be verified: its own forward fails on a shallow copy "
-                                   f"({type(err).__name__}: {one_line(err)}){unverified}") from None
+                                   f"({type(err).__name__}: {one_line(err, 200)}){unverified}") from None
 
 
 def require_transformers() -> Any:
