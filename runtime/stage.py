@@ -35,7 +35,6 @@ hooks (ZeRO-3 keeps the parameters gathered through it).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,13 +91,12 @@ class ActivationToken:
     Runs for every tensor autograd saves (`pack`), so it is kept lean: no finalizer registry
     (`__del__` gives the bytes back) and the counter's fields updated in place."""
 
-    __slots__ = ("counter", "nbytes", "storages", "saved")
+    __slots__ = ("counter", "nbytes", "storages")
 
     def __init__(self, counter: ActivationCounter) -> None:
         self.counter = counter
         self.nbytes = 0  # bytes counted
         self.storages: set[int] = set()
-        self.saved: list[weakref.ref[Saved]] | None = None  # what it packed, where I may drop some (`release`)
 
     def __del__(self) -> None:
         counter = self.counter
@@ -138,10 +136,16 @@ class ActivationToken:
         if self.counter.count_bytes:
             self.add(t)
         # detached: a saved *output* must not own its own grad_fn (a cycle autograd never frees)
-        saved = Saved(self, t.detach())
-        if self.saved is not None:  # by weak reference: the token held by what it holds would be a cycle
-            self.saved.append(weakref.ref(saved))
-        return saved
+        return Saved(self, t.detach())
+
+    def packer(self, into: list[Saved]) -> Callable[[torch.Tensor], Saved]:
+        """`pack`, also listing what it packed in `into` (held by the activation: by the token, it would be a
+        cycle through the `Saved` objects, which hold the token)."""
+        def pack(t: torch.Tensor) -> Saved:
+            saved = self.pack(t)
+            into.append(saved)
+            return saved
+        return pack
 
 
 class Saved:
@@ -158,7 +162,7 @@ class Saved:
 class Activation:
     """What a forward leaves for its backward."""
 
-    __slots__ = ("inputs", "outputs", "grads", "token", "buffers", "boundary", "loss")
+    __slots__ = ("inputs", "outputs", "grads", "token", "buffers", "boundary", "loss", "saved")
 
     def __init__(self, inputs: list, outputs: list[torch.Tensor], token: object, buffers: list) -> None:
         self.inputs = inputs
@@ -168,6 +172,7 @@ class Activation:
         self.buffers = buffers  # receive buffers to give back when released
         self.boundary: list | None = None  # split backward: [(node, captured grads)]
         self.loss: torch.Tensor | None = None
+        self.saved: list[Saved] | None = None  # what its forward saved, where I drops what W does not read
 
 
 def as_list(value: Any) -> list:
@@ -255,8 +260,7 @@ class Stage:
         if count_bytes:
             for t in inputs:
                 token.add(t)  # kept for the backward
-        if self.release:
-            token.saved = []
+        saved: list[Saved] | None = [] if self.release else None
 
         def plain(*xs: Any) -> tuple[Any, torch.Tensor | None]:
             return self._with_loss(self.module(*xs), target)
@@ -265,7 +269,8 @@ class Stage:
             return plain(*xs) if run is None else self._with_loss(run(list(xs)), target)
 
         hooked = count_bytes or self.release
-        saving = torch.autograd.graph.saved_tensors_hooks(token.pack, _unpack) if hooked else _NO_HOOKS
+        pack = token.pack if saved is None else token.packer(saved)
+        saving = torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if hooked else _NO_HOOKS
         with saving, self.precision.autocast(self.device):
             if self.recompute is None:
                 out, loss = self._with_loss(self.module(*inputs) if run is None else run(inputs), target)
@@ -275,13 +280,15 @@ class Stage:
                 scaled = self.loss.scaled(loss)
         if self.is_last:
             act = Activation(inputs, [scaled], token, buffers or [])
-            act.loss = loss.detach()
+            act.loss, act.saved = loss.detach(), saved
             return act, [scaled]
         outputs = self.precision.cast_outputs(as_list(out))
         for k, t in enumerate(outputs):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(_not_a_tensor(k, t))
-        return Activation(inputs, outputs, token, buffers or []), outputs
+        act = Activation(inputs, outputs, token, buffers or [])
+        act.saved = saved
+        return act, outputs
 
     def _with_loss(self, out: Any, target: Any) -> tuple[Any, torch.Tensor | None]:
         """(out, the microbatch's loss as a 0-d tensor) on the last stage, (out, None) elsewhere."""
@@ -351,6 +358,7 @@ class Stage:
     def backward(self, act: Activation, grads: list | None) -> list[torch.Tensor]:
         """Full backward (B): parameter gradients accumulate; returns the input gradients."""
         outs, gs = self._roots(act, grads)
+        act.saved = None  # the graph's own references go as the backward runs
         if outs:
             with self._weights_gathered(self.recompute is not None):
                 torch.autograd.backward(outs, gs)
@@ -371,7 +379,7 @@ class Stage:
         if plan.opaque:  # a compiled region: one node makes input and weight gradients; split, it would run twice
             with self._weights_gathered(self.recompute is not None):
                 torch.autograd.backward(outs, gs)  # I does B's work; W finds nothing left
-            act.boundary, act.outputs = [], []
+            act.boundary, act.outputs, act.saved = [], [], None
             return self._input_grads(act, None)
         captured: dict[Node, tuple] = {}
         handles = [u.register_prehook(lambda g, u=u: captured.__setitem__(u, g))
@@ -390,7 +398,7 @@ class Stage:
         act.boundary = plan.weight_groups(graph.nodes, captured, outs, gs)
         act.outputs = []  # what W needs lives on through the boundary nodes
         if self.release:
-            _drop_unread(act.token, [graph.nodes[k] for k in plan.weight_nodes])
+            _drop_unread(act, [graph.nodes[k] for k in plan.weight_nodes])
         return self._input_grads(act, list(got))
 
     def backward_weight(self, act: Activation) -> None:
@@ -520,11 +528,11 @@ def _unpack(saved: Saved) -> torch.Tensor:
     return t
 
 
-def _drop_unread(token: ActivationToken, weight_nodes: list[Node]) -> None:
+def _drop_unread(act: Activation, weight_nodes: list[Node]) -> None:
     """After I: drop every tensor the activation's forward saved except those W's nodes read (reading each
     node's saved tensors once marks them)."""
     global _READ
-    assert token.saved is not None
+    assert act.saved is not None
     _READ = read = set()
     try:
         for node in weight_nodes:
@@ -532,11 +540,10 @@ def _drop_unread(token: ActivationToken, weight_nodes: list[Node]) -> None:
                 getattr(node, name)
     finally:
         _READ = None
-    for ref in token.saved:
-        saved = ref()
-        if saved is not None and id(saved) not in read:
+    for saved in act.saved:
+        if id(saved) not in read:
             saved.tensor = None
-    token.saved = []
+    act.saved = None
 
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
