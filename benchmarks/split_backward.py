@@ -24,34 +24,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "runtime"))  # saved_storages: what a graph holds, by weak reference
 
 import _bench  # noqa: E402
+from saved_storages import saved_storages  # noqa: E402
 
 MiB = 2**20
-
-
-def _held(roots: list, weights: set[int]) -> dict[int, tuple[Any, int]]:
-    """Every storage the graph below `roots` saved (parameters left out): address -> (weak reference, bytes)."""
-    import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    from pipedsl.runtime.stage import _saved_names
-
-    found: dict[int, tuple[Any, int]] = {}
-    stack, seen = [r.grad_fn for r in roots], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for name in _saved_names(node):
-            value = getattr(node, name)
-            for t in value if isinstance(value, (tuple, list)) else [value]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in weights:
-                    s = t.untyped_storage()
-                    found[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
-        stack.extend(f for f, _ in node.next_functions)
-    return found
 
 
 def held_bytes(make: Any, x: Any, release: bool) -> dict[str, float]:
@@ -64,7 +42,7 @@ def held_bytes(make: Any, x: Any, release: bool) -> dict[str, float]:
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     stage = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=release))
     act, outs = stage.forward([x])
-    saved = _held(outs, weights)
+    saved = saved_storages(outs, weights)
 
     def alive() -> float:
         return sum(n for ref, n in saved.values() if not ref.expired()) / MiB

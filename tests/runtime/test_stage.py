@@ -159,10 +159,9 @@ def test_input_gradient_drops_what_the_weight_gradient_does_not_read() -> None:
     not by the runtime's graph walk) and the stage input; attention's, GELU's and the second norm's saved
     tensors are freed (I computed the norms' and biases' gradients).  Without `release` everything stays
     until W.  The gradients equal a full backward either way."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+    from saved_storages import saved_storages
 
     from pipedsl.models.gpt.model import Block, GPTConfig
-    from pipedsl.runtime.stage import _saved_names
 
     B, T, C = 2, 16, 32
     torch.manual_seed(0)
@@ -181,23 +180,10 @@ def test_input_gradient_drops_what_the_weight_gradient_does_not_read() -> None:
         stage = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=release))
         act, outs = stage.forward([x])
         weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        saved: dict[int, StorageWeakRef] = {}
-        stack, seen = [outs[0].grad_fn], set()
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            for name in _saved_names(node):
-                value = getattr(node, name)
-                for t in value if isinstance(value, tuple) else (value,):
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in weights \
-                            and t.numel() >= B * T * C:  # (norms' statistics are smaller)
-                        saved[t.untyped_storage().data_ptr()] = StorageWeakRef(t.untyped_storage())
-            stack.extend(f for f, _ in node.next_functions)
+        saved = saved_storages(outs, weights, min_numel=B * T * C)  # (norms' statistics are smaller)
         del outs
         stage.backward_input(act, [g])
-        alive = {k for k, ref in saved.items() if not ref.expired()}
+        alive = {k for k, (ref, _) in saved.items() if not ref.expired()}
         assert read_by_w < set(saved)  # attention's and GELU's saved tensors besides
         assert alive == (read_by_w | {x.untyped_storage().data_ptr()} if release else set(saved)), release
         stage.backward_weight(act)
