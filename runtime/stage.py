@@ -235,16 +235,20 @@ class Stage:
         if plan is None:
             if len(self._plans) >= _MAX_PLANS:  # a stage whose graph keeps changing shape
                 self._plans.pop(next(iter(self._plans)))
-            plan = self._plans[graph.signature] = _WeightPlan(graph, inputs, self.param_nodes, self._early())
+            early = self._early()
+            plan = self._plans[graph.signature] = _WeightPlan(graph, inputs, self.param_nodes, early or set(),
+                                                              chains=early is not None)
         return plan
 
-    def _early(self) -> set[int]:
+    def _early(self) -> set[int] | None:
         """Parameters whose gradients I may compute with the input gradients: those with no matrix (norms'
         scales, biases: their gradient comes out of the kernel I runs anyway), where I drops what W does not
         read, so W keeps only the matrix multiplications' inputs and output gradients (Megatron-LM's
-        zero-bubble W).  Not under weight-pass hooks (ZeRO-3 gathers and reduces around W)."""
+        zero-bubble W); and (`chains`) those reached from several nodes of I's path, such as T5's relative
+        position bias, shared by every layer.  None: neither (without `release`, or under weight-pass hooks:
+        ZeRO-3 gathers and reduces around W)."""
         if not self.release or self.weight_pass_hooks:
-            return set()
+            return None
         return {i for i, p in enumerate(self.params) if p.dim() <= 1}
 
     # ------------------------------------------------------------ forward
@@ -638,7 +642,7 @@ class _WeightPlan:
     """
 
     def __init__(self, graph: _Graph, inputs: dict[Node, int], params: dict[Node, int],
-                 early: set[int] = frozenset()) -> None:
+                 early: set[int] = frozenset(), chains: bool = False) -> None:
         # torch.compile's regions: one backward node for inputs and weights alike, which cannot be split (decided
         # once per graph shape: the signature holds every node's type)
         self.opaque = any(type(n).__name__ == "CompiledFunctionBackward" for n in graph.nodes)
@@ -672,10 +676,15 @@ class _WeightPlan:
         # parameters I computes (`early`): only where every branch reaching them is theirs alone, so none is
         # reached again by W
         late = set().union(*(ps for kind, _, ps in entries if kind == "root" or not ps <= early))
-        self.early = sorted(set().union(*(ps for _, _, ps in entries)) & early - late)
-        entries = [e for e in entries if not e[2] <= set(self.early)]
-        self.hooked = [u for kind, u, _ in entries if kind == "node"]
-        self.groups = _merge_sharing(entries)
+        in_input = set().union(*(ps for _, _, ps in entries)) & early - late
+        groups = _merge_sharing([e for e in entries if not e[2] <= in_input])
+        if chains:  # a group of several nodes on I's path: W would run I's path between them again; I runs it once
+            shared = [g for g in groups if sum(kind == "node" for kind, _ in g[0]) > 1]
+            in_input.update(*(pidx for _, pidx in shared))
+            groups = [g for g in groups if g not in shared]
+        self.early = sorted(in_input)
+        self.groups = groups
+        self.hooked = [u for members, _ in groups for kind, u in members if kind == "node"]
         self.weight_nodes = sorted(self._weight_nodes(graph, param_of))
 
     def _weight_nodes(self, graph: _Graph, param_of: dict[int, int]) -> set[int]:

@@ -61,8 +61,12 @@ def test_split_backward_equals_full(name: str, last: bool, release: bool) -> Non
     grads = None if last else [torch.randn_like(o) for o in outs if o.is_floating_point()]
     ga = full.backward(act_a, grads)
     gb = split.backward_input(act_b, grads)
-    # I leaves the weights' gradients to W (with `release`, the vectors' too unless only they are reached)
-    assert all(p.grad is None for p in twin.parameters() if p.dim() > 1 or not release), "I touched W's gradients"
+    # I leaves to W the gradients of every parameter but those its plan computes in I (only with `release`: vectors,
+    # and the weight `shared` uses twice along the input path)
+    [plan] = split._plans.values()
+    assert {i for i, p in enumerate(twin.parameters()) if p.grad is not None} == set(plan.early)
+    assert (twin.w.weight.grad is not None) == release if name == "shared" else True
+    assert all(p.dim() <= 1 for i, p in enumerate(twin.parameters()) if i in plan.early) or name == "shared"
     split.backward_weight(act_b)
     for a, b in zip(ga, gb):
         torch.testing.assert_close(a, b)
@@ -189,3 +193,27 @@ def test_input_gradient_drops_what_the_weight_gradient_does_not_read() -> None:
         stage.backward_weight(act)
         for (n, p), q in zip(reference.named_parameters(), module.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_a_weight_used_along_the_input_path_twice_is_computed_in_input_gradient() -> None:
+    """`Shared` applies w to x and again to tanh(w(x)): from the second use, W would run I's path back to the first
+    again (keeping tanh's output alive until W).  Where I drops what W does not read, w's gradient is computed in
+    I instead, and tanh's output is freed at I; without, it lives until W."""
+    from saved_storages import saved_storages
+
+    for release in (False, True):
+        torch.manual_seed(0)
+        module = Shared()
+        inputs: list[torch.Tensor] = []
+        module.w.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+        stage = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=release))
+        act, outs = stage.forward([torch.randn(3, 6)])
+        saved = saved_storages(outs, {p.untyped_storage().data_ptr() for p in module.parameters()})
+        tanh_out = inputs.pop().untyped_storage().data_ptr()
+        inputs.clear()
+        assert tanh_out in saved
+        grads = [torch.randn_like(o) for o in outs]
+        del outs
+        stage.backward_input(act, grads)
+        assert saved[tanh_out][0].expired() == release
+        stage.backward_weight(act)
