@@ -334,7 +334,7 @@ class Pipeline:
         data-parallel peer runs in the same order, so they may issue collectives."""
         if stage not in self._stages:
             raise PipeRuntimeError(f"rank {self.rank} does not hold stage {stage}")
-        self._stages[stage].weight_pass_hooks.append((before, after))
+        self._stages[stage].add_weight_pass_hook(before, after)
 
     def optimizer(self, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any):
         """The optimizer of this rank's stages: a `PipelineOptimizer` with `step()` and `zero_grad()`.

@@ -216,6 +216,12 @@ class Stage:
         # which half of an overlapped pair starts, when this stage runs the forward (runtime/overlap.py)
         self.pair_first = "backward" if self.overlap and fixed_size(module) else "forward"
 
+    def add_weight_pass_hook(self, before: Callable[[], None], after: Callable[[], None]) -> None:
+        """Run `before()` and `after()` around every W; the split plans are derived again, since with such hooks
+        I leaves every parameter's gradient to W (`_early`)."""
+        self.weight_pass_hooks.append((before, after))
+        self._plans.clear()
+
     @property
     def params(self) -> list[nn.Parameter]:
         if self._params is None:

@@ -217,3 +217,22 @@ def test_a_weight_used_along_the_input_path_twice_is_computed_in_input_gradient(
         stage.backward_input(act, grads)
         assert saved[tanh_out][0].expired() == release
         stage.backward_weight(act)
+
+
+def test_a_weight_pass_hook_added_later_leaves_every_gradient_to_w() -> None:
+    """With weight-pass hooks (ZeRO-3 gathers and reduces around W), I computes no parameter's gradient, also when
+    the hook comes after plans were derived without it (`Pipeline.register_weight_pass_hook` is public)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6))
+    stage = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=True))
+    calls: list[str] = []
+    for hooked in (False, True):
+        if hooked:
+            stage.add_weight_pass_hook(lambda: calls.append("before"), lambda: calls.append("after"))
+        module.zero_grad(set_to_none=True)
+        act, outs = stage.forward([torch.randn(3, 6)])
+        stage.backward_input(act, [torch.ones_like(outs[0])])
+        assert (module[0].weight.grad is None) == hooked, "the norm's gradient comes from I only without hooks"
+        stage.backward_weight(act)
+        assert all(p.grad is not None for p in module.parameters())
+    assert calls == ["before", "after"]
