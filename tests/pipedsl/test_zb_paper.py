@@ -51,3 +51,17 @@ def test_zb_auto_at_the_memory_of_1f1b_is_at_or_below_zb_h1_on_the_papers_costs(
     program = pipedsl.load("zb-auto").compile(P=8, M=24, mem=8, cost=cost)
     assert paper_bubble(program, cost, 24) <= zb_h1 + 5e-5
     assert max(pipedsl.simulate(program, cost).peak_activations) <= 8
+
+
+@pytest.mark.parametrize("setup", [("1.5B", 8, 24), ("6.2B", 8, 24)], ids=lambda s: f"{s[0]}-p{s[1]}-m{s[2]}")
+def test_zb_auto_at_twice_that_memory_reaches_the_steps_lower_bound(setup: tuple[str, int, int]) -> None:
+    """Where a collective ends each step (pipedsl's trainer: global-norm clipping), the step is the makespan, and no
+    order ends before the last rank's first input arrives, (p − 1)(T_F + T_comm), plus its m microbatches' work.
+    At mem = 2p the search reaches that bound on the paper's costs (as ZB-H2 does): the paper's lower ZB-2p bubble
+    is measured over rank spans, a step's time only where steps overlap."""
+    _, P, M = setup
+    (F, I, W, comm), _ = SETUPS[setup]  # noqa: E741
+    cost = pipedsl.Cost(F=F, B=I + W, I=I, W=W, comm=comm)
+    bound = (P - 1) * (F + comm) + M * (F + I + W)
+    program = pipedsl.load("zb-auto").compile(P=P, M=M, mem=2 * P, cost=cost)
+    assert pipedsl.simulate(program, cost).makespan == pytest.approx(bound, rel=1e-9)
