@@ -172,6 +172,12 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+def is_flat_buffer(p: torch.Tensor) -> bool:
+    """Whether `p` is a unit's flat buffer: 1-D, it holds matrices (the module's parameters are views of it), so
+    its gradient is no vector's (runtime/stage.py computes vectors' gradients in I, a split backward's first half)."""
+    return getattr(p, "holds_views", False)
+
+
 class _Unit:
     """The flat, padded buffer of one submodule's parameters (its trainable or its frozen ones) and this
     rank's slice of it."""
@@ -205,6 +211,7 @@ class _Unit:
                 source[e.offset:e.offset + e.numel].copy_(_local(getattr(e.owner, e.attr).detach()).reshape(-1))
         full = source.to(self.dtype)
         self.flat = nn.Parameter(full, requires_grad=trainable)  # [padded]; the module's parameters are views of it
+        self.flat.holds_views = True  # see `is_flat_buffer`
         own = slice(self.rank * self.size, (self.rank + 1) * self.size)
         self.own = own
         self.main: nn.Parameter | None = None

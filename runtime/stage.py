@@ -44,6 +44,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
 from pipedsl.parallel.expert import ExpertParallel, fixed_size
+from pipedsl.parallel.zero import is_flat_buffer
 from pipedsl.runtime.loss import LossPolicy
 from pipedsl.runtime.overlap import PairOverlap
 from pipedsl.runtime.p2p import TensorMeta
@@ -242,8 +243,9 @@ class Stage:
             if len(self._plans) >= _MAX_PLANS:  # a stage whose graph keeps changing shape
                 self._plans.pop(next(iter(self._plans)))
             early = self._early()
+            pinned = {i for i, p in enumerate(self.params) if is_flat_buffer(p)}
             plan = self._plans[graph.signature] = _WeightPlan(graph, inputs, self.param_nodes, early or set(),
-                                                              chains=early is not None)
+                                                              chains=early is not None, pinned=pinned)
         return plan
 
     def _early(self) -> set[int] | None:
@@ -255,7 +257,7 @@ class Stage:
         ZeRO-3 gathers and reduces around W)."""
         if not self.release or self.weight_pass_hooks:
             return None
-        return {i for i, p in enumerate(self.params) if p.dim() <= 1}
+        return {i for i, p in enumerate(self.params) if p.dim() <= 1 and not is_flat_buffer(p)}
 
     # ------------------------------------------------------------ forward
 
@@ -400,6 +402,8 @@ class Stage:
                     torch.autograd.backward(outs, gs, retain_graph=bool(plan.groups),
                                             inputs=want + [self.params[i] for i in plan.early])
                     got = [t.grad for t in want]
+                    for t in want:  # the inputs live until W; their gradients go once sent
+                        t.grad = None
                 else:
                     got = torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
         finally:
@@ -407,8 +411,9 @@ class Stage:
                 h.remove()
         act.boundary = plan.weight_groups(graph.nodes, captured, outs, gs)
         act.outputs = []  # what W needs lives on through the boundary nodes
-        if self.release:
+        if self.release and not plan.keeps_all:
             _drop_unread(act, [graph.nodes[k] for k in plan.weight_nodes])
+        act.saved = None
         return self._input_grads(act, list(got))
 
     def backward_weight(self, act: Activation) -> None:
@@ -557,6 +562,7 @@ def _drop_unread(act: Activation, weight_nodes: list[Node]) -> None:
 
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+_UNREADABLE = frozenset({"CopySlices", "CppFunction"})  # nodes that hold saved tensors without naming them
 
 
 def _saved_names(node: Node) -> tuple[str, ...]:
@@ -648,7 +654,7 @@ class _WeightPlan:
     """
 
     def __init__(self, graph: _Graph, inputs: dict[Node, int], params: dict[Node, int],
-                 early: set[int] = frozenset(), chains: bool = False) -> None:
+                 early: set[int] = frozenset(), chains: bool = False, pinned: set[int] = frozenset()) -> None:
         # torch.compile's regions: one backward node for inputs and weights alike, which cannot be split (decided
         # once per graph shape: the signature holds every node's type)
         self.opaque = any(type(n).__name__ == "CompiledFunctionBackward" for n in graph.nodes)
@@ -681,17 +687,27 @@ class _WeightPlan:
                 entries.append(("root", k, params_below([r])))
         # parameters I computes (`early`): only where every branch reaching them is theirs alone, so none is
         # reached again by W
-        late = set().union(*(ps for kind, _, ps in entries if kind == "root" or not ps <= early))
-        in_input = set().union(*(ps for _, _, ps in entries)) & early - late
+        # a parameter's gradient comes from I only where every entry reaching it is computed there whole
+        in_input = set().union(*(ps for kind, _, ps in entries if kind == "node")) & early
+        changed = True
+        while changed:
+            changed = False
+            for kind, _, ps in entries:
+                if ps & in_input and (kind == "root" or not ps <= in_input):
+                    in_input -= ps
+                    changed = True
         groups = _merge_sharing([e for e in entries if not e[2] <= in_input])
         if chains:  # a group of several nodes on I's path: W would run I's path between them again; I runs it once
-            shared = [g for g in groups if sum(kind == "node" for kind, _ in g[0]) > 1]
+            shared = [g for g in groups if sum(kind == "node" for kind, _ in g[0]) > 1 and not set(g[1]) & pinned]
             in_input.update(*(pidx for _, pidx in shared))
             groups = [g for g in groups if g not in shared]
         self.early = sorted(in_input)
         self.groups = groups
         self.hooked = [u for members, _ in groups for kind, u in members if kind == "node"]
         self.weight_nodes = sorted(self._weight_nodes(graph, param_of))
+        # a node W runs whose saved tensors Python cannot read (an in-place op on a view, a C++ autograd Function):
+        # what W needs is unknown, so I drops nothing
+        self.keeps_all = any(type(graph.nodes[k]).__name__ in _UNREADABLE for k in self.weight_nodes)
 
     def _weight_nodes(self, graph: _Graph, param_of: dict[int, int]) -> set[int]:
         """The nodes W runs: those on a path from a group's starts to one of the group's parameters (autograd

@@ -386,3 +386,37 @@ def compiled_blocks(rank: int, schedule: str) -> dict:
                 problems.append(f"rank {rank}: {name}.grad differs from one process")
     pipe.close()
     return {"problems": problems, "backward_runs": len(runs)}
+
+
+def flat_buffer_split(rank: int, level: int) -> dict:
+    """A GPT block under ZeRO-`level`'s flat buffers (the parameters become views of one 1-D buffer), split
+    backward with I dropping what W does not read: the buffer is no vector (its gradient stays W's, so the split
+    still defers work), and its gradient and the input gradient equal a full backward's on a twin."""
+    import torch.distributed as dist
+
+    from pipedsl.models.gpt.model import Block, GPTConfig
+    from pipedsl.parallel.zero import ZeroOptimizer
+    from pipedsl.runtime.stage import ActivationCounter, Stage, StageOptions
+
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_embd=16, n_head=2, block_size=8))
+    twin = copy.deepcopy(block)
+    stages = {}
+    for name, module in (("split", block), ("full", twin)):
+        ZeroOptimizer(module, torch.optim.SGD, group=dist.group.WORLD, stage=level, lr=0.1)
+        stages[name] = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=True))
+    x, g = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    act, _ = stages["split"].forward([x])
+    got = stages["split"].backward_input(act, [g])
+    [plan] = stages["split"]._plans.values()
+    deferred = bool(plan.groups) and not plan.early
+    stages["split"].backward_weight(act)
+    act, _ = stages["full"].forward([x])
+    want = stages["full"].backward(act, [g])
+    problems = [] if deferred else [f"ZeRO-{level}: I took the flat buffer's gradient (early {plan.early})"]
+    if not torch.allclose(got[0], want[0], atol=1e-6):
+        problems.append(f"ZeRO-{level}: input gradients differ")
+    for p, q in zip(block.parameters(), twin.parameters()):
+        if not torch.allclose(p.grad, q.grad, atol=1e-6):
+            problems.append(f"ZeRO-{level}: the flat buffer's gradient differs")
+    return {"problems": problems}

@@ -26,6 +26,34 @@ class Shared(nn.Module):
         return h, self.bias_only.exp().expand_as(h) * 1.0
 
 
+class OutputOffPath(nn.Module):
+    """A norm whose bias also makes an output that no input reaches: the norm's weight shares the norm's node with
+    a parameter W must compute, so it is not I's either (found in review: it was computed twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.norm(self.lin(x)), self.norm.bias.expand_as(x) * 1.0
+
+
+class InPlaceOnSlice(nn.Module):
+    """An in-place multiply on a slice in a weight-only branch: a CopySlices node W runs, whose saved tensors Python
+    cannot read (found in review: I dropped them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6) * 0.3)
+        self.v = nn.Parameter(torch.randn(6, 6) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.v * 1.0
+        m[:3].mul_(self.w[:3])
+        return torch.tanh(x) @ m
+
+
 def _block() -> nn.Module:
     return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
 
@@ -34,6 +62,8 @@ CASES = {
     "mlp": (lambda: nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6)), (3, 6)),
     "shared": (Shared, (3, 6)),
     "block": (_block, (2, 5, 8)),
+    "output_off_path": (OutputOffPath, (3, 6)),
+    "in_place_on_slice": (InPlaceOnSlice, (3, 6)),
 }
 
 
@@ -155,6 +185,14 @@ def test_compiled_blocks_under_split_backward(pool2, schedule) -> None:
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
     assert [r["backward_runs"] for r in results] == [4, 4]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_flat_buffers_keep_their_gradient_in_w(pool2, level) -> None:
+    import runtime_cases
+
+    problems = [p for r in pool2.run(runtime_cases.flat_buffer_split, level) for p in r["problems"]]
+    assert not problems, "\n".join(problems)
 
 
 def test_input_gradient_drops_what_the_weight_gradient_does_not_read() -> None:
