@@ -243,7 +243,7 @@ def test_a_weight_used_along_the_input_path_twice_is_computed_in_input_gradient(
         torch.manual_seed(0)
         module = Shared()
         inputs: list[torch.Tensor] = []
-        module.w.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+        module.w.register_forward_pre_hook(lambda _m, args, seen=inputs: seen.append(args[0]))
         stage = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=release))
         act, outs = stage.forward([torch.randn(3, 6)])
         saved = saved_storages(outs, {p.untyped_storage().data_ptr() for p in module.parameters()})
