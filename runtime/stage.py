@@ -153,7 +153,7 @@ class Saved:
     """One tensor autograd saved, as the pack hook hands it to autograd: the token keeps the activation
     counted while autograd holds it; `tensor` is None once I dropped it (W never reads it)."""
 
-    __slots__ = ("token", "tensor", "__weakref__")
+    __slots__ = ("token", "tensor")
 
     def __init__(self, token: ActivationToken, tensor: torch.Tensor) -> None:
         self.token = token
@@ -685,9 +685,8 @@ class _WeightPlan:
         for k, r in enumerate(graph.roots):
             if r is not None and not on_path[r] and to_param[r]:
                 entries.append(("root", k, params_below([r])))
-        # parameters I computes (`early`): only where every branch reaching them is theirs alone, so none is
-        # reached again by W
-        # a parameter's gradient comes from I only where every entry reaching it is computed there whole
+        # the candidates (`early`) I computes: only where every entry reaching one moves to I whole, so W reaches
+        # none of them again
         in_input = set().union(*(ps for kind, _, ps in entries if kind == "node")) & early
         changed = True
         while changed:
