@@ -545,7 +545,7 @@ def _unpack(saved: Saved) -> torch.Tensor:
 
 def _drop_unread(act: Activation, weight_nodes: list[Node]) -> None:
     """After I: drop every tensor the activation's forward saved except those W's nodes read (reading each
-    node's saved tensors once marks them)."""
+    node's saved tensors once marks them); the caller lets go of the list."""
     global _READ
     assert act.saved is not None
     _READ = read = set()
@@ -558,7 +558,6 @@ def _drop_unread(act: Activation, weight_nodes: list[Node]) -> None:
     for saved in act.saved:
         if id(saved) not in read:
             saved.tensor = None
-    act.saved = None
 
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}

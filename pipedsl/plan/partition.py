@@ -9,6 +9,7 @@ holds: plan/recut.py).  `bounds_of` turns sizes into unit boundaries [0, …, L]
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import accumulate
 
 from pipedsl.errors import PipeDSLError
 
@@ -86,10 +87,7 @@ def _coverable(L: int, n: int, fits: Fits) -> bool:
 
 
 def _prefix(weights: Sequence[float]) -> list[float]:
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    return prefix
+    return list(accumulate(weights, initial=0.0))
 
 
 def _cheapest(L: int, n: int, parts: Callable[[int, int], Iterator[tuple[int, float]]],
