@@ -62,6 +62,20 @@ def is_experts(module: nn.Module) -> bool:
                                              for p in module._parameters.values())
 
 
+def why_no_experts(module: nn.Module) -> str:
+    """One line on why `module` holds no experts module `is_experts` accepts: a module that looks like one (an int
+    `num_experts` and parameters of its own) named with the forward it takes instead, or none at all."""
+    for path, m in module.named_modules():
+        if isinstance(getattr(m, "num_experts", None), int) and m._parameters:
+            try:
+                takes = ", ".join(list(inspect.signature(type(m).forward).parameters)[1:])
+            except (TypeError, ValueError):
+                takes = "?"
+            return (f"its experts module {type(m).__name__} ({path}) takes forward({takes}), not "
+                    f"({', '.join(SIGNATURE)}) with parameters [E, …] of its own")
+    return f"no module has num_experts and parameters [E, …] of its own taking forward({', '.join(SIGNATURE)})"
+
+
 class ExpertParallel(nn.Module):
     """This rank's share of an experts module, serving the tokens of every rank of `group` routed to its experts.
 

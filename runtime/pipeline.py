@@ -72,7 +72,7 @@ from pipedsl.errors import PipeDSLError, PipeRuntimeError
 from pipedsl.ir import Program
 from pipedsl.library import load
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
-from pipedsl.parallel.expert import ExpertParallel, shard_experts
+from pipedsl.parallel.expert import ExpertParallel, shard_experts, why_no_experts
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.runtime import clip, finalize
 from pipedsl.runtime.data_parallel import strategy_for
@@ -211,6 +211,10 @@ class Pipeline:
                 hashlib.sha256(self.program.to_text().encode()).hexdigest()[:16], self.program.name, layers)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
+        if not any(found for *_, stages in everyone for found in stages.values()):  # ep over dense stages
+            why = "; ".join(dict.fromkeys(why_no_experts(m) for m in self._modules.values()))
+            raise PipeRuntimeError(f"expert parallelism: ep={self.mesh.config.ep} shards nothing, no stage holds "
+                                   f"an experts module pipedsl can shard: {why}")
         for rank, (ranks, key, name, stages) in enumerate(everyone):
             first = ranks[0]
             _, key0, name0, stages0 = everyone[first]

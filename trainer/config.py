@@ -390,6 +390,7 @@ class HFModelConfig:
     data_describe: str  # one line on the data
     seq2seq: dict[str, Any] | None = None  # an encoder-decoder's objective and target caches (seq2seq_data.samples)
     router_loss: bool = False  # an MoE decoder adds its router's auxiliary loss per microbatch (RouterLoss)
+    experts_seen: bool = False  # its experts are modules parallel/expert.py can shard and count (is_experts)
 
 
 @dataclass(frozen=True)

@@ -82,17 +82,37 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
     hf_io.check_weights(md, meta)
     _check_memory(cfg, md, meta)
     local = _check_architecture(md, split, attn, meta)
+    experts_seen = _check_experts(cfg, md, meta)
     _check_tensor_parallel(cfg, md, meta, split, S)
     described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_cache else "held out")
     return HFModelConfig(path=str(md.path.resolve()), local=local, attn=attn, split=split, cache=str(cache.path),
                          eval_cache=str(eval_cache.path) if eval_cache is not None else None, eval_at_end=eval_at_end,
                          export=hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)),
-                         describe=md.describe(), data_describe="; ".join([described, *notes]), router_loss=router_loss)
+                         describe=md.describe(), data_describe="; ".join([described, *notes]), router_loss=router_loss,
+                         experts_seen=experts_seen)
 
 
 def num_experts(config: Any) -> int:
     """The experts of each MoE layer a transformers config declares (its name differs by family); 0: dense."""
     return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+
+
+def _check_experts(cfg: TrainConfig, md: Any, meta: Any) -> bool:
+    """Whether pipedsl sees the MoE model's experts (parallel/expert.py's interface): what `--ep` shards and the
+    router statistics count.  A model whose experts it cannot see still trains exactly (its loss was checked),
+    but `--ep` is refused and no statistics are logged, each said by name — never zeros nor a layout that shards
+    nothing."""
+    from pipedsl.parallel.expert import is_experts, why_no_experts
+
+    if not num_experts(md.config):
+        return False
+    if any(is_experts(m) for m in meta.modules()):
+        return True
+    why = f"{type(meta).__name__} ({md.path}): {why_no_experts(meta)}"
+    if cfg.parallel.ep > 1:
+        raise PipeDSLError(f"--ep {cfg.parallel.ep}: pipedsl cannot shard the experts of {why}")
+    print(f"note: no router statistics (tokens_per_expert): {why}", flush=True)
+    return False
 
 
 def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFModelConfig:

@@ -135,7 +135,7 @@ class HFSource:
             self._tensor_parallel(mesh, held)
         self.recompute_filter = _is_attention
         c = model.config
-        self.num_experts = hf_setup.num_experts(c)
+        self.num_experts = hf_setup.num_experts(c) if hfc.experts_seen else 0  # routed experts pipedsl can count
         params = active_parameters(model, getattr(c, "num_experts_per_tok", 1), self.num_experts)
         embedding = model.get_input_embeddings().weight.numel()
         layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None) or sum(hf_io.seq2seq_layers(c))

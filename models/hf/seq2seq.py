@@ -338,8 +338,9 @@ def seq2seq_stages(model: nn.Module, num_stages: int, *, by: str = "count", poin
 
 def check_seq2seq_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8,
                         tolerance: float = 1e-4) -> float:
-    """Run `stages` in sequence on a random padded batch and compare the logits with `model`'s own forward;
-    the largest difference relative to the logits' scale.  Raises `PipeRuntimeError` above `tolerance`."""
+    """Run `stages` in sequence on a random padded batch and compare the logits and the loss (`seq2seq_loss`
+    against the model's own given labels) with `model`'s own forward; the largest difference relative to their
+    scale.  Raises `PipeRuntimeError` above `tolerance`."""
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab, (2, seq_len), generator=g)
@@ -349,11 +350,12 @@ def check_seq2seq_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: 
     dec_mask = torch.ones_like(dec_ids)
     dec_mask[1, -2:] = 0
     with_dec_mask = getattr(stages[0], "decoder_mask", False)
+    labels = dec_ids.masked_fill(dec_mask == 0, IGNORE_INDEX)
     model_inputs = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec_ids,
-                    "decoder_attention_mask": dec_mask if with_dec_mask else None}
+                    "decoder_attention_mask": dec_mask if with_dec_mask else None, "labels": labels}
     stage_inputs = (ids, mask, dec_ids, *((dec_mask,) if with_dec_mask else ()))
     return compare_with_model(model, stages, stage_inputs, model_inputs, tolerance, "seq2seq_stages",
-                              "its stacks' pieces")
+                              "its stacks' pieces", loss=(seq2seq_loss, labels))
 
 
 def shallow_seq2seq_config(config: Any) -> Any:

@@ -72,6 +72,8 @@ LAYER_ARGUMENTS = {"hidden_states", "attention_mask", "position_ids", "position_
                    "past_key_values", "layer_past", "kwargs", "args"}  # what CausalLMStage passes or leaves to defaults
 MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks the stages make
 MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's shallow model: at most this much, or the check is skipped
+# where a model keeps the factor of its router's auxiliary loss: most families, then JetMoE
+ROUTER_LOSS_COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -182,7 +184,7 @@ class RouterLoss:
     accumulators that travel with the hidden states — the routings per expert [E] (int64), the router
     probabilities per expert [E] (fp32, carrying the gradient back to every stage's routers) and the token rows
     (int64) — in the model's own order of layers, and the last stage computes the loss and returns it beside
-    the logits for `causal_lm_loss` to add, × `router_aux_loss_coef`, to the microbatch's mean loss (HF adds it
+    the logits for `causal_lm_loss` to add, × the model's coefficient, to the microbatch's mean loss (HF adds it
     per forward, so per microbatch).  The routers' logits are caught with forward hooks on the module class the
     model records them from (`_can_record_outputs["router_logits"]`).
     """
@@ -193,8 +195,10 @@ class RouterLoss:
 
     @classmethod
     def of(cls, model: nn.Module, body: nn.Module, name: str) -> RouterLoss | None:
-        """The model's router loss, None when its forward adds none, or a refusal naming what is missing."""
-        coef = getattr(model, "router_aux_loss_coef", None)
+        """The model's router loss, None when its forward adds none, or a refusal naming what is missing.  A model
+        that adds one under a name not in `ROUTER_LOSS_COEFFICIENTS` is refused by the check (`check_split`
+        compares the loss), not trained without it."""
+        coef = next((c for c in (getattr(model, n, None) for n in ROUTER_LOSS_COEFFICIENTS) if c is not None), None)
         if coef is None:  # router logits only returned (DeepSeek-V3): the loss is the plain one
             return None
         recorder = getattr(type(body), "_can_record_outputs", {}).get("router_logits")
@@ -444,26 +448,32 @@ def causal_lm_stages(model: nn.Module, num_stages: int, *, by: str = "count", po
 
 
 def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8, tolerance: float = 1e-4) -> float:
-    """Run `stages` one after another on a random [2, seq_len] batch and compare the logits with the
-    unsplit `model`'s own forward; returns the largest difference relative to the logits' scale.
+    """Run `stages` one after another on a random [2, seq_len] batch and compare the logits *and the loss* with
+    the unsplit `model`'s own forward given labels; returns the largest difference relative to their scale.
 
-    Raises `PipeRuntimeError` when they differ by more than `tolerance`: the model's `forward`
-    does something between its pieces that the stages do not reproduce (an architecture outside
-    the standard layout).  Dropout is off during the check (`eval()`), then restored.
+    The loss is transformers' own (`model(input_ids, labels=…).loss`, an MoE's router loss included when its
+    config sets `output_router_logits`) against `causal_lm_loss` of the last stage's output: equal logits do not
+    prove equal training (JetMoE's router loss was once left out with every logit right).  Raises
+    `PipeRuntimeError` when either differs by more than `tolerance`: the model's `forward` does something
+    between its pieces, or to its loss, that the stages do not reproduce.  Dropout is off during the check
+    (`eval()`), then restored.
     """
     vocab = int(model.config.vocab_size)
     ids = torch.randint(vocab, (2, seq_len), generator=torch.Generator().manual_seed(0))
     extras = getattr(stages[0], "extras", ())
     given = {"attention_mask": torch.ones_like(ids), "position_ids": torch.arange(seq_len).expand(2, -1)}
-    return compare_with_model(model, stages, (ids, *(given[e] for e in extras)), {"input_ids": ids}, tolerance,
-                              "causal_lm_stages", "the embedding, the layers and the head")
+    return compare_with_model(model, stages, (ids, *(given[e] for e in extras)), {"input_ids": ids, "labels": ids},
+                              tolerance, "causal_lm_stages", "the embedding, the layers and the head",
+                              loss=(causal_lm_loss, shift_labels(ids)))
 
 
 def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inputs: tuple, model_inputs: dict,
-                       tolerance: float, who: str, pieces: str) -> float:
+                       tolerance: float, who: str, pieces: str,
+                       loss: tuple[Callable[..., torch.Tensor], torch.Tensor] | None = None) -> float:
     """The stages run in sequence on `stage_inputs` against `model(**model_inputs)`, both in eval mode without
-    gradients: the largest logit difference relative to the logits' scale, or a `PipeRuntimeError` naming the
-    model above `tolerance` or when a stage fails."""
+    gradients: the largest difference relative to the scale of the logits and, with `loss` = (the stages' loss
+    function, its targets) and labels among `model_inputs`, of the loss against the model's own.  A
+    `PipeRuntimeError` names the model above `tolerance` or when a stage fails."""
     name = type(model).__name__
     was_training = model.training
     model.eval()
@@ -480,18 +490,25 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
                 raise PipeRuntimeError(f"{who}: {name}'s layers fail when called as pipedsl's stages call them "
                                        f"({type(err).__name__}: {one_line(err, 200)}): its forward passes them "
                                        f"something the stages do not") from None
-            got, aux = (x[0], x[1]) if isinstance(x, tuple) else (x, None)
-            got = got.float()
+            got = (x[0] if isinstance(x, tuple) else x).float()
+            own_loss = getattr(out, "loss", None)
+            stage_loss = loss[0](x, loss[1].to(device)) if loss is not None and own_loss is not None else None
     finally:
         model.train(was_training)
     diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
-    if aux is not None:  # an MoE's router loss: the model's own, × its coefficient
-        want = float(getattr(out, "aux_loss", None) * stages[-1].router.coef)
-        diff = max(diff, abs(float(aux) - want) / max(abs(want), 1e-12))
     if not diff <= tolerance:
         raise PipeRuntimeError(f"{who}: {name} cut into {len(stages)} stages gives logits {diff:.2e} (relative) away "
                                f"from the model's own forward: its forward does something between {pieces} that "
                                f"pipedsl does not reproduce")
+    if stage_loss is not None:
+        want, have = float(own_loss), float(stage_loss)
+        loss_diff = abs(have - want) / max(abs(want), 1e-12)
+        if not loss_diff <= tolerance:
+            raise PipeRuntimeError(f"{who}: {name} cut into {len(stages)} stages gives the model's logits but a loss "
+                                   f"of {have:.6f} where its own forward gives {want:.6f}: the model adds to its loss "
+                                   f"something pipedsl does not reproduce (a router's auxiliary loss under a "
+                                   f"coefficient pipedsl does not know?); it cannot be trained exactly")
+        diff = max(diff, loss_diff)
     return diff
 
 

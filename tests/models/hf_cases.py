@@ -18,7 +18,10 @@ import pipedsl
 from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
 
 VOCAB, T = 96, 8
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")  # with output_router_logits: the auxiliary loss across stages
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "jetmoe")  # with output_router_logits: the aux loss across stages
+# each MoE family's router weights, by name: JetMoE routes its attention heads too (two routers a layer)
+ROUTER_SUFFIXES = {"mixtral": ("mlp.gate.weight",), "qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
+                   "jetmoe": ("mlp.router.layer.weight", "experts.router.layer.weight")}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "phi3", "olmo2", "gpt2", "cohere",
             "gpt_neox", "falcon")
 EAGER_ONLY = ("gemma2",)  # transformers refuses sdpa for Gemma 2 (its attention soft-capping)
@@ -76,6 +79,12 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
                                      num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                                      topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8,
                                      qk_nope_head_dim=4, norm_topk_prob=True, routed_scaling_factor=2.5)
+    elif family == "jetmoe":  # experts in the attention and the MLP; its coefficient is called aux_loss_coef
+        config = tf.JetMoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                 num_key_value_heads=2, kv_channels=8, max_position_embeddings=64, bos_token_id=0,
+                                 eos_token_id=0, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                 aux_loss_coef=0.5, attention_dropout=dropout,
+                                 **({} if tie is None else {"tie_word_embeddings": tie}))
     elif family in MOE_FAMILIES:  # 4 experts, top 2, the router's auxiliary loss on (coefficient far from 0)
         moe = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
                "olmoe": dict(num_experts=4)}[family]

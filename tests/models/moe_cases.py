@@ -203,8 +203,8 @@ def overlap_identical(rank: int, schedule: str, M: int, recompute: str | None = 
 
 
 def mismatched_peers(rank: int) -> dict[str, str]:
-    """Data-parallel replicas that would run their ep exchanges at different points: each is refused on every
-    rank, before any exchange (which would hang)."""
+    """Data-parallel replicas that would run their ep exchanges at different points, and ep over a model with no
+    experts (which would shard nothing): each is refused on every rank, before any exchange (which would hang)."""
     from pipedsl.errors import PipeRuntimeError
 
     mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, ep=2))
@@ -217,6 +217,13 @@ def mismatched_peers(rank: int) -> dict[str, str]:
             out[case] = "no error"
         except PipeRuntimeError as err:
             out[case] = err.message
+    dense = randomize_(GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=3, n_head=2, n_embd=16)),
+                       torch.Generator().manual_seed(0))
+    try:
+        pipedsl.Pipeline(dense.stages(2), "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh)
+        out["dense"] = "no error"
+    except PipeRuntimeError as err:
+        out["dense"] = err.message
     return out
 
 

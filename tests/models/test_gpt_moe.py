@@ -134,12 +134,14 @@ def test_overlapped_pairs_are_bit_identical_to_sequential_ones(pool4, schedule, 
 @pytest.mark.slow
 def test_ep_peers_that_would_exchange_at_different_points_are_refused(pool4) -> None:
     """Another schedule on one dp replica, or its stages cut elsewhere (other MoE layers a stage): refused on every
-    rank, naming the ranks and what differs, where the all-to-alls would otherwise wait for each other forever."""
+    rank, naming the ranks and what differs, where the all-to-alls would otherwise wait for each other forever;
+    ep over a dense model is refused, not run with nothing sharded."""
     results = pool4.run(cases.mismatched_peers)
     for r in results:
         assert "would exchange tokens at different points" in r["program"] and "(another program)" in r["program"]
         assert "GPipe" in r["program"] and "1F1B" in r["program"], r["program"]
         assert "(stages built differently)" in r["stages"], r["stages"]
+        assert "ep=2 shards nothing, no stage holds an experts module pipedsl can shard" in r["dense"], r["dense"]
 
 
 @pytest.mark.slow

@@ -110,9 +110,10 @@ def test_the_api_verifies_the_architecture_and_refuses_what_it_cannot_reproduce(
 
 @pytest.mark.parametrize("family", hf_cases.MOE_FAMILIES)
 def test_moe_router_loss_is_the_models_own_across_stages(family):
-    """Mixtral, Qwen3-MoE and OLMoE with output_router_logits: cut into 4 stages with padding, the logits, the
-    loss with the router's auxiliary loss (coefficient 0.5) and every gradient — the routers' included — equal
-    the model's own; the aux loss is not a sum over layers, so its sums travel between the stages."""
+    """Mixtral, Qwen3-MoE, OLMoE and JetMoE with output_router_logits: cut into 4 stages with padding, the logits,
+    the loss with the router's auxiliary loss (coefficient 0.5) and every gradient — the routers' included — equal
+    the model's own; the aux loss is not a sum over layers, so its sums travel between the stages.  JetMoE names
+    its coefficient aux_loss_coef: it once trained without the aux loss, every logit right."""
     model = tiny_model(family, layers=3)
     ref = copy.deepcopy(model)
     x = torch.randint(VOCAB, (3, T), generator=torch.Generator().manual_seed(5))
@@ -135,10 +136,25 @@ def test_moe_router_loss_is_the_models_own_across_stages(family):
     for name, p in model.named_parameters():
         q = ref_params[name].grad
         assert (p.grad - q).abs().max().item() <= 1e-5 * q.abs().max().clamp_min(1e-12).item(), name
-        routers += name.endswith("mlp.gate.weight")
-    assert routers == 3  # one router a layer, each with the auxiliary loss's gradient
+        routers += name.endswith(hf_cases.ROUTER_SUFFIXES[family])
+    assert routers == 3 * len(hf_cases.ROUTER_SUFFIXES[family])  # each layer's routers, with the aux loss's gradient
     with pytest.raises(PipeRuntimeError, match="loss_reduction='microbatch'"):
         causal_lm_loss(h, shift_labels(labels), reduction="sum")
+
+
+def test_a_loss_term_the_stages_miss_is_refused_though_every_logit_is_right(monkeypatch):
+    """The check compares the loss, not only the logits: with JetMoE's coefficient name unknown (as it once was),
+    the stages give the model's logits but its cross-entropy alone, and the model is refused by name instead of
+    training without its router loss."""
+    from pipedsl.models.hf import stages as hf_stages
+
+    model = tiny_model("jetmoe", layers=2)
+    monkeypatch.setattr(hf_stages, "ROUTER_LOSS_COEFFICIENTS", ("router_aux_loss_coef",))
+    with pytest.raises(PipeRuntimeError, match=r"JetMoeForCausalLM cut into 2 stages gives the model's logits but a "
+                                               r"loss of \S+ where its own forward gives"):
+        causal_lm_stages(model, 2)
+    monkeypatch.undo()
+    assert causal_lm_stages(model, 2)[-1].router.coef == 0.5
 
 
 def test_alibi_is_refused_by_name():

@@ -55,7 +55,10 @@ def model_dir(root: Path, family: str, *, weights: bool = False) -> Path:
               "gemma3": lambda: tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
                                                      sliding_window_pattern=2),
               "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
-                                                  output_router_logits=True, router_aux_loss_coef=0.5)}[family]()
+                                                  output_router_logits=True, router_aux_loss_coef=0.5),
+              "jetmoe": lambda: tf.JetMoeConfig(**{k: v for k, v in common.items() if k != "num_attention_heads"},
+                                                kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
+                                                output_router_logits=True, aux_loss_coef=0.5)}[family]()
     path = root / f"{family}{'-weights' if weights else ''}"
     if weights:
         torch.manual_seed(123)
@@ -568,3 +571,25 @@ def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_
         assert torch.allclose(exported["ckpt"][key], value, atol=1e-5), key
     assert "adds its router's auxiliary loss" in _refused(*common_flags(model, corpus, tmp_path / "t"),
                                                             "--loss-reduction", "token")
+
+
+def test_jetmoe_trains_with_its_router_loss_and_refuses_what_it_cannot_shard(corpus, tmp_path):
+    """JetMoE calls its router loss's factor aux_loss_coef; it once trained on the cross-entropy alone, logged
+    tokens_per_expert [0, 0, 0, 0] and accepted --ep 2 while sharding nothing.  Now pp2 equals one process with
+    the loss the model's own forward gives (the launcher's check compares it); its experts, which take
+    forward(inputs, expert_size), are named as what --ep cannot shard, and no router statistics are logged."""
+    model = model_dir(tmp_path, "jetmoe")
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one", steps=2), "-P", "1", "-M", "2")
+    two = pipedsl(*common_flags(model, corpus, tmp_path / "two", steps=2), "-P", "2")
+    for proc in (one, two):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "note: no router statistics (tokens_per_expert): JetMoeForCausalLM" in proc.stdout
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert want.keys() == got.keys() == {1, 2}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert not any("tokens_per_expert" in r for r in rows)
+    refused = _refused(*common_flags(model, corpus, tmp_path / "ep"), "-P", "2", "--dp", "2", "--ep", "2")
+    assert "--ep 2: pipedsl cannot shard the experts of JetMoeForCausalLM" in refused
+    assert "JetMoeParallelExperts" in refused and "takes forward(inputs, expert_size)" in refused
