@@ -10,7 +10,14 @@ Checks, in order, each failure naming rank, instruction index and op:
    gradient, W after I, a send after the op producing it; the two halves of an overlapped
    pair F&B run together, so neither may need the other);
 4. a dry run of all ranks with blocking receives: per-pair message order (the k-th receive
-   on b from a is the k-th send from a to b) and no deadlock (every stream reaches its end).
+   on b from a is the k-th send from a to b) and no deadlock (every stream reaches its end);
+5. no deadlock under NCCL's semantics with the runtime's communicators (nccl_model.py: a send
+   completes only when its receive is reached, one stream per communicator and rank).  With one
+   communicator per directed edge, the runtime's layout, a program that passes 4 passes 5 (4 blocks
+   the host at each receive's place, NCCL does not; docs/runtime.md, "NCCL"; tests/pipedsl/
+   test_nccl_model.py checks it on every built-in and on mutated programs), so 5 runs as its own
+   walk up to `NCCL_WALK_UP_TO` instructions and is implied by 4 beyond, where the walk would cost
+   ten times the rest of the validation.
 
 Checks 2 and 3 are asked of whole arrays first (`fastcheck.streams_pass`, ~4x faster on a
 million instructions); only when an answer is no do the per-instruction passes here run, to
@@ -25,10 +32,12 @@ from collections import Counter
 from pipedsl.engine import run_to_end
 from pipedsl.errors import ValidationError
 from pipedsl.ir import COMPUTE, Instr, Op, Program
+from pipedsl.nccl_model import run_rendezvous
 from pipedsl.perf import no_gc
 
 ARRAYS_FROM = 1_000  # instructions: below this the per-instruction passes are faster than numpy's calls
 ARRAYS_FROM_COLD = 50_000  # and below this, faster than importing numpy first (~65 ms; 2 µs vs 0.8 µs an instruction)
+NCCL_WALK_UP_TO = 20_000  # instructions: check 5's own walk (~4 µs an instruction); beyond, check 4 decides it
 
 
 def validate(program: Program) -> Program:
@@ -41,6 +50,8 @@ def validate(program: Program) -> Program:
         if program.num_instructions() < cheapest or not _arrays_pass(program):
             _check_streams(program)  # small (numpy's per-call cost would dominate), or a failure to locate
         run_to_end(program)
+        if program.num_instructions() <= NCCL_WALK_UP_TO:
+            run_rendezvous(program)
     program.meta["validated"] = True
     return program
 

@@ -1,0 +1,224 @@
+"""NCCL's point-to-point semantics, as a model the validator proves programs against (docs/runtime.md, "NCCL").
+
+gloo buffers a send; NCCL does not.  On a GPU a send larger than NCCL's staging buffer completes only when
+the peer's stream reaches the matching receive, and every point-to-point operation of a communicator runs on
+that communicator's one stream per rank, in the order the rank issued them, both directions together.  A
+program that is hang-free when sends buffer (`engine.run_to_end`) can hang here: under one communicator per
+pair of ranks, 1F1B at P = 2 has rank 0 sending F1 while rank 1 sends B0 — each send waits for a receive
+that sits behind the other send on the peer's stream.
+
+The model, per rank:
+
+- the *host* issues every instruction in `issue order` at once (CUDA calls do not block; the runtime waits
+  on the host only at the step's end);
+- one *compute stream*: the compute ops in issue order, each starting when the one before it ended and the
+  receives it reads have completed; OPTIMIZER_STEP also waits for every send and receive of the rank;
+- one *stream per communicator*: the sends and receives on it in issue order.  An operation may start when
+  every compute op issued before it has ended (NCCL makes its stream wait for the compute stream at issue),
+  and a send completes together with its receive, both at the head of their streams (a rendezvous,
+  whatever the message's size).  The k-th send from a to b on a communicator is the k-th receive at b
+  from a on it.
+
+Where `run_rendezvous` returns, every operation completes; otherwise `DeadlockError` names the cycle of
+waits: ranks, instructions and communicators.  `LAYOUT` is the communicator layout the runtime uses (one
+communicator per directed edge: a stream holds the sends to one peer or the receives from one peer, never
+both, so a send waits for nothing but its own receive); the others are what peers use, kept as the
+model's negative controls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from pipedsl.errors import DeadlockError
+from pipedsl.ir import COMMS, RECVS, SENDS, Instr, Op, Program
+
+# layout name -> the communicator a message from src to dst travels on (a hashable name)
+Layout = Callable[[int, int], tuple[int, ...]]
+LAYOUTS: dict[str, Layout] = {
+    "edge": lambda src, dst: (src, dst),  # one per directed edge: pipedsl's runtime (runtime/p2p.py)
+    "pair": lambda src, dst: (min(src, dst), max(src, dst)),  # NCCL's per-pair streams of one group
+    "group": lambda src, dst: (),  # one stream for every peer: a group bound to a device (torch PR 132900)
+}
+LAYOUT = "edge"  # the runtime's layout: decided here, read by runtime/p2p.py and the validator
+
+
+def communicator_name(layout: str, comm: tuple[int, ...]) -> str:
+    """How a cycle names a communicator: `0>1` (a directed edge), `{0,1}` (a pair), `the group`."""
+    if layout == "edge":
+        return f"{comm[0]}>{comm[1]}"
+    if layout == "pair":
+        return f"{{{comm[0]},{comm[1]}}}"
+    return "the group"
+
+
+def edges(program: Program) -> list[tuple[int, int]]:
+    """The directed edges (src, dst) the program sends along, sorted: the runtime's communicators."""
+    return sorted({(r, ins.peer) for r, stream in enumerate(program.ranks) for ins in stream if ins.op in SENDS})
+
+
+def _consumers(stream: Sequence[Instr]) -> dict[int, list[int]]:
+    """Instruction index of each compute op -> the receives (indices) it reads: an F its RECV_F, a B or an I its
+    RECV_B (same microbatch, stage and replica), a pair both halves' inputs."""
+    recv_at: dict[tuple[Op, tuple], int] = {}
+    for i, ins in enumerate(stream):
+        if ins.op in RECVS:
+            recv_at[(ins.op, ins.key)] = i
+    reads: dict[int, list[int]] = {}
+    for i, ins in enumerate(stream):
+        for part in ins.parts:
+            want = Op.RECV_F if part.op is Op.F else Op.RECV_B if part.op in (Op.B, Op.I) else None
+            j = recv_at.get((want, part.key)) if want is not None else None
+            if j is not None:
+                reads.setdefault(i, []).append(j)
+    return reads
+
+
+class _Rank:
+    """One rank's streams under the model: what has completed, what each stream's head waits for."""
+
+    def __init__(self, stream: Sequence[Instr], order: Sequence[int], layout: Layout, me: int) -> None:
+        self.stream = stream
+        self.compute: list[int] = []  # compute-stream instruction indices, in issue order
+        self.fifo: dict[tuple[int, ...], deque[tuple[int, int]]] = {}  # comm -> (index, computes issued before)
+        self.comm_of: dict[int, tuple[int, ...]] = {}
+        for i in order:
+            ins = stream[i]
+            if ins.op in COMMS:
+                src, dst = (me, ins.peer) if ins.op in SENDS else (ins.peer, me)
+                comm = layout(src, dst)
+                self.comm_of[i] = comm
+                self.fifo.setdefault(comm, deque()).append((i, len(self.compute)))
+            else:
+                self.compute.append(i)
+        reads = _consumers(stream)
+        self.reads = [reads.get(i, ()) for i in self.compute]  # per compute op, in issue order
+        self.last_waits_all = bool(self.compute) and stream[self.compute[-1]].op is Op.OPTIMIZER_STEP
+        self.comms = list(self.fifo)
+        self.ended = 0  # compute ops ended, a prefix of `compute`
+        self.done: set[int] = set()  # comm ops completed
+        self.comms_left = sum(len(q) for q in self.fifo.values())
+
+    def head(self, comm: tuple[int, ...]) -> tuple[int, int] | None:
+        q = self.fifo.get(comm)
+        return q[0] if q else None
+
+    def armed(self, comm: tuple[int, ...]) -> int | None:
+        """The instruction at the head of `comm`'s stream if it may start (the compute issued before it ended)."""
+        h = self.head(comm)
+        return h[0] if h is not None and h[1] <= self.ended else None
+
+    def blocker(self) -> int | None:
+        """What the compute stream's head waits for: a receive not completed, or (OPTIMIZER_STEP) any comm op;
+        None when it can run."""
+        k = self.ended
+        if self.comms_left and self.last_waits_all and k == len(self.compute) - 1:
+            return next(q[0][0] for q in self.fifo.values() if q)
+        done = self.done
+        for j in self.reads[k]:
+            if j not in done:
+                return j
+        return None
+
+    def run_compute(self) -> bool:
+        start, n = self.ended, len(self.compute)
+        while self.ended < n and self.blocker() is None:
+            self.ended += 1
+        return self.ended > start
+
+
+def run_rendezvous(program: Program, layout: str = LAYOUT, order: Sequence[Sequence[int]] | None = None) -> None:
+    """Run `program` under NCCL's semantics with communicators laid out by `layout` (a `LAYOUTS` name) and each
+    rank's instructions issued in `order` (indices; default program order, receives at their place — the
+    latest the runtime posts them).  `DeadlockError` names the cycle of waits if some operation never
+    completes.  Linear in the instruction count times the communicators a rank holds."""
+    P, comm_for = program.num_ranks, LAYOUTS[layout]
+    ranks = [_Rank(program.ranks[r], order[r] if order is not None else range(len(program.ranks[r])), comm_for, r)
+             for r in range(P)]
+    peers = [sorted({ins.peer for ins in program.ranks[r] if ins.op in COMMS}) for r in range(P)]
+    queued = [True] * P
+    todo = deque(range(P))
+    while todo:
+        r = todo.popleft()
+        queued[r] = False
+        me = ranks[r]
+        moved = me.run_compute()
+        for comm in me.comms:
+            while (i := me.armed(comm)) is not None and me.stream[i].op in SENDS:
+                dst = me.stream[i].peer
+                j = ranks[dst].armed(comm)
+                if j is None or ranks[dst].stream[j].op not in RECVS or ranks[dst].stream[j].peer != r:
+                    break
+                me.fifo[comm].popleft()
+                ranks[dst].fifo[comm].popleft()
+                me.done.add(i)
+                ranks[dst].done.add(j)
+                me.comms_left -= 1
+                ranks[dst].comms_left -= 1
+                moved = True
+                if not queued[dst]:
+                    queued[dst] = True
+                    todo.append(dst)
+            moved = me.run_compute() or moved
+        if moved:
+            for q in (r, *peers[r]):
+                if not queued[q]:
+                    queued[q] = True
+                    todo.append(q)
+    stuck = [r for r in range(P) if ranks[r].ended < len(ranks[r].compute) or ranks[r].comms_left]
+    if stuck:
+        raise DeadlockError(_describe(ranks, stuck[0], layout, comm_for))
+
+
+def _describe(ranks: list[_Rank], first: int, layout: str, comm_for: Layout) -> str:
+    """Follow what waits for what, from a stuck rank, until an operation repeats: the cycle, in words."""
+    def node_of_stuck(r: int) -> tuple[int, int]:
+        me = ranks[r]
+        if me.ended < len(me.compute):
+            return r, me.compute[me.ended]
+        return r, next(q[0][0] for q in me.fifo.values() if q)
+
+    def waits_for(r: int, i: int) -> tuple[tuple[int, int], str]:
+        me = ranks[r]
+        ins = me.stream[i]
+        where = f"rank {r} instruction {i} ({ins})"
+        if ins.op not in COMMS:
+            j = me.blocker()
+            if j is None:  # behind an earlier compute op: that one is the compute stream's head
+                j = me.compute[me.ended]
+                return (r, j), f"{where} waits on the compute stream behind instruction {j}"
+            return (r, j), f"{where} waits for instruction {j} ({me.stream[j]})"
+        comm = me.comm_of[i]
+        name = communicator_name(layout, comm)
+        h = me.head(comm)
+        assert h is not None
+        if h[0] != i:
+            return (r, h[0]), (f"{where} waits behind instruction {h[0]} ({me.stream[h[0]]}) on communicator "
+                               f"{name}'s stream")
+        if h[1] > me.ended:
+            j = me.compute[me.ended]
+            return (r, j), f"{where} on communicator {name} waits for the compute issued before it ({me.stream[j]})"
+        peer = ranks[ins.peer]
+        other = peer.head(comm)
+        if other is None:  # the peer has nothing left on this communicator: it has finished
+            return (ins.peer, node_of_stuck(ins.peer)[1]), f"{where} waits for rank {ins.peer}, which has finished"
+        verb = "its receive" if ins.op in SENDS else "its send"
+        return (ins.peer, other[0]), (f"{where} on communicator {name} waits for rank {ins.peer} to reach {verb}, "
+                                      f"but rank {ins.peer}'s stream of {name} is at instruction {other[0]} "
+                                      f"({peer.stream[other[0]]})")
+
+    seen: dict[tuple[int, int], int] = {}
+    steps: list[str] = []
+    node = node_of_stuck(first)
+    while node not in seen:
+        seen[node] = len(steps)
+        node, text = waits_for(*node)
+        steps.append(text)
+    cycle = steps[seen[node]:]
+    return ("under NCCL's point-to-point semantics (a send completes only when its receive is reached; one stream "
+            f"per communicator and rank; communicators per {_LAYOUT_WORDS[layout]}) the ranks wait on each other in "
+            "a cycle: " + "; ".join(cycle))
+
+
+_LAYOUT_WORDS = {"edge": "directed edge", "pair": "pair of ranks", "group": "group: one"}
