@@ -71,13 +71,17 @@ class Discovery(Executor):
         if not self._queue[peer] and peer not in self._unresolved:
             meta = self._meta(ins.op, slot)
             if meta is not None:
-                self.posted[ins.op][slot] = self.channels.post_recv(peer, meta)
+                self.posted[ins.op][slot] = self.channels.post_recv(peer, meta, self._label(ins))
                 return
             if ins.op is Op.RECV_F and not self.strict:
-                self._unresolved[peer] = (slot, self.channels.post_recv(peer, _SHAPES))
+                self._unresolved[peer] = (slot, self._post_shapes(ins))
                 return
         self._queue[peer].append((self._scan, ins, slot))
         self._queued.add((ins.op, slot))
+
+    def _post_shapes(self, ins: Instr) -> Recv:
+        """The shape message that comes before the first activation of its kind from `ins`'s peer, posted."""
+        return self.channels.post_recv(ins.peer, _SHAPES, self._label(ins, "the shapes of "))
 
     def _recv(self, ins: Instr) -> None:
         slot = Slot(ins.mb, ins.stage, ins.replica)
@@ -107,9 +111,9 @@ class Discovery(Executor):
                 return
             meta = self._meta(ins.op, slot)
             if meta is not None:
-                self.posted[ins.op][slot] = self.channels.post_recv(peer, meta)
+                self.posted[ins.op][slot] = self.channels.post_recv(peer, meta, self._label(ins))
             elif ins.op is Op.RECV_F:  # the first activation of its kind from this peer: its shapes come first
-                self._unresolved[peer] = (slot, self.channels.post_recv(peer, _SHAPES))
+                self._unresolved[peer] = (slot, self._post_shapes(ins))
             else:  # a gradient whose forward has not run yet: posted by the backward that takes it
                 return
             queue.popleft()
@@ -137,7 +141,8 @@ class Discovery(Executor):
         metas = decode_meta(vector.cpu())
         self.channels.pool.give(vector)
         self.in_meta[ShapeKey(self.kinds[slot.microbatch], slot.replica, slot.stage)] = metas
-        self.posted[Op.RECV_F][slot] = self.channels.post_recv(peer, metas)
+        self.posted[Op.RECV_F][slot] = self.channels.post_recv(
+            peer, metas, self._label(Instr(Op.RECV_F, slot.microbatch, slot.stage, peer, slot.replica)))
         self._queued.discard((Op.RECV_F, slot))
 
     def _take(self, op: Op, slot: Slot) -> list[torch.Tensor]:
@@ -175,7 +180,7 @@ class Discovery(Executor):
             self._announced.add(key)
             outs = self.outbox[Op.F][Slot(ins.mb, ins.stage, ins.replica)]
             vector = encode_meta(tuple(TensorMeta.of(t) for t in outs)).to(self.channels.device)
-            self.channels.send(ins.peer, [vector], payload=False)
+            self.channels.send(ins.peer, [vector], payload=False, label=self._label(ins, "the shapes of "))
         super()._send(ins)
 
     def _forward_inputs(self, slot: Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -168,7 +168,11 @@ class Executor:
     def _post(self, ins: Instr, slot: Slot) -> None:
         shapes = ShapeKey(self.kinds[slot.microbatch], slot.replica, slot.stage)
         meta = self.in_meta[shapes] if ins.op is Op.RECV_F else self.grad_meta[shapes]
-        self.posted[ins.op][slot] = self.channels.post_recv(ins.peer, meta)
+        self.posted[ins.op][slot] = self.channels.post_recv(ins.peer, meta, self._label(ins))
+
+    def _label(self, ins: Instr, what: str = "") -> str | None:
+        """A message's instruction in words, where the channels name their operations (else None: no cost)."""
+        return f"{what}{ins}" if self.channels.labelled else None
 
     def _recv(self, ins: Instr) -> None:
         slot = Slot(ins.mb, ins.stage, ins.replica)
@@ -343,7 +347,8 @@ class Executor:
 
     def _send(self, ins: Instr) -> None:
         direction = Op.F if ins.op is Op.SEND_F else Op.B
-        self.channels.send(ins.peer, self.outbox[direction].pop(Slot(ins.mb, ins.stage, ins.replica)))
+        self.channels.send(ins.peer, self.outbox[direction].pop(Slot(ins.mb, ins.stage, ins.replica)),
+                           label=self._label(ins))
         self._pending_sends[ins.peer] -= 1
 
     def _reduce_grad(self, ins: Instr) -> None:

@@ -20,6 +20,7 @@ Two transports behind one interface (`post_recv` → a receive with `ready`/`wai
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -27,6 +28,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.nccl_model import LAYOUT, LAYOUTS, communicator_name
 from pipedsl.runtime import socket_p2p
 from pipedsl.runtime.groups import PipelineGroups
 from pipedsl.runtime.launch.errors import RankFailure
@@ -135,24 +138,73 @@ class StagedRecv:
         return out
 
 
-class DistTransport:
-    """Messages as one `isend`/`irecv` per tensor (NCCL; gloo between machines)."""
+P2P_MODES = ("auto", "dist", "nccl", "rendezvous")  # PIPEDSL_P2P's values (docs/runtime.md, "NCCL")
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, groups: PipelineGroups) -> None:
+
+def p2p_mode() -> str:
+    """`PIPEDSL_P2P`: `auto` (sockets on one machine's CPUs, else torch.distributed), `dist` (torch.distributed),
+    `nccl` (the NCCL code path's communicators and issue order, gloo carrying the bytes), `rendezvous` (that, with
+    NCCL's semantics emulated: runtime/rendezvous.py)."""
+    mode = os.environ.get("PIPEDSL_P2P", "auto")
+    if mode not in P2P_MODES:
+        raise PipeRuntimeError(f"PIPEDSL_P2P={mode!r} is not one of {', '.join(P2P_MODES)}")
+    return mode
+
+
+class DistTransport:
+    """Messages as one `isend`/`irecv` per tensor (NCCL; gloo between machines), on the communicators `layout`
+    names (pipedsl/nccl_model.py's `LAYOUTS`).
+
+    On NCCL a send waits for its receive and each communicator has one stream a rank, so the layout is what the
+    validator proved hang-free (`nccl_model.LAYOUT`: a group per directed edge of the program, made here for
+    every edge, eagerly and in one order on every process: lazily made point-to-point communicators hung
+    multi-node starts, torch PR 160210).  With `layout=None` (gloo), two groups by direction of rank order:
+    gloo keeps one socket and lock per pair and group, and both directions on one stalled calls 2–6 ms."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, groups: PipelineGroups,
+                 edges: Sequence[tuple[int, int]] = (), layout: str | None = None) -> None:
         self._global = groups.members  # program rank -> global rank
         self._sends: list[tuple[object, torch.Tensor]] = []
-        up = down = group
-        if size > 1 and dist.get_backend(group) == "gloo":
-            up, down = (groups.new(range(size)) for _ in range(2))
-        # messages from a lower to a higher rank on `up`, the others on `down`
-        self._send_group = [up if peer > rank else down for peer in range(size)]
-        self._recv_group = [down if peer > rank else up for peer in range(size)]
+        self.rank, self.layout = rank, layout
+        self.record: list[dict[str, Any]] | None = None  # PIPEDSL_P2P_RECORD: every operation, in issue order
+        self.at: str | None = None  # the instruction issuing the next operation (set by the executor when recording)
+        if layout is None:
+            up = down = group
+            if size > 1 and dist.get_backend(group) == "gloo":
+                up, down = (groups.new(range(size)) for _ in range(2))
+            # messages from a lower to a higher rank on `up`, the others on `down`
+            self._send_group = {peer: up if peer > rank else down for peer in range(size)}
+            self._recv_group = {peer: down if peer > rank else up for peer in range(size)}
+            self._comm = {peer: ("up" if peer > rank else "down") for peer in range(size)}
+            return
+        comm_of = LAYOUTS[layout]
+        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        for src, dst in sorted(edges):
+            comm = comm_of(src, dst)
+            if comm not in made:
+                made[comm] = groups.new(comm if comm else range(size))  # `group` layout: one for every peer
+        self._send_group = {dst: made[comm_of(src, dst)] for src, dst in edges if src == rank}
+        self._recv_group = {src: made[comm_of(src, dst)] for src, dst in edges if dst == rank}
+        self._names = {(src, dst): communicator_name(layout, comm_of(src, dst)) for src, dst in edges}
+
+    def communicator(self, src: int, dst: int) -> str:
+        """The name of the communicator a message from `src` to `dst` travels on."""
+        return self._names[(src, dst)] if self.layout is not None else ("up" if dst > src else "down")
+
+    def _note(self, kind: str, peer: int, tensors: list[torch.Tensor]) -> None:
+        src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
+        self.record.append({"comm": self.communicator(src, dst), "kind": kind, "peer": peer, "at": self.at,
+                            "shapes": [list(t.shape) for t in tensors]})
 
     def post_recv(self, peer: int, buffers: list[torch.Tensor]) -> Recv:
+        if self.record is not None:
+            self._note("recv", peer, buffers)
         src, group = self._global[peer], self._recv_group[peer]
         return Recv(buffers, [dist.irecv(b, src=src, group=group, tag=0) for b in buffers], peer)
 
     def send(self, peer: int, tensors: list[torch.Tensor]) -> None:
+        if self.record is not None:
+            self._note("send", peer, tensors)
         dst, group = self._global[peer], self._send_group[peer]
         for t in tensors:
             self._sends.append((dist.isend(t, dst=dst, group=group, tag=0), t))
@@ -177,7 +229,9 @@ class Channels:
     On CPU, between processes of one machine, over Unix-domain sockets (socket_p2p.py: a fraction
     of gloo's CPU per message); otherwise through torch.distributed."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, groups: PipelineGroups) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, groups: PipelineGroups,
+                 edges: Sequence[tuple[int, int]] = ()) -> None:
+        """`edges`: the (src, dst) program ranks the program sends along — NCCL's communicators, one per edge."""
         self.group = group
         self.device = device
         self.rank = dist.get_rank(group)
@@ -188,29 +242,52 @@ class Channels:
         self._wire_pool = BufferPool(self.wire) if self.wire != device else None
         self.sent_bytes = 0  # payload of every data message sent so far (activations and gradients)
         on_cpu = self.wire.type == "cpu"
-        sockets = socket_p2p.connect(group, self.rank, self.size, groups.timeout) if on_cpu else None
-        # gloo's message groups are made only where no pipeline uses sockets: making a group is collective over
-        # every process that makes groups together, so they all decide alike
-        if on_cpu and groups.everywhere(sockets is not None):
-            self.transport: DistTransport | socket_p2p.SocketTransport = sockets
+        mode = p2p_mode()
+        self.transport: DistTransport | socket_p2p.SocketTransport
+        if dist.get_backend(group) == "nccl" or mode in ("nccl", "rendezvous"):  # NCCL's layout, proven (nccl_model)
+            layout = os.environ.get("PIPEDSL_P2P_LAYOUT", LAYOUT) if mode != "auto" else LAYOUT  # a test's control
+            if mode == "rendezvous":
+                from pipedsl.runtime.rendezvous import RendezvousTransport
+
+                self.transport = RendezvousTransport(group, self.rank, self.size, groups, edges, layout)
+            else:
+                self.transport = DistTransport(group, self.rank, self.size, groups, edges, layout)
         else:
-            if sockets is not None:
-                sockets.close()
-            self.transport = DistTransport(group, self.rank, self.size, groups)
+            sockets = socket_p2p.connect(group, self.rank, self.size, groups.timeout) if on_cpu else None
+            # gloo's message groups are made only where no pipeline uses sockets: making a group is collective over
+            # every process that makes groups together, so they all decide alike
+            if on_cpu and groups.everywhere(sockets is not None):
+                self.transport = sockets
+            else:
+                if sockets is not None:
+                    sockets.close()
+                self.transport = DistTransport(group, self.rank, self.size, groups)
         self.kind = "socket" if isinstance(self.transport, socket_p2p.SocketTransport) else "dist"
+        self._record_to = os.environ.get("PIPEDSL_P2P_RECORD") if isinstance(self.transport, DistTransport) else None
+        if self._record_to:
+            self.transport.record = []
+        self._flushed = 0  # record entries written so far
+        # each operation is named by its instruction (`label`): for the record, and for what a stuck rendezvous reports
+        self.labelled = bool(self._record_to) or type(self.transport).__name__ == "RendezvousTransport"
         self.opening: tuple[int, str, dict[int, Any]] | None = None  # this step's openings, not yet checked
 
     # ------------------------------------------------------------ data
 
-    def post_recv(self, peer: int, metas: tuple[TensorMeta, ...]) -> Recv | socket_p2p.SocketRecv | StagedRecv:
+    def post_recv(self, peer: int, metas: tuple[TensorMeta, ...],
+                  label: str | None = None) -> Recv | socket_p2p.SocketRecv | StagedRecv:
+        """`label`: the receive's instruction, for the record and a stuck rendezvous's report (`labelled`)."""
+        if self.labelled:
+            self.transport.at = label
         if self._wire_pool is None:
             return self.transport.post_recv(peer, [self.pool.take(m) for m in metas])
         return StagedRecv(self.transport.post_recv(peer, [self._wire_pool.take(m) for m in metas]), self.pool,
                           self._wire_pool)
 
-    def send(self, peer: int, tensors: list[torch.Tensor], payload: bool = True) -> None:
+    def send(self, peer: int, tensors: list[torch.Tensor], payload: bool = True, label: str | None = None) -> None:
         """Start sending; the tensors are kept alive until the send completes.  `payload`: counted in `sent_bytes`
-        (not a discovery step's shape message)."""
+        (not a discovery step's shape message); `label` as `post_recv`'s."""
+        if self.labelled:
+            self.transport.at = label
         out = []
         for t in tensors:
             t = t.detach()
@@ -229,6 +306,23 @@ class Channels:
 
     def wait_sends(self) -> None:
         self.transport.wait_sends()
+        self._flush_record()
+
+    def _flush_record(self) -> None:
+        """`PIPEDSL_P2P_RECORD`: what this rank issued since the last flush (a step's end), appended to its file,
+        one operation a line, in issue order (runtime/comm_record.py reads them)."""
+        if not self._record_to:
+            return
+        import json
+        from pathlib import Path
+
+        path = Path(self._record_to) / f"rank{dist.get_rank()}.jsonl"
+        if self._flushed == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")  # a pipeline's record starts its file
+        new, self._flushed = self.transport.record[self._flushed:], len(self.transport.record)
+        with path.open("a") as out:
+            out.writelines(json.dumps(entry) + "\n" for entry in new)
 
     # ------------------------------------------------------------ a step's opening and its loss
 
@@ -306,6 +400,7 @@ class Channels:
                                async_op=async_op)
 
     def close(self) -> None:
+        self._flush_record()
         self.transport.close()
 
 

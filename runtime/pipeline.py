@@ -71,6 +71,7 @@ from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeRuntimeError
 from pipedsl.ir import Program
 from pipedsl.library import load
+from pipedsl.nccl_model import edges
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.expert import ExpertParallel, shard_experts, why_no_experts
 from pipedsl.parallel.mesh import ParallelMesh
@@ -168,7 +169,7 @@ class Pipeline:
         self._copies = {Copy(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
         self.loss_scaling = LossScaling(self.precision)
         self.groups = PipelineGroups(group, self.mesh)
-        self.channels = Channels(group, self.device, self.groups)
+        self.channels = Channels(group, self.device, self.groups, edges(prog))
         self._loss_group = self.groups.new(range(self.size))  # the step's loss sum, reduced while the step runs
         self.dp = self.parallel.dp if self.parallel is not None else 1
         self.dp_rank = self.mesh.coords.dp if self.mesh is not None else 0
@@ -184,7 +185,9 @@ class Pipeline:
         self._checked_batch = False
         self.tracer = Tracer(group)
         self.lookahead = lookahead
-        self.strict_pair_order = backend == "nccl" if strict_pair_order is None else strict_pair_order
+        # receives may be posted ahead of sends to the same peer: on NCCL each direction of a pair has a communicator
+        # of its own (nccl_model.LAYOUT), so no receive queues behind a send on one stream
+        self.strict_pair_order = bool(strict_pair_order)
         # fp16 with loss scaling: a non-finite loss is an overflow like any other, and the step is skipped on
         # every rank (torch.amp.GradScaler's behaviour) instead of failing the run
         self.check_finite = check_finite and self.loss_scaling.scaler is None

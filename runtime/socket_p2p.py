@@ -318,9 +318,9 @@ def connect(group: dist.ProcessGroup | None, rank: int, size: int,
             timeout: timedelta | None) -> SocketTransport | None:
     """Connect every pair of the group's ranks (collective), or None where they cannot all be connected.
 
-    `PIPEDSL_P2P=dist` keeps torch.distributed's point-to-point calls instead."""
+    `PIPEDSL_P2P` other than `auto` keeps torch.distributed's point-to-point calls instead."""
     seconds = timeout.total_seconds() if timeout is not None else 1800.0
-    usable = sys.platform.startswith("linux") and os.environ.get("PIPEDSL_P2P", "auto") != "dist" and size > 1
+    usable = sys.platform.startswith("linux") and os.environ.get("PIPEDSL_P2P", "auto") == "auto" and size > 1
     listener = None
     address = None
     if usable:

@@ -153,3 +153,15 @@ def test_expert_shards_with_bf16_parameters_over_fp32_main_parameters(pool4) -> 
     for zero in ("z1", "z3"):
         assert r[zero]["dtypes"] == ["torch.bfloat16/torch.float32"], r[zero]
         assert r[zero]["losses"] == pytest.approx(r["fp32"]["losses"], rel=3e-3), (zero, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,M,ep,zero", [("1f1b", 2, 1, 3), ("dualpipev", 4, 2, 1)])
+def test_data_and_expert_parallel_pipelines_equal_one_process_under_nccls_semantics(pool4, schedule, M, ep, zero):
+    """dp2 × pp2 under ZeRO-3 (gathers and prefetches beside the pipeline's messages), and ep2 × pp2 with
+    DualPipeV's F&B pairs overlapping the expert all-to-alls, against the whole model in one process."""
+    import nccl_cases
+
+    both = pool4.run(nccl_cases.by_rendezvous, cases.train_equal, schedule, M, 2, ep, zero)
+    _clean([result for result, _ in both])
+    assert all(sent > 0 for _, sent in both), both

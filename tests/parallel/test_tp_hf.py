@@ -41,6 +41,14 @@ def test_tp2_equals_dense(run_once, family: str, pp: int, sp: bool) -> None:
     _check(run_once(tp_equivalence, 2 * pp, family, 1, pp, 2, sp), sp, pp)
 
 
+def test_tp2_pp2_llama_equals_dense_under_nccls_semantics(run_once) -> None:
+    """The pipeline's messages by rendezvous on one stream per directed edge (runtime/rendezvous.py) beside the
+    tensor-parallel collectives: the same results as over gloo."""
+    import nccl_cases
+
+    _check(run_once(nccl_cases.under, 4, "rendezvous", None, None, tp_equivalence, "llama", 1, 2, 2, True), True, 2)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_dp2_pp2_tp2_sp_equals_dense(run_once, family: str) -> None:
     _check(run_once(tp_equivalence, 8, family, 2, 2, 2, True), True, 2)
