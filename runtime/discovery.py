@@ -8,7 +8,7 @@ instead as a `Discovery` — Megatron's communicate_shapes, on the program's own
   by a small shape message (the `p2p.encode_meta` vector, an ordinary data message on the same
   channel, so the pair's order holds); both ends know which messages those are — the first of
   the kind in the stream, the same message on both sides since a pair's messages match in order;
-- the receiver posts the shape message (within the look-ahead; with `strict_pair_order`, NCCL,
+- the receiver posts the shape message (within the look-ahead; with `strict_pair_order`
   only at its RECV_F instruction), and posts the activation receive once the shapes are there —
   as soon as it sees them between instructions, by the consumer at the latest, or at once with
   strict pair order, so no other message of the pair comes between the two; receives from that

@@ -17,9 +17,10 @@ schedule names (B, or W when the backward is split), together with its receive b
 An overlapped pair F&B waits for both halves' inputs, then runs `stage.overlapped_forward_backward`
 (sequential unless the stage modules define DeepSeek's hook; see there).
 
-With `strict_pair_order` (default on NCCL, where the sends and receives between two ranks
-share one stream and run in issue order) a receive is never posted ahead of an earlier send
-to the same peer, so every pair's operations are issued exactly in program order.
+With `strict_pair_order` a receive is never posted ahead of an earlier send to the same peer, so
+every pair's operations are issued exactly in program order: what a transport with one stream per
+pair of ranks would need.  NCCL's communicators are per directed edge instead (docs/runtime.md,
+"NCCL"), so it is off by default everywhere.
 
 State is keyed by the named tuples of keys.py: per microbatch, a `Slot` (microbatch, stage,
 replica) — activations, gradient buffers, and per direction the tensors handed over, waiting in a

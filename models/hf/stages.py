@@ -201,7 +201,7 @@ class RouterLoss:
         coef = next((c for c in (getattr(model, n, None) for n in ROUTER_LOSS_COEFFICIENTS) if c is not None), None)
         if coef is None:  # router logits only returned (DeepSeek-V3): the loss is the plain one
             return None
-        recorder = getattr(type(body), "_can_record_outputs", {}).get("router_logits")
+        recorder = (getattr(type(body), "_can_record_outputs", None) or {}).get("router_logits")
         experts = getattr(model, "num_experts", None)
         top_k = getattr(model, "num_experts_per_tok", None)
         if getattr(recorder, "target_class", None) is None or experts is None or top_k is None:
@@ -492,7 +492,13 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
                                        f"something the stages do not") from None
             got = (x[0] if isinstance(x, tuple) else x).float()
             own_loss = getattr(out, "loss", None)
-            stage_loss = loss[0](x, loss[1].to(device)) if loss is not None and own_loss is not None else None
+            stage_loss = extra = None
+            if loss is not None and own_loss is not None:
+                fn, targets = loss[0], loss[1].to(device)
+                stage_loss = fn(x, targets)
+                # what each adds to the cross-entropy of its own logits (an MoE's router loss): compared on its own
+                # scale, so that a small coefficient's error is not lost in the loss's rounding
+                extra = (float(own_loss) - float(fn(out.logits, targets)), float(stage_loss) - float(fn(got, targets)))
     finally:
         model.train(was_training)
     diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
@@ -503,23 +509,30 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
     if stage_loss is not None:
         want, have = float(own_loss), float(stage_loss)
         loss_diff = abs(have - want) / max(abs(want), 1e-12)
-        if not loss_diff <= tolerance:
+        model_extra, stage_extra = extra
+        extra_off = abs(stage_extra - model_extra) > tolerance * max(abs(model_extra), 0.01 * abs(want))
+        if not loss_diff <= tolerance or extra_off:
             raise PipeRuntimeError(f"{who}: {name} cut into {len(stages)} stages gives the model's logits but a loss "
-                                   f"of {have:.6f} where its own forward gives {want:.6f}: the model adds to its loss "
+                                   f"of {have:.6f} where its own forward gives {want:.6f} (beyond the cross-entropy: "
+                                   f"{stage_extra:.3g} against {model_extra:.3g}): the model adds to its loss "
                                    f"something pipedsl does not reproduce (a router's auxiliary loss under a "
                                    f"coefficient pipedsl does not know?); it cannot be trained exactly")
         diff = max(diff, loss_diff)
     return diff
 
 
-def shallow_config(config: Any) -> Any:
+def shallow_config(config: Any, through: int = 0) -> Any:
     """A copy of an HF decoder's config with one layer of each type and at most 1024 tokens: the same modules,
-    at a cost that does not grow with the model's depth or vocabulary."""
+    at a cost that does not grow with the model's depth or vocabulary.  `through`: layers 0 … `through` kept as
+    they are (the first MoE layer, `first_moe_layer`: DeepSeek's first layers are dense, and a check that runs
+    no router checks no router loss)."""
     config = copy.deepcopy(config)
     types = getattr(config, "layer_types", None)
     if types:
-        config.layer_types = list(dict.fromkeys(types))
-    layers = len(config.layer_types) if types else min(2, int(getattr(config, "num_hidden_layers", 2) or 2))
+        head = list(types[:through + 1]) if through else []
+        config.layer_types = head + [t for t in dict.fromkeys(types) if t not in head]
+    depth = int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 2)
+    layers = len(config.layer_types) if types else min(max(2, through + 1), depth)
     for name in ("num_hidden_layers", "n_layer"):
         if hasattr(config, name):
             setattr(config, name, layers)
@@ -531,13 +544,34 @@ def shallow_config(config: Any) -> Any:
     return config
 
 
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # a module's experts
+
+
+def first_moe_layer(model: nn.Module) -> int:
+    """The index of the first decoder layer holding routed experts — a module with an expert count above 1, or the
+    module the model records router logits from — or 0 (a dense model, or layers not found)."""
+    body = getattr(model, "base_model", model)
+    router = getattr((getattr(type(body), "_can_record_outputs", None) or {}).get("router_logits"), "target_class", None)
+    try:
+        layers = _child_list(body, LAYER_NAMES, type(model).__name__, "decoder layers")
+    except PipeRuntimeError:
+        return 0
+    for i, layer in enumerate(layers):
+        for m in layer.modules():
+            if (router is not None and isinstance(m, router)) or any(
+                    isinstance(n, int) and n > 1 for n in (getattr(m, a, None) for a in EXPERT_COUNTS)):
+                return i
+    return 0
+
+
 def check_architecture(model: nn.Module, *, attention_mask: bool = False, position_ids: bool = False,
                        attn: str | None = None) -> float | None:
     """Verify that `causal_lm_stages` reproduces `model`'s architecture: a shallow copy (`shallow_config`,
     random fp32 weights, on the CPU) cut into two stages must compute the copy's own logits (`check_split`).
     `model` may be on any device, the meta device included; `attn` overrides its attention implementation.
 
-    Cheap whatever the model's size (one layer of each kind); the caller's RNG is left as it was.  Returns the
+    Cheap whatever the model's size (one layer of each kind, and every layer up to the first MoE layer); the
+    caller's RNG is left as it was.  Returns the
     relative difference, or None (unverified) when one layer alone exceeds `MAX_CHECK_BYTES`.  Raises
     `PipeRuntimeError` naming the model when its forward does something the stages do not.
     """
@@ -547,7 +581,8 @@ def check_architecture(model: nn.Module, *, attention_mask: bool = False, positi
                                   position_ids=position_ids, check=False)
         return check_split(shallow, stages)
 
-    return check_on_shallow_copy(model, shallow_config, cut_and_check, "causal_lm_stages", attn)
+    shallow = functools.partial(shallow_config, through=first_moe_layer(model))
+    return check_on_shallow_copy(model, shallow, cut_and_check, "causal_lm_stages", attn)
 
 
 def check_on_shallow_copy(model: nn.Module, shallow: Callable[[Any], Any], cut_and_check: Callable[[nn.Module], float],

@@ -157,6 +157,42 @@ def test_a_loss_term_the_stages_miss_is_refused_though_every_logit_is_right(monk
     assert causal_lm_stages(model, 2)[-1].router.coef == 0.5
 
 
+def test_the_check_runs_an_moe_layer_where_the_first_layers_are_dense(monkeypatch):
+    """A Qwen2-MoE whose first two layers are dense (as DeepSeek's first_k_dense_replace makes them): the check's
+    shallow copy keeps layers up to the first MoE one, so a router loss the stages miss is refused — a copy of
+    the first two layers alone has no router and would pass it."""
+    import transformers as tf
+
+    from pipedsl.models.hf import stages as hf_stages
+
+    config = tf.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0, 1],
+                               output_router_logits=True, router_aux_loss_coef=0.5)
+    torch.manual_seed(0)
+    model = tf.Qwen2MoeForCausalLM(config)
+    assert hf_stages.first_moe_layer(model) == 2
+    assert hf_stages.shallow_config(config, through=2).num_hidden_layers == 3
+    causal_lm_stages(model, 2)
+    monkeypatch.setattr(hf_stages, "ROUTER_LOSS_COEFFICIENTS", ())
+    with pytest.raises(PipeRuntimeError, match="gives the model's logits but a loss"):
+        causal_lm_stages(model, 2)
+
+
+def test_a_small_router_loss_coefficient_is_checked_on_its_own_scale(monkeypatch):
+    """With a coefficient of 0.001 the router loss is ~1e-4 of the loss: a 10 % error in it is below the loss's
+    1e-4 tolerance, so the check compares what each side adds to its own logits' cross-entropy."""
+    from pipedsl.models.hf import stages as hf_stages
+
+    model = tiny_model("mixtral", layers=2)
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.001
+    causal_lm_stages(model, 2)
+    loss = hf_stages.RouterLoss.loss
+    monkeypatch.setattr(hf_stages.RouterLoss, "loss", lambda self, sums: 1.1 * loss(self, sums))
+    with pytest.raises(PipeRuntimeError, match=r"beyond the cross-entropy: \S+ against"):
+        causal_lm_stages(model, 2)
+
+
 def test_alibi_is_refused_by_name():
     """What the stages cannot reproduce is refused when they are made, not left to fail at the first step."""
     import transformers as tf
