@@ -551,7 +551,8 @@ def first_moe_layer(model: nn.Module) -> int:
     """The index of the first decoder layer holding routed experts — a module with an expert count above 1, or the
     module the model records router logits from — or 0 (a dense model, or layers not found)."""
     body = getattr(model, "base_model", model)
-    router = getattr((getattr(type(body), "_can_record_outputs", None) or {}).get("router_logits"), "target_class", None)
+    recorder = (getattr(type(body), "_can_record_outputs", None) or {}).get("router_logits")
+    router = getattr(recorder, "target_class", None)
     try:
         layers = _child_list(body, LAYER_NAMES, type(model).__name__, "decoder layers")
     except PipeRuntimeError:
