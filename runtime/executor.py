@@ -102,11 +102,14 @@ class Executor:
             on_loss: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """One pass over the stream; returns the sum of this rank's (1/M-scaled) microbatch losses.
 
-        `on_loss(sum)` is called as soon as that sum is final — after the rank's last loss, or at
-        the start on a rank without the last stage — so its reduction overlaps the cooldown.
+        `on_loss(sum)` is called after the rank's last instruction, on every rank: a collective issued
+        earlier (at the start on a rank without the last stage, as it once was, to overlap the cooldown)
+        occupies its NCCL stream until the last stage's losses exist, which wait for this rank's later
+        sends — so any device-wide wait in between (a profiler's synchronize, the allocator's retry)
+        deadlocks the GPU.  A scalar's reduction costs microseconds at the step's end.
         """
         self.mb_inputs, self.targets = inputs, targets
-        self.on_loss, self._losses_left = on_loss, self.num_losses
+        self._losses_left = self.num_losses
         # per direction (F: activations, B: gradients): tensors a stage on this rank handed to the slot
         # that takes them, tensors waiting for their SEND by the slot that sends them, receives posted
         # by the slot they are for
@@ -122,8 +125,6 @@ class Executor:
         self._pending_sends: dict[int, int] = defaultdict(int)  # peer -> sends scanned but not issued
         self._held: dict[int, deque[int]] = defaultdict(deque)  # peer -> receive indices not posted early
         self.wait_time = 0.0
-        if on_loss is not None and not self.num_losses:
-            on_loss(self.loss_sum)
         stream, handlers, starts, ends = self.stream, self.handlers, self.starts, self.ends
         clock = time.perf_counter
         self.index = 0
@@ -142,6 +143,8 @@ class Executor:
             except Exception as err:  # noqa: BLE001 - every failure is reported with where it happened
                 raise failure_at(self.rank, i, ins, err) from err
             ends[i] = clock()
+        if on_loss is not None:
+            on_loss(self.loss_sum)
         return self.loss_sum
 
     # ------------------------------------------------------------ receives
@@ -252,8 +255,6 @@ class Executor:
                                   f"(not finite)", self.rank, i, ins)
             total += v * factor
         self.loss_sum = torch.tensor(total, dtype=torch.float64)
-        if self.on_loss is not None:
-            self.on_loss(self.loss_sum)
 
     def _forward_only(self, ins: Instr) -> None:
         """Evaluation: no autograd graph and no activation kept; the receive buffers are given back at the end

@@ -551,9 +551,9 @@ class Pipeline:
         return self.loss.ignore_index
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> None:
-        """Start summing the loss over the pipeline as soon as this rank's part is final (with torch.distributed
-        the reduction overlaps the rest of the step; over the sockets the last stage's ranks send theirs at
-        the step's end, and only they wait for each other)."""
+        """Start summing the loss over the pipeline once this rank's step is done (the executor calls it after its
+        last instruction: no collective of the pipeline group spans the step's messages, runtime/executor.py);
+        over the sockets the last stage's ranks send theirs and only they wait for each other."""
         total = loss_sum.to(self.device, copy=True)
         self._loss_reduction = (total, self.channels.sum_over(total, self._loss_ranks, group=self._loss_group,
                                                               async_op=True))

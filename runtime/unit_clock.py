@@ -10,8 +10,10 @@ backward needs again, so no bytes are reported then.
 
 A stage offers its units with `units()` — (index in the whole model's unit list, module): models/split.py's
 `SequentialStage`, the HF causal stages.  Forward pre- and post-hooks time each unit's training forwards (not a
-recomputed one, not evaluation); on a GPU the device is synchronised around each unit, so timing belongs to
-profiling steps, not to training: `close()` removes the hooks.
+recomputed one, not evaluation): on the CPU by the clock, on a GPU by a pair of CUDA events on the current stream,
+read when the times are asked for (after the profile steps).  Never a device-wide wait inside a step: under NCCL a
+synchronize waits for every stream, a point-to-point send whose receive the peer has not reached included, and
+the pipeline would hang.  `close()` removes the hooks.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class UnitClock:
     """Forward seconds of every unit of `stages` ({stage: module with `units()`}), per call, until `close()`."""
 
     def __init__(self, stages: Mapping[int, nn.Module], counter: ActivationCounter | None = None) -> None:
-        self.seconds: dict[int, list[float]] = {}
+        self.seconds: dict[int, list[float]] = {}  # unit -> seconds a call, as read (`_read`)
+        self._pending: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # GPU calls: (unit, start, end)
         self.saved: dict[int, list[int]] = {}  # unit -> bytes its forward left saved, a call (with `counter`)
         self.held = {s: [u for u, _ in m.units()] for s, m in sorted(stages.items())}  # type: ignore[operator]
         # unit -> its parameters (their states move with it when a cut moves it)
@@ -40,7 +43,7 @@ class UnitClock:
                        for stage in stages.values() for u, module in stage.units()}  # type: ignore[operator]
         self._counter = counter if counter is not None and counter.count_bytes else None
         self._firsts = {units[0] for s, units in self.held.items() if units}
-        self._started: dict[int, tuple[float, int]] = {}  # unit -> (start time, counted bytes then)
+        self._started: dict[int, tuple[Any, int]] = {}  # unit -> (start: time or CUDA event, counted bytes then)
         self._hooks: list[Any] = []
         for stage in stages.values():
             for index, module in stage.units():  # type: ignore[operator]
@@ -55,28 +58,39 @@ class UnitClock:
     def _pre(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             if torch.is_grad_enabled() and not is_recomputing():
-                _sync(module)
                 counted = 0
                 if self._counter is not None:
                     counted = self._counter.live_bytes
                     if index in self._firsts:  # the stage counted its input before this unit ran
                         counted -= _bytes(args, self._counter.counted)
-                self._started[index] = (time.perf_counter(), counted)
+                self._started[index] = (_mark(module), counted)
         return hook
 
     def _post(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             start = self._started.pop(index, None)
             if start is not None:
-                _sync(module)
-                self.seconds.setdefault(index, []).append(time.perf_counter() - start[0])
+                end = _mark(module)
+                if isinstance(end, float):
+                    self.seconds.setdefault(index, []).append(end - start[0])
+                else:  # read after the steps, not now
+                    self._pending.append((index, start[0], end))
                 if self._counter is not None:
                     self.saved.setdefault(index, []).append(max(self._counter.live_bytes - start[1], 0))
         return hook
 
     def medians(self) -> dict[int, float]:
         """{unit: its median forward seconds a call} over what was timed."""
+        self._read()
         return {u: statistics.median(v) for u, v in sorted(self.seconds.items())}
+
+    def _read(self) -> None:
+        """The GPU calls' seconds from their events: each end event waited for alone (not the device), after the
+        profile steps."""
+        pending, self._pending = self._pending, []
+        for index, start, end in pending:
+            end.synchronize()
+            self.seconds.setdefault(index, []).append(start.elapsed_time(end) / 1000.0)
 
     def saved_bytes(self) -> dict[int, float]:
         """{unit: the median bytes its forward left saved, input included} (none without a byte-counting counter)."""
@@ -105,7 +119,15 @@ def _bytes(args: Any, counted: set[int]) -> int:
     return sum(seen.values())
 
 
-def _sync(module: nn.Module) -> None:
+def _mark(module: nn.Module) -> float | torch.cuda.Event:
+    """Now: the clock for a module on the CPU; for one on a GPU, a timing event recorded on the current stream."""
+    if not _on_gpu(module):
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _on_gpu(module: nn.Module) -> bool:
     t = next(module.parameters(), None)
-    if t is not None and t.is_cuda:
-        torch.cuda.synchronize(t.device)
+    return t is not None and t.is_cuda

@@ -80,6 +80,49 @@ def test_choose_cut_keeps_a_balanced_cut_and_without_units() -> None:
     assert choose_cut(timeline, [*reports[:2], None], program)["points"] is None  # a rank without units
 
 
+def test_unit_clock_on_a_gpu_times_by_events_and_never_waits_for_the_device(monkeypatch) -> None:
+    """On a GPU each unit is timed by two CUDA events on the current stream, read after the steps, each waited for
+    alone: a device-wide synchronize inside a step would wait for every stream — NCCL sends whose receives the
+    peer has not reached among them — and hang the pipeline (the ready-for-GPUs issue).  CUDA is faked here: the
+    module is "on a GPU", events are recorded objects, and any device-wide wait fails the test."""
+    from pipedsl.runtime import unit_clock
+
+    log: list[str] = []
+
+    class Event:
+        made = 0
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            Event.made += 1
+            self.at = Event.made
+
+        def record(self) -> None:
+            log.append(f"record {self.at}")
+
+        def synchronize(self) -> None:
+            log.append(f"wait {self.at}")
+
+        def elapsed_time(self, end: Event) -> float:
+            return 1000.0 * (end.at - self.at)  # milliseconds, one second an event apart
+
+    def device_wide(*_args) -> None:
+        raise AssertionError("a device-wide wait inside a step")
+
+    monkeypatch.setattr(unit_clock, "_on_gpu", lambda module: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    stages = split_sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), 1)
+    clock = UnitClock(dict(enumerate(stages)))
+    stages[0](torch.randn(2, 4, requires_grad=True))
+    assert log == ["record 1", "record 2", "record 3", "record 4"]  # unit 0's start and end, then unit 1's
+    assert not any(line.startswith("wait") for line in log)  # nothing read while the step runs
+    medians, *_ = clock.report()
+    assert medians == {0: 1.0, 1: 1.0}  # events 1 → 2 and 3 → 4: one second each, by the fake clock
+    assert [line for line in log if line.startswith("wait")] == ["wait 2", "wait 4"]  # each end event alone
+    clock.close()
+
+
 def test_unit_clock_times_training_forwards_only() -> None:
     """Each unit's forward is timed with its global index; evaluation (no grad) and a recomputed forward are not."""
     stages = split_sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.ReLU()), 2)

@@ -420,3 +420,24 @@ def flat_buffer_split(rank: int, level: int) -> dict:
         if not torch.allclose(p.grad, q.grad, atol=1e-6):
             problems.append(f"ZeRO-{level}: the flat buffer's gradient differs")
     return {"problems": problems}
+
+
+def loss_reduction_points(rank: int, schedule: str, P: int, M: int) -> dict:
+    """Where in its stream each rank starts the step's loss reduction (a collective of the pipeline group): the
+    instruction the executor is at, and the stream's length."""
+    program = pipedsl.load(schedule).compile(P, M)
+    pipe = pipedsl.Pipeline(split_sequential(make_model(program.num_stages), program.num_stages), program=program,
+                            loss_fn=F.mse_loss)
+    seen: list[int] = []
+    start = pipe._reduce_loss
+
+    def recording(loss_sum: torch.Tensor) -> None:
+        seen.append(pipe._executor.index)
+        start(loss_sum)
+
+    pipe._reduce_loss = recording
+    for step in range(2):  # a step that learns the shapes, then a step at known shapes
+        x, y = batch(step, 2 * M)
+        pipe.step(x, y)
+    pipe.close()
+    return {"at": seen, "last": len(program.ranks[rank]) - 1}

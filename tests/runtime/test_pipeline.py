@@ -82,6 +82,15 @@ def test_interleaved_with_m_not_a_multiple_of_p_matches_single_process(pool2) ->
     assert [res["peaks"] for res in results] == [[p] * 3 for p in predicted]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_the_loss_is_reduced_only_after_each_ranks_last_instruction(schedule: str, pool4) -> None:
+    """No collective of the pipeline group spans the step's messages: the loss sum started at the step's start
+    (ranks without the last stage) or after the last loss (ranks with it) occupies its NCCL stream until every
+    last-stage loss exists, so a device-wide wait in between deadlocks a GPU (the ready-for-GPUs issue)."""
+    results = pool4.run(cases.loss_reduction_points, schedule, 4, 8)
+    assert all(r["at"] == [r["last"]] * 2 for r in results), results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lookahead,strict", [(0, False), (0, True), (64, True), (64, False)])
 @pytest.mark.parametrize("schedule", ["1f1b", str(HERE / "mixed.pipe")], ids=_name)
