@@ -113,14 +113,19 @@ def _options(backend: str, timeout: datetime.timedelta):
 class ParallelMesh:
     """The groups of one rank for a `ParallelConfig`, built collectively by every rank of the world."""
 
-    def __init__(self, config: ParallelConfig, device_type: str = "cpu",
+    def __init__(self, config: ParallelConfig, device_type: str | None = None,
                  timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+        """`device_type`: the DeviceMesh's, which DTensors built on it (tensor parallelism) place their local
+        tensors on — by default "cuda" under NCCL, else "cpu" (a CPU mesh under NCCL moved every activation of
+        Hugging Face tensor parallelism to the host while its weights stayed on the GPU)."""
         if not dist.is_initialized():
             raise ParallelConfigError("torch.distributed is not initialised: call init_process_group "
                                       "(or launch with torchrun) before building a ParallelMesh")
         config.check_world(dist.get_world_size())
         self.config = config
         backend = dist.get_backend()
+        if device_type is None:
+            device_type = "cuda" if backend == "nccl" else "cpu"
         override = _options(backend, timeout)
         # dp is (edp, ep) with expert parallelism: ep consecutive dp ranks share one copy of the experts
         dp_names, dp_shape = (("edp", "ep"), (config.dp // config.ep, config.ep)) if config.ep > 1 else (("dp",),

@@ -178,7 +178,7 @@ class _Embedding3D(torch.autograd.Function):
         cube: Cube3D = ctx.cube
         local, outside = ctx.saved_tensors
         dy_all = all_gather(dy.contiguous(), cube.input, 0).masked_fill(outside.unsqueeze(-1), 0.0)  # [b/q, s, h/q]
-        dw_all = torch.zeros(ctx.vocab_rows, dy.shape[-1], dtype=dy.dtype)
+        dw_all = torch.zeros(ctx.vocab_rows, dy.shape[-1], dtype=dy.dtype, device=dy.device)
         dw_all.index_add_(0, local.reshape(-1), dy_all.reshape(-1, dy.shape[-1]))  # [V/q, h/q]
         return None, reduce_scatter(dw_all, cube.weight, 0), None  # [V/q², h/q]
 

@@ -81,6 +81,31 @@ def test_mesh_needs_an_initialised_world():
         ParallelMesh(ParallelConfig())
 
 
+@pytest.mark.parametrize("backend, device_type", [("nccl", "cuda"), ("gloo", "cpu")])
+def test_the_mesh_lives_on_the_backends_device(monkeypatch, backend, device_type):
+    """Under NCCL the DeviceMesh is a CUDA one: DTensors on a CPU mesh (the old default every caller kept) moved
+    Hugging Face tensor parallelism's activations to the host while its weights stayed on the GPU."""
+    from pipedsl.parallel import mesh as mesh_module
+
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def init_device_mesh(kind, shape, **_):
+        seen.append(kind)
+        raise Built
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *_: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda *_: backend)
+    monkeypatch.setattr(mesh_module, "_options", lambda *_: None)
+    monkeypatch.setattr(mesh_module, "init_device_mesh", init_device_mesh)
+    with pytest.raises(Built):
+        ParallelMesh(ParallelConfig())
+    assert seen == [device_type]
+
+
 def mesh_job(cfg: ParallelConfig) -> dict:
     mesh = ParallelMesh(cfg)
     out = {"rank": dist.get_rank(), "coords": mesh.coords, "dp": mesh.dp_ranks, "pp": mesh.pp_ranks,

@@ -153,6 +153,23 @@ def test_linear_communication_matches_the_formula(run_once):
     assert not failures(run_once(tp3d_job, Q ** 3), "linear comm", atol=0, rtol=0)
 
 
+def test_the_embeddings_backward_makes_its_gradient_where_its_inputs_are(monkeypatch):
+    """The vocabulary gradient is accumulated on the device of the incoming gradient: it was made on the CPU,
+    and a GPU's index_add_ into it failed.  The meta device stands for a GPU (a CPU tensor is refused alike);
+    the cube's collectives are identities on one rank."""
+    from types import SimpleNamespace
+
+    from pipedsl.parallel import tp3d
+
+    monkeypatch.setattr(tp3d, "all_gather", lambda t, group, dim: t)
+    monkeypatch.setattr(tp3d, "reduce_scatter", lambda t, group, dim: t)
+    cube = SimpleNamespace(input=None, weight=None, a_in=0)
+    w = torch.empty(8, 4, device="meta", requires_grad=True)
+    ids = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    tp3d._Embedding3D.apply(ids, w, cube).sum().backward()
+    assert w.grad is not None and w.grad.device.type == "meta"
+
+
 def test_qkv_order_groups_heads_per_block():
     order = qkv_order(hidden=4, parts=2)
     # block 0 = q[0:2] k[0:2] v[0:2], block 1 = q[2:4] k[2:4] v[2:4] of the fused [q | k | v] columns
