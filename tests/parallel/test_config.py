@@ -89,19 +89,19 @@ def test_the_mesh_lives_on_the_backends_device(monkeypatch, backend, device_type
 
     seen = []
 
-    class Built(Exception):
+    class BuiltError(Exception):  # stops the mesh once its device type is seen
         pass
 
     def init_device_mesh(kind, shape, **_):
         seen.append(kind)
-        raise Built
+        raise BuiltError
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda *_: 1)
     monkeypatch.setattr(dist, "get_backend", lambda *_: backend)
     monkeypatch.setattr(mesh_module, "_options", lambda *_: None)
     monkeypatch.setattr(mesh_module, "init_device_mesh", init_device_mesh)
-    with pytest.raises(Built):
+    with pytest.raises(BuiltError):
         ParallelMesh(ParallelConfig())
     assert seen == [device_type]
 
