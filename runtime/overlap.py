@@ -62,6 +62,8 @@ class _Half:
         self.thread = threading.Thread(target=self._main, name=f"pipedsl-pair-{name}", daemon=True)
 
     def _main(self) -> None:
+        if self.pair.device is not None:  # a new thread starts on GPU 0: its kernels and RNG are the rank's GPU's
+            torch.cuda.set_device(self.pair.device)
         self.turn.acquire()
         self.pair.enter(self)
         try:
@@ -82,12 +84,15 @@ class PairOverlap:
         self.halves: list[_Half] = []
         self.current: _Half | None = None
         self.finished = threading.Event()
+        self.device: int | None = None  # the caller's CUDA device, which both halves' threads take
 
     def run(self, forward: Callable[[], Any], backward: Callable[[], Any],
             first: str = "forward") -> tuple[Any, Any]:
         """Both halves' results; `first` ("forward" or "backward") starts.  Which is better depends on where the
         exchanges sit: a forward with a counts exchange before its dispatch (dropless) waits less starting first;
         with fixed-size exchanges the backward, whose first exchange comes at once, starts (`fixed_size`)."""
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
         f, b = _Half("forward", forward, self), _Half("backward", backward, self)
         self.halves = [f, b]
         f.rng = b.rng = _rng_state()  # both start from here (the backward draws nothing but recomputation's own)

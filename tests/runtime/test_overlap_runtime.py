@@ -76,3 +76,29 @@ def test_the_hook_needs_both_modules_of_its_class():
     overlapped_forward_backward(s0, [torch.randn(2, 8)], None, None, s1, act, None)
     assert HookedBlock.calls == []  # DeepSeek's rule: one class for both, else sequential
     assert s1.module.fc.weight.grad is not None
+
+
+def test_both_halves_of_a_pair_run_on_the_callers_gpu(monkeypatch):
+    """A new thread starts on GPU 0: a pair's halves on rank 3's GPU 3 ran their kernels, and recomputation saved
+    and restored the random state of, GPU 0 (silently wrong dropout).  Two fake GPUs: the caller's thread is on
+    GPU 1; each half must find itself there and draw from GPU 1's random state."""
+    import threading
+
+    from pipedsl.runtime import overlap
+
+    local = threading.local()
+    states = {0: torch.tensor([0]), 1: torch.tensor([1])}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(local, "device", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(local, "device", int(d)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [states[0], states[1]])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda all_: None)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d: states[d])
+    from pipedsl.runtime import recompute
+
+    def where() -> tuple[int, int]:  # the half's device, and the device whose state recomputation would save
+        return torch.cuda.current_device(), recompute._rng_state()[1][0]
+
+    torch.cuda.set_device(1)
+    assert overlap.PairOverlap().run(where, where) == ((1, 1), (1, 1))
