@@ -35,7 +35,6 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,8 +44,6 @@ from pipedsl.parallel.comm import all_to_all_rows, exchange_rows, group_rank, gr
 from pipedsl.parallel.config import ParallelConfigError
 
 SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
-# a dispatch's result: the rows received, their local expert ids, the exchange that brings outputs home
-_Exchange = tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -112,44 +109,55 @@ class ExpertParallel(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Dispatch, this rank's experts, combine: no host synchronisation with fixed-size blocks, one (the sizes
+        after the counts exchange) dropless — every other size is known on the host or stays on the device."""
         k, E = top_k_index.shape[1], self.num_experts
-        flat = top_k_index.reshape(-1)
-        slots = torch.nonzero(flat < E).squeeze(1)
-        slots = slots[torch.argsort(flat[slots], stable=True)]  # by expert, token order within one
+        flat = top_k_index.reshape(-1)  # [N·k]: each slot's expert, ≥ E for a slot dropped for capacity
+        order = torch.argsort(flat, stable=True)  # kept slots by expert (token order within one), dropped ones last
+        # routings per expert, the last entry the dropped slots (scatter_add: bincount reads its maximum on the host)
+        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat.clamp(max=E), torch.ones_like(flat))
         exchange = self._fixed_size if self.capacity_factor is not None else self._dropless
-        tokens, index, home = exchange(hidden_states[slots // k], flat[slots], flat.numel())
-        back = home(self._local(tokens, index, top_k_weights.dtype))  # [S, hidden], in the order of `slots`
+        slots, back = exchange(hidden_states, order, flat, counts, k, top_k_weights.dtype)  # back: [S, C] by slot
         weighted = back * top_k_weights.reshape(-1)[slots, None].to(back.dtype)
         return torch.zeros_like(hidden_states).index_add(0, slots // k, weighted.to(hidden_states.dtype))
 
-    def _dropless(self, rows: torch.Tensor, experts: torch.Tensor, slots: int) -> _Exchange:
-        """Each slot's row to its expert's rank, after the counts (steps 2–3): (the rows received, their local
-        expert ids, the exchange that brings the outputs home)."""
-        E, ep, El = self.num_experts, self.ep, self.per_rank
-        counts = torch.bincount(experts, minlength=E).view(ep, El)
-        received = all_to_all_rows(counts, [1] * ep, [1] * ep, self.group)  # [ep, El]: peer r's tokens for each
-        send, recv = counts.sum(dim=1).tolist(), received.sum(dim=1).tolist()
-        tokens = exchange_rows(rows, send, recv, self.group)  # [R, C]
-        index = torch.repeat_interleave(torch.arange(El, device=rows.device).repeat(ep), received.reshape(-1))
-        return tokens, index, lambda out: exchange_rows(out, recv, send, self.group)
+    def _dropless(self, hidden: torch.Tensor, order: torch.Tensor, flat: torch.Tensor, counts: torch.Tensor, k: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each kept slot's row to its expert's rank after the counts (steps 2–3), this rank's experts on the rows
+        received, the outputs home: (the kept slots, their outputs).  The one host synchronisation: the sizes."""
+        ep, El = self.ep, self.per_rank
+        per_rank = counts[:-1].view(ep, El)
+        received = all_to_all_rows(per_rank, [1] * ep, [1] * ep, self.group)  # [ep, El]: peer r's tokens for each
+        sizes = host_ints(torch.cat([per_rank.sum(dim=1), received.sum(dim=1)]))
+        send, recv = sizes[:ep], sizes[ep:]
+        slots = order[:sum(send)]  # the kept slots, by expert: by rank
+        tokens = exchange_rows(hidden[slots // k], send, recv, self.group)  # [R, C]
+        index = torch.repeat_interleave(torch.arange(El, device=hidden.device).repeat(ep), received.reshape(-1),
+                                        output_size=sum(recv))
+        return slots, exchange_rows(self._local(tokens, index, dtype), recv, send, self.group)
 
-    def _fixed_size(self, rows: torch.Tensor, experts: torch.Tensor, slots: int) -> _Exchange:
+    def _fixed_size(self, hidden: torch.Tensor, order: torch.Tensor, flat: torch.Tensor, counts: torch.Tensor,
+                    k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`_dropless` as fixed-size blocks (GShard's): each expert gets C = ceil(c·slots/E) rows, its slots first
-        and zeros after, so no counts are exchanged first — one exchange less a layer's forward.  The zero rows
-        are computed and thrown away; each slot's own row is computed as in the dropless exchange."""
+        and zeros after, so no counts are exchanged first — one exchange less a layer's forward, and no host
+        synchronisation.  The zero rows are computed and thrown away; a dropped slot's row goes to a row of its
+        own past the blocks and comes back as zeros.  Returns (every slot, its output)."""
         E, ep, El = self.num_experts, self.ep, self.per_rank
-        C = math.ceil(self.capacity_factor * slots / E)
-        counts = torch.bincount(experts, minlength=E)
-        if experts.numel() and int(counts.max()) > C:
-            raise ParallelConfigError(f"expert parallelism: an expert got {int(counts.max())} slots, more than the "
-                                      f"capacity {C} its router's capacity_factor={self.capacity_factor} allows")
-        position = torch.arange(experts.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[experts]
-        where = experts * C + position  # each slot's row in the [E·C] blocks
-        block = rows.new_zeros((E * C, rows.shape[1])).index_copy(0, where, rows)
+        C = math.ceil(self.capacity_factor * flat.numel() / E)
+        _at_most(counts[:-1], C, self.capacity_factor)
+        experts = flat[order]  # [N·k] ascending, dropped slots (≥ E) last
+        kept = experts < E
+        starts = torch.cumsum(counts, 0) - counts  # each expert's first position in `order`
+        position = torch.arange(experts.numel(), device=hidden.device) - starts[experts.clamp(max=E)]
+        where = torch.where(kept, experts * C + position, E * C)  # each slot's row in the [E·C] blocks, or the spare
+        rows = hidden[order // k] * kept[:, None].to(hidden.dtype)
+        block = hidden.new_zeros((E * C + 1, hidden.shape[1])).index_add(0, where, rows)[:E * C]
         size = [El * C] * ep
         tokens = exchange_rows(block, size, size, self.group)  # [ep·El·C]: each peer's blocks for these experts
-        index = torch.arange(El, device=rows.device).repeat_interleave(C).repeat(ep)
-        return tokens, index, lambda out: exchange_rows(out, size, size, self.group)[where]
+        index = torch.arange(El, device=hidden.device).repeat_interleave(C).repeat(ep)
+        out = exchange_rows(self._local(tokens, index, dtype), size, size, self.group)  # [E·C, H]
+        return order, torch.cat([out, out.new_zeros((1, out.shape[1]))])[where]
 
     def _local(self, tokens: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """This rank's experts on the rows received (step 4), weight 1, the model's own code."""
@@ -170,6 +178,24 @@ class ExpertParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.per_rank - 1} of {self.num_experts}, ep={self.ep}"
+
+
+def host_ints(t: torch.Tensor) -> list[int]:
+    """`t`'s integers on the host: a host synchronisation on a GPU, which every caller names (the one a dropless
+    layer makes: tests/parallel/test_expert_syncs.py counts them)."""
+    return t.tolist()
+
+
+def _at_most(counts: torch.Tensor, capacity: int, factor: float | None) -> None:
+    """Refuse a router that gave an expert more slots than the capacity `factor` allows: on the CPU at once, on
+    a GPU as a device-side assertion (no host synchronisation: reading the maximum would be one a layer)."""
+    if counts.device.type == "cpu":
+        if counts.numel() and int(counts.max()) > capacity:
+            raise ParallelConfigError(f"expert parallelism: an expert got {int(counts.max())} slots, more than the "
+                                      f"capacity {capacity} its router's capacity_factor={factor} allows")
+    else:
+        torch._assert_async(counts.max() <= capacity, f"expert parallelism: an expert got more slots than the "
+                                                      f"capacity {capacity} (capacity_factor={factor})")
 
 
 def shard_experts(module: nn.Module, group: ProcessGroup, edp_group: ProcessGroup | None, dp: int) -> int:

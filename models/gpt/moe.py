@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
+from pipedsl.parallel.expert import host_ints
+
 
 class Experts(nn.Module):
     """E two-layer GELU MLPs as 3-D weights, fc [E, F, C] and proj [E, C, F], called as transformers'
@@ -48,12 +50,20 @@ class Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         x, out = hidden_states, torch.zeros_like(hidden_states)
-        for e in top_k_index.unique().tolist():  # ascending: the same order in every forward of the same routing
-            if e >= self.num_experts:
-                continue
-            token, slot = torch.where(top_k_index == e)
-            h = F.gelu(F.linear(x[token], self.fc[e]))
-            out.index_add_(0, token, F.linear(h, self.proj[e]) * top_k_weights[token, slot, None].to(x.dtype))
+        E, k = self.num_experts, top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, ascending; within one, by token (as torch.where lists)
+        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat.clamp(max=E), torch.ones_like(flat))
+        start = 0
+        for e, n in enumerate(host_ints(counts[:E])):  # the layer's one host synchronisation: the group sizes
+            if n:
+                slots = order[start:start + n]
+                token = slots // k
+                h = F.gelu(F.linear(x[token], self.fc[e]))
+                weight = top_k_weights.reshape(-1)[slots, None].to(x.dtype)
+                out.index_add_(0, token, F.linear(h, self.proj[e]) * weight)
+            start += n
         return out
 
 
