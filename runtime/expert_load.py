@@ -38,7 +38,9 @@ class ExpertLoad:
         if getattr(index, "fake_mode", None) is not None:  # shape inference
             return
         E = self.num_experts
-        counts = torch.bincount(index.detach().reshape(-1).clamp(max=E), minlength=E + 1)
+        slots = index.detach().reshape(-1).clamp(max=E)  # scatter_add: bincount reads its maximum on the host
+        counts = torch.zeros(E + 1, dtype=torch.long, device=slots.device)
+        counts.scatter_add_(0, slots, torch.ones_like(slots))
         self._counts = counts if self._counts is None else self._counts + counts
 
     def read(self, reduce: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:

@@ -87,14 +87,16 @@ class Router(nn.Module):
         top, index = probs.topk(k, dim=-1)  # [N, k]
         weight = top / top.sum(dim=-1, keepdim=True)
         flat = index.reshape(-1)  # slots in token order
-        counts = torch.bincount(flat, minlength=E)  # [E], before dropping
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
         aux = E / x.shape[0] * (counts.to(probs.dtype) * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat.numel() / E)
-            onehot = F.one_hot(flat, E)  # [N·k, E]
-            position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1  # the slot's place in its expert's queue
+            # each slot's place in its expert's queue, in token order (one_hot checks its input on the host)
+            order = torch.argsort(flat, stable=True)
+            queued = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+            position = torch.empty_like(flat).scatter_(0, order, queued)
             kept = (position < capacity).view_as(index)
             index = torch.where(kept, index, E)
             weight = weight * kept

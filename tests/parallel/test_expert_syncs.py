@@ -3,7 +3,8 @@ the device catches up, once per layer and microbatch.  Counted here on the CPU b
 ops whose output size depends on the data (nonzero, unique, boolean indexing, bincount, repeat_interleave without
 its size), reading a scalar (item, int, bool), and every `tolist` — under a dispatch mode.  Expert parallelism's
 own dispatch and combine make none with fixed-size blocks and one dropless (the sizes after the counts exchange);
-the GPT's experts make one a layer (their group sizes)."""
+the GPT's experts make one a layer (their group sizes); its router, with or without a capacity, and the router
+statistics (runtime/expert_load.py) none."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def layer_syncs(rank: int) -> dict[str, list[str]]:
     """One MoE layer's forward on ep=2 (this world), fixed-size and dropless: the syncing ops of expert
     parallelism's own dispatch and combine (the experts replaced by a stand-in that syncs nothing), and of the
     GPT's experts alone."""
-    from pipedsl.models.gpt.moe import Experts
+    from pipedsl.models.gpt.moe import Experts, Router
     from pipedsl.parallel import expert
 
     torch.manual_seed(0)
@@ -86,6 +87,16 @@ def layer_syncs(rank: int) -> dict[str, list[str]]:
     tolists = []
     _, seen = _counted(lambda: Experts(E, C, 16)(x, index, weights), tolists)
     out["gpt_experts"] = seen + tolists
+    for name, capacity in (("router", None), ("router_capacity", 1.0)):
+        tolists = []
+        _, seen = _counted(lambda: Router(E, C, k, capacity)(x), tolists)  # noqa: B023 - called at once
+        out[name] = seen + tolists
+    from pipedsl.runtime.expert_load import ExpertLoad
+
+    load = ExpertLoad([expert.ExpertParallel(Experts(E, C, 16), dist.group.WORLD, None, 2)], E)
+    tolists = []
+    _, seen = _counted(lambda: load._count(load.layers[0], (x, index, weights), {}), tolists)
+    out["expert_load"] = seen + tolists
     return out
 
 
@@ -95,3 +106,4 @@ def test_expert_parallel_syncs_once_dropless_and_never_with_fixed_size_blocks(po
         assert r["fixed"] == [], r
         assert r["dropless"] == ["tolist"], r  # the send and receive sizes, read once
         assert r["gpt_experts"] == ["tolist"], r  # the group sizes, read once
+        assert (r["router"], r["router_capacity"], r["expert_load"]) == ([], [], []), r  # routing, statistics: none
