@@ -6,9 +6,13 @@ CPU tests and benchmarks run, on the device `pipedsl.launch` picks: tests/runtim
 equivalence (loss, every gradient and the parameters after Adam equal one process on the same
 device), vs_torch.py's rank function (GPT workload), op_cpu.py.  `--device cpu` runs exactly these
 on gloo (the dry run that proves the logic here); with no GPU and no `--device cpu` it says so and
-exits 0.  With one GPU visible, the P ranks (default 4) share it over gloo, their messages staged
-through host memory (`Channels.wire`); vs_torch and op_cpu, whose torch side needs NCCL, are then
-left out and say why.  Exit status 1 if any check failed.
+exits 0.  With two GPUs or more, one rank a GPU over NCCL, every visible GPU; `large` then sends
+every built-in's messages at `--message-mib` (64 MiB: past NCCL's buffers, so each send waits for its
+receive — the rendezvous the NCCL model proves hang-free, docs/runtime.md "NCCL").  With one GPU
+visible, the P ranks (default 4) share it over gloo, their messages staged through host memory
+(`Channels.wire`); vs_torch, op_cpu and large, which need one GPU a rank, are then left out and say
+why, and `one_gpu` measures what one GPU can: a one-rank pipeline's step against a plain PyTorch
+loop on a ~1.1 B Llama (bf16, SDPA), the ratio and the MFU.  Exit status 1 if any check failed.
 
     python benchmarks/gpu_check.py                       # one process a GPU (>= 2 GPUs), or all on one
     python benchmarks/gpu_check.py --device cpu --tiny   # the same checks on gloo, tiny sizes
@@ -17,6 +21,7 @@ left out and say why.  Exit status 1 if any check failed.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import subprocess
 import sys
@@ -30,11 +35,19 @@ sys.path.insert(0, str(HERE.parent / "tests" / "models"))  # moe_cases: the MoE 
 
 import _bench  # noqa: E402
 
-CHECKS = ("schedules", "moe", "vs_torch", "op_cpu", "calibrate")
+CHECKS = ("schedules", "large", "moe", "vs_torch", "op_cpu", "one_gpu", "calibrate")
 SIZES = {"full": {"steps": 3, "vs_torch": {"gpt_rows": 4, "steps": 10, "reps": 7, "warmup": 2},
-                  "op_cpu": {"M": 16, "steps": 1, "reps": 40, "warmup": 2}},
+                  "op_cpu": {"M": 16, "steps": 1, "reps": 40, "warmup": 2},
+                  "large": {"width": 4096, "steps": 1},  # rows from --message-mib
+                  "one_gpu": {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "ffn": 5632, "vocab": 32000,
+                              "seq": 2048, "rows": 1, "M": 8, "steps": 6, "warmup": 2}},  # a ~1.1 B Llama
          "tiny": {"steps": 1, "vs_torch": {"gpt_rows": 1, "steps": 1, "reps": 1, "warmup": 0},
-                  "op_cpu": {"M": 4, "steps": 1, "reps": 1, "warmup": 0}}}
+                  "op_cpu": {"M": 4, "steps": 1, "reps": 1, "warmup": 0},
+                  "large": {"width": 32, "steps": 1},
+                  "one_gpu": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256,
+                              "seq": 32, "rows": 1, "M": 2, "steps": 2, "warmup": 1}}}
+# dense bf16 FLOP/s by card name (the vendors' sheets, without sparsity): MFU's denominator
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 
 
 def compile_for(name: str, P: int) -> Any:
@@ -69,6 +82,15 @@ def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 out["schedules"][name] = {"problems": res["problems"], "peaks": res["peaks"]}
             except Exception as err:  # noqa: BLE001 - reported in the table; the other ranks fail alike or time out
                 out["schedules"][name] = {"problems": [f"{type(err).__name__}: {err}"], "peaks": []}
+    if "large" in cfg["checks"]:
+        out["large"] = {}
+        for name, program_json in cfg["programs"].items():
+            try:
+                res = runtime_cases.equivalence(rank, program_json, cfg["large"]["steps"], options,
+                                                width=cfg["large"]["width"], rows=cfg["large"]["rows"])
+                out["large"][name] = {"problems": res["problems"]}
+            except Exception as err:  # noqa: BLE001 - reported in the table
+                out["large"][name] = {"problems": [f"{type(err).__name__}: {err}"]}
     if "moe" in cfg["checks"] and dist.get_world_size() == 4:
         try:
             out["moe"] = _moe(rank, device)
@@ -94,6 +116,81 @@ def _moe(rank: int, device: str) -> dict[str, Any]:
     if not moe_cases.overlap_identical(rank, "dualpipev", 4, device=device)["same"]:
         problems.append("dualpipev with overlapped pairs differs from the same steps without")
     return {"problems": problems}
+
+
+def one_gpu(rank: int, device: str, size: dict[str, Any]) -> dict[str, Any]:
+    """What one GPU can show of the runtime's cost (a one-rank world's rank function): a one-rank 1F1B pipeline's
+    step against a plain PyTorch loop (the same microbatches, forward and backward each, gradients accumulated,
+    AdamW) on copies of one Llama, bf16 parameters, SDPA attention; step times alternate, medians, their ratio,
+    the MFU (6 · parameters · tokens a step / time / the card's dense bf16 peak) and how far the first losses
+    are apart."""
+    import statistics
+    import time
+
+    import torch
+    import transformers
+
+    import pipedsl
+    from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
+
+    config = transformers.LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"],
+                                      num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                                      num_key_value_heads=size["kv_heads"], intermediate_size=size["ffn"],
+                                      max_position_embeddings=size["seq"])
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
+    models = [model, copy.deepcopy(model)]
+    params = sum(p.numel() for p in models[0].parameters())
+    M, rows, seq = size["M"], size["rows"], size["seq"]
+    ids = torch.randint(size["vocab"], (M * rows, seq), device=device)
+    targets = shift_labels(ids)
+    program = pipedsl.load("1f1b").compile(1, M)
+    pipe = pipedsl.Pipeline(causal_lm_stages(models[0], 1, check=False), program=program, loss_fn=causal_lm_loss,
+                            device=device)
+    opt = pipe.optimizer(torch.optim.AdamW, lr=1e-5)
+    plain, plain_opt = models[1], torch.optim.AdamW(models[1].parameters(), lr=1e-5)
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    losses: dict[str, list[float]] = {"pipedsl": [], "torch": []}
+
+    def pipelined() -> None:
+        losses["pipedsl"].append(pipe.step(ids, targets))
+        opt.step()
+        opt.zero_grad()
+
+    def loop() -> None:
+        total = 0.0
+        for x, t in zip(ids.chunk(M), targets.chunk(M)):
+            loss = causal_lm_loss(plain(x, use_cache=False).logits, t) / M
+            loss.backward()
+            total += float(loss)
+        losses["torch"].append(total)
+        plain_opt.step()
+        plain_opt.zero_grad()
+
+    times: dict[str, list[float]] = {"pipedsl": [], "torch": []}
+    for i in range(size["warmup"] + size["steps"]):
+        for name, fn in (("pipedsl", pipelined), ("torch", loop)):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= size["warmup"]:
+                times[name].append(time.perf_counter() - t0)
+    pipe.close()
+    step = {name: statistics.median(v) for name, v in times.items()}
+    card = torch.cuda.get_device_name() if device != "cpu" else ""
+    peak = next((v for k, v in PEAK_BF16.items() if k in card), None)
+    flops = 6 * params * M * rows * seq
+    first = losses["torch"][0]
+    return {"params": params, "tokens": M * rows * seq, "step_s": step, "ratio": step["pipedsl"] / step["torch"],
+            "mfu": {n: flops / t / peak for n, t in step.items()} if peak else None, "card": card,
+            "dtype": str(dtype).removeprefix("torch."),
+            "first_loss_rel_diff": abs(losses["pipedsl"][0] - first) / first}
 
 
 def calibrate(P: int, device: str) -> dict[str, Any]:
@@ -123,6 +220,17 @@ def table(result: dict[str, Any]) -> str:
             verdict = "equal" if row["ok"] else "; ".join(row["problems"][:3]) or row.get("skipped", "")
             out.append(f"| {row['schedule']} | {row.get('M', '')} | {verdict} |")
         out.append("")
+    if "large" in result:
+        out += [f"Every schedule with {result['large_mib']:.0f} MiB messages (rendezvous sends on NCCL), loss, "
+                f"gradients and Adam vs one process: " + ("equal" if not result["large"] else
+                                                         "; ".join(result["large"][:3])), ""]
+    if "one_gpu" in result:
+        g = result["one_gpu"]
+        mfu = (f"; MFU {g['mfu']['pipedsl']:.1%} against {g['mfu']['torch']:.1%}" if g["mfu"] else "")
+        out += [f"One GPU, a {g['params'] / 1e9:.2f} B Llama ({g['dtype']}, SDPA), {g['tokens']} tokens a step: "
+                f"pipedsl's one-rank 1F1B {g['step_s']['pipedsl'] * 1e3:.1f} ms against a plain PyTorch loop "
+                f"{g['step_s']['torch'] * 1e3:.1f} ms (ratio {g['ratio']:.3f}){mfu}; first losses "
+                f"{g['first_loss_rel_diff']:.1e} apart (relative)", ""]
     if "moe" in result:
         verdict = "equal" if not result["moe"] else "; ".join(result["moe"][:3])
         out += [f"MoE GPT at dp2 x pp2 x ep2 (1F1B; DualPipeV overlapped vs not): {verdict}", ""]
@@ -153,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cuda (default: NCCL, one process a GPU) or cpu (the same checks on gloo: a dry run)")
-    ap.add_argument("--P", type=int, help="ranks (default: min(4, GPUs) on cuda, 2 on cpu)")
+    ap.add_argument("--P", type=int, help="ranks (default: every visible GPU, 4 sharing one, 2 on cpu)")
+    ap.add_argument("--message-mib", type=float, default=64.0,
+                    help="the large check's message size (default 64: past NCCL's buffers, so sends rendezvous)")
     ap.add_argument("--tiny", action="store_true", help="one step, one repetition (the smoke test)")
     ap.add_argument("--skip", nargs="+", choices=CHECKS, default=[], help="checks not to run")
     ap.add_argument("--json", help="output file (default benchmarks/results/gpu_check.json; the table beside it, .md)")
@@ -168,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if count == 1:
             P, backend, shared_device = args.P or 4, "gloo", "cuda:0"
         else:
-            P, backend = args.P or min(4, count), "nccl"
+            P, backend = args.P or count, "nccl"
     else:
         P, backend = args.P or 2, "gloo"
     sizes = SIZES["tiny" if args.tiny else "full"]
@@ -177,7 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     if shared_device:  # torch's pipelining sends GPU tensors over gloo, which cannot: these need NCCL
         skipped = {c: f"{P} ranks share one GPU over gloo; torch's runtime needs one GPU a rank (NCCL)"
                    for c in ("vs_torch", "op_cpu") if c in checks}
+        if "large" in checks:
+            skipped["large"] = (f"{P} ranks share one GPU over gloo, which buffers sends: NCCL's rendezvous of large "
+                                f"messages needs two GPUs or more (PIPEDSL_P2P=rendezvous emulates it on CPU)")
         checks = [c for c in checks if c not in skipped]
+    if "one_gpu" in checks and args.device == "cuda" and not shared_device:
+        skipped["one_gpu"] = "run with one GPU visible (CUDA_VISIBLE_DEVICES=0): it measures one GPU alone"
+        checks.remove("one_gpu")
+    large = dict(sizes["large"])
+    large["rows"] = max(1, int(args.message_mib * 2**20 / (4 * large["width"]))) if not args.tiny else 2
+    mib = large["rows"] * large["width"] * 4 / 2**20
     programs, rows = {}, []
     for name in pipedsl.builtin_names():
         program = compile_for(name, P)
@@ -185,13 +304,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"schedule": name, "ok": True, "problems": [], "skipped": f"no M accepted at P={P}"})
         else:
             programs[name] = program
-    cfg = {**sizes, "checks": checks, "programs": {n: p.to_json() for n, p in programs.items()},
+    cfg = {**sizes, "large": large, "checks": checks, "programs": {n: p.to_json() for n, p in programs.items()},
            "shared_device": shared_device}
     command = "python benchmarks/gpu_check.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     result: dict[str, Any] = {"benchmark": "gpu_check", "command": command, "machine": _bench.machine(),
                               "date": _bench.today(), "P": P, "backend": backend, "skipped": skipped}
     ranks = []
-    if {"schedules", "vs_torch", "op_cpu"} & set(checks):
+    if {"schedules", "large", "vs_torch", "op_cpu"} & set(checks):
         ranks = pipedsl.launch(_rank_main, P, P, cfg, backend=backend, threads=1, timeout=600)
     # after the ranks: CUDA initialised here before they fork would leave them unable to use it
     result["gpus"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -211,8 +330,16 @@ def main(argv: list[str] | None = None) -> int:
         vs_cfg = {**sizes["vs_torch"], "M": 2 * P}
         result["vs_torch"] = [vs_torch._row("gpt", name, P, vs_cfg, ranks[0]["vs_torch"][name])
                               for name in vs_torch.SCHEDULE_NAMES]
+    if "large" in checks:
+        result["large"] = [f"{name}: rank {r}: {p}" for name in programs for r, out in enumerate(ranks)
+                           for p in out["large"][name]["problems"]]
+        result["large_mib"] = mib
     if "moe" in checks and P == 4:
         result["moe"] = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["moe"]["problems"]]
+    if "one_gpu" in checks:
+        device = "cuda" if args.device == "cuda" else "cpu"
+        result["one_gpu"] = pipedsl.launch(one_gpu, 1, device, sizes["one_gpu"], backend="nccl" if device == "cuda"
+                                           else "gloo", threads=None if device == "cuda" else 1, timeout=600)[0]
     if "op_cpu" in checks:
         import op_cpu
 
@@ -221,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         result["calibrate"] = calibrate(P, args.device)
     failed = [r["schedule"] for r in result.get("schedules", []) if not r["ok"]]
     failed += ["moe"] if result.get("moe") else []
+    failed += ["large messages"] if result.get("large") else []
     failed += ["plan --calibrate"] if "calibrate" in result and not result["calibrate"]["ok"] else []
     result["failed"] = failed
     path = _bench.write_json("gpu_check", result, args.json)

@@ -250,8 +250,12 @@ def test_gpu_check_dry_run_on_gloo(runs, request):
     assert [r["schedule"] for r in got["schedules"]] == pipedsl.builtin_names() and all(r["ok"] for r in got["schedules"])
     assert [r["schedule"] for r in got["vs_torch"]] == ["gpipe", "1f1b", "interleaved", "interleaved-zb", "zb-v"]
     assert got["op_cpu"]["ratio"] > 0 and got["calibrate"]["ok"] and got["calibrate"]["calibration"]
+    assert got["large"] == [] and got["large_mib"] > 0  # every schedule again, messages sized by --message-mib
+    one = got["one_gpu"]  # the one-GPU row's wiring: a one-rank pipeline against a plain loop, first losses equal
+    assert one["ratio"] > 0 and one["params"] > 0 and one["first_loss_rel_diff"] < 1e-5, one
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# gpu_check: cpu (gloo), P=2") and "| zb-v | 4 | equal |" in md
+    assert "against a plain PyTorch loop" in md and "MiB messages" in md
 
 
 @pytest.mark.slow

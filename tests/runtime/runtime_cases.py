@@ -32,14 +32,14 @@ class ResBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
-def make_model(num_stages: int, seed: int = 0) -> nn.Sequential:
+def make_model(num_stages: int, seed: int = 0, width: int = WIDTH) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(*(ResBlock(WIDTH) for _ in range(num_stages)))
+    return nn.Sequential(*(ResBlock(width) for _ in range(num_stages)))
 
 
-def batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, n: int, width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
+    return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -57,11 +57,13 @@ def reference_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, 
     return total
 
 
-def equivalence(rank: int, program_json: str, steps: int = 3, options: dict[str, Any] | None = None) -> dict:
-    """Loss, every local gradient and every parameter after Adam equal a one-process run."""
+def equivalence(rank: int, program_json: str, steps: int = 3, options: dict[str, Any] | None = None,
+                width: int = WIDTH, rows: int = 2) -> dict:
+    """Loss, every local gradient and every parameter after Adam equal a one-process run.  `width` and `rows` (a
+    microbatch's) size each message: rows × width × 4 bytes (benchmarks/gpu_check.py sends 64 MiB ones)."""
     program = pipedsl.Program.from_json(program_json)
     S, M = program.num_stages, program.num_microbatches
-    model = make_model(S)
+    model = make_model(S, width=width)
     ref = copy.deepcopy(model)
     pipe = pipedsl.Pipeline(split_sequential(model, S), program=program, loss_fn=F.mse_loss, **(options or {}))
     ref.to(pipe.device)  # on NCCL (benchmarks/gpu_check.py) one process on the same GPU
@@ -69,7 +71,7 @@ def equivalence(rank: int, program_json: str, steps: int = 3, options: dict[str,
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     problems, losses, peaks = [], [], []
     for step in range(steps):
-        x, y = batch(step, 2 * M)
+        x, y = batch(step, rows * M, width)
         loss = pipe.step(x, y)
         ref_loss = reference_step(ref, F.mse_loss, x.to(pipe.device), y.to(pipe.device), M)
         losses.append((loss, ref_loss))
