@@ -35,6 +35,14 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}" if boot and os.name == "posix" else f"{socket.gethostname()}/{os.getpid()}"
 
 
+def message_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor sent over `group` must live: the current GPU under NCCL (which moves device memory only:
+    the clock exchange sent host tensors and failed on ranks of several hosts), the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Tracer:
     """Clock offsets of the group's ranks to its first rank; gathers a step's events."""
 
@@ -61,7 +69,8 @@ class Tracer:
     def _ping_pong(self) -> tuple[float, float]:
         rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
         glob = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in range(size)]
-        buf = torch.zeros(1, dtype=torch.float64)
+        device = message_device(self.group)
+        buf = torch.zeros(1, dtype=torch.float64, device=device)
         mine = (0.0, 0.0)
         for peer in range(1, size):
             best = (float("inf"), 0.0)  # (round trip, offset of peer)
@@ -77,9 +86,10 @@ class Tracer:
                     buf.fill_(time.perf_counter())
                     dist.send(buf, glob[0], group=self.group)
             if rank == 0:  # tell the peer its offset
-                dist.send(torch.tensor([best[1], best[0]], dtype=torch.float64), glob[peer], group=self.group)
+                dist.send(torch.tensor([best[1], best[0]], dtype=torch.float64, device=device), glob[peer],
+                          group=self.group)
             elif rank == peer:
-                got = torch.zeros(2, dtype=torch.float64)
+                got = torch.zeros(2, dtype=torch.float64, device=device)
                 dist.recv(got, glob[0], group=self.group)
                 mine = (got[0].item(), got[1].item())
         dist.barrier(group=self.group)

@@ -34,3 +34,18 @@ def test_causality_check_finds_a_consumer_before_its_producer():
         ranks.append(tuple(events))
     problems = trace_cases.causality_problems(Timeline("t", {}, tuple(ranks), "measured"))
     assert any("F0.1" in p for p in problems)
+
+
+def test_the_clock_exchange_sends_device_tensors_under_nccl(monkeypatch):
+    """NCCL moves device memory only: the ping-pong between hosts (different clocks) sent host tensors and failed.
+    Under a faked NCCL group the buffers are on the current GPU; under gloo on the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    from pipedsl.runtime import tracer
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert tracer.message_device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert tracer.message_device(None) == torch.device("cpu")
