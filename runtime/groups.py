@@ -16,11 +16,22 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from pipedsl.parallel.mesh import ParallelMesh
+
+
+def timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+    """`group`'s timeout (the launcher's), for the groups made from it; None where torch does not say.  Read from
+    the backend of the group's device: NCCL's is CUDA's (asked for the CPU's, it had none, and the groups made
+    on NCCL took torch's default instead of the launcher's)."""
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the default timeout
+        return group._get_backend(device).options._timeout
+    return None
 
 
 class PipelineGroups:
@@ -33,10 +44,7 @@ class PipelineGroups:
         self.members = dist.get_process_group_ranks(group) if not self.whole else list(range(dist.get_world_size()))
         self.me = dist.get_rank()
         self.made: list[dist.ProcessGroup] = []  # the groups this process is a member of, for close()
-        self.timeout = None
-        with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the default timeout
-            parent = group if not self.whole else dist.group.WORLD
-            self.timeout = parent._get_backend(torch.device("cpu")).options._timeout
+        self.timeout = timeout_of(group if not self.whole else dist.group.WORLD)
 
     def everywhere(self, flag: bool) -> bool:
         """Whether `flag` holds on every process that makes groups together with this one (the world when groups

@@ -155,3 +155,23 @@ def test_batchnorm_running_statistics_agree_over_data_parallel_replicas(pool4) -
     results = pool4.run(cases.batchnorm_replicas)
     assert all(r["equal"] for r in results), results
     assert all(r["moved"] for r in results)
+
+
+def test_groups_made_under_nccl_keep_the_launchers_timeout(monkeypatch) -> None:
+    """The timeout of the groups a pipeline makes is read from the backend of the group's device: under NCCL the
+    CUDA one (the CPU's has none there, and the groups fell back to torch's default)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from pipedsl.runtime.groups import timeout_of
+
+    class Group:
+        def _get_backend(self, device):
+            if device.type != "cuda":
+                raise RuntimeError("no backend for the CPU in an NCCL group")
+            return SimpleNamespace(options=SimpleNamespace(_timeout=timedelta(seconds=42)))
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert timeout_of(Group()) == timedelta(seconds=42)
