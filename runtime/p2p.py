@@ -100,6 +100,14 @@ class BufferPool:
     def give(self, t: torch.Tensor) -> None:
         self._free[TensorMeta.of(t)].append(t)
 
+    def trim(self, keep: set[TensorMeta]) -> int:
+        """Drop the free buffers of every shape not in `keep` (the shapes no cached executor receives any more);
+        how many.  Without it a run whose shapes change keeps a set of buffers per shape it ever saw."""
+        gone = [meta for meta in self._free if meta not in keep]
+        dropped = sum(len(self._free.pop(meta)) for meta in gone)
+        self.allocated -= dropped
+        return dropped
+
 
 class Recv:
     """A posted receive of one message through torch.distributed: its buffers and the works to wait on."""
@@ -299,6 +307,14 @@ class Channels:
                 self.sent_bytes += t.numel() * t.element_size()
             out.append(t)
         self.transport.send(peer, out)
+
+    def trim(self, keep: set[TensorMeta]) -> None:
+        """Drop the pooled receive buffers of shapes not in `keep` (`BufferPool.trim`), device and wire; the
+        fixed-size openings and shape messages stay."""
+        keep = keep | {TensorMeta((OPENING_BYTES,), torch.uint8), TensorMeta((META_LEN,), torch.int64)}
+        self.pool.trim(keep)
+        if self._wire_pool is not None:
+            self._wire_pool.trim(keep)
 
     def reap_sends(self) -> None:
         """Move sends on (cheap; called between compute ops)."""

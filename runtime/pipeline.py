@@ -691,6 +691,9 @@ class Pipeline:
         ex = self._executors[(meta, forward_only)] = self._make_executor(in_meta, out_meta, kinds, forward_only)
         if len(self._executors) > _MAX_SHAPES:
             self._executors.popitem(last=False)
+            received = {m for e in self._executors.values() for metas in (*e.in_meta.values(),
+                                                                          *e.grad_meta.values()) for m in metas}
+            self.channels.trim(received)  # the evicted shape's buffers go with it
         return ex
 
     def _make_executor(self, in_meta: dict, out_meta: dict, kinds: list[int], forward_only: bool,

@@ -59,3 +59,23 @@ def output_shape_changes(rank: int) -> None:
     torch.manual_seed(0)
     pipe = pipedsl.Pipeline([ShrinksLater(), Pad()], "1f1b", microbatches=2, loss_fn=F.mse_loss)
     pipe.step(torch.randn(4, 16), torch.randn(4, 8))
+
+
+def pool_after_many_shapes(rank: int, shapes: int) -> dict[str, Any]:
+    """`shapes` steps of 1F1B, each at a new microbatch size: the receive buffers' shapes the pool still holds, and
+    those the cached executors receive."""
+    import torch.nn.functional as F  # noqa: N812
+    from runtime_cases import WIDTH, batch, make_model
+
+    import pipedsl
+    from pipedsl.models.split import split_sequential
+
+    pipe = pipedsl.Pipeline(split_sequential(make_model(2), 2), "1f1b", microbatches=2, loss_fn=F.mse_loss)
+    for rows in range(1, shapes + 1):
+        x, y = batch(rows, 2 * rows)
+        pipe.step(x, y)
+    held = sorted({tuple(m.shape) for m in pipe.channels.pool._free if m.shape != (WIDTH,)})
+    cached = sorted({tuple(m.shape) for ex in pipe._executors.values()
+                     for metas in (*ex.in_meta.values(), *ex.grad_meta.values()) for m in metas})
+    pipe.close()
+    return {"held": held, "cached": cached}

@@ -68,3 +68,10 @@ def test_outputs_that_do_not_follow_the_input_shape_are_named() -> None:
     assert "stage 0 produced [2, 6] float32 for microbatch 1, but [2, 8] float32 for the first microbatch of this " \
            "input shape" in text, text
     assert "rank 1" in text, "the other rank's error is reported too"
+
+
+def test_the_receive_buffers_of_evicted_shapes_are_let_go(pool2) -> None:
+    """Executors of the last 8 input shapes are kept; the receive buffers of a shape evicted go with it (they
+    stayed pooled, a set per shape ever seen: memory growing with length bucketing's every bucket)."""
+    for r in pool2.run(shape_cases.pool_after_many_shapes, 12):
+        assert len(r["cached"]) <= 8 and set(r["held"]) <= set(r["cached"]) | {(64,), (256,)}, r
