@@ -130,8 +130,12 @@ class PairOverlap:
     def wait(self, work: Any, ready_at: float) -> None:
         """An exchange issued by the running half: hand over while it travels, then complete it."""
         half = self.current
-        if half is None or threading.current_thread() is not half.thread:
-            comm.default_exchange_wait(work, ready_at)  # not a half's thread (autograd's device threads)
+        here = threading.current_thread()
+        # autograd runs a GPU tensor's backward on its device thread while the backward half waits in backward():
+        # that thread stands for the backward half (it used to wait here without handing over, and the overlap
+        # shrank to the forward's first exchange)
+        if half is None or (here is not half.thread and (half.name != "backward" or here is self.halves[0].thread)):
+            comm.default_exchange_wait(work, ready_at)
             return
         if not self._other(half).done:
             PairOverlap.handovers += 1

@@ -102,3 +102,42 @@ def test_both_halves_of_a_pair_run_on_the_callers_gpu(monkeypatch):
 
     torch.cuda.set_device(1)
     assert overlap.PairOverlap().run(where, where) == ((1, 1), (1, 1))
+
+
+def test_a_backward_run_on_autograds_device_thread_hands_over_too():
+    """On a GPU autograd runs the backward on its device thread while the backward half waits in backward(): an
+    exchange waited for there must hand over to the forward half as one on the half's own thread does (it did
+    not, and the overlap shrank to the forward's first exchange).  The device thread is a plain thread here."""
+    import threading
+
+    from pipedsl.runtime import overlap
+
+    order: list[str] = []
+
+    class Work:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait(self) -> None:
+            order.append(f"{self.name} done")
+
+    pair = overlap.PairOverlap()
+
+    def forward() -> None:
+        order.append("forward starts")
+        pair.wait(Work("forward exchange"), 0.0)
+        order.append("forward ends")
+
+    def backward() -> None:
+        def device_thread() -> None:  # autograd's worker, running the backward's exchange
+            order.append("backward exchange issued")
+            pair.wait(Work("backward exchange"), 0.0)
+
+        worker = threading.Thread(target=device_thread)
+        worker.start()
+        worker.join()
+
+    before = overlap.PairOverlap.handovers
+    pair.run(forward, backward, first="backward")
+    assert order.index("forward starts") < order.index("backward exchange done"), order  # handed over meanwhile
+    assert overlap.PairOverlap.handovers - before >= 1
