@@ -153,24 +153,27 @@ class RendezvousTransport(DistTransport):
             self.finish(op, "send", peer)
 
     def finish(self, op: _Operation, what: str, peer: int) -> None:
-        """Wait for `op`'s rendezvous; past the timeout, a `RankFailure` naming it, its communicator and what that
-        communicator's stream is stuck at."""
-        if not op.done.wait(self.timeout):
-            src, dst = (self.rank, peer) if what == "send" else (peer, self.rank)
-            name = self.communicator(src, dst)
-            head = self._streams[name].head
-            verb = "its receive" if head is not None and " to rank " in head else "its send"
-            stuck = (f"; that stream is stuck at {head}, waiting for rank {peer} to reach {verb}"
-                     if head is not None and head != op.label else "")
+        """Wait for `op`'s rendezvous; past the timeout, or when its stream failed (a peer that timed out first
+        closes its connections), a `RankFailure` naming it, its communicator and what that stream is stuck at."""
+        src, dst = (self.rank, peer) if what == "send" else (peer, self.rank)
+        name = self.communicator(src, dst)
+        done = op.done.wait(self.timeout)
+        head = self._streams[name].head
+        stuck = ""
+        if head is not None and head != op.label:
+            verb = "its receive" if " to rank " in head else "its send"
+            stuck = f"; that stream is stuck at {head}, waiting for rank {peer} to reach {verb}"
+        if not done:
             raise RankFailure(f"rank {self.rank}: {op.label} did not complete within {self.timeout:g} s under NCCL's "
                               f"semantics (PIPEDSL_P2P=rendezvous) on communicator {name}{stuck}: on GPUs this "
                               f"program hangs", self.rank, peer=peer)
         if op.error is not None:
-            raise RankFailure(f"rank {self.rank}: {op.label} failed on its stream: {op.error}", self.rank,
-                              peer=peer, peer_failure=True) from op.error
+            raise RankFailure(f"rank {self.rank}: {op.label} failed under NCCL's semantics (PIPEDSL_P2P=rendezvous) "
+                              f"on communicator {name}{stuck}: {op.error}", self.rank, peer=peer,
+                              peer_failure=True) from op.error
 
     def close(self) -> None:
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 1.0  # a stream stuck in a rendezvous is a daemon: not waited for long
         for stream in self._streams.values():
             stream.close()
         for stream in self._streams.values():

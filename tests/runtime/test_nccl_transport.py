@@ -48,8 +48,9 @@ def test_one_stream_per_pair_in_program_order_is_caught_naming_both_instructions
     order deadlocks 1F1B at P = 2 under the rendezvous; each rank fails within the timeout naming the
     communicator, the instruction that waits and the send its stream is stuck at."""
     with pytest.raises(pipedsl.PipeRuntimeError) as caught:
-        pipedsl.launch(_stuck, 2, threads=1, timeout=8)
+        pipedsl.launch(_stuck, 2, threads=1, timeout=4)
     text = str(caught.value)
+    # the first rank to time out names its hang; the other, its stream failed when that rank went, names its own
     assert "under NCCL's semantics (PIPEDSL_P2P=rendezvous) on communicator {0,1}" in text, text
     assert "that stream is stuck at SEND_F1.0>1 to rank 1, waiting for rank 1 to reach its receive" in text, text
     assert "that stream is stuck at SEND_B0.1>0 to rank 0, waiting for rank 0 to reach its receive" in text, text
