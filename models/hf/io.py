@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipedsl.errors import one_line
+from pipedsl.errors import PipeRuntimeError, one_line
 from pipedsl.models import hf
 from pipedsl.models.hf import CONFIG, ModelDirError, read_config_file
 from pipedsl.models.hf.config_checks import check_config
@@ -100,11 +100,19 @@ def _is_seq2seq(config: Any) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False)) and type(config) in seq2seq
 
 
+ENCODER_LAYERS = ("encoder_layers", "num_layers", "num_encoder_layers")  # BART's, T5's, ProphetNet's names
+DECODER_LAYERS = ("decoder_layers", "num_decoder_layers")
+
+
 def seq2seq_layers(config: Any) -> tuple[int, int]:
-    """(encoder layers, decoder layers) of an encoder-decoder's config (T5's or BART's names)."""
-    enc = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
-    dec = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or enc
-    return int(enc), int(dec)
+    """(encoder layers, decoder layers) of an encoder-decoder's config (BART's, T5's or ProphetNet's names), or a
+    refusal naming the config when it says neither."""
+    enc = next((n for n in (getattr(config, a, None) for a in ENCODER_LAYERS) if n is not None), None)
+    dec = next((n for n in (getattr(config, a, None) for a in DECODER_LAYERS) if n is not None), enc)
+    if not isinstance(enc, int) or not isinstance(dec, int):
+        raise PipeRuntimeError(f"{type(config).__name__} names its encoder's layers by none of "
+                               f"{', '.join(ENCODER_LAYERS)}: pipedsl cannot tell how many it has")
+    return enc, dec
 
 
 def auto_class(config: Any) -> Any:

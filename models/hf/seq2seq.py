@@ -361,7 +361,7 @@ def check_seq2seq_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: 
 def shallow_seq2seq_config(config: Any) -> Any:
     """`config` with at most two layers a stack and at most 1024 tokens: the same modules, a small cost."""
     config = copy.deepcopy(config)
-    for name in ("num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"):
+    for name in ("num_layers", "num_encoder_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"):
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, min(2, getattr(config, name)))
     config.vocab_size = min(int(config.vocab_size), 1024)

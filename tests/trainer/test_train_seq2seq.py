@@ -17,6 +17,7 @@ import torch  # noqa: E402
 from cli_here import pipedsl_here as pipedsl  # noqa: E402
 from test_train_hf import _refused, evals, losses, model_dir  # noqa: E402
 
+from pipedsl import errors as pipedsl_errors  # noqa: E402
 from pipedsl.trainer import seq2seq_data  # noqa: E402
 
 WORDS = ["the", "pipeline", "sends", "activations", "forward", "and", "gradients", "back", "while", "every", "rank", "keeps", "its", "stages", "busy", "schedules", "decide", "the", "order"]
@@ -193,3 +194,22 @@ def test_encoder_decoder_refusals_are_one_line(root, tmp_path):
                                          "--target-field", "tgt2")
     assert "make 9 pieces, fewer than the program's 10 stages" in _refused(
         *t5, "--data", str(root / "corpus"), "-P", "5", "--schedule", "zb-v", "-M", "10", "--batch", "10")
+
+
+def test_an_encoder_decoder_pipedsl_cannot_split_is_refused_in_one_line(root, tmp_path):
+    """ProphetNet names its layer counts num_encoder_layers / num_decoder_layers: reading them gave a Python
+    traceback (int(None)), exit 1.  Now its layers are counted, and the architecture check refuses it by name."""
+    import transformers as tf
+
+    from pipedsl.models.hf.io import seq2seq_layers
+
+    tf.ProphetNetConfig(vocab_size=260, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
+                        num_decoder_layers=3, num_encoder_attention_heads=2, num_decoder_attention_heads=2,
+                        max_position_embeddings=64).save_pretrained(tmp_path / "prophetnet")
+    assert seq2seq_layers(tf.AutoConfig.from_pretrained(tmp_path / "prophetnet")) == (2, 3)
+    said = _refused("train", "--model", str(tmp_path / "prophetnet"), "--data", str(root / "pairs.jsonl"),
+                    "--source-field", "src", "--target-field", "tgt", "--seq", "16", "--batch", "8", "-M", "2",
+                    "-P", "2", "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "cache"))
+    assert "ProphetNetForConditionalGeneration" in said, said
+    with pytest.raises(pipedsl_errors.PipeRuntimeError, match="names its encoder's layers by none of"):
+        seq2seq_layers(tf.PretrainedConfig())
