@@ -263,10 +263,13 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
         parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero, ep=cfg.parallel.ep))
     pipe, opt, source, load = _build(rank, program, cfg, parallel)
     start = 0
+    history: dict[int, float] = {}  # every step's loss, the run's before a resume included (losses.json)
     if cfg.checkpoint.resume:
         restored = checkpoint.load(pipe, cfg.checkpoint.resume, opt)
         source.restore(restored.extra, restored.path)
         start = restored.step
+        saved = restored.extra.get("losses") if isinstance(restored.extra, dict) else None
+        history.update({int(k): float(v) for k, v in (saved or {}).items() if int(k) <= start})
         if rank == 0:
             changed = ("; another stage partition, loaded by tensor name" if restored.partition_changed else
                        "; a different schedule now, same stage partition" if restored.schedule_changed else "")
@@ -281,23 +284,23 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
                 until = min(start + AUTO_PROFILE_STEPS, t.steps)
                 clock = _unit_clock(pipe, cfg) if until < t.steps else None
                 try:
-                    losses = _loop(rank, pipe, opt, source, cfg, start, log, load, stop, until=until)
+                    losses = _loop(rank, pipe, opt, source, cfg, start, log, load, stop, history, until=until)
                 finally:
                     if clock is not None:
                         clock.close()
                 if until < t.steps and max(losses, default=start) == until:  # not stopped early
                     pipe, opt, source, load, cfg = _switch(rank, pipe, opt, source, cfg, parallel, until, log, clock)
                     losses.update(_loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load,
-                                        stop))
+                                        stop, history))
             else:
-                losses = _loop(rank, pipe, opt, source, cfg, start, log, load, stop)
+                losses = _loop(rank, pipe, opt, source, cfg, start, log, load, stop, history)
     finally:
         if log is not None:
             log.close()
     pipe.close()  # its groups' threads and sockets; the timeline below needs only the pipeline group
     if start >= t.steps:
-        return {"losses": {}, "timeline": None, "start": start} if rank == 0 else None
-    return _report(pipe, losses, start, source)
+        return {"losses": history, "timeline": None, "start": start} if rank == 0 else None
+    return _report(pipe, history, start, source)
 
 
 AUTO = "auto"  # the schedule name that profiles, searches and switches (`_switch`)
@@ -463,9 +466,11 @@ def _logger(cfg: TrainConfig, start: int) -> Any:
 
 
 def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any, load: Any,
-          stop: Stop, until: int | None = None) -> dict[int, float]:
+          stop: Stop, history: dict[int, float], until: int | None = None) -> dict[int, float]:
     """Steps start+1 … `until` (default the last), or fewer: up to the one after which `stop` says to end
-    (`--max-time`, a stop signal), which saves a checkpoint when the run has a directory."""
+    (`--max-time`, a stop signal), which saves a checkpoint when the run has a directory.  Returns these steps'
+    losses; `history` (every step's, saved in each checkpoint so that a resumed run reports them all) gets them
+    too."""
     clip, steps = cfg.training.clip_grad, cfg.training.steps
     every, directory = cfg.checkpoint.checkpoint_every, cfg.checkpoint.checkpoint_dir
     log_every, record = cfg.logging.log_every, model_record(cfg)
@@ -480,7 +485,7 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
         stepped = opt.step()
         opt.zero_grad()
         dt = time.perf_counter() - t0
-        losses[step] = loss
+        losses[step] = history[step] = loss
         experts = load.read() if load is not None else None  # every rank: a collective
         if log is not None and (step % log_every == 0 or step in (start + 1, steps)):
             m: dict[str, Any] = {"loss": loss, "step_ms": dt * 1e3, "samples_per_s": source.samples_per_step / dt,
@@ -504,8 +509,8 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
             _evaluate(pipe, source, step, log)
         reason = stop.reason(pipe, dt) if step < steps else None
         if directory and ((every and step % every == 0) or step == steps or reason):
-            info = checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout,
-                                   model=record)
+            info = checkpoint.save(pipe, directory, step, opt, extra={**source.state(rank), "losses": dict(history)},
+                                   timeout=cfg.run.save_timeout, model=record)
             if log is not None:
                 log.note(f"checkpoint step {step}: {info.path}")
             if rank == 0 and cfg.checkpoint.keep_checkpoints:

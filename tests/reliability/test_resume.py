@@ -85,20 +85,21 @@ def test_saving_checkpoints_does_not_change_training(saved, resumed) -> None:
 
 @pytest.mark.slow
 def test_resume_on_the_same_schedule_is_bit_exact(saved, resumed) -> None:
-    assert resumed["1f1b"][0]["losses"] == tail(saved["a"][1], 2)
+    assert resumed["1f1b"][0]["losses"] == saved["a"][1]  # steps 1-2 from the checkpoint's record, 3-6 run again
 
 
 @pytest.mark.slow
 def test_resume_with_dropout_restores_the_rng_exactly(saved, resumed) -> None:
     losses = resumed["dropout"][0]["losses"]
-    assert losses == tail(saved["drop"][1], 3)
-    assert losses != tail(resumed["plain"][0]["losses"], 3), "dropout must change the losses, or this proves nothing"
+    assert losses == saved["drop"][1]
+    assert tail(losses, 3) != tail(resumed["plain"][0]["losses"], 3), "dropout must change the losses, or this proves nothing"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "after"), [("gpipe", 4), ("zb-h1", 2)])
 def test_resume_under_another_schedule_with_the_same_partition(saved, resumed, schedule, after) -> None:
-    assert resumed[schedule][0]["losses"] == tail(saved["a"][1], after), schedule
+    assert resumed[schedule][0]["losses"] == saved["a"][1], schedule  # those up to `after` from the checkpoint
+    assert after < max(saved["a"][1])
 
 
 def _assert_close(got: dict, want: dict) -> None:
@@ -109,20 +110,20 @@ def _assert_close(got: dict, want: dict) -> None:
 
 @pytest.mark.slow
 def test_resume_under_chimera_loads_both_replicas_from_one_copy(saved, resumed) -> None:
-    _assert_close(resumed["chimera"][0]["losses"], tail(saved["a"][1], 2))
+    _assert_close(resumed["chimera"][0]["losses"], saved["a"][1])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zb-v", "hanayo"])
 def test_resume_with_another_placement_loads_stages_from_other_ranks_parts(saved, resumed, schedule) -> None:
     # interleaved holds stages {0, 2} | {1, 3}; zb-v and hanayo hold {0, 3} | {1, 2}
-    assert resumed[schedule][0]["losses"] == tail(saved["four"][1], 3), schedule
+    assert resumed[schedule][0]["losses"] == saved["four"][1], schedule
 
 
 @pytest.mark.slow
 def test_resume_under_looped_bfs_is_within_fp32_rounding(saved, resumed) -> None:
     # looped BFS runs each stage's backwards in reverse microbatch order: its gradient sums round differently
-    _assert_close(resumed["looped-bfs"][0]["losses"], tail(saved["four"][1], 3))
+    _assert_close(resumed["looped-bfs"][0]["losses"], saved["four"][1])
 
 
 @pytest.mark.slow

@@ -273,7 +273,7 @@ def test_llama_dp2_pp2_tp2_sequence_parallel_equals_one_process_resumes_and_expo
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
-    assert want.keys() == got.keys() == {1, 2, 3, 4} and losses(tmp_path / "par2").keys() == {3, 4}
+    assert want.keys() == got.keys() == {1, 2, 3, 4} and losses(tmp_path / "par2") == got  # every step's loss
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=2e-5), step
     assert want[4] < want[1]  # it learns
@@ -555,7 +555,7 @@ def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_
     assert want.keys() == got.keys() == {1, 2, 3, 4}
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=2e-5), step
-    assert losses(tmp_path / "par2").keys() == {3, 4}
+    assert losses(tmp_path / "par2") == got  # every step's loss, those before the resume from the checkpoint
     rows = [json.loads(line) for line in (tmp_path / "par2" / "metrics.jsonl").read_text().splitlines()]
     load = [r["tokens_per_expert"] for r in rows if r["kind"] == "train"]
     # 8 rows of 32 tokens, top-2 routings, 4 layers: every routing is counted once, over every rank
