@@ -100,6 +100,11 @@ def shift_right(targets: np.ndarray, start_id: int, pad_id: int) -> np.ndarray:
     return out
 
 
+def _tokens(cache: TokenCache, start: int, stop: int) -> int:
+    """The tokens of documents [start, stop) of `cache`."""
+    return int(cache.doc_offsets[stop] - cache.doc_offsets[start])
+
+
 def _padded(rows: list[np.ndarray], length: int, fill: int) -> np.ndarray:
     out = np.full((len(rows), length), fill, dtype=np.int64)
     for r, ids in enumerate(rows):
@@ -123,8 +128,10 @@ class Seq2SeqPairs(_Samples):
         return f"pairs/{self.cache.fingerprint}/{self.target.fingerprint}"
 
     def describe(self) -> str:
+        """These pairs (a held-out split's not counted with the training ones): how many, their lengths and tokens."""
         return (f"{len(self)} pairs of at most {self.seq_len} source and {self.target_len} target tokens "
-                f"({self.cache.num_tokens} + {self.target.num_tokens} tokens)")
+                f"({_tokens(self.cache, self.start, self.stop)} + {_tokens(self.target, self.start, self.stop)} "
+                f"tokens)")
 
     def _rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         sources = [np.asarray(self.cache.document(int(i)), dtype=np.int64) for i in rows]
@@ -170,8 +177,9 @@ class SpanCorruption(_Samples):
 
     def describe(self) -> str:
         return (f"{len(self)} samples of {self.raw_length} tokens, span-corrupted to {self.seq_len} input and "
-                f"{self.target_len} target tokens ({self.noise} noise tokens in {self.spans} spans; from "
-                f"{self.cache.num_tokens} tokens in {self.cache.num_documents} documents)")
+                f"{self.target_len} target tokens ({self.noise} noise tokens in {self.spans} spans; "
+                f"{len(self) * self.raw_length} of the {self.cache.num_tokens} tokens of {self.cache.num_documents} "
+                f"documents)")
 
     def noise_mask(self, index: int) -> np.ndarray:
         """Sample `index`'s noise mask [raw_length]: `spans` noise spans, alternating with kept runs, kept first."""

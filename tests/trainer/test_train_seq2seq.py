@@ -213,3 +213,20 @@ def test_an_encoder_decoder_pipedsl_cannot_split_is_refused_in_one_line(root, tm
     assert "ProphetNetForConditionalGeneration" in said, said
     with pytest.raises(pipedsl_errors.PipeRuntimeError, match="names its encoder's layers by none of"):
         seq2seq_layers(tf.PretrainedConfig())
+
+
+def test_the_data_line_counts_only_the_training_pairs_tokens():
+    """"760 pairs … (9343 + 5343 tokens) for training" counted the held-out pairs' tokens too: each split now
+    counts its own, and the two add up to the whole."""
+    from pipedsl.trainer.data import TokenCache
+
+    lengths = [3, 5, 2, 7, 4]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    meta = {"fingerprint": "f", "eos_id": 1, "bos_id": None, "tokenizer_vocab": 64, "max_token_id": 63}
+    source = TokenCache("src", meta, np.arange(offsets[-1]), offsets)
+    target = TokenCache("tgt", meta, np.arange(2 * offsets[-1]), 2 * offsets)
+    pairs = seq2seq_data.Seq2SeqPairs(source, target, 8, 16, pad_id=0, start_id=0)
+    train, held = pairs.split(0.4)
+    assert (len(train), len(held)) == (3, 2)
+    assert "3 pairs" in train.describe() and "(10 + 20 tokens)" in train.describe(), train.describe()
+    assert "2 pairs" in held.describe() and "(11 + 22 tokens)" in held.describe(), held.describe()
