@@ -1,13 +1,15 @@
 """`pipedsl compare`: several schedules side by side at one size and one cost model.
 
-One row per schedule: bubble ratio, makespan, peak live activations per rank, the largest of
+One row per schedule: its stage count, bubble ratio, makespan, peak live activations per rank, the largest of
 them as activation memory relative to 1F1B's (stage activations are 1/V of a one-stage-per-rank
 stage's with V stages a rank, so `max peak · P / stages ÷ min(P, M)`: the memory/bubble
 trade-off in one number), messages per step (point-to-point sends) and copies of the weights.
 A schedule that cannot run at these sizes -- a `require` rejects the sizes, the name is unknown -- gets an
 "n/a: reason" row instead of stopping the comparison.  A parameter (`-p V=2`) goes to the schedules that
 declare it; the others are compared with their defaults, and a note under the table says so (a parameter
-that no schedule declares is an error: a typo, not a comparison).
+that no schedule declares is an error: a typo, not a comparison).  The cost is per stage, so schedules that
+cut the model into different numbers of stages (interleaved, V-shapes: 2P) have makespans of different models;
+a note under the table says so.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pipedsl.ir import SENDS
 from pipedsl.library import load
 from pipedsl.simulate import Cost, simulate
 
-HEADERS = ("schedule", "bubble", "makespan", "peak activations per rank", "memory vs 1F1B", "messages",
+HEADERS = ("schedule", "stages", "bubble", "makespan", "peak activations per rank", "memory vs 1F1B", "messages",
            "weight copies")
 
 
@@ -40,6 +42,7 @@ class Row:
     messages: int = 0
     weight_copies: int = 0
     memory_vs_1f1b: float = 0.0
+    stages: int = 0  # how many stages the model is cut into: the cost is per stage
     params: dict[str, int] = field(default_factory=dict)  # the given parameters this schedule declares
     not_taken: list[str] = field(default_factory=list)  # the given parameters it does not: it ran without them
 
@@ -86,7 +89,7 @@ def _row(name: str, schedule: Schedule | PipeDSLError, P: int, M: int, params: d
     sends = sum(1 for stream in program.ranks for ins in stream if ins.op in SENDS)
     memory = max(timeline.peak_activations) * P / program.num_stages / min(P, M)
     return Row(name, "", timeline.bubble_ratio, timeline.makespan, list(timeline.peak_activations), sends,
-               program.num_replicas, memory, own, not_taken)
+               program.num_replicas, memory, program.num_stages, own, not_taken)
 
 
 def format_table(rows: Sequence[Row], P: int, M: int, params: Mapping[str, int] | None = None,
@@ -99,7 +102,7 @@ def format_table(rows: Sequence[Row], P: int, M: int, params: Mapping[str, int] 
     cells = [list(HEADERS)]
     for row in rows:
         if row.ok:
-            cells.append([row.schedule, f"{row.bubble_ratio:.4f}", f"{row.makespan:g}",
+            cells.append([row.schedule, str(row.stages), f"{row.bubble_ratio:.4f}", f"{row.makespan:g}",
                           " ".join(map(str, row.peak_activations)), f"{row.memory_vs_1f1b:.2f}", str(row.messages),
                           str(row.weight_copies)])
         else:
@@ -109,11 +112,25 @@ def format_table(rows: Sequence[Row], P: int, M: int, params: Mapping[str, int] 
     lines = [f"{sizes}   cost {costs}"]
     for c in cells:
         if len(c) == len(HEADERS):
-            lines.append("  ".join(v.ljust(w) if i in (0, 3) else v.rjust(w)
+            lines.append("  ".join(v.ljust(w) if i in (0, 4) else v.rjust(w)
                                    for i, (v, w) in enumerate(zip(c, widths))).rstrip())
         else:
             lines.append(f"{c[0].ljust(widths[0])}  {c[1]}")
-    return "\n".join(lines + params_notes(rows, params or {}))
+    return "\n".join(lines + params_notes(rows, params or {}) + stages_notes(rows))
+
+
+def stages_notes(rows: Sequence[Row]) -> list[str]:
+    """A line when the schedules cut the model into different numbers of stages: the cost is per stage, so their
+    makespans are of different models (each stage of an 8-stage cut is half of a 4-stage one's)."""
+    by_count: dict[int, list[str]] = {}
+    for r in rows:
+        if r.ok:
+            by_count.setdefault(r.stages, []).append(r.schedule)
+    if len(by_count) < 2:
+        return []
+    which = "; ".join(f"{n}: {', '.join(names)}" for n, names in sorted(by_count.items()))
+    return [f"note: the stage counts differ ({which}) and the cost is per stage: the makespans are not of one model "
+            f"— compare the bubble ratios, or give each stage count its own cost (F, B … × P / stages)"]
 
 
 def params_notes(rows: Sequence[Row], params: Mapping[str, int]) -> list[str]:
@@ -158,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     rows = compare(args.schedules, args.ranks, args.microbatches, params, cost)
     if args.format == "json":
         print(json.dumps({"params": {"P": args.ranks, "M": args.microbatches, **params},
-                          "rows": [{**asdict(r), "ok": r.ok} for r in rows], "notes": params_notes(rows, params)}))
+                          "rows": [{**asdict(r), "ok": r.ok} for r in rows],
+                          "notes": params_notes(rows, params) + stages_notes(rows)}))
     else:
         print(format_table(rows, args.ranks, args.microbatches, params, cost))
     return 0

@@ -88,18 +88,21 @@ def test_table_text():
     text = compare_table(["1f1b", "interleaved", "looped-bfs"], 4, 6, {"V": 2}, "F=1,B=2")
     lines = text.splitlines()
     assert lines[0].startswith("P=4 M=6 V=2") and "F=1 B=2" in lines[0]
-    assert lines[1].split()[:3] == ["schedule", "bubble", "makespan"]
+    assert lines[1].split()[:4] == ["schedule", "stages", "bubble", "makespan"]
     (one,) = compare(["1f1b"], 4, 6, cost="F=1,B=2")  # 1F1B takes no V: compared with its defaults
-    assert lines[2].split()[:3] == ["1f1b", f"{one.bubble_ratio:.4f}", f"{one.makespan:g}"]
+    assert lines[2].split()[:4] == ["1f1b", "4", f"{one.bubble_ratio:.4f}", f"{one.makespan:g}"]
     (inter,) = compare(["interleaved"], 4, 6, {"V": 2}, "F=1,B=2")  # M = 6: one group of 6 (torch's rounds)
-    assert lines[3].split()[:3] == ["interleaved", f"{inter.bubble_ratio:.4f}", f"{inter.makespan:g}"]
+    assert lines[3].split()[:4] == ["interleaved", "8", f"{inter.bubble_ratio:.4f}", f"{inter.makespan:g}"]
     (bfs,) = compare(["looped-bfs"], 4, 6, {"V": 2}, "F=1,B=2")
     peaks = " ".join(["12"] * 4)  # every forward of both chunks before the first backward
     # memory vs 1F1B: 12 half-size chunk activations = 6 stage activations, against 1F1B's 4
-    assert lines[4].split() == ["looped-bfs", f"{bfs.bubble_ratio:.4f}", f"{bfs.makespan:g}", *peaks.split(),
+    assert lines[4].split() == ["looped-bfs", "8", f"{bfs.bubble_ratio:.4f}", f"{bfs.makespan:g}", *peaks.split(),
                                 "1.50", str(2 * 6 * (2 * 4 - 1)), "1"]
-    assert lines[5:] == ["note: V=2 applies to interleaved, looped-bfs; the others (1f1b) take no V and are compared "
-                         "with their defaults"]
+    assert lines[5] == ("note: V=2 applies to interleaved, looped-bfs; the others (1f1b) take no V and are compared "
+                        "with their defaults")
+    # 8-stage cuts at the same per-stage cost are another model than 1F1B's 4 stages: said, not left to be read
+    assert lines[6].startswith("note: the stage counts differ (4: 1f1b; 8: interleaved, looped-bfs) and the cost is "
+                               "per stage: the makespans are not of one model")
 
 
 def test_cli_prints_one_table(capsys):
@@ -107,9 +110,9 @@ def test_cli_prints_one_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 5
     row = {line.split()[0]: line.split() for line in out[2:]}
-    assert row["1f1b"][1:] == ["0.2727", "33", "4", "3", "2", "1", "1.00", "48", "1"]
+    assert row["1f1b"][1:] == ["4", "0.2727", "33", "4", "3", "2", "1", "1.00", "48", "1"]
     # ZB-H1 idles (P-1)(F+I-W) = 3 per rank: makespan M(F+I+W) + 3
-    assert row["zb-h1"][2] == "27" and row["zb-h1"][3:7] == ["4", "4", "4", "4"]
+    assert row["zb-h1"][3] == "27" and row["zb-h1"][4:8] == ["4", "4", "4", "4"]  # one stage a rank: no note
 
 
 def test_cli_json_and_errors(capsys):
@@ -119,8 +122,9 @@ def test_cli_json_and_errors(capsys):
     hanayo, one = data["rows"]
     assert hanayo["ok"] and hanayo["weight_copies"] == 1 and len(hanayo["peak_activations"]) == 4
     assert one["ok"] and one["not_taken"] == ["W"] and hanayo["params"] == {"W": 2}
-    assert data["notes"] == ["note: W=2 applies to hanayo; the others (1f1b) take no W and are compared with their "
-                             "defaults"]
+    assert data["notes"][0] == ("note: W=2 applies to hanayo; the others (1f1b) take no W and are compared with "
+                                "their defaults")
+    assert hanayo["stages"] == 16 and one["stages"] == 4 and data["notes"][1].startswith("note: the stage counts")
     assert main(["compare", "1f1b", "-P", "4", "-M", "8", "--cost", "F=x"]) == 2
     assert "--cost" in capsys.readouterr().err
     assert main(["compare", "1f1b", "-P", "4", "-M", "8", "-p", "V"]) == 2
