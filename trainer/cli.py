@@ -154,7 +154,8 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
                         "[embedding, blocks…, head])")
     p.add_argument("--embd", type=positive_int,
                    help=f"embedding width, a multiple of {GPT_HEADS} (default {m.embd})")
-    p.add_argument("--lr", type=positive_float, help=f"AdamW's learning rate (default {t.lr:g})")
+    p.add_argument("--lr", type=nonnegative_float,
+                   help=f"AdamW's learning rate (default {t.lr:g}; 0: the steps run, the weights stay)")
     p.add_argument("--weight-decay", type=nonnegative_float,
                    help=f"AdamW's weight decay (default {t.weight_decay:g})")
     p.add_argument("--no-decay", type=_no_decay,

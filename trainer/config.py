@@ -287,7 +287,7 @@ class TrainingConfig(_Section):
 
     steps: int = _option(20, _at_least(1))
     batch: int = _option(0, _at_least(0))  # 0: 4 sequences a microbatch and replica (`for_program`)
-    lr: float = _option(3e-3, POSITIVE)
+    lr: float = _option(3e-3, NONNEGATIVE)  # 0: the steps run, the weights stay (an evaluation of the data)
     weight_decay: float = _option(0.01, NONNEGATIVE)
     no_decay: str = _option(",".join(NO_DECAY_KINDS), NO_DECAY)  # what weight decay spares, or "none"
     precision: str = _option("fp32", _one_of(*DTYPES))

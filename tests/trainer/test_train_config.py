@@ -210,7 +210,8 @@ def test_flags_win_over_the_file_and_the_file_over_the_defaults(tmp_path) -> Non
 
 @pytest.mark.parametrize(("build", "message"), [
     (lambda: TrainingConfig(steps=0), "--steps 0: must be an integer of at least 1"),
-    (lambda: TrainingConfig(lr=float("nan")), "--lr nan: must be a positive, finite number"),
+    (lambda: TrainingConfig(lr=float("nan")), "--lr nan: must be a non-negative, finite number"),
+    (lambda: TrainingConfig(lr=-1e-3), "--lr -0.001: must be a non-negative, finite number"),
     (lambda: TrainingConfig(precision="fp8"), "--precision 'fp8': is not one of fp32, bf16, fp16"),
     (lambda: TrainingConfig(steps="3"), "--steps '3': must be an integer"),
     (lambda: ParallelismConfig(zero=4), "--zero 4: is not one of 0, 1, 2, 3"),

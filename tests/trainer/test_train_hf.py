@@ -593,3 +593,20 @@ def test_jetmoe_trains_with_its_router_loss_and_refuses_what_it_cannot_shard(cor
     refused = _refused(*common_flags(model, corpus, tmp_path / "ep"), "-P", "2", "--dp", "2", "--ep", "2")
     assert "--ep 2: pipedsl cannot shard the experts of JetMoeForCausalLM" in refused
     assert "JetMoeParallelExperts" in refused and "takes forward(inputs, expert_size)" in refused
+
+
+def test_lr_0_runs_the_steps_and_leaves_the_weights(corpus, tmp_path):
+    """--lr 0 (the data's losses under the model as it is, no update) was refused: it runs, and the exported weights
+    are the model's own, bit for bit (AdamW's decoupled weight decay is scaled by the learning rate too)."""
+    import transformers as tf
+
+    model = model_dir(tmp_path, "llama", weights=True)
+    run = pipedsl(*common_flags(model, corpus, tmp_path / "out", steps=2), "-P", "2", "--lr", "0", "--lr-schedule",
+                  "constant", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert losses(tmp_path / "out").keys() == {1, 2}
+    done = pipedsl("export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = tf.AutoModelForCausalLM.from_pretrained(model).state_dict()
+    after = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
