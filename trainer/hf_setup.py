@@ -9,6 +9,7 @@ an `HFModelConfig`, the `hf` of the run's `TrainConfig` (trainer/train.py's `HFS
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -70,13 +71,7 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
                                             model_vocab=md.vocab_size, model_where=str(md.path / hf_io.CONFIG))
         heldout = data.PackedSequences(eval_cache, d.seq, d.packing, d.doc_mask)
     data.BatchLoader(train, batch, dp_size=dp)  # fewer samples than one global batch: its DataError, now
-    eval_at_end = bool(d.heldout_fraction or eval_cache)
-    notes = []
-    if eval_at_end and len(heldout) < batch:
-        if cfg.eval.eval_every or eval_cache:
-            data.eval_batches(heldout, batch, 0, dp)  # raises, naming the sizes
-        eval_at_end = False
-        notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
+    eval_at_end, notes = _held_out_fits(cfg, train, heldout, own_set=eval_cache is not None)
     attn = cfg.model.attn or _attention(md)
     meta = _meta_model(md.config)  # shapes only: counted for memory, named for the weights files
     hf_io.check_weights(md, meta)
@@ -90,6 +85,30 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
                          export=hf_io.export_metadata(md, S, split, hf_io.tokenizer_files(md.path)),
                          describe=md.describe(), data_describe="; ".join([described, *notes]), router_loss=router_loss,
                          experts_seen=experts_seen)
+
+
+def _held_out_fits(cfg: TrainConfig, train: Any, heldout: Any, own_set: bool) -> tuple[bool, list[str]]:
+    """(evaluate at the end?, notes): whether the held-out samples make one global batch.  When they must (an
+    --eval-data set, or --eval-every) and do not, a refusal that says what to set — the --eval-fraction that holds
+    one batch out of --data's samples while one is left to train on, or that no fraction can."""
+    from pipedsl.trainer import data
+
+    batch, d = cfg.training.batch, cfg.data
+    if not (d.heldout_fraction or own_set) or len(heldout) >= batch:
+        return bool(d.heldout_fraction or own_set), []
+    if own_set:
+        data.eval_batches(heldout, batch, 0, cfg.parallel.dp)  # raises, naming the sizes
+    if not cfg.eval.eval_every:
+        return False, [f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}"]
+    n = len(train) + len(heldout)
+    if n < 2 * batch:
+        raise PipeDSLError(f"--eval-every {cfg.eval.eval_every}: the data makes {n} samples of {d.seq} tokens, "
+                           f"too few for a training batch and a held-out batch of {batch} each; lower --batch, give "
+                           f"--eval-data, or drop --eval-every")
+    fraction = math.ceil(batch / n * 1000) / 1000  # ceil(fraction · n) >= batch, to three decimals
+    raise PipeDSLError(f"--eval-fraction {d.heldout_fraction:g} holds out {len(heldout)} of the data's {n} samples, "
+                       f"fewer than one evaluation batch of {batch}: --eval-fraction {fraction:g} holds out one (or "
+                       f"give --eval-data, or drop --eval-every)")
 
 
 def num_experts(config: Any) -> int:
@@ -175,12 +194,7 @@ def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFMod
         objective["eval_target_cache"] = eval_caches[1]
         heldout = seq2seq_data.samples(objective, eval_caches[0], d.seq, held_out=True)
     data.BatchLoader(train, batch, dp_size=cfg.parallel.dp)
-    eval_at_end, notes = bool(d.heldout_fraction or eval_caches), []
-    if eval_at_end and len(heldout) < batch:
-        if cfg.eval.eval_every or eval_caches:
-            data.eval_batches(heldout, batch, 0, cfg.parallel.dp)  # raises, naming the sizes
-        eval_at_end = False
-        notes.append(f"no evaluation: {len(heldout)} held-out samples, fewer than one batch of {batch}")
+    eval_at_end, notes = _held_out_fits(cfg, train, heldout, own_set=bool(eval_caches))
     attn = cfg.model.attn or _attention(md)
     meta = _meta_model(md.config)
     hf_io.check_weights(md, meta)

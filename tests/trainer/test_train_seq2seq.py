@@ -230,3 +230,21 @@ def test_the_data_line_counts_only_the_training_pairs_tokens():
     assert (len(train), len(held)) == (3, 2)
     assert "3 pairs" in train.describe() and "(10 + 20 tokens)" in train.describe(), train.describe()
     assert "2 pairs" in held.describe() and "(11 + 22 tokens)" in held.describe(), held.describe()
+
+
+def test_a_held_out_set_too_small_says_which_fraction_holds_one_batch(root, tmp_path):
+    """Span corruption of one small text file: the held-out check failed until --eval-fraction was guessed.  The
+    refusal names the fraction that holds out one batch, and that fraction runs."""
+    import re
+
+    flags = ["train", "--model", str(root / "t5"), "--data", str(root / "corpus" / "d00.txt"), "--seq", "16",
+             "-M", "2", "-P", "2", "--steps", "1", "--eval-every", "1", "--cache-dir", str(tmp_path / "cache")]
+    said = _refused(*flags, "--batch", "4", "--eval-fraction", "0.01", "-o", str(tmp_path / "no"))
+    assert "too few for a training batch and a held-out batch of 4 each; lower --batch" in said, said
+    flags += ["--batch", "2"]
+    said = _refused(*flags, "--eval-fraction", "0.01", "-o", str(tmp_path / "no"))
+    found = re.search(r"--eval-fraction ([0-9.]+) holds out one", said)
+    assert found and "fewer than one evaluation batch of 2" in said, said
+    ok = pipedsl(*flags, "--eval-fraction", found.group(1), "-o", str(tmp_path / "yes"))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert evals(tmp_path / "yes").keys() == {1}
