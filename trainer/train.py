@@ -396,20 +396,42 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         if decision["peak_bytes"] is not None:
             mib = [round(b / 2**20, 2) for b in decision["peak_bytes"]]
             params += f", predicted peak activation MiB per rank {mib}"
+        spread = op_time_spread(timeline)
+        gain = 1 - decision["predicted_ms"] / decision["profiled_ms"]
+        noise = (f"; the profile's op times varied {spread:.0%} about their means (the median over op kinds and "
+                 f"stages){', as much as the predicted gain: it may not hold' if spread >= gain else ''}"
+                 if spread is not None else "")
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
                 f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted step "
-                f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms measured")
+                f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms measured{noise}")
         fields = {"program": program.name, "params": program.params, "activations_that_fit": fit,
                   "stage_bytes": decision["stage_bytes"], "predicted_peak_bytes": decision["peak_bytes"],
                   "predicted_ms": decision["predicted_ms"],
                   "profiled_ms": decision["profiled_ms"], "split": decision["points"],
-                  "kept_split_ms": decision["kept_ms"],
+                  "kept_split_ms": decision["kept_ms"], "op_time_spread": spread,
                   "cost": {k: getattr(cost, k) for k in ("F", "I", "W", "comm")}}
         if log is not None:
             log.event(step, "schedule", fields, line)
         else:
             print(line, flush=True)
     return new, new_opt, new_source, load, cfg
+
+
+def op_time_spread(timeline: Any) -> float | None:
+    """How noisy the profile's op times were: the median, over (op kind, stage) groups of forwards and backwards
+    with two samples or more, of their standard deviation over their mean.  A prediction from their means is no
+    better than that (on a loaded 2-core machine they were 1.2-2.6x optimistic); None without such groups."""
+    import statistics
+
+    groups: dict[tuple[str, int | None], list[float]] = {}
+    for events in timeline.ranks:
+        for e in events:
+            for part in e.instr.parts:
+                if part.op.value in ("F", "B", "I", "W"):
+                    groups.setdefault((part.op.value, part.stage), []).append(e.duration / len(e.instr.parts))
+    spreads = [statistics.pstdev(v) / statistics.fmean(v) for v in groups.values()
+               if len(v) > 1 and statistics.fmean(v) > 0]
+    return statistics.median(spreads) if spreads else None
 
 
 def _budget(pipe: Any, cfg: TrainConfig) -> float:

@@ -272,3 +272,22 @@ def test_unit_bytes_of_a_hugging_face_decoder_predict_every_cut_within_its_rotar
         predicted = [sum(unit_bytes[u] for u in range(a, b)) for a, b in zip(edges, edges[1:])]
         assert all(abs(p - c) <= tables for p, c in zip(predicted, counted)), (points, predicted, counted)
         assert all(abs(p - c) <= 0.01 * c for p, c in zip(predicted, counted) if c > 1000), (points, predicted, counted)
+
+
+def test_op_time_spread_is_the_median_relative_deviation_of_like_ops() -> None:
+    """--schedule auto says how noisy its profile was: per (op kind, stage), the standard deviation of the measured
+    times over their mean, the median of those; sends and single samples do not count."""
+    from pipedsl.ir import Instr, Op
+    from pipedsl.timeline import Event, Timeline
+    from pipedsl.trainer.train import op_time_spread
+
+    def ev(op: Op, mb: int, stage: int, start: float, duration: float) -> Event:
+        return Event(Instr(op, mb, stage), start, start + duration)
+
+    rank0 = (ev(Op.F, 0, 0, 0, 1.0), ev(Op.F, 1, 0, 1, 3.0), ev(Op.B, 0, 0, 4, 2.0), ev(Op.B, 1, 0, 6, 2.0),
+             Event(Instr(Op.SEND_F, 0, 0, 1), 7, 9))
+    rank1 = (ev(Op.F, 0, 1, 0, 1.0), ev(Op.F, 1, 1, 1, 1.0), ev(Op.F, 2, 1, 2, 4.0), ev(Op.W, 0, 1, 6, 5.0))
+    spread = op_time_spread(Timeline("t", {}, (rank0, rank1), "measured"))
+    # F stage 0: 1, 3 -> 0.5; B stage 0: 2, 2 -> 0; F stage 1: 1, 1, 4 -> sqrt(2)/2; W stage 1: one sample
+    assert spread == pytest.approx(0.5)
+    assert op_time_spread(Timeline("t", {}, ((ev(Op.F, 0, 0, 0, 1.0),),), "measured")) is None
