@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: setup demo test lint bench-quick clean
+.PHONY: setup demo test test-quick lint bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=40
+
+# the everyday tier: the tests not marked slow (about 3 minutes here; `make test` runs all, about 13)
+test-quick: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check pipedsl runtime parallel models trainer visualize tests benchmarks examples
