@@ -41,6 +41,7 @@ from typing import Any
 
 from pipedsl.arguments import NO_DECAY_KINDS, no_decay_kinds
 from pipedsl.errors import PipeDSLError
+from pipedsl.plan.runnable import moe_refusal
 
 GPT_HEADS = 4  # the built-in GPT's attention heads and synthetic vocabulary: fixed, so not options
 GPT_VOCAB = 64
@@ -426,9 +427,10 @@ class TrainConfig:
         if par.dp % par.ep:
             raise ConfigError(f"--ep {par.ep} must divide --dp {par.dp}: the experts are sharded over groups of ep "
                               f"data-parallel replicas")
-        if par.ep > 1 and par.tp > 1:
-            raise ConfigError(f"--ep {par.ep} with --tp {par.tp}: expert parallelism does not compose with tensor "
-                              f"parallelism yet; shard the experts over data-parallel ranks alone")
+        mixed = moe_refusal(False, par.tp, par.ep)  # the planner's rule too (pipedsl/plan/runnable.py)
+        if mixed is not None:
+            raise ConfigError(f"--ep {par.ep} with --tp {par.tp}: {mixed}; shard the experts over data-parallel ranks "
+                              f"alone")
         if c.checkpoint_every and not c.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         if t.lr_schedule != "constant" and t.warmup_steps >= t.steps:
@@ -486,8 +488,9 @@ class TrainConfig:
             raise ConfigError(f"--experts {m.experts} cannot be shared evenly by --ep {ep} ranks")
         if m.experts and m.top_k > m.experts:
             raise ConfigError(f"--top-k {m.top_k} is more than the {m.experts} experts")
-        if m.experts and tp > 1:
-            raise ConfigError(f"--experts with --tp {tp}: the GPT's experts are not tensor-parallel; use --ep")
+        refused = moe_refusal(bool(m.experts), tp, ep)  # the planner's rule (pipedsl/plan/runnable.py)
+        if refused is not None:
+            raise ConfigError(f"--experts with --tp {tp}: {refused}; use --ep")
         if tp == 1:
             return
         for what, n in (("attention heads", GPT_HEADS), ("--embd", m.embd), ("vocabulary", GPT_VOCAB)):

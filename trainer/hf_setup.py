@@ -16,6 +16,7 @@ from typing import Any
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.memory import model_states
+from pipedsl.plan.runnable import moe_refusal
 from pipedsl.runtime.launch.capacity import total_memory
 from pipedsl.trainer.config import HFModelConfig, TrainConfig, check_points, split_points
 
@@ -38,9 +39,9 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
         raise PipeDSLError(f"--loss-reduction token: {md.path} adds its router's auxiliary loss to each "
                            f"microbatch's mean loss (output_router_logits), as transformers does; use the default "
                            f"(microbatch) or set output_router_logits false in its config.json")
-    if router_loss and cfg.parallel.tp > 1:
-        raise PipeDSLError(f"--tp {cfg.parallel.tp}: {md.path} is a mixture of experts; tensor parallelism of MoE "
-                           f"layers is not supported yet")
+    refused = moe_refusal(bool(num_experts(md.config)), cfg.parallel.tp, cfg.parallel.ep)  # the planner's rule
+    if refused is not None:
+        raise PipeDSLError(f"--tp {cfg.parallel.tp}: {md.path} is a mixture of experts, and {refused}")
     ep, experts = cfg.parallel.ep, num_experts(md.config)
     if ep > 1 and not experts:
         raise PipeDSLError(f"--ep {ep} shards experts, and {md.path} ({md.kind}) has none")

@@ -13,6 +13,10 @@ Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `check_st
 ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (`tp_hf.py`,
 `parallel/zero.py`): no rule.
 
+Mixtures of experts, either layout (`moe_refusal`, which `pipedsl train` applies too: trainer/config.py,
+trainer/hf_setup.py): no tensor parallelism of MoE models yet, so no ep with tp either (`models/gpt/tp.py`
+refuses the GPT's experts, `trainer/hf_setup.py` an HF MoE).
+
 The built-in GPT (`ModelSpec.layout == "gpt"`, `models/gpt/tp.py`, `parallel/tp1d.py`,
 `parallel/config.py` `check_model`):
 - 1-D or 3-D tensor parallelism (3-D: tp = q³, sizes divisible by q or q², microbatch by q²);
@@ -30,9 +34,22 @@ class NotRunnableError(PipeDSLError):
     """A layout the runtime refuses for this model; the message names the rule and the module enforcing it."""
 
 
+def moe_refusal(moe: bool, tp: int, ep: int) -> str | None:
+    """Why the runtime refuses tensor parallelism `tp` with expert parallelism `ep` for a model (`moe`: it has
+    routed experts), or None: the one rule the planner and `pipedsl train` both apply."""
+    if ep > 1 and tp > 1:
+        return f"expert parallelism (ep {ep}) does not compose with tensor parallelism (tp {tp}) yet"
+    if moe and tp > 1:
+        return f"tensor parallelism (tp {tp}) of a mixture of experts is not supported yet"
+    return None
+
+
 def check_runnable(model: ModelSpec, layout: Layout) -> None:
     """Raise `NotRunnableError` if pipedsl's runtime would refuse `layout` for `model`."""
     t = layout.tp
+    why = moe_refusal(model.moe, t, layout.ep)
+    if why is not None:
+        raise NotRunnableError(f"runtime: {why} (trainer/hf_setup.py, models/gpt/tp.py)")
     if layout.sequence_parallel and t > 1:
         if layout.tp_mode != "1d":
             raise NotRunnableError("runtime: sequence parallelism needs 1-D tensor parallelism (models/gpt/tp.py)")

@@ -257,3 +257,47 @@ def test_an_overlapped_pair_hides_the_stages_all_to_alls() -> None:
                                                         - cost.per_stage[bwd.stage]["exchange_b"],
                                                         cost.compute_time(fwd), cost.compute_time(bwd)))
     assert cost.compute_time(pair) < halves
+
+
+def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
+    """One capability rule (plan/runnable.py's `moe_refusal`) for the planner's candidates and `pipedsl train`'s
+    refusals: tp with ep, and tp of an MoE model.  The planner ranked "dp4 pp4 tp4+sp zb-v … ep2" first for
+    Mixtral, a layout the trainer refused."""
+    from pipedsl.plan.runnable import NotRunnableError, check_runnable, moe_refusal
+    from pipedsl.trainer.config import ConfigError, ModelConfig, ParallelismConfig, TrainConfig
+
+    mixtral = model_preset("mixtral-8x7b")
+    for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        planned = True
+        try:
+            check_runnable(mixtral, Layout(4, 1, tp, "1f1b", 1, 128, ep=ep))
+        except NotRunnableError:
+            planned = False
+        assert planned == (moe_refusal(True, tp, ep) is None), (tp, ep)
+        try:  # the trainer's refusals of the GPT with 8 experts: the same rule
+            TrainConfig(model=ModelConfig(experts=8), parallel=ParallelismConfig(dp=4, tp=tp, ep=ep))
+            trained = True
+        except ConfigError:
+            trained = False
+        assert trained == planned, (tp, ep)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, gpus", [("mixtral-8x7b", 64), ("qwen3-30b-a3b", 64), ("deepseek-v3", 512)])
+def test_the_planners_first_choice_for_an_moe_preset_is_one_pipedsl_train_accepts(name: str, gpus: int) -> None:
+    """`pipedsl plan --model NAME --gpus N` as the CLI runs it: every layout it ranks is one the trainer takes — no
+    tensor parallelism of the experts' model, ep dividing dp — as a TrainConfig (its own checks) and by the rule."""
+    from pipedsl.plan.runnable import moe_refusal
+    from pipedsl.plan.search import search
+    from pipedsl.trainer.config import ModelConfig, ParallelismConfig, ScheduleConfig, TrainConfig
+
+    model = model_preset(name)
+    result = search(model, dataclasses.replace(cluster_preset("a100-80gb"), gpus=gpus), top=3)
+    assert result.ranked, name
+    for estimate in result.ranked:
+        lay = estimate.layout
+        assert moe_refusal(True, lay.tp, lay.ep) is None, lay
+        TrainConfig(model=ModelConfig(experts=model.experts),
+                    parallel=ParallelismConfig(dp=lay.dp, tp=lay.tp, ep=lay.ep, zero=lay.zero,
+                                               sequence_parallel=lay.sequence_parallel),
+                    schedule=ScheduleConfig(schedule=lay.schedule, microbatches=lay.microbatches))

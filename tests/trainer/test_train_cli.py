@@ -124,7 +124,8 @@ def test_train_gpt_experts_sharded_over_ep_equals_one_process_and_resumes_exactl
     (["--dp", "3", "--ep", "2", "--experts", "4"], "--ep 2 must divide --dp 3"),
     (["--dp", "2", "--ep", "2", "--experts", "3"], "--experts 3 cannot be shared evenly by --ep 2 ranks"),
     (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the 2 experts"),
-    (["--experts", "4", "--tp", "2"], "--experts with --tp 2: the GPT's experts are not tensor-parallel"),
+    (["--experts", "4", "--tp", "2"], "--experts with --tp 2: tensor parallelism (tp 2) of a mixture of experts is not "
+                                      "supported yet"),
 ])
 def test_train_expert_options_are_checked_before_any_rank(capsys, args, said) -> None:
     from pipedsl.cli import main
