@@ -274,10 +274,10 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
             changed = ("; another stage partition, loaded by tensor name" if restored.partition_changed else
                        "; a different schedule now, same stage partition" if restored.schedule_changed else "")
             print(f"resumed at step {start} ({restored.saved_schedule}{changed})", flush=True)
-    _arm_step_fault(pipe, rank)
     log = _logger(cfg, start) if rank == 0 else None
     began = cfg.started_at or time.time()
     stop = Stop(began + cfg.run.max_time if cfg.run.max_time else None)
+    _arm_step_fault(pipe, rank, stop)
     try:
         with stop.catching():
             if cfg.schedule.schedule == AUTO and start < t.steps:
@@ -597,11 +597,24 @@ def _pad_targets(y: Any, fraction: float, seed: int) -> Any:
     return y.masked_fill(torch.arange(T) >= T - tail, -100)
 
 
-def _arm_step_fault(pipe: Any, rank: int) -> None:
+def _wait_at_gate(rank: int, step: int, stop: Stop) -> None:
+    """`_arm_step_fault`'s gate: announce this rank is in `step`, then wait until the test opens the gate or a stop
+    signal reaches this rank."""
+    if os.environ.get("PIPEDSL_FAULT") != f"gate:{rank}:{step}":
+        return
+    gate = Path(os.environ["PIPEDSL_FAULT_GATE"])
+    gate.with_name(gate.name + ".reached").touch()
+    while not gate.exists() and stop.received is None:
+        time.sleep(0.01)
+
+
+def _arm_step_fault(pipe: Any, rank: int, stop: Stop) -> None:
     """Test-only: with PIPEDSL_FAULT=step:RANK:STEP (hang:RANK:STEP), this rank SIGKILLs (SIGSTOPs) itself in
-    the middle of that step, at its first stage's forward of microbatch M/2."""
+    the middle of that step, at its first stage's forward of microbatch M/2; with gate:RANK:STEP it creates
+    `$PIPEDSL_FAULT_GATE.reached` there and waits until `$PIPEDSL_FAULT_GATE` exists (a test signals a step in
+    flight without racing the steps after it: the gate also opens when a stop signal reaches this rank)."""
     point = os.environ.get("PIPEDSL_FAULT", "").partition(":")[0]
-    if point not in ("step", "hang"):
+    if point not in ("step", "hang", "gate"):
         return
     from pipedsl.runtime.checkpoint import fault_point
 
@@ -609,11 +622,16 @@ def _arm_step_fault(pipe: Any, rank: int) -> None:
     seen = {"step": -1, "n": 0}
 
     def hook(module: Any, args: Any) -> None:
+        if not torch.is_grad_enabled():  # an evaluation's forward, not the step's
+            return
         step = pipe.steps + 1
         if seen["step"] != step:
             seen.update(step=step, n=0)
         seen["n"] += 1
         if seen["n"] == pipe.num_microbatches // 2 + 1:
-            fault_point(point, rank, step)
+            if point == "gate":
+                _wait_at_gate(rank, step, stop)
+            else:
+                fault_point(point, rank, step)
 
     first.register_forward_pre_hook(hook)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -187,10 +188,12 @@ def test_gemma3_zero3_equals_one_process_resumes_after_sigterm_and_exports(corpu
     flags = [*common_flags(model, corpus, tmp_path / "cut"), *ZERO3, *heldout_file, "--checkpoint-dir", str(ckpt),
              "--checkpoint-every", "2"]
     log = open(tmp_path / "cut.log", "w")  # noqa: SIM115 - the child writes it
+    gate = tmp_path / "gate"  # rank 0 waits in step 3 until the signal reaches it: step 3 is in flight
+    env = {**os.environ, "PIPEDSL_FAULT": "gate:0:3", "PIPEDSL_FAULT_GATE": str(gate)}
     proc = subprocess.Popen([sys.executable, "-m", "pipedsl.cli", *flags], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT, start_new_session=True)
+                            cwd=ROOT, start_new_session=True, env=env)
     deadline = time.monotonic() + 300
-    while "checkpoint step 2" not in (tmp_path / "cut.log").read_text():
+    while not (tmp_path / "gate.reached").exists():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "cut.log").read_text()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
