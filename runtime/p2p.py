@@ -169,6 +169,8 @@ class DistTransport:
     multi-node starts, torch PR 160210).  With `layout=None` (gloo), two groups by direction of rank order:
     gloo keeps one socket and lock per pair and group, and both directions on one stalled calls 2–6 ms."""
 
+    names_operations = False  # whether a stuck operation's report needs the instruction that issued it
+
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, groups: PipelineGroups,
                  edges: Sequence[tuple[int, int]] = (), layout: str | None = None) -> None:
         self._global = groups.members  # program rank -> global rank
@@ -276,7 +278,7 @@ class Channels:
             self.transport.record = []
         self._flushed = 0  # record entries written so far
         # each operation is named by its instruction (`label`): for the record, and for what a stuck rendezvous reports
-        self.labelled = bool(self._record_to) or type(self.transport).__name__ == "RendezvousTransport"
+        self.labelled = bool(self._record_to) or getattr(self.transport, "names_operations", False)
         self.opening: tuple[int, str, dict[int, Any]] | None = None  # this step's openings, not yet checked
 
     # ------------------------------------------------------------ data

@@ -100,6 +100,8 @@ class RendezvousRecv:
 class RendezvousTransport(DistTransport):
     """`DistTransport`'s communicators, each run as NCCL runs it (the module docstring)."""
 
+    names_operations = True  # a stuck rendezvous names the instructions at the heads of its streams
+
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, groups: PipelineGroups,
                  edges: Sequence[tuple[int, int]], layout: str) -> None:
         super().__init__(group, rank, size, groups, edges, layout)
