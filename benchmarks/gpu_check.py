@@ -46,8 +46,6 @@ SIZES = {"full": {"steps": 3, "vs_torch": {"gpt_rows": 4, "steps": 10, "reps": 7
                   "large": {"width": 32, "steps": 1},
                   "one_gpu": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256,
                               "seq": 32, "rows": 1, "M": 2, "steps": 2, "warmup": 1}}}
-# dense bf16 FLOP/s by card name (the vendors' sheets, without sparsity): MFU's denominator
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 
 
 def compile_for(name: str, P: int) -> Any:
@@ -122,8 +120,8 @@ def one_gpu(rank: int, device: str, size: dict[str, Any]) -> dict[str, Any]:
     """What one GPU can show of the runtime's cost (a one-rank world's rank function): a one-rank 1F1B pipeline's
     step against a plain PyTorch loop (the same microbatches, forward and backward each, gradients accumulated,
     AdamW) on copies of one Llama, bf16 parameters, SDPA attention; step times alternate, medians, their ratio,
-    the MFU (6 · parameters · tokens a step / time / the card's dense bf16 peak) and how far the first losses
-    are apart."""
+    the MFU (`pipedsl train`'s: trainer/metrics.py's FLOPs a token and the card's datasheet peak) and how far
+    the first losses are apart."""
     import statistics
     import time
 
@@ -132,6 +130,7 @@ def one_gpu(rank: int, device: str, size: dict[str, Any]) -> dict[str, Any]:
 
     import pipedsl
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
+    from pipedsl.trainer.metrics import GPU_PEAKS, model_flops_per_token
 
     config = transformers.LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"],
                                       num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
@@ -184,8 +183,9 @@ def one_gpu(rank: int, device: str, size: dict[str, Any]) -> dict[str, Any]:
     pipe.close()
     step = {name: statistics.median(v) for name, v in times.items()}
     card = torch.cuda.get_device_name() if device != "cpu" else ""
-    peak = next((v for k, v in PEAK_BF16.items() if k in card), None)
-    flops = 6 * params * M * rows * seq
+    peak = next((v for k, v in GPU_PEAKS.items() if k in card), None)  # the trainer's MFU: its peaks, its FLOPs
+    flops = model_flops_per_token(params, model.get_input_embeddings().weight.numel(), size["layers"],
+                                  size["hidden"], seq) * M * rows * seq
     first = losses["torch"][0]
     return {"params": params, "tokens": M * rows * seq, "step_s": step, "ratio": step["pipedsl"] / step["torch"],
             "mfu": {n: flops / t / peak for n, t in step.items()} if peak else None, "card": card,

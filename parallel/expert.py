@@ -114,9 +114,7 @@ class ExpertParallel(nn.Module):
         k, E = top_k_index.shape[1], self.num_experts
         flat = top_k_index.reshape(-1)  # [N·k]: each slot's expert, ≥ E for a slot dropped for capacity
         order = torch.argsort(flat, stable=True)  # kept slots by expert (token order within one), dropped ones last
-        # routings per expert, the last entry the dropped slots (scatter_add: bincount reads its maximum on the host)
-        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat.clamp(max=E), torch.ones_like(flat))
+        counts = routings(flat, E + 1)  # per expert, the last entry the dropped slots
         exchange = self._fixed_size if self.capacity_factor is not None else self._dropless
         slots, back = exchange(hidden_states, order, flat, counts, k, top_k_weights.dtype)  # back: [S, C] by slot
         weighted = back * top_k_weights.reshape(-1)[slots, None].to(back.dtype)
@@ -178,6 +176,13 @@ class ExpertParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.per_rank - 1} of {self.num_experts}, ep={self.ep}"
+
+
+def routings(slots: torch.Tensor, bins: int) -> torch.Tensor:
+    """How many of `slots` (expert ids) go to each of `bins` experts [bins], ids ≥ bins counted in the last bin
+    (dropped slots): by scatter_add, since `bincount` reads its input's maximum on the host."""
+    slots = slots.reshape(-1).clamp(max=bins - 1)
+    return torch.zeros(bins, dtype=torch.long, device=slots.device).scatter_add_(0, slots, torch.ones_like(slots))
 
 
 def host_ints(t: torch.Tensor) -> list[int]:

@@ -99,6 +99,12 @@ class Coords:
     cube: tuple[int, int, int] | None = None  # (x, y, z) for 3-D
 
 
+def backend_device_type(group: ProcessGroup | None = None) -> str:
+    """The device type `group`'s collectives move and its tensors live on: "cuda" under NCCL (device memory
+    only), "cpu" otherwise."""
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
 def _options(backend: str, timeout: datetime.timedelta):
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -125,7 +131,7 @@ class ParallelMesh:
         self.config = config
         backend = dist.get_backend()
         if device_type is None:
-            device_type = "cuda" if backend == "nccl" else "cpu"
+            device_type = backend_device_type()
         override = _options(backend, timeout)
         # dp is (edp, ep) with expert parallelism: ep consecutive dp ranks share one copy of the experts
         dp_names, dp_shape = (("edp", "ep"), (config.dp // config.ep, config.ep)) if config.ep > 1 else (("dp",),

@@ -18,13 +18,14 @@ receive, the peer, the instruction that issued it and the tensors' shapes.  The 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-_INSTR = re.compile(r"^(the shapes of )?(SEND|RECV)_([FB])(\d+)\.(\d+)(?:r(\d+))?[<>](\d+)$")
+from pipedsl.ir import COMMS, SENDS, Instr, Op
+
+SHAPES_OF = "the shapes of "  # how discovery.py labels the shape message before a first activation
 
 
 def load(directory: str | Path) -> dict[int, list[dict[str, Any]]]:
@@ -36,13 +37,19 @@ def load(directory: str | Path) -> dict[int, list[dict[str, Any]]]:
 
 
 def _message(op: dict[str, Any]) -> tuple[bool, str, int, int, int] | None:
-    """(a shape message?, direction, microbatch, the sender's stage, replica) of the instruction `op` is for."""
-    found = _INSTR.match(op.get("at") or "")
-    if found is None:
+    """(a shape message?, direction, microbatch, the sender's stage, replica) of the instruction `op` is for, or
+    None for a label that names no message."""
+    label = op.get("at") or ""
+    shapes = label.startswith(SHAPES_OF)
+    try:
+        ins = Instr.parse(label.removeprefix(SHAPES_OF))
+    except ValueError:
         return None
-    shapes, kind, direction, mb, stage, replica, _ = found.groups()
-    sender_stage = int(stage) if kind == "SEND" else int(stage) - 1 if direction == "F" else int(stage) + 1
-    return bool(shapes), direction, int(mb), sender_stage, int(replica or 0)
+    if ins.op not in COMMS:
+        return None
+    forward = ins.op in (Op.SEND_F, Op.RECV_F)
+    sender_stage = ins.stage if ins.op in SENDS else ins.stage - 1 if forward else ins.stage + 1
+    return shapes, "F" if forward else "B", ins.mb, sender_stage, ins.replica
 
 
 def problems(records: dict[int, list[dict[str, Any]]]) -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from pipedsl.ir import Instr, Op
+from pipedsl.runtime.comm_record import SHAPES_OF
 from pipedsl.runtime.executor import Executor
 from pipedsl.runtime.keys import Copy, ShapeKey, Slot
 from pipedsl.runtime.launch.errors import RankFailure
@@ -81,7 +82,7 @@ class Discovery(Executor):
 
     def _post_shapes(self, ins: Instr) -> Recv:
         """The shape message that comes before the first activation of its kind from `ins`'s peer, posted."""
-        return self.channels.post_recv(ins.peer, _SHAPES, self._label(ins, "the shapes of "))
+        return self.channels.post_recv(ins.peer, _SHAPES, self._label(ins, SHAPES_OF))
 
     def _recv(self, ins: Instr) -> None:
         slot = Slot(ins.mb, ins.stage, ins.replica)
@@ -180,7 +181,7 @@ class Discovery(Executor):
             self._announced.add(key)
             outs = self.outbox[Op.F][Slot(ins.mb, ins.stage, ins.replica)]
             vector = encode_meta(tuple(TensorMeta.of(t) for t in outs)).to(self.channels.device)
-            self.channels.send(ins.peer, [vector], payload=False, label=self._label(ins, "the shapes of "))
+            self.channels.send(ins.peer, [vector], payload=False, label=self._label(ins, SHAPES_OF))
         super()._send(ins)
 
     def _forward_inputs(self, slot: Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedsl.parallel.expert import ExpertParallel, is_experts
+from pipedsl.parallel.expert import ExpertParallel, is_experts, routings
 from pipedsl.runtime.recompute import is_recomputing
 
 
@@ -38,9 +38,7 @@ class ExpertLoad:
         if getattr(index, "fake_mode", None) is not None:  # shape inference
             return
         E = self.num_experts
-        slots = index.detach().reshape(-1).clamp(max=E)  # scatter_add: bincount reads its maximum on the host
-        counts = torch.zeros(E + 1, dtype=torch.long, device=slots.device)
-        counts.scatter_add_(0, slots, torch.ones_like(slots))
+        counts = routings(index.detach(), E + 1)  # [E + 1]: the last entry the dropped slots
         self._counts = counts if self._counts is None else self._counts + counts
 
     def read(self, reduce: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:

@@ -21,16 +21,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipedsl.parallel.mesh import ParallelMesh
+from pipedsl.parallel.mesh import ParallelMesh, backend_device_type
 
 
 def timeout_of(group: dist.ProcessGroup) -> timedelta | None:
     """`group`'s timeout (the launcher's), for the groups made from it; None where torch does not say.  Read from
     the backend of the group's device: NCCL's is CUDA's (asked for the CPU's, it had none, and the groups made
     on NCCL took torch's default instead of the launcher's)."""
-    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
     with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the default timeout
-        return group._get_backend(device).options._timeout
+        return group._get_backend(torch.device(backend_device_type(group))).options._timeout
     return None
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -185,7 +186,6 @@ class DistTransport:
             # messages from a lower to a higher rank on `up`, the others on `down`
             self._send_group = {peer: up if peer > rank else down for peer in range(size)}
             self._recv_group = {peer: down if peer > rank else up for peer in range(size)}
-            self._comm = {peer: ("up" if peer > rank else "down") for peer in range(size)}
             return
         comm_of = LAYOUTS[layout]
         made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
@@ -206,15 +206,23 @@ class DistTransport:
         self.record.append({"comm": self.communicator(src, dst), "kind": kind, "peer": peer, "at": self.at,
                             "shapes": [list(t.shape) for t in tensors]})
 
-    def post_recv(self, peer: int, buffers: list[torch.Tensor]) -> Recv:
+    def post_recv(self, peer: int, buffers: list[torch.Tensor]) -> Any:
         if self.record is not None:
             self._note("recv", peer, buffers)
-        src, group = self._global[peer], self._recv_group[peer]
-        return Recv(buffers, [dist.irecv(b, src=src, group=group, tag=0) for b in buffers], peer)
+        return self._irecv(peer, buffers)
 
     def send(self, peer: int, tensors: list[torch.Tensor]) -> None:
         if self.record is not None:
             self._note("send", peer, tensors)
+        self._isend(peer, tensors)
+
+    def _irecv(self, peer: int, buffers: list[torch.Tensor]) -> Any:
+        """The receive, issued (what an emulation of another transport replaces: runtime/rendezvous.py)."""
+        src, group = self._global[peer], self._recv_group[peer]
+        return Recv(buffers, [dist.irecv(b, src=src, group=group, tag=0) for b in buffers], peer)
+
+    def _isend(self, peer: int, tensors: list[torch.Tensor]) -> None:
+        """The send, issued; kept until it completes (`push_all`, `wait_sends`)."""
         dst, group = self._global[peer], self._send_group[peer]
         for t in tensors:
             self._sends.append((dist.isend(t, dst=dst, group=group, tag=0), t))
@@ -274,8 +282,10 @@ class Channels:
                 self.transport = DistTransport(group, self.rank, self.size, groups)
         self.kind = "socket" if isinstance(self.transport, socket_p2p.SocketTransport) else "dist"
         self._record_to = os.environ.get("PIPEDSL_P2P_RECORD") if isinstance(self.transport, DistTransport) else None
-        if self._record_to:
+        if self._record_to:  # this pipeline's record starts its rank's file
             self.transport.record = []
+            self._record_path().parent.mkdir(parents=True, exist_ok=True)
+            self._record_path().write_text("")
         self._flushed = 0  # record entries written so far
         # each operation is named by its instruction (`label`): for the record, and for what a stuck rendezvous reports
         self.labelled = bool(self._record_to) or getattr(self.transport, "names_operations", False)
@@ -332,15 +342,13 @@ class Channels:
         if not self._record_to:
             return
         import json
-        from pathlib import Path
 
-        path = Path(self._record_to) / f"rank{dist.get_rank()}.jsonl"
-        if self._flushed == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")  # a pipeline's record starts its file
         new, self._flushed = self.transport.record[self._flushed:], len(self.transport.record)
-        with path.open("a") as out:
+        with self._record_path().open("a") as out:
             out.writelines(json.dumps(entry) + "\n" for entry in new)
+
+    def _record_path(self) -> Path:
+        return Path(self._record_to) / f"rank{dist.get_rank()}.jsonl"
 
     # ------------------------------------------------------------ a step's opening and its loss
 

@@ -40,10 +40,10 @@ rendezvous_count = 0  # messages this process has sent by rendezvous (a check th
 class _Operation:
     """One send or receive on a stream: done when its rendezvous has happened (or `error` says why not)."""
 
-    __slots__ = ("run", "label", "done", "error")
+    __slots__ = ("run", "label", "sending", "done", "error")
 
-    def __init__(self, run: Callable[[], None], label: str) -> None:
-        self.run, self.label = run, label
+    def __init__(self, run: Callable[[], None], label: str, sending: bool) -> None:
+        self.run, self.label, self.sending = run, label, sending
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -54,7 +54,7 @@ class _Stream:
     def __init__(self, name: str) -> None:
         self.name = name
         self.ops: queue.Queue[_Operation | None] = queue.Queue()
-        self.head: str | None = None  # the operation running now: what a stuck report names
+        self.head: _Operation | None = None  # the operation running now: what a stuck report names
         self.thread = threading.Thread(target=self._run, name=f"pipedsl-stream-{name}", daemon=True)
         self.thread.start()
 
@@ -69,7 +69,7 @@ class _Stream:
                 op.error = failed
                 op.done.set()
                 continue
-            self.head = op.label
+            self.head = op
             try:
                 op.run()
                 self.head = None
@@ -117,9 +117,7 @@ class RendezvousTransport(DistTransport):
             stream = self._streams[name] = _Stream(name)
         return stream
 
-    def post_recv(self, peer: int, buffers: list[torch.Tensor]) -> RendezvousRecv:  # type: ignore[override]
-        if self.record is not None:
-            self._note("recv", peer, buffers)
+    def _irecv(self, peer: int, buffers: list[torch.Tensor]) -> RendezvousRecv:
         src, group = self._global[peer], self._recv_group[peer]
 
         def run() -> None:
@@ -128,11 +126,9 @@ class RendezvousTransport(DistTransport):
             dist.send(torch.ones(1, dtype=torch.uint8), dst=src, group=group, tag=ACK)  # reached: the send may end
 
         label = f"{self.at or 'a receive'} from rank {peer}"
-        return RendezvousRecv(buffers, self._stream(peer, self.rank).put(_Operation(run, label)), peer, self)
+        return RendezvousRecv(buffers, self._stream(peer, self.rank).put(_Operation(run, label, False)), peer, self)
 
-    def send(self, peer: int, tensors: list[torch.Tensor]) -> None:
-        if self.record is not None:
-            self._note("send", peer, tensors)
+    def _isend(self, peer: int, tensors: list[torch.Tensor]) -> None:
         dst, group = self._global[peer], self._send_group[peer]
 
         def run() -> None:
@@ -143,7 +139,7 @@ class RendezvousTransport(DistTransport):
             rendezvous_count += 1
 
         label = f"{self.at or 'a send'} to rank {peer}"
-        self._pending.append((self._stream(self.rank, peer).put(_Operation(run, label)), peer))
+        self._pending.append((self._stream(self.rank, peer).put(_Operation(run, label, True)), peer))
 
     def push_all(self) -> None:
         if self._pending:
@@ -162,9 +158,9 @@ class RendezvousTransport(DistTransport):
         done = op.done.wait(self.timeout)
         head = self._streams[name].head
         stuck = ""
-        if head is not None and head != op.label:
-            verb = "its receive" if " to rank " in head else "its send"
-            stuck = f"; that stream is stuck at {head}, waiting for rank {peer} to reach {verb}"
+        if head is not None and head is not op:
+            verb = "its receive" if head.sending else "its send"
+            stuck = f"; that stream is stuck at {head.label}, waiting for rank {peer} to reach {verb}"
         if not done:
             raise RankFailure(f"rank {self.rank}: {op.label} did not complete within {self.timeout:g} s under NCCL's "
                               f"semantics (PIPEDSL_P2P=rendezvous) on communicator {name}{stuck}: on GPUs this "

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipedsl.ir import Program
+from pipedsl.parallel.mesh import backend_device_type
 from pipedsl.timeline import Event, Timeline
 
 PING_ROUNDS = 8
@@ -38,7 +39,7 @@ def host_id() -> str:
 def message_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a tensor sent over `group` must live: the current GPU under NCCL (which moves device memory only:
     the clock exchange sent host tensors and failed on ranks of several hosts), the CPU otherwise."""
-    if dist.get_backend(group) == "nccl":
+    if backend_device_type(group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -39,10 +39,10 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
         raise PipeDSLError(f"--loss-reduction token: {md.path} adds its router's auxiliary loss to each "
                            f"microbatch's mean loss (output_router_logits), as transformers does; use the default "
                            f"(microbatch) or set output_router_logits false in its config.json")
-    refused = moe_refusal(bool(num_experts(md.config)), cfg.parallel.tp, cfg.parallel.ep)  # the planner's rule
+    ep, experts = cfg.parallel.ep, num_experts(md.config)
+    refused = moe_refusal(True, cfg.parallel.tp, ep) if experts else None  # the planner's rule
     if refused is not None:
         raise PipeDSLError(f"--tp {cfg.parallel.tp}: {md.path} is a mixture of experts, and {refused}")
-    ep, experts = cfg.parallel.ep, num_experts(md.config)
     if ep > 1 and not experts:
         raise PipeDSLError(f"--ep {ep} shards experts, and {md.path} ({md.kind}) has none")
     if experts % ep:

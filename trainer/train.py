@@ -284,16 +284,15 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
                 until = min(start + AUTO_PROFILE_STEPS, t.steps)
                 clock = _unit_clock(pipe, cfg) if until < t.steps else None
                 try:
-                    losses = _loop(rank, pipe, opt, source, cfg, start, log, load, stop, history, until=until)
+                    _loop(rank, pipe, opt, source, cfg, start, log, load, stop, history, until=until)
                 finally:
                     if clock is not None:
                         clock.close()
-                if until < t.steps and max(losses, default=start) == until:  # not stopped early
+                if until < t.steps and max(history, default=start) == until:  # not stopped early
                     pipe, opt, source, load, cfg = _switch(rank, pipe, opt, source, cfg, parallel, until, log, clock)
-                    losses.update(_loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load,
-                                        stop, history))
+                    _loop(rank, pipe, opt, source, replace(cfg, started_at=None), until, log, load, stop, history)
             else:
-                losses = _loop(rank, pipe, opt, source, cfg, start, log, load, stop, history)
+                _loop(rank, pipe, opt, source, cfg, start, log, load, stop, history)
     finally:
         if log is not None:
             log.close()
@@ -488,17 +487,15 @@ def _logger(cfg: TrainConfig, start: int) -> Any:
 
 
 def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: int, log: Any, load: Any,
-          stop: Stop, history: dict[int, float], until: int | None = None) -> dict[int, float]:
+          stop: Stop, history: dict[int, float], until: int | None = None) -> None:
     """Steps start+1 … `until` (default the last), or fewer: up to the one after which `stop` says to end
-    (`--max-time`, a stop signal), which saves a checkpoint when the run has a directory.  Returns these steps'
-    losses; `history` (every step's, saved in each checkpoint so that a resumed run reports them all) gets them
-    too."""
+    (`--max-time`, a stop signal), which saves a checkpoint when the run has a directory.  Each step's loss goes
+    into `history` (every step's, saved in each checkpoint so that a resumed run reports them all)."""
     clip, steps = cfg.training.clip_grad, cfg.training.steps
     every, directory = cfg.checkpoint.checkpoint_every, cfg.checkpoint.checkpoint_dir
     log_every, record = cfg.logging.log_every, model_record(cfg)
     eval_every, eval_at_end = cfg.eval.eval_every, cfg.hf is not None and cfg.hf.eval_at_end
     peak = cfg.peak_flops or 0.0
-    losses: dict[int, float] = {}
     for step in range(start + 1, (until or steps) + 1):
         x, y = source.next_batch(step)
         t0 = time.perf_counter()
@@ -507,7 +504,7 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
         stepped = opt.step()
         opt.zero_grad()
         dt = time.perf_counter() - t0
-        losses[step] = history[step] = loss
+        history[step] = loss
         experts = load.read() if load is not None else None  # every rank: a collective
         if log is not None and (step % log_every == 0 or step in (start + 1, steps)):
             m: dict[str, Any] = {"loss": loss, "step_ms": dt * 1e3, "samples_per_s": source.samples_per_step / dt,
@@ -545,7 +542,6 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
                          (" (checkpoint saved; --resume continues it)" if directory else " (no --checkpoint-dir: "
                           "nothing saved)"))
             break
-    return losses
 
 
 def _evaluate(pipe: Any, source: Any, step: int, log: Any) -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
-from pipedsl.parallel.expert import host_ints
+from pipedsl.parallel.expert import host_ints, routings
 
 
 class Experts(nn.Module):
@@ -53,10 +53,8 @@ class Experts(nn.Module):
         E, k = self.num_experts, top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, ascending; within one, by token (as torch.where lists)
-        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat.clamp(max=E), torch.ones_like(flat))
         start = 0
-        for e, n in enumerate(host_ints(counts[:E])):  # the layer's one host synchronisation: the group sizes
+        for e, n in enumerate(host_ints(routings(flat, E + 1)[:E])):  # the layer's one host sync: the group sizes
             if n:
                 slots = order[start:start + n]
                 token = slots // k
@@ -87,7 +85,7 @@ class Router(nn.Module):
         top, index = probs.topk(k, dim=-1)  # [N, k]
         weight = top / top.sum(dim=-1, keepdim=True)
         flat = index.reshape(-1)  # slots in token order
-        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+        counts = routings(flat, E)  # [E], before dropping
         aux = E / x.shape[0] * (counts.to(probs.dtype) * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)

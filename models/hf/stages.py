@@ -174,6 +174,12 @@ class _Parts:
                                    f"which pipedsl's stages cannot run (supported: {', '.join(MASK_KINDS)})")
 
 
+def router_recorder(body: nn.Module) -> Any:
+    """transformers' record of where `body` (a model's base) takes its router logits from: an `OutputRecorder`
+    (`target_class`, `index`), or None for a model that records none."""
+    return (getattr(type(body), "_can_record_outputs", None) or {}).get("router_logits")
+
+
 class RouterLoss:
     """An MoE decoder's auxiliary load-balancing loss (Switch Transformer's), computed across stages exactly as the
     model's own forward computes it with `output_router_logits=True` (transformers' `load_balancing_loss_func`).
@@ -201,7 +207,7 @@ class RouterLoss:
         coef = next((c for c in (getattr(model, n, None) for n in ROUTER_LOSS_COEFFICIENTS) if c is not None), None)
         if coef is None:  # router logits only returned (DeepSeek-V3): the loss is the plain one
             return None
-        recorder = (getattr(type(body), "_can_record_outputs", None) or {}).get("router_logits")
+        recorder = router_recorder(body)
         experts = getattr(model, "num_experts", None)
         top_k = getattr(model, "num_experts_per_tok", None)
         if getattr(recorder, "target_class", None) is None or experts is None or top_k is None:
@@ -551,8 +557,7 @@ def first_moe_layer(model: nn.Module) -> int:
     """The index of the first decoder layer holding routed experts — a module with an expert count above 1, or the
     module the model records router logits from — or 0 (a dense model, or layers not found)."""
     body = getattr(model, "base_model", model)
-    recorder = (getattr(type(body), "_can_record_outputs", None) or {}).get("router_logits")
-    router = getattr(recorder, "target_class", None)
+    router = getattr(router_recorder(body), "target_class", None)
     try:
         layers = _child_list(body, LAYER_NAMES, type(model).__name__, "decoder layers")
     except PipeRuntimeError:
