@@ -12,7 +12,7 @@ receive — the rendezvous the NCCL model proves hang-free, docs/runtime.md "NCC
 visible, the P ranks (default 4) share it over gloo, their messages staged through host memory
 (`Channels.wire`); vs_torch, op_cpu and large, which need one GPU a rank, are then left out and say
 why, and `one_gpu` measures what one GPU can: a one-rank pipeline's step against a plain PyTorch
-loop on a ~1.1 B Llama (bf16, SDPA), the ratio and the MFU.  Exit status 1 if any check failed.
+loop on a 0.85 B Llama (bf16, SDPA), the ratio and the MFU.  Exit status 1 if any check failed.
 
     python benchmarks/gpu_check.py                       # one process a GPU (>= 2 GPUs), or all on one
     python benchmarks/gpu_check.py --device cpu --tiny   # the same checks on gloo, tiny sizes
@@ -40,7 +40,7 @@ SIZES = {"full": {"steps": 3, "vs_torch": {"gpt_rows": 4, "steps": 10, "reps": 7
                   "op_cpu": {"M": 16, "steps": 1, "reps": 40, "warmup": 2},
                   "large": {"width": 4096, "steps": 1},  # rows from --message-mib
                   "one_gpu": {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "ffn": 5632, "vocab": 32000,
-                              "seq": 2048, "rows": 1, "M": 8, "steps": 6, "warmup": 2}},  # a ~1.1 B Llama
+                              "seq": 2048, "rows": 1, "M": 8, "steps": 12, "warmup": 2}},  # a 0.85 B Llama
          "tiny": {"steps": 1, "vs_torch": {"gpt_rows": 1, "steps": 1, "reps": 1, "warmup": 0},
                   "op_cpu": {"M": 4, "steps": 1, "reps": 1, "warmup": 0},
                   "large": {"width": 32, "steps": 1},
@@ -166,7 +166,7 @@ def one_gpu(rank: int, device: str, size: dict[str, Any]) -> dict[str, Any]:
         for x, t in zip(ids.chunk(M), targets.chunk(M)):
             loss = causal_lm_loss(plain(x, use_cache=False).logits, t) / M
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         losses["torch"].append(total)
         plain_opt.step()
         plain_opt.zero_grad()
@@ -182,12 +182,14 @@ def one_gpu(rank: int, device: str, size: dict[str, Any]) -> dict[str, Any]:
                 times[name].append(time.perf_counter() - t0)
     pipe.close()
     step = {name: statistics.median(v) for name, v in times.items()}
+    paired = sorted(p / t for p, t in zip(times["pipedsl"], times["torch"]))  # step i of each: same GPU state
     card = torch.cuda.get_device_name() if device != "cpu" else ""
     peak = next((v for k, v in GPU_PEAKS.items() if k in card), None)  # the trainer's MFU: its peaks, its FLOPs
     flops = model_flops_per_token(params, model.get_input_embeddings().weight.numel(), size["layers"],
                                   size["hidden"], seq) * M * rows * seq
     first = losses["torch"][0]
-    return {"params": params, "tokens": M * rows * seq, "step_s": step, "ratio": step["pipedsl"] / step["torch"],
+    return {"params": params, "tokens": M * rows * seq, "step_s": step,
+            "ratio": statistics.median(paired), "ratio_range": [paired[0], paired[-1]],
             "mfu": {n: flops / t / peak for n, t in step.items()} if peak else None, "card": card,
             "dtype": str(dtype).removeprefix("torch."),
             "first_loss_rel_diff": abs(losses["pipedsl"][0] - first) / first}
@@ -229,7 +231,8 @@ def table(result: dict[str, Any]) -> str:
         mfu = (f"; MFU {g['mfu']['pipedsl']:.1%} against {g['mfu']['torch']:.1%}" if g["mfu"] else "")
         out += [f"One GPU, a {g['params'] / 1e9:.2f} B Llama ({g['dtype']}, SDPA), {g['tokens']} tokens a step: "
                 f"pipedsl's one-rank 1F1B {g['step_s']['pipedsl'] * 1e3:.1f} ms against a plain PyTorch loop "
-                f"{g['step_s']['torch'] * 1e3:.1f} ms (ratio {g['ratio']:.3f}){mfu}; first losses "
+                f"{g['step_s']['torch'] * 1e3:.1f} ms (ratio {g['ratio']:.3f}, paired steps {g['ratio_range'][0]:.3f}-"
+                f"{g['ratio_range'][1]:.3f}){mfu}; first losses "
                 f"{g['first_loss_rel_diff']:.1e} apart (relative)", ""]
     if "moe" in result:
         verdict = "equal" if not result["moe"] else "; ".join(result["moe"][:3])
