@@ -4,8 +4,11 @@
 module's parameters.  They are packed, per *unit* (a submodule; by default the whole module,
 or every child for stage 3), into one flat fp32 buffer padded to a multiple of the group
 size N, so rank r owns the contiguous slice [r·S, (r+1)·S) of every unit, S = padded/N.  The
-module's parameters become views of that buffer, recreated at every forward so gradients
-land in one contiguous flat gradient.  The user's optimizer class runs on the owned slices
+module's parameters stay its parameters, their storage moved into that buffer (Megatron's layout),
+and each one's `.grad` is its slice of the unit's flat gradient, where autograd accumulates in
+place; a post-accumulate hook adds what it could not (the first gradient of a step, another
+dtype).  So a backward costs what it costs without ZeRO, and a split backward's W computes each
+weight's gradient alone.  The user's optimizer class runs on the owned slices
 only, which equals running it on the whole model for any elementwise optimizer (SGD, Adam,
 AdamW, …; LAMB, Adafactor, LBFGS, Muon and the like, whose updates use per-tensor statistics, are
 refused by name).
@@ -46,7 +49,8 @@ flat buffers hold bf16 values and each trainable unit keeps `main`, fp32 copies 
 slice (of the whole buffer at stage 0) made from the original values, which the optimizer steps;
 after the step they are rounded into the flat buffer (stage 3: the bf16 shard) and all-gathered
 as bf16.  Gradients accumulate in `grad_dtype`: fp32 (each backward's bf16 gradient is added into
-`flat.main_grad`, Megatron's name) or bf16 (autograd's `.grad`, converted to fp32 for the step).
+the unit's fp32 flat gradient, Megatron's `main_grad`, by the hook) or bf16 (in place, converted to
+fp32 for the step).
 Bytes per parameter for every stage and mode: docs/training-state.md.
 
 Frozen parameters (`requires_grad=False`: a frozen base under trainable adapters) go into a
@@ -79,7 +83,8 @@ traffic on the formulas (benchmarks/parallel_memory_comm.py).
 
 DTensor parameters (torch's tensor parallelism, parallel/tp_hf.py) go in as their local shards, as
 FSDP2 composes with TP: the flat buffers, slices, optimizer state and checkpoint layouts are those
-of this tp rank's shards (the same shapes on every dp peer), and each installed view is wrapped
+of this tp rank's shards (the same shapes on every dp peer).  They do not stay parameters: the flat
+buffer is registered on the unit's module instead, and each forward installs views of it, wrapped
 back with `DTensor.from_local` (the parameter's mesh, placements and global shape), whose backward
 redistributes the gradient to the weight's placements and hands the flat buffer its local part
 (weights marked `sum_grads_later`: their partial part, summed over tp at the step end).
@@ -114,6 +119,7 @@ from torch._guards import detect_fake_mode
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pipedsl.parallel.comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
 from pipedsl.parallel.config import REDUCE_MODES, ParallelConfigError
@@ -172,6 +178,17 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+_UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a parameter (or flat buffer) ZeRO holds -> its unit
+
+
+def zero_gradient(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient `p` accumulates into when ZeRO holds it — its slice of its unit's flat gradient, allocated
+    if the step has none yet (fp32 under bf16 parameters) — else None.  What a reduction of `p`'s gradient
+    outside ZeroOptimizer (a stage's replicas, runtime/reduce.py) must reduce."""
+    unit = _UNIT_OF.get(p)
+    return None if unit is None or not unit.trainable else unit.gradient(p)
+
+
 def is_flat_buffer(p: torch.Tensor) -> bool:
     """Whether `p` is a unit's flat buffer: 1-D, it holds matrices (the module's parameters are views of it), so
     its gradient is no vector's (runtime/stage.py computes vectors' gradients in I, a split backward's first half)."""
@@ -185,7 +202,8 @@ class _Unit:
     def __init__(self, index: int, module: nn.Module, entries: list[_Entry], group: ProcessGroup,
                  stage: int, dtype: torch.dtype, trainable: bool = True,
                  hooked: Iterable[nn.Module] = (), param_dtype: torch.dtype | None = None,
-                 grad_dtype: torch.dtype | None = None, divisor: int | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, divisor: int | None = None,
+                 params: list[nn.Parameter] | None = None) -> None:
         self.index, self.module, self.entries, self.stage = index, module, entries, stage
         self.trainable = trainable
         self.hooked = list(hooked) or [module]  # the modules whose forward enters the unit
@@ -210,16 +228,32 @@ class _Unit:
             for e in entries:
                 source[e.offset:e.offset + e.numel].copy_(_local(getattr(e.owner, e.attr).detach()).reshape(-1))
         full = source.to(self.dtype)
-        self.flat = nn.Parameter(full, requires_grad=trainable)  # [padded]; the module's parameters are views of it
-        self.flat.holds_views = True  # see `is_flat_buffer`
+        # the module's parameters stay its parameters, their storage moved into the flat buffer (Megatron's
+        # layout), so autograd treats each as the leaf it is: its gradient lands in its own slice of `grad`,
+        # and a split backward's W computes it alone.  DTensor parameters are the exception: each forward makes
+        # them again as DTensors over views of `flat` (`install_views`), whose gradients autograd sums into it.
+        self.leaves = [(e, p) for e, p in zip(entries, params or []) if e.dtensor is None]
+        self.viewed = [e for e in entries if e.dtensor is not None]
+        self.flat = nn.Parameter(full, requires_grad=trainable and bool(self.viewed))  # [padded]
+        if self.viewed:
+            self.flat.holds_views = True  # see `is_flat_buffer`
+        with torch.no_grad():
+            for e, p in self.leaves:
+                p.data = self.flat.data.narrow(0, e.offset, e.numel).view(e.shape)
+                p.grad = None
+        self._grad: torch.Tensor | None = None  # the full gradient [padded] in `grad_dtype` (property `grad`)
+        self.arrived: set[int] = set()  # the leaves (and `flat`) whose gradient this backward has accumulated
+        self.expected = {id(p) for _, p in self.leaves} | ({id(self.flat)} if self.flat.requires_grad else set())
+        for _, p in self.leaves:
+            _UNIT_OF[p] = self
+        if self.flat.requires_grad:
+            _UNIT_OF[self.flat] = self
         own = slice(self.rank * self.size, (self.rank + 1) * self.size)
         self.own = own
         self.main: nn.Parameter | None = None
         if self.main_dtype is not None:
             self.main = nn.Parameter(source if stage == 0 else source[own].clone())
         del source
-        if self.separate_grad:  # gradients in another dtype than the parameters accumulate here (Megatron's name)
-            self.flat.main_grad = None
         if stage == 0:
             self.shard: nn.Parameter | None = None
         elif stage in (1, 2):
@@ -280,8 +314,9 @@ class _Unit:
     # ---------------------------------------------------------------- views
 
     def install_views(self) -> None:
-        """Point the module's parameter names at views of the flat buffer (a new autograd edge per forward)."""
-        for e in self.entries:
+        """Point the module's DTensor parameters' names at views of the flat buffer (a new autograd edge per
+        forward); the other parameters hold their storage in it for good."""
+        for e in self.viewed:
             view = e.as_param(self.flat.narrow(0, e.offset, e.numel).view(e.shape))
             for owner, attr in e.places():
                 setattr(owner, attr, view)
@@ -295,25 +330,45 @@ class _Unit:
 
     @property
     def grad(self) -> torch.Tensor | None:
-        """The full gradient accumulated so far: the flat buffer's `.grad`, or its `main_grad` (another dtype)."""
-        return self.flat.main_grad if self.separate_grad else self.flat.grad
+        """The full gradient accumulated so far, [padded] in `grad_dtype`; None before the first one of a step
+        (stages 2, 3: after the reduction)."""
+        return self._grad
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
+        """Set the full gradient; in the parameters' dtype, each parameter's `.grad` becomes its slice of it, so
+        autograd accumulates there in place (DDP's gradient-as-bucket-view)."""
+        self._grad = value
         if self.separate_grad:
-            self.flat.main_grad = value
-        else:
+            return
+        for e, p in self.leaves:
+            p.grad = None if value is None else value.narrow(0, e.offset, e.numel).view(e.shape)
+        if self.viewed:
             self.flat.grad = value
 
-    def accumulate(self) -> None:
-        """After a backward: move the parameters' gradient into the accumulation dtype (fp32 main gradients)."""
-        g, self.flat.grad = self.flat.grad, None
-        if g is None:
-            return
-        if self.flat.main_grad is None:
-            self.flat.main_grad = g.to(self.grad_dtype)
-        else:
-            self.flat.main_grad.add_(g)
+    def gradient(self, p: torch.Tensor) -> torch.Tensor:
+        """Leaf `p`'s slice of the full gradient (`flat`: all of it), which is allocated at the first need."""
+        if self._grad is None:
+            self.grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
+        if p is self.flat:
+            return self._grad
+        e = next(e for e, q in self.leaves if q is p)
+        return self._grad.narrow(0, e.offset, e.numel).view(e.shape)
+
+    def accumulated(self, p: torch.Tensor) -> bool:
+        """After autograd accumulated `p`'s gradient (a leaf, or `flat`): make sure it is in the full gradient,
+        where autograd did not add it in place — the first of a step, when `.grad` was unbound; another dtype
+        (fp32 main gradients of bf16 parameters).  True when every trainable leaf has arrived this backward."""
+        g = p.grad
+        into = self.gradient(p)  # binds every `.grad` to its slice when the full gradient is new
+        if g is not None and g.data_ptr() != into.data_ptr():
+            into.add_(g)
+            p.grad = into if into.dtype == p.dtype else None
+        self.arrived.add(id(p))
+        if self.arrived < self.expected:
+            return False
+        self.arrived.clear()
+        return True
 
     def full_grad(self) -> torch.Tensor:
         g = self.grad
@@ -456,7 +511,10 @@ class ZeroOptimizer:
             self._hooks.append(m.register_forward_hook(self._make_post_forward(us), always_call=True))
         for u in self.units:
             if u.trainable:
-                self._hooks.append(u.flat.register_post_accumulate_grad_hook(self._make_post_backward(u)))
+                done = self._make_post_backward(u)
+                self._hooks += [p.register_post_accumulate_grad_hook(done) for _, p in u.leaves]
+                if u.flat.requires_grad:
+                    self._hooks.append(u.flat.register_post_accumulate_grad_hook(done))
             if stage != 3:
                 u.install_views()
         self._hooks.append(module.register_forward_hook(self._end_of_forward))
@@ -511,6 +569,10 @@ class ZeroOptimizer:
                 if (id(m), attr) not in places_seen:
                     places_seen.add((id(m), attr))
                     places.append((path, m, attr))
+        for p, _, quals in found.values():
+            if p in _UNIT_OF:  # its storage is in another optimizer's flat buffer (stage 3: maybe freed)
+                raise ParallelConfigError(f"parameter {quals[0]!r} is held by another ZeroOptimizer already: give "
+                                          f"each module its own copy of a parameter they share")
         groups: dict[tuple[int, int, int], list[tuple[nn.Parameter, list, list[str], list[int]]]] = {}
         for p, places, quals in found.values():
             homes = [enclosing(path) for path, _, _ in places]
@@ -532,7 +594,7 @@ class ZeroOptimizer:
             own_group, divisor = self._groups.get(id(unit_modules[k]), (group, None))
             u = _Unit(len(units), unit_modules[k], entries, own_group, self.stage, dtype, trainable=kind != 2,
                       hooked=hooked.values(), param_dtype=self.param_dtype, grad_dtype=self.grad_dtype,
-                      divisor=divisor)
+                      divisor=divisor, params=[p for p, *_ in members])
             units.append(u)
             if kind != 1:
                 buffers[(k, kind)] = u
@@ -540,7 +602,9 @@ class ZeroOptimizer:
             if kind == 2 and (k, 0) in buffers:
                 u.partner, buffers[(k, 0)].partner = buffers[(k, 0)], u
         for u in units:  # every entry is planned before any module is changed
-            for e in u.entries:
+            if not u.viewed:
+                continue  # its parameters stay where they are, their storage in the flat buffer
+            for e in u.viewed:
                 for owner, attr in e.places():
                     del owner._parameters[attr]
             name, n = "_zero_flat", 0
@@ -638,10 +702,10 @@ class ZeroOptimizer:
         return hook
 
     def _make_post_backward(self, u: _Unit):
-        def hook(flat: torch.Tensor) -> None:
+        def hook(p: torch.Tensor) -> None:
+            if not u.accumulated(p):
+                return  # more of the unit's gradients to come in this backward
             self._note_memory()
-            if u.separate_grad:
-                u.accumulate()
             if self.reduce == "microbatch":
                 u.reduce_scatter_grad(accumulate=True)
                 u.reduced_this_step = True
@@ -682,6 +746,10 @@ class ZeroOptimizer:
     def reduce_gradients(self, async_op: bool = False) -> None:
         """Average gradients over the group (REDUCE_GRAD); with `async_op`, `step()` or `wait()` completes it."""
         if self.reduce == "microbatch":
+            for u in self.units:  # a unit some parameter of which had no gradient in a backward: never complete
+                if u.trainable and u.grad is not None:
+                    u.reduce_scatter_grad(accumulate=True)
+                    u.arrived.clear()
             return
         for u in self.units:
             if not u.trainable:
@@ -778,6 +846,8 @@ class ZeroOptimizer:
                 self._owned(u)  # binds the main parameters' gradient
             elif self.stage >= 2 and u.trainable:
                 u.shard.grad = u.shard_grad
+            elif self.stage == 0 and u.trainable:
+                u.flat.grad = u.full_grad()  # the optimizer steps the whole buffer
             if self.stage == 3 and u.gathered:
                 u.release()  # its values are about to go stale (skip: regathered at the next forward anyway)
         if skip:
@@ -1045,7 +1115,7 @@ class ZeroOptimizer:
 
     def _grad_bytes(self) -> int:
         def grads(u: _Unit) -> tuple[torch.Tensor | None, ...]:
-            return (u.flat.grad, getattr(u.flat, "main_grad", None), u.shard_grad,
+            return (u.grad, u.flat.grad, u.shard_grad,
                     u.shard.grad if u.shard is not None else None, u.main.grad if u.main is not None else None)
         return unique_bytes(t for u in self.units for t in grads(u))
 

@@ -117,6 +117,7 @@ class Flat:
     def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any],
               exempt: dict[int, set[str]]) -> tuple[None, None]:
         """A ZeroOptimizer per local stage (each applies its own weight decay, sparing `exempt`'s names)."""
+        own_copies(pipe.local_stages())
         for s, module in sorted(pipe.local_stages().items()):  # the same order on every dp peer
             shards = [(m, m.edp_group, m.dp) for m in module.modules() if isinstance(m, ExpertParallel)]
             self.zero[s] = ZeroOptimizer(module, optimizer_class, group=self.group, stage=self.level,
@@ -133,6 +134,23 @@ class Flat:
             raise PipeRuntimeError(f"{self.reason}: the gradients live in the optimizer's flat buffers; create it "
                                    f"with pipe.optimizer(...) first")
         return ownership.gradients(self.zero)
+
+
+def own_copies(modules: dict[int, nn.Module]) -> None:
+    """Give every stage its own object of a parameter that several local stages hold (a weight tied between a
+    V schedule's first and last stage, both on rank 0): each stage's ZeroOptimizer moves its parameters'
+    storage into its own flat buffers, and ties.py keeps the copies equal, as between ranks."""
+    owner: dict[int, int] = {}  # parameter id -> the first stage holding it
+    for s, module in sorted(modules.items()):
+        copies: dict[int, nn.Parameter] = {}
+        for m in module.modules():
+            for attr, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                if owner.setdefault(id(p), s) != s:
+                    if id(p) not in copies:
+                        copies[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                    m._parameters[attr] = copies[id(p)]
 
 
 def strategy_for(parallel: ParallelConfig | None, precision: MixedPrecision, group: dist.ProcessGroup | None,

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from pipedsl.ir import Program
 from pipedsl.parallel.expert import expert_parameters, reduction_of
+from pipedsl.parallel.zero import zero_gradient
 from pipedsl.runtime.groups import PipelineGroups
 from pipedsl.runtime.ties import TieReducer
 
@@ -205,10 +206,9 @@ def _grads_of(params: Iterable[nn.Parameter], skip: set[int]) -> list[torch.Tens
     for p in params:
         if not p.requires_grad or id(p) in skip:
             continue
-        if hasattr(p, "main_grad"):  # ZeRO's flat buffer of low-precision parameters: fp32 gradients beside it
-            if p.main_grad is None:
-                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            grads.append(p.main_grad)
+        held = zero_gradient(p)  # ZeRO's: its slice of the unit's flat gradient (fp32 under bf16 parameters)
+        if held is not None:
+            grads.append(held)
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -183,7 +183,8 @@ class TieReducer:
                     if id(unit) not in units:
                         units.add(id(unit))
                         held.zero.append((zeros[s], name))
-                        self.skip.add(id(unit.flat))  # replica reductions leave the copy to the tie
+                        # replica reductions leave the copy to the tie
+                        self.skip.update([id(unit.flat), *(id(p) for _, p in unit.leaves)])
 
     def broadcast(self) -> None:
         """Every copy starts from the first stage's copy (replica 0; without ZeRO, dp replica 0)."""

@@ -391,9 +391,10 @@ def compiled_blocks(rank: int, schedule: str) -> dict:
 
 
 def flat_buffer_split(rank: int, level: int) -> dict:
-    """A GPT block under ZeRO-`level`'s flat buffers (the parameters become views of one 1-D buffer), split
-    backward with I dropping what W does not read: the buffer is no vector (its gradient stays W's, so the split
-    still defers work), and its gradient and the input gradient equal a full backward's on a twin."""
+    """A GPT block under ZeRO-`level` (its parameters' storage moved into one flat buffer), split backward with I
+    dropping what W does not read: I takes the gradients it takes without ZeRO (vectors': the norms'), W the
+    rest; every gradient lands in its parameter's slice of the
+    unit's flat gradient and equals a full backward's on a twin (and the plain block's)."""
     import torch.distributed as dist
 
     from pipedsl.models.gpt.model import Block, GPTConfig
@@ -402,25 +403,36 @@ def flat_buffer_split(rank: int, level: int) -> dict:
 
     torch.manual_seed(0)
     block = Block(GPTConfig(n_embd=16, n_head=2, block_size=8))
-    twin = copy.deepcopy(block)
-    stages = {}
-    for name, module in (("split", block), ("full", twin)):
-        ZeroOptimizer(module, torch.optim.SGD, group=dist.group.WORLD, stage=level, lr=0.1)
+    twin, plain = copy.deepcopy(block), copy.deepcopy(block)
+    stages, zeros = {}, {}
+    for name, module in (("split", block), ("full", twin), ("plain", plain)):
+        if name != "plain":
+            zeros[name] = ZeroOptimizer(module, torch.optim.SGD, group=dist.group.WORLD, stage=level, lr=0.1)
         stages[name] = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=True))
     x, g = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
-    act, _ = stages["split"].forward([x])
-    got = stages["split"].backward_input(act, [g])
-    [plan] = stages["split"]._plans.values()
-    deferred = bool(plan.groups) and not plan.early
-    stages["split"].backward_weight(act)
+    plans = {}
+    for name in ("split", "plain"):
+        act, _ = stages[name].forward([x])
+        got = stages[name].backward_input(act, [g])
+        [plans[name]] = stages[name]._plans.values()
+        stages[name].backward_weight(act)
     act, _ = stages["full"].forward([x])
     want = stages["full"].backward(act, [g])
-    problems = [] if deferred else [f"ZeRO-{level}: I took the flat buffer's gradient (early {plan.early})"]
+    vectors = {i for i, p in enumerate(block.parameters()) if p.dim() == 1}
+    problems = []
+    if not (plans["split"].groups and plans["split"].early == plans["plain"].early and plans["plain"].early
+            and set(plans["plain"].early) <= vectors):
+        problems.append(f"ZeRO-{level}: I took {sorted(plans['split'].early)}, without ZeRO "
+                        f"{sorted(plans['plain'].early)} (the vectors are {sorted(vectors)})")
     if not torch.allclose(got[0], want[0], atol=1e-6):
         problems.append(f"ZeRO-{level}: input gradients differ")
-    for p, q in zip(block.parameters(), twin.parameters()):
-        if not torch.allclose(p.grad, q.grad, atol=1e-6):
-            problems.append(f"ZeRO-{level}: the flat buffer's gradient differs")
+    [unit] = zeros["split"].units
+    for (name, p), q, r in zip(block.named_parameters(), twin.parameters(), plain.parameters(), strict=True):
+        e = next(e for e in unit.entries if e.name == name)
+        in_flat = unit.grad[e.offset:e.offset + e.numel].view(e.shape)
+        if not (torch.equal(p.grad, in_flat) and torch.allclose(p.grad, q.grad, atol=1e-6)
+                and torch.allclose(p.grad, r.grad, atol=1e-6)):
+            problems.append(f"ZeRO-{level}: {name}'s gradient differs (or is not in the flat gradient)")
     return {"problems": problems}
 
 

@@ -1,0 +1,107 @@
+"""ZeRO and bf16 parameters against the same step without them, on the small GPT: `pipe.step` time ratios.
+
+One group of P local processes (gloo, one thread a rank; dp = 1, so every rank is a pipeline stage) builds the
+same GPT stages once per variant, each a `Pipeline` with `pipe.optimizer(AdamW)`: fp32 without ZeRO (the
+baseline), ZeRO-1, -2 and -3 (`ParallelConfig(dp=1, pp=P, zero=k)`: the parameters live in the flat buffers
+ZeRO shards), bf16 autocast over fp32 parameters (the bf16 baseline) and bf16 parameters over fp32 main
+parameters (Megatron's; flat buffers).  Repetitions time `--steps` calls of `pipe.step` between barriers (then
+the optimizer's step, untimed), every variant in turn, the order rotating each repetition.  Reported: each
+variant's median and its paired ratio to its baseline (fp32, or bf16 autocast for bf16-main).
+
+    python benchmarks/zero_speed.py                       # P=2, 1F1B, M=8, hidden 384 (the issue's GPT)
+    python benchmarks/zero_speed.py --schedule zb-h1
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench  # noqa: E402
+
+# name: (zero level or None, compute dtype, parameters' dtype, baseline)
+VARIANTS = {"fp32": (None, "fp32", "fp32", None), "zero1": (1, "fp32", "fp32", "fp32"),
+            "zero2": (2, "fp32", "fp32", "fp32"), "zero3": (3, "fp32", "fp32", "fp32"),
+            "bf16": (None, "bf16", "fp32", None), "bf16-main": (None, "bf16", "bf16", "bf16")}
+
+
+def _rank_main(rank: int, schedule: str, P: int, cfg: dict, names: list[str]) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import pipedsl
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.parallel import ParallelConfig
+    from pipedsl.runtime.precision import MixedPrecision
+
+    gcfg = GPTConfig(n_layer=cfg["layers"], n_embd=cfg["embd"], block_size=cfg["seq"])
+    torch.manual_seed(0)
+    model = GPT(gcfg)
+    x, y = synthetic_batch(cfg["M"] * cfg["rows"], gcfg.block_size, gcfg.vocab_size, torch.Generator().manual_seed(1))
+    prog = pipedsl.load(schedule).compile(P=P, M=cfg["M"], **cfg["params"])
+    runs = {}
+    for name in names:
+        zero, compute, params, _ = VARIANTS[name]
+        parallel = ParallelConfig(dp=1, pp=P, zero=zero) if zero is not None else None
+        pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(prog.num_stages), program=prog, loss_fn=gpt_loss,
+                                parallel=parallel, precision=MixedPrecision(compute, params=params))
+        runs[name] = (pipe, pipe.optimizer(torch.optim.AdamW, lr=1e-4))
+
+    def timed(name: str, steps: int) -> float:
+        pipe, opt = runs[name]
+        total = 0.0
+        for _ in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(x, y)
+            dist.barrier()
+            total += time.perf_counter() - t0
+            opt.step()
+            opt.zero_grad()
+        return total / steps
+
+    for name in names:
+        timed(name, max(1, cfg["warmup"]))  # the first step learns shapes: never timed
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for rep in range(cfg["reps"]):
+        for k in range(len(names)):
+            name = names[(k + rep) % len(names)]
+            times[name].append(timed(name, cfg["steps"]))
+    for pipe, _ in runs.values():
+        pipe.close()
+    return times
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import pipedsl
+
+    ap = _bench.small_gpt_parser(__doc__.splitlines()[0], "zero_speed")
+    ap.set_defaults(M=8, embd=384, reps=5, steps=2)
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    args = ap.parse_args(argv)
+    cfg = _bench.small_gpt_config(args)
+    names = [n for n in VARIANTS if n in args.variants or any(VARIANTS[v][3] == n for v in args.variants)]
+    t = pipedsl.launch(_rank_main, args.P, args.schedule, args.P, cfg, names, threads=1, timeout=600)[0]
+    rows = []
+    for name in names:
+        base = VARIANTS[name][3]
+        paired = [a / b for a, b in zip(t[name], t[base])] if base else None
+        rows.append({"variant": name, "baseline": base, "step_s": _bench.spread(t[name]),
+                     "ratio_paired_median": _bench.median(paired) if paired else None, "raw": t[name]})
+    command = ("python benchmarks/zero_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    result = {"benchmark": "zero_speed", "command": command, "machine": _bench.machine(), "date": _bench.today(),
+              "schedule": args.schedule, "P": args.P, "config": cfg, "rows": rows}
+    print(f"{'variant':<10} {'pipe.step ms':>12} {'vs':>6} {'ratio':>7}")
+    for r in rows:
+        ratio = f"{r['ratio_paired_median']:7.3f}" if r["baseline"] else "       "
+        print(f"{r['variant']:<10} {r['step_s']['median'] * 1e3:12.1f} {r['baseline'] or '':>6} {ratio}")
+    _bench.write_json("zero_speed", result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()
