@@ -1,4 +1,4 @@
-"""Benchmarks that guard themselves: four ratios in under a minute, each against a yardstick measured in
+"""Benchmarks that guard themselves: five ratios in under a minute, each against a yardstick measured in
 the same run, compared with benchmarks/baseline.json.
 
 This machine's speed moves 1.5-3x between sessions, so an absolute time says nothing about the code.
@@ -11,7 +11,9 @@ Each figure is pipedsl's cost over a yardstick's cost measured alongside it (low
   on the same Linear(8, 8) stages, 1F1B M=16, gloo (op_cpu.py);
 - `shape_change_P2`: a step at a never-seen sequence length over a step at the known one, small GPT,
   1F1B P=2 M=4, alternating (the yardstick is the runtime's own steady step);
-- `vs_torch_gpt_1f1b_P2`: pipedsl's step time over torch's, vs_torch.py's GPT row (paired median).
+- `vs_torch_gpt_1f1b_P2`: pipedsl's step time over torch's, vs_torch.py's GPT row (paired median);
+- `zero1_step_P2`: `pipe.step` under ZeRO-1 over the same step without ZeRO, small GPT, 1F1B P=2 M=4 (zero_speed.py;
+  paired median): the flat buffers must not slow the backward again.
 
 A figure 1.25x its baseline (or worse) prints a line starting `REGRESSION` and the exit status is 1.
 
@@ -43,16 +45,21 @@ YARDSTICKS = {
     "op_cpu_P2": "torch.distributed.pipelining's CPU per op, same stages and processes",
     "shape_change_P2": "a step at the known shape, same pipeline",
     "vs_torch_gpt_1f1b_P2": "torch.distributed.pipelining's step time, same stages and processes",
+    "zero1_step_P2": "the same pipe.step without ZeRO, same stages and processes",
 }
 SIZES = {  # full and --tiny (the smoke test: structure only)
     "full": {"compile": (32, 256, 4), "compile_reps": 3,
              "op_cpu": {"M": 16, "steps": 1, "reps": 40, "warmup": 2},
              "shape": {"M": 4, "rows": 2, "layers": 2, "embd": 32, "seq": 64, "new_shapes": 5, "warmup": 2},
-             "vs_torch": {"M": 4, "gpt_rows": 4, "steps": 4, "reps": 6, "warmup": 2}},
+             "vs_torch": {"M": 4, "gpt_rows": 4, "steps": 4, "reps": 6, "warmup": 2},
+             "zero": {"M": 4, "rows": 4, "layers": 2, "embd": 256, "seq": 64, "steps": 1, "reps": 8, "warmup": 1,
+                      "params": {}}},
     "tiny": {"compile": (4, 8, 2), "compile_reps": 1,
              "op_cpu": {"M": 4, "steps": 1, "reps": 1, "warmup": 0},
              "shape": {"M": 2, "rows": 1, "layers": 2, "embd": 16, "seq": 16, "new_shapes": 1, "warmup": 1},
-             "vs_torch": {"M": 2, "gpt_rows": 1, "steps": 1, "reps": 1, "warmup": 0}},
+             "vs_torch": {"M": 2, "gpt_rows": 1, "steps": 1, "reps": 1, "warmup": 0},
+             "zero": {"M": 2, "rows": 1, "layers": 2, "embd": 16, "seq": 16, "steps": 1, "reps": 1, "warmup": 1,
+                      "params": {}}},
 }
 
 
@@ -124,9 +131,11 @@ def _shape_change(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def _rank_main(rank: int, sizes: dict[str, Any]) -> dict[str, Any]:
     import op_cpu
     import vs_torch
+    import zero_speed
 
     return {"op_cpu": op_cpu.measure(rank, 2, sizes["op_cpu"]), "shape": _shape_change(rank, sizes["shape"]),
-            "vs_torch": vs_torch._rank_main(rank, "gpt", "1f1b", 2, sizes["vs_torch"])}
+            "vs_torch": vs_torch._rank_main(rank, "gpt", "1f1b", 2, sizes["vs_torch"]),
+            "zero": zero_speed._rank_main(rank, ["1f1b"], 2, sizes["zero"], ["fp32", "zero1"])}
 
 
 # ---------------------------------------------------------------- figures and the baseline
@@ -136,6 +145,7 @@ def figures(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every figure: its ratio (lower is better), its yardstick and what it was computed from."""
     import op_cpu
     import vs_torch
+    import zero_speed
 
     import pipedsl
 
@@ -148,6 +158,10 @@ def figures(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
                               "new_shape_step_s": _bench.median(shape["new"]), **shape}
     row = vs_torch._row("gpt", "1f1b", 2, sizes["vs_torch"], ranks[0]["vs_torch"])
     out["vs_torch_gpt_1f1b_P2"] = {"ratio": 1 / row["ratio_paired_median"], "row": row}
+    zero = ranks[0]["zero"]
+    out["zero1_step_P2"] = {"ratio": zero_speed.paired(zero[("1f1b", "zero1")], zero[("1f1b", "fp32")]),
+                            "zero1_step_s": _bench.median(zero[("1f1b", "zero1")]),
+                            "fp32_step_s": _bench.median(zero[("1f1b", "fp32")])}
     for name, fig in out.items():
         fig["yardstick"] = YARDSTICKS[name]
     return out

@@ -32,13 +32,18 @@ from saved_storages import saved_storages  # noqa: E402
 MiB = 2**20
 
 
-def held_bytes(make: Any, x: Any, release: bool) -> dict[str, float]:
-    """MiB a middle stage holds after F and after I (saved tensors alive + the gradients captured for W)."""
+def held_bytes(make: Any, x: Any, release: bool, zero: int = 0) -> dict[str, float]:
+    """MiB a middle stage holds after F and after I (saved tensors alive + the gradients captured for W); `zero`:
+    its parameters in ZeRO-`zero`'s flat buffers (a one-rank group)."""
     import torch
+    import torch.distributed as dist
 
+    from pipedsl.parallel.zero import ZeroOptimizer
     from pipedsl.runtime.stage import ActivationCounter, Stage, StageOptions
 
     module = make()
+    if zero:
+        ZeroOptimizer(module, torch.optim.SGD, group=dist.group.WORLD, stage=zero, lr=0.0)
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     stage = Stage(module, 1, 3, None, 1, ActivationCounter(), options=StageOptions(release=release))
     act, outs = stage.forward([x])
@@ -97,6 +102,19 @@ def stages(quick: bool) -> dict[str, tuple[Any, tuple[int, ...]]]:
     return out
 
 
+def _held_rows(rank: int, quick: bool) -> list[dict[str, Any]]:
+    """Every stage's held bytes: I keeping everything, I keeping W's part, and the same under ZeRO-1."""
+    import torch
+
+    torch.manual_seed(0)
+    rows = []
+    for name, (make, shape) in stages(quick).items():
+        x = torch.randn(shape)
+        for release, zero in ((False, 0), (True, 0), (True, 1)):
+            rows.append({"stage": name, "release": release, "zero": zero, **held_bytes(make, x, release, zero)})
+    return rows
+
+
 def _rank_main(rank: int, P: int, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -144,18 +162,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     import pipedsl
 
-    torch.manual_seed(0)
-    rows = []
+    rows = pipedsl.launch(_held_rows, 1, args.quick, threads=max(1, torch.get_num_threads()), timeout=600)[0]
     print("| stage | I keeps | after F MiB | after I MiB (saved + gradients for W) |")
     print("|---|---|---:|---:|")
-    for name, (make, shape) in stages(args.quick).items():
-        x = torch.randn(shape)
-        for release in (False, True):
-            r = held_bytes(make, x, release)
-            rows.append({"stage": name, "release": release, **r})
-            print(f"| {name} | {'W' + chr(39) + 's part' if release else 'everything'} | {r['after_F']:.1f} | "
-                  f"{r['after_I_saved'] + r['after_I_grads']:.1f} ({r['after_I_saved']:.1f} + "
-                  f"{r['after_I_grads']:.1f}) |")
+    for r in rows:
+        keeps = ("W's part" + (f", ZeRO-{r['zero']}" if r["zero"] else "")) if r["release"] else "everything"
+        print(f"| {r['stage']} | {keeps} | {r['after_F']:.1f} | {r['after_I_saved'] + r['after_I_grads']:.1f} "
+              f"({r['after_I_saved']:.1f} + {r['after_I_grads']:.1f}) |")
     cfg = ({"layers": 2, "embd": 16, "seq": 16, "M": 4, "rows": 1, "warmup": 1, "reps": 2} if args.quick else
            {"layers": 4, "embd": 64, "seq": 64, "M": 8, "rows": 2, "warmup": 2, "reps": 20})
     times = pipedsl.launch(_rank_main, 2, 2, cfg, threads=1, timeout=600)[0]
@@ -169,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
     _bench.write_json("split_backward", result, args.json)
     if not args.no_append:
         held = "; ".join(f"{r['stage']} after F {r['after_F']:.1f} MiB, after I "
-                         f"{r['after_I_saved'] + r['after_I_grads']:.1f}" for r in rows if r["release"])
+                         f"{r['after_I_saved'] + r['after_I_grads']:.1f}" + (f" (ZeRO-{r['zero']})" * bool(r["zero"]))
+                         for r in rows if r["release"])
         _bench.append_results(_bench.results_row(result["command"], f"split backward: {held}; ZB-H1 step, I "
                                                  f"dropping what W does not read over keeping all: {ratio:.3f}"))
     return result

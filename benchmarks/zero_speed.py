@@ -9,7 +9,7 @@ the optimizer's step, untimed), every variant in turn, the order rotating each r
 variant's median and its paired ratio to its baseline (fp32, or bf16 autocast for bf16-main).
 
     python benchmarks/zero_speed.py                       # P=2, 1F1B, M=8, hidden 384 (the issue's GPT)
-    python benchmarks/zero_speed.py --schedule zb-h1
+    python benchmarks/zero_speed.py --schedules 1f1b zb-h1 --variants zero1 bf16-main
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ VARIANTS = {"fp32": (None, "fp32", "fp32", None), "zero1": (1, "fp32", "fp32", "
             "bf16": (None, "bf16", "fp32", None), "bf16-main": (None, "bf16", "bf16", "bf16")}
 
 
-def _rank_main(rank: int, schedule: str, P: int, cfg: dict, names: list[str]) -> dict:
+def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[str]) -> dict:
+    """{(schedule, variant): [seconds a pipe.step, per repetition]}, every pipeline built in these processes."""
     import torch
     import torch.distributed as dist
 
@@ -42,17 +43,18 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict, names: list[str]) ->
     torch.manual_seed(0)
     model = GPT(gcfg)
     x, y = synthetic_batch(cfg["M"] * cfg["rows"], gcfg.block_size, gcfg.vocab_size, torch.Generator().manual_seed(1))
-    prog = pipedsl.load(schedule).compile(P=P, M=cfg["M"], **cfg["params"])
     runs = {}
-    for name in names:
-        zero, compute, params, _ = VARIANTS[name]
-        parallel = ParallelConfig(dp=1, pp=P, zero=zero) if zero is not None else None
-        pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(prog.num_stages), program=prog, loss_fn=gpt_loss,
-                                parallel=parallel, precision=MixedPrecision(compute, params=params))
-        runs[name] = (pipe, pipe.optimizer(torch.optim.AdamW, lr=1e-4))
+    for schedule in schedules:
+        prog = pipedsl.load(schedule).compile(P=P, M=cfg["M"], **cfg["params"])
+        for name in names:
+            zero, compute, params, _ = VARIANTS[name]
+            parallel = ParallelConfig(dp=1, pp=P, zero=zero) if zero is not None else None
+            pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(prog.num_stages), program=prog, loss_fn=gpt_loss,
+                                    parallel=parallel, precision=MixedPrecision(compute, params=params))
+            runs[(schedule, name)] = (pipe, pipe.optimizer(torch.optim.AdamW, lr=1e-4))
 
-    def timed(name: str, steps: int) -> float:
-        pipe, opt = runs[name]
+    def timed(key: tuple[str, str], steps: int) -> float:
+        pipe, opt = runs[key]
         total = 0.0
         for _ in range(steps):
             dist.barrier()
@@ -64,16 +66,22 @@ def _rank_main(rank: int, schedule: str, P: int, cfg: dict, names: list[str]) ->
             opt.zero_grad()
         return total / steps
 
-    for name in names:
-        timed(name, max(1, cfg["warmup"]))  # the first step learns shapes: never timed
-    times: dict[str, list[float]] = {n: [] for n in names}
+    keys = list(runs)
+    for key in keys:
+        timed(key, max(1, cfg["warmup"]))  # the first step learns shapes: never timed
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
     for rep in range(cfg["reps"]):
-        for k in range(len(names)):
-            name = names[(k + rep) % len(names)]
-            times[name].append(timed(name, cfg["steps"]))
+        for k in range(len(keys)):
+            key = keys[(k + rep) % len(keys)]
+            times[key].append(timed(key, cfg["steps"]))
     for pipe, _ in runs.values():
         pipe.close()
     return times
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """The median of the per-repetition ratios a/b (the load drifting during the run hits both alike)."""
+    return _bench.median([x / y for x, y in zip(a, b)])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,23 +90,34 @@ def main(argv: list[str] | None = None) -> dict:
     ap = _bench.small_gpt_parser(__doc__.splitlines()[0], "zero_speed")
     ap.set_defaults(M=8, embd=384, reps=5, steps=2)
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--schedules", nargs="+", help="schedules to time (default --schedule); with several, each "
+                    "variant's step under every schedule over its step under the first, against the same ratio "
+                    "of its baseline (zero bubble's gain kept under ZeRO?)")
     args = ap.parse_args(argv)
     cfg = _bench.small_gpt_config(args)
+    schedules = args.schedules or [args.schedule]
     names = [n for n in VARIANTS if n in args.variants or any(VARIANTS[v][3] == n for v in args.variants)]
-    t = pipedsl.launch(_rank_main, args.P, args.schedule, args.P, cfg, names, threads=1, timeout=600)[0]
+    t = pipedsl.launch(_rank_main, args.P, schedules, args.P, cfg, names, threads=1, timeout=900)[0]
     rows = []
-    for name in names:
-        base = VARIANTS[name][3]
-        paired = [a / b for a, b in zip(t[name], t[base])] if base else None
-        rows.append({"variant": name, "baseline": base, "step_s": _bench.spread(t[name]),
-                     "ratio_paired_median": _bench.median(paired) if paired else None, "raw": t[name]})
+    for schedule in schedules:
+        for name in names:
+            base = VARIANTS[name][3]
+            row = {"schedule": schedule, "variant": name, "baseline": base,
+                   "step_s": _bench.spread(t[(schedule, name)]), "raw": t[(schedule, name)],
+                   "ratio_paired_median": paired(t[(schedule, name)], t[(schedule, base)]) if base else None}
+            if schedule != schedules[0]:
+                row[f"vs_{schedules[0]}"] = paired(t[(schedule, name)], t[(schedules[0], name)])
+            rows.append(row)
     command = ("python benchmarks/zero_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     result = {"benchmark": "zero_speed", "command": command, "machine": _bench.machine(), "date": _bench.today(),
-              "schedule": args.schedule, "P": args.P, "config": cfg, "rows": rows}
-    print(f"{'variant':<10} {'pipe.step ms':>12} {'vs':>6} {'ratio':>7}")
+              "schedules": schedules, "P": args.P, "config": cfg, "rows": rows}
+    first = schedules[0]
+    print(f"{'schedule':<10} {'variant':<10} {'pipe.step ms':>12} {'vs':>6} {'ratio':>7} {'vs ' + first:>12}")
     for r in rows:
-        ratio = f"{r['ratio_paired_median']:7.3f}" if r["baseline"] else "       "
-        print(f"{r['variant']:<10} {r['step_s']['median'] * 1e3:12.1f} {r['baseline'] or '':>6} {ratio}")
+        ratio = f"{r['ratio_paired_median']:7.3f}" if r["baseline"] else " " * 7
+        across = f"{r['vs_' + first]:12.3f}" if f"vs_{first}" in r else ""
+        print(f"{r['schedule']:<10} {r['variant']:<10} {r['step_s']['median'] * 1e3:12.1f} {r['baseline'] or '':>6} "
+              f"{ratio} {across}")
     _bench.write_json("zero_speed", result, args.json)
     return result
 

@@ -234,6 +234,7 @@ class _Unit:
         # them again as DTensors over views of `flat` (`install_views`), whose gradients autograd sums into it.
         self.leaves = [(e, p) for e, p in zip(entries, params or []) if e.dtensor is None]
         self.viewed = [e for e in entries if e.dtensor is not None]
+        self._entry_of = {id(p): e for e, p in self.leaves}
         self.flat = nn.Parameter(full, requires_grad=trainable and bool(self.viewed))  # [padded]
         if self.viewed:
             self.flat.holds_views = True  # see `is_flat_buffer`
@@ -256,7 +257,7 @@ class _Unit:
         del source
         if stage == 0:
             self.shard: nn.Parameter | None = None
-        elif stage in (1, 2):
+        elif stage in (1, 2) or self.n == 1:  # a group of one: stage 3's slice is the whole buffer, never freed
             self.shard = nn.Parameter(self.flat.data[own], requires_grad=trainable)  # [S], the flat buffer's storage
         else:
             self.shard = nn.Parameter(full[own].clone(), requires_grad=trainable)  # [S], the only persistent copy
@@ -265,10 +266,11 @@ class _Unit:
             self.shard_grad = torch.zeros(self.size, dtype=self.grad_dtype, device=self.device)
         if stage <= 1 and trainable:
             self.grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)  # persistent, full
-        self.gathered = stage != 3
+        self.frees = stage == 3 and self.n > 1  # stage 3 frees the full buffer between uses
+        self.gathered = not self.frees
         self.pending: dist.Work | None = None
         self.reduced_this_step = False
-        if stage == 3:
+        if self.frees:
             self._free()
 
     # ---------------------------------------------------------------- stage-3 storage
@@ -279,6 +281,8 @@ class _Unit:
         return torch.empty(0, dtype=self.dtype, device=self.device).set_(self.flat.untyped_storage(), 0, (self.padded,))
 
     def _free(self) -> None:
+        if not self.frees:
+            return
         self.flat.untyped_storage().resize_(0)
         self.gathered = False
         self.waiting = 0
@@ -352,18 +356,22 @@ class _Unit:
             self.grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
         if p is self.flat:
             return self._grad
-        e = next(e for e, q in self.leaves if q is p)
+        e = self._entry_of[id(p)]
         return self._grad.narrow(0, e.offset, e.numel).view(e.shape)
 
     def accumulated(self, p: torch.Tensor) -> bool:
         """After autograd accumulated `p`'s gradient (a leaf, or `flat`): make sure it is in the full gradient,
         where autograd did not add it in place — the first of a step, when `.grad` was unbound; another dtype
-        (fp32 main gradients of bf16 parameters).  True when every trainable leaf has arrived this backward."""
+        (fp32 main gradients of bf16 parameters).  True when every trainable leaf has arrived in this backward
+        call: a split backward's I and W (each a call or several) never complete a unit, and what one call
+        left incomplete (a parameter without a gradient) is forgotten at its end."""
         g = p.grad
         into = self.gradient(p)  # binds every `.grad` to its slice when the full gradient is new
         if g is not None and g.data_ptr() != into.data_ptr():
             into.add_(g)
             p.grad = into if into.dtype == p.dtype else None
+        if not self.arrived:
+            torch.autograd.Variable._execution_engine.queue_callback(self.arrived.clear)
         self.arrived.add(id(p))
         if self.arrived < self.expected:
             return False
@@ -722,8 +730,13 @@ class ZeroOptimizer:
             u.gather()
 
     def after_weight_pass(self) -> None:
+        """After W: reduce="microbatch" reduce-scatters the microbatch's gradients (I and W complete no unit on
+        their own); every unit freed."""
         self._in_weight_pass = False
         for u in self.units:
+            if self.reduce == "microbatch" and u.trainable and u.grad is not None:
+                u.reduce_scatter_grad(accumulate=True)
+                u.reduced_this_step = True
             u.release()
 
     def _end_of_forward(self, module: nn.Module, args, output) -> None:

@@ -124,9 +124,11 @@ class Flat:
                                          reduce=self.reduce, separate=pipe.ties.separate(s), groups=shards,
                                          no_decay=exempt.get(s, set()), **self.lowp, **kwargs)
         pipe.ties.use_zero(self.zero)  # a tie's copies are now the stages' own units of it (ties.py)
-        if self.level == 3:  # split backward: W reads saved views of parameters ZeRO-3 frees after forwards
+        # split backward: W reads parameters ZeRO-3 frees after forwards (I gathers its own), and a microbatch's
+        # gradients are complete after its W
+        if self.level == 3 or self.reduce == "microbatch":
             for s, zero in sorted(self.zero.items()):
-                pipe.register_weight_pass_hook(s, zero.before_weight_pass, zero.after_weight_pass)
+                pipe.register_weight_pass_hook(s, zero.before_weight_pass, zero.after_weight_pass, early=True)
         return None, None
 
     def gradients(self, ownership: clip.GradientOwnership) -> clip.Gradients:

@@ -335,13 +335,15 @@ class Pipeline:
         """
         self.reducer.add_hook(hook)
 
-    def register_weight_pass_hook(self, stage: int, before: Callable[[], None], after: Callable[[], None]) -> None:
+    def register_weight_pass_hook(self, stage: int, before: Callable[[], None], after: Callable[[], None],
+                                  early: bool = False) -> None:
         """`before()` and `after()` around every W (weight-gradient pass) of local `stage` — e.g. ZeRO-3
-        gathers the parameters whose saved views W reads.  They run at W instructions, which every
-        data-parallel peer runs in the same order, so they may issue collectives."""
+        gathers the parameters W reads.  They run at W instructions, which every data-parallel peer runs in
+        the same order, so they may issue collectives.  I then leaves every parameter's gradient to W, unless
+        `early`: it computes the norms' and biases' as without hooks."""
         if stage not in self._stages:
             raise PipeRuntimeError(f"rank {self.rank} does not hold stage {stage}")
-        self._stages[stage].add_weight_pass_hook(before, after)
+        self._stages[stage].add_weight_pass_hook(before, after, early)
 
     def optimizer(self, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: Any):
         """The optimizer of this rank's stages: a `PipelineOptimizer` with `step()` and `zero_grad()`.

@@ -209,6 +209,7 @@ class Stage:
         self._plans: dict[tuple, _WeightPlan] = {}  # graph signature -> plan
         # (before, after) around every W: e.g. ZeRO-3 gathers the parameters W's saved views point into
         self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        self._early_with_hooks = True  # every weight-pass hook lets I compute what it computes without (`_early`)
         options = options or StageOptions()
         self.precision, self.device = options.precision, options.device
         # dropping at I needs every saved tensor packed by this stage; recomputation packs its own
@@ -217,10 +218,12 @@ class Stage:
         # which half of an overlapped pair starts, when this stage runs the forward (runtime/overlap.py)
         self.pair_first = "backward" if self.overlap and fixed_size(module) else "forward"
 
-    def add_weight_pass_hook(self, before: Callable[[], None], after: Callable[[], None]) -> None:
+    def add_weight_pass_hook(self, before: Callable[[], None], after: Callable[[], None], early: bool = False) -> None:
         """Run `before()` and `after()` around every W; the split plans are derived again, since with such hooks
-        I leaves every parameter's gradient to W (`_early`)."""
+        I leaves every parameter's gradient to W (`_early`) — unless `early`: the hooks let I compute the
+        gradients it computes without them (ZeRO-3's, whose units I's own hooks gather)."""
         self.weight_pass_hooks.append((before, after))
+        self._early_with_hooks = early and self._early_with_hooks
         self._plans.clear()
 
     @property
@@ -253,9 +256,9 @@ class Stage:
         scales, biases: their gradient comes out of the kernel I runs anyway), where I drops what W does not
         read, so W keeps only the matrix multiplications' inputs and output gradients (Megatron-LM's
         zero-bubble W); and (`chains`) those reached from several nodes of I's path, such as T5's relative
-        position bias, shared by every layer.  None: neither (without `release`, or under weight-pass hooks:
-        ZeRO-3 gathers and reduces around W)."""
-        if not self.release or self.weight_pass_hooks:
+        position bias, shared by every layer.  None: neither (without `release`, or under weight-pass hooks that
+        do not allow it).  Under ZeRO the parameters stay parameters (parallel/zero.py): the same ones."""
+        if not self.release or (self.weight_pass_hooks and not self._early_with_hooks):
             return None
         return {i for i, p in enumerate(self.params) if p.dim() <= 1 and not is_flat_buffer(p)}
 

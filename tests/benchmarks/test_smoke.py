@@ -29,6 +29,9 @@ RUNS = {
                                                                          "--baseline", "HEAD"]),
     "test_precision": ("precision", ["--steps", "1", "--reps", "1", "--warmup", "0", "--layers", "2", "--seq", "16"]),
     "test_recompute": ("recompute", ["--quick"]),
+    "test_zero_speed": ("zero_speed", ["--schedules", "1f1b", "zb-h1", "--variants", "zero1", "bf16-main", "--M", "2",
+                                       "--layers", "2", "--embd", "16", "--seq", "16", "--rows", "1", "--steps", "1",
+                                       "--reps", "1", "--warmup", "1"]),
     "test_schedules_v": ("schedules_v", ["--P", "2", "--M", "4", "--schedules", "1f1b", "dualpipev", "--width", "32",
                                          *TINY]),
     "test_bench_quick_gates_on_its_baseline": ("bench_quick", ["--tiny", "--baseline", "{tmp}/baseline.json"]),
@@ -41,7 +44,7 @@ RUNS = {
     "test_moe_overlap": ("moe_overlap", ["--quick", "--M", "4", "--latency", "0.5", "--attn", "0.2", "--experts-ms",
                                          "0.2"]),
 }
-QUICK_NAMES = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2"]
+QUICK_NAMES = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2", "zero1_step_P2"]
 
 
 def _start(tmp: Path, script: str, args: list[str]) -> subprocess.CompletedProcess:
@@ -131,6 +134,16 @@ def test_precision(runs, request):
 
 
 @pytest.mark.slow
+def test_zero_speed(runs, request):
+    got = run(runs, request, "zero_speed")
+    rows = {(r["schedule"], r["variant"]): r for r in got["rows"]}
+    assert set(rows) == {(s, v) for s in ("1f1b", "zb-h1") for v in ("fp32", "zero1", "bf16", "bf16-main")}
+    assert rows[("1f1b", "zero1")]["baseline"] == "fp32" and rows[("zb-h1", "bf16-main")]["baseline"] == "bf16"
+    assert all(r["ratio_paired_median"] > 0 for r in got["rows"] if r["baseline"])
+    assert all(r["vs_1f1b"] > 0 for r in got["rows"] if r["schedule"] == "zb-h1")
+
+
+@pytest.mark.slow
 def test_recompute(runs, request):
     got = run(runs, request, "recompute")
     assert got["benchmark"] == "recompute" and [r["variant"] for r in got["rows"]] == ["baseline", "full",
@@ -153,6 +166,10 @@ def test_split_backward(runs, request):
     kept = {r["stage"]: r for r in got["held"] if not r["release"]}
     for r in (r for r in got["held"] if r["release"]):  # I keeping only W's part holds less than keeping all
         assert r["after_I_saved"] < kept[r["stage"]]["after_I_saved"], r
+    plain = {r["stage"]: r for r in got["held"] if r["release"] and not r["zero"]}
+    for r in (r for r in got["held"] if r["zero"]):  # under ZeRO a pending W holds what it holds without
+        assert r["after_I_saved"] + r["after_I_grads"] <= 1.1 * (plain[r["stage"]]["after_I_saved"] +
+                                                                 plain[r["stage"]]["after_I_grads"]), r
     assert got["step"]["ratio"] > 0
 
 
@@ -191,7 +208,7 @@ def test_bench_quick_gates_on_its_baseline(runs, request):
     flagged = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("REGRESSION")]
     assert flagged == names
     got = json.loads(out.read_text())
-    assert got["benchmark"] == "bench_quick" and list(got["ratios"]) == names and len(got["regressions"]) == 4
+    assert got["benchmark"] == "bench_quick" and list(got["ratios"]) == names and len(got["regressions"]) == 5
     assert all(r > 0 for r in got["ratios"].values()) and all(got["figures"][n]["yardstick"] for n in names)
     assert got["figures"]["compile_200k"]["pinned"] and got["figures"]["shape_change_P2"]["learned"] == 2
     assert "bench_quick.py" in (tmp_path / "RESULTS.md").read_text().splitlines()[-1]
