@@ -1,15 +1,17 @@
 """ZeRO and bf16 parameters against the same step without them, on the small GPT: `pipe.step` time ratios.
 
-One group of P local processes (gloo, one thread a rank; dp = 1, so every rank is a pipeline stage) builds the
-same GPT stages once per variant, each a `Pipeline` with `pipe.optimizer(AdamW)`: fp32 without ZeRO (the
-baseline), ZeRO-1, -2 and -3 (`ParallelConfig(dp=1, pp=P, zero=k)`: the parameters live in the flat buffers
-ZeRO shards), bf16 autocast over fp32 parameters (the bf16 baseline) and bf16 parameters over fp32 main
-parameters (Megatron's; flat buffers).  Repetitions time `--steps` calls of `pipe.step` between barriers (then
-the optimizer's step, untimed), every variant in turn, the order rotating each repetition.  Reported: each
-variant's median and its paired ratio to its baseline (fp32, or bf16 autocast for bf16-main).
+One group of P × dp local processes (gloo, one thread a rank) builds the same stages — the small GPT, or a
+Hugging Face Llama of the same sizes (`--model llama`) — once per variant, each a `Pipeline` with
+`pipe.optimizer(AdamW)`: fp32 without ZeRO (the baseline), ZeRO-1, -2 and -3 (`ParallelConfig(dp, pp=P,
+zero=k)`: the parameters live in the flat buffers ZeRO shards; the baseline is the same dp without ZeRO), bf16
+autocast over fp32 parameters (the bf16 baseline) and bf16 parameters over fp32 main parameters (Megatron's;
+flat buffers).  Repetitions time `--steps` calls of `pipe.step` between barriers (then the optimizer's step,
+untimed), every variant in turn, the order rotating each repetition.  Reported: each variant's median and its
+paired ratio to its baseline (fp32, or bf16 autocast for bf16-main).
 
     python benchmarks/zero_speed.py                       # P=2, 1F1B, M=8, hidden 384 (the issue's GPT)
     python benchmarks/zero_speed.py --schedules 1f1b zb-h1 --variants zero1 bf16-main
+    python benchmarks/zero_speed.py --model llama --dp 2 --embd 256
 """
 
 from __future__ import annotations
@@ -39,17 +41,39 @@ def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[s
     from pipedsl.parallel import ParallelConfig
     from pipedsl.runtime.precision import MixedPrecision
 
-    gcfg = GPTConfig(n_layer=cfg["layers"], n_embd=cfg["embd"], block_size=cfg["seq"])
     torch.manual_seed(0)
-    model = GPT(gcfg)
-    x, y = synthetic_batch(cfg["M"] * cfg["rows"], gcfg.block_size, gcfg.vocab_size, torch.Generator().manual_seed(1))
+    dp = cfg.get("dp", 1)
+    if cfg.get("model", "gpt") == "gpt":
+        gcfg = GPTConfig(n_layer=cfg["layers"], n_embd=cfg["embd"], block_size=cfg["seq"])
+        model = GPT(gcfg)
+        x, y = synthetic_batch(dp * cfg["M"] * cfg["rows"], gcfg.block_size, gcfg.vocab_size,
+                               torch.Generator().manual_seed(1))
+
+        def stages(S: int) -> list:
+            return copy.deepcopy(model).stages(S)
+        loss_fn = gpt_loss
+    else:  # a Hugging Face Llama, cut by models/hf/stages.py
+        import transformers
+
+        from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
+
+        lcfg = transformers.LlamaConfig(vocab_size=512, hidden_size=cfg["embd"], num_hidden_layers=cfg["layers"],
+                                        num_attention_heads=4, num_key_value_heads=4,
+                                        intermediate_size=cfg["embd"] * 8 // 3, max_position_embeddings=cfg["seq"])
+        model = transformers.LlamaForCausalLM._from_config(lcfg, attn_implementation="sdpa")
+        x = torch.randint(512, (dp * cfg["M"] * cfg["rows"], cfg["seq"]), generator=torch.Generator().manual_seed(1))
+        y = shift_labels(x)
+
+        def stages(S: int) -> list:
+            return causal_lm_stages(copy.deepcopy(model), S, check=False)
+        loss_fn = causal_lm_loss
     runs = {}
     for schedule in schedules:
         prog = pipedsl.load(schedule).compile(P=P, M=cfg["M"], **cfg["params"])
         for name in names:
             zero, compute, params, _ = VARIANTS[name]
-            parallel = ParallelConfig(dp=1, pp=P, zero=zero) if zero is not None else None
-            pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(prog.num_stages), program=prog, loss_fn=gpt_loss,
+            parallel = ParallelConfig(dp=dp, pp=P, zero=zero or 0) if zero is not None or dp > 1 else None
+            pipe = pipedsl.Pipeline(stages(prog.num_stages), program=prog, loss_fn=loss_fn,
                                     parallel=parallel, precision=MixedPrecision(compute, params=params))
             runs[(schedule, name)] = (pipe, pipe.optimizer(torch.optim.AdamW, lr=1e-4))
 
@@ -90,14 +114,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap = _bench.small_gpt_parser(__doc__.splitlines()[0], "zero_speed")
     ap.set_defaults(M=8, embd=384, reps=5, steps=2)
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--model", choices=["gpt", "llama"], default="gpt", help="the small GPT, or a Hugging Face "
+                    "Llama of the same sizes (the hf extra)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (P x dp ranks; default 1)")
     ap.add_argument("--schedules", nargs="+", help="schedules to time (default --schedule); with several, each "
                     "variant's step under every schedule over its step under the first, against the same ratio "
                     "of its baseline (zero bubble's gain kept under ZeRO?)")
     args = ap.parse_args(argv)
-    cfg = _bench.small_gpt_config(args)
+    cfg = {**_bench.small_gpt_config(args), "model": args.model, "dp": args.dp}
     schedules = args.schedules or [args.schedule]
     names = [n for n in VARIANTS if n in args.variants or any(VARIANTS[v][3] == n for v in args.variants)]
-    t = pipedsl.launch(_rank_main, args.P, schedules, args.P, cfg, names, threads=1, timeout=900)[0]
+    t = pipedsl.launch(_rank_main, args.P * args.dp, schedules, args.P, cfg, names, threads=1, timeout=900)[0]
     rows = []
     for schedule in schedules:
         for name in names:
@@ -110,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
     command = ("python benchmarks/zero_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     result = {"benchmark": "zero_speed", "command": command, "machine": _bench.machine(), "date": _bench.today(),
-              "schedules": schedules, "P": args.P, "config": cfg, "rows": rows}
+              "schedules": schedules, "P": args.P, "dp": args.dp, "model": args.model, "config": cfg, "rows": rows}
     first = schedules[0]
     print(f"{'schedule':<10} {'variant':<10} {'pipe.step ms':>12} {'vs':>6} {'ratio':>7} {'vs ' + first:>12}")
     for r in rows:
@@ -119,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['schedule']:<10} {r['variant']:<10} {r['step_s']['median'] * 1e3:12.1f} {r['baseline'] or '':>6} "
               f"{ratio} {across}")
     _bench.write_json("zero_speed", result, args.json)
+    cells = "; ".join(f"{r['schedule']} {r['variant']} {r['ratio_paired_median']:.3f}" for r in rows if r["baseline"])
+    _bench.append_results(_bench.results_row(command, f"{args.model} P={args.P} dp={args.dp} M={args.M}, pipe.step "
+                                                      f"over the same step without ZeRO / bf16 parameters: {cells}"))
     return result
 
 
