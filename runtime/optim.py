@@ -144,7 +144,9 @@ class PipelineOptimizer:
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
-            self.optimizer.zero_grad()
+            # over dp the gradients are views of the reduction's buckets (reduce.py's GradBuckets): zeroed in place,
+            # they stay so (a parameter without one is reduced as zeros anyway, so no optimizer skips it)
+            self.optimizer.zero_grad(set_to_none=self._pipe.dp == 1)
         for zero in self.zero.values():
             zero.zero_grad()
 

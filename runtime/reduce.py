@@ -19,7 +19,8 @@ replicated one at the step end (after its replica reduction) — so every data-p
 running the same program, calls them in the same order and they may issue collectives.
 
 `DataParallelReducer` is such a hook: the averaging all-reduce of a stage's gradients over a
-data-parallel group (the pipeline's dp reduction without ZeRO).  Tied parameters are reduced
+data-parallel group (the pipeline's dp reduction without ZeRO), in place on buckets whose views are
+the parameters' `.grad`s (`GradBuckets`).  Tied parameters are reduced
 last, at the step end, once those handles are complete (ties.py).
 """
 
@@ -152,9 +153,9 @@ class GradReducer:
 class DataParallelReducer:
     """A REDUCE_GRAD hook: average a stage's gradients over `group` (async; `.wait()` at the step end).
 
-    One all-reduce per stage and dtype on a flat buffer kept between steps, divided by the
-    group size on completion (like DDP): with the runtime's 1/M loss scale, the gradient of
-    the mean loss over the global batch.
+    One all-reduce per stage and dtype, in place on the bucket whose views are the gradients (`GradBuckets`;
+    DTensor parameters' local gradients through a flat copy), divided by the group size on completion (like
+    DDP): with the runtime's 1/M loss scale, the gradient of the mean loss over the global batch.
     """
 
     def __init__(self, group: dist.ProcessGroup, skip: set[int] | None = None) -> None:
@@ -162,6 +163,8 @@ class DataParallelReducer:
         self.size = dist.get_world_size(group)
         self.skip = skip or set()  # tied parameters: their own reduction averages them over dp
         self._skip: dict[int, set[int]] = {}  # per stage: with its expert shards, which ExpertReducer reduces
+        self._buckets: dict[int, GradBuckets] = {}  # per stage: its plain parameters' gradients, reduced in place
+        self._copied: dict[int, list[nn.Parameter]] = {}  # per stage: DTensor parameters, reduced through a copy
         self._flat: dict[int, list[torch.Tensor]] = {}
 
     def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
@@ -170,8 +173,16 @@ class DataParallelReducer:
         skip = self._skip.get(stage)
         if skip is None:
             skip = self._skip[stage] = self.skip | {id(p) for p in expert_parameters(module)}
-        works, flats, groups = flat_all_reduce(_grads(module, skip), self._flat, stage, self.group)
-        return _AveragedReduction(works, flats, groups, self.size)
+        buckets = self._buckets.get(stage)
+        if buckets is None:  # plain tensors: their .grad views of the buckets; DTensors through a flat copy
+            params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
+            buckets = self._buckets[stage] = GradBuckets([p for p in params if not isinstance(p, DTensor)])
+            self._copied[stage] = [p for p in params if isinstance(p, DTensor)]
+        flats = buckets.bind()
+        works = [dist.all_reduce(flat, group=self.group, async_op=True) for flat in flats]
+        more, copies, groups = flat_all_reduce(_grads_of(self._copied[stage], set()), self._flat, stage, self.group) \
+            if self._copied[stage] else ([], [], [])
+        return _AveragedReduction(works + more, flats + copies, [[] for _ in flats] + groups, self.size)
 
 
 class ExpertReducer:
@@ -215,6 +226,42 @@ def _grads_of(params: Iterable[nn.Parameter], skip: set[int]) -> list[torch.Tens
         # a DTensor's (parallel/tp_hf.py) local shard: each tp rank reduces its own over dp
         grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
     return grads
+
+
+class GradBuckets:
+    """One flat gradient buffer per dtype and device whose views are the parameters' `.grad`s (DDP's
+    gradient_as_bucket_view): autograd accumulates into them in place and the all-reduce runs on the buffer
+    itself, so no flat copy doubles the gradients' memory.  `bind()` before each reduction: a `.grad` that is
+    not its view any more (an optimizer's `zero_grad(set_to_none=True)`, then autograd's first gradient) is
+    copied in and bound again; None becomes zeros (every rank must send the same layout)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        by: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in params:
+            by.setdefault((p.dtype, p.device), []).append(p)
+        self.buckets: list[tuple[torch.Tensor, list[nn.Parameter], list[torch.Tensor]]] = []
+        for (dtype, device), ps in by.items():
+            flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
+            views, at = [], 0
+            for p in ps:
+                views.append(flat[at:at + p.numel()].view_as(p))
+                at += p.numel()
+            self.buckets.append((flat, ps, views))
+
+    def bind(self) -> list[torch.Tensor]:
+        """Every parameter's gradient in its bucket; the buckets."""
+        with torch.no_grad():
+            for _, ps, views in self.buckets:
+                for p, view in zip(ps, views):
+                    g = p.grad
+                    if g is not None and g.data_ptr() == view.data_ptr():
+                        continue
+                    if g is None:
+                        view.zero_()
+                    else:
+                        view.copy_(g)
+                    p.grad = view
+        return [flat for flat, _, _ in self.buckets]
 
 
 def flat_all_reduce(grads: list[torch.Tensor], cache: dict[int, list[torch.Tensor]], key: int,

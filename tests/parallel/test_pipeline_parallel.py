@@ -172,6 +172,36 @@ def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, t
     return out if dist.get_rank() == 0 else {}
 
 
+def buckets_job(user_optimizer: bool) -> dict:
+    """dp2 × pp2 without ZeRO, 1F1B: losses and final parameters against one process; every gradient a view of
+    the dp reduction's one bucket per rank (no flat copy of the gradients kept), with pipe.optimizer (gradients
+    zeroed in place) or a user's Adam whose zero_grad() sets them to None (rebound at each reduction)."""
+    from pipedsl.runtime.reduce import DataParallelReducer
+
+    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2))
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    batches = _batches(3, 8)
+    ref_losses, ref_params = _dense_reference(model, batches)
+    pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(2), program=pipedsl.load("1f1b").compile(P=2, M=2),
+                            loss_fn=gpt_loss, parallel=mesh)
+    opt = (torch.optim.Adam(pipe.parameters(), lr=LR, eps=EPS) if user_optimizer else
+           pipe.optimizer(torch.optim.Adam, lr=LR, eps=EPS))
+    losses, storages = [], set()
+    for x, y in batches:
+        losses.append(pipe.step(x, y))
+        storages |= {p.grad.untyped_storage().data_ptr() for p in pipe.parameters()}
+        opt.step()
+        opt.zero_grad()
+    [reducer] = [h for h in pipe.reducer.hooks if isinstance(h, DataParallelReducer)]
+    index, n = _index_model(model)
+    values = {s: dict(m.named_parameters()) for s, m in pipe.local_stages().items()}
+    res = {"losses": losses, **_gather_dense(values, index.stages(2), n)}
+    pipe.close()
+    return {"problems": _compare(res, ref_losses, ref_params), "storages": len(storages),
+            "copies": sum(len(v) for v in reducer._flat.values())}
+
+
 def _message(fn) -> str:
     try:
         fn()
@@ -326,6 +356,15 @@ def test_every_builtin_schedule_dp2_pp2_zero(run_once):
     assert all((name, 1, "step") in results for name in pipedsl.builtin_names())
     problems = _problems(results)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("user_optimizer", [False, True])
+def test_dp_gradients_are_views_of_the_reduction_buckets(run_once, user_optimizer):
+    """Without ZeRO the dp all-reduce runs in place on one bucket whose views are the gradients (DDP's
+    gradient_as_bucket_view): no flat copy doubles the gradient memory, and training equals one process."""
+    for out in run_once(buckets_job, 4, user_optimizer):
+        assert not out["problems"], out["problems"]
+        assert out["storages"] == 1 and out["copies"] == 0, out
 
 
 def test_clear_errors_and_local_batches(run_once):
