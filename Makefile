@@ -19,11 +19,11 @@ demo: setup
 	$(BIN)/pipedsl train --schedule hanayo -P 4 -M 8 --steps 20 -o out/demo
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=40
+	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q --durations=40
 
 # the everyday tier: the tests not marked slow (about 3 minutes here; `make test` runs all, about 13)
 test-quick: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check pipedsl runtime parallel models trainer visualize tests benchmarks examples

@@ -251,7 +251,12 @@ def moe_equivalence(rank: int, family: str, schedule: str, M: int, params: dict[
             problems.append(f"rank {rank} step {step}: loss {loss} != the unsplit model's {want}")
         for name, p in local.items():
             q = ref_params[name].grad
-            if q is None:
+            if q is None:  # unused in the unsplit model: no gradient here either (zeros from the reduction)
+                if p.grad is not None and bool(p.grad.abs().max() > 0):
+                    problems.append(f"rank {rank} step {step}: {name} has a gradient the unsplit model has not")
+                continue
+            if p.grad is None:
+                problems.append(f"rank {rank} step {step}: {name} has no gradient; the unsplit model's is not None")
                 continue
             err = ((p.grad - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
             if err > 1e-4:

@@ -27,6 +27,7 @@ FAMILIES = ("t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus")
 LR = 0.5
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-6  # fp32: summation order only
 BF16_LOSS_RTOL = 1e-2  # bf16 against autocast: 8 mantissa bits, rounded in other places
+BF16_NORM_RTOL = 5e-2  # the gradient norm: every gradient's rounding summed
 
 
 def tiny_seq2seq(family: str, seed: int = 0, encoder_layers: int = 3, decoder_layers: int = 3) -> nn.Module:
@@ -109,16 +110,19 @@ def train_equal(rank: int, family: str, schedule: str, M: int, params: dict | No
         ref_opt.zero_grad()
         err = abs(loss - want.item()) / abs(want.item())
         loss_err = max(loss_err, err)
-        if precision is not None:
+        if precision is not None:  # the first step's loss and gradient norm (bf16 rounds in other places after it)
             if err > BF16_LOSS_RTOL:
                 problems.append(f"rank {rank}: bf16 loss {loss!r} != one process under autocast {want.item()!r}")
+            if abs(norm - want_norm) > BF16_NORM_RTOL * want_norm:
+                problems.append(f"rank {rank}: bf16 gradient norm {norm!r} != one process under autocast "
+                                f"{want_norm!r}")
             break
         if err > LOSS_RTOL:
             problems.append(f"rank {rank} step {step}: loss {loss!r} != one process {want.item()!r}")
         if abs(norm - want_norm) > LOSS_RTOL * want_norm:
             problems.append(f"rank {rank} step {step}: gradient norm {norm!r} != one process {want_norm!r}")
     values = opt.stage_parameters() if precision is None else {}  # a collective over dp under ZeRO-3
-    param_err, checked = 0.0, set(ref_params) if precision is not None else set()
+    param_err, checked = 0.0, set()  # bf16: no parameter compared, none recorded as checked
     for s, named in values.items():
         for name, v in named.items():
             name_hf = names[s][name]

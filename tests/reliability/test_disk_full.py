@@ -38,16 +38,20 @@ def full_disk_job(root: str) -> dict:
     opt = torch.optim.Adam([p for m in pipe.local_stages().values() for p in m.parameters()], lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     out: dict = {"rank": dist.get_rank()}
-    for step in (1, 2):
-        pipe.step(*synthetic_batch(8, CFG.block_size, CFG.vocab_size, gen))
-        opt.step()
-        opt.zero_grad()
-        if step == 2 and dist.get_rank() == 1:  # rank 1's disk is full for step 2
-            os.fsync = _no_space
-        try:
-            checkpoint.save(pipe, root, step, opt, timeout=30.0)
-        except (checkpoint.CheckpointError, RankFailure) as err:  # rank 1 fails; rank 0 abandons the step
-            out["error"] = err.message
+    fsync = os.fsync  # the pool's workers outlive this job: restored whatever happens
+    try:
+        for step in (1, 2):
+            pipe.step(*synthetic_batch(8, CFG.block_size, CFG.vocab_size, gen))
+            opt.step()
+            opt.zero_grad()
+            if step == 2 and dist.get_rank() == 1:  # rank 1's disk is full for step 2
+                os.fsync = _no_space
+            try:
+                checkpoint.save(pipe, root, step, opt, timeout=30.0)
+            except (checkpoint.CheckpointError, RankFailure) as err:  # rank 1 fails; rank 0 abandons the step
+                out["error"] = err.message
+    finally:
+        os.fsync = fsync
     restored = checkpoint.load(pipe, root, opt)
     out["restored"] = restored.step
     pipe.close()
