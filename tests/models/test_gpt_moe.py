@@ -4,6 +4,7 @@ over data-parallel ranks, under ZeRO — equal to one process."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import moe_cases as cases
@@ -47,6 +48,62 @@ def test_capacity_drops_the_latest_slots_of_a_full_expert() -> None:
     kept = r["index"][to_two, 0]
     assert kept[:capacity].tolist() == [2] * capacity and kept[capacity:].tolist() == [4] * (len(to_two) - capacity)
     assert r["dropped"] == len(to_two) - capacity and (r["weight"][to_two[capacity:]] == 0).all()
+
+
+def _moe_token_by_token(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE layer's formulas (models/gpt/moe.py's docstring) written token by token, slot by slot: the
+    independent reference for its vectorised dispatch and combine.  Returns (y [N, C], aux·coef + z·coef)."""
+    E, k, N = moe.router.num_experts, moe.router.top_k, x.shape[0]
+    logits = x @ moe.router.weight.T
+    probs = logits.float().softmax(-1)
+    capacity = math.ceil(moe.router.capacity_factor * N * k / E) if moe.router.capacity_factor else N * k
+    queued = [0] * E
+    counts = [0] * E
+    rows = []
+    for n in range(N):
+        chosen = sorted(range(E), key=lambda e: -float(probs[n, e].detach()))[:k]
+        total = sum(probs[n, e] for e in chosen)
+        y = torch.zeros_like(x[n])
+        for e in chosen:  # token order, then the token's k slots in the router's order: first come, first served
+            counts[e] += 1
+            queued[e] += 1
+            if queued[e] <= capacity:
+                h = torch.nn.functional.gelu(moe.experts.fc[e] @ x[n])
+                y = y + (probs[n, e] / total).to(x.dtype) * (moe.experts.proj[e] @ h)
+        rows.append(y)
+    aux = E / N * sum(counts[e] * probs[:, e].mean() for e in range(E))
+    z = torch.logsumexp(logits.float(), -1).square().mean()
+    return torch.stack(rows), moe.aux_coef * aux + moe.z_coef * z
+
+
+@pytest.mark.parametrize("capacity", [None, 0.6])
+def test_the_experts_equal_a_token_by_token_loop(capacity: float | None) -> None:
+    """Output, router losses and every gradient of the GPT's MoE layer (vectorised dispatch, grouped experts,
+    index_add_ combine) equal the formulas computed one token and one slot at a time; with a capacity some slots
+    are dropped (else the comparison would not test dropping)."""
+    from pipedsl.models.gpt.moe import MoE
+
+    torch.manual_seed(0)
+    N, C, E, k = 24, 8, 4, 2
+    moe = MoE(C, E, k, ffn=12, capacity_factor=capacity, aux_coef=0.1, z_coef=0.01)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.5)
+    twin = copy.deepcopy(moe)
+    x = torch.randn(1, N, C, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, loss_sum = moe(x, torch.zeros(()))
+    y_ref, loss_ref = _moe_token_by_token(twin, xr[0])
+    dropped = int(moe.router(x.detach()[0])["dropped"])
+    assert (dropped > 0) == (capacity is not None), dropped
+    torch.testing.assert_close(y[0], y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_sum, loss_ref, rtol=1e-5, atol=1e-7)
+    g = torch.randn_like(y)
+    ((y * g).sum() + loss_sum).backward()
+    ((y_ref * g[0]).sum() + loss_ref).backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(moe.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_stages_compute_the_models_loss_and_router_statistics_count_training_forwards_once() -> None:
