@@ -12,7 +12,9 @@ receive — the rendezvous the NCCL model proves hang-free, docs/runtime.md "NCC
 visible, the P ranks (default 4) share it over gloo, their messages staged through host memory
 (`Channels.wire`); vs_torch, op_cpu and large, which need one GPU a rank, are then left out and say
 why, and `one_gpu` measures what one GPU can: a one-rank pipeline's step against a plain PyTorch
-loop on a 0.85 B Llama (bf16, SDPA), the ratio and the MFU.  Exit status 1 if any check failed.
+loop on a 0.85 B Llama (bf16, SDPA), the ratio and the MFU.  `zero` runs ZeRO 1-3 and bf16 parameters over fp32
+main parameters on one rank of the device against the same steps without them.  Exit status 1 if any check
+failed.
 
     python benchmarks/gpu_check.py                       # one process a GPU (>= 2 GPUs), or all on one
     python benchmarks/gpu_check.py --device cpu --tiny   # the same checks on gloo, tiny sizes
@@ -35,7 +37,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "models"))  # moe_cases: the MoE 
 
 import _bench  # noqa: E402
 
-CHECKS = ("schedules", "large", "moe", "vs_torch", "op_cpu", "one_gpu", "calibrate")
+CHECKS = ("schedules", "large", "moe", "vs_torch", "op_cpu", "one_gpu", "zero", "calibrate")
 SIZES = {"full": {"steps": 3, "vs_torch": {"gpt_rows": 4, "steps": 10, "reps": 7, "warmup": 2},
                   "op_cpu": {"M": 16, "steps": 1, "reps": 40, "warmup": 2},
                   "large": {"width": 4096, "steps": 1},  # rows from --message-mib
@@ -195,6 +197,44 @@ def one_gpu(rank: int, device: str, size: dict[str, Any]) -> dict[str, Any]:
             "first_loss_rel_diff": abs(losses["pipedsl"][0] - first) / first}
 
 
+def zero_one_rank(rank: int, device: str, steps: int) -> dict[str, Any]:
+    """ZeRO's flat buffers on the device (a one-rank world): the small GPT's one-rank 1F1B pipeline under ZeRO 0-3
+    against the same steps without ZeRO (losses bit for bit: the gradients accumulate in place in the flat
+    buffer, by post-accumulate hooks on the device's autograd thread), and bf16 parameters over fp32 main
+    parameters against bf16 autocast over fp32 parameters (within bf16 rounding)."""
+    import torch
+
+    import pipedsl
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.parallel import ParallelConfig
+    from pipedsl.runtime.precision import MixedPrecision
+
+    cfg = GPTConfig(n_layer=2, n_embd=64, block_size=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    data = [synthetic_batch(8, cfg.block_size, cfg.vocab_size, torch.Generator().manual_seed(s)) for s in range(steps)]
+    losses = {}
+    for name, zero, params in (("fp32", None, "fp32"), ("zero1", 1, "fp32"), ("zero2", 2, "fp32"),
+                               ("zero3", 3, "fp32"), ("bf16", None, "fp32"), ("bf16-main", None, "bf16")):
+        compute = "bf16" if name.startswith("bf16") else "fp32"
+        pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(1), program=pipedsl.load("1f1b").compile(1, 4),
+                                loss_fn=gpt_loss, device=device, precision=MixedPrecision(compute, params=params),
+                                parallel=ParallelConfig(dp=1, pp=1, zero=zero) if zero else None)
+        opt = pipe.optimizer(torch.optim.AdamW, lr=1e-3)
+        losses[name] = []
+        for x, y in data:
+            losses[name].append(pipe.step(x, y))
+            opt.step()
+            opt.zero_grad()
+        pipe.close()
+    problems = [f"{name}: losses {losses[name]} != without ZeRO {losses['fp32']}"
+                for name in ("zero1", "zero2", "zero3") if losses[name] != losses["fp32"]]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses["bf16-main"], losses["bf16"]))
+    if rel > 1e-2:
+        problems.append(f"bf16 main parameters: losses {rel:.2g} from bf16 autocast (relative)")
+    return {"problems": problems, "losses": losses, "bf16_main_rel_diff": rel}
+
+
 def calibrate(P: int, device: str) -> dict[str, Any]:
     """`pipedsl plan --calibrate` on P local processes (on the CPU with CUDA hidden in the dry run)."""
     env = dict(os.environ)
@@ -234,6 +274,12 @@ def table(result: dict[str, Any]) -> str:
                 f"{g['step_s']['torch'] * 1e3:.1f} ms (ratio {g['ratio']:.3f}, paired steps {g['ratio_range'][0]:.3f}-"
                 f"{g['ratio_range'][1]:.3f}){mfu}; first losses "
                 f"{g['first_loss_rel_diff']:.1e} apart (relative)", ""]
+    if "zero" in result:
+        z = result["zero"]
+        verdict = (f"losses bit-equal to the same steps without ZeRO; bf16 parameters over fp32 main ones "
+                   f"{z['bf16_main_rel_diff']:.1e} from bf16 autocast (relative)") if not z["problems"] else \
+            "; ".join(z["problems"][:3])
+        out += [f"ZeRO 1-3 on one rank (the small GPT, 1F1B, {len(z['losses']['fp32'])} AdamW steps): {verdict}", ""]
     if "moe" in result:
         verdict = "equal" if not result["moe"] else "; ".join(result["moe"][:3])
         out += [f"MoE GPT at dp2 x pp2 x ep2 (1F1B; DualPipeV overlapped vs not): {verdict}", ""]
@@ -343,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if args.device == "cuda" else "cpu"
         result["one_gpu"] = pipedsl.launch(one_gpu, 1, device, sizes["one_gpu"], backend="nccl" if device == "cuda"
                                            else "gloo", threads=None if device == "cuda" else 1, timeout=600)[0]
+    if "zero" in checks:
+        device = "cuda" if args.device == "cuda" else "cpu"
+        result["zero"] = pipedsl.launch(zero_one_rank, 1, device, sizes["steps"] + 2,
+                                        backend="nccl" if device == "cuda" else "gloo", threads=1, timeout=600)[0]
     if "op_cpu" in checks:
         import op_cpu
 
@@ -352,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r["schedule"] for r in result.get("schedules", []) if not r["ok"]]
     failed += ["moe"] if result.get("moe") else []
     failed += ["large messages"] if result.get("large") else []
+    failed += ["zero"] if result.get("zero", {}).get("problems") else []
     failed += ["plan --calibrate"] if "calibrate" in result and not result["calibrate"]["ok"] else []
     result["failed"] = failed
     path = _bench.write_json("gpu_check", result, args.json)

@@ -190,8 +190,9 @@ def zero_gradient(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def is_flat_buffer(p: torch.Tensor) -> bool:
-    """Whether `p` is a unit's flat buffer: 1-D, it holds matrices (the module's parameters are views of it), so
-    its gradient is no vector's (runtime/stage.py computes vectors' gradients in I, a split backward's first half)."""
+    """Whether `p` is a unit's flat buffer registered as a parameter (its DTensor parameters are views of it): 1-D,
+    it holds matrices, so its gradient is no vector's (runtime/stage.py computes vectors' gradients in I, a split
+    backward's first half)."""
     return getattr(p, "holds_views", False)
 
 

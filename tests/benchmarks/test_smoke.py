@@ -270,9 +270,10 @@ def test_gpu_check_dry_run_on_gloo(runs, request):
     assert got["large"] == [] and got["large_mib"] > 0  # every schedule again, messages sized by --message-mib
     one = got["one_gpu"]  # the one-GPU row's wiring: a one-rank pipeline against a plain loop, first losses equal
     assert one["ratio"] > 0 and one["params"] > 0 and one["first_loss_rel_diff"] < 1e-5, one
+    assert got["zero"]["problems"] == [] and len(got["zero"]["losses"]["zero3"]) >= 3  # ZeRO 1-3 on one rank
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# gpu_check: cpu (gloo), P=2") and "| zb-v | 4 | equal |" in md
-    assert "against a plain PyTorch loop" in md and "MiB messages" in md
+    assert "against a plain PyTorch loop" in md and "MiB messages" in md and "ZeRO 1-3 on one rank" in md
 
 
 @pytest.mark.slow
