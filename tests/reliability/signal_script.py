@@ -16,8 +16,10 @@ import pipedsl
 def wait_forever(rank: int, directory: str) -> None:
     if rank == 1:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with open(os.path.join(directory, f"pid-{rank}"), "w") as f:
+    path = os.path.join(directory, f"pid-{rank}")
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # whole when it appears, and the handler above is in place by then
     while True:
         time.sleep(0.05)
 

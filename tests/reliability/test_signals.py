@@ -232,8 +232,8 @@ def test_a_stop_signal_to_a_users_launch_stops_every_rank_even_one_ignoring_sigt
     """`pipedsl.launch` in a user's script; rank 1 ignores SIGTERM: the launcher SIGKILLs it after
     its stop_grace (1 s) and still exits 128 + signal with the one line."""
     proc = spawn(tmp_path, [sys.executable, str(HERE / "signal_script.py"), str(tmp_path)])
+    # a pid file appears whole (renamed into place) after its rank installed its SIGTERM handler
     wait_until(proc, lambda: all((tmp_path / f"pid-{r}").exists() for r in (0, 1)), "running")
-    time.sleep(0.3)  # rank 1 has installed its SIGTERM handler before writing its pid
     pids = workers(proc.pid)
     assert sorted(ranks(proc.pid)) == sorted(int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1))
     took = stop(proc, sig, pids)
