@@ -86,7 +86,13 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
     pipe.close()
     return {"problems": problems, "checked": sorted(checked), "moved": moved, "stats": stats,
             "ref_stats": ref_stats, "dp_rank": mesh.coords.dp if mesh else 0,
-            "stages": sorted(pipe.local_stages())}
+            "stages": sorted(pipe.local_stages()), **_names_and_rows(ref)}
+
+
+def _names_and_rows(ref: torch.nn.Module) -> dict[str, Any]:
+    """The whole model's parameter names and first dimensions (what tests/compared.py checks coverage against)."""
+    return {"all": sorted(n for n, _ in ref.named_parameters()),
+            "rows": {n: p.shape[0] for n, p in ref.named_parameters() if p.dim()}}
 
 
 def compare_parameters(rank: int, pipe: pipedsl.Pipeline, opt: Any, names: dict[int, dict[str, str]],
@@ -154,7 +160,7 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
             problems.append(f"rank {rank} step {step}: gradient norm {norm!r} != one process {want_norm!r}")
     checked = compare_parameters(rank, pipe, opt, names, ref, problems)
     pipe.close()
-    return {"problems": problems, "checked": sorted(checked)}
+    return {"problems": problems, "checked": sorted(checked), **_names_and_rows(ref)}
 
 
 def overlap_identical(rank: int, schedule: str, M: int, recompute: str | None = None, dropout: float = 0.0,

@@ -10,6 +10,7 @@ import math
 import moe_cases as cases
 import pytest
 import torch
+from compared import every_parameter_compared
 
 from pipedsl.models.gpt.model import GPT, GPTConfig, synthetic_batch
 from pipedsl.models.gpt.moe import Router
@@ -141,6 +142,7 @@ def _clean(results: list[dict]) -> None:
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:10])
     assert results[0]["moved"] > 1e-3  # the weights moved: equal after training, not untouched
+    every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"], results[0]["rows"])
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed (the optional `examples` extra)")
 
 import hf_cases  # noqa: E402
+from compared import every_parameter_compared  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -14,8 +15,7 @@ pytestmark = pytest.mark.slow
 def _check(results: list[dict]) -> None:
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:8])
-    covered = set().union(*(r["checked"] for r in results))
-    assert covered == set(results[0]["all"]), f"parameters on no stage: {set(results[0]['all']) - covered}"
+    every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"])
 
 
 SCHEDULES = [

@@ -11,6 +11,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (the o
 
 import hf_cases  # noqa: E402
 import torch  # noqa: E402
+from compared import every_parameter_compared  # noqa: E402
 from hf_cases import EAGER_ONLY, FAMILIES, VOCAB, T, tiny_model  # noqa: E402
 
 from pipedsl.errors import PipeRuntimeError  # noqa: E402
@@ -297,3 +298,4 @@ def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
     assert not problems, "\n".join(problems[:8])
     shards = {c for r in results for c in r["checked"] if "experts" in c}
     assert any(c.endswith("[0:2]") for c in shards) and any(c.endswith("[2:4]") for c in shards)
+    every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"], results[0]["rows"])

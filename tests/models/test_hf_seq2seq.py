@@ -12,6 +12,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (the o
 
 import seq2seq_cases as cases  # noqa: E402
 import torch  # noqa: E402
+from compared import every_parameter_compared  # noqa: E402
 
 from pipedsl.errors import PipeRuntimeError  # noqa: E402
 from pipedsl.models.hf.seq2seq import check_seq2seq_split, seq2seq_loss, seq2seq_stages  # noqa: E402
@@ -122,7 +123,7 @@ def test_pipelined_training_equals_one_process_p2(pool2, family, schedule, param
     results = pool2.run(cases.train_equal, family, schedule, 4, params)
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:8])
-    assert set().union(*(r["checked"] for r in results)) == set(results[0]["all"]), "parameters on no stage"
+    every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"])
     assert min(r["moved"] for r in results) > 1e-3  # the steps changed the weights
 
 
@@ -134,7 +135,7 @@ def test_pipelined_training_equals_one_process_p4(pool4, family, schedule, param
     results = pool4.run(cases.train_equal, family, schedule, 4, params)
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:8])
-    assert set().union(*(r["checked"] for r in results)) == set(results[0]["all"]), "parameters on no stage"
+    every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"])
 
 
 @pytest.mark.slow
@@ -146,7 +147,7 @@ def test_dp2_pp2_zero_equals_one_process(pool4, family, zero):
     results = pool4.run(cases.train_equal, family, "1f1b", 2, None, 2, zero)
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:8])
-    assert set().union(*(r["checked"] for r in results)) == set(results[0]["all"]), "parameters on no stage"
+    every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"])
 
 
 @pytest.mark.slow
