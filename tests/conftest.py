@@ -49,6 +49,17 @@ def _start_the_fork_server() -> None:
 _start_the_fork_server()
 
 
+POOL_FIXTURES = {"pool", "pool2", "pool4", "pools", "run_once"}  # the multi-process tests' way to their ranks
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`slow` by construction: a test that runs on the process pools is slow unless marked `quick` (a deliberate
+    smoke check of its area kept in `make test-quick`), so the everyday tier cannot grow by forgetting a marker."""
+    for item in items:
+        if POOL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("quick") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def pool():
     """8 worker processes started once; each `pool.run(fn, world, ...)` is a fresh gloo world on them

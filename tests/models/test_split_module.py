@@ -188,6 +188,7 @@ def test_sequential_stages_pass_tuples_as_positional_arguments():
 # ------------------------------------------------------------ pipelines
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", ["resnet", "vit", "dict", "frozen", "regroup", "tuple_seq"])
 def test_two_steps_under_1f1b_equal_one_process(pool2, case):
     """Loss, every gradient, the weights after two SGD steps; ResNet's running statistics on the rank holding

@@ -358,6 +358,7 @@ def test_every_builtin_schedule_dp2_pp2_zero(run_once):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("user_optimizer", [False, True])
 def test_dp_gradients_are_views_of_the_reduction_buckets(run_once, user_optimizer):
     """Without ZeRO the dp all-reduce runs in place on one bucket whose views are the gradients (DDP's

@@ -56,6 +56,7 @@ def test_one_stream_per_pair_in_program_order_is_caught_naming_both_instructions
     assert "that stream is stuck at SEND_B0.1>0 to rank 0, waiting for rank 0 to reach its receive" in text, text
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("schedule,P", [("dualpipev", 2), ("interleaved", 4)])
 def test_the_nccl_paths_recorded_issue_order_checks_out(schedule: str, P: int, pools, tmp_path: Path) -> None:
     """`PIPEDSL_P2P=nccl` runs NCCL's layout and issue order with gloo carrying the bytes; the record holds one

@@ -89,6 +89,7 @@ def test_interleaved_with_m_not_a_multiple_of_p_matches_single_process(pool2) ->
     assert [res["peaks"] for res in results] == [[p] * 3 for p in predicted]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
 def test_the_loss_is_reduced_only_after_each_ranks_last_instruction(schedule: str, pool4) -> None:
     """No collective of the pipeline group spans the step's messages: the loss sum started at the step's start

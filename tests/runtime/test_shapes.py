@@ -27,6 +27,7 @@ def test_batch_and_length_change(schedule: str, pool2) -> None:
     assert [res["learned"] for res in results] == [5, 5]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("how", ["new", "known", "evaluate", "dist"])
 def test_ranks_disagreeing_on_shapes_stop_with_the_reason(how: str, pool2) -> None:
     messages = pool2.run(cases.disagreeing_shapes, how)

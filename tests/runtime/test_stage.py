@@ -188,6 +188,7 @@ def test_compiled_blocks_under_split_backward(pool2, schedule) -> None:
     assert [r["backward_runs"] for r in results] == [4, 4]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("level", [1, 2])
 def test_flat_buffers_keep_their_gradient_in_w(pool2, level) -> None:
     import runtime_cases

@@ -20,6 +20,7 @@ def test_find_ties_names_each_shared_parameter_by_stage():
     ("interleaved", 2, 4, {"V": 2}),  # stage 0 on rank 0, stage 3 on rank 1
     ("chimera", 2, 4, None),          # replicas: every rank holds a copy of both stages
 ])
+@pytest.mark.quick
 def test_tied_weights_train_like_one_process(pools, schedule, P, M, params):
     out = pools[P].run(tie_cases.tied_equivalence, schedule, P, M, False, 3, params)
     for rank, r in enumerate(out):
