@@ -26,8 +26,6 @@ from pipedsl.parallel import (
 )
 from pipedsl.parallel.tp1d import qkv_order
 
-pytestmark = pytest.mark.slow
-
 Q = 2
 B, S, H, HEADS, V = 8, 4, 16, 4, 32  # B and V divisible by q², H by q², HEADS by q
 

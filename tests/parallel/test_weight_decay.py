@@ -18,8 +18,6 @@ from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
 from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh
 from pipedsl.parallel.weight_decay import NO_DECAY_KINDS, exempt_names
 
-pytestmark = pytest.mark.slow
-
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 LR, EPS, WD, STEPS = 1e-2, 1e-4, 0.5, 3  # decay moves a parameter by lr·wd = 0.5 % a step: far above the tolerance
 ATOL = 2e-6

@@ -9,8 +9,6 @@ from test_pipeline import SCHEDULES, _name, compile_for
 import pipedsl
 from pipedsl.ir import Op
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=_name)
 def test_evaluate_equals_one_process(schedule: str, pool2) -> None:
