@@ -186,6 +186,12 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def paired_median(a: Sequence[float], b: Sequence[float]) -> float:
+    """The median of the per-repetition ratios a/b, measured alternately (the load drifting during the run hits
+    both alike)."""
+    return median([x / y for x, y in zip(a, b, strict=True)])
+
+
 def spread(xs: Sequence[float]) -> dict[str, float]:
     """Median, min, max and the interquartile range of a sample."""
     if not xs:

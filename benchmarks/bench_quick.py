@@ -145,7 +145,6 @@ def figures(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every figure: its ratio (lower is better), its yardstick and what it was computed from."""
     import op_cpu
     import vs_torch
-    import zero_speed
 
     import pipedsl
 
@@ -153,13 +152,13 @@ def figures(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ranks = pipedsl.launch(_rank_main, 2, sizes, threads=1, timeout=120)
     out["op_cpu_P2"] = op_cpu.summarize([r["op_cpu"] for r in ranks])
     shape = ranks[0]["shape"]
-    out["shape_change_P2"] = {"ratio": _bench.median([n / k for n, k in zip(shape["new"], shape["known"])]),
+    out["shape_change_P2"] = {"ratio": _bench.paired_median(shape["new"], shape["known"]),
                               "known_step_s": _bench.median(shape["known"]),
                               "new_shape_step_s": _bench.median(shape["new"]), **shape}
     row = vs_torch._row("gpt", "1f1b", 2, sizes["vs_torch"], ranks[0]["vs_torch"])
     out["vs_torch_gpt_1f1b_P2"] = {"ratio": 1 / row["ratio_paired_median"], "row": row}
     zero = ranks[0]["zero"]
-    out["zero1_step_P2"] = {"ratio": zero_speed.paired(zero[("1f1b", "zero1")], zero[("1f1b", "fp32")]),
+    out["zero1_step_P2"] = {"ratio": _bench.paired_median(zero[("1f1b", "zero1")], zero[("1f1b", "fp32")]),
                             "zero1_step_s": _bench.median(zero[("1f1b", "zero1")]),
                             "fp32_step_s": _bench.median(zero[("1f1b", "fp32")])}
     for name, fig in out.items():

@@ -203,6 +203,7 @@ def zero_one_rank(rank: int, device: str, steps: int) -> dict[str, Any]:
     buffer, by post-accumulate hooks on the device's autograd thread), and bf16 parameters over fp32 main
     parameters against bf16 autocast over fp32 parameters (within bf16 rounding)."""
     import torch
+    from zero_speed import VARIANTS  # the benchmark's variants and their baselines
 
     import pipedsl
     from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
@@ -214,9 +215,7 @@ def zero_one_rank(rank: int, device: str, steps: int) -> dict[str, Any]:
     model = GPT(cfg)
     data = [synthetic_batch(8, cfg.block_size, cfg.vocab_size, torch.Generator().manual_seed(s)) for s in range(steps)]
     losses = {}
-    for name, zero, params in (("fp32", None, "fp32"), ("zero1", 1, "fp32"), ("zero2", 2, "fp32"),
-                               ("zero3", 3, "fp32"), ("bf16", None, "fp32"), ("bf16-main", None, "bf16")):
-        compute = "bf16" if name.startswith("bf16") else "fp32"
+    for name, (zero, compute, params, _) in VARIANTS.items():
         pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(1), program=pipedsl.load("1f1b").compile(1, 4),
                                 loss_fn=gpt_loss, device=device, precision=MixedPrecision(compute, params=params),
                                 parallel=ParallelConfig(dp=1, pp=1, zero=zero) if zero else None)
@@ -227,8 +226,8 @@ def zero_one_rank(rank: int, device: str, steps: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         pipe.close()
-    problems = [f"{name}: losses {losses[name]} != without ZeRO {losses['fp32']}"
-                for name in ("zero1", "zero2", "zero3") if losses[name] != losses["fp32"]]
+    problems = [f"{name}: losses {losses[name]} != without ZeRO {losses[base]}"
+                for name, (_, _, _, base) in VARIANTS.items() if base == "fp32" and losses[name] != losses[base]]
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses["bf16-main"], losses["bf16"]))
     if rel > 1e-2:
         problems.append(f"bf16 main parameters: losses {rel:.2g} from bf16 autocast (relative)")

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = ({"layers": 2, "embd": 16, "seq": 16, "M": 4, "rows": 1, "warmup": 1, "reps": 2} if args.quick else
            {"layers": 4, "embd": 64, "seq": 64, "M": 8, "rows": 2, "warmup": 2, "reps": 20})
     times = pipedsl.launch(_rank_main, 2, 2, cfg, threads=1, timeout=600)[0]
-    ratio = _bench.median([a / b for a, b in zip(times["released"], times["kept"])])
+    ratio = _bench.paired_median(times["released"], times["kept"])
     print(f"\nZB-H1 P=2 M={cfg['M']}, GPT {cfg['layers']} layers C={cfg['embd']} T={cfg['seq']}: step "
           f"{1e3 * _bench.median(times['released']):.1f} ms with I dropping what W does not read, "
           f"{1e3 * _bench.median(times['kept']):.1f} ms keeping everything; paired median ratio {ratio:.3f}")

@@ -103,11 +103,6 @@ def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[s
     return times
 
 
-def paired(a: list[float], b: list[float]) -> float:
-    """The median of the per-repetition ratios a/b (the load drifting during the run hits both alike)."""
-    return _bench.median([x / y for x, y in zip(a, b)])
-
-
 def main(argv: list[str] | None = None) -> dict:
     import pipedsl
 
@@ -117,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", choices=["gpt", "llama"], default="gpt", help="the small GPT, or a Hugging Face "
                     "Llama of the same sizes (the hf extra)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (P x dp ranks; default 1)")
+    ap.add_argument("--no-append", action="store_true", help="do not add a row to RESULTS.md")
     ap.add_argument("--schedules", nargs="+", help="schedules to time (default --schedule); with several, each "
                     "variant's step under every schedule over its step under the first, against the same ratio "
                     "of its baseline (zero bubble's gain kept under ZeRO?)")
@@ -128,28 +124,30 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for schedule in schedules:
         for name in names:
-            base = VARIANTS[name][3]
-            row = {"schedule": schedule, "variant": name, "baseline": base,
-                   "step_s": _bench.spread(t[(schedule, name)]), "raw": t[(schedule, name)],
-                   "ratio_paired_median": paired(t[(schedule, name)], t[(schedule, base)]) if base else None}
+            base, mine = VARIANTS[name][3], t[(schedule, name)]
+            ratio = _bench.paired_median(mine, t[(schedule, base)]) if base else None
+            row = {"schedule": schedule, "variant": name, "baseline": base, "step_s": _bench.spread(mine),
+                   "raw": mine, "ratio_paired_median": ratio}
             if schedule != schedules[0]:
-                row[f"vs_{schedules[0]}"] = paired(t[(schedule, name)], t[(schedules[0], name)])
+                row[f"vs_{schedules[0]}"] = _bench.paired_median(mine, t[(schedules[0], name)])
             rows.append(row)
-    command = ("python benchmarks/zero_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    result = {"benchmark": "zero_speed", "command": command, "machine": _bench.machine(), "date": _bench.today(),
-              "schedules": schedules, "P": args.P, "dp": args.dp, "model": args.model, "config": cfg, "rows": rows}
     first = schedules[0]
-    print(f"{'schedule':<10} {'variant':<10} {'pipe.step ms':>12} {'vs':>6} {'ratio':>7} {'vs ' + first:>12}")
-    for r in rows:
-        ratio = f"{r['ratio_paired_median']:7.3f}" if r["baseline"] else " " * 7
-        across = f"{r['vs_' + first]:12.3f}" if f"vs_{first}" in r else ""
-        print(f"{r['schedule']:<10} {r['variant']:<10} {r['step_s']['median'] * 1e3:12.1f} {r['baseline'] or '':>6} "
-              f"{ratio} {across}")
-    _bench.write_json("zero_speed", result, args.json)
-    cells = "; ".join(f"{r['schedule']} {r['variant']} {r['ratio_paired_median']:.3f}" for r in rows if r["baseline"])
-    _bench.append_results(_bench.results_row(command, f"{args.model} P={args.P} dp={args.dp} M={args.M}, pipe.step "
-                                                      f"over the same step without ZeRO / bf16 parameters: {cells}"))
-    return result
+
+    def table(result: dict) -> str:
+        lines = [f"{'schedule':<10} {'variant':<10} {'pipe.step ms':>12} {'vs':>6} {'ratio':>7} {'vs ' + first:>12}"]
+        for r in result["rows"]:
+            ratio = f"{r['ratio_paired_median']:7.3f}" if r["baseline"] else " " * 7
+            across = f"{r['vs_' + first]:12.3f}" if f"vs_{first}" in r else ""
+            lines.append(f"{r['schedule']:<10} {r['variant']:<10} {r['step_s']['median'] * 1e3:12.1f} "
+                         f"{r['baseline'] or '':>6} {ratio} {across}")
+        return "\n".join(lines)
+
+    cells = "; ".join(f"{r['schedule']} {r['variant']} {r['ratio_paired_median']:.3f}"
+                      for r in rows if r["baseline"])
+    summary = (f"{args.model} P={args.P} dp={args.dp} M={args.M}, pipe.step over the same step without ZeRO / bf16 "
+               f"parameters: {cells}")
+    return _bench.publish("zero_speed", argv, {**cfg, "schedules": schedules, "P": args.P}, rows, {}, table, summary,
+                          args.json, args.no_append)
 
 
 if __name__ == "__main__":
