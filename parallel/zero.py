@@ -270,7 +270,6 @@ class _Unit:
         self.frees = stage == 3 and self.n > 1  # stage 3 frees the full buffer between uses
         self.gathered = not self.frees
         self.pending: dist.Work | None = None
-        self.reduced_this_step = False
         if self.frees:
             self._free()
 
@@ -382,6 +381,12 @@ class _Unit:
     def full_grad(self) -> torch.Tensor:
         g = self.grad
         return g if g is not None else torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
+
+    def reduce_held(self) -> None:
+        """reduce="microbatch": the full gradient held so far, if any, reduce-scattered into (added to) this rank's
+        slice and freed — when a backward completed the unit, after a W, and at REDUCE_GRAD for what is left."""
+        if self.trainable and self._grad is not None:
+            self.reduce_scatter_grad(accumulate=True)
 
     def reduce_scatter_grad(self, accumulate: bool) -> None:
         """Sum the full gradient over the group into this rank's slice (averaged), free the full one."""
@@ -716,8 +721,7 @@ class ZeroOptimizer:
                 return  # more of the unit's gradients to come in this backward
             self._note_memory()
             if self.reduce == "microbatch":
-                u.reduce_scatter_grad(accumulate=True)
-                u.reduced_this_step = True
+                u.reduce_held()
             if not self._in_weight_pass:
                 u.release()
                 if u.partner is not None:
@@ -735,9 +739,8 @@ class ZeroOptimizer:
         their own); every unit freed."""
         self._in_weight_pass = False
         for u in self.units:
-            if self.reduce == "microbatch" and u.trainable and u.grad is not None:
-                u.reduce_scatter_grad(accumulate=True)
-                u.reduced_this_step = True
+            if self.reduce == "microbatch":
+                u.reduce_held()
             u.release()
 
     def _end_of_forward(self, module: nn.Module, args, output) -> None:
@@ -761,9 +764,7 @@ class ZeroOptimizer:
         """Average gradients over the group (REDUCE_GRAD); with `async_op`, `step()` or `wait()` completes it."""
         if self.reduce == "microbatch":
             for u in self.units:  # a unit some parameter of which had no gradient in a backward: never complete
-                if u.trainable and u.grad is not None:
-                    u.reduce_scatter_grad(accumulate=True)
-                    u.arrived.clear()
+                u.reduce_held()
             return
         for u in self.units:
             if not u.trainable:
@@ -891,7 +892,6 @@ class ZeroOptimizer:
                 u.grad = None
             if u.main is not None:
                 u.main.grad = None  # rebound to this step's reduced gradient by `_owned`
-            u.reduced_this_step = False
 
     # ------------------------------------------------------------------ inspection
 

@@ -207,9 +207,8 @@ class Stage:
         self._params: list[nn.Parameter] | None = None
         self._param_nodes: dict[Node, int] | None = None
         self._plans: dict[tuple, _WeightPlan] = {}  # graph signature -> plan
-        # (before, after) around every W: e.g. ZeRO-3 gathers the parameters W's saved views point into
-        self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
-        self._early_with_hooks = True  # every weight-pass hook lets I compute what it computes without (`_early`)
+        # (before, after, early) around every W: e.g. ZeRO-3 gathers the parameters W reads (`add_weight_pass_hook`)
+        self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None], bool]] = []
         options = options or StageOptions()
         self.precision, self.device = options.precision, options.device
         # dropping at I needs every saved tensor packed by this stage; recomputation packs its own
@@ -222,8 +221,7 @@ class Stage:
         """Run `before()` and `after()` around every W; the split plans are derived again, since with such hooks
         I leaves every parameter's gradient to W (`_early`) — unless `early`: the hooks let I compute the
         gradients it computes without them (ZeRO-3's, whose units I's own hooks gather)."""
-        self.weight_pass_hooks.append((before, after))
-        self._early_with_hooks = early and self._early_with_hooks
+        self.weight_pass_hooks.append((before, after, early))
         self._plans.clear()
 
     @property
@@ -258,7 +256,7 @@ class Stage:
         zero-bubble W); and (`chains`) those reached from several nodes of I's path, such as T5's relative
         position bias, shared by every layer.  None: neither (without `release`, or under weight-pass hooks that
         do not allow it).  Under ZeRO the parameters stay parameters (parallel/zero.py): the same ones."""
-        if not self.release or (self.weight_pass_hooks and not self._early_with_hooks):
+        if not self.release or not all(early for _, _, early in self.weight_pass_hooks):
             return None
         return {i for i, p in enumerate(self.params) if p.dim() <= 1 and not is_flat_buffer(p)}
 
@@ -334,12 +332,12 @@ class Stage:
         """The weight-pass hooks around a pass that reads saved parameter views (W), or may recompute a
         forward (a backward under recomputation: ZeRO-3 must not free parameters in the middle of it)."""
         hooks = self.weight_pass_hooks if recomputes else []
-        for before, _ in hooks:
+        for before, _, _ in hooks:
             before()
         try:
             yield
         finally:
-            for _, after in hooks:
+            for _, after, _ in hooks:
                 after()
 
     # ------------------------------------------------------------ backward
