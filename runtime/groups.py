@@ -64,20 +64,22 @@ class PipelineGroups:
         grid, tail = self._grid()
         return int(grid[(rank, 0, *tail)])
 
-    def new(self, ranks: Sequence[int], across_dp: bool = False) -> dist.ProcessGroup | None:
+    def new(self, ranks: Sequence[int], across_dp: bool = False, backend: str | None = None) -> dist.ProcessGroup | None:
         """The group of program ranks `ranks` of this pipeline — with `across_dp`, of every data-parallel
-        replica's pipeline at this tp coordinate — or None where this process is not a member.
+        replica's pipeline at this tp coordinate — or None where this process is not a member.  `backend`: the
+        world's unless named ("gloo": host tensors under NCCL).
         Collective: every process calls it with the same arguments, in the same order."""
         ranks = sorted(ranks)
         if self.mesh is not None:
-            return self._new_on_mesh(ranks, across_dp)
+            return self._new_on_mesh(ranks, across_dp, backend)
         members = [self.members[r] for r in ranks]
         if self.whole:
-            group = dist.new_group(members, timeout=self.timeout)
+            group = dist.new_group(members, timeout=self.timeout, backend=backend)
             return self._keep(group) if self.me in members else None
         if self.me not in members:
             return None
-        return self._keep(dist.new_group(members, timeout=self.timeout, use_local_synchronization=True))
+        return self._keep(dist.new_group(members, timeout=self.timeout, backend=backend,
+                                         use_local_synchronization=True))
 
     def close(self) -> None:
         """Destroys every group made here: each gloo group keeps threads and sockets until then."""
@@ -97,7 +99,7 @@ class PipelineGroups:
         mesh = self.mesh.device_mesh
         return mesh.mesh, tuple(mesh.get_coordinate()[2:])  # global ranks [pp, dp, *tp]; this rank's tp part
 
-    def _new_on_mesh(self, ranks: list[int], across_dp: bool) -> dist.ProcessGroup | None:
+    def _new_on_mesh(self, ranks: list[int], across_dp: bool, backend: str | None) -> dist.ProcessGroup | None:
         grid, _ = self._grid()
         mine = None
         tails = list(itertools.product(*(range(n) for n in grid.shape[2:])))
@@ -105,7 +107,7 @@ class PipelineGroups:
             [(d, *t) for d in range(grid.shape[1]) for t in tails]
         for col in columns:  # every pipeline's group, on every process, in one order
             members = sorted(int(x) for x in grid[ranks][(slice(None), *col)].flatten())
-            group = dist.new_group(members, timeout=self.timeout)
+            group = dist.new_group(members, timeout=self.timeout, backend=backend)
             if self.me in members:
                 mine = self._keep(group)
         return mine

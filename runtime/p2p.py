@@ -262,7 +262,8 @@ class Channels:
         on_cpu = self.wire.type == "cpu"
         mode = p2p_mode()
         self.transport: DistTransport | socket_p2p.SocketTransport
-        if dist.get_backend(group) == "nccl" or mode in ("nccl", "rendezvous"):  # NCCL's layout, proven (nccl_model)
+        nccl = dist.get_backend(group) == "nccl" or mode in ("nccl", "rendezvous")  # the NCCL code path, or its emulation
+        if nccl:  # NCCL's layout, proven (nccl_model)
             layout = os.environ.get("PIPEDSL_P2P_LAYOUT", LAYOUT) if mode != "auto" else LAYOUT  # a test's control
             if mode == "rendezvous":
                 from pipedsl.runtime.rendezvous import RendezvousTransport
@@ -290,6 +291,9 @@ class Channels:
         # each operation is named by its instruction (`label`): for the record, and for what a stuck rendezvous reports
         self.labelled = bool(self._record_to) or getattr(self.transport, "names_operations", False)
         self.opening: tuple[int, str, dict[int, Any]] | None = None  # this step's openings, not yet checked
+        # the openings' all-reduce on host tensors: under NCCL reading a device tensor's result waited for the GPU to
+        # drain the previous step's optimizer at every step's start (a gloo group beside it, as torch's checkpoints do)
+        self._opening_group = groups.new(range(self.size), backend="gloo") if nccl and self.size > 1 else group
 
     # ------------------------------------------------------------ data
 
@@ -366,13 +370,16 @@ class Channels:
         stopped.  `wait`: check now (a rank meeting a new shape learns it with every peer, in a
         `Discovery` step).  Over torch.distributed: one all-reduce of the fingerprint (the max of it
         and of its negation), always waited for (NCCL's point-to-point calls between every pair of
-        ranks would open a connection per pair)."""
-        if self.kind != "socket" or self.size == 1:
-            both = torch.tensor([key, -key], dtype=torch.int64, device=self.device)  # NCCL: a device tensor
-            self._guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group))
+        ranks would open a connection per pair); under NCCL on host tensors over a gloo group, so that
+        reading it does not wait for the GPU.  Alone in its group, nothing to agree on."""
+        if self.size == 1:
+            return
+        if self.kind != "socket":
+            both = torch.tensor([key, -key], dtype=torch.int64)
+            self._guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._opening_group))
             if int(both[0]) != key or int(both[1]) != -key:
                 everyone: list = [None] * self.size
-                self._guard(lambda: dist.all_gather_object(everyone, description, group=self.group))
+                self._guard(lambda: dist.all_gather_object(everyone, description, group=self._opening_group))
                 raise _disagreement(self.rank, everyone)
             return
         text = key.to_bytes(8, "little", signed=True) + description.encode()[:OPENING_BYTES - 8]

@@ -433,7 +433,7 @@ class Pipeline:
         uneven = self.loss_reduction == "token"
         mb_inputs = [list(x) for x in zip(*(_split(t, M, "inputs", self.rank, uneven) for t in _tensors(inputs)))]
         tgt = [_to(t, self.device) for t in _split_any(targets, M, self.rank, uneven)]
-        return [[t.to(self.device, non_blocking=True) for t in x] for x in mb_inputs], tgt
+        return [[_to(t, self.device) for t in x] for x in mb_inputs], tgt
 
     @contextlib.contextmanager
     def _failures_told(self) -> Iterator[None]:
@@ -762,7 +762,12 @@ def _split(t: torch.Tensor, M: int, what: str, rank: int, uneven: bool = False) 
 
 
 def _to(x: Any, device: torch.device) -> Any:
+    """`x` (a tensor or a tuple of them) on `device`, the host going on while it copies: staged in pinned memory,
+    since a copy from pageable host memory to a GPU makes the host wait for the kernels already queued (the
+    previous step's optimizer), whatever `non_blocking` says."""
     if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu" and device.type == "cuda":
+            x = x.pin_memory()
         return x.to(device, non_blocking=True)
     if isinstance(x, tuple):
         return tuple(_to(t, device) for t in x)

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
@@ -213,22 +214,36 @@ def disagreeing_shapes(rank: int, how: str) -> str:
     """Rank 1 passes a shorter sequence than rank 0: every rank stops with the reason, whether rank 1's shape is
     `new` (it waits for every rank's opening message), `known` to both (neither waits: each finds the other's
     opening before it first waits for the other), or in an `evaluate` (forward only: rank 0 never waits for a
-    peer's message, and checks at the end); `dist`: over torch.distributed (an all-reduce agrees)."""
+    peer's message, and checks at the end); `dist`: over torch.distributed (an all-reduce agrees); `nccl`: the
+    NCCL code path, whose all-reduce runs on host tensors over a gloo group of its own (reading a device
+    tensor's result waited for the GPU at every step's start)."""
     program = pipedsl.load("1f1b").compile(P=2, M=2)
-    os.environ["PIPEDSL_P2P"] = "dist" if how == "dist" else "auto"
+    os.environ["PIPEDSL_P2P"] = how if how in ("dist", "nccl") else "auto"
     try:
         pipe = pipedsl.Pipeline(tiny_lm(2), program=program, loss_fn=token_sum, loss_reduction="token")
     finally:
         os.environ.pop("PIPEDSL_P2P")
-    assert pipe.channels.kind == ("dist" if how == "dist" else "socket")
+    assert pipe.channels.kind == ("dist" if how in ("dist", "nccl") else "socket")
     pipe.step(*padded_batch(0, 4, 6))
     if how == "known":
         pipe.step(*padded_batch(0, 4, 5))
     run = pipe.evaluate if how == "evaluate" else pipe.step
+    reduced: list[tuple[str, bool]] = []  # each all-reduce of the step: its tensor's device, over the messages' group?
+    all_reduce = dist.all_reduce
+
+    def recorded(t, *args, group=None, **kw):
+        reduced.append((t.device.type, group is pipe.channels.group))
+        return all_reduce(t, *args, group=group, **kw)
+
+    dist.all_reduce = recorded
     try:
         run(*padded_batch(1, 4, 6 if rank == 0 else 5))
     except pipedsl.PipeRuntimeError as err:
+        if how == "nccl" and reduced != [("cpu", False)]:
+            return f"the opening's all-reduce: {reduced}"
         return err.message
+    finally:
+        dist.all_reduce = all_reduce
     return "no error"
 
 

@@ -165,6 +165,32 @@ def test_batchnorm_running_statistics_agree_over_data_parallel_replicas(pool4) -
     assert all(r["moved"] for r in results)
 
 
+def test_a_steps_inputs_reach_a_gpu_from_pinned_memory(monkeypatch) -> None:
+    """A copy from pageable host memory makes the host wait for the GPU's queued kernels, `non_blocking` or not:
+    the microbatches (inputs and targets, tuples too) are pinned first, then copied without blocking."""
+    import torch
+
+    from pipedsl.runtime.pipeline import _to
+
+    calls: list[tuple[str, object]] = []
+
+    def pin(self):
+        calls.append(("pin", self.shape))
+        return self
+
+    def to(self, device, non_blocking=False):
+        calls.append(("to", non_blocking))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    _to((torch.zeros(2), torch.zeros(3)), torch.device("cuda", 1))
+    assert calls == [("pin", (2,)), ("to", True), ("pin", (3,)), ("to", True)]
+    calls.clear()
+    _to(torch.zeros(2), torch.device("cpu"))
+    assert calls == [("to", True)]
+
+
 def test_groups_made_under_nccl_keep_the_launchers_timeout(monkeypatch) -> None:
     """The timeout of the groups a pipeline makes is read from the backend of the group's device: under NCCL the
     CUDA one (the CPU's has none there, and the groups fell back to torch's default)."""
