@@ -203,11 +203,10 @@ def zero_one_rank(rank: int, device: str, steps: int) -> dict[str, Any]:
     buffer, by post-accumulate hooks on the device's autograd thread), and bf16 parameters over fp32 main
     parameters against bf16 autocast over fp32 parameters (within bf16 rounding)."""
     import torch
-    from zero_speed import VARIANTS  # the benchmark's variants and their baselines
+    from zero_speed import VARIANTS, layout  # the benchmark's variants and their baselines
 
     import pipedsl
     from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
-    from pipedsl.parallel import ParallelConfig
     from pipedsl.runtime.precision import MixedPrecision
 
     cfg = GPTConfig(n_layer=2, n_embd=64, block_size=32)
@@ -215,10 +214,10 @@ def zero_one_rank(rank: int, device: str, steps: int) -> dict[str, Any]:
     model = GPT(cfg)
     data = [synthetic_batch(8, cfg.block_size, cfg.vocab_size, torch.Generator().manual_seed(s)) for s in range(steps)]
     losses = {}
-    for name, (zero, compute, params, _) in VARIANTS.items():
+    for name, (_, compute, params, _) in VARIANTS.items():
         pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(1), program=pipedsl.load("1f1b").compile(1, 4),
                                 loss_fn=gpt_loss, device=device, precision=MixedPrecision(compute, params=params),
-                                parallel=ParallelConfig(dp=1, pp=1, zero=zero) if zero else None)
+                                parallel=layout(name, 1, 1))
         opt = pipe.optimizer(torch.optim.AdamW, lr=1e-3)
         losses[name] = []
         for x, y in data:

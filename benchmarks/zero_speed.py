@@ -20,6 +20,7 @@ import copy
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -28,7 +29,19 @@ import _bench  # noqa: E402
 # name: (zero level or None, compute dtype, parameters' dtype, baseline)
 VARIANTS = {"fp32": (None, "fp32", "fp32", None), "zero1": (1, "fp32", "fp32", "fp32"),
             "zero2": (2, "fp32", "fp32", "fp32"), "zero3": (3, "fp32", "fp32", "fp32"),
+            "zero3-step": (3, "fp32", "fp32", "fp32"),  # ZeRO-3's units kept gathered through the step
             "bf16": (None, "bf16", "fp32", None), "bf16-main": (None, "bf16", "bf16", "bf16")}
+RESHARD = {"zero3-step": "step"}  # ParallelConfig.zero_reshard of a variant ("unit" otherwise)
+
+
+def layout(name: str, dp: int, P: int) -> Any:
+    """Variant `name`'s ParallelConfig over dp x P ranks; None for one pipeline without ZeRO."""
+    from pipedsl.parallel import ParallelConfig
+
+    zero = VARIANTS[name][0]
+    if zero is None and dp == 1:
+        return None
+    return ParallelConfig(dp=dp, pp=P, zero=zero or 0, zero_reshard=RESHARD.get(name, "unit"))
 
 
 def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[str]) -> dict:
@@ -38,7 +51,6 @@ def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[s
 
     import pipedsl
     from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
-    from pipedsl.parallel import ParallelConfig
     from pipedsl.runtime.precision import MixedPrecision
 
     torch.manual_seed(0)
@@ -71,10 +83,9 @@ def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[s
     for schedule in schedules:
         prog = pipedsl.load(schedule).compile(P=P, M=cfg["M"], **cfg["params"])
         for name in names:
-            zero, compute, params, _ = VARIANTS[name]
-            parallel = ParallelConfig(dp=dp, pp=P, zero=zero or 0) if zero is not None or dp > 1 else None
+            _, compute, params, _ = VARIANTS[name]
             pipe = pipedsl.Pipeline(stages(prog.num_stages), program=prog, loss_fn=loss_fn,
-                                    parallel=parallel, precision=MixedPrecision(compute, params=params))
+                                    parallel=layout(name, dp, P), precision=MixedPrecision(compute, params=params))
             runs[(schedule, name)] = (pipe, pipe.optimizer(torch.optim.AdamW, lr=1e-4))
 
     def timed(key: tuple[str, str], steps: int) -> float:

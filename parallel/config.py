@@ -12,6 +12,7 @@ from pipedsl.errors import PipeDSLError
 
 TP_MODES = ("1d", "3d")
 REDUCE_MODES = ("step", "microbatch")
+RESHARD_MODES = ("unit", "step")
 
 
 class ParallelConfigError(PipeDSLError):
@@ -46,6 +47,11 @@ class ParallelConfig:
     (plain data-parallel traffic, overlapped with the cooldown); "microbatch" reduce-scatters
     after every microbatch's backward (true stage-2/3 gradient memory, M× the reduce-scatters
     on the critical path; ZeRO 2 and 3 only).
+
+    `zero_reshard` (ZeRO-3) says when a unit's gathered parameters are freed: "unit" (default) after
+    each forward and backward that used them, so one unit is full at a time (2M all-gathers a unit a
+    step); "step" after the stage's last backward of the step, one all-gather a unit a step for the
+    memory of the stage's full parameters during the step (ZeRO-2's, freed between steps).
     """
 
     dp: int = 1
@@ -55,6 +61,7 @@ class ParallelConfig:
     zero: int = 0
     zero_reduce: str = "step"
     ep: int = 1
+    zero_reshard: str = "unit"
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "zero", "ep"):
@@ -78,6 +85,12 @@ class ParallelConfig:
         if self.zero_reduce == "microbatch" and self.zero < 2:
             raise ParallelConfigError(f"zero_reduce='microbatch' needs zero=2 or 3 (zero={self.zero} keeps the full "
                                       f"gradient buffer anyway); use zero_reduce='step'")
+        if self.zero_reshard not in RESHARD_MODES:
+            raise ParallelConfigError(f"zero_reshard must be one of {', '.join(map(repr, RESHARD_MODES))}, "
+                                      f"got {self.zero_reshard!r}")
+        if self.zero_reshard != "unit" and self.zero != 3:
+            raise ParallelConfigError(f"zero_reshard={self.zero_reshard!r} needs zero=3 (zero={self.zero} keeps the "
+                                      f"full parameters anyway)")
         if self.tp_mode == "3d" and _cube_root(self.tp) is None:
             lo = max(1, int(self.tp ** (1 / 3)))
             near = sorted({lo ** 3, (lo + 1) ** 3})

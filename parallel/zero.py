@@ -122,7 +122,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipedsl.parallel.comm import all_gather_into, all_reduce, group_rank, group_size, reduce_scatter_into
-from pipedsl.parallel.config import REDUCE_MODES, ParallelConfigError
+from pipedsl.parallel.config import REDUCE_MODES, RESHARD_MODES, ParallelConfigError
 from pipedsl.parallel.replicated import FromLocalSummedLater, sums_grads_later
 from pipedsl.parallel.weight_decay import merged, split_decay
 
@@ -268,6 +268,7 @@ class _Unit:
         if stage <= 1 and trainable:
             self.grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)  # persistent, full
         self.frees = stage == 3 and self.n > 1  # stage 3 frees the full buffer between uses
+        self.reshard_after_use = True  # reshard="step": kept gathered from its first use to the step's reduction
         self.gathered = not self.frees
         self.pending: dist.Work | None = None
         if self.frees:
@@ -308,12 +309,18 @@ class _Unit:
             self.wait()
             self._free()
 
+    def used(self) -> None:
+        """A forward, backward or W of the unit is over: stage 3 frees it again, unless it stays gathered until the
+        step's reduction (`reshard_after_use` off)."""
+        if self.reshard_after_use:
+            self.release()
+
     def reported(self) -> None:
         """A frozen unit's backward report (inputs passed, partner accumulated): freed after the last one due."""
         if self.waiting > 0:
             self.waiting -= 1
             if self.waiting == 0 and self.entry is None:
-                self.release()
+                self.used()
 
     # ---------------------------------------------------------------- views
 
@@ -457,11 +464,18 @@ class ZeroOptimizer:
     (weights tied to another stage).  `groups` gives modules (each a unit) their own group and divisor: expert
     shards reduce over the ranks holding the same experts and divide by dp (parallel/expert.py).  Every rank of
     `group` must make the same calls.
+
+    `reshard` (stage 3): "unit" frees a unit's gathered parameters after each forward and backward, so one unit
+    is full at a time (the paper's stage 3; 2M gathers a unit a step over M microbatches); "step" keeps each
+    unit gathered from its first use in a step until `reduce_gradients()` (one gather a unit a step, the
+    stage's full parameters held through the step; torch's pipelining schedules unshard and reshard FSDP
+    stages so).
     """
 
     def __init__(self, module: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], *,
                  group: ProcessGroup | None, stage: int = 2, reduce: str = "step",
-                 units: Iterable[nn.Module] | None = None, prefetch: bool = True, separate: Iterable[str] = (),
+                 units: Iterable[nn.Module] | None = None, prefetch: bool = True, reshard: str = "unit",
+                 separate: Iterable[str] = (),
                  param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
                  groups: Iterable[tuple[nn.Module, ProcessGroup | None, int]] = (), no_decay: Collection[str] = (),
                  **optimizer_kwargs) -> None:
@@ -472,7 +486,10 @@ class ZeroOptimizer:
         if reduce == "microbatch" and stage < 2:
             raise ParallelConfigError(f"reduce='microbatch' only helps stages 2 and 3 (stage {stage} keeps the full "
                                       f"gradient buffer anyway); use reduce='step'")
+        if reshard not in RESHARD_MODES:
+            raise ParallelConfigError(f"reshard must be one of {', '.join(map(repr, RESHARD_MODES))}, got {reshard!r}")
         self.module, self.group, self.stage, self.reduce, self.prefetch = module, group, stage, reduce, prefetch
+        self.reshard = reshard
         params = [p for p in module.parameters()]
         if not params:
             raise ParallelConfigError("the module has no parameters to shard")
@@ -498,6 +515,8 @@ class ZeroOptimizer:
         units = [m for m in units if id(m) not in self._groups]
         unit_modules = [m for m, _, _ in groups] + [m for m in units if m is not module] + [module]
         self.units = self._build_units(unit_modules, group, dtype, separate)
+        for u in self.units:
+            u.reshard_after_use = reshard == "unit"
         self.main = param_dtype is not None  # the optimizer steps fp32 main copies of the owned slices
         self.numel = sum(u.numel for u in self.units)
         # weight decay on element ranges of the flat buffers when some parameters are exempt (weight_decay.py)
@@ -696,7 +715,7 @@ class ZeroOptimizer:
             if not leaving or self.stage != 3 or detect_fake_mode() is not None or self._in_weight_pass:
                 return
             for u in leaving:
-                u.release()
+                u.used()
             if output is None or not torch.is_grad_enabled():  # None: the forward raised (always_call)
                 return
             due = {u.index: (u.partner is not None) + u.inputs_report for u in leaving if not u.trainable}
@@ -723,7 +742,7 @@ class ZeroOptimizer:
             if self.reduce == "microbatch":
                 u.reduce_held()
             if not self._in_weight_pass:
-                u.release()
+                u.used()
                 if u.partner is not None:
                     u.partner.reported()
         return hook
@@ -741,7 +760,7 @@ class ZeroOptimizer:
         for u in self.units:
             if self.reduce == "microbatch":
                 u.reduce_held()
-            u.release()
+            u.used()
 
     def _end_of_forward(self, module: nn.Module, args, output) -> None:
         if detect_fake_mode() is None:
@@ -761,7 +780,12 @@ class ZeroOptimizer:
         return (u.flat for u in self.units)
 
     def reduce_gradients(self, async_op: bool = False) -> None:
-        """Average gradients over the group (REDUCE_GRAD); with `async_op`, `step()` or `wait()` completes it."""
+        """Average gradients over the group (REDUCE_GRAD); with `async_op`, `step()` or `wait()` completes it.
+        reshard="step": the stage's units, gathered since their first use, are freed (its step's last backward
+        is over)."""
+        if self.reshard == "step":
+            for u in self.units:
+                u.release()
         if self.reduce == "microbatch":
             for u in self.units:  # a unit some parameter of which had no gradient in a backward: never complete
                 u.reduce_held()

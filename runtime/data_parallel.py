@@ -89,8 +89,8 @@ class Flat:
     flat = True
 
     def __init__(self, group: dist.ProcessGroup | None, level: int, reduce: str, precision: MixedPrecision,
-                 reason: str) -> None:
-        self.group, self.level, self.reduce, self.reason = group, level, reduce, reason
+                 reason: str, reshard: str = "unit") -> None:
+        self.group, self.level, self.reduce, self.reason, self.reshard = group, level, reduce, reason, reshard
         self.lowp = ({"param_dtype": precision.param_dtype, "grad_dtype": precision.grad_dtype}
                      if precision.keeps_main else {})
         self.zero: dict[int, ZeroOptimizer] = {}
@@ -121,7 +121,8 @@ class Flat:
         for s, module in sorted(pipe.local_stages().items()):  # the same order on every dp peer
             shards = [(m, m.edp_group, m.dp) for m in module.modules() if isinstance(m, ExpertParallel)]
             self.zero[s] = ZeroOptimizer(module, optimizer_class, group=self.group, stage=self.level,
-                                         reduce=self.reduce, separate=pipe.ties.separate(s), groups=shards,
+                                         reduce=self.reduce, reshard=self.reshard, separate=pipe.ties.separate(s),
+                                         groups=shards,
                                          no_decay=exempt.get(s, set()), **self.lowp, **kwargs)
         pipe.ties.use_zero(self.zero)  # a tie's copies are now the stages' own units of it (ties.py)
         # split backward: W reads parameters ZeRO-3 frees after forwards (I gathers its own), and a microbatch's
@@ -163,4 +164,6 @@ def strategy_for(parallel: ParallelConfig | None, precision: MixedPrecision, gro
     if level == 0 and not precision.keeps_main:
         return Replicated(group, dp, parallel.ep if parallel is not None else 1)
     reason = f"zero={level}" if level else f"params={precision.params!r} (fp32 main parameters)"
-    return Flat(group, level, parallel.zero_reduce if parallel is not None else "step", precision, reason)
+    if parallel is None:
+        return Flat(group, level, "step", precision, reason)
+    return Flat(group, level, parallel.zero_reduce, precision, reason, parallel.zero_reshard)

@@ -64,7 +64,8 @@ class PipelineGroups:
         grid, tail = self._grid()
         return int(grid[(rank, 0, *tail)])
 
-    def new(self, ranks: Sequence[int], across_dp: bool = False, backend: str | None = None) -> dist.ProcessGroup | None:
+    def new(self, ranks: Sequence[int], across_dp: bool = False,
+            backend: str | None = None) -> dist.ProcessGroup | None:
         """The group of program ranks `ranks` of this pipeline — with `across_dp`, of every data-parallel
         replica's pipeline at this tp coordinate — or None where this process is not a member.  `backend`: the
         world's unless named ("gloo": host tensors under NCCL).

@@ -262,7 +262,7 @@ class Channels:
         on_cpu = self.wire.type == "cpu"
         mode = p2p_mode()
         self.transport: DistTransport | socket_p2p.SocketTransport
-        nccl = dist.get_backend(group) == "nccl" or mode in ("nccl", "rendezvous")  # the NCCL code path, or its emulation
+        nccl = dist.get_backend(group) == "nccl" or mode in ("nccl", "rendezvous")  # NCCL's code path, or emulated
         if nccl:  # NCCL's layout, proven (nccl_model)
             layout = os.environ.get("PIPEDSL_P2P_LAYOUT", LAYOUT) if mode != "auto" else LAYOUT  # a test's control
             if mode == "rendezvous":

@@ -260,7 +260,8 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     dp, zero, tp, t = cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.tp, cfg.training
     if dp > 1 or zero or tp > 1:
         from pipedsl.parallel import ParallelConfig, ParallelMesh
-        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero, ep=cfg.parallel.ep))
+        parallel = ParallelMesh(ParallelConfig(dp=dp, pp=program.num_ranks, tp=tp, zero=zero, ep=cfg.parallel.ep,
+                                               zero_reshard=cfg.parallel.zero_reshard))
     pipe, opt, source, load = _build(rank, program, cfg, parallel)
     start = 0
     history: dict[int, float] = {}  # every step's loss, the run's before a resume included (losses.json)

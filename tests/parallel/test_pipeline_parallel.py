@@ -109,7 +109,7 @@ def _train(mesh: ParallelMesh, model: GPT, schedule: str, M: int, zero_cfg: Para
         stages, loss_fn = work.tp_stages(S, mesh), tp_gpt_loss(mesh)
     else:
         stages, loss_fn = work.stages(S), gpt_loss
-    run_mesh = mesh.with_zero(zero_cfg.zero, zero_cfg.zero_reduce)
+    run_mesh = mesh.with_zero(zero_cfg.zero, zero_cfg.zero_reduce, zero_cfg.zero_reshard)
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss_fn, parallel=run_mesh, batch=batch_mode)
     rows = []  # samples per microbatch entering stage 0 here: the dp split happened
     if 0 in pipe.local_stages():
@@ -151,7 +151,8 @@ def _compare(res: dict, ref_losses: list[float], ref_params: torch.Tensor) -> li
 
 
 def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, tp_layers: bool = True) -> dict:
-    """Each run (schedule, M, batch, zero, zero_reduce) on one mesh; on rank 0: {run: problems, seconds}."""
+    """Each run (schedule, M, batch, zero, mode) on one mesh, `mode` a zero_reduce or "reshard=step" (ZeRO-3 keeping
+    its units gathered through the step); on rank 0: {run: problems, seconds}."""
     base = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode)
     mesh = ParallelMesh(base)
     torch.manual_seed(0)
@@ -160,7 +161,8 @@ def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, t
     for schedule, M, batch, zero, reduce in runs:
         batches = _batches(steps, batch)
         ref_losses, ref_params = _dense_reference(model, batches)
-        cfg = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode, zero=zero, zero_reduce=reduce)
+        zero_mode = {"zero_reshard": "step"} if reduce == "reshard=step" else {"zero_reduce": reduce}
+        cfg = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode, zero=zero, **zero_mode)
         res = _train(mesh, model, schedule, M, cfg, batches, tp_layers)
         problems = _compare(res, ref_losses, ref_params)
         if res["rows"] and res["rows"] != [batch // (dp * M)]:
@@ -286,7 +288,7 @@ def readme_job(steps: int) -> list[float]:
 
 # ----------------------------------------------------------------------------------- tests
 
-ZERO_MODES = [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step")]
+ZERO_MODES = [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step"), (3, "reshard=step")]
 TP1D_RUNS = tuple((s, 4, 16, z, r) for s in ("1f1b", "hanayo") for z, r in ZERO_MODES)
 TP3D_RUNS = tuple((s, 2, 8, z, "step") for s in ("1f1b", "hanayo") for z in (0, 1))
 CUBE1_RUNS = tuple((s, 4, 16, z, "step") for s in ("1f1b", "hanayo") for z in (1, 3))
@@ -295,13 +297,17 @@ CUBE1_RUNS = tuple((s, 4, 16, z, "step") for s in ("1f1b", "hanayo") for z in (1
 def _every_schedule_runs() -> tuple:
     """Every built-in with ZeRO-1, and ZeRO 0, 2 and 3 each with a third of them in turn (ZeRO-3 meets the
     split-backward schedules dualpipe, v-half and zb-v; zb-h1 takes ZeRO-2), plus per-microbatch reduction
-    for every other schedule without replicas: 2-3 runs a schedule instead of 5, the suite's slowest test."""
+    for every other schedule without replicas, and ZeRO-3 keeping its units gathered through the step for
+    schedules with a split backward, two stages a rank or replicas: 2-3 runs a schedule instead of 5, the
+    suite's slowest test."""
     runs = []
     for i, name in enumerate(pipedsl.builtin_names()):
         prog = pipedsl.load(name).compile(P=2, M=4, **SCHEDULE_PARAMS.get(name, {}))
         runs += [(name, 4, 16, z, "step") for z in (1, (0, 2, 3)[i % 3])]
         if prog.num_replicas == 1 and i % 2 == 0:
             runs.append((name, 4, 16, 2, "microbatch"))
+        if name in ("zb-h1", "interleaved", "dualpipev", "chimera"):
+            runs.append((name, 4, 16, 3, "reshard=step"))
     return tuple(runs)
 
 

@@ -33,7 +33,13 @@ LR = 1e-2
 # its gradient is float rounding noise of ~1e-9, which Adam with eps=1e-8 would turn into full-size steps
 # whose sign depends on summation order; eps=1e-4 keeps the comparison about ZeRO, not about that noise.
 EPS = 1e-4
-MODES = [(0, "step"), (1, "step"), (2, "step"), (3, "step"), (2, "microbatch"), (3, "microbatch")]
+KEEP = "step, reshard=step"  # reduce="step" with ZeRO-3's units kept gathered from their first use to the reduction
+MODES = [(0, "step"), (1, "step"), (2, "step"), (3, "step"), (2, "microbatch"), (3, "microbatch"), (3, KEEP)]
+
+
+def _zero_options(mode: str) -> dict[str, str]:
+    reduce, _, reshard = mode.partition(", reshard=")
+    return {"reduce": reduce, "reshard": reshard or "unit"}
 
 
 def mlp_model(g: torch.Generator) -> nn.Module:
@@ -91,7 +97,8 @@ def zero_job(model_name: str) -> dict:
                                                                  for k, v in initial.items()))}
     for stage, reduce in MODES:
         model = copy.deepcopy(base)
-        zero = ZeroOptimizer(model, torch.optim.Adam, group=group, stage=stage, reduce=reduce, lr=LR, eps=EPS)
+        zero = ZeroOptimizer(model, torch.optim.Adam, group=group, stage=stage, **_zero_options(reduce), lr=LR,
+                             eps=EPS)
         for s in range(STEPS):
             last = s == STEPS - 1
             if last:
@@ -153,7 +160,7 @@ def test_memory_matches_the_zero_formulas(job, stage, reduce):
         grads = 4 * P if stage < 2 else 4 * P // n
         optim = (8 * P if stage == 0 else 8 * P // n) + 4 * len(units)
         assert (mem.params, mem.grads, mem.optimizer) == (params, grads, optim)
-        if stage >= 2 and reduce == "step":  # the full gradient lives until REDUCE_GRAD
+        if stage >= 2 and reduce != "microbatch":  # the full gradient lives until REDUCE_GRAD
             assert mem.peak_grads == 4 * P + 4 * P // n
         if reduce == "microbatch":  # one unit's full gradient at a time
             assert mem.peak_grads <= 4 * P // n + 4 * max(units)
@@ -177,6 +184,12 @@ def test_stage3_gathers_each_unit_for_forward_and_backward_and_releases_it(job):
             scatters = sum(k for (op, _), k in calls.items() if op == "reduce_scatter")
             assert scatters == (M if reduce == "microbatch" else 1) * len(units)
             assert res["between"][(3, reduce)] == 4 * P // n
+        # reshard="step": each unit gathered once a step and held whole until the reduction frees it
+        units = res["units"][(3, KEEP)]
+        calls, by_op = res["comm"][(3, KEEP)]
+        assert sum(k for (op, _), k in calls.items() if op == "all_gather") == len(units)
+        assert by_op["all_gather"] == (n - 1) * 4 * sum(units) // n
+        assert res["between"][(3, KEEP)] == 4 * sum(units) + 4 * sum(units) // n  # the whole buffers and the slices
         for stage in (1, 2):  # the data-parallel volume: one reduce-scatter of the gradients per step
             calls, by_op = res["comm"][(stage, "step")]
             assert by_op == {"reduce_scatter": (n - 1) * 4 * sum(res["units"][(stage, "step")]) // n}

@@ -103,7 +103,7 @@ def test_train_param_and_grad_dtypes_must_fit_the_precision(capsys) -> None:
 def test_train_gpt_experts_sharded_over_ep_equals_one_process_and_resumes_exactly(tmp_path) -> None:
     """--experts 4 --ep 2 on dp2 x pp2 under ZeRO-1 and capacity 1.5: every step's loss equals one process running
     the same four microbatches (the router's loss is per microbatch); a run resumed from its step-2 checkpoint
-    (under another ZeRO stage: the expert shards re-cut) continues it."""
+    (under ZeRO-3 keeping each layer gathered through the step: the expert shards re-cut) continues it."""
     moe = ["--experts", "4", "--top-k", "2", "--capacity-factor", "1.5", "--steps", "4", "--layers", "2"]
     one = _train(tmp_path, "one", "-P", "1", "-M", "4", *moe)
     ckpt = tmp_path / "ckpt"
@@ -112,7 +112,8 @@ def test_train_gpt_experts_sharded_over_ep_equals_one_process_and_resumes_exactl
     assert one.keys() == ep.keys() == {"1", "2", "3", "4"}
     for step, loss in one.items():
         assert ep[step] == pytest.approx(loss, rel=1e-5), step
-    resumed = _train(tmp_path, "resumed", "--dp", "2", "--ep", "2", "--zero", "3", "--checkpoint-dir",
+    resumed = _train(tmp_path, "resumed", "--dp", "2", "--ep", "2", "--zero", "3", "--zero-reshard", "step",
+                     "--checkpoint-dir",
                      str(tmp_path / "other"), "--resume", str(ckpt / "step-00000002"), *moe)
     assert resumed.keys() == {"1", "2", "3", "4"}  # every step's loss: those before the resume from the checkpoint
     for step, loss in resumed.items():
