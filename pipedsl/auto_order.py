@@ -44,15 +44,31 @@ def _lags() -> list[Callable[[int], int]]:
 Orders = list[list[ComputeOp]]
 
 
+def _covering_warmups(caps: list[int], M: int, cost: Cost, comm: float, P: int, whole: bool = False) -> list[int]:
+    """Per rank, the warm-up that covers the wait for its first backward: as many forwards as fit in
+    (P−1−r)(F + I + 2·comm) (rounded; `whole`: only those that end before it), within the cap."""
+    F, I = max(cost.F, 1e-12), cost.I  # noqa: E741
+    fit = int if whole else round
+    return [max(0, min(caps[r] - 1, M, fit((P - 1 - r) * (F + I + 2 * comm) / F))) for r in range(P)]
+
+
+def _pending_ws(room: float, f: float, M: int) -> int:
+    """How many pending W's, each holding `f` of an activation, fit in `room` activations: ⌊room⌋ at f = 1; at
+    most M below (no more ever pend)."""
+    if f >= 1:
+        return int(room + 1e-9)
+    return M if f <= 0 else min(M, int(room / f + 1e-9))
+
+
 def _descend(best: tuple[Orders, float] | None, structured: Callable[[list[int], list[int]], Orders],
              evaluate: Callable[[Orders], float | None], caps: list[int], M: int, cost: Cost, comm: float,
              P: int, budget: int) -> tuple[Orders, float] | None:
     """Refine the rule's family rank by rank: from the warm-up that covers the wait for the first backward
     (as many forwards as fit in (P−1−r)(F + I + 2·comm), within the cap), move each rank's warm-up and W lag
     by one while the step gets shorter (a coordinate descent; each move costs one evaluation, `budget` of them)."""
-    F, I = max(cost.F, 1e-12), cost.I  # noqa: E741
-    warm = [max(0, min(caps[r] - 1, M, round((P - 1 - r) * (F + I + 2 * comm) / F))) for r in range(P)]
-    lags = [caps[r] - 1 - warm[r] for r in range(P)]
+    f = cost.wmem
+    warm = _covering_warmups(caps, M, cost, comm, P)
+    lags = [_pending_ws(caps[r] - 1 - warm[r], f, M) for r in range(P)]
 
     left = [budget]
 
@@ -73,7 +89,7 @@ def _descend(best: tuple[Orders, float] | None, structured: Callable[[list[int],
             for dw, dl in ((1, -1), (-1, 1), (-1, 0), (0, -1), (1, 0), (0, 1)):
                 w, lag = list(warm), list(lags)
                 w[r], lag[r] = w[r] + dw, lag[r] + dl
-                if not (0 <= w[r] <= M and lag[r] >= 0 and w[r] + 1 + lag[r] <= caps[r]):
+                if not (0 <= w[r] <= M and lag[r] >= 0 and w[r] + 1 + lag[r] * f <= caps[r] + 1e-9):
                     continue
                 if left[0] <= 0:
                     return current if best is None or current[1] < best[1] else best
@@ -95,9 +111,12 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
     def duration(kind: Op, s: int) -> float:
         return cost.per_stage.get(s, {}).get(kind.value, getattr(cost, kind.value))
 
+    f = cost.wmem  # a pending W's share of an activation: lag pending W's hold lag·f
+
     timing = Timing(duration, cost.message_time(None), placement)  # type: ignore[arg-type]
     P = len(fwd)
-    ops = sum(len(f) for f in fwd) * 3
+    M = len(fwd[0])
+    ops = sum(len(q) for q in fwd) * 3
     policies = [Policy(fill, first) for fill in ("fit", "greedy") for first in (False, True)]
     lags = _lags()
     no_lag = lags[-1]
@@ -108,20 +127,21 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
     for policy in policies:
         for lag in lags:
             try:
-                candidates.append(play(fwd, bwd, num_stages, cap, lag, span, timing, policy)[0])
+                candidates.append(play(fwd, bwd, num_stages, cap, lag, span, timing, policy, f)[0])
             except PipeSemanticError as err:  # this lag cannot make progress under the cap; another may
                 refusal = refusal or err
     caps = [cap(r) for r in range(P)]
     if structured is not None:
-        M = len(fwd[0])
         for k in (1, 2):  # ZB-H1 (k = 1) and ZB-H2 (k = 2) themselves, wherever the cap holds them
             warm = [max(0, min(k * (P - r) - 1, M)) for r in range(P)]
             lags_r = [k * r for r in range(P)]
-            if all(warm[r] + 1 + lags_r[r] <= caps[r] for r in range(P)):
+            if all(warm[r] + 1 + lags_r[r] * f <= caps[r] + 1e-9 for r in range(P)):
                 candidates.append(structured(warm, lags_r))
         for shift in (0, -1, 1, -2, 2):
-            lags_r = [max(0, min(caps[r] - 1, r * caps[r] // P + shift)) for r in range(P)]
-            warm = [max(0, min(caps[r] - 1 - lags_r[r], M)) for r in range(P)]
+            # the cap split between warm-up forwards and pending W's, more of it to the W's on later ranks
+            lags_r = [max(0, min(_pending_ws(caps[r] - 1, f, M), _pending_ws(r * caps[r] / P, f, M) + shift))
+                      for r in range(P)]
+            warm = [max(0, min(int(caps[r] - 1 - lags_r[r] * f + 1e-9), M)) for r in range(P)]
             candidates.append(structured(warm, lags_r))
             if ops > LARGE:
                 continue
@@ -129,9 +149,21 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
             for fill in ("fit", "greedy"):
                 policy = Policy(fill, False, tuple(w + 1 for w in warm))
                 try:
-                    candidates.append(play(fwd, bwd, num_stages, cap, no_lag, span, timing, policy)[0])
+                    candidates.append(play(fwd, bwd, num_stages, cap, no_lag, span, timing, policy, f)[0])
                 except PipeSemanticError as err:
                     refusal = refusal or err
+        # the warm-up that fills each rank's wait for its first backward and no more (a forward still running
+        # when the gradient arrives delays every rank before it), each W k·r + c backwards after its I: later
+        # ranks defer more W's, which fill their cooldown (k = 2: ZB-H2's lags).  With pending W's holding less
+        # than an activation (`wmem`) this is the zero-bubble paper's ZB-2p (its Table 5, at k = 3).
+        for whole in (True, False):
+            cover = _covering_warmups(caps, M, cost, timing.comm, P, whole)
+            for k in (range(1, 7) if ops <= LARGE else (2, 3, 4)):
+                for c in ((0, 1) if ops <= LARGE else (0,)):
+                    lags_r = [k * r + c for r in range(P)]
+                    warm = [min(cover[r], M, int(caps[r] - 1 - lags_r[r] * f + 1e-9)) for r in range(P)]
+                    if min(warm) >= 0:
+                        candidates.append(structured(warm, lags_r))
     best: tuple[Orders, float] | None = None
     for orders in candidates:
         end = evaluate(orders)
@@ -139,7 +171,7 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
             best = (orders, end)
     if structured is not None and ops <= LARGE:
         budget = max(P, EVALUATIONS // max(ops, 1))  # moves the descent may try: fewer at large sizes
-        best = _descend(best, structured, evaluate, caps, len(fwd[0]), cost, timing.comm, P, budget)
+        best = _descend(best, structured, evaluate, caps, M, cost, timing.comm, P, budget)
     if best is None:
         if refusal is not None:
             raise refusal

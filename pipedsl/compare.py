@@ -98,7 +98,7 @@ def format_table(rows: Sequence[Row], P: int, M: int, params: Mapping[str, int] 
     cost = cost or Cost()
     sizes = " ".join([f"P={P}", f"M={M}", *(f"{k}={v}" for k, v in (params or {}).items())])
     costs = " ".join(f"{k}={getattr(cost, k):g}" for k in ("F", "B", "I", "W", "FB", "comm")
-                     if getattr(cost, k) is not None)
+                     if getattr(cost, k) is not None) + (f" wmem={cost.wmem:g}" if cost.wmem != 1 else "")
     cells = [list(HEADERS)]
     for row in rows:
         if row.ok:

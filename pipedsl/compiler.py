@@ -41,6 +41,7 @@ CONTEXT: dict[str, tuple[str, ...]] = {
     "warmup": ("r",),
     "wlag": ("r",),
     "memory": ("r",),
+    "period": (),
     "require": (),
 }
 ALL_CONTEXT = ("m", "s", "v", "c", "r")
@@ -157,6 +158,9 @@ class Schedule:
             if "wlag" in settings:
                 raise PipeSemanticError("'wlag' has no effect with 'order auto' (the search places every W); use "
                                         "one or the other", settings["wlag"].span)
+        elif "period" in settings:
+            raise PipeSemanticError("'period' says what 'order auto' minimises; without 'order auto' it has no "
+                                    "effect", settings["period"].span)
         if "compute" in settings:
             for kw in ("order F", "order B", "order auto", "warmup", "merge", "wlag", "memory"):
                 if kw in settings:
@@ -381,7 +385,7 @@ class _Binder:
             bwd = [_keyed(ops, keys.get("B"), chunk, r) for r, ops in enumerate(held_ops)]
             if "order auto" in self.decls:
                 return self._auto(fwd, bwd, S, C, cap, span, placement, routes, held)
-            return squeeze(fwd, bwd, S, cap, wlag, span)
+            return squeeze(fwd, bwd, S, cap, wlag, span, wmem=self.cost.wmem if self.cost else 1.0)
         orders = []
         for r in range(P):
             ops = [(m, s, c) for c, s in held[r] for m in by_replica[c]]
@@ -406,9 +410,17 @@ class _Binder:
 
     def _auto(self, fwd, bwd, S, C, cap, span, placement, routes, held) -> list[list[ComputeOp]]:
         """`order auto`: the search of auto_order.py, each candidate lowered, validated and simulated under the
-        cost; the rule's warm-up/lag family among them where every rank holds one stage."""
+        cost; the rule's warm-up/lag family among them where every rank holds one stage.  A candidate is scored
+        by its makespan, or with `period 1` (steps that overlap) by its longest rank span; one over the cap
+        (in fractional activations, `Cost.wmem`) is dropped."""
         cost = self.cost or Cost()
         name = self.schedule.name
+        period = self._setting("period", 0)
+        if period not in (0, 1):
+            raise PipeSemanticError(f"period is 0 (a step ends with a collective: its makespan is minimised) or 1 "
+                                    f"(steps overlap: the longest rank span is), got {period}",
+                                    self.decls["period"][0].span)
+        caps = [cap(r) for r in range(self.P)]
 
         def evaluate(orders: list[list[ComputeOp]]) -> float | None:
             plan = ComputePlan(name, dict(self.values), S, C, placement, tuple(routes), orders)
@@ -416,7 +428,10 @@ class _Binder:
                 program = validate(lower(plan))
             except (ValidationError, PipeDSLError):
                 return None
-            return simulate(program, cost).makespan
+            timeline = simulate(program, cost)
+            if any(peak > c + 1e-9 for peak, c in zip(timeline.peak_activations, caps)):
+                return None
+            return max(timeline.rank_spans) if period else timeline.makespan
 
         structured = None
         if all(len(h) == 1 for h in held):

@@ -216,6 +216,7 @@ class _Builder(Transformer):
     warmup = _setting("warmup")
     wlag = _setting("wlag")
     memory = _setting("memory")
+    period = _setting("period")
 
     @v_args(meta=True)
     def merge(self, meta, children):

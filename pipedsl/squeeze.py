@@ -6,7 +6,8 @@ With `memory CAP` a schedule gives no warmup: the compiler plays all ranks forwa
 1. the oldest pending `W`, if more than `wlag(r)` are pending (split backward only);
 2. a ready backward (`B`, or `I` when split) — the critical path — first in `order B` order;
 3. a ready forward, first in `order F` order, if the cap allows it: an activation lives from
-   its F to its B (or to its W when split), and a microbatch's first forward on a rank reserves
+   its F to its B (or to its W when split, counting `wmem` of an activation after its I: the
+   fraction a pending W holds, `Cost.wmem`), and a microbatch's first forward on a rank reserves
    room for all its stages there (a V placement's chunk 1 comes back to the same rank), so a
    new microbatch starts only if alive + reserved + its stages here <= `CAP(r)`;
 4. the oldest pending `W` (it frees an activation and fills an idle slot);
@@ -64,15 +65,16 @@ class Policy:
 
 def squeeze(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int], int],
             lag: Callable[[int], int] | None, span: Span, timing: Timing | None = None,
-            policy: Policy = Policy()) -> list[list[ComputeOp]]:
+            policy: Policy = Policy(), wmem: float = 1.0) -> list[list[ComputeOp]]:
     """Each rank's compute order (see the module docstring); `lag` None: full backwards."""
-    return play(fwd, bwd, num_stages, cap, lag, span, timing, policy)[0]
+    return play(fwd, bwd, num_stages, cap, lag, span, timing, policy, wmem)[0]
 
 
 def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int], int],
          lag: Callable[[int], int] | None, span: Span, timing: Timing | None = None,
-         policy: Policy = Policy()) -> tuple[list[list[ComputeOp]], float]:
-    """`squeeze`'s orders and the time the play-forward ends (under `timing`)."""
+         policy: Policy = Policy(), wmem: float = 1.0) -> tuple[list[list[ComputeOp]], float]:
+    """`squeeze`'s orders and the time the play-forward ends (under `timing`); `wmem`: the fraction of an
+    activation a pending W holds."""
     timing = timing or Timing.unit()
     P = len(fwd)
     split = lag is not None
@@ -90,7 +92,7 @@ def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int
     f_end: dict[tuple[int, int, int], float] = {}  # (m, s, c) -> when its forward ended
     g_end: dict[tuple[int, int, int], float] = {}  # (m, s, c) -> when its input gradient was ready
     clock = [0.0] * P
-    live = [0] * P
+    live = [0.0] * P  # activations alive, in activations (a pending W's counts `wmem`)
     ahead = [0] * P  # forwards whose backward has not run (`Policy.inflight`)
     reserved = [0] * P  # forwards still to come on the rank for microbatches already started there
     here = [{} for _ in range(P)]  # rank -> replica -> its stages on the rank
@@ -155,7 +157,7 @@ def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int
                 return True
             if policy.inflight is not None and ahead[r] >= policy.inflight[r]:
                 return False
-            return live[r] + reserved[r] + here[r][c] <= caps[r]
+            return live[r] + reserved[r] + here[r][c] <= caps[r] + _SLACK
 
         for kind in ((Op.F, Op.B) if policy.forward_first else (Op.B, Op.F)):
             if op is not None:
@@ -193,10 +195,11 @@ def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int
             g_end[(m, s, c)] = end
             if split:
                 pending_w[r].append((m, s, c))
+                live[r] -= 1 - wmem
             else:
                 live[r] -= 1
         else:
-            live[r] -= 1
+            live[r] -= wmem
         heapq.heappush(ends, end)
         clock[r] = end
         orders[r].append(op)
@@ -207,6 +210,7 @@ def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int
 
 
 _INF = float("inf")
+_SLACK = 1e-9  # fractional activations (`wmem`) summed in floating point: a cap met exactly is met
 
 
 def _by_stage(ops: Keyed) -> list[deque[tuple[tuple, int, int, int]]]:
@@ -228,8 +232,9 @@ def _first_ready(queues: list[deque], ready: Callable[[int, int, int], bool]) ->
     return (m, s, c)
 
 
-def _stuck(live: list[int], caps: list[int], f_queues: list, r: int) -> str:
+def _stuck(live: list[float], caps: list[int], f_queues: list, r: int) -> str:
     nxt = [q[0] for q in f_queues[r] if q]
     what = f"F{nxt[0][1]}.{nxt[0][2]}" if nxt else "a backward"
-    return (f"the memory cap is too small to make progress: rank {r} holds {live[r]} of its {caps[r]} activations "
+    return (f"the memory cap is too small to make progress: rank {r} holds {round(live[r], 6):g} of its {caps[r]} "
+            f"activations "
             f"and waits to run {what}, while no rank can run anything")

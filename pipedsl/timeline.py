@@ -74,22 +74,35 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy) / (self.num_ranks * self.makespan)
 
+    @property
+    def wmem(self) -> float:
+        """The fraction of an activation a pending W holds, from the costs the timeline was simulated under (1:
+        whole activations until W; a measured timeline's)."""
+        return float(self.meta.get("cost", {}).get("wmem", 1.0))
+
     @cached_property
-    def peak_activations(self) -> list[int]:
-        """Per rank, the most stage activations alive at once: from F until its B (or W when split);
-        an overlapped pair F&B counts its forward's activation before its backward frees one."""
-        peaks = []
+    def peak_activations(self) -> list[float]:
+        """Per rank, the most stage activations alive at once: 1 from F until its B, or until its I and then
+        `wmem` until its W when split (whole numbers at wmem = 1); an overlapped pair F&B counts its forward's
+        activation before its backward frees one."""
+        after_i = self.wmem
+        peaks: list[float] = []
         for events in self.ranks:
-            live = peak = 0
+            live = peak = 0.0
             for e in events:
                 for part in e.instr.parts:
                     op = part.op
                     if op is Op.F:
                         live += 1
                         peak = max(peak, live)
-                    elif op is Op.B or op is Op.W:
+                    elif op is Op.B:
                         live -= 1
-            peaks.append(peak)
+                    elif op is Op.I:
+                        live -= 1 - after_i
+                    elif op is Op.W:
+                        live -= after_i
+            peak = round(peak, 9)  # fractions summed in floating point
+            peaks.append(int(peak) if peak == int(peak) else peak)
         return peaks
 
     def halves(self) -> Timeline:

@@ -4,6 +4,8 @@ cap holds them (ZB-H1 from P activations, ZB-H2 from 2P) on every cost draw."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -79,3 +81,96 @@ def test_the_planner_leaves_searched_schedules_out_unless_named() -> None:
     model, cluster = model_preset("gpt-1.7b"), cluster_preset("h100")
     assert "zb-auto" not in {lay.schedule for lay in layouts(model, cluster)}
     assert {lay.schedule for lay in layouts(model, cluster, schedules=["zb-auto"]) if lay.pp > 1} == {"zb-auto"}
+
+
+def _peaks_over_time(timeline: pipedsl.Timeline, wmem: float) -> list[float]:
+    """An independent count of `Timeline.peak_activations`: over time, each (microbatch, stage) holds 1 from its F's
+    start to its I's end (or its B's), then `wmem` until its W's end; the most at any event boundary, per rank."""
+    peaks = []
+    for events in timeline.ranks:
+        held: dict[tuple, list[float]] = {}  # (mb, stage, replica) -> [F start, I end, W end]
+        for e in events:
+            for part in e.instr.parts:
+                if part.op.value not in ("F", "I", "W", "B"):
+                    continue
+                slot = held.setdefault((part.mb, part.stage, part.replica), [0.0, float("inf"), float("inf")])
+                if part.op.value == "F":
+                    slot[0] = e.start
+                elif part.op.value == "I":
+                    slot[1] = e.end
+                elif part.op.value in ("W", "B"):
+                    slot[2] = e.end
+                    if part.op.value == "B":
+                        slot[1] = e.end
+        times = sorted({t for s in held.values() for t in s if t != float("inf")})
+        peak = 0.0
+        for t in times:  # an activation freed at t no longer counts at t; one made at t does
+            live = sum(1.0 if f <= t < i else (wmem if i <= t < w else 0.0) for f, i, w in held.values())
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+@settings(max_examples=12, deadline=None)
+@given(P=st.integers(2, 5), extra=st.integers(0, 6), costs=COSTS, wmem=st.sampled_from([0.4, 0.7, 1.0]),
+       post=st.sampled_from([0, 1]))
+def test_fractional_memory_holds_the_cap_and_the_objective_beats_zb_h1_and_h2(P: int, extra: int, costs: tuple,
+                                                                              wmem: float, post: int) -> None:
+    """With a pending W holding `wmem` of an activation, zb-auto stays within its cap counted so (checked by a count
+    over time, not the compiler's), and with `post` = 1 its longest rank span (else its makespan) is at most
+    ZB-H1's and ZB-H2's at the same memory."""
+    M = 2 * P + extra
+    cost = dataclasses.replace(_cost(*costs), wmem=wmem)
+    auto = pipedsl.load("zb-auto")
+
+    def objective(t: pipedsl.Timeline) -> float:
+        return max(t.rank_spans) if post else t.makespan
+    for mem, handcrafted in ((P, "zb-h1"), (2 * P, "zb-h1"), (2 * P, "zb-h2")):
+        searched = pipedsl.simulate(auto.compile(P=P, M=M, mem=mem, cost=cost, post=post), cost)
+        reference = pipedsl.simulate(pipedsl.load(handcrafted).compile(P=P, M=M), cost)
+        assert objective(searched) <= objective(reference) * (1 + 1e-9), (mem, handcrafted)
+        assert max(searched.peak_activations) <= mem + 1e-9
+        assert searched.peak_activations == pytest.approx(_peaks_over_time(searched, wmem))
+
+
+def test_a_pending_ws_share_of_an_activation_is_what_the_peak_counts() -> None:
+    """ZB-H1 at P=2, M=4: rank 1 runs F0 I0 F1 I1 W0 F2 …, so after F1 it holds F1's activation and W0's pending
+    share: 2 whole activations, or 1.25 when a pending W holds a quarter of one; rank 0 runs each W right after
+    its I (2 either way).  The same as counted over time."""
+    program = pipedsl.load("zb-h1").compile(P=2, M=4)
+    whole = pipedsl.simulate(program)
+    quarter = pipedsl.simulate(program, pipedsl.Cost(wmem=0.25))
+    assert whole.peak_activations == [2, 2] and quarter.peak_activations == [2.0, 1.25]
+    assert whole.peak_activations == _peaks_over_time(whole, 1.0)
+    assert quarter.peak_activations == pytest.approx(_peaks_over_time(quarter, 0.25))
+    assert quarter.wmem == 0.25 and whole.wmem == 1.0
+
+
+def test_a_memory_cap_admits_more_forwards_when_a_pending_w_holds_less() -> None:
+    """V-Half's `memory` cap (greedy under it, W's only when nothing else runs) counts pending W's at `wmem`: the
+    cap holds so counted, and at a quarter the play keeps more forwards in flight than with whole activations."""
+    vhalf = pipedsl.load("v-half")
+    cap = 2 * ((4 + 2) // 2)
+    whole = pipedsl.simulate(vhalf.compile(P=4, M=8))
+    quarter_cost = pipedsl.Cost(wmem=0.25)
+    quarter = pipedsl.simulate(vhalf.compile(P=4, M=8, cost=quarter_cost), quarter_cost)
+    assert max(whole.peak_activations) <= cap and max(quarter.peak_activations) <= cap + 1e-9
+    assert quarter.peak_activations == pytest.approx(_peaks_over_time(quarter, 0.25))
+    assert quarter.makespan < whole.makespan
+
+
+@pytest.mark.parametrize("text,said", [
+    ("schedule A(P, M) {\n  memory 2\n  period 1\n}", "'period' says what 'order auto' minimises"),
+])
+def test_period_needs_order_auto(text: str, said: str) -> None:
+    with pytest.raises(pipedsl.PipeSemanticError, match=said) as err:
+        pipedsl.Schedule.from_text(text)
+    assert err.value.span.line == 3
+
+
+def test_period_is_0_or_1_and_wmem_a_fraction() -> None:
+    with pytest.raises(pipedsl.PipeSemanticError, match="period is 0 .* or 1 .* got 2"):
+        pipedsl.load("zb-auto").compile(P=2, M=4, post=2)
+    with pytest.raises(pipedsl.PipeDSLError, match=r"wmem=1.5 is the fraction of an activation a pending W holds"):
+        pipedsl.Cost(wmem=1.5)
+    assert pipedsl.Cost.parse("F=1,wmem=0.4").wmem == 0.4
