@@ -54,10 +54,10 @@ def _covering_warmups(caps: list[int], M: int, cost: Cost, comm: float, P: int, 
 
 def _pending_ws(room: float, f: float, M: int) -> int:
     """How many pending W's, each holding `f` of an activation, fit in `room` activations: ⌊room⌋ at f = 1; at
-    most M below (no more ever pend)."""
-    if f >= 1:
+    most M otherwise (no more ever pend)."""
+    if f == 1:
         return int(room + 1e-9)
-    return M if f <= 0 else min(M, int(room / f + 1e-9))
+    return M if f <= 0 else max(0, min(M, int(room / f + 1e-9)))
 
 
 def _descend(best: tuple[Orders, float] | None, structured: Callable[[list[int], list[int]], Orders],

@@ -33,10 +33,12 @@ class Cost:
     max(F + B − exchange_f − exchange_b, F, B) (each half still waits for its own chain);
     else the sum of its halves' costs.
     `Cost.fit(timeline)` measures all of them from a trace.
-    `wmem` is the fraction of an activation a pending W holds, from its I to its W (the inputs and output
+    `wmem` is the share of an activation a pending W holds, from its I to its W (the inputs and output
     gradients of the linear layers: 32h / (34h + 5as) bytes of a token's in the zero-bubble paper's unfused
-    attention, about 0.9 with fused attention; 1, the default, counts whole activations until W): memory caps
-    (`memory`, `order auto`) and `Timeline.peak_activations` count an activation 1 from F to I and `wmem` after.
+    attention, about 0.9 with fused attention, above 1 where the gradients kept for W outweigh what I frees;
+    1, the default, counts whole activations until W): memory caps (`memory`, `order auto`) and
+    `Timeline.peak_activations` count an activation 1 from F to I and `wmem` after (a cap reserves the larger
+    of the two from F on).
     """
 
     F: float = 1.0
@@ -196,11 +198,7 @@ def _check_cost(name: str, value: object) -> None:
         return
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise PipeDSLError(f"Cost: {name} is a number, got {type(value).__name__}")
-    if name == "wmem":
-        if not 0 <= value <= 1:
-            raise PipeDSLError(f"Cost: wmem={shorten(value)} is the fraction of an activation a pending W holds: "
-                               f"a number in [0, 1]")
-    elif name == "bandwidth":
+    if name == "bandwidth":
         if not (value > 0 and (value <= MAX_COST or value == float("inf"))):
             raise PipeDSLError(f"Cost: bandwidth={shorten(value)} must be in (0, {MAX_COST:g}] or inf (MAX_COST)")
     elif not 0 <= value <= MAX_COST:  # false for nan too

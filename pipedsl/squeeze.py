@@ -93,6 +93,7 @@ def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int
     g_end: dict[tuple[int, int, int], float] = {}  # (m, s, c) -> when its input gradient was ready
     clock = [0.0] * P
     live = [0.0] * P  # activations alive, in activations (a pending W's counts `wmem`)
+    held = max(1.0, wmem) if split else 1.0  # from F to I: room for what its W will hold is reserved
     ahead = [0] * P  # forwards whose backward has not run (`Policy.inflight`)
     reserved = [0] * P  # forwards still to come on the rank for microbatches already started there
     here = [{} for _ in range(P)]  # rank -> replica -> its stages on the rank
@@ -157,7 +158,7 @@ def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int
                 return True
             if policy.inflight is not None and ahead[r] >= policy.inflight[r]:
                 return False
-            return live[r] + reserved[r] + here[r][c] <= caps[r] + _SLACK
+            return live[r] + (reserved[r] + here[r][c]) * held <= caps[r] + _SLACK
 
         for kind in ((Op.F, Op.B) if policy.forward_first else (Op.B, Op.F)):
             if op is not None:
@@ -181,7 +182,7 @@ def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int
         kind, m, s, c = op
         end = t + duration(kind, s)
         if kind is Op.F:
-            live[r] += 1
+            live[r] += held
             ahead[r] += 1
             f_end[(m, s, c)] = end
             key = (r, m, c)
@@ -195,9 +196,9 @@ def play(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Callable[[int
             g_end[(m, s, c)] = end
             if split:
                 pending_w[r].append((m, s, c))
-                live[r] -= 1 - wmem
+                live[r] -= held - wmem
             else:
-                live[r] -= 1
+                live[r] -= held
         else:
             live[r] -= wmem
         heapq.heappush(ends, end)

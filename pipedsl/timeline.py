@@ -83,8 +83,8 @@ class Timeline:
     @cached_property
     def peak_activations(self) -> list[float]:
         """Per rank, the most stage activations alive at once: 1 from F until its B, or until its I and then
-        `wmem` until its W when split (whole numbers at wmem = 1); an overlapped pair F&B counts its forward's
-        activation before its backward frees one."""
+        `wmem` (`Cost.wmem`: above 1 too) until its W when split (whole numbers at wmem = 1); an overlapped pair
+        F&B counts its forward's activation before its backward frees one."""
         after_i = self.wmem
         peaks: list[float] = []
         for events in self.ranks:
@@ -99,6 +99,7 @@ class Timeline:
                         live -= 1
                     elif op is Op.I:
                         live -= 1 - after_i
+                        peak = max(peak, live)  # a pending W may hold more than its activation did
                     elif op is Op.W:
                         live -= after_i
             peak = round(peak, 9)  # fractions summed in floating point

@@ -35,6 +35,7 @@ hooks (ZeRO-3 keeps the parameters gathered through it).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,9 @@ class ActivationCounter:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.counted: set[int] = set()  # the storages the newest activation counts (unit_clock.py reads them)
+        # split backward: what each pending W held right after its I, as a share of its activation's bytes (the
+        # last 256; `Cost.wmem`, which --schedule auto's search takes from them)
+        self.w_shares: deque[float] = deque(maxlen=256)
 
     def token(self) -> ActivationToken:
         self.live += 1
@@ -414,6 +418,10 @@ class Stage:
         act.outputs = []  # what W needs lives on through the boundary nodes
         if self.release and not plan.keeps_all:
             _drop_unread(act, [graph.nodes[k] for k in plan.weight_nodes])
+        if self.counter.count_bytes and act.saved is not None:
+            share = _pending_w_share(act)
+            if share is not None:
+                self.counter.w_shares.append(share)
         act.saved = None
         return self._input_grads(act, list(got))
 
@@ -542,6 +550,27 @@ def _unpack(saved: Saved) -> torch.Tensor:
     if _READ is not None:
         _READ.add(id(saved))
     return t
+
+
+def _pending_w_share(act: Activation) -> float | None:
+    """After I: the bytes W still holds — the stage inputs, the saved tensors it reads and the gradients captured for
+    it, each storage once — over the bytes the activation's forward counted; None when it counted none.  A kept
+    tensor counts where the forward counted its storage (a parameter's, saved detached, is not)."""
+    token = act.token
+    if not token.nbytes:  # type: ignore[attr-defined]
+        return None
+    held: dict[int, int] = {}
+    kept = [s.tensor for s in act.saved or () if s.tensor is not None] + list(act.inputs)
+    for t in kept:
+        key_n = storage_key(t) if isinstance(t, torch.Tensor) else None
+        if key_n is not None and key_n[0] in token.storages:  # type: ignore[attr-defined]
+            held[key_n[0]] = key_n[1]
+    for _, gs, _, _ in act.boundary or ():
+        for g in gs:
+            key_n = storage_key(g) if isinstance(g, torch.Tensor) else None
+            if key_n is not None:
+                held[key_n[0]] = key_n[1]
+    return sum(held.values()) / token.nbytes  # type: ignore[attr-defined]
 
 
 def _drop_unread(act: Activation, weight_nodes: list[Node]) -> None:

@@ -357,6 +357,7 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     cut's stage activations (`_room`; what each rank reports is gathered at once).  Returns the new pipeline,
     optimizer, source, router statistics and configuration (its `--split` the new cut points)."""
     import shutil
+    import statistics
 
     from pipedsl.plan.recut import ROOM_UNBOUNDED, choose_cut
     from pipedsl.simulate import Cost
@@ -364,7 +365,8 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
     counter = pipe.counter
     mine = (None if clock is None else clock.report(), pipe.rank, _budget(pipe, cfg),
-            counter.peak_bytes / counter.peak if counter.peak else 0.0)  # one stage activation's bytes, measured
+            counter.peak_bytes / counter.peak if counter.peak else 0.0,  # one stage activation's bytes, measured
+            statistics.median(counter.w_shares) if counter.w_shares else None)  # a pending W's share of it, measured
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, mine)
     units = [g[0] for g in gathered]
@@ -396,6 +398,10 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         if decision["peak_bytes"] is not None:
             mib = [round(b / 2**20, 2) for b in decision["peak_bytes"]]
             params += f", predicted peak activation MiB per rank {mib}"
+        held = [g[4] for g in gathered if g[4] is not None]
+        wmem = max(held) if held else None
+        if wmem is not None:  # not yet the search's (Cost.wmem): the budget and the byte counter count whole ones
+            params += f", a pending W holding up to {wmem:.2f} of an activation after I (measured)"
         spread = op_time_spread(timeline)
         gain = 1 - decision["predicted_ms"] / decision["profiled_ms"]
         noise = (f"; the profile's op times varied {spread:.0%} about their means (the median over op kinds and "
@@ -404,7 +410,7 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
                 f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted step "
                 f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms measured{noise}")
-        fields = {"program": program.name, "params": program.params, "activations_that_fit": fit,
+        fields = {"program": program.name, "params": program.params, "activations_that_fit": fit, "wmem_measured": wmem,
                   "stage_bytes": decision["stage_bytes"], "predicted_peak_bytes": decision["peak_bytes"],
                   "predicted_ms": decision["predicted_ms"],
                   "profiled_ms": decision["profiled_ms"], "split": decision["points"],
@@ -440,15 +446,15 @@ def _budget(pipe: Any, cfg: TrainConfig) -> float:
     return cfg.schedule.auto_memory * 2**30 if cfg.schedule.auto_memory else 0.9 * _free_bytes(pipe.device)
 
 
-def _room(size: int, cfg: TrainConfig, shares: list[tuple[int, float, float]]) -> Any:
-    """Per pipeline rank, from every rank's (pipeline rank, `_budget`, one stage activation's measured bytes): the
-    least budget over its data-parallel replicas and the most bytes; with free memory, the model-state bytes a
-    parameter brings, which a re-cut moves with its layers."""
+def _room(size: int, cfg: TrainConfig, shares: list[tuple[int, float, float, float | None]]) -> Any:
+    """Per pipeline rank, from every rank's (pipeline rank, `_budget`, one stage activation's measured bytes, the
+    share of it a pending W held): the least budget over its data-parallel replicas and the most bytes; with free
+    memory, the model-state bytes a parameter brings, which a re-cut moves with its layers."""
     from pipedsl.plan.memory import model_states
     from pipedsl.plan.recut import Room
 
     budgets, measured = [float("inf")] * size, [0.0] * size
-    for r, b, e in shares:
+    for r, b, e, _ in shares:
         budgets[r], measured[r] = min(budgets[r], b), max(measured[r], e)
     # free memory also pays for the model states of the layers a new cut brings: weights, gradients, AdamW's state
     per_param = 0.0 if cfg.schedule.auto_memory else \

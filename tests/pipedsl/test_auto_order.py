@@ -168,9 +168,21 @@ def test_period_needs_order_auto(text: str, said: str) -> None:
     assert err.value.span.line == 3
 
 
-def test_period_is_0_or_1_and_wmem_a_fraction() -> None:
+def test_period_is_0_or_1_and_wmem_a_share() -> None:
     with pytest.raises(pipedsl.PipeSemanticError, match="period is 0 .* or 1 .* got 2"):
         pipedsl.load("zb-auto").compile(P=2, M=4, post=2)
-    with pytest.raises(pipedsl.PipeDSLError, match=r"wmem=1.5 is the fraction of an activation a pending W holds"):
-        pipedsl.Cost(wmem=1.5)
+    with pytest.raises(pipedsl.PipeDSLError, match=r"wmem=-0.5 must be a finite number"):
+        pipedsl.Cost(wmem=-0.5)
     assert pipedsl.Cost.parse("F=1,wmem=0.4").wmem == 0.4
+
+
+def test_a_pending_w_holding_more_than_its_activation_stays_within_the_cap() -> None:
+    """Where the gradients W keeps outweigh what I frees (wmem 1.5: measured up to 1.05 on small blocks), memory
+    grows at I: the cap reserves it from F on, and the peak, counted over time, stays within it."""
+    cost = pipedsl.Cost(F=1, B=2, I=1, W=1, comm=0.1, wmem=1.5)
+    for mem in (4, 6, 8):
+        timeline = pipedsl.simulate(pipedsl.load("zb-auto").compile(P=4, M=8, mem=mem, cost=cost), cost)
+        assert max(timeline.peak_activations) <= mem + 1e-9
+        assert timeline.peak_activations == pytest.approx(_peaks_over_time(timeline, 1.5))
+    vhalf = pipedsl.simulate(pipedsl.load("v-half").compile(P=4, M=8, cost=cost), cost)
+    assert max(vhalf.peak_activations) <= 2 * ((4 + 2) // 2) + 1e-9

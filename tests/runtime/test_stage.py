@@ -235,6 +235,41 @@ def test_input_gradient_drops_what_the_weight_gradient_does_not_read() -> None:
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_the_share_of_an_activation_a_pending_w_holds_is_measured_after_input_gradient() -> None:
+    """`ActivationCounter.w_shares` (what --schedule auto gives zb-auto as `Cost.wmem`): after I, the bytes of the
+    saved tensors still alive and of the gradients captured for W over the bytes the forward counted, each storage
+    once — the same as counted independently by weak references to what the graph saved."""
+    from saved_storages import saved_storages
+
+    from pipedsl.models.gpt.model import Block, GPTConfig
+
+    B, T, C = 2, 16, 32
+    torch.manual_seed(0)
+    for release in (True, False):
+        module = Block(GPTConfig(n_embd=C, n_head=4, block_size=T))
+        counter = ActivationCounter()
+        stage = Stage(module, 1, 3, None, 1, counter, options=StageOptions(release=release))
+        x = torch.randn(B, T, C)
+        act, outs = stage.forward([x])
+        weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        saved = saved_storages(outs, weights)
+        saved.setdefault(x.untyped_storage().data_ptr(), (None, x.untyped_storage().nbytes()))  # the stage input
+        counted = counter.live_bytes
+        assert counted == sum(n for _, n in saved.values())
+        del outs
+        stage.backward_input(act, [torch.randn(B, T, C)])
+        alive = {k: n for k, (ref, n) in saved.items() if ref is None or not ref.expired()}  # x: held by the stage
+        grads = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                 for _, gs, _, _ in act.boundary for g in gs if isinstance(g, torch.Tensor)}
+        held = sum(alive.values()) + sum(n for k, n in grads.items() if k not in alive)
+        if release:
+            assert list(counter.w_shares) == [pytest.approx(held / counted)]
+            assert 0 < counter.w_shares[0]  # 1.05 here: the captured gradients outweigh what I freed
+        else:  # every saved tensor stays until W: not measured (W's share is not what I kept)
+            assert not counter.w_shares
+        stage.backward_weight(act)
+
+
 def test_a_weight_used_along_the_input_path_twice_is_computed_in_input_gradient() -> None:
     """`Shared` applies w to x and again to tanh(w(x)): from the second use, W would run I's path back to the first
     again (keeping tanh's output alive until W).  Where I drops what W does not read, w's gradient is computed in

@@ -159,6 +159,7 @@ def test_train_schedule_auto_profiles_searches_switches_and_equals_one_process(t
     assert switch["split"] in ([2], [3]) and switch["predicted_ms"] < switch["kept_split_ms"], switch
     assert switch["cost"]["F"] > 0 and switch["cost"]["W"] > 0
     assert switch["op_time_spread"] >= 0  # how noisy the profile was, said with the prediction
+    assert switch["wmem_measured"] > 0  # what a pending W held of its activation after I, said
     assert not (out / "auto-switch").exists()  # the hand-over checkpoint is gone
     # each rank's peak saved bytes under the new cut, predicted from the units' bytes measured on the old one: what
     # the last step counted (the stdout's KiB, rounded to 0.1)
