@@ -13,8 +13,11 @@ visible, the P ranks (default 4) share it over gloo, their messages staged throu
 (`Channels.wire`); vs_torch, op_cpu and large, which need one GPU a rank, are then left out and say
 why, and `one_gpu` measures what one GPU can: a one-rank pipeline's step against a plain PyTorch
 loop on a 0.85 B Llama (bf16, SDPA), the ratio and the MFU.  `zero` runs ZeRO 1-3 and bf16 parameters over fp32
-main parameters on one rank of the device against the same steps without them.  Exit status 1 if any check
-failed.
+main parameters on one rank of the device against the same steps without them.  `layouts` runs what a first
+real run of an HF decoder does — dp × pp × tp with sequence parallelism, ZeRO-1/3, bf16 parameters,
+recomputation (`LAYOUTS`, by the ranks there are) — against the dense model on the device, and `trainer_auto`
+runs `pipedsl train --schedule auto -P 2` against `-P 1`; both need one GPU a rank (with one GPU they say why
+they did not run).  Exit status 1 if any check failed.
 
     python benchmarks/gpu_check.py                       # one process a GPU (>= 2 GPUs), or all on one
     python benchmarks/gpu_check.py --device cpu --tiny   # the same checks on gloo, tiny sizes
@@ -34,10 +37,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "runtime"))  # runtime_cases: the tests' equivalence check
 sys.path.insert(0, str(HERE.parent / "tests" / "models"))  # moe_cases: the MoE GPT and its parameter check
+sys.path.insert(0, str(HERE.parent / "tests" / "parallel"))  # tp_hf_cases: an HF decoder's dp × pp × tp check
 
 import _bench  # noqa: E402
 
-CHECKS = ("schedules", "large", "moe", "vs_torch", "op_cpu", "one_gpu", "zero", "calibrate")
+CHECKS = ("schedules", "large", "moe", "layouts", "trainer_auto", "vs_torch", "op_cpu", "one_gpu", "zero", "calibrate")
+# dp × pp × tp layouts of a tiny HF Llama (tests/parallel/tp_hf_cases.py) by the ranks there are: (dp, pp, tp, zero,
+# precision, recompute); tolerances: fp32's, or bf16's where it computes in bf16 (test_tp_hf.py's, the gradient norm
+# within bf16's unit roundoff 2^-8: 1.8e-3 for this Llama on gloo, a rounding difference of the summed squares)
+LAYOUTS = {8: [(2, 2, 2, 1, "bf16-params", "full"), (2, 2, 2, 3, None, "selective")],
+           4: [(1, 2, 2, 0, "bf16-params", "full"), (2, 2, 1, 3, None, "selective")],
+           2: [(1, 1, 2, 0, "bf16-params", "full"), (2, 1, 1, 3, None, None)]}
+FP32_TOL = {"loss_err": 1e-5, "grad_err": 1e-5, "param_err": 1e-5, "norm_err": 1e-5}
+BF16_TOL = {"loss_err": 1e-3, "grad_err": 6e-2, "param_err": 6e-2, "norm_err": 2 ** -8}
 SIZES = {"full": {"steps": 3, "vs_torch": {"gpt_rows": 4, "steps": 10, "reps": 7, "warmup": 2},
                   "op_cpu": {"M": 16, "steps": 1, "reps": 40, "warmup": 2},
                   "large": {"width": 4096, "steps": 1},  # rows from --message-mib
@@ -96,6 +108,8 @@ def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
             out["moe"] = _moe(rank, device)
         except Exception as err:  # noqa: BLE001 - reported in the table
             out["moe"] = {"problems": [f"{type(err).__name__}: {err}"]}
+    if "layouts" in cfg["checks"]:
+        out["layouts"] = _layouts(rank, device, dist.get_world_size())
     if "vs_torch" in cfg["checks"]:
         out["vs_torch"] = {name: vs_torch._rank_main(rank, "gpt", name, P, {**cfg["vs_torch"], "M": 2 * P,
                                                                              "device": device})
@@ -116,6 +130,57 @@ def _moe(rank: int, device: str) -> dict[str, Any]:
     if not moe_cases.overlap_identical(rank, "dualpipev", 4, device=device)["same"]:
         problems.append("dualpipev with overlapped pairs differs from the same steps without")
     return {"problems": problems}
+
+
+def _layouts(rank: int, device: str, world: int) -> dict[str, list[str]]:
+    """What a first real run of an HF decoder does (`LAYOUTS` for this many ranks): dp × pp × tp with sequence
+    parallelism, ZeRO-1 or -3, bf16 parameters over fp32 main ones, full or selective recomputation — the loss,
+    gradient norm and parameters after two SGD steps against the dense model on the same device
+    (tests/parallel/tp_hf_cases.py's `tp_equivalence`, as test_tp_hf.py runs it on gloo)."""
+    import tp_hf_cases
+
+    out: dict[str, list[str]] = {}
+    for dp, pp, tp, zero, precision, recompute in LAYOUTS.get(world, []):
+        name = (f"dp{dp} pp{pp} tp{tp}{'+sp' if tp > 1 else ''} zero{zero} {precision or 'fp32'} "
+                f"recompute={recompute}")
+        tol = BF16_TOL if precision else FP32_TOL
+        try:
+            r = tp_hf_cases.tp_equivalence("llama", dp, pp, tp, tp > 1, zero=zero, recompute=recompute,
+                                           precision=precision, device=device)
+            out[name] = [f"{k} {r[k]:.3g} >= {v:g}" for k, v in tol.items() if not r[k] < v]
+        except Exception as err:  # noqa: BLE001 - reported in the table; the other ranks fail alike or time out
+            out[name] = [f"{type(err).__name__}: {err}"]
+    return out
+
+
+def trainer_auto(device: str, tiny: bool) -> dict[str, Any]:
+    """The trainer's `--schedule auto` as a user runs it (a subprocess: profile steps under ZB-H1, the units re-cut,
+    ZB-auto searched and switched to through a checkpoint), against `-P 1` on the same device: every step's loss.
+    On GPUs the launcher gives each rank one (NCCL); with `--device cpu`, gloo."""
+    import json
+    import tempfile
+
+    steps = "4" if tiny else "8"
+    common = ["--steps", steps, "--layers", "3", "-M", "4", "--seq", "32", "--embd", "64"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        env.pop("CUDA_VISIBLE_DEVICES")
+    losses, problems = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("one", ["-P", "1"]), ("auto", ["-P", "2", "--schedule", "auto", "--split", "1"])):
+            out = Path(tmp) / name
+            proc = subprocess.run([sys.executable, "-m", "pipedsl.cli", "train", *common, *extra, "-o", str(out)],
+                                  capture_output=True, text=True, env=env, timeout=600, check=False)
+            if proc.returncode != 0:
+                problems.append(f"{name}: exit {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
+                continue
+            losses[name] = json.loads((out / "losses.json").read_text())["losses"]
+    if len(losses) == 2:
+        problems += [f"step {k}: {losses['auto'].get(k)} != -P 1's {v}" for k, v in losses["one"].items()
+                     if k not in losses["auto"] or abs(losses["auto"][k] - v) > 1e-4 * abs(v)]
+    return {"problems": problems, "steps": len(losses.get("auto", {}))}
 
 
 def one_gpu(rank: int, device: str, size: dict[str, Any]) -> dict[str, Any]:
@@ -281,6 +346,16 @@ def table(result: dict[str, Any]) -> str:
     if "moe" in result:
         verdict = "equal" if not result["moe"] else "; ".join(result["moe"][:3])
         out += [f"MoE GPT at dp2 x pp2 x ep2 (1F1B; DualPipeV overlapped vs not): {verdict}", ""]
+    if "layouts" in result:
+        out += ["| HF Llama layout (1F1B, 2 SGD steps) | vs the dense model on the device |", "|---|---|"]
+        for name, problems in result["layouts"].items():
+            out.append(f"| {name} | {'equal' if not problems else '; '.join(problems[:3])} |")
+        out.append("")
+    if "trainer_auto" in result:
+        t = result["trainer_auto"]
+        verdict = "every loss equal to -P 1's" if not t["problems"] else "; ".join(t["problems"][:3])
+        out += [f"`pipedsl train --schedule auto -P 2` ({t['steps']} steps: ZB-H1 profile, re-cut, ZB-auto): "
+                f"{verdict}", ""]
     if "vs_torch" in result:
         out += ["| vs_torch (GPT) | pipedsl ms | torch ms | throughput ratio (paired) |", "|---|---|---|---|"]
         for row in result["vs_torch"]:
@@ -337,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
         if "large" in checks:
             skipped["large"] = (f"{P} ranks share one GPU over gloo, which buffers sends: NCCL's rendezvous of large "
                                 f"messages needs two GPUs or more (PIPEDSL_P2P=rendezvous emulates it on CPU)")
+        if "layouts" in checks:
+            skipped["layouts"] = (f"{P} ranks share one GPU over gloo: tensor parallelism's and ZeRO's collectives "
+                                  f"on GPU tensors need NCCL, one GPU a rank (the CPU tests run them on gloo)")
+        if "trainer_auto" in checks:
+            skipped["trainer_auto"] = ("with one GPU `pipedsl train -P 2` runs its ranks on the CPU (gloo): the "
+                                       "trainer's GPU run needs one GPU a rank")
         checks = [c for c in checks if c not in skipped]
     if "one_gpu" in checks and args.device == "cuda" and not shared_device:
         skipped["one_gpu"] = "run with one GPU visible (CUDA_VISIBLE_DEVICES=0): it measures one GPU alone"
@@ -357,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"benchmark": "gpu_check", "command": command, "machine": _bench.machine(),
                               "date": _bench.today(), "P": P, "backend": backend, "skipped": skipped}
     ranks = []
-    if {"schedules", "large", "vs_torch", "op_cpu"} & set(checks):
+    if {"schedules", "large", "layouts", "vs_torch", "op_cpu"} & set(checks):
         ranks = pipedsl.launch(_rank_main, P, P, cfg, backend=backend, threads=1, timeout=600)
     # after the ranks: CUDA initialised here before they fork would leave them unable to use it
     result["gpus"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -383,6 +464,14 @@ def main(argv: list[str] | None = None) -> int:
         result["large_mib"] = mib
     if "moe" in checks and P == 4:
         result["moe"] = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["moe"]["problems"]]
+    if "layouts" in checks:
+        if P not in LAYOUTS:
+            skipped["layouts"] = f"no layout listed for {P} ranks (LAYOUTS: {', '.join(map(str, LAYOUTS))})"
+        else:
+            result["layouts"] = {name: [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["layouts"][name]]
+                                 for name in ranks[0]["layouts"]}
+    if "trainer_auto" in checks:
+        result["trainer_auto"] = trainer_auto(args.device, args.tiny)
     if "one_gpu" in checks:
         device = "cuda" if args.device == "cuda" else "cpu"
         result["one_gpu"] = pipedsl.launch(one_gpu, 1, device, sizes["one_gpu"], backend="nccl" if device == "cuda"
@@ -399,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         result["calibrate"] = calibrate(P, args.device)
     failed = [r["schedule"] for r in result.get("schedules", []) if not r["ok"]]
     failed += ["moe"] if result.get("moe") else []
+    failed += [f"layout {name}" for name, problems in result.get("layouts", {}).items() if problems]
+    failed += ["trainer --schedule auto"] if result.get("trainer_auto", {}).get("problems") else []
     failed += ["large messages"] if result.get("large") else []
     failed += ["zero"] if result.get("zero", {}).get("problems") else []
     failed += ["plan --calibrate"] if "calibrate" in result and not result["calibrate"]["ok"] else []

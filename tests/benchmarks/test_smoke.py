@@ -271,9 +271,15 @@ def test_gpu_check_dry_run_on_gloo(runs, request):
     one = got["one_gpu"]  # the one-GPU row's wiring: a one-rank pipeline against a plain loop, first losses equal
     assert one["ratio"] > 0 and one["params"] > 0 and one["first_loss_rel_diff"] < 1e-5, one
     assert got["zero"]["problems"] == [] and len(got["zero"]["losses"]["zero3"]) >= 3  # ZeRO 1-3 on one rank
+    # an HF Llama at two ranks' layouts (tp2 + SP with bf16 parameters and recomputation; dp2 with ZeRO-3), and the
+    # trainer's --schedule auto against -P 1: what the GPU rows run, on gloo
+    assert got["layouts"] == {"dp1 pp1 tp2+sp zero0 bf16-params recompute=full": [],
+                              "dp2 pp1 tp1 zero3 fp32 recompute=None": []}, got["layouts"]
+    assert got["trainer_auto"] == {"problems": [], "steps": 4}, got["trainer_auto"]
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# gpu_check: cpu (gloo), P=2") and "| zb-v | 4 | equal |" in md
     assert "against a plain PyTorch loop" in md and "MiB messages" in md and "ZeRO 1-3 on one rank" in md
+    assert "| dp2 pp1 tp1 zero3 fp32 recompute=None | equal |" in md and "every loss equal to -P 1's" in md
 
 
 @pytest.mark.slow

@@ -48,13 +48,14 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
                    schedule: str = "1f1b", lr: float = 0.5, layers: int = 2, clip: float | None = None,
                    zero: int = 0, recompute: str | None = None, params: dict | None = None,
                    precision: str | None = None, tie: bool | None = None, padded: bool = False,
-                   optimizer: str = "sgd") -> dict:
+                   optimizer: str = "sgd", device: str | None = None) -> dict:
     """`steps` optimizer steps of the tensor-parallel pipeline against the dense model; the max differences.
 
     `precision="bf16-params"`: bf16 parameters with fp32 main parameters (Megatron's); the reference
     then runs under autocast on its fp32 main values rounded to bf16 before every step.  With ZeRO or
     main parameters the gradients live in flat buffers: the parameters are compared after every step
-    instead (`opt.stage_parameters`, fp32 main values where there are some)."""
+    instead (`opt.stage_parameters`, fp32 main values where there are some).  `device`: the pipeline's and the
+    reference's (benchmarks/gpu_check.py; default the pipeline's own choice and the CPU)."""
     hf = _hf_cases()
     mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, zero=zero))
     main = precision == "bf16-params"
@@ -63,7 +64,7 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
         precision = MixedPrecision("bf16", params="bf16")
     program = pipedsl.load(schedule).compile(P=pp, M=M, **(params or {}))
     model = hf.tiny_model(family, layers=layers, tie=tie)
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(device or "cpu")
     ref_params = dict(ref.named_parameters())
     x = torch.randint(hf.VOCAB, (2 * M * dp, hf.T), generator=torch.Generator().manual_seed(3))
     labels = x.clone()
@@ -84,7 +85,7 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
     # padded rows: microbatches hold different token counts, so the mean is over the global batch's tokens
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh, "sum" if padded else "mean"),
                             loss_reduction="token" if padded else "microbatch", parallel=mesh,
-                            recompute=recompute, precision=precision,
+                            recompute=recompute, precision=precision, device=device,
                             recompute_filter=_attention if recompute == "selective" else None)
     make = torch.optim.SGD if optimizer == "sgd" else functools.partial(torch.optim.AdamW, weight_decay=0.1, eps=1e-4)
     opt = pipe.optimizer(make, lr=lr)
@@ -100,14 +101,16 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
             with torch.no_grad():
                 for p, m in zip(ref.parameters(), ref_main):
                     p.copy_(m.to(torch.bfloat16))
-        with torch.autocast("cpu", torch.bfloat16, enabled=precision is not None):
-            want = ref(x, attention_mask=mask, labels=labels, use_cache=False).loss
+        on = next(ref.parameters()).device
+        with torch.autocast(on.type, torch.bfloat16, enabled=precision is not None):
+            want = ref(x.to(on), attention_mask=None if mask is None else mask.to(on), labels=labels.to(on),
+                       use_cache=False).loss
         want.backward()
         out["losses"].append(float(loss))
         out["loss_err"] = max(out["loss_err"], abs(float(loss) - want.item()) / abs(want.item()))
         for name, p in local if not flat else ():
             q = ref_params[name].grad
-            err = ((_whole(p.grad) - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
+            err = ((_whole(p.grad).to(q.device) - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
             out["grad_err"] = max(out["grad_err"], err)
         ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
         if clip is None:
@@ -143,7 +146,7 @@ def tp_equivalence(family: str, dp: int, pp: int, tp: int, sp: bool, steps: int 
 def _param_err(out: dict, local: list, want: dict) -> None:
     for name, p in local:
         q = want[name].detach()
-        out["param_err"] = max(out["param_err"], ((_whole(p.detach()) - q).abs().max()
+        out["param_err"] = max(out["param_err"], ((_whole(p.detach()).to(q.device) - q).abs().max()
                                                   / q.abs().max().clamp_min(1e-12)).item())
 
 
