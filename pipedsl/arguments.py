@@ -92,6 +92,15 @@ def add_sizes(p: argparse.ArgumentParser, many: bool = False) -> None:
     add_param(p)
 
 
+def add_steps(p: argparse.ArgumentParser) -> None:
+    """--steps N: consecutive steps without a barrier between them (pipedsl/steps.py)."""
+    from pipedsl.steps import MAX_STEPS
+
+    p.add_argument("--steps", type=int_in(1, MAX_STEPS, "MAX_STEPS"), default=1,
+                   help="consecutive steps that overlap (the optimizer's checks post-validated, no barrier between "
+                        "steps), proven hang-free together (default 1)")
+
+
 def add_param(p: argparse.ArgumentParser, help: str = "a schedule parameter (repeatable)") -> None:  # noqa: A002
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE", help=help)
 

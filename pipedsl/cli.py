@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from pipedsl import compare
 from pipedsl import output as output_file
-from pipedsl.arguments import add_param, add_sizes, params_of, positive_int
+from pipedsl.arguments import add_param, add_sizes, add_steps, params_of, positive_int
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeSemanticError
 from pipedsl.ir import Program
@@ -54,6 +54,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--cost", default="", help="e.g. F=1,B=2,I=1,W=1,comm=0 (per stage: F@3=1.5); an `order auto` "
                                               "schedule is also searched under it")
     s.add_argument("--format", choices=("text", "json"), default="text")
+    add_steps(s)
 
     k = sub.add_parser("check", help="compile a schedule over a grid of sizes and report failures")
     k.add_argument("schedule")
@@ -106,13 +107,21 @@ def _note_torch_numbering(program: Program) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     _, program = _compile(args)
-    timeline = simulate(program, Cost.parse(args.cost))
+    cost = Cost.parse(args.cost)
+    timeline = simulate(program, cost, steps=args.steps)
+    period = None
+    if args.steps > 1:  # a step's time where steps overlap: what each step adds
+        period = (timeline.makespan - simulate(program, cost).makespan) / (args.steps - 1)
     if args.format == "json":
         out = timeline.summary()
         out["messages"] = sum(1 for s in program.ranks for i in s if i.op.value.startswith("SEND"))
+        if period is not None:
+            out["period"] = period
         print(json.dumps(out))
     else:
         print(format_summary(timeline))
+        if period is not None:
+            print(f"period        {period:g}  ({args.steps} steps overlapping: what each step adds)")
     return 0
 
 

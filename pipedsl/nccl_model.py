@@ -12,7 +12,8 @@ The model, per rank:
 - the *host* issues every instruction in `issue order` at once (CUDA calls do not block; the runtime waits
   on the host only at the step's end);
 - one *compute stream*: the compute ops in issue order, each starting when the one before it ended and the
-  receives it reads have completed; OPTIMIZER_STEP also waits for every send and receive of the rank;
+  receives it reads have completed; OPTIMIZER_STEP also waits for every send and receive the rank issued
+  before it (the step's; in consecutive steps, pipedsl/steps.py, each step's end);
 - one *stream per communicator*: the sends and receives on it in issue order.  An operation may start when
   every compute op issued before it has ended (NCCL makes its stream wait for the compute stream at issue),
   and a send completes together with its receive, both at the head of their streams (a rendezvous,
@@ -94,7 +95,8 @@ class _Rank:
                 self.compute.append(i)
         reads = _consumers(stream)
         self.reads = [reads.get(i, ()) for i in self.compute]  # per compute op, in issue order
-        self.last_waits_all = bool(self.compute) and stream[self.compute[-1]].op is Op.OPTIMIZER_STEP
+        # a step's end waits for every comm op issued before it (the last; between consecutive steps, each)
+        self.step_ends = {k for k, i in enumerate(self.compute) if stream[i].op is Op.OPTIMIZER_STEP}
         self.comms = list(self.fifo)
         self.ended = 0  # compute ops ended, a prefix of `compute`
         self.done: set[int] = set()  # comm ops completed
@@ -110,11 +112,13 @@ class _Rank:
         return h[0] if h is not None and h[1] <= self.ended else None
 
     def blocker(self) -> int | None:
-        """What the compute stream's head waits for: a receive not completed, or (OPTIMIZER_STEP) any comm op;
-        None when it can run."""
+        """What the compute stream's head waits for: a receive not completed, or (OPTIMIZER_STEP) any comm op
+        issued before it; None when it can run."""
         k = self.ended
-        if self.comms_left and self.last_waits_all and k == len(self.compute) - 1:
-            return next(q[0][0] for q in self.fifo.values() if q)
+        if self.comms_left and k in self.step_ends:
+            for q in self.fifo.values():
+                if q and q[0][1] <= k:  # issued before the step's end (a stream's later ops were issued later)
+                    return q[0][0]
         done = self.done
         for j in self.reads[k]:
             if j not in done:

@@ -206,8 +206,10 @@ def _check_cost(name: str, value: object) -> None:
                            f"(MAX_COST)")
 
 
-def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
-    """Event-driven replay of a (validated) program under `cost`; returns the predicted `Timeline`."""
+def simulate(program: Program, cost: Cost | str | None = None, steps: int = 1) -> Timeline:
+    """Event-driven replay of a (validated) program under `cost`; returns the predicted `Timeline`.  `steps` > 1:
+    that many consecutive steps without a barrier between them (steps that overlap, post-validated;
+    pipedsl/steps.py), each proven hang-free together first."""
     if isinstance(cost, str):
         cost = Cost.parse(cost)
     cost = cost or Cost()
@@ -226,12 +228,18 @@ def simulate(program: Program, cost: Cost | str | None = None) -> Timeline:
         return t
 
     with no_gc():
-        validate(program)
+        if steps == 1:
+            validate(program)
+        else:
+            from pipedsl.steps import prove_consecutive
+
+            program = prove_consecutive(program, steps)
         # Cost's message time is the same for every message (a subclass may say otherwise): one number, no call each
         per_message = type(cost).message_time is not Cost.message_time
         latency = cost.message_time if per_message else cost.message_time(None)  # type: ignore[arg-type]
         starts, ends = dry_run(program, compute_time, latency, send_time=cost.send)
-        return simulated_timeline(program, starts, ends, {"cost": {k: getattr(cost, k) for k in _NAMES}})
+        meta = {"cost": {k: getattr(cost, k) for k in _NAMES}} | ({"steps": steps} if steps != 1 else {})
+        return simulated_timeline(program, starts, ends, meta)
 
 
 def simulated_timeline(program: Program, starts: list[list[float]], ends: list[list[float]],

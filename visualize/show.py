@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from pipedsl.arguments import add_sizes, int_in, params_of
+from pipedsl.arguments import add_sizes, add_steps, int_in, params_of
 from pipedsl.ir import COMPUTE, Program
 from pipedsl.limits import MAX_DRAWING_COLUMNS
 from pipedsl.output import write_text
@@ -58,6 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "(needs graphviz's dot program; the .dot is written regardless)")
     p.add_argument("--width", type=int_in(1, MAX_DRAWING_COLUMNS, "MAX_DRAWING_COLUMNS"),
                    help="terminal columns (default: the terminal's width)")
+    add_steps(p)
     return p
 
 
@@ -132,7 +133,7 @@ def _inputs(args: argparse.Namespace) -> list[_Source]:
         program = schedule.compile(P=args.ranks, M=args.microbatches, cost=cost,  # `order auto` is searched under it
                                    **_fitting(params, schedule, schedules))
         costs, how = (cost, "") if measured is None else _seconds(args.cost, cost, program, *measured)
-        timeline = simulate(program, costs)
+        timeline = simulate(program, costs, steps=args.steps)
         if how:
             timeline = replace(timeline, meta={**timeline.meta, "costs": how})
         sources.append(_Source(timeline, lambda p=program: p))

@@ -1,0 +1,69 @@
+"""Consecutive steps of one program, run without a barrier between them (issue 48: post-validated steps).
+
+Where a collective ends every step (the global gradient norm of clipping, the inf/NaN check), each rank waits
+there for all others and steps run one after another.  Where those checks are post-validated — each stage steps
+as soon as its gradients are final and the checks complete later (the zero-bubble paper's optimizer
+post-validation) — a rank starts step k+1 as soon as its own part of step k is done, so the steps overlap and a
+step's time is its period, the longest rank span (`Timeline.rank_spans`), not its makespan.
+
+`consecutive(program, steps)` is that run as one program: each rank's stream repeated `steps` times, step j's
+microbatches numbered from j·M so every message stays its own; each step's OPTIMIZER_STEP is where that rank's
+part of the step ends, local to the rank.  `prove_consecutive` runs both deadlock walks of the validator on it —
+blocking receives with buffered sends (engine.py) and NCCL's rendezvous with the runtime's communicators
+(nccl_model.py, where each step's end waits for the rank's operations issued before it) — so two steps that
+overlap are proven hang-free as one step is.  `simulate(program, cost, steps=2)` and `pipedsl show --steps 2`
+draw them.
+"""
+
+from __future__ import annotations
+
+from pipedsl.engine import run_to_end
+from pipedsl.errors import PipeDSLError
+from pipedsl.ir import Instr, Op, Program
+from pipedsl.limits import MAX_INSTRUCTIONS
+from pipedsl.nccl_model import run_rendezvous
+from pipedsl.perf import no_gc
+from pipedsl.validate import validate
+
+MAX_STEPS = 16  # consecutive steps drawn or proven at once: the period shows by the second
+
+
+def consecutive(program: Program, steps: int) -> Program:
+    """`program` run `steps` times back to back on every rank, step j's microbatch m as j·M + m (see above)."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
+        raise PipeDSLError(f"steps must be an integer from 1 to {MAX_STEPS} (MAX_STEPS), got {steps!r}")
+    if steps == 1:
+        return program
+    M = program.num_microbatches
+    if steps * program.num_instructions() > MAX_INSTRUCTIONS:
+        raise PipeDSLError(f"{steps} consecutive steps of {program.num_instructions():,} instructions exceed "
+                           f"{MAX_INSTRUCTIONS:,} (MAX_INSTRUCTIONS): draw fewer steps or a smaller program")
+    ranks = tuple(tuple(_shifted(ins, j * M) for j in range(steps) for ins in stream) for stream in program.ranks)
+    return Program(f"{program.name} ×{steps} steps", {**program.params, "steps": steps}, program.num_stages,
+                   program.num_replicas, dict(program.placement), program.microbatch_replica * steps, ranks,
+                   {"steps": steps, "step_microbatches": M})
+
+
+def prove_consecutive(program: Program, steps: int = 2) -> Program:
+    """`program` validated, and its `steps` consecutive steps proven hang-free under both transport models (a
+    `DeadlockError` or `ValidationError` names ranks and instructions of the repeated streams, step j's
+    microbatches numbered from j·M); returns the consecutive program."""
+    validate(program)
+    repeated = consecutive(program, steps)
+    if repeated is program:
+        return program
+    with no_gc():  # the rendezvous walk at every size: a step's end waits for its rank's operations there, which
+        run_to_end(repeated)  # the buffered walk does not model, so one does not imply the other here
+        run_rendezvous(repeated)
+    return repeated
+
+
+def _shifted(ins: Instr, by: int) -> Instr:
+    """`ins` with its microbatch (its pair's halves' too) moved up by `by`; step markers keep theirs (None)."""
+    if not by:
+        return ins
+    if ins.sub is not None:
+        return ins._replace(sub=(_shifted(ins.sub[0], by), _shifted(ins.sub[1], by)))
+    if ins.mb is None or ins.op in (Op.REDUCE_GRAD, Op.OPTIMIZER_STEP):
+        return ins
+    return ins._replace(mb=ins.mb + by)
