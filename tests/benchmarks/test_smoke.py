@@ -36,6 +36,7 @@ RUNS = {
                                          *TINY]),
     "test_bench_quick_gates_on_its_baseline": ("bench_quick", ["--tiny", "--baseline", "{tmp}/baseline.json"]),
     "test_gpu_check_dry_run_on_gloo": ("gpu_check", ["--device", "cpu", "--tiny"]),
+    "test_zb_paper": ("zb_paper", ["--quick"]),
     "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--M", "4", "--against", "HEAD"]),
     "test_shape_change": ("shape_change", ["--quick"]),
     "test_split_backward": ("split_backward", ["--quick"]),
@@ -280,6 +281,14 @@ def test_gpu_check_dry_run_on_gloo(runs, request):
     assert md.startswith("# gpu_check: cpu (gloo), P=2") and "| zb-v | 4 | equal |" in md
     assert "against a plain PyTorch loop" in md and "MiB messages" in md and "ZeRO 1-3 on one rank" in md
     assert "| dp2 pp1 tp1 zero3 fp32 recompute=None | equal |" in md and "every loss equal to -P 1's" in md
+
+
+@pytest.mark.slow
+def test_zb_paper(runs, request):
+    """The p = 8 setups: each search at or below the paper's ZB-1p and ZB-2p, within its cap, its overlapped
+    steps' period the longest rank span."""
+    got = run(runs, request, "zb_paper")
+    assert got["checks"] == {"within": 8, "searches": 8} and len(got["rows"]) == 4
 
 
 @pytest.mark.slow
