@@ -11,8 +11,10 @@ placed where they fill a gap — and refine it.  The candidates here:
    forwards first when both are ready; a W forced once 0, 1, 2, r, 2r (ZB-H1's and ZB-H2's lags) or no
    backwards are pending after it;
 2. where every rank holds one stage, the 1F1B rule's family — w(r) warm-up forwards, then 1F1B, each W
-   lag(r) backwards after its I, w(r) + 1 + lag(r) within the cap; ZB-H1 (cap P) and ZB-H2 (cap 2P) are
-   members — and the same warm-ups with the play placing the W's;
+   lag(r) backwards after its I, w(r) + 1 + lag(r)·wmem within the cap (`Cost.wmem`: a pending W's share of
+   an activation); ZB-H1 (cap P) and ZB-H2 (cap 2P) are members, and so is ZB-2p's shape: the warm-ups that
+   fill each rank's wait for its first backward and no more, lag(r) = k·r + c — and the same warm-ups with
+   the play placing the W's;
 3. a coordinate descent over that family's w(r), lag(r), one rank and one step at a time.
 
 Every candidate is lowered, validated and simulated under the costs; the shortest step wins (ties: the
