@@ -26,8 +26,9 @@ import _bench  # noqa: E402
 
 
 def measure(setup: tuple[str, int, int]) -> dict[str, Any]:
-    import pipedsl
     from test_zb_paper import SEARCHED, SETUPS, paper_bubble, wmem
+
+    import pipedsl
 
     model, P, M = setup
     (F, I, W, comm), _ = SETUPS[setup]  # noqa: E741
