@@ -107,6 +107,7 @@ full tensors by name and keeps this rank's slices (resharding to another dp size
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -178,14 +179,21 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-_UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a parameter (or flat buffer) ZeRO holds -> its unit
+# a parameter (or flat buffer) ZeRO holds -> a weak reference to its unit: the unit refers to its parameters, so a
+# strong value would keep every key (and the unit's buffers) alive after the optimizer is gone
+_UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _unit_of(p: torch.Tensor) -> _Unit | None:
+    ref = _UNIT_OF.get(p)
+    return None if ref is None else ref()
 
 
 def zero_gradient(p: torch.Tensor) -> torch.Tensor | None:
     """The gradient `p` accumulates into when ZeRO holds it — its slice of its unit's flat gradient, allocated
     if the step has none yet (fp32 under bf16 parameters) — else None.  What a reduction of `p`'s gradient
     outside ZeroOptimizer (a stage's replicas, runtime/reduce.py) must reduce."""
-    unit = _UNIT_OF.get(p)
+    unit = _unit_of(p)
     return None if unit is None or not unit.trainable else unit.gradient(p)
 
 
@@ -247,9 +255,9 @@ class _Unit:
         self.arrived: set[int] = set()  # the leaves (and `flat`) whose gradient this backward has accumulated
         self.expected = {id(p) for _, p in self.leaves} | ({id(self.flat)} if self.flat.requires_grad else set())
         for _, p in self.leaves:
-            _UNIT_OF[p] = self
+            _UNIT_OF[p] = weakref.ref(self)
         if self.flat.requires_grad:
-            _UNIT_OF[self.flat] = self
+            _UNIT_OF[self.flat] = weakref.ref(self)
         own = slice(self.rank * self.size, (self.rank + 1) * self.size)
         self.own = own
         self.main: nn.Parameter | None = None
@@ -603,7 +611,7 @@ class ZeroOptimizer:
                     places_seen.add((id(m), attr))
                     places.append((path, m, attr))
         for p, _, quals in found.values():
-            if p in _UNIT_OF:  # its storage is in another optimizer's flat buffer (stage 3: maybe freed)
+            if _unit_of(p) is not None:  # its storage is in another optimizer's flat buffer (stage 3: maybe freed)
                 raise ParallelConfigError(f"parameter {quals[0]!r} is held by another ZeroOptimizer already: give "
                                           f"each module its own copy of a parameter they share")
         groups: dict[tuple[int, int, int], list[tuple[nn.Parameter, list, list[str], list[int]]]] = {}
@@ -735,13 +743,18 @@ class ZeroOptimizer:
         return hook
 
     def _make_post_backward(self, u: _Unit):
+        # weak references: torch keeps a parameter's post-accumulate hooks where the garbage collector cannot see
+        # them, so a hook holding the optimizer (which holds the parameter) would keep both alive for good
+        owner, unit = weakref.ref(self), weakref.ref(u)
+
         def hook(p: torch.Tensor) -> None:
-            if not u.accumulated(p):
-                return  # more of the unit's gradients to come in this backward
-            self._note_memory()
-            if self.reduce == "microbatch":
+            zero, u = owner(), unit()
+            if zero is None or u is None or not u.accumulated(p):
+                return  # gone, or more of the unit's gradients to come in this backward
+            zero._note_memory()
+            if zero.reduce == "microbatch":
                 u.reduce_held()
-            if not self._in_weight_pass:
+            if not zero._in_weight_pass:
                 u.used()
                 if u.partner is not None:
                     u.partner.reported()

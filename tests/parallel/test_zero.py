@@ -259,6 +259,37 @@ def test_zero_rejects_bad_settings():
         ZeroOptimizer(model, torch.optim.Adam, group=None, stage=1, reduce="microbatch")
 
 
+def released_job() -> dict:
+    """A ZeroOptimizer dropped with its module, after a backward: both are freed (its hooks hold them weakly;
+    torch keeps a parameter's post-accumulate hooks out of the garbage collector's sight), while one still held
+    keeps its parameters from a second ZeroOptimizer."""
+    import gc
+    import weakref
+
+    group = ParallelMesh(ParallelConfig(dp=dist.get_world_size())).dp_group
+
+    def build() -> tuple:
+        model = mlp_model(torch.Generator().manual_seed(0))
+        zero = ZeroOptimizer(model, torch.optim.Adam, group=group, stage=3, lr=LR)
+        loss_fn(model, torch.randn(2, 10), torch.randn(2, 7)).backward()
+        return weakref.ref(zero), weakref.ref(zero.units[0].flat), model, zero
+
+    zero_ref, flat_ref = build()[:2]
+    gc.collect()
+    _, _, kept_model, kept_zero = build()
+    try:
+        ZeroOptimizer(kept_model, torch.optim.Adam, group=group, stage=3, lr=LR)
+        second = "accepted"
+    except ParallelConfigError as err:
+        second = err.message
+    return {"freed": zero_ref() is None and flat_ref() is None, "second": second}
+
+
+def test_a_dropped_zero_optimizer_frees_its_buffers(run_once):
+    for out in run_once(released_job, 2):
+        assert out["freed"] and "is held by another ZeroOptimizer already" in out["second"], out
+
+
 def dp_tp_job(stage: int) -> dict:
     """dp=2 × tp=2: a 1-D tensor-parallel block under ZeRO over the dp group trains like the dense block."""
     from pipedsl.parallel import ParallelBlock
