@@ -97,8 +97,9 @@ def add_steps(p: argparse.ArgumentParser) -> None:
     from pipedsl.steps import MAX_STEPS
 
     p.add_argument("--steps", type=int_in(1, MAX_STEPS, "MAX_STEPS"), default=1,
-                   help="consecutive steps that overlap (the optimizer's checks post-validated, no barrier between "
-                        "steps), proven hang-free together (default 1)")
+                   help="consecutive steps of each schedule that overlap (the optimizer's checks post-validated, no "
+                        "barrier between steps), proven hang-free together (default 1; a --trace is drawn as "
+                        "recorded)")
 
 
 def add_param(p: argparse.ArgumentParser, help: str = "a schedule parameter (repeatable)") -> None:  # noqa: A002

@@ -54,6 +54,13 @@ def _covering_warmups(caps: list[int], M: int, cost: Cost, comm: float, P: int, 
     return [max(0, min(caps[r] - 1, M, fit((P - 1 - r) * (F + I + 2 * comm) / F))) for r in range(P)]
 
 
+def _rule_peak(warm: int, lag: int, f: float) -> float:
+    """The most activations the rule's order holds on a rank (`warm` warm-up forwards, each W `lag` backwards after
+    its I, a pending W holding `f` of an activation): warm + 1 in flight and lag pending W's, or, where a pending W
+    holds more than its activation did (f > 1), right after an I: warm + (lag + 1)·f."""
+    return warm + 1 + lag * f + max(0.0, f - 1)
+
+
 def _pending_ws(room: float, f: float, M: int) -> int:
     """How many pending W's, each holding `f` of an activation, fit in `room` activations: ⌊room⌋ at f = 1; at
     most M otherwise (no more ever pend)."""
@@ -70,7 +77,7 @@ def _descend(best: tuple[Orders, float] | None, structured: Callable[[list[int],
     by one while the step gets shorter (a coordinate descent; each move costs one evaluation, `budget` of them)."""
     f = cost.wmem
     warm = _covering_warmups(caps, M, cost, comm, P)
-    lags = [_pending_ws(caps[r] - 1 - warm[r], f, M) for r in range(P)]
+    lags = [_pending_ws(caps[r] - _rule_peak(warm[r], 0, f), f, M) for r in range(P)]
 
     left = [budget]
 
@@ -91,7 +98,7 @@ def _descend(best: tuple[Orders, float] | None, structured: Callable[[list[int],
             for dw, dl in ((1, -1), (-1, 1), (-1, 0), (0, -1), (1, 0), (0, 1)):
                 w, lag = list(warm), list(lags)
                 w[r], lag[r] = w[r] + dw, lag[r] + dl
-                if not (0 <= w[r] <= M and lag[r] >= 0 and w[r] + 1 + lag[r] * f <= caps[r] + 1e-9):
+                if not (0 <= w[r] <= M and lag[r] >= 0 and _rule_peak(w[r], lag[r], f) <= caps[r] + 1e-9):
                     continue
                 if left[0] <= 0:
                     return current if best is None or current[1] < best[1] else best
@@ -137,13 +144,13 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
         for k in (1, 2):  # ZB-H1 (k = 1) and ZB-H2 (k = 2) themselves, wherever the cap holds them
             warm = [max(0, min(k * (P - r) - 1, M)) for r in range(P)]
             lags_r = [k * r for r in range(P)]
-            if all(warm[r] + 1 + lags_r[r] * f <= caps[r] + 1e-9 for r in range(P)):
+            if all(_rule_peak(warm[r], lags_r[r], f) <= caps[r] + 1e-9 for r in range(P)):
                 candidates.append(structured(warm, lags_r))
         for shift in (0, -1, 1, -2, 2):
             # the cap split between warm-up forwards and pending W's, more of it to the W's on later ranks
             lags_r = [max(0, min(_pending_ws(caps[r] - 1, f, M), _pending_ws(r * caps[r] / P, f, M) + shift))
                       for r in range(P)]
-            warm = [max(0, min(int(caps[r] - 1 - lags_r[r] * f + 1e-9), M)) for r in range(P)]
+            warm = [max(0, min(int(caps[r] - _rule_peak(0, lags_r[r], f) + 1e-9), M)) for r in range(P)]
             candidates.append(structured(warm, lags_r))
             if ops > LARGE:
                 continue
@@ -163,7 +170,7 @@ def search_orders(fwd: list[Keyed], bwd: list[Keyed], num_stages: int, cap: Call
             for k in (range(1, 7) if ops <= LARGE else (2, 3, 4)):
                 for c in ((0, 1) if ops <= LARGE else (0,)):
                     lags_r = [k * r + c for r in range(P)]
-                    warm = [min(cover[r], M, int(caps[r] - 1 - lags_r[r] * f + 1e-9)) for r in range(P)]
+                    warm = [min(cover[r], int(caps[r] - _rule_peak(0, lags_r[r], f) + 1e-9)) for r in range(P)]
                     if min(warm) >= 0:
                         candidates.append(structured(warm, lags_r))
     best: tuple[Orders, float] | None = None

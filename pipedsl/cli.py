@@ -23,6 +23,7 @@ from pipedsl.plan import cli as plan_cli
 from pipedsl.registry import COMMANDS as LENT_COMMANDS
 from pipedsl.registry import lend, resolve
 from pipedsl.simulate import Cost, simulate
+from pipedsl.steps import period as overlapped_period
 from pipedsl.timeline import Timeline
 from pipedsl.torch_csv import to_torch_csv, torch_numbering
 
@@ -109,12 +110,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     _, program = _compile(args)
     cost = Cost.parse(args.cost)
     timeline = simulate(program, cost, steps=args.steps)
-    period = None
-    if args.steps > 1:  # a step's time where steps overlap: what each step adds
-        period = (timeline.makespan - simulate(program, cost).makespan) / (args.steps - 1)
+    period = overlapped_period(timeline) if args.steps > 1 else None  # a step's time where steps overlap
     if args.format == "json":
         out = timeline.summary()
-        out["messages"] = sum(1 for s in program.ranks for i in s if i.op.value.startswith("SEND"))
+        out["messages"] = sum(1 for events in timeline.ranks for e in events if e.instr.op.value.startswith("SEND"))
         if period is not None:
             out["period"] = period
         print(json.dumps(out))

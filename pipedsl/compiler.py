@@ -421,8 +421,15 @@ class _Binder:
                                     f"(steps overlap: the longest rank span is), got {period}",
                                     self.decls["period"][0].span)
         caps = [cap(r) for r in range(self.P)]
+        scored: dict[tuple, float | None] = {}  # the candidates repeat (families overlap, the descent comes back)
 
         def evaluate(orders: list[list[ComputeOp]]) -> float | None:
+            key = tuple(map(tuple, orders))
+            if key not in scored:
+                scored[key] = score(orders)
+            return scored[key]
+
+        def score(orders: list[list[ComputeOp]]) -> float | None:
             plan = ComputePlan(name, dict(self.values), S, C, placement, tuple(routes), orders)
             try:
                 program = validate(lower(plan))

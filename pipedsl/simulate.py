@@ -11,8 +11,8 @@ from pipedsl.errors import PipeDSLError
 from pipedsl.ir import Instr, Op, Program
 from pipedsl.limits import MAX_COST, MAX_STAGES, shorten
 from pipedsl.perf import no_gc
+from pipedsl.steps import prove_consecutive
 from pipedsl.timeline import Event, Timeline
-from pipedsl.validate import validate
 
 _KINDS = ("F", "B", "I", "W")
 _EXCHANGES = ("exchange_f", "exchange_b")  # also per stage
@@ -228,12 +228,7 @@ def simulate(program: Program, cost: Cost | str | None = None, steps: int = 1) -
         return t
 
     with no_gc():
-        if steps == 1:
-            validate(program)
-        else:
-            from pipedsl.steps import prove_consecutive
-
-            program = prove_consecutive(program, steps)
+        program = prove_consecutive(program, steps)  # validated; several steps proven together
         # Cost's message time is the same for every message (a subclass may say otherwise): one number, no call each
         per_message = type(cost).message_time is not Cost.message_time
         latency = cost.message_time if per_message else cost.message_time(None)  # type: ignore[arg-type]

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from pipedsl.engine import run_to_end
 from pipedsl.errors import PipeDSLError
-from pipedsl.ir import Instr, Op, Program
+from pipedsl.ir import Instr, Program
 from pipedsl.limits import MAX_INSTRUCTIONS
 from pipedsl.nccl_model import run_rendezvous
 from pipedsl.perf import no_gc
+from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
 MAX_STEPS = 16  # consecutive steps drawn or proven at once: the period shows by the second
@@ -47,7 +48,7 @@ def consecutive(program: Program, steps: int) -> Program:
 def prove_consecutive(program: Program, steps: int = 2) -> Program:
     """`program` validated, and its `steps` consecutive steps proven hang-free under both transport models (a
     `DeadlockError` or `ValidationError` names ranks and instructions of the repeated streams, step j's
-    microbatches numbered from j·M); returns the consecutive program."""
+    microbatches numbered from j·M); returns the consecutive program (`program` itself for one step)."""
     validate(program)
     repeated = consecutive(program, steps)
     if repeated is program:
@@ -58,12 +59,21 @@ def prove_consecutive(program: Program, steps: int = 2) -> Program:
     return repeated
 
 
+def period(timeline: Timeline) -> float:
+    """What each step adds to the makespan of a timeline of consecutive steps (`simulate(..., steps=N)`, N > 1):
+    the step's time where steps overlap.  Every rank's first step ends where it would alone (its ops precede the
+    next step's and need nothing from them), so one simulation gives both."""
+    steps = timeline.meta["steps"]
+    first = max(events[len(events) // steps - 1].end for events in timeline.ranks if events) - timeline.start
+    return (timeline.makespan - first) / (steps - 1)
+
+
 def _shifted(ins: Instr, by: int) -> Instr:
     """`ins` with its microbatch (its pair's halves' too) moved up by `by`; step markers keep theirs (None)."""
     if not by:
         return ins
     if ins.sub is not None:
         return ins._replace(sub=(_shifted(ins.sub[0], by), _shifted(ins.sub[1], by)))
-    if ins.mb is None or ins.op in (Op.REDUCE_GRAD, Op.OPTIMIZER_STEP):
+    if ins.mb is None:  # REDUCE_GRAD, OPTIMIZER_STEP
         return ins
     return ins._replace(mb=ins.mb + by)

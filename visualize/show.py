@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
                              f".txt plain text)")
     if args.graph and suffix not in (*PICTURES, ".dot"):
         raise VisualizeError("--graph draws the dependency graph: give -o FILE.svg, .png, .pdf or .dot")
+    if args.steps > 1 and (args.graph or suffix == ".dot"):
+        raise VisualizeError(f"--steps {args.steps} draws consecutive steps on a timeline; the dependency graph "
+                             f"is one step's")
 
     sources = _inputs(args)
     timelines = [s.timeline for s in sources]
