@@ -162,11 +162,7 @@ def trainer_auto(device: str, tiny: bool) -> dict[str, Any]:
 
     steps = "4" if tiny else "8"
     common = ["--steps", steps, "--layers", "3", "-M", "4", "--seq", "32", "--embd", "64"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    else:
-        env.pop("CUDA_VISIBLE_DEVICES")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else None  # on GPUs: the user's devices
     losses, problems = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("one", ["-P", "1"]), ("auto", ["-P", "2", "--schedule", "auto", "--split", "1"])):

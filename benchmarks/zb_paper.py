@@ -26,13 +26,12 @@ import _bench  # noqa: E402
 
 
 def measure(setup: tuple[str, int, int]) -> dict[str, Any]:
-    from test_zb_paper import SEARCHED, SETUPS, paper_bubble, wmem
+    from test_zb_paper import SEARCHED, paper_bubble, paper_cost
 
     import pipedsl
 
     model, P, M = setup
-    (F, I, W, comm), _ = SETUPS[setup]  # noqa: E741
-    cost = pipedsl.Cost(F=F, B=I + W, I=I, W=W, comm=comm, wmem=wmem(model))
+    cost = paper_cost(setup)
     row: dict[str, Any] = {"setup": f"{model} p={P} m={M}", "wmem": round(cost.wmem, 4)}
     for key, mem, published in (("1p", P, SEARCHED[setup][0]), ("2p", 2 * P, SEARCHED[setup][1])):
         t0 = time.perf_counter()

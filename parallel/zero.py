@@ -212,7 +212,7 @@ class _Unit:
                  stage: int, dtype: torch.dtype, trainable: bool = True,
                  hooked: Iterable[nn.Module] = (), param_dtype: torch.dtype | None = None,
                  grad_dtype: torch.dtype | None = None, divisor: int | None = None,
-                 params: list[nn.Parameter] | None = None) -> None:
+                 params: list[nn.Parameter] | None = None, reshard_after_use: bool = True) -> None:
         self.index, self.module, self.entries, self.stage = index, module, entries, stage
         self.trainable = trainable
         self.hooked = list(hooked) or [module]  # the modules whose forward enters the unit
@@ -276,7 +276,7 @@ class _Unit:
         if stage <= 1 and trainable:
             self.grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)  # persistent, full
         self.frees = stage == 3 and self.n > 1  # stage 3 frees the full buffer between uses
-        self.reshard_after_use = True  # reshard="step": kept gathered from its first use to the step's reduction
+        self.reshard_after_use = reshard_after_use  # off (reshard="step"): gathered from first use to the reduction
         self.gathered = not self.frees
         self.pending: dist.Work | None = None
         if self.frees:
@@ -523,8 +523,6 @@ class ZeroOptimizer:
         units = [m for m in units if id(m) not in self._groups]
         unit_modules = [m for m, _, _ in groups] + [m for m in units if m is not module] + [module]
         self.units = self._build_units(unit_modules, group, dtype, separate)
-        for u in self.units:
-            u.reshard_after_use = reshard == "unit"
         self.main = param_dtype is not None  # the optimizer steps fp32 main copies of the owned slices
         self.numel = sum(u.numel for u in self.units)
         # weight decay on element ranges of the flat buffers when some parameters are exempt (weight_decay.py)
@@ -635,7 +633,7 @@ class ZeroOptimizer:
             own_group, divisor = self._groups.get(id(unit_modules[k]), (group, None))
             u = _Unit(len(units), unit_modules[k], entries, own_group, self.stage, dtype, trainable=kind != 2,
                       hooked=hooked.values(), param_dtype=self.param_dtype, grad_dtype=self.grad_dtype,
-                      divisor=divisor, params=[p for p, *_ in members])
+                      divisor=divisor, params=[p for p, *_ in members], reshard_after_use=self.reshard == "unit")
             units.append(u)
             if kind != 1:
                 buffers[(k, kind)] = u

@@ -371,7 +371,7 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     torch.distributed.all_gather_object(gathered, mine)
     units = [g[0] for g in gathered]
     wanted = dict(cfg.schedule.params)  # the user's -p mem wins over what the memory holds
-    plan = [choose_cut(timeline, units, pipe.program, wanted, _room(pipe.size, cfg, [g[1:] for g in gathered]))
+    plan = [choose_cut(timeline, units, pipe.program, wanted, _room(pipe.size, cfg, [g[1:4] for g in gathered]))
             if timeline is not None else None]
     torch.distributed.broadcast_object_list(plan, src=0)
     decision = plan[0]
@@ -446,15 +446,15 @@ def _budget(pipe: Any, cfg: TrainConfig) -> float:
     return cfg.schedule.auto_memory * 2**30 if cfg.schedule.auto_memory else 0.9 * _free_bytes(pipe.device)
 
 
-def _room(size: int, cfg: TrainConfig, shares: list[tuple[int, float, float, float | None]]) -> Any:
-    """Per pipeline rank, from every rank's (pipeline rank, `_budget`, one stage activation's measured bytes, the
-    share of it a pending W held): the least budget over its data-parallel replicas and the most bytes; with free
+def _room(size: int, cfg: TrainConfig, shares: list[tuple[int, float, float]]) -> Any:
+    """Per pipeline rank, from every rank's (pipeline rank, `_budget`, one stage activation's measured bytes): the
+    least budget over its data-parallel replicas and the most bytes; with free
     memory, the model-state bytes a parameter brings, which a re-cut moves with its layers."""
     from pipedsl.plan.memory import model_states
     from pipedsl.plan.recut import Room
 
     budgets, measured = [float("inf")] * size, [0.0] * size
-    for r, b, e, _ in shares:
+    for r, b, e in shares:
         budgets[r], measured[r] = min(budgets[r], b), max(measured[r], e)
     # free memory also pays for the model states of the layers a new cut brings: weights, gradients, AdamW's state
     per_param = 0.0 if cfg.schedule.auto_memory else \

@@ -4,7 +4,7 @@ overlapped steps is the longest rank span, the quantity `period 1` (zb-auto's po
 from __future__ import annotations
 
 import pytest
-from test_zb_paper import SETUPS, wmem
+from test_zb_paper import paper_cost
 
 import pipedsl
 from pipedsl.cli import main
@@ -56,9 +56,8 @@ def test_the_period_of_overlapped_steps_is_the_longest_rank_span(setup: tuple[st
     """Simulated as consecutive steps, what each step adds to the makespan equals the single step's longest rank
     span (the zero-bubble paper's bubble denominator), for 1F1B, ZB-H1 and zb-auto alike; and zb-auto searched
     for it (post=1) has a shorter period than searched for the makespan (post=0): 6.7 % (6.2B), 1.6 % (1.5B)."""
-    model, P, M = setup
-    (F, I, W, comm), _ = SETUPS[setup]  # noqa: E741
-    cost = pipedsl.Cost(F=F, B=I + W, I=I, W=W, comm=comm, wmem=wmem(model))
+    _, P, M = setup
+    cost = paper_cost(setup)
     periods = {}
     for name, params in (("1f1b", {}), ("zb-h1", {}), ("zb-auto", {"mem": 2 * P, "post": 0}),
                          ("zb-auto", {"mem": 2 * P, "post": 1})):

@@ -86,6 +86,12 @@ def test_zb_auto_at_twice_that_memory_reaches_the_steps_lower_bound(setup: tuple
     assert pipedsl.simulate(program, cost).makespan == pytest.approx(bound, rel=1e-9)
 
 
+def paper_cost(setup: tuple[str, int, int]) -> pipedsl.Cost:
+    """A setup's Table 6 costs under the paper's memory model (a pending W holds `wmem` of an activation)."""
+    (F, I, W, comm), _ = SETUPS[setup]  # noqa: E741
+    return pipedsl.Cost(F=F, B=I + W, I=I, W=W, comm=comm, wmem=wmem(setup[0]))
+
+
 def wmem(model: str, seq: int = 1024) -> float:
     """The share of an activation a pending W holds in the paper's memory model: 32h of 34h + 5as bytes a token."""
     h, a = MODELS[model]
@@ -105,9 +111,8 @@ def test_zb_auto_with_overlapping_steps_reaches_the_papers_searched_schedules(se
                                                                               which: int) -> None:
     """`post=1` searches the longest rank span (the period of overlapped steps) and the cap counts a pending W at
     `wmem` of an activation: at mem = p the bubble is ZB-1p's, at 2p ZB-2p's (+ 0.002), within the cap so counted."""
-    model, P, M = setup
-    (F, I, W, comm), _ = SETUPS[setup]  # noqa: E741
-    cost = pipedsl.Cost(F=F, B=I + W, I=I, W=W, comm=comm, wmem=wmem(model))
+    _, P, M = setup
+    cost = paper_cost(setup)
     mem, published = (P, 2 * P)[which], SEARCHED[setup][which]
     program = pipedsl.load("zb-auto").compile(P=P, M=M, mem=mem, cost=cost, post=1)
     assert paper_bubble(program, cost, M) <= published + 0.002, (mem, paper_bubble(program, cost, M), published)
