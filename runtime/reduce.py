@@ -162,7 +162,6 @@ class DataParallelReducer:
         self.group = group
         self.size = dist.get_world_size(group)
         self.skip = skip or set()  # tied parameters: their own reduction averages them over dp
-        self._skip: dict[int, set[int]] = {}  # per stage: with its expert shards, which ExpertReducer reduces
         self._buckets: dict[int, GradBuckets] = {}  # per stage: its plain parameters' gradients, reduced in place
         self._copied: dict[int, list[nn.Parameter]] = {}  # per stage: DTensor parameters, reduced through a copy
         self._flat: dict[int, list[torch.Tensor]] = {}
@@ -170,11 +169,9 @@ class DataParallelReducer:
     def __call__(self, stage: int, module: nn.Module) -> _AveragedReduction | None:
         if self.size == 1:
             return None
-        skip = self._skip.get(stage)
-        if skip is None:
-            skip = self._skip[stage] = self.skip | {id(p) for p in expert_parameters(module)}
         buckets = self._buckets.get(stage)
         if buckets is None:  # plain tensors: their .grad views of the buckets; DTensors through a flat copy
+            skip = self.skip | {id(p) for p in expert_parameters(module)}  # expert shards: ExpertReducer's
             params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
             buckets = self._buckets[stage] = GradBuckets([p for p in params if not isinstance(p, DTensor)])
             self._copied[stage] = [p for p in params if isinstance(p, DTensor)]
