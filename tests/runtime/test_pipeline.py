@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import runtime_cases as cases
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import pipedsl
@@ -55,8 +55,7 @@ def test_matches_single_process(schedule: str, P: int, pools) -> None:
         assert res["stages"] == sorted({s for (_, s), rank in program.placement.items() if rank == r})
 
 
-@pytest.mark.slow
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None)  # slow by construction: it runs on the pool (tests/conftest.py)
 @given(P=st.integers(2, 4), M=st.integers(2, 9), extra=st.integers(0, 4),
        F=st.sampled_from([0.5, 1.0, 2.0]), I=st.sampled_from([0.5, 1.0, 2.0]),  # noqa: E741, N803
        W=st.sampled_from([0.3, 1.0]), comm=st.sampled_from([0.0, 0.1, 0.5]))
