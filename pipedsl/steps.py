@@ -13,13 +13,23 @@ blocking receives with buffered sends (engine.py) and NCCL's rendezvous with the
 (nccl_model.py, where each step's end waits for the rank's operations issued before it) — so two steps that
 overlap are proven hang-free as one step is.  `simulate(program, cost, steps=2)` and `pipedsl show --steps 2`
 draw them.
+
+`gates(program)` is where the runtime's post-validated steps (runtime/post_validate.py) check step k's verdict in
+step k+1: on each rank, before its first instruction that is not forward work.  Any backward of step k+1 needs
+that microbatch's forwards on every stage, so every rank has ended step k by then and the verdict is in.  The
+forward work before the gates is a consistent cut — each message received there was sent there — so when the
+verdict rolls step k back, every rank can drop what it did and drain the messages sent before the gates that
+are received after them, with nothing left in flight, and run step k+1 again.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass
+
 from pipedsl.engine import run_to_end
-from pipedsl.errors import PipeDSLError
-from pipedsl.ir import Instr, Program
+from pipedsl.errors import PipeDSLError, ValidationError
+from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
 from pipedsl.limits import MAX_INSTRUCTIONS
 from pipedsl.nccl_model import run_rendezvous
 from pipedsl.perf import no_gc
@@ -77,3 +87,49 @@ def _shifted(ins: Instr, by: int) -> Instr:
     if ins.mb is None:  # REDUCE_GRAD, OPTIMIZER_STEP
         return ins
     return ins._replace(mb=ins.mb + by)
+
+
+FORWARD_WORK = frozenset({Op.F, Op.SEND_F, Op.RECV_F})  # what a rank may run of step k+1 before step k's verdict
+
+
+@dataclass(frozen=True)
+class Gates:
+    """Per rank: `at`, the index of its first instruction that is not forward work (where it waits for the previous
+    step's verdict); `drains`, the receives at or after its gate whose messages are sent before their senders'
+    gates (received and dropped when the previous step is redone)."""
+
+    at: tuple[int, ...]
+    drains: tuple[tuple[int, ...], ...]
+
+
+def gates(program: Program) -> Gates:
+    """Each rank's gate and drains (see the module docstring); a `ValidationError` naming the receive when the
+    forward work before the gates is not a consistent cut (a custom order receiving, before its gate, a message
+    its sender sends after its own)."""
+    at = tuple(next((i for i, ins in enumerate(stream) if ins.op not in FORWARD_WORK), len(stream))
+               for stream in program.ranks)
+    sent: dict[tuple[int, int], int] = defaultdict(int)  # (sender, receiver) -> messages sent before the gate
+    for r, stream in enumerate(program.ranks):
+        for ins in stream[:at[r]]:
+            if ins.op in SENDS:
+                sent[(r, ins.peer)] += 1
+    drains = []
+    for r, stream in enumerate(program.ranks):
+        got: dict[int, int] = defaultdict(int)
+        for i, ins in enumerate(stream[:at[r]]):
+            if ins.op in RECVS:
+                got[ins.peer] += 1
+                if got[ins.peer] > sent[(ins.peer, r)]:
+                    raise ValidationError(
+                        f"rank {r} instruction {i} ({ins}) receives before rank {r}'s first backward a message rank "
+                        f"{ins.peer} sends after its own first backward: the forwards before the backwards are not a "
+                        f"consistent cut, so a post-validated step could not be rolled back there")
+        due = {peer: n - got[peer] for (src, dst), n in sent.items() if dst == r for peer in [src] if n > got[peer]}
+        drain = []
+        for i in range(at[r], len(stream)):
+            ins = stream[i]
+            if ins.op in RECVS and due.get(ins.peer, 0) > 0:
+                drain.append(i)
+                due[ins.peer] -= 1
+        drains.append(tuple(drain))
+    return Gates(at, tuple(drains))

@@ -123,18 +123,29 @@ def check_norm_type(norm_type: float) -> float:
 def global_norm(counted: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None,
                 device: torch.device) -> torch.Tensor:
     """The p-norm over every rank's counted gradients (one all-reduce over `group`); fp32, as torch's."""
+    total, _ = start_global_norm(counted, norm_type, group, device)
+    return finish_global_norm(total, norm_type)
+
+
+def start_global_norm(counted: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None,
+                      device: torch.device, async_op: bool = False) -> tuple[torch.Tensor, dist.Work | None]:
+    """`global_norm`'s all-reduce, issued: the reduced total ([1]) and, with `async_op`, its work to wait for
+    before `finish_global_norm` (post_validate.py's verdict)."""
     p = check_norm_type(norm_type)
     norms = torch._foreach_norm(counted, p) if counted else []
     if math.isinf(p):
         local = torch.stack([n.float() for n in norms]).max() if norms else torch.zeros((), device=device)
         total = local.to(device=device, dtype=torch.float32).reshape(1)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        return total[0]
+        return total, dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
     # the sum of |g|^p in float64: ranks' partial sums add up without fp32 rounding
     local = torch.stack([n.double() for n in norms]).pow(p).sum() if norms else torch.zeros((), dtype=torch.float64)
     total = local.to(device=device, dtype=torch.float64).reshape(1)
-    dist.all_reduce(total, group=group)
-    return total[0].pow(1.0 / p).float()
+    return total, dist.all_reduce(total, group=group, async_op=async_op)
+
+
+def finish_global_norm(total: torch.Tensor, norm_type: float) -> torch.Tensor:
+    p = check_norm_type(norm_type)
+    return total[0] if math.isinf(p) else total[0].pow(1.0 / p).float()
 
 
 def clip_(stepped: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:

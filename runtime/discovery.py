@@ -55,7 +55,12 @@ class Discovery(Executor):
             self.handlers[op] = self._polling(handler)
 
     def run(self, inputs: list[list[torch.Tensor]], targets: list[Any],
-            on_loss: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            on_loss: Callable[[torch.Tensor], None] | None = None,
+            gate: Callable[[], bool] | None = None) -> torch.Tensor:
+        """As `Executor.run`, never gated: a pass that learns shapes with every peer cannot be undone (the pipeline
+        reads a post-validated step's verdict before it)."""
+        if gate is not None:
+            raise ValueError("a Discovery pass cannot be gated")
         self._queue: dict[int, deque[tuple[int, Instr, Slot]]] = defaultdict(deque)  # peer -> receives not posted
         self._queued: set[tuple[Op, Slot]] = set()
         self._unresolved: dict[int, tuple[Slot, Recv]] = {}  # peer -> a shape message posted, its data not

@@ -46,10 +46,16 @@ from pipedsl.runtime.launch.errors import RankFailure, failure_at
 from pipedsl.runtime.p2p import Channels, Recv, TensorMeta, describe
 from pipedsl.runtime.reduce import GradReducer
 from pipedsl.runtime.stage import Activation, Stage, overlapped_forward_backward
+from pipedsl.steps import Gates, gates
 
 
 def _num_losses(stream: list[Instr], last: int) -> int:
     return sum(1 for whole in stream for ins in whole.parts if ins.op is Op.F and ins.stage == last)
+
+
+class StepRedoneError(Exception):
+    """Raised by `Executor.run` at its gate when the previous step's verdict undid that step: this pass's forward
+    work is dropped (runtime/post_validate.py redoes the previous step, then runs this one again)."""
 
 
 def loss_ranks(program: Program) -> list[int]:
@@ -95,11 +101,14 @@ class Executor:
         if count is not None:
             self.handlers.update({Op.F: self._forward_only, Op.OPTIMIZER_STEP: self._forward_only_end})
         self.counted = 0  # forward-only: the last stage's count(target) summed over this rank's microbatches
+        self._gates: Gates | None = None  # made at the first gated run (post-validated steps)
+        self._post_limit = n  # receives are posted only before this index (a gated run's gate, until it passes)
 
     # ------------------------------------------------------------ the loop
 
     def run(self, inputs: list[list[torch.Tensor]], targets: list[Any],
-            on_loss: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            on_loss: Callable[[torch.Tensor], None] | None = None,
+            gate: Callable[[], bool] | None = None) -> torch.Tensor:
         """One pass over the stream; returns the sum of this rank's (1/M-scaled) microbatch losses.
 
         `on_loss(sum)` is called after the rank's last instruction, on every rank: a collective issued
@@ -107,6 +116,11 @@ class Executor:
         occupies its NCCL stream until the last stage's losses exist, which wait for this rank's later
         sends — so any device-wide wait in between (a profiler's synchronize, the allocator's retry)
         deadlocks the GPU.  A scalar's reduction costs microseconds at the step's end.
+
+        `gate()` (post-validated steps): called at the rank's gate (`pipedsl.steps.gates`), before its first
+        instruction that is not forward work; until then only the receives before the gate are posted.  When it
+        returns False the forward work is undone — receives completed and dropped, the messages sent to this rank
+        before its peers' gates drained, sends completed, activations freed — and `StepRedoneError` is raised.
         """
         self.mb_inputs, self.targets = inputs, targets
         self._losses_left = self.num_losses
@@ -128,8 +142,17 @@ class Executor:
         stream, handlers, starts, ends = self.stream, self.handlers, self.starts, self.ends
         clock = time.perf_counter
         self.index = 0
+        gate_at, self._post_limit = -1, len(stream)
+        if gate is not None:
+            if self._gates is None:
+                self._gates = gates(self.program)
+            gate_at = self._post_limit = self._gates.at[self.rank]
         for i, ins in enumerate(stream):
             self.index = i
+            if i == gate_at:
+                self._post_limit = len(stream)
+                if not self._pass_gate(gate, i, ins):
+                    raise StepRedoneError()
             if ins.op in RECVS:
                 if self._scan <= i + self.lookahead:
                     self._post_ahead(i)
@@ -152,7 +175,7 @@ class Executor:
     def _post_ahead(self, i: int, lookahead: int | None = None) -> None:
         """Post the receives of instructions up to `i + lookahead`, in stream order per peer."""
         ahead = self.lookahead if lookahead is None else lookahead
-        stream, end = self.stream, min(len(self.stream), i + ahead + 1)
+        stream, end = self.stream, min(self._post_limit, i + ahead + 1)
         while self._scan < end:
             j = self._scan
             ins = stream[j]
@@ -336,6 +359,41 @@ class Executor:
         slot = Slot(ins.mb, ins.stage, ins.replica)
         self.stages[Copy(ins.replica, ins.stage)].backward_weight(self.acts[slot])
         self._release(slot)
+
+    def _pass_gate(self, gate: Callable[[], bool], i: int, ins: Instr) -> bool:
+        try:
+            passed = gate()
+            if not passed:
+                self._undo_forward_work()
+        except RankFailure:
+            raise
+        except Exception as err:  # noqa: BLE001 - reported with where it happened
+            raise failure_at(self.rank, i, ins, err) from err
+        return passed
+
+    def _undo_forward_work(self) -> None:
+        """Drop what this pass did before its gate, leaving no message in flight (see `run`)."""
+        pool = self.channels.pool
+        assert self._gates is not None
+        self.channels.settle()  # the step's openings (p2p.py): consumed, as the pass run again sends its own
+        for posted in self.posted.values():
+            for recv in posted.values():
+                for b in recv.wait():
+                    pool.give(b)
+            posted.clear()
+        for j in self._gates.drains[self.rank]:
+            ins = self.stream[j]
+            self.index = j
+            self._post(ins, Slot(ins.mb, ins.stage, ins.replica))
+            for b in self.posted[ins.op].pop(Slot(ins.mb, ins.stage, ins.replica)).wait():
+                pool.give(b)
+        self.channels.wait_sends()
+        for slot in list(self.acts):
+            self._release(slot)
+        for by_op in (self.local, self.outbox):
+            for d in by_op.values():
+                d.clear()
+        self._losses = []
 
     def _check_meta(self, ins: Instr, outs: list[torch.Tensor], key: ShapeKey) -> None:
         got, expected = tuple(TensorMeta.of(t) for t in outs), self.out_meta[key]

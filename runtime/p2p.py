@@ -290,7 +290,7 @@ class Channels:
         self._flushed = 0  # record entries written so far
         # each operation is named by its instruction (`label`): for the record, and for what a stuck rendezvous reports
         self.labelled = bool(self._record_to) or getattr(self.transport, "names_operations", False)
-        self.opening: tuple[int, str, dict[int, Any]] | None = None  # this step's openings, not yet checked
+        self.opening: tuple[int, str, Any] | None = None  # this step's openings (or its all-reduce), not checked yet
         # the openings' all-reduce on host tensors: under NCCL reading a device tensor's result waited for the GPU to
         # drain the previous step's optimizer at every step's start (a gloo group beside it, as torch's checkpoints do)
         self._opening_group = groups.new(range(self.size), backend="gloo") if nccl and self.size > 1 else group
@@ -368,19 +368,20 @@ class Channels:
         for a peer only after every opening has arrived, and a rank sends its openings before
         anything else: each rank finds a disagreement by itself, and none waits for one that
         stopped.  `wait`: check now (a rank meeting a new shape learns it with every peer, in a
-        `Discovery` step).  Over torch.distributed: one all-reduce of the fingerprint (the max of it
-        and of its negation), always waited for (NCCL's point-to-point calls between every pair of
-        ranks would open a connection per pair); under NCCL on host tensors over a gloo group, so that
-        reading it does not wait for the GPU.  Alone in its group, nothing to agree on."""
+        `Discovery` step).  Over torch.distributed: one asynchronous all-reduce of the fingerprint (the
+        max of it and of its negation), checked by `settle` as the openings are (NCCL's point-to-point
+        calls between every pair of ranks would open a connection per pair); under NCCL on host tensors
+        over a gloo group, so that reading it does not wait for the GPU.  Alone in its group, nothing to
+        agree on."""
         if self.size == 1:
             return
         if self.kind != "socket":
             both = torch.tensor([key, -key], dtype=torch.int64)
-            self._guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._opening_group))
-            if int(both[0]) != key or int(both[1]) != -key:
-                everyone: list = [None] * self.size
-                self._guard(lambda: dist.all_gather_object(everyone, description, group=self._opening_group))
-                raise _disagreement(self.rank, everyone)
+            work = self._guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._opening_group,
+                                                       async_op=True))
+            self.opening = (key, description, (both, work))
+            if wait:
+                self.settle()
             return
         text = key.to_bytes(8, "little", signed=True) + description.encode()[:OPENING_BYTES - 8]
         opening = torch.frombuffer(bytearray(text.ljust(OPENING_BYTES, b"\0")), dtype=torch.uint8)
@@ -399,6 +400,14 @@ class Channels:
             return
         key, description, recvs = self.opening
         self.opening = None
+        if isinstance(recvs, tuple):  # torch.distributed: the fingerprint's all-reduce
+            both, work = recvs
+            self._guard(work.wait)
+            if int(both[0]) != key or int(both[1]) != -key:
+                everyone: list = [None] * self.size
+                self._guard(lambda: dist.all_gather_object(everyone, description, group=self._opening_group))
+                raise _disagreement(self.rank, everyone)
+            return
         said = {self.rank: description}
         agree = True
         for peer, recv in recvs.items():

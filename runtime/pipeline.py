@@ -78,7 +78,7 @@ from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.runtime import clip, finalize
 from pipedsl.runtime.data_parallel import strategy_for
 from pipedsl.runtime.discovery import Discovery
-from pipedsl.runtime.executor import Executor, loss_ranks
+from pipedsl.runtime.executor import Executor, StepRedoneError, loss_ranks
 from pipedsl.runtime.groups import PipelineGroups
 from pipedsl.runtime.keys import Copy
 from pipedsl.runtime.launch.errors import RankFailure, explain_peer_failure, record_failure
@@ -399,16 +399,7 @@ class Pipeline:
         """Run the schedule once over the batch; returns the mean loss (on every rank)."""
         self._check_open("step()")
         with self._failures_told():
-            if self.loss_reduction == "token":
-                self._count_tokens(targets)
-            mb_inputs, tgt = self._microbatches(inputs, targets)
-            shapes = tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs)
-            ex = self._use_shapes(shapes)
-            self.counter.reset()
-            self.reducer.start_step()
-            self._scale_loss()
-            ex.run(mb_inputs, tgt, self._reduce_loss)
-            self._learned(ex, shapes)
+            self._train_pass(inputs, targets, self._reduce_loss)
             total, work = self._loss_reduction
             try:
                 work.wait()
@@ -420,6 +411,27 @@ class Pipeline:
                                   peer_failure=True) from err
         self.steps += 1
         return float(total.item())
+
+    def _train_pass(self, inputs: Any, targets: Any, on_loss: Callable[[torch.Tensor], None] | None = None,
+                    gate: Callable[[], bool] | None = None) -> torch.Tensor:
+        """One run of the training program over the batch (`step` without the loss's reduction and the step
+        count); returns this rank's loss sum.  `gate`: `Executor.run`'s (post_validate.py), called before the
+        pass when its shapes are new (a `Discovery` learns them with every peer and cannot be undone)."""
+        if self.loss_reduction == "token":
+            self._count_tokens(targets)
+        mb_inputs, tgt = self._microbatches(inputs, targets)
+        shapes = tuple(tuple(TensorMeta.of(t) for t in x) for x in mb_inputs)
+        if gate is not None and (shapes, False) not in self._executors:
+            if not gate():
+                raise StepRedoneError()
+            gate = None
+        ex = self._use_shapes(shapes)
+        self.counter.reset()
+        self.reducer.start_step()
+        self._scale_loss()
+        loss_sum = ex.run(mb_inputs, tgt, on_loss, gate)
+        self._learned(ex, shapes)
+        return loss_sum
 
     def _microbatches(self, inputs: Any, targets: Any) -> tuple[list[list[torch.Tensor]], list[Any]]:
         """This rank's share of the batch (dp) cut into the M microbatches, on the device."""
