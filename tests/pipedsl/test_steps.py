@@ -8,8 +8,9 @@ from test_zb_paper import paper_cost
 
 import pipedsl
 from pipedsl.cli import main
-from pipedsl.ir import Op
-from pipedsl.steps import MAX_STEPS, consecutive, prove_consecutive
+from pipedsl.errors import ValidationError
+from pipedsl.ir import Op, Program
+from pipedsl.steps import FORWARD_WORK, MAX_STEPS, consecutive, gates, prove_consecutive
 
 
 def _programs():
@@ -82,3 +83,38 @@ def test_the_command_line_draws_and_simulates_steps_that_overlap(capsys) -> None
     with pytest.raises(SystemExit) as refused:
         main(["simulate", "zb-h1", "-P", "4", "-M", "4", "--steps", "17"])
     assert refused.value.code == 2 and "--steps: 17 is not in 1..16 (MAX_STEPS)" in capsys.readouterr().err
+
+
+def test_every_builtins_gates_are_a_consistent_cut() -> None:
+    """Post-validated steps (runtime/post_validate.py) read the previous step's verdict at each rank's gate, its
+    first instruction that is not forward work; every message received before a gate is sent before its sender's,
+    and the messages sent before the gates but received after them are each rank's drains."""
+    for program in [*_programs(), pipedsl.load("1f1b").compile(P=8, M=16), pipedsl.load("zb-v").compile(P=8, M=16)]:
+        g = gates(program)
+        for r, stream in enumerate(program.ranks):
+            at = g.at[r]
+            assert all(ins.op in FORWARD_WORK for ins in stream[:at]) and stream[at].op not in FORWARD_WORK
+            for j in g.drains[r]:
+                assert j >= at and stream[j].op in (Op.RECV_F, Op.RECV_B)
+        for src in range(program.num_ranks):
+            for dst in range(program.num_ranks):
+                sent = sum(1 for ins in program.ranks[src][:g.at[src]]
+                           if ins.op in (Op.SEND_F, Op.SEND_B) and ins.peer == dst)
+                got = sum(1 for ins in program.ranks[dst][:g.at[dst]]
+                          if ins.op in (Op.RECV_F, Op.RECV_B) and ins.peer == src)
+                drained = sum(1 for j in g.drains[dst] if program.ranks[dst][j].peer == src)
+                assert got <= sent and got + drained == sent, (program.name, src, dst)
+
+
+def test_a_program_whose_forwards_before_the_gates_are_not_a_cut_is_named() -> None:
+    """A valid V order where rank 0 runs its last stage's backward before sending microbatch 1 on, which rank 1
+    receives before its own first backward: its gates are not a consistent cut, so a rollback could not drain."""
+    program = Program.from_text(
+        "r0: F0.0 SEND_F0.0>1 RECV_F0.2<1 F0.2 B0.2 F1.0 SEND_F1.0>1 SEND_B0.2>1 RECV_F1.2<1 F1.2 B1.2 SEND_B1.2>1 "
+        "RECV_B0.0<1 B0.0 RECV_B1.0<1 B1.0 REDUCE_GRAD.0 REDUCE_GRAD.2 OPTIMIZER_STEP\n"
+        "r1: RECV_F0.1<0 F0.1 SEND_F0.1>0 RECV_F1.1<0 F1.1 SEND_F1.1>0 RECV_B0.1<0 B0.1 SEND_B0.1>0 RECV_B1.1<0 "
+        "B1.1 SEND_B1.1>0 REDUCE_GRAD.1 OPTIMIZER_STEP\n")
+    pipedsl.validate(program)
+    with pytest.raises(ValidationError, match=r"rank 1 instruction 3 \(RECV_F1\.1<0\) receives before rank 1's first "
+                                              r"backward a message rank 0 sends after its own first backward"):
+        gates(program)
