@@ -202,6 +202,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
                         "the ZeRO paper's; the sums round in bf16)")
     p.add_argument("--clip-grad", type=positive_float, metavar="MAX_NORM",
                    help="clip the whole model's gradient norm (over every rank) to MAX_NORM (default: no clipping)")
+    p.add_argument("--post-validate", action="store_true", default=None,
+                   help="steps overlap: each rank steps its optimizer when its part of the step ends and the global "
+                        "checks (gradient norm, inf/NaN) complete in the next step, which redoes the step when they "
+                        "fail (the weights equal synchronous steps'); the loss is logged one step late")
     p.add_argument("--lr-schedule", choices=config.LR_SCHEDULES,
                    help=f"after --warmup-steps of linear warmup: constant (default {t.lr_schedule}), a cosine or a "
                         "linear decay to --min-lr at --steps, or wsd (warmup-stable-decay: constant, then linear to "

@@ -297,6 +297,7 @@ class TrainingConfig(_Section):
     param_dtype: str = _option("fp32", _one_of(*DTYPES))
     grad_dtype: str = _option("fp32", _one_of(*DTYPES))
     clip_grad: float | None = _option(None, _optional(POSITIVE))
+    post_validate: bool = _option(False, FLAG)  # steps overlap: the checks after the optimizer step (post_validate.py)
     lr_schedule: str = _option("constant", _one_of(*LR_SCHEDULES))
     warmup_steps: int = _option(0, _at_least(0))
     min_lr: float = _option(0.0, NONNEGATIVE)  # where cosine, linear and wsd decay to
@@ -441,6 +442,9 @@ class TrainConfig:
         if t.lr_schedule != "constant" and t.warmup_steps >= t.steps:
             raise ConfigError(f"--warmup-steps {t.warmup_steps} must be less than --steps {t.steps} for the "
                               f"{t.lr_schedule} schedule (it decays after the warmup, until --steps)")
+        if t.post_validate and t.precision == "fp16":
+            raise ConfigError("--post-validate does not support --precision fp16: its loss scale decides each step's "
+                              "skip before the step; use --precision bf16")
         if t.min_lr > t.lr:
             raise ConfigError(f"--min-lr {t.min_lr:g} is above --lr {t.lr:g}: the schedule decays from --lr to it")
         if t.decay_steps and t.lr_schedule != "wsd":

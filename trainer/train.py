@@ -35,6 +35,7 @@ from pipedsl.arguments import no_decay_kinds
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import COMPUTE
 from pipedsl.runtime import checkpoint
+from pipedsl.runtime.post_validate import StepReport, TrainingSteps
 from pipedsl.runtime.precision import MixedPrecision
 from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_keywords
 from pipedsl.trainer.stop import Stop
@@ -503,38 +504,29 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
     log_every, record = cfg.logging.log_every, model_record(cfg)
     eval_every, eval_at_end = cfg.eval.eval_every, cfg.hf is not None and cfg.hf.eval_at_end
     peak = cfg.peak_flops or 0.0
-    for step in range(start + 1, (until or steps) + 1):
+    last = until or steps
+    training = TrainingSteps(pipe, opt, max_norm=clip, post_validate=cfg.training.post_validate)
+    for step in range(start + 1, last + 1):
         x, y = source.next_batch(step)
         t0 = time.perf_counter()
-        loss = pipe.step(x, y)
-        norm = pipe.clip_grad_norm_(clip) if clip else None
-        stepped = opt.step()
-        opt.zero_grad()
+        report = training.step(x, y)
+        evaluate = bool(source.eval_batches()) and ((eval_every and step % eval_every == 0)
+                                                   or (step == steps and eval_at_end))
+        reason = stop.reason(pipe, time.perf_counter() - t0) if step < steps else None
+        save = directory and ((every and step % every == 0) or step == steps or reason)
+        reports = [report] if report is not None else []
+        if evaluate or save or reason or step == last:  # post-validated: what follows reads this step's weights
+            reports += [r for r in [training.settle()] if r is not None]
         dt = time.perf_counter() - t0
-        history[step] = loss
         experts = load.read() if load is not None else None  # every rank: a collective
-        if log is not None and (step % log_every == 0 or step in (start + 1, steps)):
-            m: dict[str, Any] = {"loss": loss, "step_ms": dt * 1e3, "samples_per_s": source.samples_per_step / dt,
-                                 "tokens_per_s": source.tokens_per_step / dt}
-            if peak:
-                m["mfu"] = source.flops_per_token * source.tokens_per_step / dt / peak
-            if norm is not None:
-                m["grad_norm"] = float(norm)
-            if opt.lr_schedule is not None:
-                m["lr"] = opt.optimizers[0].param_groups[0]["lr"]
-            if not stepped:
-                m.update(skipped=True, loss_scale=pipe.scaler.scale)
-            if experts is not None:
-                routed = sum(experts["tokens_per_expert"]) + experts["dropped"]
-                m.update(expert_imbalance=experts["imbalance"], dropped_frac=experts["dropped"] / max(routed, 1),
-                         tokens_per_expert=experts["tokens_per_expert"])
-            if step == start + 1 and cfg.started_at:
-                m["time_to_first_step_s"] = time.time() - cfg.started_at
-            log.log(step, m)
-        if source.eval_batches() and ((eval_every and step % eval_every == 0) or (step == steps and eval_at_end)):
+        for r in reports:  # post-validated: the previous step's report comes with this step's
+            history[r.step] = r.loss
+            if log is not None and (r.step % log_every == 0 or r.step in (start + 1, steps)):
+                log.log(r.step, _metrics(r, dt, source, peak, opt, pipe, experts,
+                                         cfg.started_at if r.step == start + 1 else None))
+        if evaluate:
             _evaluate(pipe, source, step, log)
-        reason = stop.reason(pipe, dt) if step < steps else None
-        if directory and ((every and step % every == 0) or step == steps or reason):
+        if save:
             info = checkpoint.save(pipe, directory, step, opt, extra={**source.state(rank), "losses": dict(history)},
                                    timeout=cfg.run.save_timeout, model=record)
             if log is not None:
@@ -549,6 +541,35 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
                          (" (checkpoint saved; --resume continues it)" if directory else " (no --checkpoint-dir: "
                           "nothing saved)"))
             break
+    ran = step - start if last > start else 0
+    if training.redone and log is not None and training.redone * 10 > ran:
+        log.note(f"--post-validate redid {training.redone} of {ran} steps (clipped, or a gradient not finite): each "
+                 f"redo runs the next step's forwards again, so above about one step in ten synchronous steps are "
+                 f"faster; raise --clip-grad or drop --post-validate")
+
+
+def _metrics(r: StepReport, dt: float, source: Any, peak: float, opt: Any, pipe: Any, experts: dict | None,
+             started_at: float | None) -> dict[str, Any]:
+    """A step's logged metrics: its report, and the timing of the step call that produced it."""
+    m: dict[str, Any] = {"loss": r.loss, "step_ms": dt * 1e3, "samples_per_s": source.samples_per_step / dt,
+                         "tokens_per_s": source.tokens_per_step / dt, "grad_norm": r.grad_norm}
+    if peak:
+        m["mfu"] = source.flops_per_token * source.tokens_per_step / dt / peak
+    if opt.lr_schedule is not None:
+        m["lr"] = opt.optimizers[0].param_groups[0]["lr"]
+    if r.skipped:
+        m["skipped"] = True
+        if pipe.scaler is not None:
+            m["loss_scale"] = pipe.scaler.scale
+    if r.redone:
+        m["redone"] = True
+    if experts is not None:
+        routed = sum(experts["tokens_per_expert"]) + experts["dropped"]
+        m.update(expert_imbalance=experts["imbalance"], dropped_frac=experts["dropped"] / max(routed, 1),
+                 tokens_per_expert=experts["tokens_per_expert"])
+    if started_at:
+        m["time_to_first_step_s"] = time.time() - started_at
+    return m
 
 
 def _evaluate(pipe: Any, source: Any, step: int, log: Any) -> None:
