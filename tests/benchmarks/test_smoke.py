@@ -42,6 +42,8 @@ RUNS = {
     "test_split_backward": ("split_backward", ["--quick"]),
     "test_startup": ("startup", ["--quick"]),
     "test_auto_schedule": ("auto_schedule", ["--quick", "--vocab", "2048", "--us-per-mweight", "5"]),
+    "test_post_validate": ("post_validate", ["-P", "2", "-M", "4", "--F", "0.0005", "--B", "0.001", "--opt-ms",
+                                             "0.5", "--steps", "2", "--warmup", "1"]),
     "test_moe_overlap": ("moe_overlap", ["--quick", "--M", "4", "--latency", "0.5", "--attn", "0.2", "--experts-ms",
                                          "0.2"]),
 }
@@ -311,3 +313,12 @@ def test_auto_schedule(runs, request):
     assert [r["split"] for r in got["rows"][:3]] == ["count"] * 3 and got["rows"][-1]["split"] != "flops"
     assert got["rows"][-1]["predicted_ms"] > 0 and max(got["rows"][-1]["peaks"]) <= 4
     assert set(got["checks"]) == {"auto_over_best_even", "predicted_over_measured"}
+
+
+@pytest.mark.slow
+def test_post_validate(runs, request):
+    got = run(runs, request, "post_validate")
+    assert [r["schedule"] for r in got["rows"]] == ["1f1b", "zb-h1", "zb-h2", "zb-auto mem=2", "zb-auto mem=4"]
+    for r in got["rows"]:
+        assert r["synchronous_s"] > 0 and r["post-validated_s"] > 0 and r["predicted_post_validated_s"] > 0
+        assert r["predicted_post_validated_s"] <= r["predicted_synchronous_s"] + 1e-12  # steps overlap, or not
