@@ -143,6 +143,7 @@ class Executor:
         clock = time.perf_counter
         self.index = 0
         gate_at, self._post_limit = -1, len(stream)
+        self._unchecked_loss: RankFailure | None = None  # a gated pass's non-finite loss, held until its gate
         if gate is not None:
             if self._gates is None:
                 self._gates = gates(self.program)
@@ -153,6 +154,8 @@ class Executor:
                 self._post_limit = len(stream)
                 if not self._pass_gate(gate, i, ins):
                     raise StepRedoneError()
+                if self._unchecked_loss is not None:  # the weights it came from stand: report it now
+                    raise self._unchecked_loss
             if ins.op in RECVS:
                 if self._scan <= i + self.lookahead:
                     self._post_ahead(i)
@@ -274,8 +277,11 @@ class Executor:
         total = 0.0
         for v, (_, factor, i, ins) in zip(values, losses):
             if self.check_finite and not math.isfinite(v):
-                raise RankFailure(f"rank {self.rank} instruction {i} ({ins}): the loss of microbatch {ins.mb} is {v} "
-                                  f"(not finite)", self.rank, i, ins)
+                failure = RankFailure(f"rank {self.rank} instruction {i} ({ins}): the loss of microbatch {ins.mb} is "
+                                      f"{v} (not finite)", self.rank, i, ins)
+                if self._post_limit == len(self.stream):  # not a gated pass before its gate
+                    raise failure
+                self._unchecked_loss = failure  # before the gate: from weights a rollback may undo
             total += v * factor
         self.loss_sum = torch.tensor(total, dtype=torch.float64)
 

@@ -34,6 +34,7 @@ from pipedsl.errors import PipeRuntimeError
 from pipedsl.runtime import clip
 from pipedsl.runtime.executor import StepRedoneError
 from pipedsl.runtime.launch.errors import RankFailure
+from pipedsl.steps import gates
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipedsl.runtime.optim import PipelineOptimizer
@@ -139,6 +140,8 @@ class TrainingSteps:
         if post_validate and pipe.scaler is not None:
             raise PipeRuntimeError("post-validated steps do not support fp16's dynamic loss scaling (its skip and "
                                    "scale decisions are synchronous); use precision='bf16', or synchronous steps")
+        if post_validate:
+            gates(pipe.program)  # a program whose forwards before the gates are no consistent cut: refused now
         self.pipe, self.opt = pipe, opt
         self.max_norm = max_norm
         self.norm_type = clip.check_norm_type(norm_type)

@@ -32,7 +32,7 @@ def _check(results: list[dict]) -> None:
         assert res["redone"] == res["clipped"] + res["skipped"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-auto", "dualpipev"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-auto", "dualpipev", "gpipe"])  # gpipe: every loss before a gate
 def test_post_validated_steps_equal_synchronous_ones(schedule: str, pool2) -> None:
     _check(pool2.run(sync_and_post, schedule, 2, 4))
 
