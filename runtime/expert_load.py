@@ -11,7 +11,7 @@ not shape inference.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,15 +41,32 @@ class ExpertLoad:
         counts = routings(index.detach(), E + 1)  # [E + 1]: the last entry the dropped slots
         self._counts = counts if self._counts is None else self._counts + counts
 
-    def read(self, reduce: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    def mark(self) -> Callable[[], None]:
+        """What undoes the counting from now on (a post-validated step's undone forwards: runtime/post_validate.py)."""
+        kept = None if self._counts is None else self._counts.clone()
+
+        def restore() -> None:
+            self._counts = kept
+        return restore
+
+    def read(self, reduce: bool = True, group: dist.ProcessGroup | None = None,
+             async_op: bool = False) -> dict[str, Any] | Callable[[], dict[str, Any]]:
         """{"tokens_per_expert": [E], "dropped": slots, "imbalance": max / mean load}, summed over `group` (default
         the world) with `reduce` under torch.distributed — a collective: every rank of it calls, MoE layers or
-        not — and reset."""
+        not — and reset.  `async_op`: the sum issued, and a function that waits for it and returns the dict."""
         counts = self._counts if self._counts is not None else torch.zeros(self.num_experts + 1, dtype=torch.int64,
                                                                             device=self.device)
         self._counts = None
-        if reduce and dist.is_initialized():
-            dist.all_reduce(counts, group=group)
+        work = dist.all_reduce(counts, group=group, async_op=True) if reduce and dist.is_initialized() else None
+
+        def result() -> dict[str, Any]:
+            if work is not None:
+                work.wait()
+            return self._summary(counts)
+        return result if async_op else result()
+
+    @staticmethod
+    def _summary(counts: torch.Tensor) -> dict[str, Any]:
         load = counts[:-1].tolist()
         mean = sum(load) / len(load) if load else 0.0
         return {"tokens_per_expert": load, "dropped": int(counts[-1]),

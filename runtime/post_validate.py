@@ -15,13 +15,16 @@ k+1 again.  The parameters and optimizer state after every step equal the synchr
         report = steps.step(x, y)   # post-validated: the previous step's report (None after the first)
     report = steps.settle()         # the last step's; also before a checkpoint, an evaluation, reading weights
 
-Both modes skip a step whose gradient norm is not finite (no update; fp16's loss scaling is not supported
-post-validated).  The copy costs one set of the rank's parameters and optimizer state (ZeRO: what it holds).
+With clipping, or post-validated, both modes skip a step whose gradient norm is not finite (no update, as fp16
+does for an overflow; fp16's loss scaling itself is not supported post-validated).  Synchronous steps without
+clipping compute no norm: the optimizer steps as it always did.  The copy costs one set of the rank's
+parameters and optimizer state (ZeRO: what it holds).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,15 +47,16 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass(frozen=True)
 class StepReport:
     """What one training step did: its mean loss, the global gradient norm before clipping, whether clipping
-    scaled the gradients, whether the update was skipped (a norm that is not finite), and whether a
-    post-validated step was redone (rolled back, then clipped or skipped)."""
+    scaled the gradients, whether the update was skipped (a norm that is not finite, or fp16's overflow), whether a
+    post-validated step was redone (rolled back, then clipped or skipped), and its learning rate."""
 
     step: int
     loss: float
-    grad_norm: float
+    grad_norm: float | None  # None: synchronous steps without clipping do not compute it
     clipped: bool
     skipped: bool
     redone: bool = False
+    lr: float | None = None  # the learning rate the step used
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,13 +76,10 @@ class _Copy:
                     t = _local(u.shard if u.frees else u.flat)
                     tensors.append(t)
                     storages.add(t.untyped_storage().data_ptr())
-        for o in opt.optimizers:
+        for o in opt.optimizers:  # the optimizers' own tensors, but for slices of the buffers above
             for group in o.param_groups:
-                for p in group["params"]:
-                    t = _local(p)
-                    if t.untyped_storage().data_ptr() not in storages:
-                        tensors.append(t)
-                        storages.add(t.untyped_storage().data_ptr())
+                tensors += [t for p in group["params"] for t in [_local(p)]
+                            if t.untyped_storage().data_ptr() not in storages]
         self._optimizers = opt.optimizers
         self._tensors = tensors
         self._saved: list[torch.Tensor] = []
@@ -129,6 +130,7 @@ class _Verdict:
     loss: torch.Tensor
     loss_work: Any
     pipelines: int
+    lr: float | None = None
 
 
 class TrainingSteps:
@@ -152,6 +154,9 @@ class TrainingSteps:
         self._norms = [m for module in pipe.local_stages().values() for m in module.modules()
                        if isinstance(m, _NormBase) and m.track_running_stats]
         self.redone = 0  # post-validated steps rolled back and redone so far
+        # more state a pass changes that an undone pass must give back: each called at a gated pass's start
+        # returns what restores it (the trainer's expert-load counts: ExpertLoad.mark)
+        self.pass_state: list[Callable[[], Callable[[], None]]] = []
 
     # ------------------------------------------------------------ synchronous
 
@@ -165,6 +170,10 @@ class TrainingSteps:
     def _synchronous(self, inputs: Any, targets: Any) -> StepReport:
         pipe = self.pipe
         loss = pipe.step(inputs, targets)
+        if self.max_norm is None:  # no global norm to wait for: the optimizer's step as it always was
+            stepped = self.opt.step()
+            self.opt.zero_grad()
+            return StepReport(pipe.steps, loss, None, False, not stepped, lr=self._lr())
         pipe.unscale_()
         grads = pipe.gradients()
         norm = clip.global_norm(grads.counted, self.norm_type, pipe._norm_group(), pipe.device)
@@ -180,7 +189,11 @@ class TrainingSteps:
         # fp16: the optimizer's step itself skips an overflowed step and backs the loss scale off
         stepped = self.opt.step() if finite or self.pipe.scaler is not None else self._skip()
         self.opt.zero_grad()
-        return StepReport(step, loss, float(norm), clipped, not stepped, redone)
+        return StepReport(step, loss, float(norm), clipped, not stepped, redone, self._lr())
+
+    def _lr(self) -> float | None:
+        optimizers = self.opt.optimizers
+        return optimizers[0].param_groups[0]["lr"] if optimizers else None
 
     def _skip(self) -> bool:
         for _, zero in sorted(self.opt.zero.items()):
@@ -195,6 +208,7 @@ class TrainingSteps:
         self._report = None
         rng = _rng_state(pipe.device) if self._pending is not None else None
         stats = [(b, b.clone()) for m in self._norms for b in m.buffers()] if self._pending is not None else []
+        restores = [mark() for mark in self.pass_state] if self._pending is not None else []
         with pipe._failures_told():
             try:
                 loss_sum = pipe._train_pass(inputs, targets, gate=self._gate if self._pending is not None else None)
@@ -203,6 +217,8 @@ class TrainingSteps:
                 with torch.no_grad():
                     for b, saved in stats:
                         b.copy_(saved)
+                for restore in restores:
+                    restore()
                 loss_sum = pipe._train_pass(inputs, targets)
             report = self._report
             pipe.steps += 1
@@ -222,6 +238,7 @@ class TrainingSteps:
         assert self._copy is not None
         self._copy.take()
         self.opt.step()
+        self._pending.lr = self._lr()
 
     def _verdict(self) -> tuple[_Verdict, torch.Tensor, float]:
         v = self._pending
@@ -243,7 +260,7 @@ class TrainingSteps:
         if finite and not clipped:
             self._pending = None
             self.opt.zero_grad()
-            self._report = StepReport(v.step, loss, float(norm), False, False)
+            self._report = StepReport(v.step, loss, float(norm), False, False, lr=v.lr)
             return True
         self._redo(v, norm, loss)
         return False

@@ -48,13 +48,29 @@ class Stop:
     def reason(self, pipe: Any, last_step: float) -> str | None:
         """Why every rank stops after this step (the same answer on each: collective over the world), or None:
         "SIGTERM" (any rank received it) or "--max-time" (rank 0's clock says another step would pass it)."""
+        return self.ask(pipe, last_step).answer()
+
+    def ask(self, pipe: Any, ahead: float) -> Question:
+        """`reason`'s collective issued without waiting (post-validated steps: answered after the next step, so
+        no step waits for every rank's end); "--max-time" when `ahead` more seconds would pass the deadline."""
         world = torch.distributed.is_initialized()
         first = not world or torch.distributed.get_rank() == 0
-        late = self.deadline is not None and first and time.time() + last_step > self.deadline
+        late = self.deadline is not None and first and time.time() + ahead > self.deadline
         flags = torch.tensor([float(self.received or 0), float(late)], device=pipe.device)
-        if world:
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        signum, late = int(flags[0].item()), bool(flags[1].item())
+        work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True) if world else None
+        return Question(flags, work)
+
+
+class Question:
+    """An asked `Stop.reason`: `answer()` waits for it."""
+
+    def __init__(self, flags: torch.Tensor, work: Any) -> None:
+        self.flags, self.work = flags, work
+
+    def answer(self) -> str | None:
+        if self.work is not None:
+            self.work.wait()
+        signum, late = int(self.flags[0].item()), bool(self.flags[1].item())
         if signum:
             return signal.Signals(signum).name
         return "--max-time" if late else None

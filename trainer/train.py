@@ -504,23 +504,37 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
     log_every, record = cfg.logging.log_every, model_record(cfg)
     eval_every, eval_at_end = cfg.eval.eval_every, cfg.hf is not None and cfg.hf.eval_at_end
     peak = cfg.peak_flops or 0.0
-    last = until or steps
-    training = TrainingSteps(pipe, opt, max_norm=clip, post_validate=cfg.training.post_validate)
+    last, post = until or steps, cfg.training.post_validate
+    training = TrainingSteps(pipe, opt, max_norm=clip, post_validate=post)
+    # post-validated, nothing waits for every rank at a step's end: the stop question and the expert counts are
+    # collectives issued after a step and read after the next one (a stop then ends the step after)
+    asked: Any = None
+    experts_of: dict[int, Any] = {}
+    if load is not None:
+        training.pass_state.append(load.mark)
     for step in range(start + 1, last + 1):
         x, y = source.next_batch(step)
         t0 = time.perf_counter()
         report = training.step(x, y)
+        if load is not None:
+            experts_of[step] = load.read(async_op=post)  # every rank: a collective
         evaluate = bool(source.eval_batches()) and ((eval_every and step % eval_every == 0)
                                                    or (step == steps and eval_at_end))
-        reason = stop.reason(pipe, time.perf_counter() - t0) if step < steps else None
+        if not post:
+            reason = stop.reason(pipe, time.perf_counter() - t0) if step < steps else None
+        else:
+            answer = asked.answer() if asked is not None else None
+            asked = stop.ask(pipe, 2 * (time.perf_counter() - t0)) if step < steps and not answer else None
+            reason = answer if step < steps else None
         save = directory and ((every and step % every == 0) or step == steps or reason)
         reports = [report] if report is not None else []
         if evaluate or save or reason or step == last:  # post-validated: what follows reads this step's weights
             reports += [r for r in [training.settle()] if r is not None]
         dt = time.perf_counter() - t0
-        experts = load.read() if load is not None else None  # every rank: a collective
         for r in reports:  # post-validated: the previous step's report comes with this step's
             history[r.step] = r.loss
+            experts = experts_of.pop(r.step, None)
+            experts = experts() if callable(experts) else experts
             if log is not None and (r.step % log_every == 0 or r.step in (start + 1, steps)):
                 log.log(r.step, _metrics(r, dt, source, peak, opt, pipe, experts,
                                          cfg.started_at if r.step == start + 1 else None))
@@ -541,6 +555,8 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
                          (" (checkpoint saved; --resume continues it)" if directory else " (no --checkpoint-dir: "
                           "nothing saved)"))
             break
+    if asked is not None:  # stopped early with a question in flight: every rank answers it alike
+        asked.answer()
     ran = step - start if last > start else 0
     if training.redone and log is not None and training.redone * 10 > ran:
         log.note(f"--post-validate redid {training.redone} of {ran} steps (clipped, or a gradient not finite): each "
@@ -552,11 +568,13 @@ def _metrics(r: StepReport, dt: float, source: Any, peak: float, opt: Any, pipe:
              started_at: float | None) -> dict[str, Any]:
     """A step's logged metrics: its report, and the timing of the step call that produced it."""
     m: dict[str, Any] = {"loss": r.loss, "step_ms": dt * 1e3, "samples_per_s": source.samples_per_step / dt,
-                         "tokens_per_s": source.tokens_per_step / dt, "grad_norm": r.grad_norm}
+                         "tokens_per_s": source.tokens_per_step / dt}
+    if r.grad_norm is not None:
+        m["grad_norm"] = r.grad_norm
     if peak:
         m["mfu"] = source.flops_per_token * source.tokens_per_step / dt / peak
     if opt.lr_schedule is not None:
-        m["lr"] = opt.optimizers[0].param_groups[0]["lr"]
+        m["lr"] = r.lr
     if r.skipped:
         m["skipped"] = True
         if pipe.scaler is not None:

@@ -285,3 +285,23 @@ def test_train_post_validated_equals_synchronous_and_resumes(tmp_path) -> None:
     resumed = _train(tmp_path, "resumed", *common, "--post-validate", "--checkpoint-dir", str(tmp_path / "other"),
                      "--resume", str(tmp_path / "post-ckpt" / "step-00000003"))
     assert resumed == post
+
+
+@pytest.mark.slow
+def test_train_post_validated_moe_counts_each_step_once(tmp_path) -> None:
+    """An MoE GPT at dp2 × pp2 × ep2 under DualPipeV's overlapped pairs, clipping on some steps: --post-validate
+    gives the synchronous losses and the same tokens per expert for every step (an undone pass's routings are
+    not counted; each step's counts are logged with its own report, which comes a step late)."""
+    common = ["--schedule", "dualpipev", "-M", "4", "--dp", "2", "--ep", "2", "--experts", "4", "--steps", "4",
+              "--clip-grad", "0.56"]
+    sync = _train(tmp_path, "sync", *common)
+    post = _train(tmp_path, "post", *common, "--post-validate")
+    assert post == sync
+
+    def experts(name: str) -> dict[int, list[int]]:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return {m["step"]: m["tokens_per_expert"] for m in map(json.loads, lines) if "tokens_per_expert" in m}
+
+    metrics = [json.loads(line) for line in (tmp_path / "post" / "metrics.jsonl").read_text().splitlines()]
+    assert any(m.get("redone") for m in metrics) and not all(m.get("redone") for m in metrics if "step" in m)
+    assert experts("post") == experts("sync") and sorted(experts("sync")) == [1, 2, 3, 4]
