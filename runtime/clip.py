@@ -156,9 +156,10 @@ def clip_(stepped: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> N
 
 
 def unscale_(stepped: list[torch.Tensor], scale: float, group: dist.ProcessGroup | None,
-             device: torch.device) -> bool:
+             device: torch.device, reduce: bool = True) -> bool:
     """Divide the gradients by the loss scale; True if any rank of `group` found an inf or NaN (one
-    all-reduce of the flag, so every rank makes the same skip decision)."""
+    all-reduce of the flag, so every rank makes the same skip decision; without `reduce`, this rank's
+    finding: post-validated steps learn the others' from the gradient norm)."""
     found = torch.zeros(1, dtype=torch.float32, device=device)
     inv = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
     by_device: dict[tuple, list[torch.Tensor]] = {}
@@ -168,5 +169,6 @@ def unscale_(stepped: list[torch.Tensor], scale: float, group: dist.ProcessGroup
         flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv.to(grads[0].device))
         found += flag.to(device)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    if reduce:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     return bool(found.item() > 0)

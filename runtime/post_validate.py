@@ -16,7 +16,9 @@ k+1 again.  The parameters and optimizer state after every step equal the synchr
     report = steps.settle()         # the last step's; also before a checkpoint, an evaluation, reading weights
 
 With clipping, or post-validated, both modes skip a step whose gradient norm is not finite (no update, as fp16
-does for an overflow; fp16's loss scaling itself is not supported post-validated).  Synchronous steps without
+does for an overflow).  fp16's loss scale is updated with the optimistic step as if no rank overflowed (each
+rank unscales its own gradients; a rank's overflow makes the global norm not finite) and put back when the step
+is redone, so a redone step skips and backs the scale off as the synchronous one does.  Synchronous steps without
 clipping compute no norm: the optimizer steps as it always did.  The copy costs one set of the rank's
 parameters and optimizer state (ZeRO: what it holds).
 """
@@ -33,7 +35,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _NormBase
 
-from pipedsl.errors import PipeRuntimeError
 from pipedsl.runtime import clip
 from pipedsl.runtime.executor import StepRedoneError
 from pipedsl.runtime.launch.errors import RankFailure
@@ -130,6 +131,7 @@ class _Verdict:
     loss: torch.Tensor
     loss_work: Any
     pipelines: int
+    scale: dict[str, Any] | None  # fp16: the loss scale's state before the step updated it
     lr: float | None = None
 
 
@@ -139,9 +141,6 @@ class TrainingSteps:
 
     def __init__(self, pipe: Pipeline, opt: PipelineOptimizer, max_norm: float | None = None,
                  norm_type: float = 2.0, post_validate: bool = False) -> None:
-        if post_validate and pipe.scaler is not None:
-            raise PipeRuntimeError("post-validated steps do not support fp16's dynamic loss scaling (its skip and "
-                                   "scale decisions are synchronous); use precision='bf16', or synchronous steps")
         if post_validate:
             gates(pipe.program)  # a program whose forwards before the gates are no consistent cut: refused now
         self.pipe, self.opt = pipe, opt
@@ -229,12 +228,14 @@ class TrainingSteps:
         """Issue the checks, keep a copy, step as if they pass (no clipping, finite gradients)."""
         pipe = self.pipe
         group = pipe._norm_group()
+        scale = pipe.loss_scaling.state_dict()  # fp16: as it was before this step's update
+        pipe.loss_scaling.unscale_assuming_no_overflow_(pipe._stepped, pipe.device)  # the norm tells, later
         grads = pipe.gradients()
         norm, norm_work = clip.start_global_norm(grads.counted, self.norm_type, group, pipe.device, async_op=True)
         loss = loss_sum.to(pipe.device, dtype=torch.float64, copy=True).reshape(1)
         loss_work = dist.all_reduce(loss, group=group, async_op=True)
         pipelines = dist.get_world_size(group) // pipe.program.num_ranks
-        self._pending = _Verdict(pipe.steps, norm, norm_work, loss, loss_work, pipelines)
+        self._pending = _Verdict(pipe.steps, norm, norm_work, loss, loss_work, pipelines, scale)
         assert self._copy is not None
         self._copy.take()
         self.opt.step()
@@ -269,6 +270,7 @@ class TrainingSteps:
         """Undo step k's optimistic update and do it as the synchronous step: clipped, or skipped."""
         assert self._copy is not None
         self._copy.restore()
+        self.pipe.loss_scaling.redo(not math.isfinite(float(norm)), v.scale)  # fp16: the scale as before the step
         self._pending = None
         self.redone += 1
         self._report = self._apply(norm, self.pipe.gradients(), v.step, loss, redone=True)

@@ -222,6 +222,24 @@ class LossScaling:
             self._scaled = False
         return self.found_inf
 
+    def unscale_assuming_no_overflow_(self, gradients: Callable[[], list[torch.Tensor]],
+                                      device: torch.device) -> None:
+        """Post-validated steps (post_validate.py): divide this step's gradients by the scale without the
+        world's overflow verdict, which the step's gradient norm gives later (not finite: some rank overflowed)."""
+        if self.scaler is not None and self._scaled:
+            clip.unscale_(gradients(), self.scaler.scale, None, device, reduce=False)
+            self._scaled = False
+            self.found_inf = False
+
+    def redo(self, found_inf: bool, state: dict[str, Any] | None) -> None:
+        """Post-validated steps: back to a step's end before its optimizer step — the scale as it was (`state`),
+        the gradients unscaled, the verdict `found_inf` — so that the step is redone as the synchronous one."""
+        if self.scaler is None:
+            return
+        if state is not None:
+            self.scaler.load_state_dict(state)
+        self._scaled, self._update_due, self.found_inf = False, True, found_inf
+
     def update(self, gradients: Callable[[], list[torch.Tensor]], group: Any, device: torch.device) -> None:
         """After the optimizer step (or its skip): grow or back off the scale, once a step."""
         if self.scaler is not None and self._update_due:

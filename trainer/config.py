@@ -442,9 +442,6 @@ class TrainConfig:
         if t.lr_schedule != "constant" and t.warmup_steps >= t.steps:
             raise ConfigError(f"--warmup-steps {t.warmup_steps} must be less than --steps {t.steps} for the "
                               f"{t.lr_schedule} schedule (it decays after the warmup, until --steps)")
-        if t.post_validate and t.precision == "fp16":
-            raise ConfigError("--post-validate does not support --precision fp16: its loss scale decides each step's "
-                              "skip before the step; use --precision bf16")
         if t.min_lr > t.lr:
             raise ConfigError(f"--min-lr {t.min_lr:g} is above --lr {t.lr:g}: the schedule decays from --lr to it")
         if t.decay_steps and t.lr_schedule != "wsd":

@@ -372,6 +372,8 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     torch.distributed.all_gather_object(gathered, mine)
     units = [g[0] for g in gathered]
     wanted = dict(cfg.schedule.params)  # the user's -p mem wins over what the memory holds
+    if cfg.training.post_validate:  # steps overlap: the search minimises their period
+        wanted.setdefault("post", 1)
     plan = [choose_cut(timeline, units, pipe.program, wanted, _room(pipe.size, cfg, [g[1:4] for g in gathered]))
             if timeline is not None else None]
     torch.distributed.broadcast_object_list(plan, src=0)
@@ -408,8 +410,9 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         noise = (f"; the profile's op times varied {spread:.0%} about their means (the median over op kinds and "
                  f"stages){', as much as the predicted gain: it may not hold' if spread >= gain else ''}"
                  if spread is not None else "")
+        what = "step" if not program.params.get("post") else "step (the period of overlapped steps)"
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
-                f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted step "
+                f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted {what} "
                 f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms measured{noise}")
         fields = {"program": program.name, "params": program.params, "activations_that_fit": fit, "wmem_measured": wmem,
                   "stage_bytes": decision["stage_bytes"], "predicted_peak_bytes": decision["peak_bytes"],

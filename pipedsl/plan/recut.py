@@ -27,6 +27,7 @@ import pipedsl
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.partition import Fits, bounds_of, even_sizes, stage_costs_of, unit_costs
 from pipedsl.simulate import Cost, simulate
+from pipedsl.steps import period
 from pipedsl.timeline import Timeline
 
 GAIN = 0.97  # a new cut is taken for a predicted step this much of the current one's or less
@@ -60,7 +61,8 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
     traced step), "mem" (ZB-auto's cap), "fit" (the stage activations that fit a rank, the least over ranks;
     None without a `room`), "stage_bytes" (one activation's predicted bytes per stage; None when not counted),
     "peak_bytes" (per rank: its simulated peak activations times its stage's bytes)}.  `units` None on some rank
-    (stages without units) keeps the cut; `params["mem"]` fixes the cap."""
+    (stages without units) keeps the cut; `params["mem"]` fixes the cap; `params["post"]` = 1 searches the period of
+    overlapped steps (post-validated steps: "predicted_ms" is then that period)."""
     fitted = Cost.fit(timeline, statistic="mean")  # a path's expected length is the sum of mean costs
     typical = Cost.fit(timeline, statistic="median").per_stage  # a stage's: one slow op does not move it
     cost = replace(fitted, per_stage={s: {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
@@ -81,8 +83,9 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
         mem, fit = cap(stage_bytes, budget)
         found = pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **{**params, "mem": mem})
         timed = simulate(found, c)
+        step = period(simulate(found, c, steps=3)) if params.get("post") else timed.makespan
         peaks = None if stage_bytes is None else [n * b for n, b in zip(timed.peak_activations, stage_bytes)]
-        return {"cost": c.__dict__, "program": found.to_json(), "points": points, "predicted_ms": timed.makespan * 1e3,
+        return {"cost": c.__dict__, "program": found.to_json(), "points": points, "predicted_ms": step * 1e3,
                 "mem": mem, "fit": fit, "stage_bytes": None if stage_bytes is None else list(stage_bytes),
                 "peak_bytes": peaks}
 

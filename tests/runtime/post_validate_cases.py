@@ -30,13 +30,14 @@ def _batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [synthetic_batch(batch, GPT_CFG.block_size, GPT_CFG.vocab_size, gen) for _ in range(steps)]
 
 
-def _run(rank: int, schedule: str, P: int, M: int, zero: int, dp: int, max_norm: float, post: bool) -> dict:
+def _run(rank: int, schedule: str, P: int, M: int, zero: int, dp: int, max_norm: float, post: bool,
+         precision: str | None) -> dict:
     torch.manual_seed(0)
     model = GPT(GPT_CFG)
     program = pipedsl.load(schedule).compile(P=P, M=M, **SCHEDULE_PARAMS.get(schedule, {}))
     parallel = ParallelConfig(dp=dp, pp=P, zero=zero) if dp > 1 or zero else None
     pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(program.num_stages), program=program, loss_fn=gpt_loss,
-                            parallel=parallel)
+                            parallel=parallel, precision=precision)
     opt = pipe.optimizer(torch.optim.AdamW, lr=3e-2, eps=1e-4, weight_decay=0.1)
     step_no = [0]
     last = max(pipe.local_stages())
@@ -56,17 +57,20 @@ def _run(rank: int, schedule: str, P: int, M: int, zero: int, dp: int, max_norm:
     params = opt.stage_parameters()
     state = [{k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
              for o in opt.optimizers for st in o.state.values()]
-    out = {"reports": reports, "params": params, "state": state, "redone": steps.redone}
+    out = {"reports": reports, "params": params, "state": state, "redone": steps.redone,
+           "scale": pipe.loss_scaling.state_dict()}
     pipe.close()
     return out
 
 
 def sync_and_post(rank: int, schedule: str, P: int, M: int, zero: int = 0, dp: int = 1,
-                  max_norm: float = 0.8) -> dict:
+                  max_norm: float = 0.8, precision: str | None = None) -> dict:
     """Both runs on this rank, and what differs between them (empty: bit for bit equal)."""
-    sync = _run(rank, schedule, P, M, zero, dp, max_norm, post=False)
-    post = _run(rank, schedule, P, M, zero, dp, max_norm, post=True)
+    sync = _run(rank, schedule, P, M, zero, dp, max_norm, False, precision)
+    post = _run(rank, schedule, P, M, zero, dp, max_norm, True, precision)
     problems = []
+    if sync["scale"] != post["scale"]:
+        problems.append(f"fp16's loss scale: {sync['scale']} synchronous, {post['scale']} post-validated")
     if len(sync["reports"]) != STEPS or len(post["reports"]) != STEPS:
         problems.append(f"reports: {len(sync['reports'])} synchronous, {len(post['reports'])} post-validated")
     for a, b in zip(sync["reports"], post["reports"]):
@@ -89,4 +93,4 @@ def sync_and_post(rank: int, schedule: str, P: int, M: int, zero: int = 0, dp: i
     skipped = sum(r.skipped for r in sync["reports"])
     dist.barrier()
     return {"problems": problems, "clipped": clipped, "skipped": skipped, "redone": post["redone"],
-            "steps": len(sync["reports"])}
+            "steps": len(sync["reports"]), "scale": sync["scale"]}

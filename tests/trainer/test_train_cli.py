@@ -305,3 +305,18 @@ def test_train_post_validated_moe_counts_each_step_once(tmp_path) -> None:
     metrics = [json.loads(line) for line in (tmp_path / "post" / "metrics.jsonl").read_text().splitlines()]
     assert any(m.get("redone") for m in metrics) and not all(m.get("redone") for m in metrics if "step" in m)
     assert experts("post") == experts("sync") and sorted(experts("sync")) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_train_schedule_auto_post_validated_searches_the_period(tmp_path) -> None:
+    """--schedule auto --post-validate: ZB-auto is searched with post=1 (the period of overlapped steps, what
+    post-validated steps run) and the switched run's losses equal one process."""
+    common = ["--steps", "6", "--layers", "3", "-M", "4", "--clip-grad", "5.0"]
+    one = _train(tmp_path, "one", "-P", "1", *common)
+    auto = _train(tmp_path, "auto", "--schedule", "auto", "-p", "mem=3", "--post-validate", *common)
+    assert one.keys() == auto.keys() == {str(k) for k in range(1, 7)}
+    for step, loss in one.items():
+        assert auto[step] == pytest.approx(loss, rel=1e-5), step
+    rows = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    [switch] = [r for r in rows if r["kind"] == "schedule"]
+    assert switch["program"] == "ZB-auto" and switch["params"]["post"] == 1, switch
