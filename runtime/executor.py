@@ -215,8 +215,11 @@ class Executor:
 
     def _take(self, op: Op, slot: Slot) -> list[torch.Tensor]:
         """The tensors of a received message (`op`: RECV_F or RECV_B) for `slot`, waiting for them now."""
-        self.channels.settle()  # before this step first waits for a peer (p2p.py, `Channels.open_step`)
         recv = self.posted[op].pop(slot)
+        # the step's openings before it first waits for a peer (p2p.py, `Channels.open_step`); a gated pass's
+        # forward work checks only the peer's it waits for: all of them would wait for every rank to end the
+        # previous step, which the forward work of overlapped steps must not (its later waits check them all)
+        self.channels.settle(recv.peer if self._post_limit < len(self.stream) else None)
         if self._scan <= self.index + self.lookahead and not recv.ready():
             self._post_ahead(self.index)  # about to wait: post the look-ahead now, while idle
         t0 = time.perf_counter()

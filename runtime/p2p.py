@@ -291,6 +291,8 @@ class Channels:
         # each operation is named by its instruction (`label`): for the record, and for what a stuck rendezvous reports
         self.labelled = bool(self._record_to) or getattr(self.transport, "names_operations", False)
         self.opening: tuple[int, str, Any] | None = None  # this step's openings (or its all-reduce), not checked yet
+        self._said: dict[int, str] = {}  # the openings checked so far (`settle(peer)`): each rank's shapes in words
+        self._differs = False  # one of them differs from this rank's
         # the openings' all-reduce on host tensors: under NCCL reading a device tensor's result waited for the GPU to
         # drain the previous step's optimizer at every step's start (a gloo group beside it, as torch's checkpoints do)
         self._opening_group = groups.new(range(self.size), backend="gloo") if nccl and self.size > 1 else group
@@ -393,14 +395,20 @@ class Channels:
         if wait:
             self.settle()
 
-    def settle(self) -> None:
+    def settle(self, peer: int | None = None) -> None:
         """Check this step's openings from every peer (waiting for them), once: a `RankFailure` naming every rank's
-        shapes if any differs from this rank's.  Nothing to do when they are checked (or never sent)."""
+        shapes if any differs from this rank's.  Nothing to do when they are checked (or never sent).
+
+        `peer` (over the sockets): check that peer's opening only, the others later — before a receive from it in
+        a post-validated step's forward work, where waiting for every peer's opening would wait for every rank to
+        end the previous step (post_validate.py; its gate checks them all).  A peer whose shapes differ is found
+        before anything is received from it, and then every opening is waited for to name each rank's shapes.
+        Over torch.distributed the one all-reduce checks them all at once."""
         if self.opening is None:
             return
         key, description, recvs = self.opening
-        self.opening = None
         if isinstance(recvs, tuple):  # torch.distributed: the fingerprint's all-reduce
+            self.opening = None
             both, work = recvs
             self._guard(work.wait)
             if int(both[0]) != key or int(both[1]) != -key:
@@ -408,16 +416,22 @@ class Channels:
                 self._guard(lambda: dist.all_gather_object(everyone, description, group=self._opening_group))
                 raise _disagreement(self.rank, everyone)
             return
-        said = {self.rank: description}
-        agree = True
-        for peer, recv in recvs.items():
+        said = self._said
+        said[self.rank] = description
+        for q in list(recvs) if peer is None else [peer] if peer in recvs else []:
+            recv = recvs.pop(q)
             buf = self._guard(lambda: recv.wait()[0])  # noqa: B023 - called at once
             raw = buf.cpu().numpy().tobytes()
             self.pool.give(buf)
-            agree &= int.from_bytes(raw[:8], "little", signed=True) == key
-            said[peer] = raw[8:].rstrip(b"\0").decode(errors="replace")
-        if not agree:
-            raise _disagreement(self.rank, [said[r] for r in range(self.size)])
+            said[q] = raw[8:].rstrip(b"\0").decode(errors="replace")
+            if int.from_bytes(raw[:8], "little", signed=True) != key:
+                self._differs = True
+        if recvs and self._differs:
+            self.settle()  # every rank's shapes, to name them
+        elif not recvs:
+            self.opening, self._said, differs, self._differs = None, {}, self._differs, False
+            if differs:
+                raise _disagreement(self.rank, [said[r] for r in range(self.size)])
 
     def _guard(self, call: Callable[[], Any]) -> Any:
         try:

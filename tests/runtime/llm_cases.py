@@ -216,7 +216,8 @@ def disagreeing_shapes(rank: int, how: str) -> str:
     opening before it first waits for the other), or in an `evaluate` (forward only: rank 0 never waits for a
     peer's message, and checks at the end); `dist`: over torch.distributed (an all-reduce agrees); `nccl`: the
     NCCL code path, whose all-reduce runs on host tensors over a gloo group of its own (reading a device
-    tensor's result waited for the GPU at every step's start)."""
+    tensor's result waited for the GPU at every step's start); `post`: known shapes in a post-validated step
+    (runtime/post_validate.py), whose forward work checks a peer's opening before it first waits for that peer."""
     program = pipedsl.load("1f1b").compile(P=2, M=2)
     os.environ["PIPEDSL_P2P"] = how if how in ("dist", "nccl") else "auto"
     try:
@@ -224,10 +225,14 @@ def disagreeing_shapes(rank: int, how: str) -> str:
     finally:
         os.environ.pop("PIPEDSL_P2P")
     assert pipe.channels.kind == ("dist" if how in ("dist", "nccl") else "socket")
-    pipe.step(*padded_batch(0, 4, 6))
-    if how == "known":
-        pipe.step(*padded_batch(0, 4, 5))
     run = pipe.evaluate if how == "evaluate" else pipe.step
+    if how == "post":  # a post-validated step's forward work checks only the openings of the peers it waits for
+        from pipedsl.runtime.post_validate import TrainingSteps
+
+        run = TrainingSteps(pipe, pipe.optimizer(torch.optim.SGD, lr=0.01), post_validate=True).step
+    run(*padded_batch(0, 4, 6))
+    if how in ("known", "post"):
+        run(*padded_batch(0, 4, 5))
     reduced: list[tuple[str, bool]] = []  # each all-reduce of the step: its tensor's device, over the messages' group?
     all_reduce = dist.all_reduce
 
