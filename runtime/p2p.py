@@ -38,6 +38,7 @@ from pipedsl.runtime.launch.errors import RankFailure
 # A fixed-size int64 vector describes one message (count, then dtype, ndim, dims per tensor).
 META_LEN = 64
 OPENING_BYTES = 256  # a step's opening message: its shapes' 8-byte fingerprint, then their description (cut to fit)
+OPENING_TAG = 1  # over torch.distributed the openings' tag (the data's is 0)
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 
@@ -293,6 +294,8 @@ class Channels:
         self.opening: tuple[int, str, Any] | None = None  # this step's openings (or its all-reduce), not checked yet
         self._said: dict[int, str] = {}  # the openings checked so far (`settle(peer)`): each rank's shapes in words
         self._differs = False  # one of them differs from this rank's
+        self._opening_sends: list = []  # torch.distributed: this step's opening sends, waited once all are checked
+        self._members = list(groups.members)  # program rank -> global rank
         # the openings' all-reduce on host tensors: under NCCL reading a device tensor's result waited for the GPU to
         # drain the previous step's optimizer at every step's start (a gloo group beside it, as torch's checkpoints do)
         self._opening_group = groups.new(range(self.size), backend="gloo") if nccl and self.size > 1 else group
@@ -370,27 +373,30 @@ class Channels:
         for a peer only after every opening has arrived, and a rank sends its openings before
         anything else: each rank finds a disagreement by itself, and none waits for one that
         stopped.  `wait`: check now (a rank meeting a new shape learns it with every peer, in a
-        `Discovery` step).  Over torch.distributed: one asynchronous all-reduce of the fingerprint (the
-        max of it and of its negation), checked by `settle` as the openings are (NCCL's point-to-point
-        calls between every pair of ranks would open a connection per pair); under NCCL on host tensors
-        over a gloo group, so that reading it does not wait for the GPU.  Alone in its group, nothing to
-        agree on."""
+        `Discovery` step).  Over torch.distributed the same messages go as host tensors over gloo (under
+        NCCL a gloo group of their own: NCCL's point-to-point calls between every pair of ranks would
+        open a connection per pair, and reading a device tensor waits for the GPU), tagged apart from
+        the data.  Alone in its group, nothing to agree on."""
         if self.size == 1:
-            return
-        if self.kind != "socket":
-            both = torch.tensor([key, -key], dtype=torch.int64)
-            work = self._guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._opening_group,
-                                                       async_op=True))
-            self.opening = (key, description, (both, work))
-            if wait:
-                self.settle()
             return
         text = key.to_bytes(8, "little", signed=True) + description.encode()[:OPENING_BYTES - 8]
         opening = torch.frombuffer(bytearray(text.ljust(OPENING_BYTES, b"\0")), dtype=torch.uint8)
-        meta = (TensorMeta((OPENING_BYTES,), torch.uint8),)
-        recvs = {peer: self.post_recv(peer, meta) for peer in range(self.size) if peer != self.rank}
-        for peer in recvs:
-            self.transport.send(peer, [opening])
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        if self.kind != "socket":  # host messages over gloo, tagged apart from the data (OPENING_TAG)
+            recvs = {}
+            for peer in peers:
+                buf = torch.empty(OPENING_BYTES, dtype=torch.uint8)
+                work = self._guard(lambda: dist.irecv(buf, src=self._members[peer],  # noqa: B023 - called at once
+                                                      group=self._opening_group, tag=OPENING_TAG))
+                recvs[peer] = Recv([buf], [work], peer)
+            self._opening_sends = [self._guard(lambda: dist.isend(opening, dst=self._members[peer],  # noqa: B023
+                                                                  group=self._opening_group, tag=OPENING_TAG))
+                                   for peer in peers]
+        else:
+            meta = (TensorMeta((OPENING_BYTES,), torch.uint8),)
+            recvs = {peer: self.post_recv(peer, meta) for peer in peers}
+            for peer in peers:
+                self.transport.send(peer, [opening])
         self.opening = (key, description, recvs)
         if wait:
             self.settle()
@@ -399,30 +405,21 @@ class Channels:
         """Check this step's openings from every peer (waiting for them), once: a `RankFailure` naming every rank's
         shapes if any differs from this rank's.  Nothing to do when they are checked (or never sent).
 
-        `peer` (over the sockets): check that peer's opening only, the others later — before a receive from it in
+        `peer`: check that peer's opening only, the others later — before a receive from it in
         a post-validated step's forward work, where waiting for every peer's opening would wait for every rank to
         end the previous step (post_validate.py; its gate checks them all).  A peer whose shapes differ is found
-        before anything is received from it, and then every opening is waited for to name each rank's shapes.
-        Over torch.distributed the one all-reduce checks them all at once."""
+        before anything is received from it, and then every opening is waited for to name each rank's shapes."""
         if self.opening is None:
             return
         key, description, recvs = self.opening
-        if isinstance(recvs, tuple):  # torch.distributed: the fingerprint's all-reduce
-            self.opening = None
-            both, work = recvs
-            self._guard(work.wait)
-            if int(both[0]) != key or int(both[1]) != -key:
-                everyone: list = [None] * self.size
-                self._guard(lambda: dist.all_gather_object(everyone, description, group=self._opening_group))
-                raise _disagreement(self.rank, everyone)
-            return
         said = self._said
         said[self.rank] = description
         for q in list(recvs) if peer is None else [peer] if peer in recvs else []:
             recv = recvs.pop(q)
             buf = self._guard(lambda: recv.wait()[0])  # noqa: B023 - called at once
             raw = buf.cpu().numpy().tobytes()
-            self.pool.give(buf)
+            if self.kind == "socket":
+                self.pool.give(buf)
             said[q] = raw[8:].rstrip(b"\0").decode(errors="replace")
             if int.from_bytes(raw[:8], "little", signed=True) != key:
                 self._differs = True
@@ -430,6 +427,9 @@ class Channels:
             self.settle()  # every rank's shapes, to name them
         elif not recvs:
             self.opening, self._said, differs, self._differs = None, {}, self._differs, False
+            sends, self._opening_sends = self._opening_sends, []
+            for work in sends:
+                self._guard(work.wait)
             if differs:
                 raise _disagreement(self.rank, [said[r] for r in range(self.size)])
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import pipedsl
+from pipedsl.runtime.p2p import OPENING_TAG
 
 VOCAB, WIDTH, HEADS = 48, 24, 2
 IGNORE = -100
@@ -214,9 +215,9 @@ def disagreeing_shapes(rank: int, how: str) -> str:
     """Rank 1 passes a shorter sequence than rank 0: every rank stops with the reason, whether rank 1's shape is
     `new` (it waits for every rank's opening message), `known` to both (neither waits: each finds the other's
     opening before it first waits for the other), or in an `evaluate` (forward only: rank 0 never waits for a
-    peer's message, and checks at the end); `dist`: over torch.distributed (an all-reduce agrees); `nccl`: the
-    NCCL code path, whose all-reduce runs on host tensors over a gloo group of its own (reading a device
-    tensor's result waited for the GPU at every step's start); `post`: known shapes in a post-validated step
+    peer's message, and checks at the end); `dist`: over torch.distributed (the same openings, over gloo);
+    `nccl`: the NCCL code path, whose openings are host tensors over a gloo group of their own (reading a device
+    tensor waits for the GPU); `post`: known shapes in a post-validated step
     (runtime/post_validate.py), whose forward work checks a peer's opening before it first waits for that peer."""
     program = pipedsl.load("1f1b").compile(P=2, M=2)
     os.environ["PIPEDSL_P2P"] = how if how in ("dist", "nccl") else "auto"
@@ -233,22 +234,23 @@ def disagreeing_shapes(rank: int, how: str) -> str:
     run(*padded_batch(0, 4, 6))
     if how in ("known", "post"):
         run(*padded_batch(0, 4, 5))
-    reduced: list[tuple[str, bool]] = []  # each all-reduce of the step: its tensor's device, over the messages' group?
-    all_reduce = dist.all_reduce
+    opened: list[tuple[str, bool]] = []  # each opening message sent: its tensor's device, over the messages' group?
+    isend = dist.isend
 
-    def recorded(t, *args, group=None, **kw):
-        reduced.append((t.device.type, group is pipe.channels.group))
-        return all_reduce(t, *args, group=group, **kw)
+    def recorded(t, *args, group=None, tag=0, **kw):
+        if tag == OPENING_TAG:
+            opened.append((t.device.type, group is pipe.channels.group))
+        return isend(t, *args, group=group, tag=tag, **kw)
 
-    dist.all_reduce = recorded
+    dist.isend = recorded
     try:
         run(*padded_batch(1, 4, 6 if rank == 0 else 5))
     except pipedsl.PipeRuntimeError as err:
-        if how == "nccl" and reduced != [("cpu", False)]:
-            return f"the opening's all-reduce: {reduced}"
+        if how == "nccl" and opened != [("cpu", False)]:
+            return f"the opening messages: {opened}"
         return err.message
     finally:
-        dist.all_reduce = all_reduce
+        dist.isend = isend
     return "no error"
 
 
