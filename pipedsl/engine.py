@@ -10,31 +10,38 @@ instructions the clocks' floats and lists are half of the simulator's time and a
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pipedsl.errors import DeadlockError, ValidationError
 from pipedsl.ir import Instr, Op, Program
 
 Duration = Callable[[Instr], float]
-_SEND_F, _SEND_B, _RECV_F, _RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
+_SEND_F, _SEND_B, _RECV_F, _RECV_B, _STEP = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B, Op.OPTIMIZER_STEP
 
 
-def run_to_end(program: Program) -> None:
+def run_to_end(program: Program, gates: Sequence[dict[int, int]] | None = None) -> None:
     """Run every rank with blocking receives; `DeadlockError` naming the wait cycle if stuck.
 
     The k-th receive on b from a takes the k-th message a sent to b, as NCCL and gloo match
     them; a receive that expects another message than the one it would get raises
     `ValidationError` naming both instructions.  Fields are as the validator's earlier checks
-    proved them (peers in range, each message sent once)."""
+    proved them (peers in range, each message sent once).  `gates` (consecutive steps,
+    pipedsl/steps.py): per rank, {instruction index: j} where the rank waits, before that
+    instruction, until every rank has passed j OPTIMIZER_STEPs (a post-validated step's verdict)."""
     P, ranks = program.num_ranks, program.ranks
     pc = [0] * P
     inbox: list[dict[int, deque[Instr]]] = [{} for _ in range(P)]  # inbox[dst][src]: sent, not yet received
-    waiting = [-1] * P  # the rank each blocked rank waits for
+    waiting = [-1] * P  # the rank each blocked rank waits for (VERDICT: every rank's step end)
+    ended = [0] * P  # OPTIMIZER_STEPs passed, per rank
+    gated = gates or [{} for _ in range(P)]
     ready = deque(range(P))
     while ready:
         r = ready.popleft()
-        stream, box, i, n = ranks[r], inbox[r], pc[r], len(ranks[r])
+        stream, box, i, n, gate = ranks[r], inbox[r], pc[r], len(ranks[r]), gated[r]
         while i < n:
+            if gate and i in gate and min(ended) < gate[i]:
+                waiting[r] = VERDICT
+                break
             ins = stream[i]
             op = ins[0]
             if op is _RECV_F or op is _RECV_B:
@@ -60,9 +67,18 @@ def run_to_end(program: Program) -> None:
                 if waiting[dst] == r:
                     waiting[dst] = -1
                     ready.append(dst)
+            elif op is _STEP and gates:
+                ended[r] += 1
+                for q in range(P):
+                    if waiting[q] == VERDICT:
+                        waiting[q] = -1
+                        ready.append(q)
             i += 1
         pc[r] = i
-    _raise_if_stuck(program, pc)
+    _raise_if_stuck(program, pc, waiting)
+
+
+VERDICT = -2  # `run_to_end`'s wait for every rank's step end (a gate)
 
 
 def dry_run(program: Program, compute_time: Duration, message_time: Duration | float,
@@ -117,9 +133,18 @@ def dry_run(program: Program, compute_time: Duration, message_time: Duration | f
     return starts, ends
 
 
-def _raise_if_stuck(program: Program, pc: list[int]) -> None:
+def _raise_if_stuck(program: Program, pc: list[int], waiting: Sequence[int] = ()) -> None:
     stuck = [r for r in range(program.num_ranks) if pc[r] < len(program.ranks[r])]
     if stuck:
+        gated = [r for r in stuck if waiting and waiting[r] == VERDICT]
+        if gated:
+            r = gated[0]
+            behind = [q for q in stuck if q not in gated]
+            raise DeadlockError(f"rank {r} waits at instruction {pc[r]} ({program.ranks[r][pc[r]]}) for the previous "
+                                f"step's verdict, which needs every rank's step end, but "
+                                + (f"rank {behind[0]} is stuck at instruction {pc[behind[0]]} "
+                                   f"({program.ranks[behind[0]][pc[behind[0]]]})" if behind else
+                                   "every rank waits for a verdict"))
         raise DeadlockError(_describe_cycle(program, pc, stuck[0]))
 
 

@@ -79,12 +79,17 @@ def _consumers(stream: Sequence[Instr]) -> dict[int, list[int]]:
 class _Rank:
     """One rank's streams under the model: what has completed, what each stream's head waits for."""
 
-    def __init__(self, stream: Sequence[Instr], order: Sequence[int], layout: Layout, me: int) -> None:
-        self.stream = stream
-        self.compute: list[int] = []  # compute-stream instruction indices, in issue order
+    def __init__(self, stream: Sequence[Instr], order: Sequence[int], layout: Layout, me: int,
+                 gates: dict[int, int] | None = None, ends: list[int] | None = None) -> None:
+        self.stream, self.me = stream, me
+        # compute-stream instruction indices, in issue order; -j: a gate, waiting for every rank's j-th step end
+        self.compute: list[int] = []
         self.fifo: dict[tuple[int, ...], deque[tuple[int, int]]] = {}  # comm -> (index, computes issued before)
         self.comm_of: dict[int, tuple[int, ...]] = {}
+        self.ends = ends if ends is not None else [0] * (me + 1)  # every rank's step ends passed (shared)
         for i in order:
+            if gates and i in gates:
+                self.compute.append(-gates[i])
             ins = stream[i]
             if ins.op in COMMS:
                 src, dst = (me, ins.peer) if ins.op in SENDS else (ins.peer, me)
@@ -96,7 +101,7 @@ class _Rank:
         reads = _consumers(stream)
         self.reads = [reads.get(i, ()) for i in self.compute]  # per compute op, in issue order
         # a step's end waits for every comm op issued before it (the last; between consecutive steps, each)
-        self.step_ends = {k for k, i in enumerate(self.compute) if stream[i].op is Op.OPTIMIZER_STEP}
+        self.step_ends = {k for k, i in enumerate(self.compute) if i >= 0 and stream[i].op is Op.OPTIMIZER_STEP}
         self.comms = list(self.fifo)
         self.ended = 0  # compute ops ended, a prefix of `compute`
         self.done: set[int] = set()  # comm ops completed
@@ -115,6 +120,8 @@ class _Rank:
         """What the compute stream's head waits for: a receive not completed, or (OPTIMIZER_STEP) any comm op
         issued before it; None when it can run."""
         k = self.ended
+        if self.compute[k] < 0:  # a gate: the previous step's verdict, once every rank has ended that step
+            return GATE if min(self.ends) < -self.compute[k] else None
         if self.comms_left and k in self.step_ends:
             for q in self.fifo.values():
                 if q and q[0][1] <= k:  # issued before the step's end (a stream's later ops were issued later)
@@ -128,18 +135,27 @@ class _Rank:
     def run_compute(self) -> bool:
         start, n = self.ended, len(self.compute)
         while self.ended < n and self.blocker() is None:
+            if self.ended in self.step_ends:
+                self.ends[self.me] += 1
             self.ended += 1
         return self.ended > start
 
 
-def run_rendezvous(program: Program, layout: str = LAYOUT, order: Sequence[Sequence[int]] | None = None) -> None:
+GATE = -1  # `_Rank.blocker`: a gate waiting for the previous step's verdict
+
+
+def run_rendezvous(program: Program, layout: str = LAYOUT, order: Sequence[Sequence[int]] | None = None,
+                   gates: Sequence[dict[int, int]] | None = None) -> None:
     """Run `program` under NCCL's semantics with communicators laid out by `layout` (a `LAYOUTS` name) and each
     rank's instructions issued in `order` (indices; default program order, receives at their place — the
     latest the runtime posts them).  `DeadlockError` names the cycle of waits if some operation never
-    completes.  Linear in the instruction count times the communicators a rank holds."""
+    completes.  Linear in the instruction count times the communicators a rank holds.  `gates` (consecutive
+    steps, pipedsl/steps.py): per rank, {instruction index: j} where it waits, before issuing that instruction,
+    until every rank has passed j OPTIMIZER_STEPs (a post-validated step's verdict)."""
     P, comm_for = program.num_ranks, LAYOUTS[layout]
-    ranks = [_Rank(program.ranks[r], order[r] if order is not None else range(len(program.ranks[r])), comm_for, r)
-             for r in range(P)]
+    ends = [0] * P
+    ranks = [_Rank(program.ranks[r], order[r] if order is not None else range(len(program.ranks[r])), comm_for, r,
+                   gates[r] if gates is not None else None, ends) for r in range(P)]
     peers = [sorted({ins.peer for ins in program.ranks[r] if ins.op in COMMS}) for r in range(P)]
     queued = [True] * P
     todo = deque(range(P))
@@ -147,6 +163,7 @@ def run_rendezvous(program: Program, layout: str = LAYOUT, order: Sequence[Seque
         r = todo.popleft()
         queued[r] = False
         me = ranks[r]
+        ended = sum(ends)
         moved = me.run_compute()
         for comm in me.comms:
             while (i := me.armed(comm)) is not None and me.stream[i].op in SENDS:
@@ -166,7 +183,7 @@ def run_rendezvous(program: Program, layout: str = LAYOUT, order: Sequence[Seque
                     todo.append(dst)
             moved = me.run_compute() or moved
         if moved:
-            for q in (r, *peers[r]):
+            for q in (r, *peers[r]) if sum(ends) == ended else range(P):  # a step's end may open every gate
                 if not queued[q]:
                     queued[q] = True
                     todo.append(q)
@@ -185,11 +202,15 @@ def _describe(ranks: list[_Rank], first: int, layout: str, comm_for: Layout) -> 
 
     def waits_for(r: int, i: int) -> tuple[tuple[int, int], str]:
         me = ranks[r]
+        if i < 0:  # a gate
+            q = min(range(len(ranks)), key=lambda p: ranks[p].ends[p])
+            return node_of_stuck(q), (f"rank {r} waits at its gate for every rank's step end {-i}, which rank {q} "
+                                      f"has not reached")
         ins = me.stream[i]
         where = f"rank {r} instruction {i} ({ins})"
         if ins.op not in COMMS:
             j = me.blocker()
-            if j is None:  # behind an earlier compute op: that one is the compute stream's head
+            if j is None or j == GATE:  # behind an earlier compute op (or a gate): the compute stream's head
                 j = me.compute[me.ended]
                 return (r, j), f"{where} waits on the compute stream behind instruction {j}"
             return (r, j), f"{where} waits for instruction {j} ({me.stream[j]})"
@@ -202,7 +223,8 @@ def _describe(ranks: list[_Rank], first: int, layout: str, comm_for: Layout) -> 
                                f"{name}'s stream")
         if h[1] > me.ended:
             j = me.compute[me.ended]
-            return (r, j), f"{where} on communicator {name} waits for the compute issued before it ({me.stream[j]})"
+            what = me.stream[j] if j >= 0 else "its gate"
+            return (r, j), f"{where} on communicator {name} waits for the compute issued before it ({what})"
         peer = ranks[ins.peer]
         other = peer.head(comm)
         if other is None:  # the peer has nothing left on this communicator: it has finished

@@ -10,9 +10,10 @@ step's time is its period, the longest rank span (`Timeline.rank_spans`), not it
 microbatches numbered from j·M so every message stays its own; each step's OPTIMIZER_STEP is where that rank's
 part of the step ends, local to the rank.  `prove_consecutive` runs both deadlock walks of the validator on it —
 blocking receives with buffered sends (engine.py) and NCCL's rendezvous with the runtime's communicators
-(nccl_model.py, where each step's end waits for the rank's operations issued before it) — so two steps that
-overlap are proven hang-free as one step is.  `simulate(program, cost, steps=2)` and `pipedsl show --steps 2`
-draw them.
+(nccl_model.py, where each step's end waits for the rank's operations issued before it) — with each step's
+gates waiting for every rank's end of the step before (`step_gates`: the post-validated runtime's verdict), so
+two steps that overlap are proven hang-free as one step is.  `simulate(program, cost, steps=2)` and
+`pipedsl show --steps 2` draw them.
 
 `gates(program)` is where the runtime's post-validated steps (runtime/post_validate.py) check step k's verdict in
 step k+1: on each rank, before its first instruction that is not forward work.  Any backward of step k+1 needs
@@ -63,10 +64,22 @@ def prove_consecutive(program: Program, steps: int = 2) -> Program:
     repeated = consecutive(program, steps)
     if repeated is program:
         return program
+    waits = step_gates(program, steps)
     with no_gc():  # the rendezvous walk at every size: a step's end waits for its rank's operations there, which
-        run_to_end(repeated)  # the buffered walk does not model, so one does not imply the other here
-        run_rendezvous(repeated)
+        run_to_end(repeated, waits)  # the buffered walk does not model, so one does not imply the other here
+        run_rendezvous(repeated, gates=waits)
     return repeated
+
+
+def step_gates(program: Program, steps: int) -> list[dict[int, int]] | None:
+    """Per rank of `consecutive(program, steps)`: {instruction index: j} for each step j ≥ 1's gate, where the rank
+    waits for step j-1's verdict, i.e. for every rank's j-th OPTIMIZER_STEP (post-validated steps); None when
+    the program's forward work before its gates is no consistent cut (it cannot run post-validated)."""
+    try:
+        at = gates(program).at
+    except ValidationError:
+        return None
+    return [{j * len(stream) + at[r]: j for j in range(1, steps)} for r, stream in enumerate(program.ranks)]
 
 
 def period(timeline: Timeline) -> float:

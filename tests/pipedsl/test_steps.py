@@ -8,9 +8,11 @@ from test_zb_paper import paper_cost
 
 import pipedsl
 from pipedsl.cli import main
-from pipedsl.errors import ValidationError
+from pipedsl.engine import run_to_end
+from pipedsl.errors import DeadlockError, ValidationError
 from pipedsl.ir import Op, Program
-from pipedsl.steps import FORWARD_WORK, MAX_STEPS, consecutive, gates, prove_consecutive
+from pipedsl.nccl_model import run_rendezvous
+from pipedsl.steps import FORWARD_WORK, MAX_STEPS, consecutive, gates, prove_consecutive, step_gates
 
 
 def _programs():
@@ -118,3 +120,19 @@ def test_a_program_whose_forwards_before_the_gates_are_not_a_cut_is_named() -> N
     with pytest.raises(ValidationError, match=r"rank 1 instruction 3 \(RECV_F1\.1<0\) receives before rank 1's first "
                                               r"backward a message rank 0 sends after its own first backward"):
         gates(program)
+
+
+def test_both_walks_wait_at_the_gates_for_every_ranks_step_end() -> None:
+    """prove_consecutive models the post-validated runtime's gates (`step_gates`); a gate made to wait for the
+    end of its own step (the next verdict, which needs the gated work) is named as a hang by both walks."""
+    program = pipedsl.load("1f1b").compile(P=2, M=2)
+    waits = step_gates(program, 2)
+    assert waits == [{len(program.ranks[r]) + gates(program).at[r]: 1} for r in range(2)]
+    repeated = consecutive(program, 2)
+    run_to_end(repeated, waits)
+    run_rendezvous(repeated, gates=waits)
+    wrong = [{i: 2 for i in w} for w in waits]  # wait for every rank's second step end, inside the second step
+    with pytest.raises(DeadlockError, match=r"waits at instruction \d+ \(.*\) for the previous step's verdict"):
+        run_to_end(repeated, wrong)
+    with pytest.raises(DeadlockError, match=r"waits at its gate for every rank's step end 2"):
+        run_rendezvous(repeated, gates=wrong)
