@@ -74,8 +74,10 @@ class ActivationCounter:
         self.peak_bytes = 0
         self.counted: set[int] = set()  # the storages the newest activation counts (unit_clock.py reads them)
         # split backward: what each pending W held right after its I, as a share of its activation's bytes (the
-        # last 256; `Cost.wmem`, which --schedule auto's search takes from them)
+        # last 256; --schedule auto reports them); measured only when asked (`measure_w_shares`), since it walks
+        # the activation's saved tensors at every I
         self.w_shares: deque[float] = deque(maxlen=256)
+        self.measure_w_shares = False
 
     def token(self) -> ActivationToken:
         self.live += 1
@@ -418,7 +420,7 @@ class Stage:
         act.outputs = []  # what W needs lives on through the boundary nodes
         if self.release and not plan.keeps_all:
             _drop_unread(act, [graph.nodes[k] for k in plan.weight_nodes])
-        if self.counter.count_bytes and act.saved is not None:
+        if self.counter.measure_w_shares and self.counter.count_bytes and act.saved is not None:
             share = _pending_w_share(act)
             if share is not None:
                 self.counter.w_shares.append(share)

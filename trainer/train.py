@@ -285,6 +285,7 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
             if cfg.schedule.schedule == AUTO and start < t.steps:
                 until = min(start + AUTO_PROFILE_STEPS, t.steps)
                 clock = _unit_clock(pipe, cfg) if until < t.steps else None
+                pipe.counter.measure_w_shares = True  # the profile steps report what a pending W holds
                 try:
                     _loop(rank, pipe, opt, source, cfg, start, log, load, stop, history, until=until)
                 finally:

@@ -248,6 +248,7 @@ def test_the_share_of_an_activation_a_pending_w_holds_is_measured_after_input_gr
     for release in (True, False):
         module = Block(GPTConfig(n_embd=C, n_head=4, block_size=T))
         counter = ActivationCounter()
+        counter.measure_w_shares = True  # --schedule auto's profile steps ask for it
         stage = Stage(module, 1, 3, None, 1, counter, options=StageOptions(release=release))
         x = torch.randn(B, T, C)
         act, outs = stage.forward([x])
@@ -268,6 +269,14 @@ def test_the_share_of_an_activation_a_pending_w_holds_is_measured_after_input_gr
         else:  # every saved tensor stays until W: not measured (W's share is not what I kept)
             assert not counter.w_shares
         stage.backward_weight(act)
+    unasked = ActivationCounter()  # not asked: nothing walked at I
+    stage = Stage(Block(GPTConfig(n_embd=C, n_head=4, block_size=T)), 1, 3, None, 1, unasked,
+                  options=StageOptions(release=True))
+    act, outs = stage.forward([torch.randn(B, T, C)])
+    del outs
+    stage.backward_input(act, [torch.randn(B, T, C)])
+    assert not unasked.w_shares
+    stage.backward_weight(act)
 
 
 def test_a_weight_used_along_the_input_path_twice_is_computed_in_input_gradient() -> None:
