@@ -87,6 +87,7 @@ class _Rank:
         self.fifo: dict[tuple[int, ...], deque[tuple[int, int]]] = {}  # comm -> (index, computes issued before)
         self.comm_of: dict[int, tuple[int, ...]] = {}
         self.ends = ends if ends is not None else [0] * (me + 1)  # every rank's step ends passed (shared)
+        self.counts_ends = bool(gates)  # only gates read them
         for i in order:
             if gates and i in gates:
                 self.compute.append(-gates[i])
@@ -135,7 +136,7 @@ class _Rank:
     def run_compute(self) -> bool:
         start, n = self.ended, len(self.compute)
         while self.ended < n and self.blocker() is None:
-            if self.ended in self.step_ends:
+            if self.counts_ends and self.ended in self.step_ends:
                 self.ends[self.me] += 1
             self.ended += 1
         return self.ended > start
@@ -163,7 +164,7 @@ def run_rendezvous(program: Program, layout: str = LAYOUT, order: Sequence[Seque
         r = todo.popleft()
         queued[r] = False
         me = ranks[r]
-        ended = sum(ends)
+        ended = sum(ends) if gates else 0
         moved = me.run_compute()
         for comm in me.comms:
             while (i := me.armed(comm)) is not None and me.stream[i].op in SENDS:
@@ -183,7 +184,7 @@ def run_rendezvous(program: Program, layout: str = LAYOUT, order: Sequence[Seque
                     todo.append(dst)
             moved = me.run_compute() or moved
         if moved:
-            for q in (r, *peers[r]) if sum(ends) == ended else range(P):  # a step's end may open every gate
+            for q in range(P) if gates and sum(ends) != ended else (r, *peers[r]):  # a step's end may open gates
                 if not queued[q]:
                     queued[q] = True
                     todo.append(q)

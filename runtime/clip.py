@@ -135,6 +135,8 @@ def start_global_norm(counted: list[torch.Tensor], norm_type: float, group: dist
     norms = torch._foreach_norm(counted, p) if counted else []
     if math.isinf(p):
         local = torch.stack([n.float() for n in norms]).max() if norms else torch.zeros((), device=device)
+        # a NaN as inf: a MAX all-reduce need not carry a NaN over another rank's finite maximum
+        local = torch.nan_to_num(local, nan=math.inf)
         total = local.to(device=device, dtype=torch.float32).reshape(1)
         return total, dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
     # the sum of |g|^p in float64: ranks' partial sums add up without fp32 rounding

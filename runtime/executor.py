@@ -53,6 +53,9 @@ def _num_losses(stream: list[Instr], last: int) -> int:
     return sum(1 for whole in stream for ins in whole.parts if ins.op is Op.F and ins.stage == last)
 
 
+_POLL_S = 2e-4  # a gated pass's poll of the openings while it waits for a peer (see `_take`)
+
+
 class StepRedoneError(Exception):
     """Raised by `Executor.run` at its gate when the previous step's verdict undid that step: this pass's forward
     work is dropped (runtime/post_validate.py redoes the previous step, then runs this one again)."""
@@ -216,13 +219,19 @@ class Executor:
     def _take(self, op: Op, slot: Slot) -> list[torch.Tensor]:
         """The tensors of a received message (`op`: RECV_F or RECV_B) for `slot`, waiting for them now."""
         recv = self.posted[op].pop(slot)
+        t0 = time.perf_counter()
         # the step's openings before it first waits for a peer (p2p.py, `Channels.open_step`); a gated pass's
         # forward work checks only the peer's it waits for: all of them would wait for every rank to end the
-        # previous step, which the forward work of overlapped steps must not (its later waits check them all)
-        self.channels.settle(recv.peer if self._post_limit < len(self.stream) else None)
+        # previous step, which the forward work of overlapped steps must not.  While others are unchecked it polls
+        # them as they arrive (a rank whose shapes differ may stop before it sends what this rank waits for)
+        if self._post_limit < len(self.stream):
+            self.channels.settle(recv.peer)
+            while not recv.ready() and not self.channels.settle_arrived():
+                time.sleep(_POLL_S)
+        else:
+            self.channels.settle()
         if self._scan <= self.index + self.lookahead and not recv.ready():
             self._post_ahead(self.index)  # about to wait: post the look-ahead now, while idle
-        t0 = time.perf_counter()
         try:
             out = recv.wait()
         except Exception as err:  # noqa: BLE001

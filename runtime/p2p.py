@@ -433,6 +433,18 @@ class Channels:
             if differs:
                 raise _disagreement(self.rank, [said[r] for r in range(self.size)])
 
+    def settle_arrived(self) -> bool:
+        """Check the openings that have arrived, without waiting (as `settle(peer)` each); True once every one is
+        checked.  A gated pass polls it while it waits for a peer's message: a rank whose shapes differ may stop
+        before sending that message, and its opening is how this rank learns it."""
+        if self.opening is None:
+            return True
+        for q in [q for q, recv in self.opening[2].items() if recv.ready()]:
+            self.settle(q)
+            if self.opening is None:
+                break
+        return self.opening is None
+
     def _guard(self, call: Callable[[], Any]) -> Any:
         try:
             return call()

@@ -414,7 +414,9 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         what = "step" if not program.params.get("post") else "step (the period of overlapped steps)"
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
                 f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted {what} "
-                f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms measured{noise}")
+                f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms "
+                f"{'measured' if not program.params.get('post') else '(its measured step at its simulated period)'}"
+                f"{noise}")
         fields = {"program": program.name, "params": program.params, "activations_that_fit": fit, "wmem_measured": wmem,
                   "stage_bytes": decision["stage_bytes"], "predicted_peak_bytes": decision["peak_bytes"],
                   "predicted_ms": decision["predicted_ms"],

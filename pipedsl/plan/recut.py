@@ -62,7 +62,8 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
     None without a `room`), "stage_bytes" (one activation's predicted bytes per stage; None when not counted),
     "peak_bytes" (per rank: its simulated peak activations times its stage's bytes)}.  `units` None on some rank
     (stages without units) keeps the cut; `params["mem"]` fixes the cap; `params["post"]` = 1 searches the period of
-    overlapped steps (post-validated steps: "predicted_ms" is then that period)."""
+    overlapped steps (post-validated steps: "predicted_ms" is then that period, "profiled_ms" the traced step scaled
+    to its program's simulated period)."""
     fitted = Cost.fit(timeline, statistic="mean")  # a path's expected length is the sum of mean costs
     typical = Cost.fit(timeline, statistic="median").per_stage  # a stage's: one slow op does not move it
     cost = replace(fitted, per_stage={s: {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
@@ -89,6 +90,13 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
                 "mem": mem, "fit": fit, "stage_bytes": None if stage_bytes is None else list(stage_bytes),
                 "peak_bytes": peaks}
 
+    def profiled_ms() -> float:
+        """The traced step; with `post`, scaled to the profiled program's period of overlapped steps (simulated
+        under the same costs): what the searched period is compared with."""
+        if not params.get("post"):
+            return timeline.makespan * 1e3
+        return timeline.makespan * 1e3 * period(simulate(program, cost, steps=3)) / simulate(program, cost).makespan
+
     measured = list(room.measured) if room is not None and len(room.measured) == S and all(room.measured) else None
     whole = units and all(u is not None for u in units)
     held: dict[int, list[int]] = {}
@@ -96,7 +104,7 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
         held.update(report[1])  # type: ignore[index]
     if not whole or sorted(held) != list(range(S)):  # no units to move: the current cut, its measured bytes
         decision = searched(cost, measured, None, room.budget if room is not None else ())
-        return {**decision, "kept_ms": decision["predicted_ms"], "profiled_ms": timeline.makespan * 1e3}
+        return {**decision, "kept_ms": decision["predicted_ms"], "profiled_ms": profiled_ms()}
     seconds: dict[int, list[float]] = {}
     saved: dict[int, float] = {}
     unit_params: dict[int, int] = {}
@@ -142,7 +150,7 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
                          budget(cut))
         if tried["predicted_ms"] < min(GAIN * kept["predicted_ms"], best["predicted_ms"]):
             best = tried
-    return {**best, "kept_ms": kept["predicted_ms"], "profiled_ms": timeline.makespan * 1e3}
+    return {**best, "kept_ms": kept["predicted_ms"], "profiled_ms": profiled_ms()}
 
 
 def _unit_bytes(saved: dict[int, float], bounds: list[int], measured: list[float] | None) -> list[float] | None:

@@ -218,21 +218,23 @@ def disagreeing_shapes(rank: int, how: str) -> str:
     peer's message, and checks at the end); `dist`: over torch.distributed (the same openings, over gloo);
     `nccl`: the NCCL code path, whose openings are host tensors over a gloo group of their own (reading a device
     tensor waits for the GPU); `post`: known shapes in a post-validated step
-    (runtime/post_validate.py), whose forward work checks a peer's opening before it first waits for that peer."""
-    program = pipedsl.load("1f1b").compile(P=2, M=2)
+    (runtime/post_validate.py), whose forward work checks a peer's opening before it first waits for that peer, and
+    the others' as they arrive while it waits (`post4`: four ranks, rank 0 alone differs)."""
+    P = 4 if how == "post4" else 2  # post4: rank 0 alone differs, and rank 3's forward work waits for rank 2 only
+    program = pipedsl.load("1f1b").compile(P=P, M=2)
     os.environ["PIPEDSL_P2P"] = how if how in ("dist", "nccl") else "auto"
     try:
-        pipe = pipedsl.Pipeline(tiny_lm(2), program=program, loss_fn=token_sum, loss_reduction="token")
+        pipe = pipedsl.Pipeline(tiny_lm(P), program=program, loss_fn=token_sum, loss_reduction="token")
     finally:
         os.environ.pop("PIPEDSL_P2P")
     assert pipe.channels.kind == ("dist" if how in ("dist", "nccl") else "socket")
     run = pipe.evaluate if how == "evaluate" else pipe.step
-    if how == "post":  # a post-validated step's forward work checks only the openings of the peers it waits for
+    if how in ("post", "post4"):  # a post-validated step's forward work checks the openings of the peers it waits for
         from pipedsl.runtime.post_validate import TrainingSteps
 
         run = TrainingSteps(pipe, pipe.optimizer(torch.optim.SGD, lr=0.01), post_validate=True).step
     run(*padded_batch(0, 4, 6))
-    if how in ("known", "post"):
+    if how in ("known", "post", "post4"):
         run(*padded_batch(0, 4, 5))
     opened: list[tuple[str, bool]] = []  # each opening message sent: its tensor's device, over the messages' group?
     isend = dist.isend
