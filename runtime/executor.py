@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
+from pipedsl.ir import COMPUTE, RECVS, SENDS, Instr, Op, Program
+from pipedsl.runtime.device_clock import DeviceStamps
 from pipedsl.runtime.keys import Copy, ShapeKey, Slot
 from pipedsl.runtime.launch.errors import RankFailure, failure_at
 from pipedsl.runtime.p2p import Channels, Recv, TensorMeta, describe
@@ -73,9 +74,10 @@ class Executor:
                  reducer: GradReducer, in_meta: dict[ShapeKey, tuple[TensorMeta, ...]],
                  out_meta: dict[ShapeKey, tuple[TensorMeta, ...]], lookahead: int = 16,
                  strict_pair_order: bool = False, check_finite: bool = True, kinds: list[int] | None = None,
-                 count: Callable[[Any], int] | None = None) -> None:
+                 count: Callable[[Any], int] | None = None, device_stamps: DeviceStamps | None = None) -> None:
         """`count(target)`: a forward-only program (`Program.forward_only()`, evaluation) runs each stage
-        without autograd and sums the last stage's losses and `count(target)` per microbatch instead."""
+        without autograd and sums the last stage's losses and `count(target)` per microbatch instead.
+        `device_stamps`: compute ops timed by device events too (a GPU's: runtime/device_clock.py)."""
         self.program = program
         self.rank = rank
         self.stream = program.ranks[rank]
@@ -94,6 +96,7 @@ class Executor:
         n = len(self.stream)
         self.starts = [0.0] * n
         self.ends = [0.0] * n
+        self.device_stamps = device_stamps
         self.wait_time = 0.0
         self.handlers: dict[Op, Callable[[Instr], None]] = {
             Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input, Op.W: self._backward_weight,
@@ -144,6 +147,9 @@ class Executor:
         self.wait_time = 0.0
         stream, handlers, starts, ends = self.stream, self.handlers, self.starts, self.ends
         clock = time.perf_counter
+        stamps = self.device_stamps
+        if stamps is not None:
+            stamps.reset()
         self.index = 0
         gate_at, self._post_limit = -1, len(stream)
         self._unchecked_loss: RankFailure | None = None  # a gated pass's non-finite loss, held until its gate
@@ -165,6 +171,9 @@ class Executor:
             elif self._scan <= i:
                 self._post_ahead(i, 0)  # accounts for this send or compute op; posts nothing
             starts[i] = clock()
+            timed = stamps is not None and ins.op in COMPUTE
+            if timed:
+                stamps.start(i)  # type: ignore[union-attr]
             try:
                 handlers[ins.op](ins)
             except RankFailure:
@@ -172,6 +181,8 @@ class Executor:
             except Exception as err:  # noqa: BLE001 - every failure is reported with where it happened
                 raise failure_at(self.rank, i, ins, err) from err
             ends[i] = clock()
+            if timed:
+                stamps.end(i)  # type: ignore[union-attr]
         if on_loss is not None:
             on_loss(self.loss_sum)
         return self.loss_sum
@@ -243,6 +254,8 @@ class Executor:
         t1 = time.perf_counter()
         self.wait_time += t1 - t0
         self.starts[self.index] = t1  # a compute op's event starts when its input is there: waiting is idle
+        if self.device_stamps is not None and self.stream[self.index].op in COMPUTE:
+            self.device_stamps.start(self.index)  # and on the device, where the stream waits for it
         return out
 
     # ------------------------------------------------------------ compute

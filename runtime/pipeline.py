@@ -77,6 +77,7 @@ from pipedsl.parallel.expert import ExpertParallel, shard_experts, why_no_expert
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.runtime import clip, finalize
 from pipedsl.runtime.data_parallel import strategy_for
+from pipedsl.runtime.device_clock import DeviceStamps
 from pipedsl.runtime.discovery import Discovery
 from pipedsl.runtime.executor import Executor, StepRedoneError, loss_ranks
 from pipedsl.runtime.groups import PipelineGroups
@@ -660,7 +661,11 @@ class Pipeline:
             raise PipeRuntimeError("no step has run yet")
         meta = {"wait_s": ex.wait_time, "peak_activations": self.counter.peak,
                 "recv_buffers": self.channels.pool.allocated}
-        return self.tracer.gather(self.program, self.rank, ex.starts, ex.ends, meta)
+        starts, ends = ex.starts, ex.ends
+        if ex.device_stamps is not None:  # a GPU's compute ops: when the device ran them (runtime/device_clock.py)
+            starts, ends = ex.device_stamps.times(starts, ends)
+            meta["compute_clock"] = "device events"
+        return self.tracer.gather(self.program, self.rank, starts, ends, meta)
 
     # ------------------------------------------------------------ shapes
 
@@ -714,7 +719,8 @@ class Pipeline:
                        kind: type[Executor] = Executor) -> Executor:
         if not forward_only:
             return kind(self.program, self.rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
-                        self.lookahead, self.strict_pair_order, self.check_finite, kinds)
+                        self.lookahead, self.strict_pair_order, self.check_finite, kinds,
+                        device_stamps=DeviceStamps.for_device(len(self.program.ranks[self.rank]), self.device))
         if self.loss_reduction == "token":
             def count(target: Any) -> int:
                 t = target[0] if isinstance(target, (tuple, list)) else target

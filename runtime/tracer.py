@@ -1,6 +1,7 @@
 """The tracer: when each instruction started and ended on each rank, as a measured `Timeline`.
 
-The executor stamps every instruction with `time.perf_counter()` (CLOCK_MONOTONIC on Linux).
+The executor stamps every instruction with `time.perf_counter()` (CLOCK_MONOTONIC on Linux); on a GPU,
+compute ops are timed by device events and put on that clock (runtime/device_clock.py).
 Processes on one host share that clock, so their stamps are compared as they are: no
 per-rank origin (an origin taken after a barrier differs by each rank's wake-up delay and
 only adds skew; it made consumers start before their producers ended).  Ranks on other

@@ -1,0 +1,67 @@
+"""Compute ops timed on the GPU: CUDA events, read after the step and put on the host's clock.
+
+On a GPU the host returns from a compute op as soon as its kernels are queued, so the executor's host stamps
+(`time.perf_counter()` around each instruction) time the queueing, not the work: a measured timeline drawn from
+them shows the host running ahead and every bubble in the wrong place.  Here each compute op also records an
+event on the current stream where its host start and end are stamped (the start again after the op's inputs
+are waited for: under NCCL that wait only orders the stream, so the event marks when the stream reached the op).
+After the step, `times` reads them without a device-wide wait: an anchor event recorded then and waited for
+completes when the stream has run everything before it, so its device time is the host time the wait returns,
+and every event's host time is the anchor's less the device time between them (`Event.elapsed_time`).  Events
+are made once per instruction and reused every step.  Messages keep their host stamps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+class DeviceStamps:
+    """A start and an end event per instruction of one rank's stream (`events` makes them: CUDA's by default)."""
+
+    def __init__(self, n: int, device: torch.device, events: Callable[[], Any] | None = None) -> None:
+        make = events or (lambda: torch.cuda.Event(enable_timing=True))
+        self.device = device
+        self._make = make
+        self.starts = [make() for _ in range(n)]
+        self.ends = [make() for _ in range(n)]
+        self.recorded = [False] * n  # this step: compute ops only
+
+    @classmethod
+    def for_device(cls, n: int, device: torch.device) -> DeviceStamps | None:
+        """Stamps for a CUDA device; None elsewhere (the host's clock is the device's)."""
+        return cls(n, device) if device.type == "cuda" else None
+
+    def reset(self) -> None:
+        self.recorded = [False] * len(self.recorded)
+
+    def start(self, i: int) -> None:
+        self.starts[i].record()
+        self.recorded[i] = True
+
+    def end(self, i: int) -> None:
+        self.ends[i].record()
+
+    def times(self, host_starts: Sequence[float], host_ends: Sequence[float],
+              now: Callable[[], float] = time.perf_counter) -> tuple[list[float], list[float]]:
+        """The step's start and end of every instruction on the host's clock: the recorded ones from their events
+        (anchored as the module docstring says), the others as stamped."""
+        starts, ends = list(host_starts), list(host_ends)
+        picked = [i for i, r in enumerate(self.recorded) if r]
+        if not picked:
+            return starts, ends
+        for i in picked:  # events on other streams (an overlapped pair's threads) are not behind the anchor
+            self.starts[i].synchronize()
+            self.ends[i].synchronize()
+        anchor = self._make()
+        anchor.record()
+        anchor.synchronize()
+        at = now()
+        for i in picked:
+            starts[i] = at - self.starts[i].elapsed_time(anchor) / 1e3
+            ends[i] = at - self.ends[i].elapsed_time(anchor) / 1e3
+        return starts, ends
