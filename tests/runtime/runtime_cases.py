@@ -238,11 +238,13 @@ def hf_llama_example(rank: int, schedule: str, params: dict[str, int], steps: in
     return {"losses": losses, "reference": ref}
 
 
-def nanogpt_example(rank: int) -> list[float]:
+def nanogpt_example(rank: int, schedule: str = "1f1b", clip: float | None = None,
+                    post_validate: bool = False) -> list[float]:
     from pipedsl.models.gpt.model import GPTConfig
 
     ex = _example("nanogpt")
-    return ex.train(rank, "1f1b", 4, 3, GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), 8)
+    return ex.train(rank, schedule, 4, 3, GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), 8,
+                    clip, post_validate)
 
 
 def evaluation(rank: int, program_json: str, token: bool = False) -> dict:

@@ -12,6 +12,10 @@ import runtime_cases as cases
 def test_nanogpt_example(pool2) -> None:
     a, b = pool2.run(cases.nanogpt_example)
     assert a == b and len(a) == 3 and all(math.isfinite(v) for v in a)
+    # --clip --post-validate: the same losses as synchronous steps with the same clipping
+    sync = pool2.run(cases.nanogpt_example, "zb-h2", 0.5, False)
+    post = pool2.run(cases.nanogpt_example, "zb-h2", 0.5, True)
+    assert post == sync and len(post[0]) == 3
 
 
 @pytest.mark.slow
