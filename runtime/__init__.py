@@ -1,6 +1,8 @@
 """pipedsl.runtime: execute compiled programs on real processes (torch.distributed).
 
 - `Pipeline` (pipeline.py): the per-rank API — stages, `step(inputs, targets)`, timelines;
+- `TrainingSteps` (post_validate.py): a whole training step — clipping, the optimizer — synchronous or
+  post-validated (consecutive steps overlap, the global checks read a step later);
 - underneath: `Executor` (executor.py) interprets one rank's instruction stream, `Stage`
   (stage.py) runs forward / backward / split backward, `Channels` (p2p.py, socket_p2p.py) moves
   tensors, the data-parallel strategy (data_parallel.py) owns where gradients live and how they
@@ -20,6 +22,8 @@ from pipedsl.registry import lazy_attributes
 _EXPORTS = {
     "Pipeline": "pipeline",
     "PipelineOptimizer": "optim",
+    "StepReport": "post_validate",
+    "TrainingSteps": "post_validate",
 }
 __all__ = sorted(_EXPORTS)
 
