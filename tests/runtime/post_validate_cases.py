@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 import pipedsl
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
-from pipedsl.parallel import ParallelConfig
+from pipedsl.models.gpt.tp import tp_gpt_loss
+from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.runtime.post_validate import TrainingSteps
 
 GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
@@ -31,13 +32,17 @@ def _batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _run(rank: int, schedule: str, P: int, M: int, zero: int, dp: int, max_norm: float, post: bool,
-         precision: str | None) -> dict:
+         precision: str | None, tp: int) -> dict:
     torch.manual_seed(0)
     model = GPT(GPT_CFG)
     program = pipedsl.load(schedule).compile(P=P, M=M, **SCHEDULE_PARAMS.get(schedule, {}))
-    parallel = ParallelConfig(dp=dp, pp=P, zero=zero) if dp > 1 or zero else None
-    pipe = pipedsl.Pipeline(copy.deepcopy(model).stages(program.num_stages), program=program, loss_fn=gpt_loss,
-                            parallel=parallel, precision=precision)
+    if tp > 1:  # Megatron's 1-D split of the GPT (models/gpt/tp.py)
+        mesh = ParallelMesh(ParallelConfig(dp=dp, pp=P, tp=tp, zero=zero))
+        stages, loss_fn, parallel = copy.deepcopy(model).tp_stages(program.num_stages, mesh), tp_gpt_loss(mesh), mesh
+    else:
+        stages, loss_fn = copy.deepcopy(model).stages(program.num_stages), gpt_loss
+        parallel = ParallelConfig(dp=dp, pp=P, zero=zero) if dp > 1 or zero else None
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss_fn, parallel=parallel, precision=precision)
     opt = pipe.optimizer(torch.optim.AdamW, lr=3e-2, eps=1e-4, weight_decay=0.1)
     step_no = [0]
     last = max(pipe.local_stages())
@@ -46,7 +51,7 @@ def _run(rank: int, schedule: str, P: int, M: int, zero: int, dp: int, max_norm:
         first.register_hook(lambda g: g * float("inf") if step_no[0] == INF_STEP else g)
     steps = TrainingSteps(pipe, opt, max_norm=max_norm, post_validate=post)
     reports = []
-    for i, (x, y) in enumerate(_batches(STEPS, 4 * M * dp)):
+    for i, (x, y) in enumerate(_batches(STEPS, 4 * M * dp)):  # (the same batch on every tp rank)
         step_no[0] = i + 1
         r = steps.step(x, y)
         if r is not None:
@@ -64,10 +69,10 @@ def _run(rank: int, schedule: str, P: int, M: int, zero: int, dp: int, max_norm:
 
 
 def sync_and_post(rank: int, schedule: str, P: int, M: int, zero: int = 0, dp: int = 1,
-                  max_norm: float = 0.8, precision: str | None = None) -> dict:
+                  max_norm: float = 0.8, precision: str | None = None, tp: int = 1) -> dict:
     """Both runs on this rank, and what differs between them (empty: bit for bit equal)."""
-    sync = _run(rank, schedule, P, M, zero, dp, max_norm, False, precision)
-    post = _run(rank, schedule, P, M, zero, dp, max_norm, True, precision)
+    sync = _run(rank, schedule, P, M, zero, dp, max_norm, False, precision, tp)
+    post = _run(rank, schedule, P, M, zero, dp, max_norm, True, precision, tp)
     problems = []
     if sync["scale"] != post["scale"]:
         problems.append(f"fp16's loss scale: {sync['scale']} synchronous, {post['scale']} post-validated")

@@ -1,6 +1,7 @@
 """Post-validated steps (runtime/post_validate.py) equal synchronous ones bit for bit: 20 steps of a small GPT with
 clipping that triggers on some steps and an inf put into one gradient at one step (skipped by both), under 1F1B,
-ZB-H1, zb-auto and DualPipeV, at pp2 and at dp2 × pp2 with ZeRO-1 and ZeRO-3 — every parameter and every
+ZB-H1, zb-auto and DualPipeV, at pp2 and at dp2 × pp2 with ZeRO-1 and ZeRO-3, at tp2 × pp2, under fp16 — every
+parameter and every
 optimizer-state tensor equal, the same steps clipped and skipped, the same losses and norms; each clipped or
 skipped step was rolled back and redone (the rollback in step k+1 undoes its forward work and drains the
 messages in flight).  Also under NCCL's semantics on CPU (`PIPEDSL_P2P=rendezvous`)."""
@@ -36,6 +37,12 @@ def test_post_validated_steps_equal_synchronous_ones(schedule: str, pool2) -> No
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-auto", "dualpipev"])
 def test_post_validated_steps_equal_synchronous_ones_at_dp2_pp2_under_zero(schedule: str, zero: int, pool) -> None:
     _check(pool.run(with_rank, 4, sync_and_post, schedule, 2, 4, zero, 2))
+
+
+def test_post_validated_steps_with_tensor_parallel_stages(pool) -> None:
+    """tp2 × pp2 (Megatron's split of the GPT, models/gpt/tp.py) under ZeRO-1: the norm counts each tp copy once
+    and the loss is the pipelines' mean, as synchronous steps do."""
+    _check(pool.run(with_rank, 4, sync_and_post, "zb-h1", 2, 4, 1, 1, 0.8, None, 2))
 
 
 def test_post_validated_steps_under_nccls_semantics(pool) -> None:
