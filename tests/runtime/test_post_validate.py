@@ -1,10 +1,9 @@
 """Post-validated steps (runtime/post_validate.py) equal synchronous ones bit for bit: 20 steps of a small GPT with
 clipping that triggers on some steps and an inf put into one gradient at one step (skipped by both), under 1F1B,
-ZB-H1, zb-auto and DualPipeV, at pp2 and at dp2 × pp2 with ZeRO-1 and ZeRO-3, at tp2 × pp2, under fp16 — every
-parameter and every
-optimizer-state tensor equal, the same steps clipped and skipped, the same losses and norms; each clipped or
-skipped step was rolled back and redone (the rollback in step k+1 undoes its forward work and drains the
-messages in flight).  Also under NCCL's semantics on CPU (`PIPEDSL_P2P=rendezvous`)."""
+ZB-H1, zb-auto and DualPipeV, at pp2 and at dp2 × pp2 with ZeRO-1 and ZeRO-3, at tp2 × pp2, under fp16 —
+every parameter and every optimizer-state tensor equal, the same steps clipped and skipped, the same losses and
+norms; each clipped or skipped step was rolled back and redone (the rollback in step k+1 undoes its forward work
+and drains the messages in flight).  Also under NCCL's semantics on CPU (`PIPEDSL_P2P=rendezvous`)."""
 
 from __future__ import annotations
 
