@@ -8,7 +8,7 @@ are waited for: under NCCL that wait only orders the stream, so the event marks 
 After the step, `times` reads them without a device-wide wait: an anchor event recorded then and waited for
 completes when the stream has run everything before it, so its device time is the host time the wait returns,
 and every event's host time is the anchor's less the device time between them (`Event.elapsed_time`).  Events
-are made once per instruction and reused every step.  Messages keep their host stamps.
+are made once per instruction, for this step and the one before, and reused.  Messages keep their host stamps.
 """
 
 from __future__ import annotations
@@ -20,48 +20,74 @@ from typing import Any
 import torch
 
 
+class _Bank:
+    """One step's events: a start and an end per instruction, and which were recorded."""
+
+    def __init__(self, n: int, make: Callable[[], Any]) -> None:
+        self.starts = [make() for _ in range(n)]
+        self.ends = [make() for _ in range(n)]
+        self.recorded = [False] * n
+
+
 class DeviceStamps:
-    """A start and an end event per instruction of one rank's stream (`events` makes them: CUDA's by default)."""
+    """A start and an end event per instruction of one rank's stream (`events` makes them: CUDA's by default), in
+    two banks: this step's and the previous one's (`Pipeline.timeline(steps=2)` draws both)."""
 
     def __init__(self, n: int, device: torch.device, events: Callable[[], Any] | None = None) -> None:
         make = events or (lambda: torch.cuda.Event(enable_timing=True))
         self.device = device
         self._make = make
-        self.starts = [make() for _ in range(n)]
-        self.ends = [make() for _ in range(n)]
-        self.recorded = [False] * n  # this step: compute ops only
+        self._banks = [_Bank(n, make), _Bank(n, make)]
+        self._current = 0
 
     @classmethod
     def for_device(cls, n: int, device: torch.device) -> DeviceStamps | None:
         """Stamps for a CUDA device; None elsewhere (the host's clock is the device's)."""
         return cls(n, device) if device.type == "cuda" else None
 
-    def reset(self) -> None:
-        self.recorded = [False] * len(self.recorded)
+    @property
+    def starts(self) -> list[Any]:
+        return self._banks[self._current].starts
+
+    @property
+    def ends(self) -> list[Any]:
+        return self._banks[self._current].ends
+
+    def begin(self) -> None:
+        """A step begins: the other bank records it, this one keeps the step before."""
+        self._current ^= 1
+        bank = self._banks[self._current]
+        bank.recorded = [False] * len(bank.recorded)
+
+    def cancel(self) -> None:
+        """The step begun is undone (a post-validated rerun): the bank of the step before is current again."""
+        self._current ^= 1
 
     def start(self, i: int) -> None:
-        self.starts[i].record()
-        self.recorded[i] = True
+        bank = self._banks[self._current]
+        bank.starts[i].record()
+        bank.recorded[i] = True
 
     def end(self, i: int) -> None:
-        self.ends[i].record()
+        self._banks[self._current].ends[i].record()
 
     def times(self, host_starts: Sequence[float], host_ends: Sequence[float],
-              now: Callable[[], float] = time.perf_counter) -> tuple[list[float], list[float]]:
-        """The step's start and end of every instruction on the host's clock: the recorded ones from their events
-        (anchored as the module docstring says), the others as stamped."""
+              now: Callable[[], float] = time.perf_counter, previous: bool = False) -> tuple[list[float], list[float]]:
+        """The step's (`previous`: the step before's) start and end of every instruction on the host's clock: the
+        recorded ones from their events (anchored as the module docstring says), the others as stamped."""
+        bank = self._banks[self._current ^ previous]
         starts, ends = list(host_starts), list(host_ends)
-        picked = [i for i, r in enumerate(self.recorded) if r]
+        picked = [i for i, r in enumerate(bank.recorded) if r]
         if not picked:
             return starts, ends
         for i in picked:  # events on other streams (an overlapped pair's threads) are not behind the anchor
-            self.starts[i].synchronize()
-            self.ends[i].synchronize()
+            bank.starts[i].synchronize()
+            bank.ends[i].synchronize()
         anchor = self._make()
         anchor.record()
         anchor.synchronize()
         at = now()
         for i in picked:
-            starts[i] = at - self.starts[i].elapsed_time(anchor) / 1e3
-            ends[i] = at - self.ends[i].elapsed_time(anchor) / 1e3
+            starts[i] = at - bank.starts[i].elapsed_time(anchor) / 1e3
+            ends[i] = at - bank.ends[i].elapsed_time(anchor) / 1e3
         return starts, ends

@@ -96,6 +96,8 @@ class Executor:
         n = len(self.stream)
         self.starts = [0.0] * n
         self.ends = [0.0] * n
+        self.previous: tuple[list[float], list[float]] | None = None  # the run before's stamps
+        self.runs = 0  # runs begun (an undone one is not counted)
         self.device_stamps = device_stamps
         self.wait_time = 0.0
         self.handlers: dict[Op, Callable[[Instr], None]] = {
@@ -145,11 +147,15 @@ class Executor:
         self._pending_sends: dict[int, int] = defaultdict(int)  # peer -> sends scanned but not issued
         self._held: dict[int, deque[int]] = defaultdict(deque)  # peer -> receive indices not posted early
         self.wait_time = 0.0
+        n = len(self.stream)
+        self.previous = (self.starts, self.ends) if self.runs else None  # the step before's, for a 2-step timeline
+        self.starts, self.ends = [0.0] * n, [0.0] * n
+        self.runs += 1
         stream, handlers, starts, ends = self.stream, self.handlers, self.starts, self.ends
         clock = time.perf_counter
         stamps = self.device_stamps
         if stamps is not None:
-            stamps.reset()
+            stamps.begin()
         self.index = 0
         gate_at, self._post_limit = -1, len(stream)
         self._unchecked_loss: RankFailure | None = None  # a gated pass's non-finite loss, held until its gate
@@ -425,6 +431,11 @@ class Executor:
             for d in by_op.values():
                 d.clear()
         self._losses = []
+        self.runs -= 1  # the pass run again is this one: the stamps before it stay the step before's
+        if self.previous is not None:
+            self.starts, self.ends = self.previous
+        if self.device_stamps is not None:
+            self.device_stamps.cancel()
 
     def _check_meta(self, ins: Instr, outs: list[torch.Tensor], key: ShapeKey) -> None:
         got, expected = tuple(TensorMeta.of(t) for t in outs), self.out_meta[key]

@@ -91,6 +91,7 @@ from pipedsl.runtime.reduce import GradReducer, Hook
 from pipedsl.runtime.stage import ActivationCounter, LossFn, Stage, StageOptions
 from pipedsl.runtime.ties import TieReducer, check_ties, find_ties
 from pipedsl.runtime.tracer import Tracer
+from pipedsl.steps import consecutive
 from pipedsl.timeline import Timeline
 from pipedsl.validate import validate
 
@@ -654,18 +655,30 @@ class Pipeline:
                             "shard the data by the dp rank only (mesh.coords.dp)")
                 raise PipeRuntimeError(f"ranks {r0} and {item[3]} passed different {what}: {hint}")
 
-    def timeline(self) -> Timeline | None:
-        """The last step's measured timeline, on the group's first rank (collective: call on all ranks)."""
+    def timeline(self, steps: int = 1) -> Timeline | None:
+        """The last step's measured timeline, on the group's first rank (collective: call on all ranks).  `steps=2`:
+        the last two, as `pipedsl.steps.consecutive(program, 2)` (where post-validated steps overlap:
+        runtime/post_validate.py); they must have run at the same input shapes."""
         ex = self._executor
         if ex is None:
             raise PipeRuntimeError("no step has run yet")
+        if steps not in (1, 2):
+            raise PipeRuntimeError(f"timeline(steps=) is 1 or 2, got {steps!r}")
+        if steps == 2 and ex.previous is None:
+            raise PipeRuntimeError("timeline(steps=2) needs the last two steps at the same input shapes")
         meta = {"wait_s": ex.wait_time, "peak_activations": self.counter.peak,
                 "recv_buffers": self.channels.pool.allocated}
-        starts, ends = ex.starts, ex.ends
-        if ex.device_stamps is not None:  # a GPU's compute ops: when the device ran them (runtime/device_clock.py)
-            starts, ends = ex.device_stamps.times(starts, ends)
+        stamps = ex.device_stamps  # a GPU's compute ops: when the device ran them (runtime/device_clock.py)
+        starts, ends = stamps.times(ex.starts, ex.ends) if stamps is not None else (ex.starts, ex.ends)
+        program = self.program
+        if steps == 2:
+            assert ex.previous is not None
+            before = stamps.times(*ex.previous, previous=True) if stamps is not None else ex.previous
+            starts, ends = before[0] + starts, before[1] + ends
+            program = consecutive(program, 2)
+        if stamps is not None:
             meta["compute_clock"] = "device events"
-        return self.tracer.gather(self.program, self.rank, starts, ends, meta)
+        return self.tracer.gather(program, self.rank, starts, ends, meta)
 
     # ------------------------------------------------------------ shapes
 

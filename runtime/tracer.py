@@ -114,5 +114,7 @@ class Tracer:
                       for stream, (st, en, _) in zip(program.ranks, out))
         clock = ("perf_counter, one host (shared CLOCK_MONOTONIC)" if self.shared_clock
                  else "perf_counter, offsets to rank 0 by ping-pong")
-        return Timeline(program.name, dict(program.params), ranks, "measured",
-                        {"per_rank": [m for _, _, m in out], "clock": clock})
+        meta = {"per_rank": [m for _, _, m in out], "clock": clock}
+        if program.params.get("steps", 1) > 1:  # consecutive steps (pipedsl/steps.py): `steps.period` reads it
+            meta["steps"] = program.params["steps"]
+        return Timeline(program.name, dict(program.params), ranks, "measured", meta)

@@ -302,7 +302,7 @@ def train(rank: int, program_json: str, cfg: TrainConfig) -> dict[str, Any] | No
     pipe.close()  # its groups' threads and sockets; the timeline below needs only the pipeline group
     if start >= t.steps:
         return {"losses": history, "timeline": None, "start": start} if rank == 0 else None
-    return _report(pipe, history, start, source)
+    return _report(pipe, history, start, source, cfg.training.post_validate)
 
 
 AUTO = "auto"  # the schedule name that profiles, searches and switches (`_switch`)
@@ -610,10 +610,14 @@ def _evaluate(pipe: Any, source: Any, step: int, log: Any) -> None:
                        "eval_ms": (time.perf_counter() - t0) * 1e3}, kind="eval")
 
 
-def _report(pipe: Any, losses: dict[int, float], start: int, source: Any) -> dict[str, Any] | None:
+def _report(pipe: Any, losses: dict[int, float], start: int, source: Any,
+            overlapped: bool = False) -> dict[str, Any] | None:
+    """What rank 0 reports: the measured timeline of the last step — post-validated (`overlapped`), of the last
+    two, which overlap, when they ran at the same shapes — the mean op times, the peaks, the losses."""
     peaks = [None] * pipe.size  # per pipeline rank (of this rank's pipeline): (activations, bytes)
     torch.distributed.all_gather_object(peaks, (pipe.peak_activations, pipe.counter.peak_bytes), group=pipe.group)
-    timeline = pipe.timeline()
+    two = overlapped and pipe._executor is not None and pipe._executor.previous is not None
+    timeline = pipe.timeline(steps=2 if two else 1)
     if timeline is None:
         return None
     # mean measured time per op kind: the cost the simulator is given for its prediction
@@ -623,6 +627,10 @@ def _report(pipe: Any, losses: dict[int, float], start: int, source: Any) -> dic
             if e.instr.op in COMPUTE:
                 sums.setdefault("FB" if e.instr.sub else e.instr.op.value, []).append(e.duration)
     cost = {k: sum(v) / len(v) for k, v in sums.items()}
+    if two:  # between a rank's two steps: its optimizer step and the checks' issue, what `Cost.step` stands for
+        gaps = [events[len(stream)].start - events[len(stream) - 1].end
+                for events, stream in zip(timeline.ranks, pipe.program.ranks) if len(events) > len(stream)]
+        cost["step"] = max(0.0, sum(gaps) / len(gaps)) if gaps else 0.0
     return {"timeline": timeline.to_dict(), "cost": cost, "peaks": peaks, **source.describe(),
             "losses": losses, "start": start, "program": pipe.program.to_json()}
 

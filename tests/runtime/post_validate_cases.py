@@ -59,11 +59,14 @@ def _run(rank: int, schedule: str, P: int, M: int, zero: int, dp: int, max_norm:
     r = steps.settle()
     if r is not None:
         reports.append(r)
+    drawn = pipe.timeline(steps=2) if post else None  # the last two steps, which overlap (collective)
+    ordered = drawn is None or all(a.end <= b.start + 1e-9 for events in drawn.ranks
+                                   for a, b in zip(events, events[1:]))  # an undone pass's stamps would not be
     params = opt.stage_parameters()
     state = [{k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
              for o in opt.optimizers for st in o.state.values()]
     out = {"reports": reports, "params": params, "state": state, "redone": steps.redone,
-           "scale": pipe.loss_scaling.state_dict()}
+           "scale": pipe.loss_scaling.state_dict(), "ordered": ordered}
     pipe.close()
     return out
 
@@ -94,6 +97,8 @@ def sync_and_post(rank: int, schedule: str, P: int, M: int, zero: int = 0, dp: i
             if not torch.equal(a[k], b[k]):
                 problems.append(f"optimizer state {k} differs")
                 break
+    if not post["ordered"]:
+        problems.append("the last two steps' measured timeline is out of order on some rank")
     clipped = sum(r.clipped for r in sync["reports"])
     skipped = sum(r.skipped for r in sync["reports"])
     dist.barrier()

@@ -57,8 +57,11 @@ def test_recorded_ops_are_timed_when_the_device_ran_them() -> None:
     starts, ends = stamps.times(host_starts, host_ends, now=lambda: dev.host)
     # the device ran op 0 from 5 to 6 and op 2 from 6 to 7 (queued at 0.2, behind op 0); the message as stamped
     assert starts == pytest.approx([5.0, 0.1, 6.0]) and ends == pytest.approx([6.0, 0.15, 7.0])
-    stamps.reset()
-    assert stamps.times(host_starts, host_ends) == (host_starts, host_ends)  # nothing recorded: the host's
+    stamps.begin()  # the next step: nothing recorded yet, the host's stamps; the step before's kept
+    assert stamps.times(host_starts, host_ends) == (host_starts, host_ends)
+    assert stamps.times(host_starts, host_ends, now=lambda: dev.host, previous=True)[0] == pytest.approx(starts)
+    stamps.cancel()  # the step begun undone: the step before is current again
+    assert stamps.times(host_starts, host_ends, now=lambda: dev.host)[0] == pytest.approx(starts)
 
 
 def test_no_device_stamps_on_the_cpu() -> None:

@@ -278,6 +278,12 @@ def test_train_post_validated_equals_synchronous_and_resumes(tmp_path) -> None:
     metrics = [json.loads(line) for line in (tmp_path / "post" / "metrics.jsonl").read_text().splitlines()]
     redone = [m["step"] for m in metrics if m.get("redone")]
     assert 0 < len(redone) < 6, f"clipping must trigger on some steps, not all: redone {redone}"
+    # the measured timeline is of the last two steps, which overlap, as is the prediction beside it
+    program = pipedsl.load("zb-h1").compile(P=2, M=2)
+    for name in ("timeline.json", "predicted.json"):
+        drawn = pipedsl.Timeline.from_json((tmp_path / "post" / name).read_text())
+        assert drawn.meta["steps"] == 2, name
+        assert [len(events) for events in drawn.ranks] == [2 * len(stream) for stream in program.ranks], name
     a, b = _saved_tensors(tmp_path / "sync-ckpt" / "step-00000006"), _saved_tensors(tmp_path / "post-ckpt" /
                                                                                  "step-00000006")
     assert a.keys() == b.keys() and len(a) > 10
