@@ -41,7 +41,8 @@ sys.path.insert(0, str(HERE.parent / "tests" / "parallel"))  # tp_hf_cases: an H
 
 import _bench  # noqa: E402
 
-CHECKS = ("schedules", "large", "moe", "layouts", "trainer_auto", "vs_torch", "op_cpu", "one_gpu", "zero", "calibrate")
+CHECKS = ("schedules", "large", "moe", "layouts", "timeline", "trainer_auto", "vs_torch", "op_cpu", "one_gpu", "zero",
+          "calibrate")
 # dp × pp × tp layouts of a tiny HF Llama (tests/parallel/tp_hf_cases.py) by the ranks there are: (dp, pp, tp, zero,
 # precision, recompute); tolerances: fp32's, or bf16's where it computes in bf16 (test_tp_hf.py's, the gradient norm
 # within bf16's unit roundoff 2^-8: 1.8e-3 for this Llama on gloo, a rounding difference of the summed squares)
@@ -110,6 +111,11 @@ def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
             out["moe"] = {"problems": [f"{type(err).__name__}: {err}"]}
     if "layouts" in cfg["checks"]:
         out["layouts"] = _layouts(rank, device, dist.get_world_size())
+    if "timeline" in cfg["checks"]:
+        try:
+            out["timeline"] = _timeline(rank, device)
+        except Exception as err:  # noqa: BLE001 - reported in the table
+            out["timeline"] = [f"{type(err).__name__}: {err}"]
     if "vs_torch" in cfg["checks"]:
         out["vs_torch"] = {name: vs_torch._rank_main(rank, "gpt", name, P, {**cfg["vs_torch"], "M": 2 * P,
                                                                              "device": device})
@@ -130,6 +136,47 @@ def _moe(rank: int, device: str) -> dict[str, Any]:
     if not moe_cases.overlap_identical(rank, "dualpipev", 4, device=device)["same"]:
         problems.append("dualpipev with overlapped pairs differs from the same steps without")
     return {"problems": problems}
+
+
+def _timeline(rank: int, device: str) -> list[str]:
+    """The measured timelines on the device: a ZB-H1 step of the small GPT post-validated, its last step and its
+    last two (which overlap) gathered on rank 0 — on a GPU its compute ops timed by CUDA events
+    (runtime/device_clock.py), every event of positive length, each rank's in program order, the two steps' in
+    order; what rank 0 found (the others: nothing)."""
+    import torch
+
+    import pipedsl
+    from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
+    from pipedsl.runtime.post_validate import TrainingSteps
+
+    P = torch.distributed.get_world_size()
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2 * P, n_head=2, n_embd=64)
+    torch.manual_seed(0)
+    pipe = pipedsl.Pipeline(GPT(cfg).stages(P), "zb-h1", microbatches=2 * P, loss_fn=gpt_loss,
+                            device=torch.device(device))
+    steps = TrainingSteps(pipe, pipe.optimizer(torch.optim.AdamW, lr=1e-3), max_norm=1.0, post_validate=True)
+    x, y = synthetic_batch(4 * P, cfg.block_size, cfg.vocab_size, torch.Generator().manual_seed(1))
+    for _ in range(3):
+        steps.step(x, y)
+    steps.settle()
+    one, two = pipe.timeline(), pipe.timeline(steps=2)
+    pipe.close()
+    if one is None or two is None:
+        return []
+    problems = []
+    clocks = {m.get("compute_clock") for m in one.meta["per_rank"]}
+    want = "device events" if torch.device(device).type == "cuda" else None
+    if clocks != {want}:
+        problems.append(f"compute ops timed by {clocks}, expected {want or 'the host clock'}")
+    for name, tl in (("last step", one), ("last two steps", two)):
+        for r, events in enumerate(tl.ranks):
+            if any(e.end < e.start for e in events):
+                problems.append(f"{name}: rank {r} has an event that ends before it starts")
+            if any(b.start < a.end - 1e-6 for a, b in zip(events, events[1:])):
+                problems.append(f"{name}: rank {r}'s events overlap each other (out of program order)")
+    if two.meta.get("steps") != 2:
+        problems.append(f"the two-step timeline says steps={two.meta.get('steps')}")
+    return problems
 
 
 def _layouts(rank: int, device: str, world: int) -> dict[str, list[str]]:
@@ -347,6 +394,10 @@ def table(result: dict[str, Any]) -> str:
         for name, problems in result["layouts"].items():
             out.append(f"| {name} | {'equal' if not problems else '; '.join(problems[:3])} |")
         out.append("")
+    if "timeline" in result:
+        timed = ", compute ops timed by CUDA events" if str(result["device"]).startswith("cuda") else ""
+        verdict = f"in order{timed}" if not result["timeline"] else "; ".join(result["timeline"][:3])
+        out += [f"Measured timelines (ZB-H1, post-validated; the last step and the last two): {verdict}", ""]
     if "trainer_auto" in result:
         t = result["trainer_auto"]
         verdict = "every loss equal to -P 1's" if not t["problems"] else "; ".join(t["problems"][:3])
@@ -434,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"benchmark": "gpu_check", "command": command, "machine": _bench.machine(),
                               "date": _bench.today(), "P": P, "backend": backend, "skipped": skipped}
     ranks = []
-    if {"schedules", "large", "layouts", "vs_torch", "op_cpu"} & set(checks):
+    if {"schedules", "large", "layouts", "timeline", "vs_torch", "op_cpu"} & set(checks):
         ranks = pipedsl.launch(_rank_main, P, P, cfg, backend=backend, threads=1, timeout=600)
     # after the ranks: CUDA initialised here before they fork would leave them unable to use it
     result["gpus"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -466,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result["layouts"] = {name: [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["layouts"][name]]
                                  for name in ranks[0]["layouts"]}
+    if "timeline" in checks:
+        result["timeline"] = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["timeline"]]
     if "trainer_auto" in checks:
         result["trainer_auto"] = trainer_auto(args.device, args.tiny)
     if "one_gpu" in checks:
@@ -487,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     failed += [f"layout {name}" for name, problems in result.get("layouts", {}).items() if problems]
     failed += ["trainer --schedule auto"] if result.get("trainer_auto", {}).get("problems") else []
     failed += ["large messages"] if result.get("large") else []
+    failed += ["timeline"] if result.get("timeline") else []
     failed += ["zero"] if result.get("zero", {}).get("problems") else []
     failed += ["plan --calibrate"] if "calibrate" in result and not result["calibrate"]["ok"] else []
     result["failed"] = failed

@@ -279,9 +279,11 @@ def test_gpu_check_dry_run_on_gloo(runs, request):
     assert got["layouts"] == {"dp1 pp1 tp2+sp zero0 bf16-params recompute=full": [],
                               "dp2 pp1 tp1 zero3 fp32 recompute=None": []}, got["layouts"]
     assert got["trainer_auto"] == {"problems": [], "steps": 4}, got["trainer_auto"]
+    assert got["timeline"] == []  # the last step's and the last two's measured timelines, in order
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# gpu_check: cpu (gloo), P=2") and "| zb-v | 4 | equal |" in md
     assert "against a plain PyTorch loop" in md and "MiB messages" in md and "ZeRO 1-3 on one rank" in md
+    assert "Measured timelines (ZB-H1, post-validated; the last step and the last two): in order" in md
     assert "| dp2 pp1 tp1 zero3 fp32 recompute=None | equal |" in md and "every loss equal to -P 1's" in md
 
 
