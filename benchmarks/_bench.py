@@ -148,6 +148,13 @@ def in_tree(script: str, tree: str, args: Sequence[str]) -> Any:
         return json.load(open(f.name))
 
 
+def sleep_arguments(ap: argparse.ArgumentParser) -> None:
+    """The synthetic stage's times (`sleep_stages`): --F and --B, in seconds."""
+    ap.add_argument("--F", type=float, default=0.010, help="synthetic stage: forward per rank's share, s (0.010)")
+    ap.add_argument("--B", type=float, default=0.020,
+                    help="synthetic stage: backward per rank's share, s, I = W = B/2 (0.020)")
+
+
 def ab_arguments(ap: argparse.ArgumentParser, name: str) -> None:
     """The flags of a benchmark that measures this tree against another (`alternate`), and its child's."""
     ap.add_argument("--against", help="a commit to measure too (a temporary worktree), alternating with this tree")

@@ -147,9 +147,8 @@ class Executor:
         self._pending_sends: dict[int, int] = defaultdict(int)  # peer -> sends scanned but not issued
         self._held: dict[int, deque[int]] = defaultdict(deque)  # peer -> receive indices not posted early
         self.wait_time = 0.0
-        n = len(self.stream)
         self.previous = (self.starts, self.ends) if self.runs else None  # the step before's, for a 2-step timeline
-        self.starts, self.ends = [0.0] * n, [0.0] * n
+        self.starts, self.ends = [0.0] * len(self.stream), [0.0] * len(self.stream)
         self.runs += 1
         stream, handlers, starts, ends = self.stream, self.handlers, self.starts, self.ends
         clock = time.perf_counter
@@ -421,8 +420,9 @@ class Executor:
         for j in self._gates.drains[self.rank]:
             ins = self.stream[j]
             self.index = j
-            self._post(ins, Slot(ins.mb, ins.stage, ins.replica))
-            for b in self.posted[ins.op].pop(Slot(ins.mb, ins.stage, ins.replica)).wait():
+            slot = Slot(ins.mb, ins.stage, ins.replica)
+            self._post(ins, slot)
+            for b in self.posted[ins.op].pop(slot).wait():
                 pool.give(b)
         self.channels.wait_sends()
         for slot in list(self.acts):

@@ -49,6 +49,12 @@ def install(pipe: Pipeline) -> None:
         pipe.reducer.add_hook(stats)
 
 
+def running_stats(module: nn.Module) -> list[torch.Tensor]:
+    """The running statistics a training forward updates: BatchNorm's mean, variance and count."""
+    return [b for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
 class RunningStatsBroadcast:
     """A REDUCE_GRAD hook: a stage's running statistics from dp rank 0 to the other replicas (DDP's
     `broadcast_buffers`), issued once its forwards of the step are done and waited at the step end.
@@ -69,9 +75,7 @@ class RunningStatsBroadcast:
         """The hook for these stages, or None without dp or without running statistics (the same on every replica)."""
         if dp == 1 or group is None:
             return None
-        buffers = {s: [b for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats
-                       for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-                   for s, module in modules.items()}
+        buffers = {s: running_stats(module) for s, module in modules.items()}
         return cls(group, buffers) if any(buffers.values()) else None
 
     def __call__(self, stage: int, module: nn.Module) -> _PendingBroadcast | None:

@@ -36,17 +36,7 @@ from typing import Any
 import torch
 
 from pipedsl.parallel import comm
-
-
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+from pipedsl.runtime.recompute import RngState, rng_state, set_rng_state
 
 
 class _Half:
@@ -58,7 +48,7 @@ class _Half:
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
-        self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self.rng: RngState | None = None
         self.thread = threading.Thread(target=self._main, name=f"pipedsl-pair-{name}", daemon=True)
 
     def _main(self) -> None:
@@ -95,7 +85,7 @@ class PairOverlap:
             else None
         f, b = _Half("forward", forward, self), _Half("backward", backward, self)
         self.halves = [f, b]
-        f.rng = b.rng = _rng_state()  # both start from here (the backward draws nothing but recomputation's own)
+        f.rng = b.rng = rng_state()  # both start from here (the backward draws nothing but recomputation's own)
         for half in self.halves:
             half.thread.start()
         with comm.exchange_waiter(self.wait):
@@ -103,7 +93,7 @@ class PairOverlap:
             self.finished.wait()
         for half in self.halves:
             half.thread.join()
-        _set_rng_state(f.rng)  # as after F then B: the forward's draws taken
+        set_rng_state(f.rng)  # as after F then B: the forward's draws taken
         for half in self.halves:
             if half.error is not None:
                 raise half.error
@@ -113,11 +103,11 @@ class PairOverlap:
 
     def enter(self, half: _Half) -> None:
         self.current = half
-        _set_rng_state(half.rng)
+        set_rng_state(half.rng)
 
     def leave(self, half: _Half) -> None:
         """`half` stops running (ended, or waits): the other takes the turn, or, both ended, the caller wakes."""
-        half.rng = _rng_state()
+        half.rng = rng_state()
         other = self._other(half)
         if not other.done:
             other.turn.release()

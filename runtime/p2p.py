@@ -291,7 +291,7 @@ class Channels:
         self._flushed = 0  # record entries written so far
         # each operation is named by its instruction (`label`): for the record, and for what a stuck rendezvous reports
         self.labelled = bool(self._record_to) or getattr(self.transport, "names_operations", False)
-        self.opening: tuple[int, str, Any] | None = None  # this step's openings (or its all-reduce), not checked yet
+        self.opening: tuple[int, str, dict[int, Any]] | None = None  # this step's openings from peers, not checked
         self._said: dict[int, str] = {}  # the openings checked so far (`settle(peer)`): each rank's shapes in words
         self._differs = False  # one of them differs from this rank's
         self._opening_sends: list = []  # torch.distributed: this step's opening sends, waited once all are checked
@@ -405,10 +405,11 @@ class Channels:
         """Check this step's openings from every peer (waiting for them), once: a `RankFailure` naming every rank's
         shapes if any differs from this rank's.  Nothing to do when they are checked (or never sent).
 
-        `peer`: check that peer's opening only, the others later — before a receive from it in
-        a post-validated step's forward work, where waiting for every peer's opening would wait for every rank to
-        end the previous step (post_validate.py; its gate checks them all).  A peer whose shapes differ is found
-        before anything is received from it, and then every opening is waited for to name each rank's shapes."""
+        `peer`: check that peer's opening only, the others later — before a receive from it in a post-validated
+        step's forward work, where waiting for every peer's opening would wait for every rank to end the previous
+        step (post_validate.py; the others are checked as they arrive, `settle_arrived`, and at the step's end).  A
+        peer whose shapes differ is found before anything is received from it, and then every opening is waited
+        for to name each rank's shapes."""
         if self.opening is None:
             return
         key, description, recvs = self.opening

@@ -655,6 +655,11 @@ class Pipeline:
                             "shard the data by the dp rank only (mesh.coords.dp)")
                 raise PipeRuntimeError(f"ranks {r0} and {item[3]} passed different {what}: {hint}")
 
+    @property
+    def timed_steps(self) -> int:
+        """How many of the last steps `timeline(steps=)` can draw: 2 after two at the same input shapes, else 1."""
+        return 2 if self._executor is not None and self._executor.previous is not None else 1
+
     def timeline(self, steps: int = 1) -> Timeline | None:
         """The last step's measured timeline, on the group's first rank (collective: call on all ranks).  `steps=2`:
         the last two, as `pipedsl.steps.consecutive(program, 2)` (where post-validated steps overlap:
@@ -664,7 +669,7 @@ class Pipeline:
             raise PipeRuntimeError("no step has run yet")
         if steps not in (1, 2):
             raise PipeRuntimeError(f"timeline(steps=) is 1 or 2, got {steps!r}")
-        if steps == 2 and ex.previous is None:
+        if steps > self.timed_steps:
             raise PipeRuntimeError("timeline(steps=2) needs the last two steps at the same input shapes")
         meta = {"wait_s": ex.wait_time, "peak_activations": self.counter.peak,
                 "recv_buffers": self.channels.pool.allocated}

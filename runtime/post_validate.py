@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.batchnorm import _NormBase
 
 from pipedsl.runtime import clip
 from pipedsl.runtime.executor import StepRedoneError
+from pipedsl.runtime.finalize import running_stats
 from pipedsl.runtime.launch.errors import RankFailure
+from pipedsl.runtime.recompute import rng_state, set_rng_state
 from pipedsl.steps import gates
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -150,8 +151,7 @@ class TrainingSteps:
         self._copy = _Copy(opt) if post_validate else None
         self._pending: _Verdict | None = None
         self._report: StepReport | None = None  # the verdict's, once the gate has read it
-        self._norms = [m for module in pipe.local_stages().values() for m in module.modules()
-                       if isinstance(m, _NormBase) and m.track_running_stats]
+        self._stats = [b for module in pipe.local_stages().values() for b in running_stats(module)]
         self.redone = 0  # post-validated steps rolled back and redone so far
         # more state a pass changes that an undone pass must give back: each called at a gated pass's start
         # returns what restores it (the trainer's expert-load counts: ExpertLoad.mark)
@@ -176,13 +176,16 @@ class TrainingSteps:
         pipe.unscale_()
         grads = pipe.gradients()
         norm = clip.global_norm(grads.counted, self.norm_type, pipe._norm_group(), pipe.device)
-        report = self._apply(norm, grads, pipe.steps, loss, redone=False)
-        return report
+        return self._apply(norm, grads, pipe.steps, loss, redone=False)
+
+    def _clips(self, norm: torch.Tensor) -> bool:
+        """Whether clipping scales gradients of this global norm (a finite one): `clip.clip_`'s factor below 1."""
+        return self.max_norm is not None and float(self.max_norm / (norm + 1e-6)) < 1.0
 
     def _apply(self, norm: torch.Tensor, grads: clip.Gradients, step: int, loss: float, redone: bool) -> StepReport:
         """The synchronous step's end given the global norm: clip, step (or skip), zero the gradients."""
         finite = bool(torch.isfinite(norm))
-        clipped = finite and self.max_norm is not None and float(self.max_norm / (norm + 1e-6)) < 1.0
+        clipped = finite and self._clips(norm)
         if clipped:
             clip.clip_(grads.stepped, norm, float(self.max_norm))
         # fp16: the optimizer's step itself skips an overflowed step and backs the loss scale off
@@ -205,14 +208,16 @@ class TrainingSteps:
         pipe = self.pipe
         pipe._check_open("step()")
         self._report = None
-        rng = _rng_state(pipe.device) if self._pending is not None else None
-        stats = [(b, b.clone()) for m in self._norms for b in m.buffers()] if self._pending is not None else []
-        restores = [mark() for mark in self.pass_state] if self._pending is not None else []
+        gated = self._pending is not None  # this pass may be undone: what it changes besides, kept
+        rng = rng_state() if gated else None
+        stats = [(b, b.clone()) for b in self._stats] if gated else []
+        restores = [mark() for mark in self.pass_state] if gated else []
         with pipe._failures_told():
             try:
-                loss_sum = pipe._train_pass(inputs, targets, gate=self._gate if self._pending is not None else None)
+                loss_sum = pipe._train_pass(inputs, targets, gate=self._gate if gated else None)
             except StepRedoneError:
-                _set_rng_state(pipe.device, rng)
+                assert rng is not None
+                set_rng_state(rng)
                 with torch.no_grad():
                     for b, saved in stats:
                         b.copy_(saved)
@@ -256,9 +261,7 @@ class TrainingSteps:
         """At step k+1's gate: step k's verdict.  True: the optimistic step stands (its gradients are zeroed for
         step k+1's backward); False: it must be redone, after step k+1's forward work is undone."""
         v, norm, loss = self._verdict()
-        finite = math.isfinite(float(norm))
-        clipped = finite and self.max_norm is not None and float(self.max_norm / (norm + 1e-6)) < 1.0
-        if finite and not clipped:
+        if math.isfinite(float(norm)) and not self._clips(norm):
             self._pending = None
             self.opt.zero_grad()
             self._report = StepReport(v.step, loss, float(norm), False, False, lr=v.lr)
@@ -285,15 +288,3 @@ class TrainingSteps:
             self._gate()
         return self._report
 
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The generators a forward draws from (dropout): the CPU's and the pipeline's device's."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
-    if state is None:
-        return
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)

@@ -229,8 +229,25 @@ def _fresh(x: Any) -> Any:
 
 # ---------------------------------------------------------------- RNG and autocast state
 
+RngState = tuple[torch.Tensor, list[torch.Tensor] | None]
+
+
+def rng_state() -> RngState:
+    """Every generator a forward may draw from: the CPU's, and each GPU's once CUDA is initialised (an overlapped
+    pair's halves, overlap.py; a post-validated pass run again, post_validate.py)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 
 def _rng_state() -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
+    """A region's generators: the CPU's and the current GPU's (`_restored_rng` forks them around its replay)."""
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         dev = torch.cuda.current_device()

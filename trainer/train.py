@@ -522,8 +522,8 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
         x, y = source.next_batch(step)
         t0 = time.perf_counter()
         report = training.step(x, y)
-        if load is not None:
-            experts_of[step] = load.read(async_op=post)  # every rank: a collective
+        if load is not None:  # every rank: a collective, waited for when its step's report comes
+            experts_of[step] = load.read(async_op=True)
         evaluate = bool(source.eval_batches()) and ((eval_every and step % eval_every == 0)
                                                    or (step == steps and eval_at_end))
         if not post:
@@ -539,8 +539,8 @@ def _loop(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, start: 
         dt = time.perf_counter() - t0
         for r in reports:  # post-validated: the previous step's report comes with this step's
             history[r.step] = r.loss
-            experts = experts_of.pop(r.step, None)
-            experts = experts() if callable(experts) else experts
+            waited = experts_of.pop(r.step, None)
+            experts = waited() if waited is not None else None
             if log is not None and (r.step % log_every == 0 or r.step in (start + 1, steps)):
                 log.log(r.step, _metrics(r, dt, source, peak, opt, pipe, experts,
                                          cfg.started_at if r.step == start + 1 else None))
@@ -616,7 +616,7 @@ def _report(pipe: Any, losses: dict[int, float], start: int, source: Any,
     two, which overlap, when they ran at the same shapes — the mean op times, the peaks, the losses."""
     peaks = [None] * pipe.size  # per pipeline rank (of this rank's pipeline): (activations, bytes)
     torch.distributed.all_gather_object(peaks, (pipe.peak_activations, pipe.counter.peak_bytes), group=pipe.group)
-    two = overlapped and pipe._executor is not None and pipe._executor.previous is not None
+    two = overlapped and pipe.timed_steps == 2
     timeline = pipe.timeline(steps=2 if two else 1)
     if timeline is None:
         return None
