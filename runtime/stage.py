@@ -63,7 +63,9 @@ class ActivationCounter:
     The bytes of an activation are the storages its record keeps: the stage inputs, every
     tensor autograd saved outside a recomputed region, a region's inputs, and once a backward
     recomputed a region, what it saved again — each storage once, parameters (and views of
-    them) not at all.  They count until the activation is dead (released and freed by autograd).
+    them) not at all.  They count until the activation is dead (released and freed by autograd);
+    a split backward's I, without recomputation, recounts them as what its pending W still holds
+    (`Cost.wmem` of the activation: the schedules' memory model).
     """
 
     def __init__(self, count_bytes: bool = True) -> None:
@@ -72,6 +74,7 @@ class ActivationCounter:
         self.peak = 0
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.largest_bytes = 0  # the most one activation counted at its forward's end, since `reset`
         self.counted: set[int] = set()  # the storages the newest activation counts (unit_clock.py reads them)
         # split backward: what each pending W held right after its I, as a share of its activation's bytes (the
         # last 256; --schedule auto reports them); measured only when asked (`measure_w_shares`), since it walks
@@ -90,6 +93,7 @@ class ActivationCounter:
     def reset(self) -> None:
         self.peak = self.live
         self.peak_bytes = self.live_bytes
+        self.largest_bytes = 0
 
 
 class ActivationToken:
@@ -138,6 +142,10 @@ class ActivationToken:
         counter.live_bytes += n
         if counter.live_bytes > counter.peak_bytes:
             counter.peak_bytes = counter.live_bytes
+
+    def recount(self, n: int) -> None:
+        """The activation holds `n` bytes now (after I: what its pending W holds)."""
+        self._count(n - self.nbytes)
 
     def pack(self, t: torch.Tensor) -> Saved:
         if self.counter.count_bytes:
@@ -297,6 +305,8 @@ class Stage:
                 out, loss = self.recompute.run(compute, tuple(inputs), token, again=plain)
             if self.is_last:
                 scaled = self.loss.scaled(loss)
+        if count_bytes and token.nbytes > self.counter.largest_bytes:
+            self.counter.largest_bytes = token.nbytes
         if self.is_last:
             act = Activation(inputs, [scaled], token, buffers or [])
             act.loss, act.saved = loss.detach(), saved
@@ -420,10 +430,12 @@ class Stage:
         act.outputs = []  # what W needs lives on through the boundary nodes
         if self.release and not plan.keeps_all:
             _drop_unread(act, [graph.nodes[k] for k in plan.weight_nodes])
-        if self.counter.measure_w_shares and self.counter.count_bytes and act.saved is not None:
-            share = _pending_w_share(act)
-            if share is not None:
-                self.counter.w_shares.append(share)
+        counter = self.counter
+        if counter.count_bytes and act.saved is not None and self.recompute is None:
+            counted, held = act.token.nbytes, _pending_w_bytes(act)  # type: ignore[attr-defined]
+            if counter.measure_w_shares and counted:
+                counter.w_shares.append(held / counted)
+            act.token.recount(held)  # type: ignore[attr-defined]
         act.saved = None
         return self._input_grads(act, list(got))
 
@@ -554,13 +566,11 @@ def _unpack(saved: Saved) -> torch.Tensor:
     return t
 
 
-def _pending_w_share(act: Activation) -> float | None:
+def _pending_w_bytes(act: Activation) -> int:
     """After I: the bytes W still holds — the stage inputs, the saved tensors it reads and the gradients captured for
-    it, each storage once — over the bytes the activation's forward counted; None when it counted none.  A kept
-    tensor counts where the forward counted its storage (a parameter's, saved detached, is not)."""
+    it, each storage once.  A kept tensor counts where the forward counted its storage (a parameter's, saved
+    detached, is not)."""
     token = act.token
-    if not token.nbytes:  # type: ignore[attr-defined]
-        return None
     held: dict[int, int] = {}
     kept = [s.tensor for s in act.saved or () if s.tensor is not None] + list(act.inputs)
     for t in kept:
@@ -572,7 +582,7 @@ def _pending_w_share(act: Activation) -> float | None:
             key_n = storage_key(g) if isinstance(g, torch.Tensor) else None
             if key_n is not None:
                 held[key_n[0]] = key_n[1]
-    return sum(held.values()) / token.nbytes  # type: ignore[attr-defined]
+    return sum(held.values())
 
 
 def _drop_unread(act: Activation, weight_nodes: list[Node]) -> None:

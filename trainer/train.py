@@ -367,15 +367,17 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
     counter = pipe.counter
     mine = (None if clock is None else clock.report(), pipe.rank, _budget(pipe, cfg),
-            counter.peak_bytes / counter.peak if counter.peak else 0.0,  # one stage activation's bytes, measured
+            float(counter.largest_bytes),  # one stage activation's bytes, measured
             statistics.median(counter.w_shares) if counter.w_shares else None)  # a pending W's share of it, measured
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, mine)
     units = [g[0] for g in gathered]
+    held = [g[4] for g in gathered if g[4] is not None]
+    wmem = max(held) if held else None  # one share for every stage: the most any rank measured
     wanted = dict(cfg.schedule.params)  # the user's -p mem wins over what the memory holds
     if cfg.training.post_validate:  # steps overlap: the search minimises their period
         wanted.setdefault("post", 1)
-    plan = [choose_cut(timeline, units, pipe.program, wanted, _room(pipe.size, cfg, [g[1:4] for g in gathered]))
+    plan = [choose_cut(timeline, units, pipe.program, wanted, _room(pipe.size, cfg, [g[1:4] for g in gathered]), wmem)
             if timeline is not None else None]
     torch.distributed.broadcast_object_list(plan, src=0)
     decision = plan[0]
@@ -398,14 +400,13 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
         params = " ".join(f"{k}={v}" for k, v in program.params.items())
         if fit is not None:
             said = f"{fit:,}" if fit < ROOM_UNBOUNDED else "any number of"
-            params += f" ({said} stage activations fit a rank{'; 1 is the least ZB-auto runs with' if fit < 1 else ''})"
+            least = f"; {decision['mem']} is the least ZB-auto runs with" if fit < decision["mem"] else ""
+            params += f" ({said} stage activations fit a rank{least})"
         if decision["peak_bytes"] is not None:
             mib = [round(b / 2**20, 2) for b in decision["peak_bytes"]]
             params += f", predicted peak activation MiB per rank {mib}"
-        held = [g[4] for g in gathered if g[4] is not None]
-        wmem = max(held) if held else None
-        if wmem is not None:  # not yet the search's (Cost.wmem): the budget and the byte counter count whole ones
-            params += f", a pending W holding up to {wmem:.2f} of an activation after I (measured)"
+        if wmem is not None:
+            params += f", a pending W holding {wmem:.2f} of an activation after I (measured; the search's Cost.wmem)"
         spread = op_time_spread(timeline)
         gain = 1 - decision["predicted_ms"] / decision["profiled_ms"]
         noise = (f"; the profile's op times varied {spread:.0%} about their means (the median over op kinds and "
@@ -422,7 +423,7 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
                   "predicted_ms": decision["predicted_ms"],
                   "profiled_ms": decision["profiled_ms"], "split": decision["points"],
                   "kept_split_ms": decision["kept_ms"], "op_time_spread": spread,
-                  "cost": {k: getattr(cost, k) for k in ("F", "I", "W", "comm")}}
+                  "cost": {k: getattr(cost, k) for k in ("F", "I", "W", "comm", "wmem")}}
         if log is not None:
             log.event(step, "schedule", fields, line)
         else:

@@ -18,6 +18,7 @@ The one whose ZB-auto step simulates shortest is taken when it is at least `GAIN
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -54,7 +55,8 @@ def activations_that_fit(budget: float, each: float) -> int:
 
 
 def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: Any,
-               params: dict[str, int] | None = None, room: Room | None = None) -> dict[str, Any]:
+               params: dict[str, int] | None = None, room: Room | None = None,
+               wmem: float | None = None) -> dict[str, Any]:
     """{"cost": the costs to search ZB-auto under (a `Cost`'s fields), "program": ZB-auto searched under them (its
     JSON: the search runs once, here), "points": the new cut points or None (keep the cut), "predicted_ms"
     (ZB-auto's simulated step under the chosen cut), "kept_ms" (under the current one), "profiled_ms" (the
@@ -63,21 +65,24 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
     "peak_bytes" (per rank: its simulated peak activations times its stage's bytes)}.  `units` None on some rank
     (stages without units) keeps the cut; `params["mem"]` fixes the cap; `params["post"]` = 1 searches the period of
     overlapped steps (post-validated steps: "predicted_ms" is then that period, "profiled_ms" the traced step scaled
-    to its program's simulated period)."""
+    to its program's simulated period).  `wmem`: the share of an activation a pending W holds, measured (`Cost.wmem`;
+    None: 1, whole until W); the cap and "peak_bytes" count it from I to W."""
     fitted = Cost.fit(timeline, statistic="mean")  # a path's expected length is the sum of mean costs
     typical = Cost.fit(timeline, statistic="median").per_stage  # a stage's: one slow op does not move it
     cost = replace(fitted, per_stage={s: {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
-                                      for s, c in typical.items()})
+                                      for s, c in typical.items()}, wmem=1.0 if wmem is None else wmem)
     P, M, S = program.num_ranks, program.num_microbatches, program.num_stages
     params = dict(params or {})
     fixed = "mem" in params or room is None
+
+    least = max(1, math.ceil(cost.wmem - 1e-9))  # the least cap ZB-auto runs with: one activation, and its W's share
 
     def cap(stage_bytes: Sequence[float] | None, budget: Sequence[float]) -> tuple[int, int | None]:
         """(ZB-auto's cap, the activations that fit) for stages of these bytes, one a rank, in `budget`."""
         if fixed or stage_bytes is None:
             return params.get("mem", 2 * P), None
         fit = min(activations_that_fit(b, e) for b, e in zip(budget, stage_bytes))
-        return max(1, min(2 * P, fit)), fit
+        return max(least, min(2 * P, fit)), fit
 
     def searched(c: Cost, stage_bytes: Sequence[float] | None, points: list[int] | None,
                  budget: Sequence[float]) -> dict[str, Any]:

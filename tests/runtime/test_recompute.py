@@ -19,11 +19,15 @@ def test_same_gradients_with_dropout(schedule: str, pool2) -> None:
     results = pool2.run(cases.recompute_check, program.to_json(), ("full", "selective"))
     problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
     assert not problems, "\n".join(problems[:20])
-    # recomputation never keeps more; full keeps less on the first rank, where most activations wait for
-    # their backward (a split backward's I-W window keeps the recomputed graph: the last rank may gain nothing)
+    # full keeps no more than selective; both keep no more than no recomputation without a split backward, and full
+    # keeps less on the first rank, where most activations wait for their backward.  A split backward's I-W window
+    # keeps a recomputed region whole until W, where without recomputation I drops what W does not read (counted
+    # from I on as what W holds): there the last rank may hold more with recomputation
     for r, res in enumerate(results):
         b = res["bytes"]
-        assert b["full"] <= b["selective"] <= b["None"], (r, b)
+        assert b["full"] <= b["selective"], (r, b)
+        if not program.split_backward:
+            assert b["selective"] <= b["None"], (r, b)
     assert results[0]["bytes"]["full"] < results[0]["bytes"]["None"], results[0]["bytes"]
 
 

@@ -238,7 +238,8 @@ def test_input_gradient_drops_what_the_weight_gradient_does_not_read() -> None:
 def test_the_share_of_an_activation_a_pending_w_holds_is_measured_after_input_gradient() -> None:
     """`ActivationCounter.w_shares` (what --schedule auto gives zb-auto as `Cost.wmem`): after I, the bytes of the
     saved tensors still alive and of the gradients captured for W over the bytes the forward counted, each storage
-    once — the same as counted independently by weak references to what the graph saved."""
+    once — the same as counted independently by weak references to what the graph saved.  From I on the byte
+    counter counts those bytes (the schedules' memory model: `Cost.wmem` of an activation until W)."""
     from saved_storages import saved_storages
 
     from pipedsl.models.gpt.model import Block, GPTConfig
@@ -256,7 +257,7 @@ def test_the_share_of_an_activation_a_pending_w_holds_is_measured_after_input_gr
         saved = saved_storages(outs, weights)
         saved.setdefault(x.untyped_storage().data_ptr(), (None, x.untyped_storage().nbytes()))  # the stage input
         counted = counter.live_bytes
-        assert counted == sum(n for _, n in saved.values())
+        assert counted == sum(n for _, n in saved.values()) == counter.largest_bytes
         del outs
         stage.backward_input(act, [torch.randn(B, T, C)])
         alive = {k: n for k, (ref, n) in saved.items() if ref is None or not ref.expired()}  # x: held by the stage
@@ -266,9 +267,13 @@ def test_the_share_of_an_activation_a_pending_w_holds_is_measured_after_input_gr
         if release:
             assert list(counter.w_shares) == [pytest.approx(held / counted)]
             assert 0 < counter.w_shares[0]  # 1.05 here: the captured gradients outweigh what I freed
+            assert counter.live_bytes == held and counter.peak_bytes == max(counted, held)
         else:  # every saved tensor stays until W: not measured (W's share is not what I kept)
             assert not counter.w_shares
+            assert counter.live_bytes == counted
         stage.backward_weight(act)
+        del act
+        assert counter.live == 0 and counter.live_bytes == 0  # W gave back what I recounted
     unasked = ActivationCounter()  # not asked: nothing walked at I
     stage = Stage(Block(GPTConfig(n_embd=C, n_head=4, block_size=T)), 1, 3, None, 1, unasked,
                   options=StageOptions(release=True))
