@@ -42,6 +42,18 @@ filter selecting the decoder layers; pipedsl's `recompute="full"` makes the whol
 region, which keeps only the stage's input but needs the whole stage's activations at once in
 its backward).  tests/plan/test_activation_bytes.py checks these against the bytes pipedsl's
 `Pipeline(activation_bytes=True)` counts.
+
+A split backward's pending W (from I to W) holds less: each linear's input and the gradient of its
+output (`layer_w_held_bytes`; the rest is dropped at I, runtime/stage.py).  For Megatron's GPT layer
+that is the zero-bubble paper's 32 of the 34 (Qi et al. 2024, arXiv 2401.10241: QKV, projection,
+fc1 and fc2 inputs 2 + 2 + 2 + 8, their output gradients 6 + 2 + 8 + 2); over tp the QKV and fc1
+inputs and the projection and fc2 output gradients are whole on every rank (8 + 24/t), with SP
+all of it is sharded (32/t), as Table 2 counts.  For the Hugging Face Llama layer the runtime holds,
+per token, v·(4h + (2h + 2·h_kv + 3f)/t) with or without SP: the two norms' normalised tensors and
+the linears' whole inputs (4h), the attention output and its projection's gradient, Q's, K's and
+V's output gradients, the MLP's product and its gate and up gradients (measured at tp1, tp2 and
+tp2 + SP, several widths; an MoE MLP's share taken as a dense MLP's, 3 of its 4·v·f).  Under
+recomputation a region is held whole until W: the share is 1.
 """
 
 from __future__ import annotations
@@ -84,3 +96,23 @@ def layer_activation_bytes(seq: int, samples: int, hidden: int, heads: int, tp: 
         return s * b * (norms + (attention + mlp) / t)
     # the norms' output shards are not kept: the linears (or the recomputed attention region) keep the gathered copy
     return s * b * (2 * (8 * h + 4) / t + 2 * v * h + (attention + mlp) / t)
+
+
+def layer_w_held_bytes(seq: int, samples: int, hidden: int, heads: int, tp: int = 1,
+                       sequence_parallel: bool = False, recompute: str = "none", fused: bool = False,
+                       layout: str = "gpt", ffn: int = 0, kv_hidden: int = 0, value_bytes: int = 2,
+                       mlp: float | None = None) -> float:
+    """Bytes one layer's pending W holds from its I to its W on one GPU (see the module docstring); under
+    recomputation what the layer keeps (`layer_activation_bytes`: a recomputed region is held whole)."""
+    if recompute != "none":
+        return layer_activation_bytes(seq, samples, hidden, heads, tp, sequence_parallel, recompute, fused, layout,
+                                      ffn, kv_hidden, value_bytes, mlp)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout is one of {', '.join(LAYOUTS)}, got {layout!r}")
+    s, b, h, t = seq, samples, hidden, tp
+    if layout == "gpt":
+        return s * b * h * (32 / t if sequence_parallel and t > 1 else 8 + 24 / t)
+    v = value_bytes
+    f, kv = ffn or 4 * h, kv_hidden or h
+    held_mlp = 3 * v * f if mlp is None else 0.75 * mlp
+    return s * b * (4 * v * h + (2 * v * h + 2 * v * kv + held_mlp) / t)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_PLAN_SIZE, shorten
-from pipedsl.plan.activations import LAYOUTS, layer_activation_bytes
+from pipedsl.plan.activations import LAYOUTS, layer_activation_bytes, layer_w_held_bytes
 
 BYTES_FP16 = 2
 
@@ -315,6 +315,15 @@ class ModelSpec:
         return layer_activation_bytes(self.seq, samples, self.hidden, self.heads, tp,
                                       sequence_parallel, mode, fused, self.layout, self.ffn_size, self.kv_size,
                                       BYTES_FP16, mlp=self.moe_mlp_bytes() if moe else None)
+
+    def layer_w_held_bytes(self, samples: int, tp: int, recompute: bool | str = "none",
+                           sequence_parallel: bool = False, fused: bool = False, moe: bool = False) -> float:
+        """Bytes a block's pending W holds from its I to its W, per microbatch of `samples` on one GPU
+        (`plan/activations.py`)."""
+        mode = {True: "full", False: "none"}.get(recompute, recompute)  # type: ignore[call-overload]
+        return layer_w_held_bytes(self.seq, samples, self.hidden, self.heads, tp,
+                                  sequence_parallel, mode, fused, self.layout, self.ffn_size, self.kv_size,
+                                  BYTES_FP16, mlp=self.moe_mlp_bytes() if moe else None)
 
     def with_batch(self, global_batch: int) -> ModelSpec:
         return replace(self, global_batch=global_batch)

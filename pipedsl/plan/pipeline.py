@@ -83,27 +83,29 @@ def _raised(out):
 
 
 @lru_cache(maxsize=1024)
-def compiled_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> tuple[int, ...]:
+def compiled_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = (),
+                   wmem: float = 1.0) -> tuple[float, ...]:
     """`peak_live` of `compiled(...)`, cached."""
-    return tuple(peak_live(compiled(schedule, P, M, params)))
+    return tuple(peak_live(compiled(schedule, P, M, params), wmem))
 
 
 def program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = (),
-                  cost: Cost | None = None) -> tuple[float, ...]:
-    """Per rank, the peak live stage activations of the schedule at M (extended linearly past the cap); a searched
-    schedule's as searched under `cost` (`compiled`)."""
+                  cost: Cost | None = None, wmem: float = 1.0) -> tuple[float, ...]:
+    """Per rank, the peak live stage activations of the schedule at M (extended linearly past the cap), a pending W
+    counted at `wmem` of one; a searched schedule's as searched under `cost` (`compiled`), at its `Cost.wmem`."""
     if cost is not None and is_searched(schedule):
-        return _extended_peaks(M, P, [tuple(peak_live(compiled(schedule, P, m, params, cost)))
+        return _extended_peaks(M, P, [tuple(peak_live(compiled(schedule, P, m, params, cost), cost.wmem))
                                       for m in simulation_sizes(M, P)])
-    return _program_peaks(schedule, P, M, params)
+    return _program_peaks(schedule, P, M, params, wmem)
 
 
 @lru_cache(maxsize=512)
-def _program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...]) -> tuple[float, ...]:
-    return _extended_peaks(M, P, [compiled_peaks(schedule, P, m, params) for m in simulation_sizes(M, P)])
+def _program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...],
+                   wmem: float = 1.0) -> tuple[float, ...]:
+    return _extended_peaks(M, P, [compiled_peaks(schedule, P, m, params, wmem) for m in simulation_sizes(M, P)])
 
 
-def _extended_peaks(M: int, P: int, peaks: list[tuple[int, ...]]) -> tuple[float, ...]:
+def _extended_peaks(M: int, P: int, peaks: list[tuple[float, ...]]) -> tuple[float, ...]:
     """The peaks at the simulated sizes, extended linearly to M."""
     sizes = simulation_sizes(M, P)
     if len(peaks) == 1:
@@ -112,20 +114,26 @@ def _extended_peaks(M: int, P: int, peaks: list[tuple[int, ...]]) -> tuple[float
     return tuple(a + k * (b - a) for a, b in zip(*peaks))
 
 
-def peak_live(program: Program) -> list[int]:
-    """Per rank, the most stage activations alive at once: `Timeline.peak_activations`' rule (from F
-    to its B, or W when split) read off the program order, which is the execution order."""
-    return [_peak(ins.op for ins in stream) for stream in program.ranks]
+def peak_live(program: Program, wmem: float = 1.0) -> list[float]:
+    """Per rank, the most stage activations alive at once: `Timeline.peak_activations`' rule (1 from F
+    to its B, or to its I when split and `wmem` from I to W) read off the program order, which is the
+    execution order."""
+    return [_peak((ins.op for ins in stream), wmem) for stream in program.ranks]
 
 
-def _peak(ops: Iterable[Op]) -> int:
-    live = peak = 0
+def _peak(ops: Iterable[Op], wmem: float = 1.0) -> float:
+    live = peak = 0.0
     for op in ops:
         if op is Op.F:
             live += 1
             peak = max(peak, live)
-        elif op is Op.B or op is Op.W:
+        elif op is Op.B:
             live -= 1
+        elif op is Op.I:
+            live -= 1 - wmem
+            peak = max(peak, live)  # a pending W may hold more than its activation (wmem > 1)
+        elif op is Op.W:
+            live -= wmem
     return peak
 
 
@@ -139,7 +147,12 @@ class Skeleton:
     num_ranks: int
     placement: dict[tuple[int, int], int]
     split_backward: bool
-    peaks: tuple[int, ...]  # `peak_live` of the compiled program (its compute order is the plan's)
+    peaks: tuple[float, ...]  # `peak_live` of the compiled program (its compute order is the plan's)
+    ops: tuple[tuple[Op, ...], ...] = ()  # each rank's compute order
+
+    def peaks_at(self, wmem: float) -> tuple[float, ...]:
+        """`peaks` with a pending W counted at `wmem` of an activation."""
+        return self.peaks if wmem == 1 else tuple(_peak(ops, wmem) for ops in self.ops)
 
 
 @lru_cache(maxsize=1024)
@@ -150,7 +163,8 @@ def _skeleton_or_error(schedule: str, P: int, M: int, params: tuple[tuple[str, i
         return err
     return Skeleton(plan.num_stages, plan.num_replicas, len(plan.orders), dict(plan.placement),
                     any(entry[0] is Op.I for order in plan.orders for entry in order),
-                    tuple(_peak(entry[0] for entry in order) for order in plan.orders))
+                    tuple(_peak(entry[0] for entry in order) for order in plan.orders),
+                    tuple(tuple(entry[0] for entry in order) for order in plan.orders))
 
 
 def skeleton(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...] = ()) -> Skeleton:

@@ -225,7 +225,8 @@ def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> floa
         layers = _layers(model, layout, program.num_stages)
         return _placement_bound(program, stage_costs(model, cluster, layout, program.num_stages,
                                                      program.num_replicas, layers), layout.microbatches)
-    layers, costs, _, _ = _costed(model, cluster, layout, program, program.peaks, "at least ")
+    layers, costs, _, _ = _costed(model, cluster, layout, program, program.peaks_at(w_share(model, layout)),
+                                  "at least ")
     if layers != stage_layers(model, layout, program.num_stages):  # fitted to the small size's peaks: the full
         return 0.0  # size's may take other layers, whose bound this one is not
     return _placement_bound(program, costs, layout.microbatches)
@@ -238,7 +239,7 @@ def _fits_at_small_size(model: ModelSpec, cluster: ClusterSpec, layout: Layout) 
     S = program.num_stages
     layers = _layers(model, layout, S)
     costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
-    memory = _memory(model, layout, costs, stage_ranks(program), program.peaks, layers)[0]
+    memory = _memory(model, layout, costs, stage_ranks(program), program.peaks_at(w_share(model, layout)), layers)[0]
     return memory.total <= cluster.memory - cluster.reserved_memory
 
 
@@ -259,7 +260,7 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepare
     else:
         try:
             program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
-            peaks = program_peaks(layout.schedule, P, M, layout.params)
+            peaks = program_peaks(layout.schedule, P, M, layout.params, wmem=w_share(model, layout))
         except PipeDSLError as err:
             raise LayoutError(f"schedule: {err.message}") from None
     layers, costs, memory, per_rank = _costed(model, cluster, layout, program, peaks,
@@ -297,6 +298,18 @@ def _rank_memory(model: ModelSpec, layout: Layout, params: float, experts: float
     states = moe_model_states(params - experts + routed, routed, layout.dp, layout.ep, layout.zero,
                               state_bytes("bf16", layout.grads))
     return MemoryReport(states, peak * layers * per_layer + extra + (logits if last else 0.0), round(peak))
+
+
+def w_share(model: ModelSpec, layout: Layout) -> float:
+    """The share of a layer's stored activation a pending W holds from its I to its W (`Cost.wmem`: the schedules'
+    peaks count it so), from `plan/activations.py`'s bytes; 1 under recomputation (a region is held whole until W).
+    An MoE model: the larger of a dense and an MoE layer's."""
+    if layout.recompute != "none":
+        return 1.0
+    t, b, sp, fused = layout.tp, layout.microbatch, layout.sp, layout.fused
+    return max(model.layer_w_held_bytes(b, t, "none", sp, fused, moe) / model.layer_activation_bytes(b, t, "none", sp,
+                                                                                                       fused, moe)
+               for moe in ((False, True) if model.moe else (False,)))
 
 
 def _activation_terms(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
@@ -374,7 +387,7 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
         costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
         try:
             live = program_peaks(layout.schedule, layout.pp, layout.microbatches, layout.params,
-                                 costs.simulator_cost()) if searched else peaks
+                                 replace(costs.simulator_cost(), wmem=w_share(model, layout))) if searched else peaks
         except PipeDSLError as err:
             raise LayoutError(f"schedule: {err.message}") from None
         return (layers, costs, live, *_memory(model, layout, costs, on_rank, live, layers))

@@ -78,3 +78,39 @@ def layer_bytes(tp: int, sp: bool, recompute: str | None, attn: str = "eager") -
 def layer_bytes_each(tp: int, sp: bool, variants: list[tuple[str | None, str]]) -> list[dict]:
     """`layer_bytes` for each (recompute, attention) variant, in one job: one gloo world for all (suite time)."""
     return [layer_bytes(tp, sp, recompute, attn) for recompute, attn in variants]
+
+
+def w_held_layer(tp: int, sp: bool, kv_heads: int) -> dict:
+    """Bytes one layer's pending W holds after I, and its stored activation, per microbatch on this rank: stage 1
+    of two (the layers and the head: stage 0, the embedding, has no input gradient, so its I is empty) under
+    ZB-H1, one microbatch; the counter's share after I (`w_shares`) times the forward's bytes (`largest_bytes`),
+    with 2 layers less with 1.  Run on 2·tp ranks (pp2 × tp)."""
+    from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
+    from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
+
+    def one(layers: int) -> tuple[float, float]:
+        mesh = ParallelMesh(ParallelConfig(pp=2, tp=tp))
+        stages = causal_lm_stages(tiny_llama(layers, "sdpa"), 2, points=[1])
+        loss = causal_lm_loss
+        if tp > 1:
+            stages, loss = tp_hf_stages(stages, mesh, sequence_parallel=sp), tp_hf_loss(mesh)
+        pipe = pipedsl.Pipeline(stages, program=pipedsl.load("zb-h1").compile(P=2, M=1), loss_fn=loss,
+                                parallel=mesh, activation_bytes=True)
+        pipe.counter.measure_w_shares = True
+        x = torch.randint(SIZES["vocab"], (SIZES["microbatch"], SIZES["seq"]),
+                          generator=torch.Generator().manual_seed(1))
+        pipe.step(x, shift_labels(x))  # the first step also learns the shapes
+        pipe.counter.reset()
+        pipe.counter.w_shares.clear()
+        pipe.step(x, shift_labels(x))
+        counted = float(pipe.counter.largest_bytes)
+        shares = list(pipe.counter.w_shares)
+        pipe.close()
+        return counted, (shares[-1] * counted if shares else 0.0)
+
+    SIZES["kv_heads"], kept = kv_heads, SIZES["kv_heads"]
+    try:
+        (stored1, held1), (stored2, held2) = one(1), one(2)
+    finally:
+        SIZES["kv_heads"] = kept
+    return {"stored": stored2 - stored1, "held": held2 - held1, "rank": dist.get_rank()}

@@ -11,9 +11,10 @@ more FLOPs (33-36 % measured), selective recomputation's attention core is s/6h 
 from __future__ import annotations
 
 import pytest
-from activation_cases import SIZES, layer_bytes_each
+from activation_cases import SIZES, layer_bytes_each, w_held_layer
 
-from pipedsl.plan.activations import layer_activation_bytes
+import pipedsl
+from pipedsl.plan.activations import layer_activation_bytes, layer_w_held_bytes
 from pipedsl.plan.model import ModelSpec, model_preset
 
 GPT3 = dict(seq=2048, hidden=12288, heads=96)
@@ -106,3 +107,72 @@ def test_measured_bytes_equal_the_formula(pool, tp: int, sp: bool) -> None:
                                       attn == "sdpa", "hf", z["ffn"], z["hidden"] * z["kv_heads"] // z["heads"], 4)
         for r in per_rank:
             assert r[k]["layer"] == pytest.approx(want, rel=0.01), (recompute, attn, r[k])
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize(("s", "h", "a"), [(1024, 1536, 24), (2048, 12288, 96)])
+def test_what_a_pending_w_holds_in_the_gpt_layer_is_the_zero_bubble_papers(s: int, h: int, a: int, t: int) -> None:
+    """Qi et al. 2024: W reads each linear's input and its output's gradient, 32h of the 34h + 5as bytes a token;
+    over tp the QKV and fc1 inputs and the projection's and fc2's output gradients are whole (8 + 24/t), SP shards
+    them (32/t); recomputation holds the layer whole until W."""
+    def held(sp: bool = False, recompute: str = "none") -> float:
+        return layer_w_held_bytes(s, 1, h, a, t, sp, recompute) / (s * h)
+
+    assert held() == pytest.approx(8 + 24 / t)
+    assert held() / gpt(s, h, a) * (t == 1) == pytest.approx(32 * h / (34 * h + 5 * a * s) * (t == 1))
+    assert held(True) == pytest.approx(32 / t if t > 1 else 32)
+    assert held(True, "selective") == pytest.approx(gpt(s, h, a, t, True, "selective"))
+    assert held(recompute="full") == pytest.approx(gpt(s, h, a, t, recompute="full"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "sp", "kv_heads"), [(1, False, 2), (1, False, 4), (2, False, 2), (2, True, 4)],
+                         ids=["tp1", "tp1-kv4", "tp2", "tp2+sp-kv4"])
+def test_measured_w_held_bytes_equal_the_formula(pool, tp: int, sp: bool, kv_heads: int) -> None:
+    """What the runtime's byte counter holds for one tiny Llama layer's pending W after I (fp32, SDPA; the counter
+    was checked against weak references in test_stage.py) is `layer_w_held_bytes`, v·(4h + (2h + 2h_kv + 3f)/t),
+    on every rank, and what it stored is `layer_activation_bytes`."""
+    z = SIZES
+    kv = z["hidden"] * kv_heads // z["heads"]
+    args = (z["seq"], z["microbatch"], z["hidden"], z["heads"], tp, sp, "none", True, "hf", z["ffn"], kv, 4)
+    per_rank = pool.run(w_held_layer, 2 * tp, tp, sp, kv_heads)
+    last = [r for r in per_rank if r["rank"] >= tp]  # the second stage's ranks
+    assert len(last) == tp
+    for r in last:
+        assert r["held"] == pytest.approx(layer_w_held_bytes(*args), rel=1e-6), r
+        assert r["stored"] == pytest.approx(layer_activation_bytes(*args), rel=0.01), r
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v", "1f1b"])
+def test_the_planner_counts_a_pending_w_at_its_share(schedule: str) -> None:
+    """Without recomputation a zero-bubble layout's activation memory is its fullest rank's peak with a pending W
+    counted at `w_share` (the simulator's rule: 1 from F to I, the share from I to W) times a stage's layers and a
+    layer's bytes (the last stage's rank: the logits too); 1F1B (no W) is unchanged, and under recomputation the
+    share is 1."""
+    from pipedsl.plan import cluster_preset, model_preset
+    from pipedsl.plan.config import Layout
+    from pipedsl.plan.pipeline import compiled, stage_ranks
+    from pipedsl.plan.search import evaluate, w_share
+
+    model, cluster = model_preset("gpt-1.7b"), cluster_preset("a100-80gb").with_gpus(4)
+    layout = Layout(1, 4, 1, schedule, 1, model.global_batch, recompute="none", attention="eager")
+    share = w_share(model, layout)
+    assert share == pytest.approx(32 * model.hidden / (34 * model.hidden + 5 * model.heads * model.seq))
+    assert w_share(model, Layout(1, 4, 1, schedule, 1, layout.microbatches)) == 1.0  # recompute="full"
+    M = layout.microbatches
+    program = compiled(schedule, 4, M)
+    peaks = pipedsl.simulate(program, pipedsl.Cost(wmem=share)).peak_activations
+    whole = pipedsl.simulate(program).peak_activations
+    estimate = evaluate(model, cluster, layout)
+    per_layer = model.layer_activation_bytes(1, 1, "none")
+    layers = list(estimate.layers)
+    on_rank = stage_ranks(program)
+    activations = [peaks[r] * max(layers[s] for s in st) * per_layer for r, st in on_rank.items()]
+    fullest = max(range(4), key=lambda r: estimate.rank_memory[r])
+    last = program.num_stages - 1  # its rank also holds the fp32 logits of the microbatch in flight
+    expected = activations[fullest] + (4 * model.seq * model.vocab if last in on_rank[fullest] else 0.0)
+    assert estimate.memory.activations == pytest.approx(expected, rel=1e-9)
+    if schedule == "1f1b":
+        assert peaks == whole
+    elif schedule == "zb-h1":  # its later ranks defer W's past their peak; ZB-V's peaks come before any pending W
+        assert all(p < w for p, w in zip(peaks[1:], whole[1:])), (peaks, whole)
