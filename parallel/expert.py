@@ -97,8 +97,10 @@ class ExpertParallel(nn.Module):
         self.first = self.rank * self.per_rank
         self.group, self.edp_group, self.dp = group, edp_group, dp
         for name, p in experts._parameters.items():
-            self.register_parameter(name, nn.Parameter(p.detach()[self.first:self.first + self.per_rank].clone(),
-                                                       requires_grad=p.requires_grad))
+            rows = p.detach()[self.first:self.first + self.per_rank].clone()
+            shard = nn.Parameter(rows, requires_grad=p.requires_grad)
+            shard.__dict__.update(p.__dict__)  # its marks (a tp copy whose gradient is summed later: moe_tp.py)
+            self.register_parameter(name, shard)
         self._names = list(experts._parameters)
         impl = copy.copy(experts)  # its attributes and activation modules shared; its parameters set per call
         impl._parameters = dict(self._parameters)

@@ -49,12 +49,18 @@ installs before each forward are wrapped back into DTensors with `DTensor.from_l
 backward gives the gradient the weight's placements exactly as `_grad_like_param` does here
 (parallel/zero.py).
 
+Mixtures of experts: a layer whose `mlp` (or `block_sparse_moe`) is an MoE block — a router and
+experts rather than gate/up/down_proj — keeps the block whole and runs it on this rank's share of
+the tokens (parallel/moe_tp.py: a sequence shard with SP, 1/t of the rows without), so its
+experts may be sharded over ep as well (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE,
+PhiMoE, GraniteMoE).
+
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
-`mlp` (gate/up/down_proj), `input_layernorm`, `post_attention_layernorm` — Llama, Mistral,
-Qwen2, Qwen3.  Tied embeddings stay one parameter (embedding and head hold the same row block).
-Others are refused by name.  Checkpoints hold each rank's shards and load under any tp and ZeRO
-stage, and `pipedsl export` puts the shards back together (runtime/checkpoint/state.py: `_retp`,
-`read_model`).  Not yet: dropout, 3-D tp.
+`mlp` (gate/up/down_proj, or an MoE block), `input_layernorm`, `post_attention_layernorm` —
+Llama, Mistral, Qwen2, Qwen3 and the MoE families above.  Tied embeddings stay one parameter
+(embedding and head hold the same row block).  Others are refused by name.  Checkpoints hold each
+rank's shards and load under any tp and ZeRO stage, and `pipedsl export` puts the shards back
+together (runtime/checkpoint/state.py: `_retp`, `read_model`).  Not yet: dropout, 3-D tp.
 """
 
 from __future__ import annotations
@@ -76,12 +82,28 @@ from torch.distributed.tensor.parallel import (
 
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.mesh import ParallelMesh
+from pipedsl.parallel.moe_tp import TokenShare, split_tokens
 from pipedsl.parallel.replicated import mark_replicated, partial_local, sum_grads_later, sums_grads_later
 from pipedsl.parallel.tp1d import vocab_parallel_cross_entropy
 
 ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj"}
-LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+NORMS = {"input_layernorm", "post_attention_layernorm"}
+LAYER = {"self_attn", "mlp", *NORMS}
+MOE_NAMES = ("mlp", "block_sparse_moe")  # where a layer keeps its MoE block (GraniteMoE: block_sparse_moe)
+
+
+def moe_block(layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of the layer's MoE block: its MLP slot holding experts (a module with an int `num_experts`
+    or `num_local_experts`) rather than gate/up/down_proj; None for a dense layer."""
+    for name in MOE_NAMES:
+        block = getattr(layer, name, None)
+        if block is None or MLP <= {n for n, _ in block.named_children()}:
+            continue
+        if any(isinstance(getattr(m, a, None), int) for m in block.modules()
+               for a in ("num_experts", "num_local_experts")):
+            return name, block
+    return None
 
 
 def check_stages(stages: Sequence[nn.Module], config: ParallelConfig) -> tuple[int, Any]:
@@ -105,10 +127,14 @@ def check_stages(stages: Sequence[nn.Module], config: ParallelConfig) -> tuple[i
         for i, layer in stage.layers.items():
             kids = {n for n, _ in layer.named_children()}
             attn = {n for n, _ in getattr(layer, "self_attn", nn.Module()).named_children()}
+            moe = moe_block(layer)
             mlp = {n for n, _ in getattr(layer, "mlp", nn.Module()).named_children()}
-            if kids != LAYER or not ATTN <= attn or not attn <= ATTN | {"q_norm", "k_norm"} or not MLP <= mlp:
+            dense = kids == LAYER and MLP <= mlp
+            if (not dense and (moe is None or kids != {"self_attn", moe[0], *NORMS})) or not ATTN <= attn \
+                    or not attn <= ATTN | {"q_norm", "k_norm"}:
                 raise ParallelConfigError(f"tp_hf_stages: layer {i} ({type(layer).__name__}) is not in the Llama "
-                                          f"layout (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj, two norms)")
+                                          f"layout (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj or an MoE block, "
+                                          f"two norms)")
             head_dim = layer.self_attn.head_dim
             for n in ("q_norm", "k_norm"):
                 norm = getattr(layer.self_attn, n, None)
@@ -156,7 +182,13 @@ def _hook_grads(stage: nn.Module, args: tuple) -> None:
                 _grad_like_param(p, sums_grads_later(m))
 
 
-def _layer_plan(sp: bool) -> dict[str, Any]:
+def _layer_plan(sp: bool, moe: bool = False) -> dict[str, Any]:
+    """The layer's plan; an MoE layer's (`moe`) leaves its block to `split_tokens`."""
+    plan = _dense_layer_plan(sp)
+    return {k: v for k, v in plan.items() if not k.startswith("mlp")} if moe else plan
+
+
+def _dense_layer_plan(sp: bool) -> dict[str, Any]:
     seq = Shard(1)
     if sp:
         return {
@@ -193,6 +225,7 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
     tp_mesh: DeviceMesh = mesh.device_mesh["tp"]
     group = mesh.tp_group
     sp = sequence_parallel
+    share = TokenShare(group, sp)  # the tokens an MoE block runs on this rank
     first = next((st for st in stages if st.embed is not None), None)
     last = next((st for st in stages if st.head is not None), None)
     tied = (first is not None and last is not None
@@ -205,7 +238,11 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
             parallelize_module(stage.embed, tp_mesh, {"embed_tokens": RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)})
         for layer in stage.layers.values():
-            parallelize_module(layer, tp_mesh, _layer_plan(sp))
+            moe = moe_block(layer)
+            parallelize_module(layer, tp_mesh, _layer_plan(sp, moe is not None))
+            if moe is not None:
+                stage.token_share = share
+                split_tokens(moe[1], share, tp_mesh)
             for n in ("q_norm", "k_norm"):
                 if getattr(layer.self_attn, n, None) is not None:
                     parallelize_module(layer.self_attn, tp_mesh, {n: SequenceParallel(sequence_dim=2,
@@ -271,11 +308,18 @@ def tp_hf_loss(mesh: ParallelMesh, reduction: str = "mean",
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     group = mesh.tp_group
 
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        aux = None
+        if isinstance(logits, tuple):  # (logits, an MoE's router loss, the same on every tp rank: RouterLoss)
+            logits, aux = logits
+            if reduction != "mean":
+                raise ParallelConfigError("an MoE's auxiliary loss is added to each microbatch's mean loss: use "
+                                          "tp_hf_loss(mesh) (reduction='mean') with loss_reduction='microbatch'")
         keep = targets != ignore_index
         safe = targets.masked_fill(~keep, 0)  # an ignored target's id is irrelevant: its loss is zeroed
         per_token = vocab_parallel_cross_entropy(logits.float(), safe, group)  # [mb, T]
         total = per_token.masked_fill(~keep, 0.0).sum()
-        return total if reduction == "sum" else total / keep.sum()
+        out = total if reduction == "sum" else total / keep.sum()
+        return out + aux.to(out.device) if aux is not None else out
 
     return loss

@@ -433,10 +433,6 @@ class TrainConfig:
         if par.dp % par.ep:
             raise ConfigError(f"--ep {par.ep} must divide --dp {par.dp}: the experts are sharded over groups of ep "
                               f"data-parallel replicas")
-        mixed = moe_refusal(False, par.tp, par.ep)  # the planner's rule too (pipedsl/plan/runnable.py)
-        if mixed is not None:
-            raise ConfigError(f"--ep {par.ep} with --tp {par.tp}: {mixed}; shard the experts over data-parallel ranks "
-                              f"alone")
         if c.checkpoint_every and not c.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         if t.lr_schedule != "constant" and t.warmup_steps >= t.steps:
@@ -494,7 +490,7 @@ class TrainConfig:
             raise ConfigError(f"--experts {m.experts} cannot be shared evenly by --ep {ep} ranks")
         if m.experts and m.top_k > m.experts:
             raise ConfigError(f"--top-k {m.top_k} is more than the {m.experts} experts")
-        refused = moe_refusal(bool(m.experts), tp, ep)  # the planner's rule (pipedsl/plan/runnable.py)
+        refused = moe_refusal(bool(m.experts), tp, hf=False)  # the planner's rule (pipedsl/plan/runnable.py)
         if refused is not None:
             raise ConfigError(f"--experts with --tp {tp}: {refused}; use --ep")
         if tp == 1:

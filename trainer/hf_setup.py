@@ -16,7 +16,6 @@ from typing import Any
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.memory import model_states
-from pipedsl.plan.runnable import moe_refusal
 from pipedsl.runtime.launch.capacity import total_memory
 from pipedsl.trainer.config import HFModelConfig, TrainConfig, check_points, split_points
 
@@ -40,9 +39,6 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
                            f"microbatch's mean loss (output_router_logits), as transformers does; use the default "
                            f"(microbatch) or set output_router_logits false in its config.json")
     ep, experts = cfg.parallel.ep, num_experts(md.config)
-    refused = moe_refusal(True, cfg.parallel.tp, ep) if experts else None  # the planner's rule
-    if refused is not None:
-        raise PipeDSLError(f"--tp {cfg.parallel.tp}: {md.path} is a mixture of experts, and {refused}")
     if ep > 1 and not experts:
         raise PipeDSLError(f"--ep {ep} shards experts, and {md.path} ({md.kind}) has none")
     if experts % ep:

@@ -345,6 +345,7 @@ class CausalLMStage(ModelNamed, nn.Module):
         self.layer_extras = parts.layer_extras
         self.router: RouterLoss | None = parts.router  # an MoE's auxiliary loss: accumulators travel (RouterLoss)
         self._caught: list[torch.Tensor] | None = None  # this forward's router logits, in layer order
+        self.token_share: Any = None  # under tp: the tokens this rank's MoE blocks run (parallel/moe_tp.py)
         if self.router is not None:
             for m in self.layers.modules():
                 if isinstance(m, self.router.router_class):
@@ -383,9 +384,8 @@ class CausalLMStage(ModelNamed, nn.Module):
             caught = self._caught
         finally:
             self._caught = None
-        if self.router is not None:
-            for logits in caught or ():
-                sums = self.router.add(sums, logits, mask)
+        if self.router is not None and caught:
+            sums = self._router_sums(sums, caught, mask)
         if self.head is not None:
             logits = self.head(h)  # [mb, T, V]
             return (logits, self.router.loss(sums)) if self.router is not None else logits
@@ -394,6 +394,25 @@ class CausalLMStage(ModelNamed, nn.Module):
             return h
         # cloned: a received buffer is reused once this microbatch's backward is done, maybe before its send is
         return (h, *(t.clone() for t in passed), *(t.clone() for t in (sums or ())))
+
+    def _router_sums(self, sums: tuple[torch.Tensor, ...], caught: list[torch.Tensor],
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """`sums` with this stage's layers' router logits added; under tp, where each rank's MoE blocks route only
+        its share of the tokens, its layers' sums added over tp (one all-reduce for the counts, one for the
+        probabilities)."""
+        assert self.router is not None
+        share = self.token_share
+        if share is None:
+            for logits in caught:
+                sums = self.router.add(sums, logits, mask)
+            return sums
+        mine = self.router.start(sums[0].device)
+        rows = None if mask is None else share.rows(mask)
+        for logits in caught:
+            mine = self.router.add(mine, logits, rows)
+        counts, probs, n = mine
+        whole = share.summed(torch.cat([counts, n]))
+        return sums[0] + whole[:-1], sums[1] + share.summed(probs), sums[2] + whole[-1:]
 
     def _layers(self, h: torch.Tensor, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

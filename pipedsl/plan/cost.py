@@ -93,6 +93,9 @@ class _Block:
     experts: float  # of which routed experts
     a2a: float  # forward all-to-alls (dispatch + combine); the backward has as much
     a2a_again: float  # a fully recomputed forward's all-to-alls
+    tp_fwd: float = 0.0  # tensor-parallel collectives in the forward
+    tp_bwd: float = 0.0  # and in the backward
+    summed: float = 0.0  # parameters whose gradient each tp rank holds part of, summed over tp once a step
 
 
 def tp_degree_3d(tp: int) -> int:
@@ -182,9 +185,8 @@ def _piece_params(model: ModelSpec, t: int, ep: int) -> tuple[tuple[float, ...],
     params, experts = [model.embedding_params / t], [0.0]
     for i in range(model.layers):
         moe = model.is_moe_layer(i)
-        e = model.moe_layer_expert_params / t / ep if moe else 0.0
-        params.append((model.block_params(moe) - e * t * (ep - 1)) / t)
-        experts.append(e)
+        params.append(model.moe_block_params_per_gpu(t, ep) if moe else model.layer_params / t)
+        experts.append(model.moe_layer_expert_params / ep if moe else 0.0)
     params.append((model.vocab * model.hidden + 2 * model.hidden) / t)  # the output layer, the final norm
     experts.append(0.0)
     return tuple(params), tuple(experts)
@@ -243,15 +245,20 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     flash_backward = core / 2 / rate if fused else 0.0  # a fused kernel's backward recomputes QKᵀ
     ep = layout.ep
     ep_bw, ep_lat = cluster.link(t * ep)  # ep ranks are dp ranks, t apart
-    tokens = b * s / (t if sp else 1)  # one rank's tokens of a microbatch
+    # an MoE block runs on its tp rank's share of the tokens (parallel/moe_tp.py): its all-to-alls carry 1/t of the
+    # microbatch; without SP the share is taken and its outputs all-gathered (the gradients likewise, backward) in
+    # place of the MLP's all-reduce; with SP the share is the sequence shard, and the MLP's collectives go
+    tokens = b * s / t
+    moe_tp = 0.0 if sp or t == 1 else gather(act, t, tp_bw, tp_lat)
 
     def kind(moe: bool) -> _Block:
         stored = model.layer_activation_bytes(b, t, "none", sp, fused, moe)
         flops = model.layer_flops(b, moe)
         block = flops / rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
         a2a = 2 * all_to_all(moe_all_to_all_bytes(model, tokens, ep), ep, ep_bw, ep_lat) if moe else 0.0
+        tp_f, tp_b = (tp_block_fwd / 2 + moe_tp, tp_block_bwd / 2 + moe_tp) if moe else (tp_block_fwd, tp_block_bwd)
         if mode == "full":
-            again = block + fixed + tp_block_fwd
+            again = block + fixed + tp_f
         elif mode == "selective":  # what it recomputes, and the memory-bound kernels on what it no longer stores
             dropped = stored - model.layer_activation_bytes(b, t, "selective", sp, fused, moe)
             again = model.recomputed_flops("selective", fused, b) / rate + \
@@ -260,9 +267,12 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
                 again += tp_block_fwd / 2
         else:
             again = 0.0
-        experts = model.moe_layer_expert_params / t / ep if moe else 0.0
-        return _Block(flops, block, again, (model.block_params(moe) - experts * ep * t) / t + experts, experts,
-                      a2a, a2a if mode == "full" else 0.0)
+        if not moe:
+            return _Block(flops, block, again, model.layer_params / t, 0.0, 0.0, 0.0, tp_f, tp_b)
+        per_gpu = model.moe_block_params_per_gpu(t, ep)
+        summed = per_gpu - (model.moe_layer_params - model.moe_mlp_params) / t if t > 1 else 0.0
+        return _Block(flops, block, again, per_gpu, model.moe_layer_expert_params / ep, a2a,
+                      a2a if mode == "full" else 0.0, tp_f, tp_b, summed)
 
     kinds = {False: kind(False)}
     if model.moe:
@@ -277,23 +287,23 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         n_moe = model.moe_layers_in(first, n)
         counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
         gemm = sum(c * (k.flops - core) for c, k in counts)
-        params = sum(c * model.block_params(k is kinds.get(True)) for c, k in counts)  # before tp and ep
+        p_gpu = sum(c * k.params for c, k in counts)  # per GPU: over tp, the routed experts over ep
         experts = sum(c * k.experts for c, k in counts)
-        params -= experts * t * (ep - 1)  # the other ranks' experts
+        summed = sum(c * k.summed for c, k in counts)
         head = 0.0
         if st == 0:
-            params += model.embedding_params
+            p_gpu += model.embedding_params / t
         if st == stages - 1:
             head = model.logit_flops(b) / rate
             gemm += model.logit_flops(b)
-            params += model.vocab * h + 2 * h  # the output layer (the GPT's copy of the word embedding), final norm
-        p_gpu = params / t
-        tp_fwd = n * tp_block_fwd
+            p_gpu += (model.vocab * h + 2 * h) / t  # the output layer (the GPT's copy of the word embedding), norm
+        blocks_tp_fwd = sum(c * k.tp_fwd for c, k in counts)
+        tp_fwd = blocks_tp_fwd
         if t > 1 and not q and st == 0:  # the vocabulary-parallel embedding sums its partial lookups
             tp_fwd += all_reduce(act, t, tp_bw, tp_lat)
         if t > 1 and not q and st == stages - 1:  # vocabulary-parallel cross-entropy: max, Σexp, target logit
             tp_fwd += 3 * all_reduce(4 * b * s, t, tp_bw, tp_lat)
-        tp_bwd = n * tp_block_bwd
+        tp_bwd = sum(c * k.tp_bwd for c, k in counts)
         fwd = sum(c * (k.block + fixed) for c, k in counts) + head
         recompute = sum(c * k.again for c, k in counts)
         a2a_f = sum(c * k.a2a for c, k in counts)  # dispatch + combine of each MoE block
@@ -301,14 +311,14 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         op = cluster.op_overhead
 
         def layer_f(k: _Block) -> float:
-            return k.block + fixed + tp_block_fwd + k.a2a
+            return k.block + fixed + k.tp_fwd + k.a2a
 
         def layer_b(k: _Block) -> float:
-            return 2 * (k.block + fixed) + flash_backward + tp_block_bwd + k.again + k.a2a + k.a2a_again
+            return 2 * (k.block + fixed) + flash_backward + k.tp_bwd + k.again + k.a2a + k.a2a_again
 
         def layer_i(k: _Block) -> float:
             split = (cluster.split_backward - 1) * 3 * (k.block + fixed) / 2  # a split backward's extra work
-            return ((k.flops + core) / rate + fixed + split + flash_backward + tp_block_bwd + k.again + k.a2a
+            return ((k.flops + core) / rate + fixed + split + flash_backward + k.tp_bwd + k.again + k.a2a
                     + k.a2a_again)
 
         zero_f = zero_b = zero_i = zero_w = 0.0
@@ -336,6 +346,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         grad = state_bytes("bf16", layout.grads).grad  # reduced in the dtype they accumulate in
         grad_bytes = grad * (p_gpu - experts)
         replica = all_reduce(grad * p_gpu, replicas, pp_bw, pp_lat)
+        replica += all_reduce(grad * summed, t, tp_bw, tp_lat) if summed else 0.0  # MoE blocks' parts, over tp
         scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
         if layout.zero == 0:  # the experts' gradients over their own replicas (dp/ep), the rest over dp
             reduce.append(replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat)
@@ -351,8 +362,8 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
         step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
         psi.append(p_gpu)
         expert_psi.append(experts)
-        tp_again = n * (tp_block_fwd if mode == "full" else tp_block_fwd / 2 if mode == "selective" and model.hf
-                        else 0.0)
+        tp_again = (blocks_tp_fwd if mode == "full" else n * tp_block_fwd / 2 if mode == "selective" and model.hf
+                    else 0.0)
         tpc.append(tp_fwd + tp_bwd + tp_again)
         zg.append(zero_f + zero_b)
         a2a_time.append(a2a_f + a2a_b)

@@ -202,6 +202,19 @@ class ModelSpec:
         return self.experts * self.expert_params
 
     @property
+    def moe_mlp_params(self) -> int:
+        """One MoE block's MLP part — routed and shared experts and the router: what tensor parallelism keeps whole
+        on each tp rank (each runs it on its share of the tokens, parallel/moe_tp.py)."""
+        return self.moe_layer_expert_params + self.shared_experts * self.shared_expert_params + self.router_params
+
+    def moe_block_params_per_gpu(self, tp: int, ep: int) -> float:
+        """One MoE block's parameters on one GPU: the attention and norms over tp, the MLP part whole but the routed
+        experts over ep."""
+        mlp = self.moe_mlp_params
+        routed = self.moe_layer_expert_params
+        return (self.moe_layer_params - mlp) / tp + mlp - routed + routed / ep
+
+    @property
     def moe_layer_params(self) -> int:
         """One MoE block, total: P_attn + E·m·h·f_e + S·m·h·f_s + E·h + 2h (+ q/k norms)."""
         dense_mlp = (3 if self.gated else 2) * self.hidden * self.ffn_size

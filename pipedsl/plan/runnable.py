@@ -7,15 +7,16 @@ rules every layout meets (batch split, tp divides the sizes, layers split over s
 `search._check_shape`.
 
 Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `check_stages` and its docstring):
-- 1-D tensor parallelism only (no 3-D);
+- 1-D tensor parallelism only (no 3-D), of Q/K/V/O attention (not DeepSeek's multi-head latent attention);
 - heads, key/value heads, vocabulary and intermediate size divisible by tp;
 - sequence parallelism needs the sequence divisible by tp (`tp_hf.py`'s stage pre-hook).
 ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (`tp_hf.py`,
 `parallel/zero.py`): no rule.
 
-Mixtures of experts, either layout (`moe_refusal`, which `pipedsl train` applies too: trainer/config.py,
-trainer/hf_setup.py): no tensor parallelism of MoE models yet, so no ep with tp either (`models/gpt/tp.py`
-refuses the GPT's experts, `trainer/hf_setup.py` an HF MoE).
+Mixtures of experts (`moe_refusal`, which `pipedsl train` applies too: trainer/config.py,
+trainer/hf_setup.py): a Hugging Face MoE decoder runs tp × ep — attention tensor-parallel, each MoE
+block on its tp rank's share of the tokens, the experts over ep (`parallel/moe_tp.py`); the built-in
+GPT's experts have no tensor parallelism yet (`models/gpt/tp.py` refuses them).
 
 The built-in GPT (`ModelSpec.layout == "gpt"`, `models/gpt/tp.py`, `parallel/tp1d.py`,
 `parallel/config.py` `check_model`):
@@ -34,22 +35,20 @@ class NotRunnableError(PipeDSLError):
     """A layout the runtime refuses for this model; the message names the rule and the module enforcing it."""
 
 
-def moe_refusal(moe: bool, tp: int, ep: int) -> str | None:
-    """Why the runtime refuses tensor parallelism `tp` with expert parallelism `ep` for a model (`moe`: it has
-    routed experts), or None: the one rule the planner and `pipedsl train` both apply."""
-    if ep > 1 and tp > 1:
-        return f"expert parallelism (ep {ep}) does not compose with tensor parallelism (tp {tp}) yet"
-    if moe and tp > 1:
-        return f"tensor parallelism (tp {tp}) of a mixture of experts is not supported yet"
+def moe_refusal(moe: bool, tp: int, hf: bool) -> str | None:
+    """Why the runtime refuses tensor parallelism `tp` for a model (`moe`: it has routed experts; `hf`: a Hugging
+    Face decoder, else the built-in GPT), or None: the one rule the planner and `pipedsl train` both apply."""
+    if moe and tp > 1 and not hf:
+        return f"tensor parallelism (tp {tp}) of the built-in GPT's experts is not supported yet"
     return None
 
 
 def check_runnable(model: ModelSpec, layout: Layout) -> None:
     """Raise `NotRunnableError` if pipedsl's runtime would refuse `layout` for `model`."""
     t = layout.tp
-    why = moe_refusal(model.moe, t, layout.ep)
+    why = moe_refusal(model.moe, t, model.hf)
     if why is not None:
-        raise NotRunnableError(f"runtime: {why} (trainer/hf_setup.py, models/gpt/tp.py)")
+        raise NotRunnableError(f"runtime: {why} (models/gpt/tp.py)")
     if layout.sequence_parallel and t > 1:
         if layout.tp_mode != "1d":
             raise NotRunnableError("runtime: sequence parallelism needs 1-D tensor parallelism (models/gpt/tp.py)")
@@ -58,6 +57,9 @@ def check_runnable(model: ModelSpec, layout: Layout) -> None:
                               f"({'parallel/tp_hf.py' if model.hf else 'parallel/tp1d.py'})")
     if not model.hf or t == 1:
         return
+    if model.mla is not None:
+        raise NotRunnableError("runtime: multi-head latent attention (DeepSeek) has no tensor-parallel plan yet "
+                               "(parallel/tp_hf.py)")
     if layout.tp_mode != "1d":
         raise NotRunnableError("runtime: Hugging Face stages support 1-D tensor parallelism only (parallel/tp_hf.py)")
     for what, n in (("heads", model.heads), ("kv heads", model.kv_heads or model.heads), ("vocab", model.vocab),

@@ -634,7 +634,7 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any,
             mine, first = sliced[s].get(dp), next(iter(sliced[s].values()))
             same = z is not None and mine is not None and zero_checkpoint.restorable(z, _zero_state(read, s, first))
         if retp:
-            full[s] = _retp(s, module, z, parts, read, tp, par["tp"], want_opt, path)
+            full[s] = _retp(s, module, z, parts, read, tp, par["tp"], saved_ep, want_opt, path)
             _load_full(s, module, z, full[s], path)
         elif sharded and not same:
             full[s] = _reep(s, module, z, parts, read, tp, saved_ep, want_opt, path)
@@ -778,27 +778,25 @@ def _tp_reshardable(manifest: dict[str, Any], saved: dict[str, Any], now: dict[s
 
 
 def _retp(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[str, Any]], read, tp: int, size: int,
-          want_opt: bool, path: Path) -> FullState:
+          saved_ep: int, want_opt: bool, path: Path) -> FullState:
     """Stage `s`'s state for tp rank `tp` of `size`, from a checkpoint of another tp size: each saved tp rank's
-    state (its ZeRO slices reassembled, or its module and optimizer state), the whole tensors put together along
-    the dimension each part recorded, and this rank's shard cut along the dimension its own parameter splits
-    (torch.chunk, as DTensor's Shard does); optimizer state of a parameter's shape goes the same way."""
+    state (`_whole`: its ZeRO slices reassembled, or its module and optimizer state, the expert shards joined),
+    the whole tensors put together along the dimension each part recorded, this rank's shard cut along the
+    dimension its own parameter splits (torch.chunk, as DTensor's Shard does), optimizer state of a parameter's
+    shape the same way, and this rank's expert rows cut out (`_cut_experts`; an MoE block is whole on every tp
+    rank, parallel/moe_tp.py)."""
     by_tp: dict[int, FullState] = {}
     dims: dict[str, int | None] = {}
+    names = _param_names_of(module, z)
     for t in sorted({part_coords(p)[2] for p in parts}):
         mine = [p for p in parts if part_coords(p)[2] == t]
-        slices = {part_coords(p)[0]: p for p in mine if str(s) in p.get("zero", [])}
-        dense = next(((p, k) for p in mine for k in p.get("modules", []) if int(k.split("/")[0]) == s), None)
-        if slices:
-            with _resharding(f"{path}: "):
-                state = zero_checkpoint.assemble(s, _zero_states(read, s, slices), want_opt)
-            held = next(((p, k) for p in mine for k in p.get("buffers", []) if int(k.split("/")[0]) == s), None)
-            buffers = read(held[0])["buffers"][held[1]] if held is not None else None
-            by_tp[t] = FullState(state.params, state.state, state.type, state.hyper, buffers)
-        elif dense is not None:
-            by_tp[t] = _dense_state(s, _param_names_of(module, z), read(dense[0]), dense[1], want_opt)
-        else:
+        if not any(str(s) in p.get("zero", []) or any(int(k.split("/")[0]) == s for k in p.get("modules", []))
+                   for p in mine):
             raise CheckpointError(f"{path}: no part holds stage {s} at tp rank {t}")
+        w = _whole(s, parts, read, t, saved_ep, want_opt, path, names)
+        held = next(((p, k) for p in mine for k in p.get("buffers", []) if int(k.split("/")[0]) == s), None)
+        buffers = read(held[0])["buffers"][held[1]] if held is not None else w.buffers  # ZeRO's lie beside
+        by_tp[t] = FullState(w.params, w.state, w.type, w.hyper, buffers)
         for p in mine:
             dims.update(p.get("tp_dims", {}).get(str(s), {}))
     whole = _join_tp(s, by_tp, dims, path)
@@ -814,7 +812,7 @@ def _retp(s: int, module: nn.Module, z: ZeroOptimizer | None, parts: list[dict[s
     state = None if whole.state is None else {
         n: {k: shard(n, v, whole.params[n]) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
         for n, st in whole.state.items()}
-    return FullState(params, state, whole.type, whole.hyper, whole.buffers)
+    return _cut_experts(FullState(params, state, whole.type, whole.hyper, whole.buffers), module)
 
 
 def _ep_params(parts: list[dict[str, Any]], s: int) -> set[str]:

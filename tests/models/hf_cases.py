@@ -85,9 +85,10 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
                                  eos_token_id=0, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                                  aux_loss_coef=0.5, attention_dropout=dropout,
                                  **({} if tie is None else {"tie_word_embeddings": tie}))
-    elif family in MOE_FAMILIES:  # 4 experts, top 2, the router's auxiliary loss on (coefficient far from 0)
+    elif family in (*MOE_FAMILIES, "qwen2_moe"):  # 4 experts, top 2, the router's aux loss on (coefficient far from 0)
         moe = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
-               "olmoe": dict(num_experts=4)}[family]
+               "olmoe": dict(num_experts=4),
+               "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)}[family]
         config = tf.AutoConfig.for_model(family, **common, **moe, num_experts_per_tok=2, output_router_logits=True,
                                          router_aux_loss_coef=0.5)
     elif family == "gpt2":

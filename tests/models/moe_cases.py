@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import pipedsl
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, randomize_, synthetic_batch
@@ -114,6 +115,8 @@ def compare_parameters(rank: int, pipe: pipedsl.Pipeline, opt: Any, names: dict[
             else:
                 want, key = ref_params[names[s][name]], names[s][name]
             checked.add(key)
+            if isinstance(v, DTensor):  # a tensor-parallel shard: the whole weight (every tp rank asks alike)
+                v = v.full_tensor()
             err = (v - want.detach()).abs().max().item()
             if err > PARAM_ATOL:
                 problems.append(f"rank {rank} stage {s} {key}: max |pipeline - one process| = {err:.3g}")
@@ -121,22 +124,28 @@ def compare_parameters(rank: int, pipe: pipedsl.Pipeline, opt: Any, names: dict[
 
 
 def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, ep: int = 1, zero: int = 0,
-                   steps: int = 2) -> dict[str, Any]:
-    """A transformers MoE decoder with its router loss, dp × pp with the experts over ep, against the whole model
-    accumulating the same dp·M microbatches (HF's loss per microbatch, averaged): loss, gradient norm, weights."""
+                   steps: int = 2, tp: int = 1, sp: bool = False) -> dict[str, Any]:
+    """A transformers MoE decoder with its router loss, dp × pp × tp with the experts over ep (tp: the attention
+    tensor-parallel, each MoE block on its tp rank's share of the tokens; `sp` sequence-parallel), against the
+    whole model accumulating the same dp·M microbatches (HF's loss per microbatch, averaged): loss, gradient norm,
+    weights."""
     import hf_cases
 
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
+    from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
 
-    pp = dist.get_world_size() // dp
+    pp = dist.get_world_size() // (dp * tp)
     program = pipedsl.load(schedule).compile(P=pp, M=M)
     model = hf_cases.tiny_model(family)
     ref = copy.deepcopy(model)
     stages = causal_lm_stages(model, program.num_stages, attention_mask=True)
     whole = {id(p): n for n, p in model.named_parameters()}
     names = {s: {n: whole[id(p)] for n, p in m.named_parameters()} for s, m in enumerate(stages)}
-    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, ep=ep, zero=zero)) if dp > 1 else None
-    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=causal_lm_loss, parallel=mesh)
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, ep=ep, zero=zero)) if dp * tp > 1 else None
+    loss_fn = causal_lm_loss
+    if tp > 1:
+        stages, loss_fn = tp_hf_stages(stages, mesh, sequence_parallel=sp), tp_hf_loss(mesh)
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss_fn, parallel=mesh)
     opt = pipe.optimizer(torch.optim.SGD, lr=hf_cases.LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=hf_cases.LR)
     x, mask, labels = hf_cases.batch(M * dp, True)
@@ -257,3 +266,8 @@ def bf16_main(rank: int) -> dict[str, Any]:
                                                          if u.module in shards and u.main is not None})}
         pipe.close()
     return out
+
+
+def hf_train_equal_here(*args: Any) -> dict[str, Any]:
+    """`hf_train_equal` on this rank of a pool's world (`pool.run(fn, world, …)` passes no rank)."""
+    return hf_train_equal(dist.get_rank(), *args)

@@ -299,3 +299,27 @@ def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
     shards = {c for r in results for c in r["checked"] if "experts" in c}
     assert any(c.endswith("[0:2]") for c in shards) and any(c.endswith("[2:4]") for c in shards)
     every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"], results[0]["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, schedule, dp, ep, sp, zero", [
+    ("mixtral", "1f1b", 1, 1, False, 0),  # tp2 × pp2: 4 ranks
+    ("mixtral", "dualpipev", 2, 2, True, 1),  # dp2 × pp2 × tp2, experts over ep2, overlapped F&B pairs: 8 ranks
+    ("qwen3_moe", "zb-v", 2, 2, False, 3),  # per-head q/k norms
+    ("qwen2_moe", "1f1b", 2, 2, True, 3)])  # a shared expert and its gate
+def test_moe_tensor_times_expert_parallel_equals_one_process(pool, family, schedule, dp, ep, sp, zero):
+    """Tensor parallelism of an MoE decoder (parallel/moe_tp.py): the attention over tp (with sequence parallelism
+    or not), each MoE block whole on its tp rank's share of the tokens, the routed experts over ep, ZeRO-1 and
+    ZeRO-3: after two SGD steps the loss (the router's auxiliary loss included), the gradient norm and every weight
+    (tp shards joined, each expert shard against its rows) equal the whole model accumulating the same
+    microbatches, and every parameter was compared."""
+    import moe_cases
+
+    results = pool.run(moe_cases.hf_train_equal_here, 2 * dp * 2, family, schedule, 4, dp, ep, zero, 2, 2, sp)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:8])
+    checked = {c.partition("[")[0] for r in results for c in r["checked"]}
+    assert checked == set(results[0]["all"]), set(results[0]["all"]) - checked
+    if ep > 1:
+        shards = {c for r in results for c in r["checked"] if "experts" in c and "[" in c}
+        assert any(c.endswith("[0:2]") for c in shards) and any(c.endswith("[2:4]") for c in shards)

@@ -149,7 +149,8 @@ def test_mla_attention_by_hand() -> None:
 
 def test_all_to_all_bytes_and_time() -> None:
     """Each of the four all-to-alls of an MoE layer (dispatch, combine, and their gradients) sends
-    tokens·k·h·2·(ep−1)/ep bytes a rank, over NVLink while tp·ep fits in a node, else InfiniBand."""
+    tokens·k·h·2·(ep−1)/ep bytes a rank — its tp rank's share of the microbatch's tokens (parallel/moe_tp.py) —
+    over NVLink while tp·ep fits in a node, else InfiniBand."""
     m = model_preset("mixtral-8x7b")
     assert moe_all_to_all_bytes(m, 4096, 4) == 4096 * 2 * 4096 * 2 * 3 / 4
     assert moe_all_to_all_bytes(m, 4096, 1) == 0
@@ -159,7 +160,7 @@ def test_all_to_all_bytes_and_time() -> None:
         costs = stage_costs(m, cluster, layout, 4)
         bw, lat = cluster.link(tp * ep)
         assert bw == (cluster.intra_bandwidth if tp * ep <= cluster.gpus_per_node else cluster.inter_bandwidth)
-        one = all_to_all(moe_all_to_all_bytes(m, m.seq, ep), ep, bw, lat)
+        one = all_to_all(moe_all_to_all_bytes(m, m.seq / tp, ep), ep, bw, lat)
         assert costs.all_to_all[1] == pytest.approx(8 * 4 * one)  # 8 MoE layers a stage, 4 all-to-alls each
         base = stage_costs(m, cluster, dataclasses.replace(layout, ep=1), 4)
         assert costs.F[1] - base.F[1] == pytest.approx(8 * 2 * one)
@@ -261,43 +262,48 @@ def test_an_overlapped_pair_hides_the_stages_all_to_alls() -> None:
 
 def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
     """One capability rule (plan/runnable.py's `moe_refusal`) for the planner's candidates and `pipedsl train`'s
-    refusals: tp with ep, and tp of an MoE model.  The planner ranked "dp4 pp4 tp4+sp zb-v … ep2" first for
-    Mixtral, a layout the trainer refused."""
+    refusals: a Hugging Face MoE decoder runs tp × ep (Mixtral at every tp, ep), the built-in GPT's experts take ep
+    but not tp, and DeepSeek's multi-head latent attention has no tensor-parallel plan.  The planner once ranked
+    "dp4 pp4 tp4+sp zb-v … ep2" first for Mixtral, a layout the trainer refused."""
     from pipedsl.plan.runnable import NotRunnableError, check_runnable, moe_refusal
     from pipedsl.trainer.config import ConfigError, ModelConfig, ParallelismConfig, TrainConfig
 
-    mixtral = model_preset("mixtral-8x7b")
-    for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2)):
-        planned = True
+    def planned(model: str, tp: int, ep: int) -> bool:
         try:
-            check_runnable(mixtral, Layout(4, 1, tp, "1f1b", 1, 128, ep=ep))
+            check_runnable(model_preset(model), Layout(4, 1, tp, "1f1b", 1, 128, ep=ep))
         except NotRunnableError:
-            planned = False
-        assert planned == (moe_refusal(True, tp, ep) is None), (tp, ep)
+            return False
+        return True
+
+    for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        assert planned("mixtral-8x7b", tp, ep) and moe_refusal(True, tp, hf=True) is None, (tp, ep)
+        assert planned("deepseek-v3", tp, ep) == (tp == 1), (tp, ep)
         try:  # the trainer's refusals of the GPT with 8 experts: the same rule
             TrainConfig(model=ModelConfig(experts=8), parallel=ParallelismConfig(dp=4, tp=tp, ep=ep))
             trained = True
         except ConfigError:
             trained = False
-        assert trained == planned, (tp, ep)
+        assert trained == (moe_refusal(True, tp, hf=False) is None) == (tp == 1), (tp, ep)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, gpus", [("mixtral-8x7b", 64), ("qwen3-30b-a3b", 64), ("deepseek-v3", 512)])
 def test_the_planners_first_choice_for_an_moe_preset_is_one_pipedsl_train_accepts(name: str, gpus: int) -> None:
-    """`pipedsl plan --model NAME --gpus N` as the CLI runs it: every layout it ranks is one the trainer takes — no
-    tensor parallelism of the experts' model, ep dividing dp — as a TrainConfig (its own checks) and by the rule."""
-    from pipedsl.plan.runnable import moe_refusal
+    """`pipedsl plan --model NAME --gpus N` as the CLI runs it: every layout it ranks is one the trainer takes —
+    tp × ep for the Llama-layout MoE decoders, no tp for DeepSeek's latent attention, ep dividing dp and the
+    experts — by the capability rule and by `pipedsl train`'s own checks of the parallel options."""
+    from pipedsl.plan.runnable import check_runnable
     from pipedsl.plan.search import search
-    from pipedsl.trainer.config import ModelConfig, ParallelismConfig, ScheduleConfig, TrainConfig
+    from pipedsl.trainer.config import ParallelismConfig, ScheduleConfig, TrainConfig
 
     model = model_preset(name)
     result = search(model, dataclasses.replace(cluster_preset("a100-80gb"), gpus=gpus), top=3)
     assert result.ranked, name
     for estimate in result.ranked:
         lay = estimate.layout
-        assert moe_refusal(True, lay.tp, lay.ep) is None, lay
-        TrainConfig(model=ModelConfig(experts=model.experts),
-                    parallel=ParallelismConfig(dp=lay.dp, tp=lay.tp, ep=lay.ep, zero=lay.zero,
+        check_runnable(model, lay)
+        assert lay.dp % lay.ep == 0 and model.experts % lay.ep == 0, lay
+        assert lay.tp == 1 or model.mla is None, lay
+        TrainConfig(parallel=ParallelismConfig(dp=lay.dp, tp=lay.tp, zero=lay.zero,
                                                sequence_parallel=lay.sequence_parallel),
                     schedule=ScheduleConfig(schedule=lay.schedule, microbatches=lay.microbatches))
