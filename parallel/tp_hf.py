@@ -53,7 +53,7 @@ Mixtures of experts: a layer whose `mlp` (or `block_sparse_moe`) is an MoE block
 experts rather than gate/up/down_proj — keeps the block whole and runs it on this rank's share of
 the tokens (parallel/moe_tp.py: a sequence shard with SP, 1/t of the rows without), so its
 experts may be sharded over ep as well (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE,
-PhiMoE, GraniteMoE).
+GraniteMoE).
 
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
 `mlp` (gate/up/down_proj, or an MoE block), `input_layernorm`, `post_attention_layernorm` —

@@ -19,6 +19,7 @@ from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_lab
 
 VOCAB, T = 96, 8
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "jetmoe")  # with output_router_logits: the aux loss across stages
+TP_MOE_FAMILIES = ("qwen2_moe", "granitemoe")  # more MoE layouts tensor parallelism takes (parallel/moe_tp.py)
 # each MoE family's router weights, by name: JetMoE routes its attention heads too (two routers a layer)
 ROUTER_SUFFIXES = {"mixtral": ("mlp.gate.weight",), "qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
                    "jetmoe": ("mlp.router.layer.weight", "experts.router.layer.weight")}
@@ -85,9 +86,10 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
                                  eos_token_id=0, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                                  aux_loss_coef=0.5, attention_dropout=dropout,
                                  **({} if tie is None else {"tie_word_embeddings": tie}))
-    elif family in (*MOE_FAMILIES, "qwen2_moe"):  # 4 experts, top 2, the router's aux loss on (coefficient far from 0)
+    elif family in (*MOE_FAMILIES, *TP_MOE_FAMILIES):  # 4 experts, top 2, the router's aux loss on (far from 0)
         moe = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
                "olmoe": dict(num_experts=4),
+               "granitemoe": dict(num_local_experts=4),
                "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)}[family]
         config = tf.AutoConfig.for_model(family, **common, **moe, num_experts_per_tok=2, output_router_logits=True,
                                          router_aux_loss_coef=0.5)

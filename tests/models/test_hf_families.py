@@ -306,7 +306,8 @@ def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
     ("mixtral", "1f1b", 1, 1, False, 0),  # tp2 × pp2: 4 ranks
     ("mixtral", "dualpipev", 2, 2, True, 1),  # dp2 × pp2 × tp2, experts over ep2, overlapped F&B pairs: 8 ranks
     ("qwen3_moe", "zb-v", 2, 2, False, 3),  # per-head q/k norms
-    ("qwen2_moe", "1f1b", 2, 2, True, 3)])  # a shared expert and its gate
+    ("qwen2_moe", "1f1b", 2, 2, True, 3),  # a shared expert and its gate
+    ("granitemoe", "zb-v", 2, 2, True, 1)])  # its block named block_sparse_moe
 def test_moe_tensor_times_expert_parallel_equals_one_process(pool, family, schedule, dp, ep, sp, zero):
     """Tensor parallelism of an MoE decoder (parallel/moe_tp.py): the attention over tp (with sequence parallelism
     or not), each MoE block whole on its tp rank's share of the tokens, the routed experts over ep, ZeRO-1 and

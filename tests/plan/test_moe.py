@@ -307,3 +307,26 @@ def test_the_planners_first_choice_for_an_moe_preset_is_one_pipedsl_train_accept
         TrainConfig(parallel=ParallelismConfig(dp=lay.dp, tp=lay.tp, zero=lay.zero,
                                                sequence_parallel=lay.sequence_parallel),
                     schedule=ScheduleConfig(schedule=lay.schedule, microbatches=lay.microbatches))
+
+
+def test_under_tp_an_moe_block_keeps_its_experts_whole_and_its_tp_rank_runs_a_share_of_the_tokens() -> None:
+    """The planner prices tp × ep as parallel/moe_tp.py runs it: on each GPU the attention over tp and the MoE
+    block's MLP part whole — E/ep routed experts, the router — whose gradients are summed over tp once a step;
+    without SP the block's share is all-gathered forward and backward in place of the MLP's all-reduce, with SP
+    the MoE block adds no tp collective."""
+    m = model_preset("mixtral-8x7b")
+    h, f = m.hidden, m.expert_ffn
+    assert m.moe_mlp_params == 8 * 3 * h * f + 8 * h  # no shared expert
+    rest = m.moe_layer_params - m.moe_mlp_params  # attention and norms
+    for tp, ep in ((1, 1), (2, 1), (2, 4), (4, 8)):
+        assert m.moe_block_params_per_gpu(tp, ep) == pytest.approx(rest / tp + 8 * h + 8 * 3 * h * f / ep)
+    cluster = dataclasses.replace(cluster_preset("h100"), gpus=64)
+    base = Layout(8, 4, 2, "1f1b", 1, 32, zero=1, recompute="none", ep=4)
+    costs = stage_costs(m, cluster, base, 4)
+    per_stage = 8  # layers a stage
+    assert costs.stage_params[1] == pytest.approx(per_stage * m.moe_block_params_per_gpu(2, 4))
+    assert costs.expert_params[1] == pytest.approx(per_stage * 8 * 3 * h * f / 4)
+    sp = stage_costs(m, cluster, dataclasses.replace(base, sequence_parallel=True), 4)
+    assert sp.tp_comm[1] < costs.tp_comm[1]  # SP: the block's share is its sequence shard, no gather
+    one = stage_costs(m, cluster, dataclasses.replace(base, tp=1, dp=16), 4)
+    assert one.tp_comm[1] == 0 and costs.tp_comm[1] > 0
