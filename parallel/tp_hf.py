@@ -53,7 +53,8 @@ Mixtures of experts: a layer whose `mlp` (or `block_sparse_moe`) is an MoE block
 experts rather than gate/up/down_proj — keeps the block whole and runs it on this rank's share of
 the tokens (parallel/moe_tp.py: a sequence shard with SP, 1/t of the rows without), so its
 experts may be sharded over ep as well (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE,
-GraniteMoE).
+GraniteMoE, DeepSeek-V2/V3).  DeepSeek's multi-head latent attention (without SP) keeps its
+down-projections and their norms whole and splits its up-projections to the heads by column.
 
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
 `mlp` (gate/up/down_proj, or an MoE block), `input_layernorm`, `post_attention_layernorm` —
@@ -80,6 +81,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from pipedsl.parallel.comm import copy_to_group
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.parallel.moe_tp import TokenShare, split_tokens
@@ -91,6 +93,16 @@ MLP = {"gate_proj", "up_proj", "down_proj"}
 NORMS = {"input_layernorm", "post_attention_layernorm"}
 LAYER = {"self_attn", "mlp", *NORMS}
 MOE_NAMES = ("mlp", "block_sparse_moe")  # where a layer keeps its MoE block (GraniteMoE: block_sparse_moe)
+# DeepSeek's multi-head latent attention: the low-rank down-projections and their norms stay whole on every rank
+# (replicated, their inputs and gradients the same on each), the up-projections to the heads column-parallel
+MLA_REPLICATED = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+MLA = {"q_proj", "q_b_proj", "kv_b_proj", "o_proj", *MLA_REPLICATED}
+
+
+def is_mla(attention: nn.Module) -> bool:
+    """Whether `attention` is DeepSeek's multi-head latent attention (children within `MLA`, a kv_b_proj)."""
+    kids = {n for n, m in attention.named_children() if m is not None}
+    return "kv_b_proj" in kids and kids <= MLA
 
 
 def moe_block(layer: nn.Module) -> tuple[str, nn.Module] | None:
@@ -130,11 +142,14 @@ def check_stages(stages: Sequence[nn.Module], config: ParallelConfig) -> tuple[i
             moe = moe_block(layer)
             mlp = {n for n, _ in getattr(layer, "mlp", nn.Module()).named_children()}
             dense = kids == LAYER and MLP <= mlp
-            if (not dense and (moe is None or kids != {"self_attn", moe[0], *NORMS})) or not ATTN <= attn \
-                    or not attn <= ATTN | {"q_norm", "k_norm"}:
+            mla = is_mla(getattr(layer, "self_attn", nn.Module()))
+            if (not dense and (moe is None or kids != {"self_attn", moe[0], *NORMS})) \
+                    or not (mla or ATTN <= attn <= ATTN | {"q_norm", "k_norm"}):
                 raise ParallelConfigError(f"tp_hf_stages: layer {i} ({type(layer).__name__}) is not in the Llama "
-                                          f"layout (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj or an MoE block, "
-                                          f"two norms)")
+                                          f"layout (self_attn.q/k/v/o_proj or DeepSeek's latent attention, "
+                                          f"mlp.gate/up/down_proj or an MoE block, two norms)")
+            if mla:
+                continue
             head_dim = layer.self_attn.head_dim
             for n in ("q_norm", "k_norm"):
                 norm = getattr(layer.self_attn, n, None)
@@ -182,10 +197,18 @@ def _hook_grads(stage: nn.Module, args: tuple) -> None:
                 _grad_like_param(p, sums_grads_later(m))
 
 
-def _layer_plan(sp: bool, moe: bool = False) -> dict[str, Any]:
-    """The layer's plan; an MoE layer's (`moe`) leaves its block to `split_tokens`."""
+def _layer_plan(sp: bool, moe: bool = False, mla: nn.Module | None = None) -> dict[str, Any]:
+    """The layer's plan; an MoE layer's (`moe`) leaves its block to `split_tokens`; DeepSeek's latent attention
+    (`mla`, without SP) splits its up-projections to the heads by column and its output by row."""
     plan = _dense_layer_plan(sp)
-    return {k: v for k, v in plan.items() if not k.startswith("mlp")} if moe else plan
+    if moe:
+        plan = {k: v for k, v in plan.items() if not k.startswith("mlp")}
+    if mla is not None:
+        plan = {k: v for k, v in plan.items() if not k.startswith("self_attn")}
+        ups = [n for n in ("q_proj", "q_b_proj", "kv_b_proj") if getattr(mla, n, None) is not None]
+        plan.update({f"self_attn.{n}": ColwiseParallel() for n in ups})
+        plan["self_attn.o_proj"] = RowwiseParallel()
+    return plan
 
 
 def _dense_layer_plan(sp: bool) -> dict[str, Any]:
@@ -239,7 +262,15 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
                 input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)})
         for layer in stage.layers.values():
             moe = moe_block(layer)
-            parallelize_module(layer, tp_mesh, _layer_plan(sp, moe is not None))
+            mla = layer.self_attn if is_mla(layer.self_attn) else None
+            if mla is not None and sp:
+                raise ParallelConfigError(f"tp_hf_stages: sequence parallelism of {type(mla).__name__} (multi-head "
+                                          f"latent attention) is not supported yet: use tensor parallelism alone")
+            parallelize_module(layer, tp_mesh, _layer_plan(sp, moe is not None, mla))
+            if mla is not None:
+                mark_replicated([p for n in MLA_REPLICATED if getattr(mla, n, None) is not None
+                                 for p in getattr(mla, n).parameters()], group)
+                mla.kv_a_proj_with_mqa.register_forward_hook(_shared_rope_key(mla.kv_lora_rank, group))
             if moe is not None:
                 stage.token_share = share
                 split_tokens(moe[1], share, tp_mesh)
@@ -271,6 +302,16 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
     if tied:  # both are [V/t, C] row blocks of the one weight (vocabulary-parallel): one DTensor parameter again
         last.head.lm_head.weight = first.embed.embed_tokens.weight
     return stages
+
+
+def _shared_rope_key(rank: int, group: Any) -> Callable:
+    """Forward hook on latent attention's kv_a_proj_with_mqa: its output is the KV latent [.., rank] and one rotary
+    key [.., d_rope] that every head shares.  The latent's gradient comes back whole (kv_b_proj is column-parallel:
+    its input gradient is all-reduced), but the shared key's sums this rank's heads only: `copy_to_group` sums it
+    over tp (Megatron's f on the rotary key)."""
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return torch.cat([out[..., :rank], copy_to_group(out[..., rank:], group)], dim=-1)
+    return hook
 
 
 def _shard_input(tp_mesh: DeviceMesh, t: int) -> Callable:

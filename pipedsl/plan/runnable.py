@@ -7,14 +7,14 @@ rules every layout meets (batch split, tp divides the sizes, layers split over s
 `search._check_shape`.
 
 Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `check_stages` and its docstring):
-- 1-D tensor parallelism only (no 3-D), of Q/K/V/O attention (not DeepSeek's multi-head latent attention);
+- 1-D tensor parallelism only (no 3-D); DeepSeek's multi-head latent attention without sequence parallelism;
 - heads, key/value heads, vocabulary and intermediate size divisible by tp;
 - sequence parallelism needs the sequence divisible by tp (`tp_hf.py`'s stage pre-hook).
 ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (`tp_hf.py`,
 `parallel/zero.py`): no rule.
 
 Mixtures of experts (`moe_refusal`, which `pipedsl train` applies too: trainer/config.py,
-trainer/hf_setup.py): a Hugging Face MoE decoder runs tp × ep — attention tensor-parallel, each MoE
+trainer/config.py): a Hugging Face MoE decoder runs tp × ep — attention tensor-parallel, each MoE
 block on its tp rank's share of the tokens, the experts over ep (`parallel/moe_tp.py`); the built-in
 GPT's experts have no tensor parallelism yet (`models/gpt/tp.py` refuses them).
 
@@ -57,9 +57,9 @@ def check_runnable(model: ModelSpec, layout: Layout) -> None:
                               f"({'parallel/tp_hf.py' if model.hf else 'parallel/tp1d.py'})")
     if not model.hf or t == 1:
         return
-    if model.mla is not None:
-        raise NotRunnableError("runtime: multi-head latent attention (DeepSeek) has no tensor-parallel plan yet "
-                               "(parallel/tp_hf.py)")
+    if model.mla is not None and layout.sequence_parallel:
+        raise NotRunnableError("runtime: sequence parallelism of multi-head latent attention (DeepSeek) is not "
+                               "supported yet (parallel/tp_hf.py)")
     if layout.tp_mode != "1d":
         raise NotRunnableError("runtime: Hugging Face stages support 1-D tensor parallelism only (parallel/tp_hf.py)")
     for what, n in (("heads", model.heads), ("kv heads", model.kv_heads or model.heads), ("vocab", model.vocab),

@@ -80,6 +80,12 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
                                      num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                                      topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8,
                                      qk_nope_head_dim=4, norm_topk_prob=True, routed_scaling_factor=2.5)
+    elif family == "deepseek_v2":  # MLA (no q down-projection), a dense first layer, shared experts, greedy top-k
+        config = tf.DeepseekV2Config(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                                     num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4,
+                                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                     q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8,
+                                     qk_nope_head_dim=4)
     elif family == "jetmoe":  # experts in the attention and the MLP; its coefficient is called aux_loss_coef
         config = tf.JetMoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                                  num_key_value_heads=2, kv_channels=8, max_position_embeddings=64, bos_token_id=0,

@@ -262,22 +262,23 @@ def test_an_overlapped_pair_hides_the_stages_all_to_alls() -> None:
 
 def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
     """One capability rule (plan/runnable.py's `moe_refusal`) for the planner's candidates and `pipedsl train`'s
-    refusals: a Hugging Face MoE decoder runs tp × ep (Mixtral at every tp, ep), the built-in GPT's experts take ep
-    but not tp, and DeepSeek's multi-head latent attention has no tensor-parallel plan.  The planner once ranked
+    refusals: a Hugging Face MoE decoder runs tp × ep (Mixtral and DeepSeek-V3 at every tp, ep), the built-in GPT's
+    experts take ep but not tp, and DeepSeek's latent attention no sequence parallelism.  The planner once ranked
     "dp4 pp4 tp4+sp zb-v … ep2" first for Mixtral, a layout the trainer refused."""
     from pipedsl.plan.runnable import NotRunnableError, check_runnable, moe_refusal
     from pipedsl.trainer.config import ConfigError, ModelConfig, ParallelismConfig, TrainConfig
 
-    def planned(model: str, tp: int, ep: int) -> bool:
+    def planned(model: str, tp: int, ep: int, sp: bool = False) -> bool:
         try:
-            check_runnable(model_preset(model), Layout(4, 1, tp, "1f1b", 1, 128, ep=ep))
+            check_runnable(model_preset(model), Layout(4, 1, tp, "1f1b", 1, 128, ep=ep, sequence_parallel=sp))
         except NotRunnableError:
             return False
         return True
 
     for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2)):
         assert planned("mixtral-8x7b", tp, ep) and moe_refusal(True, tp, hf=True) is None, (tp, ep)
-        assert planned("deepseek-v3", tp, ep) == (tp == 1), (tp, ep)
+        assert planned("mixtral-8x7b", tp, ep, sp=tp > 1) and planned("deepseek-v3", tp, ep), (tp, ep)
+        assert planned("deepseek-v3", tp, ep, sp=tp > 1) == (tp == 1), (tp, ep)
         try:  # the trainer's refusals of the GPT with 8 experts: the same rule
             TrainConfig(model=ModelConfig(experts=8), parallel=ParallelismConfig(dp=4, tp=tp, ep=ep))
             trained = True
@@ -290,7 +291,7 @@ def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
 @pytest.mark.parametrize("name, gpus", [("mixtral-8x7b", 64), ("qwen3-30b-a3b", 64), ("deepseek-v3", 512)])
 def test_the_planners_first_choice_for_an_moe_preset_is_one_pipedsl_train_accepts(name: str, gpus: int) -> None:
     """`pipedsl plan --model NAME --gpus N` as the CLI runs it: every layout it ranks is one the trainer takes —
-    tp × ep for the Llama-layout MoE decoders, no tp for DeepSeek's latent attention, ep dividing dp and the
+    tp × ep for the MoE decoders, no sequence parallelism of DeepSeek's latent attention, ep dividing dp and the
     experts — by the capability rule and by `pipedsl train`'s own checks of the parallel options."""
     from pipedsl.plan.runnable import check_runnable
     from pipedsl.plan.search import search
@@ -303,7 +304,7 @@ def test_the_planners_first_choice_for_an_moe_preset_is_one_pipedsl_train_accept
         lay = estimate.layout
         check_runnable(model, lay)
         assert lay.dp % lay.ep == 0 and model.experts % lay.ep == 0, lay
-        assert lay.tp == 1 or model.mla is None, lay
+        assert not (lay.sequence_parallel and lay.tp > 1) or model.mla is None, lay
         TrainConfig(parallel=ParallelismConfig(dp=lay.dp, tp=lay.tp, zero=lay.zero,
                                                sequence_parallel=lay.sequence_parallel),
                     schedule=ScheduleConfig(schedule=lay.schedule, microbatches=lay.microbatches))
