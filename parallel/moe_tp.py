@@ -36,6 +36,7 @@ from pipedsl.parallel.config import ParallelConfigError
 from pipedsl.parallel.replicated import mark_replicated, param_sum_grad_later
 
 _WHOLE = "_pipedsl_whole_shape"  # on the token share a block received: the hidden states' shape it came from
+_WAS_DTENSOR = "_pipedsl_was_dtensor"  # on a sequence shard a block received as a DTensor's local part
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class TokenShare:
         return reduce_from_group(t, self.group)
 
 
-def split_tokens(block: nn.Module, share: TokenShare, tp_mesh: Any) -> None:
+def split_tokens(block: nn.Module, share: TokenShare, tp_mesh: Any = None) -> None:
     """Run `block` (an MoE block: hidden states [mb, T, C] in, the same shape out, or a tuple led by it) on this
     rank's share of the tokens, in place (forward hooks: the parameters keep their names), and mark its
     parameters as above."""
@@ -81,10 +82,14 @@ def split_tokens(block: nn.Module, share: TokenShare, tp_mesh: Any) -> None:
 
 
 def _take_share(share: TokenShare):
-    def hook(block: nn.Module, args: tuple) -> tuple:
+    def hook(block: nn.Module, args: tuple) -> tuple | None:
         h = args[0]
-        if isinstance(h, DTensor):  # sequence parallel: a sequence shard already
-            return (h.to_local(), *args[1:])
+        if share.sequence_parallel:  # a sequence shard already: a DTensor's (torch's SP) or a plain one (tp1d's)
+            if not isinstance(h, DTensor):
+                return None
+            local = h.to_local()
+            setattr(local, _WAS_DTENSOR, True)
+            return (local, *args[1:])
         mb, T, C = h.shape
         if (mb * T) % share.size:
             raise ParallelConfigError(f"tensor parallelism of an MoE block ({type(block).__name__}): the microbatch's "
@@ -99,10 +104,12 @@ def _take_share(share: TokenShare):
 def _give_back(share: TokenShare, tp_mesh: Any):
     def hook(block: nn.Module, args: tuple, out: Any) -> Any:
         h = out[0] if isinstance(out, tuple) else out
-        whole = getattr(args[0], _WHOLE, None)
-        if whole is None:  # sequence parallel: the shard back as the DTensor the layer's residual adds
+        if share.sequence_parallel:  # the shard back as it came: the DTensor the layer's residual adds, or plain
+            if not getattr(args[0], _WAS_DTENSOR, False):
+                return None
             back = DTensor.from_local(h, tp_mesh, [Shard(1)], run_check=False)
         else:
+            whole = getattr(args[0], _WHOLE)
             back = gather_replicated(h.reshape(-1, whole[2]), share.group, dim=0).view(whole)
         return (back, *out[1:]) if isinstance(out, tuple) else back
     return hook

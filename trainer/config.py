@@ -41,7 +41,6 @@ from typing import Any
 
 from pipedsl.arguments import NO_DECAY_KINDS, no_decay_kinds
 from pipedsl.errors import PipeDSLError
-from pipedsl.plan.runnable import moe_refusal
 
 GPT_HEADS = 4  # the built-in GPT's attention heads and synthetic vocabulary: fixed, so not options
 GPT_VOCAB = 64
@@ -490,9 +489,10 @@ class TrainConfig:
             raise ConfigError(f"--experts {m.experts} cannot be shared evenly by --ep {ep} ranks")
         if m.experts and m.top_k > m.experts:
             raise ConfigError(f"--top-k {m.top_k} is more than the {m.experts} experts")
-        refused = moe_refusal(bool(m.experts), tp, hf=False)  # the planner's rule (pipedsl/plan/runnable.py)
-        if refused is not None:
-            raise ConfigError(f"--experts with --tp {tp}: {refused}; use --ep")
+        if m.experts and m.capacity_factor and tp > 1:
+            raise ConfigError(f"--capacity-factor {m.capacity_factor:g} with --tp {tp}: each tp rank routes its share "
+                              f"of the tokens, and would fill the experts' capacity with it alone; tensor "
+                              f"parallelism of the GPT's experts takes a dropless router (--capacity-factor 0)")
         if tp == 1:
             return
         for what, n in (("attention heads", GPT_HEADS), ("--embd", m.embd), ("vocabulary", GPT_VOCAB)):

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
-from pipedsl.errors import PipeRuntimeError
 from pipedsl.models.gpt.moe import Experts, MoE, Router
 from pipedsl.models.split import split_gpt
 
@@ -167,14 +166,11 @@ class GPT(nn.Module):
 
         The weights are slices of this dense model, so it is the one-process reference; pair the
         stages with `pipedsl.models.gpt.tp.tp_gpt_loss(mesh)` (see that module).  With
-        `sequence_parallel` (1-D) the stages exchange sequence shards [mb, T/t, C].
+        `sequence_parallel` (1-D) the stages exchange sequence shards [mb, T/t, C].  An MoE model's experts
+        stay whole on every tp rank, which runs them on its share of the tokens (1-D, dropless).
         """
         from pipedsl.models.gpt.tp import tp_gpt_stages
 
-        if self.cfg.moe:
-            raise PipeRuntimeError(f"tensor parallelism of the GPT's experts is not built: with n_experts="
-                                   f"{self.cfg.n_experts}, shard the experts over data-parallel ranks instead "
-                                   f"(ParallelConfig(ep=...), parallel/expert.py)")
         return tp_gpt_stages(self, num_stages, mesh, by=by, sequence_parallel=sequence_parallel, points=points)
 
 

@@ -26,6 +26,7 @@ as for any MoE model of this layout (runtime/expert_load.py).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
@@ -76,6 +77,7 @@ class Router(nn.Module):
             raise ValueError(f"capacity_factor must be positive (or None: dropless), got {capacity_factor}")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.share: Any = None  # under tp: this rank routes its share of the tokens (parallel/moe_tp.py)
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [N, C] → index [N, k] (E where dropped), weight [N, k], aux and z (scalars), counts [E], dropped."""
@@ -86,8 +88,14 @@ class Router(nn.Module):
         weight = top / top.sum(dim=-1, keepdim=True)
         flat = index.reshape(-1)  # slots in token order
         counts = routings(flat, E)  # [E], before dropping
-        aux = E / x.shape[0] * (counts.to(probs.dtype) * probs.mean(dim=0)).sum()
-        z = torch.logsumexp(logits, dim=-1).square().mean()
+        squares = torch.logsumexp(logits, dim=-1).square().sum()
+        whole, mass = counts, probs.sum(dim=0)
+        N = x.shape[0]
+        if self.share is not None:  # the microbatch's sums from every tp rank's share: the losses are its
+            whole, mass = self.share.summed(counts), self.share.summed(mass)
+            squares, N = self.share.summed(squares), N * self.share.size
+        aux = E / N * (whole.to(probs.dtype) * mass / N).sum()
+        z = squares / N
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat.numel() / E)

@@ -45,15 +45,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
+from pipedsl.models.gpt.moe import MoE
 from pipedsl.parallel.comm import copy_to_group, split_along
 from pipedsl.parallel.config import ParallelConfigError
 from pipedsl.parallel.mesh import Cube3D, ParallelMesh
+from pipedsl.parallel.moe_tp import TokenShare, split_tokens
 from pipedsl.parallel.replicated import mark_replicated
 from pipedsl.parallel.tp1d import (
     SEQ,
     ColumnParallelLinear,
     ParallelBlock,
+    ParallelSelfAttention,
     VocabParallelEmbedding,
     defer_grad_sum,
     layer_norm_for,
@@ -84,16 +88,51 @@ class Embedding1D(nn.Module):
         return x + self.wpe(pos)  # [mb, T, C]
 
 
+class ParallelMoEBlock(nn.Module):
+    """A GPT block with a mixture of experts under 1-D tp: attention as `ParallelBlock`'s, the `MoE` whole on every
+    tp rank and run on that rank's share of the tokens (parallel/moe_tp.py; with SP its sequence shard), its router
+    losses from the microbatch's statistics summed over tp, so the loss sum is the same on every rank."""
+
+    def __init__(self, ln1: nn.LayerNorm, attn: ParallelSelfAttention, ln2: nn.LayerNorm, moe: MoE,
+                 share: TokenShare) -> None:
+        super().__init__()
+        if moe.router.capacity_factor is not None:
+            raise ParallelConfigError("tensor parallelism of the GPT's experts needs a dropless router "
+                                      "(capacity_factor=None): each tp rank would fill the experts' capacity "
+                                      "with its own share of the tokens, first come first served")
+        self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, moe
+        mark_replicated(ln1, attn.qkv.group)
+        mark_replicated(ln2, attn.qkv.group)
+        moe.router.share = share
+        split_tokens(moe, share)
+
+    @classmethod
+    def from_dense(cls, block: nn.Module, group: ProcessGroup, sequence_parallel: bool = False) -> ParallelMoEBlock:
+        sp = sequence_parallel
+        return cls(layer_norm_for(block.ln1, group, sp), ParallelSelfAttention.from_dense(block.attn, group, sp),
+                   layer_norm_for(block.ln2, group, sp), copy.deepcopy(block.mlp), TokenShare(group, sp))
+
+    def forward(self, x: torch.Tensor, loss_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if loss_sum is None:
+            loss_sum = torch.zeros((), device=x.device)
+        x = x + self.attn(self.ln1(x))
+        y, loss_sum = self.mlp(self.ln2(x), loss_sum)
+        return x + y, loss_sum
+
+
 class Head1D(nn.Module):
-    """[mb, T, C] (SP: [mb, T/t, C]) → logits [mb, T, V/t] (this rank's vocabulary block, the whole sequence)."""
+    """[mb, T, C] (SP: [mb, T/t, C]) → logits [mb, T, V/t] (this rank's vocabulary block, the whole sequence); an
+    MoE model's (logits, the routers' loss sum)."""
 
     def __init__(self, ln_f: nn.LayerNorm, lm_head: ColumnParallelLinear) -> None:
         super().__init__()
         self.ln_f, self.lm_head = ln_f, lm_head
         mark_replicated(ln_f, lm_head.group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+    def forward(self, x: torch.Tensor, loss_sum: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        logits = self.lm_head(self.ln_f(x))
+        return logits if loss_sum is None else (logits, loss_sum)
 
 
 # ------------------------------------------------------------------------------------------ 3-D
@@ -140,10 +179,13 @@ def tp_gpt_units(model: nn.Module, mesh: ParallelMesh,
                                   f"got tp_mode={pc.tp_mode!r}")
     pc.check_model(hidden=cfg.n_embd, heads=cfg.n_head, vocab=cfg.vocab_size, ffn=4 * cfg.n_embd)
     emb, head = model.embed, model.head
+    if cfg.moe and pc.tp_mode != "1d":
+        raise ParallelConfigError("the GPT's experts take 1-D tensor parallelism only (tp_mode='1d')")
     if pc.tp_mode == "1d":
         g, sp = mesh.tp_group, sequence_parallel
         embed = Embedding1D(VocabParallelEmbedding.from_dense(emb.wte, g, sp), copy.deepcopy(emb.wpe))
-        blocks = [ParallelBlock.from_dense(b, g, sp) for b in model.blocks]
+        blocks = [(ParallelMoEBlock if isinstance(b.mlp, MoE) else ParallelBlock).from_dense(b, g, sp)
+                  for b in model.blocks]
         out = Head1D(layer_norm_for(head.ln_f, g, sp),
                      ColumnParallelLinear.from_dense(head.lm_head, g, sequence_parallel=sp))
         return embed, blocks, out
@@ -193,8 +235,11 @@ def tp_gpt_loss(mesh: ParallelMesh, reduction: str = "mean",
     if mesh.config.tp_mode == "1d":
         group = mesh.tp_group
 
-        def loss_1d(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # [mb, T, V/t], [mb, T]
-            per_token = vocab_parallel_cross_entropy(logits, targets, group)  # [mb, T]
+        def loss_1d(logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+            if isinstance(logits, tuple):  # an MoE model's (logits, the routers' loss sum): added, as gpt_loss does
+                logits, router_loss = logits
+                return loss_1d(logits, targets) + router_loss
+            per_token = vocab_parallel_cross_entropy(logits, targets, group)  # [mb, T] from [mb, T, V/t]
             if ignore_index is None and reduction == "mean":
                 return per_token.mean()
             return reduce(per_token, targets, targets.numel())

@@ -14,9 +14,9 @@ ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (
 `parallel/zero.py`): no rule.
 
 Mixtures of experts (`moe_refusal`, which `pipedsl train` applies too: trainer/config.py,
-trainer/config.py): a Hugging Face MoE decoder runs tp × ep — attention tensor-parallel, each MoE
-block on its tp rank's share of the tokens, the experts over ep (`parallel/moe_tp.py`); the built-in
-GPT's experts have no tensor parallelism yet (`models/gpt/tp.py` refuses them).
+trainer/config.py): an MoE decoder — a Hugging Face one or the built-in GPT — runs tp × ep, the
+attention tensor-parallel, each MoE block whole on its tp rank's share of the tokens, the experts
+over ep (`parallel/moe_tp.py`), under 1-D tensor parallelism only.
 
 The built-in GPT (`ModelSpec.layout == "gpt"`, `models/gpt/tp.py`, `parallel/tp1d.py`,
 `parallel/config.py` `check_model`):
@@ -35,20 +35,21 @@ class NotRunnableError(PipeDSLError):
     """A layout the runtime refuses for this model; the message names the rule and the module enforcing it."""
 
 
-def moe_refusal(moe: bool, tp: int, hf: bool) -> str | None:
-    """Why the runtime refuses tensor parallelism `tp` for a model (`moe`: it has routed experts; `hf`: a Hugging
-    Face decoder, else the built-in GPT), or None: the one rule the planner and `pipedsl train` both apply."""
-    if moe and tp > 1 and not hf:
-        return f"tensor parallelism (tp {tp}) of the built-in GPT's experts is not supported yet"
+def moe_refusal(moe: bool, tp: int, tp_mode: str = "1d") -> str | None:
+    """Why the runtime refuses tensor parallelism `tp` for a model (`moe`: it has routed experts), or None: the one
+    rule the planner and `pipedsl train` both apply.  An MoE block runs whole on each tp rank's share of the tokens
+    (parallel/moe_tp.py), under 1-D tensor parallelism."""
+    if moe and tp > 1 and tp_mode != "1d":
+        return f"an MoE model takes 1-D tensor parallelism only, not {tp_mode} (tp {tp})"
     return None
 
 
 def check_runnable(model: ModelSpec, layout: Layout) -> None:
     """Raise `NotRunnableError` if pipedsl's runtime would refuse `layout` for `model`."""
     t = layout.tp
-    why = moe_refusal(model.moe, t, model.hf)
+    why = moe_refusal(model.moe, t, layout.tp_mode)
     if why is not None:
-        raise NotRunnableError(f"runtime: {why} (models/gpt/tp.py)")
+        raise NotRunnableError(f"runtime: {why} (parallel/moe_tp.py)")
     if layout.sequence_parallel and t > 1:
         if layout.tp_mode != "1d":
             raise NotRunnableError("runtime: sequence parallelism needs 1-D tensor parallelism (models/gpt/tp.py)")

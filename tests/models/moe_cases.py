@@ -271,3 +271,56 @@ def bf16_main(rank: int) -> dict[str, Any]:
 def hf_train_equal_here(*args: Any) -> dict[str, Any]:
     """`hf_train_equal` on this rank of a pool's world (`pool.run(fn, world, …)` passes no rank)."""
     return hf_train_equal(dist.get_rank(), *args)
+
+
+def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int = 0, steps: int = 2,
+                   M: int = 4) -> list[str]:
+    """The MoE GPT tensor-parallel (models/gpt/tp.py: each MoE block whole on its tp rank's share of the tokens,
+    parallel/moe_tp.py) at dp × pp2 × tp, experts over ep, `steps` SGD steps, against the whole model accumulating
+    the same dp·M microbatches: each step's loss, then every element of every parameter — each rank's tp slices
+    and expert rows put back in the dense layout by index (tests/dense_index.py), every element held by some rank,
+    copies equal.  Run on dp·2·tp ranks; the problems found."""
+    from dense_index import gather_dense, index_model
+
+    from pipedsl.models.gpt.tp import tp_gpt_loss
+    from pipedsl.parallel.expert import shard_experts
+
+    pp = dist.get_world_size() // (dp * tp)
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, ep=ep))
+    program = pipedsl.load(schedule).compile(P=pp, M=M)
+    S = program.num_stages
+    model = tiny_moe(max(S - 1, 2))
+    ref = copy.deepcopy(model)
+    stages = copy.deepcopy(model).tp_stages(S, mesh, sequence_parallel=sp)
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_gpt_loss(mesh), parallel=mesh.with_zero(zero))
+    opt = pipe.optimizer(torch.optim.SGD, lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(1)
+    problems: list[str] = []
+    for step in range(steps):
+        x, y = synthetic_batch(MB * M * dp, 8, 32, gen)
+        loss = pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        want = 0.0
+        for xm, ym in zip(x.chunk(M * dp), y.chunk(M * dp)):
+            part = gpt_loss(ref(xm), ym) / (M * dp)
+            part.backward()
+            want += part.item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if abs(loss - want) > LOSS_RTOL * abs(want):
+            problems.append(f"rank {dist.get_rank()} step {step}: loss {loss!r} != one process {want!r}")
+    index, n = index_model(model)
+    index_stages = index.tp_stages(S, mesh, sequence_parallel=sp)
+    if ep > 1:  # the same expert rows as the pipeline's shards
+        for s in pipe.local_stages():
+            shard_experts(index_stages[s], mesh.ep_group, mesh.edp_group, dp)
+    got = gather_dense(opt.stage_parameters(), index_stages, n)
+    want_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()]).double()
+    err = float((got["values"] - want_params).abs().max())
+    if got["uncovered"] or err > PARAM_ATOL or got["spread"] > PARAM_ATOL:
+        problems.append(f"rank {dist.get_rank()}: parameters max |parallel - one process| = {err:.3g}, "
+                        f"{got['uncovered']} elements held by no rank, copies differing by {got['spread']:.3g}")
+    pipe.close()
+    return problems

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dense_index import gather_dense, index_model
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
@@ -65,40 +66,6 @@ def _dense_reference(model: GPT, batches) -> tuple[list[float], torch.Tensor]:
     return losses, _flat(ref)
 
 
-def _index_model(model: GPT) -> tuple[GPT, int]:
-    """A copy of the dense model whose parameters hold their element numbers (exact in fp32 below 2^24)."""
-    idx = copy.deepcopy(model)
-    n = 0
-    with torch.no_grad():
-        for p in idx.parameters():
-            p.copy_(torch.arange(n, n + p.numel(), dtype=torch.float32).view_as(p))
-            n += p.numel()
-    assert n < 2 ** 24
-    return idx, n
-
-
-def _gather_dense(values: dict[int, dict[str, torch.Tensor]], index_stages, n: int) -> dict:
-    """Collective over the world: every rank's shards back in the dense layout (mean over copies)."""
-    total, count = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    hi, lo = torch.full((n,), -torch.inf, dtype=torch.float64), torch.full((n,), torch.inf, dtype=torch.float64)
-    for s, named in values.items():
-        index = dict(index_stages[s].named_parameters())
-        assert named.keys() == index.keys(), (sorted(named), sorted(index))
-        for name, v in named.items():
-            i = index[name].detach().reshape(-1).round().long()
-            v = v.detach().reshape(-1).double()
-            total.index_add_(0, i, v)
-            count.index_add_(0, i, torch.ones_like(v))
-            hi.scatter_reduce_(0, i, v, "amax")
-            lo.scatter_reduce_(0, i, v, "amin")
-    dist.all_reduce(total)
-    dist.all_reduce(count)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return {"values": total / count.clamp(min=1), "uncovered": int((count == 0).sum()),
-            "spread": float((hi - lo)[count > 0].max())}
-
-
 def _train(mesh: ParallelMesh, model: GPT, schedule: str, M: int, zero_cfg: ParallelConfig, batches, tp_layers: bool,
            batch_mode: str = "global") -> dict:
     params = SCHEDULE_PARAMS.get(schedule, {})
@@ -125,9 +92,9 @@ def _train(mesh: ParallelMesh, model: GPT, schedule: str, M: int, zero_cfg: Para
         opt.step()
         opt.zero_grad()
         seconds.append(time.perf_counter() - t0)
-    index, n = _index_model(model)
+    index, n = index_model(model)
     index_stages = index.tp_stages(S, mesh) if tp_layers else index.stages(S)
-    gathered = _gather_dense(opt.stage_parameters(), index_stages, n)
+    gathered = gather_dense(opt.stage_parameters(), index_stages, n)
     # per local stage: ZeRO's largest gradient bytes held at once, and the 'microbatch' bound for it: this
     # rank's [S] slices plus one unit's full gradient (fp32)
     peak = {s: (m.peak_grads, 4 * sum(u.size for u in opt.zero[s].units) + 4 * max(u.padded for u in opt.zero[s].units),
@@ -196,9 +163,9 @@ def buckets_job(user_optimizer: bool) -> dict:
         opt.step()
         opt.zero_grad()
     [reducer] = [h for h in pipe.reducer.hooks if isinstance(h, DataParallelReducer)]
-    index, n = _index_model(model)
+    index, n = index_model(model)
     values = {s: dict(m.named_parameters()) for s, m in pipe.local_stages().items()}
-    res = {"losses": losses, **_gather_dense(values, index.stages(2), n)}
+    res = {"losses": losses, **gather_dense(values, index.stages(2), n)}
     pipe.close()
     return {"problems": _compare(res, ref_losses, ref_params), "storages": len(storages),
             "copies": sum(len(v) for v in reducer._flat.values())}

@@ -261,30 +261,28 @@ def test_an_overlapped_pair_hides_the_stages_all_to_alls() -> None:
 
 
 def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
-    """One capability rule (plan/runnable.py's `moe_refusal`) for the planner's candidates and `pipedsl train`'s
-    refusals: a Hugging Face MoE decoder runs tp × ep (Mixtral and DeepSeek-V3 at every tp, ep), the built-in GPT's
-    experts take ep but not tp, and DeepSeek's latent attention no sequence parallelism.  The planner once ranked
+    """One capability rule (plan/runnable.py) for the planner's candidates and `pipedsl train`'s refusals: an MoE
+    decoder — Mixtral, DeepSeek-V3, the built-in GPT — runs tp × ep under 1-D tensor parallelism (the trainer's
+    only mode), not 3-D; DeepSeek's latent attention takes no sequence parallelism.  The planner once ranked
     "dp4 pp4 tp4+sp zb-v … ep2" first for Mixtral, a layout the trainer refused."""
     from pipedsl.plan.runnable import NotRunnableError, check_runnable, moe_refusal
-    from pipedsl.trainer.config import ConfigError, ModelConfig, ParallelismConfig, TrainConfig
+    from pipedsl.trainer.config import ModelConfig, ParallelismConfig, TrainConfig
 
-    def planned(model: str, tp: int, ep: int, sp: bool = False) -> bool:
+    def planned(model: str, tp: int, ep: int, sp: bool = False, mode: str = "1d") -> bool:
         try:
-            check_runnable(model_preset(model), Layout(4, 1, tp, "1f1b", 1, 128, ep=ep, sequence_parallel=sp))
+            check_runnable(model_preset(model), Layout(4, 1, tp, "1f1b", 1, 128, ep=ep, sequence_parallel=sp,
+                                                       tp_mode=mode))
         except NotRunnableError:
             return False
         return True
 
     for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2)):
-        assert planned("mixtral-8x7b", tp, ep) and moe_refusal(True, tp, hf=True) is None, (tp, ep)
+        assert planned("mixtral-8x7b", tp, ep) and moe_refusal(True, tp) is None, (tp, ep)
         assert planned("mixtral-8x7b", tp, ep, sp=tp > 1) and planned("deepseek-v3", tp, ep), (tp, ep)
         assert planned("deepseek-v3", tp, ep, sp=tp > 1) == (tp == 1), (tp, ep)
-        try:  # the trainer's refusals of the GPT with 8 experts: the same rule
-            TrainConfig(model=ModelConfig(experts=8), parallel=ParallelismConfig(dp=4, tp=tp, ep=ep))
-            trained = True
-        except ConfigError:
-            trained = False
-        assert trained == (moe_refusal(True, tp, hf=False) is None) == (tp == 1), (tp, ep)
+        # the trainer takes the GPT with 8 experts at every such layout (dropless: no --capacity-factor)
+        TrainConfig(model=ModelConfig(experts=8), parallel=ParallelismConfig(dp=4, tp=tp, ep=ep))
+    assert not planned("mixtral-8x7b", 8, 1, mode="3d") and moe_refusal(True, 8, "3d") is not None
 
 
 @pytest.mark.slow

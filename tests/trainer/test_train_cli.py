@@ -120,13 +120,26 @@ def test_train_gpt_experts_sharded_over_ep_equals_one_process_and_resumes_exactl
         assert loss == pytest.approx(ep[step], rel=1e-5), step
 
 
+@pytest.mark.slow
+def test_train_gpt_experts_under_tensor_and_expert_parallelism_equal_one_process(tmp_path) -> None:
+    """--experts 4 --tp 2 --ep 2 --sequence-parallel on dp2 × pp2 × tp2 (8 ranks) under ZeRO-1: each MoE block whole
+    on its tp rank's sequence shard (parallel/moe_tp.py), the router's losses from the microbatch's statistics
+    summed over tp — every step's loss equals one process running the same four microbatches."""
+    moe = ["--experts", "4", "--top-k", "2", "--steps", "3", "--layers", "2"]
+    one = _train(tmp_path, "one", "-P", "1", "-M", "4", *moe)
+    par = _train(tmp_path, "tp-ep", "--dp", "2", "--tp", "2", "--ep", "2", "--sequence-parallel", "--zero", "1", *moe)
+    assert one.keys() == par.keys() == {"1", "2", "3"}
+    for step, loss in one.items():
+        assert par[step] == pytest.approx(loss, rel=1e-5), step
+
+
 @pytest.mark.parametrize("args,said", [
     (["--dp", "2", "--ep", "2"], "--ep 2 shards experts, and the GPT has none: give --experts N"),
     (["--dp", "3", "--ep", "2", "--experts", "4"], "--ep 2 must divide --dp 3"),
     (["--dp", "2", "--ep", "2", "--experts", "3"], "--experts 3 cannot be shared evenly by --ep 2 ranks"),
     (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the 2 experts"),
-    (["--experts", "4", "--tp", "2"], "--experts with --tp 2: tensor parallelism (tp 2) of a mixture of experts is not "
-                                      "supported yet"),
+    (["--experts", "4", "--capacity-factor", "1.5", "--tp", "2"],
+     "--capacity-factor 1.5 with --tp 2: each tp rank routes its share of the tokens"),
 ])
 def test_train_expert_options_are_checked_before_any_rank(capsys, args, said) -> None:
     from pipedsl.cli import main
