@@ -12,7 +12,7 @@ import pytest
 import torch
 from compared import every_parameter_compared
 
-from pipedsl.models.gpt.model import GPT, GPTConfig, synthetic_batch
+from pipedsl.models.gpt.model import synthetic_batch
 from pipedsl.models.gpt.moe import Router
 from pipedsl.runtime.expert_load import ExpertLoad
 from pipedsl.runtime.recompute import Recompute
@@ -132,10 +132,16 @@ def test_stages_compute_the_models_loss_and_router_statistics_count_training_for
     assert sum(stats["tokens_per_expert"]) + stats["dropped"] == 32 * 2
 
 
-def test_an_moe_gpt_is_refused_for_tensor_parallel_stages() -> None:
-    model = GPT(GPTConfig(n_layer=2, n_experts=4))
-    with pytest.raises(Exception, match="tensor parallelism of the GPT's experts"):
-        model.tp_stages(2, mesh=None)
+def test_tensor_parallel_experts_need_a_dropless_router() -> None:
+    """Under tp each rank routes its share of the tokens: a capacity, filled first come first served over the
+    microbatch's tokens, would be filled by each share alone — refused by name (models/gpt/tp.py)."""
+    from pipedsl.models.gpt.moe import MoE
+    from pipedsl.models.gpt.tp import ParallelMoEBlock
+    from pipedsl.parallel import ParallelConfigError
+
+    moe = MoE(8, 4, 2, 16, capacity_factor=1.5)
+    with pytest.raises(ParallelConfigError, match="needs a dropless router"):
+        ParallelMoEBlock(torch.nn.LayerNorm(8), None, torch.nn.LayerNorm(8), moe, None)  # type: ignore[arg-type]
 
 
 def _clean(results: list[dict]) -> None:
