@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from dense_index import gather_dense, index_model
 from torch import nn
 
 import pipedsl
@@ -341,12 +342,7 @@ def parallel_job(dp: int, pp: int, tp: int, runs: tuple, steps: int = 2) -> dict
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
     want = torch.cat([p.detach().reshape(-1) for p in ref.parameters()]).double()
-    index = copy.deepcopy(model)
-    n = 0
-    with torch.no_grad():
-        for p in index.parameters():
-            p.copy_(torch.arange(n, n + p.numel(), dtype=torch.float32).view_as(p))
-            n += p.numel()
+    index, n = index_model(model)
     out = {}
     for schedule, M, zero, batch, recompute in runs:
         program = pipedsl.load(schedule).compile(P=pp, M=M)
@@ -368,19 +364,10 @@ def parallel_job(dp: int, pp: int, tp: int, runs: tuple, steps: int = 2) -> dict
             opt.zero_grad()
             if not abs(loss - ref_losses[step]) <= RTOL * abs(ref_losses[step]):
                 problems.append(f"step {step}: loss {loss!r} != one process {ref_losses[step]!r}")
-        total, count = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-        index_stages = index.tp_stages(S, mesh)
-        for s, named in opt.stage_parameters().items():
-            where = dict(index_stages[s].named_parameters())
-            for name, v in named.items():
-                i = where[name].detach().reshape(-1).round().long()
-                total.index_add_(0, i, v.detach().reshape(-1).double())
-                count.index_add_(0, i, torch.ones(i.numel(), dtype=torch.float64))
-        dist.all_reduce(total)
-        dist.all_reduce(count)
-        if (count == 0).any():
-            problems.append(f"{int((count == 0).sum())} parameter elements held by no rank")
-        err = float((total / count.clamp(min=1) - want).abs().max())
+        got = gather_dense(opt.stage_parameters(), index.tp_stages(S, mesh), n)
+        if got["uncovered"]:
+            problems.append(f"{got['uncovered']} parameter elements held by no rank")
+        err = float((got["values"] - want).abs().max())
         if not err <= 2e-6:
             problems.append(f"final parameters: max |parallel - one process| = {err:.3g}")
         out[f"{schedule} zero={zero} batch={batch} recompute={recompute}"] = problems

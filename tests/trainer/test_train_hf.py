@@ -531,6 +531,15 @@ def test_config_file_and_flags(tmp_path):
     assert again.getvalue() == text
 
 
+def _exported(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
+    """`pipedsl export` of step 4 of checkpoint folder `name` ("one": ckpt-one) as a transformers state dict."""
+    import transformers as tf
+
+    done = pipedsl("export", str(tmp_path / ("ckpt-one" if name == "one" else name)), "--hf", str(tmp_path / f"hf-{name}"))
+    assert done.returncode == 0 and "exported step 4" in done.stdout, done.stderr[-3000:]
+    return tf.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{name}").state_dict()
+
+
 @pytest.mark.slow
 def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_resumes_and_exports(corpus, tmp_path):
     """An MoE directory with output_router_logits: the router's auxiliary loss is added per microbatch (the
@@ -539,7 +548,6 @@ def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_
     every expert received; both runs export, and the exported weights (the shards joined) are the same.  The
     per-token reduction, which would change what the loss means, is refused in one line.  (The auxiliary loss
     depends on how rows are grouped into microbatches, so the one-process run uses the same microbatches.)"""
-    import transformers as tf
 
     model = model_dir(tmp_path, "mixtral")
     constant = ["--lr-schedule", "constant"]  # the same learning rates whether the run stops at step 2 or 4
@@ -563,12 +571,7 @@ def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_
     load = [r["tokens_per_expert"] for r in rows if r["kind"] == "train"]
     # 8 rows of 32 tokens, top-2 routings, 4 layers: every routing is counted once, over every rank
     assert len(load) == 2 and all(len(t) == 4 and sum(t) == 8 * 32 * 2 * 4 for t in load), load
-    exported = {}
-    for name in ("one", "ckpt"):
-        done = pipedsl("export", str(tmp_path / ("ckpt-one" if name == "one" else name)), "--hf",
-                       str(tmp_path / f"hf-{name}"))
-        assert done.returncode == 0 and "exported step 4" in done.stdout, done.stderr[-3000:]
-        exported[name] = tf.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{name}").state_dict()
+    exported = {name: _exported(tmp_path, name) for name in ("one", "ckpt")}
     assert exported["one"].keys() == exported["ckpt"].keys()
     for key, value in exported["one"].items():
         assert torch.allclose(exported["ckpt"][key], value, atol=1e-5), key
@@ -583,7 +586,6 @@ def test_mixtral_tp2_ep2_equals_one_process_resumes_on_another_tp_and_ep_and_exp
     ZB-V: two steps and a checkpoint, then --resume at tp1 × ep1 (4 ranks) to step 4, every step's loss equal
     to one process (the router's auxiliary loss included); each step logs every routing once; the export (the
     tensor-parallel shards and the expert shards joined) is one process's model."""
-    import transformers as tf
 
     model = model_dir(tmp_path, "mixtral")
     constant = ["--lr-schedule", "constant"]
@@ -604,12 +606,7 @@ def test_mixtral_tp2_ep2_equals_one_process_resumes_on_another_tp_and_ep_and_exp
     load = [r["tokens_per_expert"] for r in rows if r["kind"] == "train"]
     # 8 rows of 32 tokens, top-2 routings, 4 layers: every routing counted once though each tp rank routes its share
     assert len(load) == 2 and all(sum(t) == 8 * 32 * 2 * 4 for t in load), load
-    exported = {}
-    for name in ("one", "ckpt"):
-        done = pipedsl("export", str(tmp_path / ("ckpt-one" if name == "one" else name)), "--hf",
-                       str(tmp_path / f"hf-{name}"))
-        assert done.returncode == 0 and "exported step 4" in done.stdout, done.stderr[-3000:]
-        exported[name] = tf.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{name}").state_dict()
+    exported = {name: _exported(tmp_path, name) for name in ("one", "ckpt")}
     assert exported["one"].keys() == exported["ckpt"].keys()
     # the tp ranks' partial expert gradients are summed in another order, which AdamW's division by √v magnifies
     # where a gradient is tiny: 1.3e-5 measured; a missing or doubled sum would be of the learning rate's order (3e-3)
