@@ -118,7 +118,8 @@ def moe_block(layer: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def check_stages(stages: Sequence[nn.Module], config: ParallelConfig) -> tuple[int, Any]:
+def check_stages(stages: Sequence[nn.Module], config: ParallelConfig,
+                 sequence_parallel: bool = False) -> tuple[int, Any]:
     """The tp size and the model config; refuse what this plan cannot split, with the reason.  Needs only the
     stages' shapes and names (meta-device stages do): `pipedsl train` runs it before any rank starts."""
     if config.tp_mode != "1d":
@@ -148,6 +149,10 @@ def check_stages(stages: Sequence[nn.Module], config: ParallelConfig) -> tuple[i
                 raise ParallelConfigError(f"tp_hf_stages: layer {i} ({type(layer).__name__}) is not in the Llama "
                                           f"layout (self_attn.q/k/v/o_proj or DeepSeek's latent attention, "
                                           f"mlp.gate/up/down_proj or an MoE block, two norms)")
+            if mla and sequence_parallel and t > 1:
+                raise ParallelConfigError(f"tp_hf_stages: sequence parallelism of {type(layer.self_attn).__name__} "
+                                          f"(multi-head latent attention) is not supported yet: use tensor "
+                                          f"parallelism alone")
             if mla:
                 continue
             head_dim = layer.self_attn.head_dim
@@ -242,7 +247,7 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
     stages = list(stages)
     if not stages:
         return stages
-    t, _ = check_stages(stages, mesh.config)
+    t, _ = check_stages(stages, mesh.config, sequence_parallel)
     if t == 1:
         return stages
     tp_mesh: DeviceMesh = mesh.device_mesh["tp"]
@@ -262,10 +267,7 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
                 input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)})
         for layer in stage.layers.values():
             moe = moe_block(layer)
-            mla = layer.self_attn if is_mla(layer.self_attn) else None
-            if mla is not None and sp:
-                raise ParallelConfigError(f"tp_hf_stages: sequence parallelism of {type(mla).__name__} (multi-head "
-                                          f"latent attention) is not supported yet: use tensor parallelism alone")
+            mla = layer.self_attn if is_mla(layer.self_attn) else None  # under SP refused by check_stages
             parallelize_module(layer, tp_mesh, _layer_plan(sp, moe is not None, mla))
             if mla is not None:
                 mark_replicated([p for n in MLA_REPLICATED if getattr(mla, n, None) is not None

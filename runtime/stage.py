@@ -77,8 +77,8 @@ class ActivationCounter:
         self.largest_bytes = 0  # the most one activation counted at its forward's end, since `reset`
         self.counted: set[int] = set()  # the storages the newest activation counts (unit_clock.py reads them)
         # split backward: what each pending W held right after its I, as a share of its activation's bytes (the
-        # last 256; --schedule auto reports them); measured only when asked (`measure_w_shares`), since it walks
-        # the activation's saved tensors at every I
+        # last 256; --schedule auto searches with them); recorded when asked (`measure_w_shares`) — the bytes are
+        # walked at every I whenever bytes are counted, to recount the activation
         self.w_shares: deque[float] = deque(maxlen=256)
         self.measure_w_shares = False
 

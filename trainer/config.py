@@ -538,7 +538,14 @@ class TrainConfig:
             what = f"dp*M = {dp}*{M} = {dp * M}" if dp > 1 else f"M={M}"
             raise ConfigError(f"--batch {batch} does not split into {what} equal microbatches "
                               f"(use a multiple of {dp * M})")
+        from pipedsl.plan.runnable import moe_tokens_refusal
+
         model = self.model
+        tokens = moe_tokens_refusal(batch // (M * dp), self.data.seq, self.parallel.tp,
+                                    self.parallel.sequence_parallel) if model.experts else None
+        if tokens is not None:
+            raise ConfigError(f"--experts with --tp {self.parallel.tp}: {tokens}; change --batch or --seq, or add "
+                              f"--sequence-parallel")
         if not model.is_hf:
             layers = model.layers or (2 * S if model.split == "blocks" else max(2 * S - 2, 1))
             if model.split == "blocks" and layers < S:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.memory import model_states
+from pipedsl.plan.runnable import moe_tokens_refusal
 from pipedsl.runtime.launch.capacity import total_memory
 from pipedsl.trainer.config import HFModelConfig, TrainConfig, check_points, split_points
 
@@ -43,6 +44,12 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
         raise PipeDSLError(f"--ep {ep} shards experts, and {md.path} ({md.kind}) has none")
     if experts % ep:
         raise PipeDSLError(f"--ep {ep}: the {experts} experts of {md.path} cannot be shared evenly by {ep} ranks")
+    M = program.num_microbatches
+    tokens = moe_tokens_refusal((batch or 4 * M * dp) // (M * dp), d.seq, cfg.parallel.tp,
+                                cfg.parallel.sequence_parallel) if experts else None
+    if tokens is not None:
+        raise PipeDSLError(f"--tp {cfg.parallel.tp}: {md.path} is a mixture of experts, and {tokens}; change --batch "
+                           f"or --seq, or add --sequence-parallel")
     S = program.num_stages
     layers = int(getattr(md.config, "num_hidden_layers", None) or getattr(md.config, "n_layer", 0))
     if S > layers + 2:
@@ -285,7 +292,8 @@ def _check_tensor_parallel(cfg: TrainConfig, md: Any, meta: Any, split: dict[str
 
     try:
         check_stages(causal_lm_stages(meta, S, **split, check=False),
-                     ParallelConfig(dp=cfg.parallel.dp, pp=S, tp=tp, zero=cfg.parallel.zero))
+                     ParallelConfig(dp=cfg.parallel.dp, pp=S, tp=tp, zero=cfg.parallel.zero),
+                     cfg.parallel.sequence_parallel)
     except ParallelConfigError as err:
         raise PipeDSLError(f"--tp {tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
 

@@ -148,7 +148,7 @@ class Skeleton:
     placement: dict[tuple[int, int], int]
     split_backward: bool
     peaks: tuple[float, ...]  # `peak_live` of the compiled program (its compute order is the plan's)
-    ops: tuple[tuple[Op, ...], ...] = ()  # each rank's compute order
+    ops: tuple[tuple[Op, ...], ...]  # each rank's compute order
 
     def peaks_at(self, wmem: float) -> tuple[float, ...]:
         """`peaks` with a pending W counted at `wmem` of an activation."""

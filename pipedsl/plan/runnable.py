@@ -13,10 +13,12 @@ Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `check_st
 ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (`tp_hf.py`,
 `parallel/zero.py`): no rule.
 
-Mixtures of experts (`moe_refusal`, which `pipedsl train` applies too: trainer/config.py,
-trainer/config.py): an MoE decoder — a Hugging Face one or the built-in GPT — runs tp × ep, the
+Mixtures of experts: an MoE decoder — a Hugging Face one or the built-in GPT — runs tp × ep, the
 attention tensor-parallel, each MoE block whole on its tp rank's share of the tokens, the experts
-over ep (`parallel/moe_tp.py`), under 1-D tensor parallelism only.
+over ep (`parallel/moe_tp.py`), under 1-D tensor parallelism only (`moe_refusal`; the trainer has
+no other mode).  Without sequence parallelism a microbatch's tokens must divide among the tp ranks
+(`moe_tokens_refusal`, which `pipedsl train` applies too: trainer/config.py for the GPT,
+trainer/hf_setup.py for a Hugging Face model).
 
 The built-in GPT (`ModelSpec.layout == "gpt"`, `models/gpt/tp.py`, `parallel/tp1d.py`,
 `parallel/config.py` `check_model`):
@@ -36,18 +38,28 @@ class NotRunnableError(PipeDSLError):
 
 
 def moe_refusal(moe: bool, tp: int, tp_mode: str = "1d") -> str | None:
-    """Why the runtime refuses tensor parallelism `tp` for a model (`moe`: it has routed experts), or None: the one
-    rule the planner and `pipedsl train` both apply.  An MoE block runs whole on each tp rank's share of the tokens
-    (parallel/moe_tp.py), under 1-D tensor parallelism."""
+    """Why the runtime refuses tensor parallelism `tp` for a model (`moe`: it has routed experts), or None.  An MoE
+    block runs whole on each tp rank's share of the tokens (parallel/moe_tp.py), under 1-D tensor parallelism."""
     if moe and tp > 1 and tp_mode != "1d":
         return f"an MoE model takes 1-D tensor parallelism only, not {tp_mode} (tp {tp})"
+    return None
+
+
+def moe_tokens_refusal(rows: int, seq: int, tp: int, sequence_parallel: bool) -> str | None:
+    """Why an MoE model's microbatch of `rows` sequences of `seq` tokens cannot be shared by `tp` ranks, or None: the
+    rule the planner and `pipedsl train` both apply.  Without sequence parallelism each tp rank's MoE blocks take
+    1/tp of the microbatch's tokens (parallel/moe_tp.py); with it, its sequence shard (seq % tp is SP's own rule)."""
+    if tp > 1 and not sequence_parallel and (rows * seq) % tp:
+        return (f"a microbatch's {rows}·{seq} tokens do not divide among tp={tp} ranks, each of which runs the MoE "
+                f"blocks on its share")
     return None
 
 
 def check_runnable(model: ModelSpec, layout: Layout) -> None:
     """Raise `NotRunnableError` if pipedsl's runtime would refuse `layout` for `model`."""
     t = layout.tp
-    why = moe_refusal(model.moe, t, layout.tp_mode)
+    why = moe_refusal(model.moe, t, layout.tp_mode) or (
+        moe_tokens_refusal(layout.microbatch, model.seq, t, layout.sequence_parallel) if model.moe else None)
     if why is not None:
         raise NotRunnableError(f"runtime: {why} (parallel/moe_tp.py)")
     if layout.sequence_parallel and t > 1:

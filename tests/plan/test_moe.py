@@ -283,6 +283,11 @@ def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
         # the trainer takes the GPT with 8 experts at every such layout (dropless: no --capacity-factor)
         TrainConfig(model=ModelConfig(experts=8), parallel=ParallelismConfig(dp=4, tp=tp, ep=ep))
     assert not planned("mixtral-8x7b", 8, 1, mode="3d") and moe_refusal(True, 8, "3d") is not None
+    # without SP each tp rank takes 1/tp of a microbatch's tokens: they must divide (SP: its sequence shard)
+    from pipedsl.plan.runnable import moe_tokens_refusal
+
+    assert moe_tokens_refusal(1, 7, 2, False) is not None and moe_tokens_refusal(2, 7, 2, False) is None
+    assert moe_tokens_refusal(1, 8, 2, True) is None and moe_tokens_refusal(1, 7, 1, False) is None
 
 
 @pytest.mark.slow

@@ -140,6 +140,8 @@ def test_train_gpt_experts_under_tensor_and_expert_parallelism_equal_one_process
     (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the 2 experts"),
     (["--experts", "4", "--capacity-factor", "1.5", "--tp", "2"],
      "--capacity-factor 1.5 with --tp 2: each tp rank routes its share of the tokens"),
+    (["--experts", "4", "--tp", "2", "-M", "2", "--batch", "2", "--seq", "7"],
+     "--experts with --tp 2: a microbatch's 1·7 tokens do not divide among tp=2 ranks"),
 ])
 def test_train_expert_options_are_checked_before_any_rank(capsys, args, said) -> None:
     from pipedsl.cli import main
