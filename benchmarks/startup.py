@@ -53,7 +53,9 @@ def _env(method: str) -> dict[str, str]:
 
 def launch_times(method: str, n: int, script: Path) -> dict[str, float]:
     out = subprocess.run([sys.executable, str(script), str(n)], capture_output=True, text=True, env=_env(method),
-                         check=True, timeout=600)
+                         timeout=600)
+    if out.returncode:  # what the launch said, not only its exit status
+        raise SystemExit(f"{method} launch of {n} ranks failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
