@@ -56,7 +56,7 @@ class Recorder(Protocol):
 class Region:
     """One recomputable call: its function, inputs, RNG and autocast state, and once needed its saved tensors."""
 
-    __slots__ = ("fn", "args", "kwargs", "recorder", "rng", "autocast", "count", "saved", "policy")
+    __slots__ = ("fn", "args", "kwargs", "recorder", "rng", "autocast", "count", "saved", "policy", "read")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, recorder: Recorder | None,
                  policy: Recompute) -> None:
@@ -64,7 +64,8 @@ class Region:
         self.rng = _rng_state()
         self.autocast = _autocast_state()
         self.count = 0
-        self.saved: list[torch.Tensor] | None = None
+        self.saved: list[torch.Tensor | None] | None = None
+        self.read: set[int] | None = None  # while a split backward's I marks what W reads (`drop_unread`)
         if recorder is not None:
             for t in _tensors(args, kwargs):
                 recorder.add(t)  # the region's inputs are what it keeps
@@ -81,7 +82,19 @@ class Region:
         if self.saved is None:
             self._recompute()
         assert self.saved is not None
-        return self.saved[k]
+        if self.read is not None:
+            self.read.add(k)
+        t = self.saved[k]
+        if t is None:
+            raise RuntimeError("pipedsl: W read a recomputed tensor its I had dropped as unread; please report this "
+                               "with the model")
+        return t
+
+    def drop_unread(self) -> None:
+        """After I marked what W reads (`read`): let go of the rest of what the recomputation saved."""
+        if self.saved is not None and self.read is not None:
+            self.saved = [t if k in self.read else None for k, t in enumerate(self.saved)]
+        self.read = None
 
     def _recompute(self) -> None:
         saved: list[torch.Tensor] = []
@@ -145,6 +158,7 @@ class Recompute:
         self._depth = 0  # regions open now (a selected module inside one is part of it)
         self._recomputing = 0
         self._open: list[tuple[nn.Module, contextlib.ExitStack]] = []
+        self._made: list[Region] = []  # the regions the forward running now opened (`take_regions`)
         self.selected: list[str] = []
         if mode == "selective":
             if predicate is None:
@@ -161,6 +175,7 @@ class Recompute:
         """`fn(*args)` under the policy; `again(*args)` (default `fn`) is what a full recomputation runs."""
         if self.mode == "full":
             region = Region(again or fn, args, {}, recorder, self)
+            self._made.append(region)
             with region.hooks():
                 return fn(*args)
         self._recorder, self._active = recorder, True
@@ -171,6 +186,12 @@ class Recompute:
             while self._open:  # a module that raised: close what it opened
                 self._open.pop()[1].close()
             self._depth = 0
+
+    def take_regions(self) -> list[Region]:
+        """The regions the last `run` opened: its activation keeps them, so that a split backward's I can drop what
+        W does not read of what they recompute."""
+        made, self._made = self._made, []
+        return made
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
@@ -187,6 +208,7 @@ class Recompute:
         if not self._active or self._recomputing or self._depth > 1 or not torch.is_grad_enabled():
             return
         region = Region(_Call(module), args, kwargs, self._recorder, self)
+        self._made.append(region)
         stack = contextlib.ExitStack()
         stack.enter_context(region.hooks())
         self._open.append((module, stack))

@@ -65,7 +65,8 @@ class ActivationCounter:
     recomputed a region, what it saved again — each storage once, parameters (and views of
     them) not at all.  They count until the activation is dead (released and freed by autograd);
     a split backward's I, without recomputation, recounts them as what its pending W still holds
-    (`Cost.wmem` of the activation: the schedules' memory model).
+    (`Cost.wmem` of the activation: the schedules' memory model).  Under recomputation I drops as
+    much, but the count stays whole until W: an upper bound.
     """
 
     def __init__(self, count_bytes: bool = True) -> None:
@@ -177,7 +178,7 @@ class Saved:
 class Activation:
     """What a forward leaves for its backward."""
 
-    __slots__ = ("inputs", "outputs", "grads", "token", "buffers", "boundary", "loss", "saved")
+    __slots__ = ("inputs", "outputs", "grads", "token", "buffers", "boundary", "loss", "saved", "regions")
 
     def __init__(self, inputs: list, outputs: list[torch.Tensor], token: object, buffers: list) -> None:
         self.inputs = inputs
@@ -188,6 +189,7 @@ class Activation:
         self.boundary: list | None = None  # split backward: [(node, captured grads)]
         self.loss: torch.Tensor | None = None
         self.saved: list[Saved] | None = None  # what its forward saved, where I drops what W does not read
+        self.regions: list = []  # its recomputed regions (runtime/recompute.py), whose unread tensors I drops too
 
 
 def as_list(value: Any) -> list:
@@ -225,8 +227,8 @@ class Stage:
         self.weight_pass_hooks: list[tuple[Callable[[], None], Callable[[], None], bool]] = []
         options = options or StageOptions()
         self.precision, self.device = options.precision, options.device
-        # dropping at I needs every saved tensor packed by this stage; recomputation packs its own
-        self.release = options.release and recompute is None
+        # I drops what W does not read: of what the stage packed (`Saved`) and what its recomputed regions saved again
+        self.release = options.release
         self.overlap = options.overlap and has_exchanges(module)
         # which half of an overlapped pair starts, when this stage runs the forward (runtime/overlap.py)
         self.pair_first = "backward" if self.overlap and fixed_size(module) else "forward"
@@ -303,6 +305,7 @@ class Stage:
                 out, loss = self._with_loss(self.module(*inputs) if run is None else run(inputs), target)
             else:  # recomputation re-runs the plain forward, never an overlapped pair's other backward
                 out, loss = self.recompute.run(compute, tuple(inputs), token, again=plain)
+                regions = self.recompute.take_regions()
             if self.is_last:
                 scaled = self.loss.scaled(loss)
         if count_bytes and token.nbytes > self.counter.largest_bytes:
@@ -310,6 +313,8 @@ class Stage:
         if self.is_last:
             act = Activation(inputs, [scaled], token, buffers or [])
             act.loss, act.saved = loss.detach(), saved
+            if self.recompute is not None:
+                act.regions = regions
             return act, [scaled]
         outputs = self.precision.cast_outputs(as_list(out))
         for k, t in enumerate(outputs):
@@ -317,6 +322,8 @@ class Stage:
                 raise TypeError(_not_a_tensor(k, t))
         act = Activation(inputs, outputs, token, buffers or [])
         act.saved = saved
+        if self.recompute is not None:
+            act.regions = regions
         return act, outputs
 
     def _with_loss(self, out: Any, target: Any) -> tuple[Any, torch.Tensor | None]:
@@ -586,17 +593,23 @@ def _pending_w_bytes(act: Activation) -> int:
 
 
 def _drop_unread(act: Activation, weight_nodes: list[Node]) -> None:
-    """After I: drop every tensor the activation's forward saved except those W's nodes read (reading each
-    node's saved tensors once marks them); the caller lets go of the list."""
+    """After I: drop every tensor the activation's forward saved, and every tensor its recomputed regions saved
+    again, except those W's nodes read (reading each node's saved tensors once marks them); the caller lets go of
+    the list."""
     global _READ
     assert act.saved is not None
     _READ = read = set()
+    for region in act.regions:  # what W reads of a recomputed region: marked by the region itself
+        region.read = set()
     try:
         for node in weight_nodes:
             for name in _saved_names(node):
                 getattr(node, name)
     finally:
         _READ = None
+        for region in act.regions:
+            region.drop_unread()
+    act.regions = []
     for saved in act.saved:
         if id(saved) not in read:
             saved.tensor = None

@@ -325,3 +325,35 @@ def test_a_weight_pass_hook_added_later_leaves_every_gradient_to_w() -> None:
         stage.backward_weight(act)
         assert all(p.grad is not None for p in module.parameters())
     assert calls == ["before", "after"]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_split_backward_drops_what_w_does_not_read_of_a_recomputed_region(mode: str) -> None:
+    """Under recomputation I recomputes a region and W needs only part of what it saved again (each linear's input):
+    I lets go of the rest, as it does of a forward's saved tensors without recomputation, and W's gradients are
+    those of the whole backward."""
+    from pipedsl.models.gpt.model import Block, GPTConfig
+    from pipedsl.runtime.recompute import Recompute
+
+    B, T, C = 2, 8, 16
+    torch.manual_seed(0)
+    dense = Block(GPTConfig(n_embd=C, n_head=2, block_size=T))
+    x, g = torch.randn(B, T, C), torch.randn(B, T, C)
+    ref = copy.deepcopy(dense)
+    xr = x.clone().requires_grad_()
+    ref(xr).backward(g)
+    module = copy.deepcopy(dense)
+    policy = Recompute(module, mode, (lambda m: type(m).__name__ == "CausalSelfAttention") if mode == "selective"
+                       else None)
+    stage = Stage(module, 1, 3, None, 1, ActivationCounter(), policy, options=StageOptions(release=True))
+    act, outs = stage.forward([x])
+    regions = list(act.regions)
+    assert regions  # the forward opened its regions and the activation keeps them
+    del outs
+    dx = stage.backward_input(act, [g])
+    kept = [t is not None for r in regions if r.saved is not None for t in r.saved]
+    assert kept and 0 < sum(kept) < len(kept), kept  # W reads some of what was recomputed, not all
+    stage.backward_weight(act)
+    assert torch.allclose(dx[0], xr.grad, atol=1e-6)
+    for (name, p), q in zip(module.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
