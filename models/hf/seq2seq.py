@@ -40,7 +40,6 @@ weight shared between stages (`ties.py`: its gradient is summed over them).
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +52,7 @@ from pipedsl.models.hf.stages import (
     causal_lm_loss,
     check_on_shallow_copy,
     compare_with_model,
+    no_cache,
     require_transformers,
 )
 from pipedsl.models.split import ModelNamed, _bounds
@@ -290,7 +290,7 @@ class Seq2SeqStage(ModelNamed, nn.Module):
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         causal = create_causal_mask(config=self.decoder_config, inputs_embeds=h, attention_mask=dec_mask,
-                                    **_no_cache(create_causal_mask))
+                                    **no_cache(create_causal_mask))
         cross = create_bidirectional_mask(config=self.decoder_config, inputs_embeds=h, attention_mask=mask,
                                           encoder_hidden_states=enc_out)
         extra = {"position_bias": self.decoder_bias(h.shape[1], h.device)} if self.decoder_bias is not None else {}
@@ -304,13 +304,6 @@ class Seq2SeqStage(ModelNamed, nn.Module):
 
 def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
-
-
-@functools.cache
-def _no_cache(mask_maker: Any) -> dict[str, None]:
-    import inspect
-
-    return {"cache" if "cache" in inspect.signature(mask_maker).parameters else "past_key_values": None}
 
 
 def seq2seq_stages(model: nn.Module, num_stages: int, *, by: str = "count", points: Sequence[int] | None = None,

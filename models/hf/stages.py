@@ -424,7 +424,7 @@ class CausalLMStage(ModelNamed, nn.Module):
                 raise PipeRuntimeError(f"causal_lm_stages: layer type {kind!r} is not supported "
                                        f"(supported: {', '.join(makers)})")
             masks[kind] = makers[kind](config=self.config, inputs_embeds=h, attention_mask=padding,
-                                       position_ids=positions, **_no_cache(makers[kind]))
+                                       position_ids=positions, **no_cache(makers[kind]))
         rotary: dict[str, Any] = {}  # (cos, sin) [1 or mb, T, head_dim] per layer type
         if self.rotary_emb is not None and self.rotary_per_type:  # Gemma 3: local and global layers, own RoPE bases
             rotary = {kind: self.rotary_emb(h, positions, kind) for kind in dict.fromkeys(self.mask_kinds)}
@@ -439,7 +439,7 @@ class CausalLMStage(ModelNamed, nn.Module):
 
 
 @functools.cache
-def _no_cache(mask_maker: Any) -> dict[str, None]:
+def no_cache(mask_maker: Any) -> dict[str, None]:
     """The mask maker's "no KV cache" argument: `cache` since transformers 5.2x, `past_key_values` before."""
     return {"cache" if "cache" in inspect.signature(mask_maker).parameters else "past_key_values": None}
 
