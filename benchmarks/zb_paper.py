@@ -45,6 +45,11 @@ def measure(setup: tuple[str, int, int]) -> dict[str, Any]:
     return row
 
 
+def _name(setup: tuple[str, int, int]) -> str:
+    model, P, M = setup
+    return f"{model}-p{P}-m{M}"
+
+
 def table(result: dict[str, Any]) -> str:
     out = ["| setup | wmem | ZB-1p (paper) | zb-auto, mem p | ZB-2p (paper) | zb-auto, mem 2p | compile s |",
            "|---|---|---|---|---|---|---|"]
@@ -59,10 +64,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the p = 8 setups only")
+    ap.add_argument("--only", nargs="+", metavar="SETUP", choices=[_name(s) for s in SEARCHED],
+                    help="these setups only (MODEL-pP-mM: 1.5B-p8-m24 …; the smoke test runs one)")
     ap.add_argument("--json", help="output file (default benchmarks/results/zb_paper.json)")
     ap.add_argument("--no-append", action="store_true", help="do not add a row to RESULTS.md")
     args = ap.parse_args(argv)
-    rows = [measure(s) for s in SEARCHED if not args.quick or s[1] == 8]
+    rows = [measure(s) for s in SEARCHED if (not args.quick or s[1] == 8) and (not args.only or _name(s) in args.only)]
     ok = [r for r in rows for k in ("1p", "2p") if r[k]["zb_auto"] <= r[k]["paper"] + 0.002
           and r[k]["peak"] <= r[k]["cap"] + 1e-9 and r[k]["period_is_span"]]
     equal_or_below = sum(r[k]["zb_auto"] <= r[k]["paper"] for r in rows for k in ("1p", "2p"))

@@ -58,6 +58,31 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if POOL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("quick") is None:
             item.add_marker(pytest.mark.slow)
+    # the benchmarks' smoke tests last: their commands start as the session starts and run beside the rest
+    items[:] = [i for i in items if not _smoke(i)] + [i for i in items if _smoke(i)]
+
+
+SMOKE = "tests/benchmarks/test_smoke.py::"
+
+
+def _smoke(item) -> bool:
+    return item.nodeid.startswith(SMOKE)
+
+
+def pytest_collection_finish(session) -> None:
+    """The selected benchmark smoke tests' commands start now, two at a time at a lower CPU priority, on the core
+    that most of the suite's tests leave idle (tests/benchmarks/test_smoke.py); their tests, last, check them."""
+    smoke = [item for item in session.items if _smoke(item)]
+    if smoke and not session.config.option.collectonly:
+        smoke[0].module.start_in_background({item.originalname for item in session.items},
+                                            session.config._tmp_path_factory.mktemp)
+
+
+def pytest_sessionfinish(session) -> None:
+    for item in session.items if hasattr(session, "items") else ():
+        if _smoke(item):
+            item.module.stop_background()
+            break
 
 
 @pytest.fixture(scope="session")
