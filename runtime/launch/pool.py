@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -30,12 +29,6 @@ from pipedsl.errors import PipeRuntimeError
 
 class WorkerError(PipeRuntimeError):
     """A function run by the pool failed (or timed out) on some rank."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
@@ -54,8 +47,9 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
             if port is not None:  # a new world (else: the previous run's, the same ranks)
                 if dist.is_initialized():
                     dist.destroy_process_group()
-                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
-                                        world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+                timeout = datetime.timedelta(seconds=timeout_s)
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the parent's
+                dist.init_process_group("gloo", store=store, rank=index, world_size=world, timeout=timeout)
             kept = _groups()
             try:
                 torch.manual_seed(1234 + index)
@@ -104,6 +98,7 @@ class LocalPool:
         self._jobs: list[mp.Queue] = []
         self._results: mp.Queue | None = None
         self._world: tuple[int, float] | None = None  # (size, timeout) of the workers' world: a run alike reuses it
+        self._store: Any = None  # that world's rendezvous store (a torch TCPStore), held here while it lives
 
     def _start(self) -> None:
         from pipedsl.runtime.launch.fork_server import rank_context
@@ -124,7 +119,15 @@ class LocalPool:
         if not 1 <= world <= self.size:
             raise WorkerError(f"a world of {world} ranks does not fit a pool of {self.size} workers")
         timeout = timeout or self.timeout
-        port = None if same_world and self._procs and (world, timeout) == self._world else free_port()
+        port = None
+        if not (same_world and self._procs and (world, timeout) == self._world):
+            # the world's rendezvous store, bound here on a port the system picks and held until the next world:
+            # no port is chosen free and bound later, which another process could take in between
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=timeout))
+            port = self._store.port
         path = [p for p in sys.path if p]
         try:  # once, here: a queue pickles in a thread of its own, and a failure there would only be a timeout
             job = bytes(ForkingPickler.dumps((fn, world, port, args, path, timeout)))

@@ -108,10 +108,11 @@ def tp_job(dp: int, pp: int, tp: int, tp_mode: str, zero: int, M: int, batch: in
             opt.step()
             opt.zero_grad()
         # the final parameters, in the dense layout, through the index model of test_pipeline_parallel
-        from test_pipeline_parallel import _flat, _gather_dense, _index_model
+        from dense_index import gather_dense, index_model
+        from test_pipeline_parallel import _flat
 
-        index, n = _index_model(model)
-        gathered = _gather_dense(opt.stage_parameters(), index.tp_stages(pp, mesh), n)
+        index, n = index_model(model)
+        gathered = gather_dense(opt.stage_parameters(), index.tp_stages(pp, mesh), n)
         dense = ref["flat"]
         out[prec] = {"norms": norms, "ref": ref["norms"], "ref32": ref32["norms"], "losses": losses,
                      "ref_losses": ref["losses"], "uncovered": gathered["uncovered"],

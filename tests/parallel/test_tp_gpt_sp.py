@@ -18,6 +18,7 @@ import pytest
 import test_pipeline_parallel as grid
 import torch
 import torch.distributed as dist
+from dense_index import gather_dense, index_model
 
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
@@ -82,7 +83,7 @@ def _train(mesh: ParallelMesh, model: GPT, run: dict, batches) -> dict:
                             recompute=recompute, recompute_filter=_selective if recompute == "selective" else None,
                             precision=_precision(run.get("bf16")), activation_bytes=True)
     opt = pipe.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
-    index, n = grid._index_model(model)
+    index, n = index_model(model)
     index_stages = index.tp_stages(S, mesh, sequence_parallel=sp)
     out: dict = {"losses": [], "norms": [], "peak_bytes": 0}
     with count_comm() as comm:
@@ -91,13 +92,13 @@ def _train(mesh: ParallelMesh, model: GPT, run: dict, batches) -> dict:
             out["peak_bytes"] = max(out["peak_bytes"], pipe.counter.peak_bytes)
             if step == 0 and zero == 0:  # ZeRO keeps its gradients in flat buffers
                 grads = {s: {k: p.grad for k, p in m.named_parameters()} for s, m in pipe.local_stages().items()}
-                out["grads"] = grid._gather_dense(grads, index_stages, n)
+                out["grads"] = gather_dense(grads, index_stages, n)
             if run.get("clip") is not None:
                 out["norms"].append(float(pipe.clip_grad_norm_(run["clip"])))
             opt.step()
             opt.zero_grad()
     out["comm"] = dict(comm.sent), dict(comm.calls)
-    out["params"] = grid._gather_dense(opt.stage_parameters(), index_stages, n)
+    out["params"] = gather_dense(opt.stage_parameters(), index_stages, n)
     out["shapes"] = sorted(set(shapes))
     out["keys"] = {s: {k: tuple(v.shape) for k, v in m.state_dict().items()} for s, m in pipe.local_stages().items()}
     pipe.close()
