@@ -38,7 +38,7 @@ reduce-scatter half of that (Patarasuk & Yuan; NCCL's ring model).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipedsl.limits import MAX_BALANCED_LAYERS
@@ -195,10 +195,18 @@ def _piece_params(model: ModelSpec, t: int, ep: int) -> tuple[tuple[float, ...],
 def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int = 1,
                 layers: Sequence[int] | None = None) -> StageCosts:
     """Costs of each of `stages` program stages (`layers` each, or split by `stage_layers`; embedding on the
-    first, output layer on the last) for `layout` on `cluster`."""
-    b, t, h, s = layout.microbatch, layout.tp, model.hidden, model.seq
+    first, output layer on the last) for `layout` on `cluster`.  Cached: they do not depend on the schedule,
+    its parameters or the number of microbatches, which the search varies most."""
     layers = list(layers) if layers is not None else stage_layers(model, layout, stages)
     assert layers is not None, "stage_costs: the layers do not split into the stages (search.py checks first)"
+    alike = replace(layout, schedule="", microbatches=0, params=(), split="even")
+    return _stage_costs(model, cluster, alike, stages, replicas, tuple(layers))
+
+
+@lru_cache(maxsize=8192)
+def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int,
+                 layers: tuple[int, ...]) -> StageCosts:
+    b, t, h, s = layout.microbatch, layout.tp, model.hidden, model.seq
     starts = [sum(layers[:st]) for st in range(stages)]
     q = tp_degree_3d(t) if layout.tp_mode == "3d" else 0
     sp, fused, mode = layout.sp, layout.fused, layout.recompute

@@ -14,7 +14,7 @@ below 1e-9 for six built-in schedules at P=4, M=24).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from pipedsl.errors import PipeDSLError
@@ -96,6 +96,8 @@ def program_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], 
     if cost is not None and is_searched(schedule):
         return _extended_peaks(M, P, [tuple(peak_live(compiled(schedule, P, m, params, cost), cost.wmem))
                                       for m in simulation_sizes(M, P)])
+    if wmem != 1 and not compiled(schedule, P, simulation_sizes(M, P)[0], params).split_backward:
+        wmem = 1.0  # no W: the same peaks, one cache entry
     return _program_peaks(schedule, P, M, params, wmem)
 
 
@@ -149,10 +151,15 @@ class Skeleton:
     split_backward: bool
     peaks: tuple[float, ...]  # `peak_live` of the compiled program (its compute order is the plan's)
     ops: tuple[tuple[Op, ...], ...]  # each rank's compute order
+    _at: dict[float, tuple[float, ...]] = field(default_factory=dict, compare=False, repr=False)  # peaks_at's
 
     def peaks_at(self, wmem: float) -> tuple[float, ...]:
-        """`peaks` with a pending W counted at `wmem` of an activation."""
-        return self.peaks if wmem == 1 else tuple(_peak(ops, wmem) for ops in self.ops)
+        """`peaks` with a pending W counted at `wmem` of an activation (once per share: the search asks often)."""
+        if wmem == 1 or not self.split_backward:
+            return self.peaks
+        if wmem not in self._at:
+            self._at[wmem] = tuple(_peak(ops, wmem) for ops in self.ops)
+        return self._at[wmem]
 
 
 @lru_cache(maxsize=1024)
