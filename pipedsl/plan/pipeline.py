@@ -8,7 +8,9 @@ Large M: the schedules are periodic in the steady state, so the makespan and the
 activations are affine in M once M is past the warmup.  For M beyond `M_CAP_FACTOR`·P + P the
 pipeline is simulated at two sizes M₁ < M₂ ≡ M (mod P) past the warmup and both are extended
 linearly; tests/plan/test_plan_parts.py checks this against the full simulation (relative error
-below 1e-9 for six built-in schedules at P=4, M=24).
+below 1e-9 for six built-in schedules at P=4, M=24).  A third size M₂ + P checks that the iteration
+grows by the same step: where it does not (ZB-V under an MoE model's stage costs), M is simulated
+itself (tests/plan/test_moe.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pipedsl.simulate import Cost, simulate, simulated_timeline
 from pipedsl.timeline import Timeline
 
 M_CAP_FACTOR = 2  # simulate at most ~4P microbatches
+AFFINE_RTOL = 1e-6  # a linear extension's check: two steps of P microbatches add the same time (ZB-V's did not)
 BACKGROUND_ROUNDS = 4  # replays to settle how much of the time the node's other pipelines compute
 
 
@@ -278,6 +281,11 @@ def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], .
         it, mk, peaks, busy = runs[0]
         return PipelineRun(it, mk, tuple(map(float, peaks)), busy)
     (m1, m2), (a, b) = sizes, runs
+    if m2 + P < M:  # a third size: extend only where the iteration grows by the same step twice (affine)
+        c = _run_exact(schedule, P, m2 + P, params, costs, sharing)
+        if abs((c[0] - b[0]) - (b[0] - a[0])) > AFFINE_RTOL * c[0]:
+            it, mk, peaks, busy = _run_exact(schedule, P, M, params, costs, sharing)
+            return PipelineRun(it, mk, tuple(map(float, peaks)), busy)
     k = (M - m1) / (m2 - m1)
 
     def extend(x: float, y: float) -> float:
