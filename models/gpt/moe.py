@@ -92,8 +92,9 @@ class Router(nn.Module):
         whole, mass = counts, probs.sum(dim=0)
         N = x.shape[0]
         if self.share is not None:  # the microbatch's sums from every tp rank's share: the losses are its
-            whole, mass = self.share.summed(counts), self.share.summed(mass)
-            squares, N = self.share.summed(squares), N * self.share.size
+            whole = self.share.summed(counts)
+            sums = self.share.summed(torch.cat([mass, squares.reshape(1)]))  # one all-reduce for both
+            mass, squares, N = sums[:-1], sums[-1], N * self.share.size
         aux = E / N * (whole.to(probs.dtype) * mass / N).sum()
         z = squares / N
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
