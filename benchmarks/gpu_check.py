@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "runtime"))  # runtime_cases: the tests' equivalence check
 sys.path.insert(0, str(HERE.parent / "tests" / "models"))  # moe_cases: the MoE GPT and its parameter check
 sys.path.insert(0, str(HERE.parent / "tests" / "parallel"))  # tp_hf_cases: an HF decoder's dp × pp × tp check
+sys.path.insert(0, str(HERE.parent / "tests"))  # dense_index: shards put back in the dense layout by index
 
 import _bench  # noqa: E402
 
@@ -128,13 +129,17 @@ def _rank_main(rank: int, P: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def _moe(rank: int, device: str) -> dict[str, Any]:
     """The MoE GPT at dp2 × pp2 with its experts over ep=2 (parallel/expert.py) on the device, as
     tests/models/test_gpt_moe.py checks it: the loss, gradient norm and every weight after two SGD steps against
-    one process on the same device (each shard against its rows), and DualPipeV with its F&B pairs overlapped
-    against the same steps without (bit for bit)."""
+    one process on the same device (each shard against its rows), DualPipeV with its F&B pairs overlapped
+    against the same steps without (bit for bit), and pp2 × tp2, dp2 × tp2+sp × ep2
+    against one process (tests/models/test_gpt_moe.py's tensor × expert check)."""
     import moe_cases
 
     problems = moe_cases.train_equal(rank, "1f1b", 2, 2, 2, 0, device=device)["problems"]
     if not moe_cases.overlap_identical(rank, "dualpipev", 4, device=device)["same"]:
         problems.append("dualpipev with overlapped pairs differs from the same steps without")
+    for dp, ep, sp in ((1, 1, False), (2, 2, True)):  # tensor (× expert) parallelism, parallel/moe_tp.py
+        layout = f"dp{dp} x pp{4 // (2 * dp)} x tp2{'+sp' if sp else ''} x ep{ep}"
+        problems += [f"{layout}: {p}" for p in moe_cases.tp_train_equal(dp, 2, ep, sp, "1f1b", device=device)]
     return {"problems": problems}
 
 
@@ -389,7 +394,8 @@ def table(result: dict[str, Any]) -> str:
         out += [f"ZeRO 1-3 on one rank (the small GPT, 1F1B, {len(z['losses']['fp32'])} AdamW steps): {verdict}", ""]
     if "moe" in result:
         verdict = "equal" if not result["moe"] else "; ".join(result["moe"][:3])
-        out += [f"MoE GPT at dp2 x pp2 x ep2 (1F1B; DualPipeV overlapped vs not): {verdict}", ""]
+        out += [f"MoE GPT at dp2 x pp2 x ep2 (1F1B; DualPipeV overlapped vs not), pp2 x tp2, dp2 x tp2+sp x ep2: "
+                f"{verdict}", ""]
     if "layouts" in result:
         out += ["| HF Llama layout (1F1B, 2 SGD steps) | vs the dense model on the device |", "|---|---|"]
         for name, problems in result["layouts"].items():
@@ -489,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                               "date": _bench.today(), "P": P, "backend": backend, "skipped": skipped,
                               "every_schedule": not args.schedules}
     ranks = []
-    if {"schedules", "large", "layouts", "timeline", "vs_torch", "op_cpu"} & set(checks):
+    if {"schedules", "large", "moe", "layouts", "timeline", "vs_torch", "op_cpu"} & set(checks):
         ranks = pipedsl.launch(_rank_main, P, P, cfg, backend=backend, threads=1, timeout=600)
     # after the ranks: CUDA initialised here before they fork would leave them unable to use it
     result["gpus"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -274,7 +274,7 @@ def hf_train_equal_here(*args: Any) -> dict[str, Any]:
 
 
 def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int = 0, steps: int = 2,
-                   M: int = 4) -> list[str]:
+                   M: int = 4, device: str | None = None) -> list[str]:
     """The MoE GPT tensor-parallel (models/gpt/tp.py: each MoE block whole on its tp rank's share of the tokens,
     parallel/moe_tp.py) at dp × pp2 × tp, experts over ep, `steps` SGD steps, against the whole model accumulating
     the same dp·M microbatches: each step's loss, then every element of every parameter — each rank's tp slices
@@ -286,13 +286,16 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
     from pipedsl.parallel.expert import shard_experts
 
     pp = dist.get_world_size() // (dp * tp)
-    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, ep=ep))
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, ep=ep), device_type="cuda" if on_cuda else None)
     program = pipedsl.load(schedule).compile(P=pp, M=M)
     S = program.num_stages
     model = tiny_moe(max(S - 1, 2))
     ref = copy.deepcopy(model)
     stages = copy.deepcopy(model).tp_stages(S, mesh, sequence_parallel=sp)
-    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_gpt_loss(mesh), parallel=mesh.with_zero(zero))
+    pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_gpt_loss(mesh), parallel=mesh.with_zero(zero),
+                            device=device)
+    ref.to(pipe.device)
     opt = pipe.optimizer(torch.optim.SGD, lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
@@ -303,7 +306,7 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
         opt.step()
         opt.zero_grad()
         want = 0.0
-        for xm, ym in zip(x.chunk(M * dp), y.chunk(M * dp)):
+        for xm, ym in zip(x.to(pipe.device).chunk(M * dp), y.to(pipe.device).chunk(M * dp)):
             part = gpt_loss(ref(xm), ym) / (M * dp)
             part.backward()
             want += part.item()
@@ -316,8 +319,9 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
     if ep > 1:  # the same expert rows as the pipeline's shards
         for s in pipe.local_stages():
             shard_experts(index_stages[s], mesh.ep_group, mesh.edp_group, dp)
-    got = gather_dense(opt.stage_parameters(), index_stages, n)
-    want_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()]).double()
+    got = gather_dense({s: {k: v.cpu() for k, v in named.items()} for s, named in opt.stage_parameters().items()},
+                       index_stages, n)
+    want_params = torch.cat([p.detach().cpu().reshape(-1) for p in ref.parameters()]).double()
     err = float((got["values"] - want_params).abs().max())
     if got["uncovered"] or err > PARAM_ATOL or got["spread"] > PARAM_ATOL:
         problems.append(f"rank {dist.get_rank()}: parameters max |parallel - one process| = {err:.3g}, "
