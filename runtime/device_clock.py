@@ -8,7 +8,12 @@ are waited for: under NCCL that wait only orders the stream, so the event marks 
 After the step, `times` reads them without a device-wide wait: an anchor event recorded then and waited for
 completes when the stream has run everything before it, so its device time is the host time the wait returns,
 and every event's host time is the anchor's less the device time between them (`Event.elapsed_time`).  Events
-are made once per instruction, for this step and the one before, and reused.  Messages keep their host stamps.
+are made once per instruction, for this step and the one before, and reused.
+
+Messages keep their host stamps, moved no earlier than the end of the compute op before them: the host reaches a
+send while the op that made its payload may still run, but the bytes leave only after it (a staging copy, or
+NCCL's wait on the compute stream, is ordered behind it on the stream).  Drawn from the host stamp alone, a send
+overlapped its own producer on the H200 (every built-in's timeline, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ class DeviceStamps:
     def times(self, host_starts: Sequence[float], host_ends: Sequence[float],
               now: Callable[[], float] = time.perf_counter, previous: bool = False) -> tuple[list[float], list[float]]:
         """The step's (`previous`: the step before's) start and end of every instruction on the host's clock: the
-        recorded ones from their events (anchored as the module docstring says), the others as stamped."""
+        recorded ones from their events (anchored as the module docstring says), the others as stamped, none before
+        the end of the recorded one before it."""
         bank = self._banks[self._current ^ previous]
         starts, ends = list(host_starts), list(host_ends)
         picked = [i for i, r in enumerate(bank.recorded) if r]
@@ -90,4 +96,11 @@ class DeviceStamps:
         for i in picked:
             starts[i] = at - bank.starts[i].elapsed_time(anchor) / 1e3
             ends[i] = at - bank.ends[i].elapsed_time(anchor) / 1e3
+        ready = -float("inf")  # the device end of the last compute op so far, in program order
+        for i, recorded in enumerate(bank.recorded):
+            if recorded:
+                ready = max(ready, ends[i])
+            else:  # a message: not before the compute op before it (the module docstring)
+                starts[i] = max(starts[i], ready)
+                ends[i] = max(ends[i], starts[i])
         return starts, ends

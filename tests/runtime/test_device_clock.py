@@ -1,6 +1,6 @@
 """Compute ops timed by device events (runtime/device_clock.py), checked on CPU with events of a fake device whose
 queue runs behind the host: the times put on the host's clock are when the device ran each op, not when the host
-queued it; instructions without events keep their host stamps; a pipeline step records one start and one end per
+queued it; instructions without events keep their host stamps, none before the compute op before them ends; a pipeline step records one start and one end per
 compute op (the start again once its inputs are waited for)."""
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ def test_recorded_ops_are_timed_when_the_device_ran_them() -> None:
         dev.host = host_ends[i]
         stamps.end(i)
     starts, ends = stamps.times(host_starts, host_ends, now=lambda: dev.host)
-    # the device ran op 0 from 5 to 6 and op 2 from 6 to 7 (queued at 0.2, behind op 0); the message as stamped
-    assert starts == pytest.approx([5.0, 0.1, 6.0]) and ends == pytest.approx([6.0, 0.15, 7.0])
+    # the device ran op 0 from 5 to 6 and op 2 from 6 to 7 (queued at 0.2, behind op 0); the message, stamped at
+    # 0.1-0.15 while op 0 still ran, not before op 0's end (its payload leaves after it): the measured timeline's
+    # events in program order without overlap, as the H200 showed they were not when messages kept host stamps
+    assert starts == pytest.approx([5.0, 6.0, 6.0]) and ends == pytest.approx([6.0, 6.0, 7.0])
     stamps.begin()  # the next step: nothing recorded yet, the host's stamps; the step before's kept
     assert stamps.times(host_starts, host_ends) == (host_starts, host_ends)
     assert stamps.times(host_starts, host_ends, now=lambda: dev.host, previous=True)[0] == pytest.approx(starts)
