@@ -38,7 +38,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "runtime"))  # runtime_cases: the tests' equivalence check
 sys.path.insert(0, str(HERE.parent / "tests" / "models"))  # moe_cases: the MoE GPT and its parameter check
 sys.path.insert(0, str(HERE.parent / "tests" / "parallel"))  # tp_hf_cases: an HF decoder's dp × pp × tp check
-sys.path.insert(0, str(HERE.parent / "tests"))  # dense_index: shards put back in the dense layout by index
 
 import _bench  # noqa: E402
 
@@ -134,6 +133,9 @@ def _moe(rank: int, device: str) -> dict[str, Any]:
     against one process (tests/models/test_gpt_moe.py's tensor × expert check)."""
     import moe_cases
 
+    # dense_index (tp_train_equal's): tests/ joins the path only now, once pipedsl is imported, since its folder of
+    # tests named pipedsl would shadow an editable install's package
+    sys.path.append(str(HERE.parent / "tests"))
     problems = moe_cases.train_equal(rank, "1f1b", 2, 2, 2, 0, device=device)["problems"]
     if not moe_cases.overlap_identical(rank, "dualpipev", 4, device=device)["same"]:
         problems.append("dualpipev with overlapped pairs differs from the same steps without")
