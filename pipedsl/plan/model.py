@@ -142,8 +142,8 @@ class ModelSpec:
         return self.moe and index >= self.dense_layers
 
     def moe_layers_in(self, first: int, count: int) -> int:
-        """MoE layers among blocks first … first + count − 1."""
-        return sum(self.is_moe_layer(i) for i in range(first, first + count))
+        """MoE layers among blocks first … first + count − 1 (every block from `dense_layers` on is one)."""
+        return max(0, first + count - max(first, self.dense_layers)) if self.moe else 0
 
     # ------------------------------------------------------------ parameters
 

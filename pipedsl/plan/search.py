@@ -306,7 +306,11 @@ def w_share(model: ModelSpec, layout: Layout) -> float:
     An MoE model: the larger of a dense and an MoE layer's."""
     if layout.recompute != "none":
         return 1.0
-    t, b, sp, fused = layout.tp, layout.microbatch, layout.sp, layout.fused
+    return _w_share(model, layout.microbatch, layout.tp, layout.sp, layout.fused)
+
+
+@lru_cache(maxsize=1024)  # the search asks once per layout; it depends on four of a layout's fields
+def _w_share(model: ModelSpec, b: int, t: int, sp: bool, fused: bool) -> float:
     return max(model.layer_w_held_bytes(b, t, "none", sp, fused, moe) / model.layer_activation_bytes(b, t, "none", sp,
                                                                                                        fused, moe)
                for moe in ((False, True) if model.moe else (False,)))
@@ -315,11 +319,15 @@ def w_share(model: ModelSpec, layout: Layout) -> float:
 def _activation_terms(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
     """(one layer's stored activation bytes a microbatch, one recomputed region's working set, the last stage's fp32
     logits of the microbatch in flight).  An MoE model: each layer's the larger of a dense and an MoE layer's."""
-    t, b, sp, fused = layout.tp, layout.microbatch, layout.sp, layout.fused
+    return _terms(model, layout.microbatch, layout.tp, layout.recompute, layout.sp, layout.fused)
+
+
+@lru_cache(maxsize=1024)  # as `_w_share`: asked per layout, a function of five of its fields
+def _terms(model: ModelSpec, b: int, t: int, recompute: str, sp: bool, fused: bool) -> tuple[float, float, float]:
     kinds = (False, True) if model.moe else (False,)
-    per_layer = max(model.layer_activation_bytes(b, t, layout.recompute, sp, fused, moe) for moe in kinds)
+    per_layer = max(model.layer_activation_bytes(b, t, recompute, sp, fused, moe) for moe in kinds)
     whole = max(model.layer_activation_bytes(b, t, "none", sp, fused, moe) for moe in kinds)
-    working = whole - per_layer if layout.recompute != "none" else 0.0  # one block (or attention module) again
+    working = whole - per_layer if recompute != "none" else 0.0  # one block (or attention module) again
     return per_layer, working, 4 * b * model.seq * model.vocab / t
 
 
