@@ -398,8 +398,8 @@ class CausalLMStage(ModelNamed, nn.Module):
     def _router_sums(self, sums: tuple[torch.Tensor, ...], caught: list[torch.Tensor],
                      mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """`sums` with this stage's layers' router logits added; under tp, where each rank's MoE blocks route only
-        its share of the tokens, its layers' sums added over tp (one all-reduce for the counts, one for the
-        probabilities)."""
+        its share of the tokens, its layers' sums added over tp in one all-reduce (fp64: the counts stay exact,
+        the probabilities keep their gradient)."""
         assert self.router is not None
         share = self.token_share
         if share is None:
@@ -411,8 +411,10 @@ class CausalLMStage(ModelNamed, nn.Module):
         for logits in caught:
             mine = self.router.add(mine, logits, rows)
         counts, probs, n = mine
-        whole = share.summed(torch.cat([counts, n]))
-        return sums[0] + whole[:-1], sums[1] + share.summed(probs), sums[2] + whole[-1:]
+        E = counts.numel()
+        whole = share.summed(torch.cat([probs.double(), counts.double(), n.double()]))
+        return (sums[0] + whole[E:2 * E].round().long(), sums[1] + whole[:E].to(probs.dtype),
+                sums[2] + whole[2 * E:].round().long())
 
     def _layers(self, h: torch.Tensor, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
