@@ -130,15 +130,9 @@ def matmul_weights(unit: nn.Module) -> float:
     an embedding's none (a lookup), vectors none (norms, biases: no matmul); the experts of an MoE layer count
     top_k / E of theirs (the ones a token reaches; top_k from the block or its router).  Attention's
     sequence-length term is left out: at the lengths pipelines train it is a small share of a layer."""
-    from pipedsl.parallel.expert import ExpertParallel, is_experts
+    from pipedsl.parallel.expert import token_shares
 
-    active: dict[int, float] = {}  # experts module -> the share of it a token uses
-    for m in unit.modules():
-        for child in m.children():
-            if is_experts(child) or isinstance(child, ExpertParallel):
-                k = next((v for v in (getattr(m, "top_k", None), getattr(getattr(m, "router", None), "top_k", None),
-                                      getattr(getattr(m, "gate", None), "top_k", None)) if isinstance(v, int)), 1)
-                active[id(child)] = k / child.num_experts
+    active = token_shares(unit)  # experts module -> the share of it a token uses
     total = 0.0
     for m in unit.modules():
         if isinstance(m, nn.Embedding):

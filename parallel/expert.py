@@ -59,6 +59,20 @@ def is_experts(module: nn.Module) -> bool:
                                              for p in module._parameters.values())
 
 
+def token_shares(module: nn.Module, top_k: int | None = None) -> dict[int, float]:
+    """The share of each experts module in `module` (by id; a shard's too) a token passes through, top_k / E: the
+    parameters it counts for a token's FLOPs (the split by FLOPs, MFU).  `top_k`: the model's, else read from the
+    block holding the experts or its router or gate (1 when none says)."""
+    shares: dict[int, float] = {}
+    for m in module.modules():
+        for child in m.children():
+            if is_experts(child) or isinstance(child, ExpertParallel):
+                holders = (m, getattr(m, "router", None), getattr(m, "gate", None))
+                k = top_k or next((v for v in (getattr(h, "top_k", None) for h in holders) if isinstance(v, int)), 1)
+                shares[id(child)] = k / child.num_experts
+    return shares
+
+
 def why_no_experts(module: nn.Module) -> str:
     """One line on why `module` holds no experts module `is_experts` accepts: a module that looks like one (an int
     `num_experts` and parameters of its own) named with the forward it takes instead, or none at all."""

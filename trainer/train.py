@@ -213,13 +213,14 @@ def _is_attention(module: nn.Module) -> bool:
 
 def active_parameters(model: nn.Module, top_k: int, num_experts: int) -> int:
     """The parameters a token passes through: an MoE layer's experts count top_k / E of theirs (MFU's FLOPs)."""
-    from pipedsl.parallel.expert import is_experts
+    from pipedsl.parallel.expert import token_shares
 
     total = sum(p.numel() for p in model.parameters())
     if not num_experts:
         return total
-    experts = sum(p.numel() for m in model.modules() if is_experts(m) for p in m.parameters())
-    return total - experts + experts * top_k // num_experts
+    shares = token_shares(model, top_k)
+    unused = sum(p.numel() * (1 - shares[id(m)]) for m in model.modules() if id(m) in shares for p in m.parameters())
+    return total - round(unused)
 
 
 def _flops(params: int, embedding: int, layers: int, hidden: int, seq: int) -> float:

@@ -1,5 +1,6 @@
-"""Hugging Face causal decoders (stages.py) and encoder-decoders (seq2seq.py) as pipeline stages, their
-files (io.py), and the config.json mistakes transformers accepts but cannot run (config_checks.py).
+"""Hugging Face causal decoders (stages.py) and encoder-decoders (seq2seq.py) as pipeline stages, what both
+share (common.py: the loss, the architecture check against the model's own forward), their files (io.py), and
+the config.json mistakes transformers accepts but cannot run (config_checks.py).
 
 This package's own names are torch-free: the trainer's data reader (which runs without torch) reads
 `TOKENIZER_FILES` to find a model directory's tokenizer.

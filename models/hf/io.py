@@ -33,8 +33,8 @@ from torch import nn
 from pipedsl.errors import PipeRuntimeError, one_line
 from pipedsl.models import hf
 from pipedsl.models.hf import CONFIG, ModelDirError, read_config_file
+from pipedsl.models.hf.common import require_transformers
 from pipedsl.models.hf.config_checks import check_config
-from pipedsl.models.hf.stages import require_transformers
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 # what travels with a checkpoint to the export: every file a tokenizer is read from, and their companions

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from pipedsl.errors import PipeRuntimeError
-from pipedsl.models.hf.stages import (
+from pipedsl.models.hf.common import (
     IGNORE_INDEX,
     causal_lm_loss,
     check_on_shallow_copy,

@@ -52,17 +52,25 @@ import copy
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from pipedsl.errors import PipeRuntimeError, one_line
+from pipedsl.errors import PipeRuntimeError
+from pipedsl.models.hf.common import (
+    IGNORE_INDEX,
+    MAX_CHECK_BYTES,
+    causal_lm_loss,
+    check_on_shallow_copy,
+    compare_with_model,
+    no_cache,
+    require_transformers,
+)
 from pipedsl.models.split import ModelNamed, _bounds
 
-IGNORE_INDEX = -100  # transformers' label for "no loss here" (padding, prompts)
 LAYER_NAMES = ("layers", "h")  # the decoder layers: model.model.layers (Llama and most), transformer.h (GPT-2)
 NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")  # the final norm before the head (last: GPT-NeoX)
 DROPOUT_NAMES = ("drop", "emb_dropout")  # dropout on the embedding's output (GPT-2, GPT-NeoX)
@@ -71,7 +79,6 @@ NONE_WHEN_OFF = {"alibi": "alibi"}  # Falcon: `alibi` is None unless config.alib
 LAYER_ARGUMENTS = {"hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache", "cache",
                    "past_key_values", "layer_past", "kwargs", "args"}  # what CausalLMStage passes or leaves to defaults
 MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks the stages make
-MAX_CHECK_BYTES = 2 * 2**30  # the architecture check's shallow model: at most this much, or the check is skipped
 # where a model keeps the factor of its router's auxiliary loss: most families, then JetMoE
 ROUTER_LOSS_COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
 
@@ -84,28 +91,6 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     averages over, which `Pipeline(loss_reduction="token")` counts.
     """
     return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
-
-
-def causal_lm_loss(logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor, *,
-                   reduction: str = "mean", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """HF's causal-LM cross-entropy of `logits` [mb, T, V] against `shift_labels(labels)` [mb, T].
-
-    `reduction="mean"` (over the targets that are not `ignore_index`) is the loss of
-    `model(input_ids, labels=labels)`, for the default per-microbatch mean; `"sum"` is for
-    `Pipeline(loss_reduction="token")`, which divides by the global batch's token count
-    (`functools.partial(causal_lm_loss, reduction="sum")`).  Logits are upcast to fp32, as HF does.
-    """
-    aux = None
-    if isinstance(logits, tuple):  # (logits, the router's auxiliary loss) from an MoE's last stage (RouterLoss)
-        logits, aux = logits
-        if reduction != "mean":
-            raise PipeRuntimeError("an MoE's auxiliary loss is added to each microbatch's mean loss, as the model "
-                                   "adds it to each forward's: use loss_reduction='microbatch' with "
-                                   "causal_lm_loss (reduction='mean'), or output_router_logits=False")
-    logits = logits.float()  # [mb, T, V]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.to(logits.device).reshape(-1),
-                           ignore_index=ignore_index, reduction=reduction)
-    return loss + aux.to(loss.device) if aux is not None else loss
 
 
 class _Parts:
@@ -440,12 +425,6 @@ class CausalLMStage(ModelNamed, nn.Module):
         return h
 
 
-@functools.cache
-def no_cache(mask_maker: Any) -> dict[str, None]:
-    """The mask maker's "no KV cache" argument: `cache` since transformers 5.2x, `past_key_values` before."""
-    return {"cache" if "cache" in inspect.signature(mask_maker).parameters else "past_key_values": None}
-
-
 def causal_lm_stages(model: nn.Module, num_stages: int, *, by: str = "count", points: Sequence[int] | None = None,
                      attention_mask: bool = False, position_ids: bool = False,
                      check: bool = True) -> list[CausalLMStage]:
@@ -492,60 +471,6 @@ def check_split(model: nn.Module, stages: Sequence[nn.Module], seq_len: int = 8,
     return compare_with_model(model, stages, (ids, *(given[e] for e in extras)), {"input_ids": ids, "labels": ids},
                               tolerance, "causal_lm_stages", "the embedding, the layers and the head",
                               loss=(causal_lm_loss, shift_labels(ids)))
-
-
-def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inputs: tuple, model_inputs: dict,
-                       tolerance: float, who: str, pieces: str,
-                       loss: tuple[Callable[..., torch.Tensor], torch.Tensor] | None = None) -> float:
-    """The stages run in sequence on `stage_inputs` against `model(**model_inputs)`, both in eval mode without
-    gradients: the largest difference relative to the scale of the logits and, with `loss` = (the stages' loss
-    function, its targets) and labels among `model_inputs`, of the loss against the model's own.  A
-    `PipeRuntimeError` names the model above `tolerance` or when a stage fails."""
-    name = type(model).__name__
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            device = next(model.parameters()).device
-            out = model(**{k: v.to(device) for k, v in model_inputs.items() if v is not None}, use_cache=False)
-            expected = out.logits.float()
-            x: Any = tuple(t.to(device) for t in stage_inputs)
-            try:
-                for stage in stages:
-                    x = stage(*x) if isinstance(x, tuple) else stage(x)
-            except Exception as err:  # noqa: BLE001 - whatever the layers refuse, said as the model's refusal
-                raise PipeRuntimeError(f"{who}: {name}'s layers fail when called as pipedsl's stages call them "
-                                       f"({type(err).__name__}: {one_line(err, 200)}): its forward passes them "
-                                       f"something the stages do not") from None
-            got = (x[0] if isinstance(x, tuple) else x).float()
-            own_loss = getattr(out, "loss", None)
-            stage_loss = extra = None
-            if loss is not None and own_loss is not None:
-                fn, targets = loss[0], loss[1].to(device)
-                stage_loss = fn(x, targets)
-                # what each adds to the cross-entropy of its own logits (an MoE's router loss): compared on its own
-                # scale, so that a small coefficient's error is not lost in the loss's rounding
-                extra = (float(own_loss) - float(fn(out.logits, targets)), float(stage_loss) - float(fn(got, targets)))
-    finally:
-        model.train(was_training)
-    diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
-    if not diff <= tolerance:
-        raise PipeRuntimeError(f"{who}: {name} cut into {len(stages)} stages gives logits {diff:.2e} (relative) away "
-                               f"from the model's own forward: its forward does something between {pieces} that "
-                               f"pipedsl does not reproduce")
-    if stage_loss is not None:
-        want, have = float(own_loss), float(stage_loss)
-        loss_diff = abs(have - want) / max(abs(want), 1e-12)
-        model_extra, stage_extra = extra
-        extra_off = abs(stage_extra - model_extra) > tolerance * max(abs(model_extra), 0.01 * abs(want))
-        if not loss_diff <= tolerance or extra_off:
-            raise PipeRuntimeError(f"{who}: {name} cut into {len(stages)} stages gives the model's logits but a loss "
-                                   f"of {have:.6f} where its own forward gives {want:.6f} (beyond the cross-entropy: "
-                                   f"{stage_extra:.3g} against {model_extra:.3g}): the model adds to its loss "
-                                   f"something pipedsl does not reproduce (a router's auxiliary loss under a "
-                                   f"coefficient pipedsl does not know?); it cannot be trained exactly")
-        diff = max(diff, loss_diff)
-    return diff
 
 
 def shallow_config(config: Any, through: int = 0) -> Any:
@@ -610,45 +535,3 @@ def check_architecture(model: nn.Module, *, attention_mask: bool = False, positi
 
     shallow = functools.partial(shallow_config, through=first_moe_layer(model))
     return check_on_shallow_copy(model, shallow, cut_and_check, "causal_lm_stages", attn)
-
-
-def check_on_shallow_copy(model: nn.Module, shallow: Callable[[Any], Any], cut_and_check: Callable[[nn.Module], float],
-                          who: str, attn: str | None = None) -> float | None:
-    """`cut_and_check(copy)` on a random fp32 CPU copy of `model`'s class built from `shallow(model.config)`,
-    under a forked RNG; None when the copy would exceed `MAX_CHECK_BYTES`.  Whatever fails is a
-    `PipeRuntimeError` naming the model (`who`: the function whose check it is)."""
-    name = type(model).__name__
-    unverified = "; check=False splits it unverified"
-    try:
-        config = shallow(model.config)
-        build = functools.partial(type(model)._from_config, config, dtype=torch.float32,
-                                  **({"attn_implementation": attn} if attn else {}))
-        with torch.device("meta"):
-            size = 4 * sum(p.numel() for p in build().parameters())
-    except Exception as err:  # noqa: BLE001 - a config no shallow copy can be made of: unverifiable
-        raise PipeRuntimeError(f"{who}: {name} cannot be verified: a shallow copy of it cannot be built "
-                               f"({type(err).__name__}: {one_line(err, 200)}){unverified}") from None
-    if size > MAX_CHECK_BYTES:
-        return None
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        torch.manual_seed(0)
-        try:
-            return cut_and_check(build())
-        except PipeRuntimeError:
-            raise
-        except Exception as err:  # noqa: BLE001 - the model's own forward fails on its shallow copy
-            raise PipeRuntimeError(f"{who}: {name} cannot be verified: its own forward fails on a shallow copy "
-                                   f"({type(err).__name__}: {one_line(err, 200)}){unverified}") from None
-
-
-def require_transformers() -> Any:
-    """The transformers module, 5.x (its masking_utils and decoder layers), or one line saying how to get it."""
-    try:
-        import transformers
-    except ImportError:
-        raise PipeRuntimeError("Hugging Face models need transformers (pip install 'pipedsl[hf]')") from None
-    major = int(transformers.__version__.split(".")[0])
-    if major < 5:
-        raise PipeRuntimeError(f"Hugging Face models need transformers 5.x (its masking_utils and decoder layers); "
-                               f"found {transformers.__version__}")
-    return transformers
