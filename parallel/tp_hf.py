@@ -53,8 +53,8 @@ Mixtures of experts: a layer whose `mlp` (or `block_sparse_moe`) is an MoE block
 experts rather than gate/up/down_proj — keeps the block whole and runs it on this rank's share of
 the tokens (parallel/moe_tp.py: a sequence shard with SP, 1/t of the rows without), so its
 experts may be sharded over ep as well (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE,
-GraniteMoE, DeepSeek-V2/V3).  DeepSeek's multi-head latent attention (without SP) keeps its
-down-projections and their norms whole and splits its up-projections to the heads by column.
+GraniteMoE, DeepSeek-V2/V3).  DeepSeek's multi-head latent attention keeps its down-projections and
+their norms whole and splits its up-projections to the heads by column (with SP: on the gathered sequence).
 
 Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
 `mlp` (gate/up/down_proj, or an MoE block), `input_layernorm`, `post_attention_layernorm` —
@@ -149,10 +149,6 @@ def check_stages(stages: Sequence[nn.Module], config: ParallelConfig,
                 raise ParallelConfigError(f"tp_hf_stages: layer {i} ({type(layer).__name__}) is not in the Llama "
                                           f"layout (self_attn.q/k/v/o_proj or DeepSeek's latent attention, "
                                           f"mlp.gate/up/down_proj or an MoE block, two norms)")
-            if mla and sequence_parallel and t > 1:
-                raise ParallelConfigError(f"tp_hf_stages: sequence parallelism of {type(layer.self_attn).__name__} "
-                                          f"(multi-head latent attention) is not supported yet: use tensor "
-                                          f"parallelism alone")
             if mla:
                 continue
             head_dim = layer.self_attn.head_dim
@@ -204,15 +200,26 @@ def _hook_grads(stage: nn.Module, args: tuple) -> None:
 
 def _layer_plan(sp: bool, moe: bool = False, mla: nn.Module | None = None) -> dict[str, Any]:
     """The layer's plan; an MoE layer's (`moe`) leaves its block to `split_tokens`; DeepSeek's latent attention
-    (`mla`, without SP) splits its up-projections to the heads by column and its output by row."""
+    (`mla`) splits its up-projections to the heads by column and its output by row, its down-projections whole on
+    every rank.  With SP the attention's input is gathered as the dense plan's is (a DTensor, so that a module
+    called again by recomputation is right), the down-projections take it as a plain tensor (every rank's the
+    same, and so their input gradients: the up-projections sum theirs over tp, the shared rotary key is summed by
+    `_shared_rope_key`), and the output is reduce-scattered to the sequence shard."""
     plan = _dense_layer_plan(sp)
     if moe:
         plan = {k: v for k, v in plan.items() if not k.startswith("mlp")}
     if mla is not None:
-        plan = {k: v for k, v in plan.items() if not k.startswith("self_attn")}
+        plan = {k: v for k, v in plan.items() if not k.startswith("self_attn.")}
         ups = [n for n in ("q_proj", "q_b_proj", "kv_b_proj") if getattr(mla, n, None) is not None]
         plan.update({f"self_attn.{n}": ColwiseParallel() for n in ups})
-        plan["self_attn.o_proj"] = RowwiseParallel()
+        if sp:
+            downs = [n for n in ("q_a_proj", "kv_a_proj_with_mqa") if getattr(mla, n, None) is not None]
+            plan.update({f"self_attn.{n}": PrepareModuleInput(input_layouts=(Replicate(),),
+                                                              desired_input_layouts=(Replicate(),),
+                                                              use_local_output=True) for n in downs})
+            plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        else:
+            plan["self_attn.o_proj"] = RowwiseParallel()
     return plan
 
 
@@ -267,7 +274,7 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
                 input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)})
         for layer in stage.layers.values():
             moe = moe_block(layer)
-            mla = layer.self_attn if is_mla(layer.self_attn) else None  # under SP refused by check_stages
+            mla = layer.self_attn if is_mla(layer.self_attn) else None
             parallelize_module(layer, tp_mesh, _layer_plan(sp, moe is not None, mla))
             if mla is not None:
                 mark_replicated([p for n in MLA_REPLICATED if getattr(mla, n, None) is not None

@@ -7,7 +7,7 @@ rules every layout meets (batch split, tp divides the sizes, layers split over s
 `search._check_shape`.
 
 Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `check_stages` and its docstring):
-- 1-D tensor parallelism only (no 3-D); DeepSeek's multi-head latent attention without sequence parallelism;
+- 1-D tensor parallelism only (no 3-D);
 - heads, key/value heads, vocabulary and intermediate size divisible by tp;
 - sequence parallelism needs the sequence divisible by tp (`tp_hf.py`'s stage pre-hook).
 ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (`tp_hf.py`,
@@ -70,9 +70,6 @@ def check_runnable(model: ModelSpec, layout: Layout) -> None:
                               f"({'parallel/tp_hf.py' if model.hf else 'parallel/tp1d.py'})")
     if not model.hf or t == 1:
         return
-    if model.mla is not None and layout.sequence_parallel:
-        raise NotRunnableError("runtime: sequence parallelism of multi-head latent attention (DeepSeek) is not "
-                               "supported yet (parallel/tp_hf.py)")
     if layout.tp_mode != "1d":
         raise NotRunnableError("runtime: Hugging Face stages support 1-D tensor parallelism only (parallel/tp_hf.py)")
     for what, n in (("heads", model.heads), ("kv heads", model.kv_heads or model.heads), ("vocab", model.vocab),

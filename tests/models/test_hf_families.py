@@ -309,7 +309,9 @@ def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
     ("qwen2_moe", "1f1b", 2, 2, True, 3),  # a shared expert and its gate
     ("granitemoe", "zb-v", 2, 2, True, 1),  # its block named block_sparse_moe
     ("deepseek_v3", "dualpipev", 2, 2, False, 3),  # latent attention, shared experts, a dense first layer
-    ("deepseek_v2", "1f1b", 2, 2, False, 1)])  # latent attention without a q down-projection
+    ("deepseek_v2", "1f1b", 2, 2, False, 1),  # latent attention without a q down-projection
+    ("deepseek_v3", "1f1b", 1, 1, True, 0),  # latent attention under SP: tp2 × pp2
+    ("deepseek_v2", "zb-v", 2, 2, True, 1)])  # ... without a q down-projection, under SP, experts over ep2
 def test_moe_tensor_times_expert_parallel_equals_one_process(pool, family, schedule, dp, ep, sp, zero):
     """Tensor parallelism of an MoE decoder (parallel/moe_tp.py): the attention over tp (with sequence parallelism
     or not), each MoE block whole on its tp rank's share of the tokens, the routed experts over ep, ZeRO-1 and
@@ -344,12 +346,10 @@ def _tp_refusal(family: str, sp: bool) -> str:
 
 
 @pytest.mark.parametrize("family, sp, said", [
-    ("deepseek_v3", True, "sequence parallelism of DeepseekV3Attention (multi-head latent attention) is not "
-                          "supported yet"),
     ("olmoe", False, "layer 0's q_norm is not per head"),
     ("jetmoe", False, "is not in the Llama layout")])
 def test_what_tensor_parallelism_cannot_split_is_refused_by_name(pool, family, sp, said):
-    """An MoE decoder whose attention the tp plan cannot split is refused naming the layer or module: DeepSeek's
-    latent attention under SP, OLMoE's q/k norms over every head, JetMoE's mixture of attention heads."""
+    """An MoE decoder whose attention the tp plan cannot split is refused naming the layer or module: OLMoE's q/k
+    norms over every head, JetMoE's mixture of attention heads."""
     said_on = pool.run(_tp_refusal, 2, family, sp)
     assert all(said in s for s in said_on), said_on

@@ -263,8 +263,8 @@ def test_an_overlapped_pair_hides_the_stages_all_to_alls() -> None:
 def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
     """One capability rule (plan/runnable.py) for the planner's candidates and `pipedsl train`'s refusals: an MoE
     decoder — Mixtral, DeepSeek-V3, the built-in GPT — runs tp × ep under 1-D tensor parallelism (the trainer's
-    only mode), not 3-D; DeepSeek's latent attention takes no sequence parallelism.  The planner once ranked
-    "dp4 pp4 tp4+sp zb-v … ep2" first for Mixtral, a layout the trainer refused."""
+    only mode), not 3-D; with sequence parallelism too (DeepSeek's latent attention included).  The planner once
+    ranked "dp4 pp4 tp4+sp zb-v … ep2" first for Mixtral, a layout the trainer refused."""
     from pipedsl.plan.runnable import NotRunnableError, check_runnable, moe_refusal
     from pipedsl.trainer.config import ModelConfig, ParallelismConfig, TrainConfig
 
@@ -279,7 +279,7 @@ def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
     for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2)):
         assert planned("mixtral-8x7b", tp, ep) and moe_refusal(True, tp) is None, (tp, ep)
         assert planned("mixtral-8x7b", tp, ep, sp=tp > 1) and planned("deepseek-v3", tp, ep), (tp, ep)
-        assert planned("deepseek-v3", tp, ep, sp=tp > 1) == (tp == 1), (tp, ep)
+        assert planned("deepseek-v3", tp, ep, sp=tp > 1), (tp, ep)
         # the trainer takes the GPT with 8 experts at every such layout (dropless: no --capacity-factor)
         TrainConfig(model=ModelConfig(experts=8), parallel=ParallelismConfig(dp=4, tp=tp, ep=ep))
     assert not planned("mixtral-8x7b", 8, 1, mode="3d") and moe_refusal(True, 8, "3d") is not None
@@ -294,8 +294,8 @@ def test_the_planner_and_pipedsl_train_refuse_moe_layouts_by_one_rule() -> None:
 @pytest.mark.parametrize("name, gpus", [("mixtral-8x7b", 64), ("qwen3-30b-a3b", 64), ("deepseek-v3", 512)])
 def test_the_planners_first_choice_for_an_moe_preset_is_one_pipedsl_train_accepts(name: str, gpus: int) -> None:
     """`pipedsl plan --model NAME --gpus N` as the CLI runs it: every layout it ranks is one the trainer takes —
-    tp × ep for the MoE decoders, no sequence parallelism of DeepSeek's latent attention, ep dividing dp and the
-    experts — by the capability rule and by `pipedsl train`'s own checks of the parallel options."""
+    tp × ep for the MoE decoders, ep dividing dp and the experts — by the capability rule and by `pipedsl train`'s
+    own checks of the parallel options."""
     from pipedsl.plan.runnable import check_runnable
     from pipedsl.plan.search import search
     from pipedsl.trainer.config import ParallelismConfig, ScheduleConfig, TrainConfig
@@ -307,7 +307,6 @@ def test_the_planners_first_choice_for_an_moe_preset_is_one_pipedsl_train_accept
         lay = estimate.layout
         check_runnable(model, lay)
         assert lay.dp % lay.ep == 0 and model.experts % lay.ep == 0, lay
-        assert not (lay.sequence_parallel and lay.tp > 1) or model.mla is None, lay
         TrainConfig(parallel=ParallelismConfig(dp=lay.dp, tp=lay.tp, zero=lay.zero,
                                                sequence_parallel=lay.sequence_parallel),
                     schedule=ScheduleConfig(schedule=lay.schedule, microbatches=lay.microbatches))
