@@ -308,7 +308,9 @@ def calibrate(ranks: int = 4, model: SmallGPT | None = None, reps: int = 7, time
         raise PipeDSLError(f"--calibrate needs at least 2 ranks (a link to measure), got {ranks}")
     n = usable_cores()
     if pool is None:
-        results = launch(measure_rank, ranks, model, reps, SIZES, n, timeout=timeout, threads=1)
+        # gloo whatever the machine holds: the measurements are the CPU's and its host tensors' (with as many GPUs
+        # as ranks the launcher's default would be NCCL, which refuses host tensors)
+        results = launch(measure_rank, ranks, model, reps, SIZES, n, backend="gloo", timeout=timeout, threads=1)
     else:
         results = pool.run(_measure_in_pool, ranks, model, reps, SIZES, n, timeout=timeout)
     return summarize([results], model, n)

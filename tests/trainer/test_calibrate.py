@@ -24,6 +24,27 @@ def test_calibration_gives_positive_costs_and_a_usable_cluster(pool):
     assert search(model, cluster, top=3).ranked
 
 
+def test_calibration_runs_on_gloo_on_a_machine_with_a_gpu_a_rank(monkeypatch):
+    """`pipedsl plan --calibrate` measures the CPU with host tensors: on a machine with as many GPUs as ranks the
+    launcher's default backend is NCCL, which refuses them (it did on every 4-GPU machine), so it asks for gloo."""
+    import pipedsl.runtime.launch.launcher as launcher
+    from pipedsl.trainer import calibrate as cal
+
+    monkeypatch.setattr(launcher.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher.torch.cuda, "device_count", lambda: 8)
+    assert launcher.default_backend(4) == "nccl"  # what a launch without a backend would get
+    asked = {}
+
+    def fake_launch(fn, nprocs, *args, backend=None, **kwargs):
+        asked["backend"] = backend
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    with pytest.raises(RuntimeError, match="stop"):
+        cal.calibrate(4, SmallGPT(layers=2, embd=16, seq=8, batch=2))
+    assert asked == {"backend": "gloo"}
+
+
 def _machine_measurements(small: SmallGPT, fixed: float, per_sample: float, op: float, step: float,
                           latency: float, bandwidth: float, all_reduce: tuple[float, float],
                           gather: tuple[float, float], tp_own: tuple[float, float],
