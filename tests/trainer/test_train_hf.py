@@ -588,14 +588,15 @@ def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_
 
 @pytest.mark.slow
 def test_deepseek_latent_attention_under_sequence_parallelism_equals_one_process(corpus, tmp_path):
-    """DeepSeek-V2 (latent attention, a dense first layer, shared experts) at pp2 × tp2 with sequence parallelism,
-    through the command line: every step's loss and gradient norm equal to one process's (without the rotary
+    """DeepSeek-V2 (latent attention, a dense first layer, shared experts) at pp2 × tp2 with sequence parallelism
+    and selective recomputation (its attention run again, hooks and all), through the command line: every step's
+    loss and gradient norm equal to one process's (without the rotary
     key's sum over tp the norm is off; the loss hides it: Adam's first steps barely see a gradient's scale)."""
     model = model_dir(tmp_path, "deepseek_v2")
     constant = ["--lr-schedule", "constant"]
     one = pipedsl(*common_flags(model, corpus, tmp_path / "one", steps=2), *constant, "-P", "1")
     par = pipedsl(*common_flags(model, corpus, tmp_path / "par", steps=2), *constant, "-P", "2", "--tp", "2",
-                  "--sequence-parallel")
+                  "--sequence-parallel", "--recompute", "selective")
     for proc in (one, par):
         assert proc.returncode == 0, proc.stderr[-3000:]
     want, got = losses(tmp_path / "one"), losses(tmp_path / "par")
