@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from pipedsl.runtime.recompute import is_recomputing
-from pipedsl.runtime.stage import ActivationCounter, storage_key
+from pipedsl.runtime.split_backward import storage_key
+from pipedsl.runtime.stage import ActivationCounter
 
 
 class UnitClock:

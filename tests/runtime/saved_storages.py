@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from pipedsl.runtime.stage import _saved_names
+from pipedsl.runtime.split_backward import saved_names
 
 
 def saved_storages(roots: Iterable[torch.Tensor], weights: set[int],
@@ -22,7 +22,7 @@ def saved_storages(roots: Iterable[torch.Tensor], weights: set[int],
         if node is None or node in seen:
             continue
         seen.add(node)
-        for name in _saved_names(node):
+        for name in saved_names(node):
             value = getattr(node, name)
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and t.numel() >= min_numel:
