@@ -488,9 +488,8 @@ def _with_points(cfg: TrainConfig, points: list[int]) -> TrainConfig:
     cfg = replace(cfg, model=replace(cfg.model, split=split))
     if cfg.hf is None:
         return cfg
-    keywords = {k: v for k, v in cfg.hf.split.items() if k != "by"}
-    keywords["points"] = list(points)
-    return replace(cfg, hf=replace(cfg.hf, split=keywords, export={**cfg.hf.export, "split": dict(keywords)}))
+    cut = replace(cfg.hf.split, points=tuple(points))
+    return replace(cfg, hf=replace(cfg.hf, split=cut, export={**cfg.hf.export, "split": cut.keywords()}))
 
 
 def _logger(cfg: TrainConfig, start: int) -> Any:
