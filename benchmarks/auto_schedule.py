@@ -111,8 +111,8 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             torch.distributed.all_gather_object(units, clock[0].report())
             plan = [choose_cut(profile, units, profiled, {"mem": P}) if profile is not None else None]
             torch.distributed.broadcast_object_list(plan, src=0)
-            points, kept, predicted = plan[0]["points"], plan[0]["kept_ms"] / 1e3, plan[0]["predicted_ms"] / 1e3
-            program = pipedsl.Program.from_json(plan[0]["program"])
+            points, kept, predicted = plan[0].points, plan[0].kept_ms / 1e3, plan[0].predicted_ms / 1e3
+            program = pipedsl.Program.from_json(plan[0].program)
         else:
             program = pipedsl.load(name).compile(P=P, M=M)
         _, times, timeline = run(program, by, cfg["steps"], cfg["warmup"], points=points)

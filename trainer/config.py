@@ -41,6 +41,7 @@ from typing import Any
 
 from pipedsl.arguments import NO_DECAY_KINDS, no_decay_kinds
 from pipedsl.errors import PipeDSLError
+from pipedsl.models.hf import StageCut
 
 GPT_HEADS = 4  # the built-in GPT's attention heads and synthetic vocabulary: fixed, so not options
 GPT_VOCAB = 64
@@ -384,7 +385,7 @@ class HFModelConfig:
     path: str  # the model directory, absolute
     local: bool  # each rank builds only its stages (hf_io.LocalStages); False: the whole model, then its stages
     attn: str  # the attention implementation
-    split: dict[str, Any]  # causal_lm_stages' keywords: where the stages are cut, attention mask, position ids
+    split: StageCut  # where the stages are cut and what they take besides the tokens (attention mask, position ids)
     cache: str  # the token cache of --data
     eval_cache: str | None  # the token cache of --eval-data
     eval_at_end: bool  # there is a held-out batch to evaluate after the last step

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.models.hf import StageCut
 from pipedsl.plan.memory import model_states
 from pipedsl.plan.runnable import moe_tokens_refusal
 from pipedsl.runtime.launch.capacity import total_memory
@@ -58,8 +60,7 @@ def hf_config(cfg: TrainConfig, program: Any, out: Path) -> HFModelConfig:
     if md.max_positions and d.seq > md.max_positions:
         raise PipeDSLError(f"--seq {d.seq} is longer than the model's {md.max_positions} positions "
                            f"(max_position_embeddings in {md.path / hf_io.CONFIG})")
-    split = _split(cfg.model.split, layers, S, md)
-    split.update(attention_mask=d.packing == "pad", position_ids=d.doc_mask)
+    split = replace(_split(cfg.model.split, layers, S, md), attention_mask=d.packing == "pad", position_ids=d.doc_mask)
     tokenizer = data.load_tokenizer(cfg.model.model)
     if tokenizer.vocab_size > md.vocab_size:
         raise PipeDSLError(f"the tokenizer of {md.path} has {tokenizer.vocab_size} tokens, more than the model's "
@@ -214,7 +215,7 @@ def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFMod
         local = _weights_cover(md, meta)
     else:  # the shallow copy cut like the check cuts it: every kind of stage, T5's borrowed bias included
         local = _builds_locally(md, shallow_seq2seq_config(md.config), 3, attn, meta)
-    split = {"by": "count"}
+    split = StageCut()
     described = f"{train.describe()} for training, {len(heldout)} " + ("from --eval-data" if eval_caches else
                                                                         "held out")
     return HFModelConfig(path=str(md.path.resolve()), local=local, attn=attn, split=split,
@@ -224,7 +225,7 @@ def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFMod
                          describe=md.describe(), data_describe="; ".join([described, *notes]))
 
 
-def _split(how: str, layers: int, num_stages: int, md: Any) -> dict[str, Any]:
+def _split(how: str, layers: int, num_stages: int, md: Any) -> StageCut:
     """`--split count`: embedding, layers and head spread as units; `blocks`: every stage the same number of
     decoder layers (±1), the embedding with the first and the head with the last (Megatron's split); `flops`:
     the units balanced by the FLOPs a token costs in each (models/split.py's `matmul_weights`: a large
@@ -232,7 +233,7 @@ def _split(how: str, layers: int, num_stages: int, md: Any) -> dict[str, Any]:
     points = split_points(how)
     if points is not None:
         check_points(points, layers + 2, num_stages, str(md.path))
-        return {"points": points}
+        return StageCut(points=tuple(points))
     if how == "flops":
         from pipedsl.models.hf.stages import _Parts
         from pipedsl.models.split import _bounds
@@ -242,14 +243,14 @@ def _split(how: str, layers: int, num_stages: int, md: Any) -> dict[str, Any]:
         if num_stages > len(units):
             raise PipeDSLError(f"--split flops: {md.path} has {len(units)} units (embedding, layers, head), fewer "
                                f"than the program's {num_stages} stages")
-        return {"points": _bounds(units, num_stages, "flops", None)[1:-1]}
+        return StageCut(points=tuple(_bounds(units, num_stages, "flops", None)[1:-1]))
     if how != "blocks":
-        return {"by": "count"}
+        return StageCut()
     if layers < num_stages:
         raise PipeDSLError(f"--split blocks: {md.path} has {layers} decoder layers, fewer than the program's "
                            f"{num_stages} stages")
     sizes = [layers // num_stages + (k < layers % num_stages) for k in range(num_stages)]
-    return {"points": [1 + sum(sizes[:k]) for k in range(1, num_stages)]}
+    return StageCut(points=tuple(1 + sum(sizes[:k]) for k in range(1, num_stages)))
 
 
 def _attention(md: Any) -> str:
@@ -278,7 +279,7 @@ def _check_memory(cfg: TrainConfig, md: Any, meta: Any) -> None:
                            f"(--allow-oversubscribe to run anyway)")
 
 
-def _check_tensor_parallel(cfg: TrainConfig, md: Any, meta: Any, split: dict[str, Any], S: int) -> None:
+def _check_tensor_parallel(cfg: TrainConfig, md: Any, meta: Any, split: StageCut, S: int) -> None:
     """`--tp`: the model's stages split as parallel/tp_hf.py splits them — its own checks (the Llama layout,
     heads, kv heads, vocabulary and MLP divisible by tp, no dropout, what it composes with), run here on the
     meta-device stages, so that a model it refuses is one line before any rank starts."""
@@ -291,14 +292,14 @@ def _check_tensor_parallel(cfg: TrainConfig, md: Any, meta: Any, split: dict[str
     from pipedsl.parallel.tp_hf import check_stages
 
     try:
-        check_stages(causal_lm_stages(meta, S, **split, check=False),
+        check_stages(causal_lm_stages(meta, S, **split.keywords(), check=False),
                      ParallelConfig(dp=cfg.parallel.dp, pp=S, tp=tp, zero=cfg.parallel.zero),
                      cfg.parallel.sequence_parallel)
     except ParallelConfigError as err:
         raise PipeDSLError(f"--tp {tp}: {md.path}: {err.message.removeprefix('tp_hf_stages: ')}") from None
 
 
-def _check_architecture(md: Any, split: dict[str, Any], attn: str, meta: Any = None) -> bool:
+def _check_architecture(md: Any, split: StageCut, attn: str, meta: Any = None) -> bool:
     """The model's stages reproduce its own forward (`hf.check_split`), tried once here on the shallow copy
     with random weights, so that an architecture pipedsl does not split exactly is refused before any rank
     starts.  Returns whether the ranks can build only their own stages (`hf_io.LocalStages`): every tensor
@@ -307,7 +308,7 @@ def _check_architecture(md: Any, split: dict[str, Any], attn: str, meta: Any = N
 
     try:
         checked = check_architecture(meta if meta is not None else _meta_model(md.config), attn=attn,
-                                     attention_mask=split["attention_mask"], position_ids=split["position_ids"])
+                                     attention_mask=split.attention_mask, position_ids=split.position_ids)
     except PipeDSLError as err:
         raise PipeDSLError(f"{md.path}: {err.message}") from None
     if checked is None:
@@ -327,7 +328,7 @@ def _builds_locally(md: Any, shallow: Any, num_stages: int, attn: str, meta: Any
     with tempfile.TemporaryDirectory() as tmp:
         shallow.save_pretrained(tmp)
         try:
-            LocalStages(tmp, num_stages, {"by": "count"}, set(range(num_stages)), attn=attn)
+            LocalStages(tmp, num_stages, StageCut(), set(range(num_stages)), attn=attn)
         except LocalStages.NotLocal as why:
             print(f"note: every rank builds the whole model ({why})", flush=True)
             return False

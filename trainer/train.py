@@ -362,8 +362,7 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     import shutil
     import statistics
 
-    from pipedsl.plan.recut import ROOM_UNBOUNDED, choose_cut
-    from pipedsl.simulate import Cost
+    from pipedsl.plan.recut import ROOM_UNBOUNDED, CutChoice, choose_cut
 
     timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
     counter = pipe.counter
@@ -381,11 +380,11 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     plan = [choose_cut(timeline, units, pipe.program, wanted, _room(pipe.size, cfg, [g[1:4] for g in gathered]), wmem)
             if timeline is not None else None]
     torch.distributed.broadcast_object_list(plan, src=0)
-    decision = plan[0]
-    cost = Cost(**decision["cost"])
-    if decision["points"] is not None:
-        cfg = _with_points(cfg, decision["points"])
-    program = pipedsl.Program.from_json(decision["program"])  # searched once, on rank 0
+    decision: CutChoice = plan[0]
+    cost = decision.cost
+    if decision.points is not None:
+        cfg = _with_points(cfg, decision.points)
+    program = pipedsl.Program.from_json(decision.program)  # searched once, on rank 0
     directory = Path(cfg.logging.out) / "auto-switch"
     checkpoint.save(pipe, directory, step, opt, extra=source.state(rank), timeout=cfg.run.save_timeout)
     pipe.close()
@@ -395,35 +394,35 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
     torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
-        split = (f"stages re-cut at units {','.join(map(str, decision['points']))} (predicted "
-                 f"{decision['kept_ms']:.1f} ms on the old cut), " if decision["points"] is not None else "")
-        fit = decision["fit"]
+        split = (f"stages re-cut at units {','.join(map(str, decision.points))} (predicted "
+                 f"{decision.kept_ms:.1f} ms on the old cut), " if decision.points is not None else "")
+        fit = decision.fit
         params = " ".join(f"{k}={v}" for k, v in program.params.items())
         if fit is not None:
             said = f"{fit:,}" if fit < ROOM_UNBOUNDED else "any number of"
-            least = f"; {decision['mem']} is the least ZB-auto runs with" if fit < decision["mem"] else ""
+            least = f"; {decision.mem} is the least ZB-auto runs with" if fit < decision.mem else ""
             params += f" ({said} stage activations fit a rank{least})"
-        if decision["peak_bytes"] is not None:
-            mib = [round(b / 2**20, 2) for b in decision["peak_bytes"]]
+        if decision.peak_bytes is not None:
+            mib = [round(b / 2**20, 2) for b in decision.peak_bytes]
             params += f", predicted peak activation MiB per rank {mib}"
         if wmem is not None:
             params += f", a pending W holding {wmem:.2f} of an activation after I (measured; the search's Cost.wmem)"
         spread = op_time_spread(timeline)
-        gain = 1 - decision["predicted_ms"] / decision["profiled_ms"]
+        gain = 1 - decision.predicted_ms / decision.profiled_ms
         noise = (f"; the profile's op times varied {spread:.0%} about their means (the median over op kinds and "
                  f"stages){', as much as the predicted gain: it may not hold' if spread >= gain else ''}"
                  if spread is not None else "")
         what = "step" if not program.params.get("post") else "step (the period of overlapped steps)"
         line = (f"auto: from ZB-H1's step {step} (F {cost.F * 1e3:.2f} ms, I {cost.I * 1e3:.2f}, W {cost.W * 1e3:.2f}, "
                 f"messages {cost.comm * 1e3:.2f}): {split}{program.name} {params}, predicted {what} "
-                f"{decision['predicted_ms']:.1f} ms against ZB-H1's {decision['profiled_ms']:.1f} ms "
+                f"{decision.predicted_ms:.1f} ms against ZB-H1's {decision.profiled_ms:.1f} ms "
                 f"{'measured' if not program.params.get('post') else '(its measured step at its simulated period)'}"
                 f"{noise}")
         fields = {"program": program.name, "params": program.params, "activations_that_fit": fit, "wmem_measured": wmem,
-                  "stage_bytes": decision["stage_bytes"], "predicted_peak_bytes": decision["peak_bytes"],
-                  "predicted_ms": decision["predicted_ms"],
-                  "profiled_ms": decision["profiled_ms"], "split": decision["points"],
-                  "kept_split_ms": decision["kept_ms"], "op_time_spread": spread,
+                  "stage_bytes": decision.stage_bytes, "predicted_peak_bytes": decision.peak_bytes,
+                  "predicted_ms": decision.predicted_ms,
+                  "profiled_ms": decision.profiled_ms, "split": decision.points,
+                  "kept_split_ms": decision.kept_ms, "op_time_spread": spread,
                   "cost": {k: getattr(cost, k) for k in ("F", "I", "W", "comm", "wmem")}}
         if log is not None:
             log.event(step, "schedule", fields, line)
@@ -489,9 +488,8 @@ def _with_points(cfg: TrainConfig, points: list[int]) -> TrainConfig:
     cfg = replace(cfg, model=replace(cfg.model, split=split))
     if cfg.hf is None:
         return cfg
-    keywords = {k: v for k, v in cfg.hf.split.items() if k != "by"}
-    keywords["points"] = list(points)
-    return replace(cfg, hf=replace(cfg.hf, split=keywords, export={**cfg.hf.export, "split": dict(keywords)}))
+    cut = replace(cfg.hf.split, points=tuple(points))
+    return replace(cfg, hf=replace(cfg.hf, split=cut, export={**cfg.hf.export, "split": cut.keywords()}))
 
 
 def _logger(cfg: TrainConfig, start: int) -> Any:

@@ -32,7 +32,7 @@ from torch import nn
 
 from pipedsl.errors import PipeRuntimeError, one_line
 from pipedsl.models import hf
-from pipedsl.models.hf import CONFIG, ModelDirError, read_config_file
+from pipedsl.models.hf import CONFIG, ModelDirError, StageCut, read_config_file
 from pipedsl.models.hf.common import require_transformers
 from pipedsl.models.hf.config_checks import check_config
 
@@ -121,15 +121,15 @@ def auto_class(config: Any) -> Any:
     return tf.AutoModelForSeq2SeqLM if _is_seq2seq(config) else tf.AutoModelForCausalLM
 
 
-def model_stages(model: nn.Module, num_stages: int, split: dict[str, Any], **kwargs: Any) -> list[nn.Module]:
+def model_stages(model: nn.Module, num_stages: int, split: StageCut, **kwargs: Any) -> list[nn.Module]:
     """`model` cut into stages as its kind is cut: `seq2seq_stages` or `causal_lm_stages`, with `split`'s keywords."""
     if _is_seq2seq(model.config):
         from pipedsl.models.hf.seq2seq import seq2seq_stages
 
-        return seq2seq_stages(model, num_stages, **split, **kwargs)
+        return seq2seq_stages(model, num_stages, **split.keywords(), **kwargs)
     from pipedsl.models.hf.stages import causal_lm_stages
 
-    return causal_lm_stages(model, num_stages, **split, **kwargs)
+    return causal_lm_stages(model, num_stages, **split.keywords(), **kwargs)
 
 
 def build_model(model_dir: str | os.PathLike, *, seed: int = 0, attn: str = "sdpa") -> nn.Module:
@@ -167,7 +167,7 @@ class LocalStages:
     class NotLocal(Exception):  # noqa: N818 - a reason to build the whole model instead, not an error
         pass
 
-    def __init__(self, model_dir: str | os.PathLike, num_stages: int, split: dict[str, Any], held: set[int], *,
+    def __init__(self, model_dir: str | os.PathLike, num_stages: int, split: StageCut, held: set[int], *,
                  seed: int = 0, attn: str = "sdpa") -> None:
         from pipedsl.runtime.ties import find_ties
 
@@ -377,10 +377,11 @@ def tokenizer_files(model_dir: str | os.PathLike) -> dict[str, bytes]:
     return out
 
 
-def export_metadata(model_dir: ModelDir, num_stages: int, split: dict[str, Any],
+def export_metadata(model_dir: ModelDir, num_stages: int, split: StageCut,
                     tokenizer: dict[str, bytes]) -> dict[str, Any]:
-    """What `export_hf` needs, stored in every checkpoint (`extra["hf"]` of rank 0)."""
-    return {"config": model_dir.config.to_dict(), "num_stages": num_stages, "split": dict(split),
+    """What `export_hf` needs, stored in every checkpoint (`extra["hf"]` of rank 0): plain values, which
+    torch.load(weights_only=True) reads back, so the cut as its keywords (`StageCut.keywords`)."""
+    return {"config": model_dir.config.to_dict(), "num_stages": num_stages, "split": split.keywords(),
             "tokenizer": dict(tokenizer), "source": str(model_dir.path)}
 
 
@@ -400,7 +401,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     config = tf.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     with torch.device("meta"):
         model = auto_class(config).from_config(config, dtype=torch.float32)
-    stages = model_stages(model, meta["num_stages"], meta["split"], check=False)
+    stages = model_stages(model, meta["num_stages"], StageCut.from_keywords(meta["split"]), check=False)
     hf_names: dict[int, list[str]] = {}  # a tied tensor has two names (embedding and head)
     for n, t in model.state_dict(keep_vars=True).items():
         hf_names.setdefault(id(t), []).append(n)

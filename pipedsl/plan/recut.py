@@ -49,6 +49,23 @@ class Room:
     per_param: float = 0.0
 
 
+@dataclass(frozen=True)
+class CutChoice:
+    """What `choose_cut` decided, for rank 0 to send every rank (pickled) and `pipedsl train` to log: the cut, the
+    ZB-auto program searched for it, and the predictions that justify it."""
+
+    cost: Cost  # the costs ZB-auto was searched under: the profile's, per stage of the chosen cut
+    program: str  # ZB-auto searched under `cost` (its JSON: the search runs once, on the deciding rank)
+    points: list[int] | None  # the new cut points (where stages 1 … S-1 begin, in units); None: keep the cut
+    predicted_ms: float  # ZB-auto's simulated step under the chosen cut (with `post`, its period of steps)
+    kept_ms: float  # ZB-auto's simulated step under the current cut
+    profiled_ms: float  # the traced step (with `post`, scaled to its program's simulated period)
+    mem: int  # ZB-auto's cap on stage activations
+    fit: int | None  # the stage activations that fit a rank, the least over ranks; None: a fixed cap, or no bytes
+    stage_bytes: list[float] | None  # one activation's predicted bytes per stage; None: not counted
+    peak_bytes: list[float] | None  # per rank: its simulated peak activations times its stage's bytes
+
+
 def activations_that_fit(budget: float, each: float) -> int:
     """How many activations of `each` bytes fit `budget` (`ROOM_UNBOUNDED` for activations of no bytes)."""
     return ROOM_UNBOUNDED if each <= 0 else int(min(max(budget, 0.0) // each, ROOM_UNBOUNDED))
@@ -56,17 +73,12 @@ def activations_that_fit(budget: float, each: float) -> int:
 
 def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: Any,
                params: dict[str, int] | None = None, room: Room | None = None,
-               wmem: float | None = None) -> dict[str, Any]:
-    """{"cost": the costs to search ZB-auto under (a `Cost`'s fields), "program": ZB-auto searched under them (its
-    JSON: the search runs once, here), "points": the new cut points or None (keep the cut), "predicted_ms"
-    (ZB-auto's simulated step under the chosen cut), "kept_ms" (under the current one), "profiled_ms" (the
-    traced step), "mem" (ZB-auto's cap), "fit" (the stage activations that fit a rank, the least over ranks;
-    None without a `room`), "stage_bytes" (one activation's predicted bytes per stage; None when not counted),
-    "peak_bytes" (per rank: its simulated peak activations times its stage's bytes)}.  `units` None on some rank
-    (stages without units) keeps the cut; `params["mem"]` fixes the cap; `params["post"]` = 1 searches the period of
-    overlapped steps (post-validated steps: "predicted_ms" is then that period, "profiled_ms" the traced step scaled
-    to its program's simulated period).  `wmem`: the share of an activation a pending W holds, measured (`Cost.wmem`;
-    None: 1, whole until W); the cap and "peak_bytes" count it from I to W."""
+               wmem: float | None = None) -> CutChoice:
+    """The cut and the ZB-auto program to run (a `CutChoice`).  `units` None on some rank (stages without units)
+    keeps the cut; `params["mem"]` fixes the cap; `params["post"]` = 1 searches the period of overlapped steps
+    (post-validated steps: `predicted_ms` is then that period, `profiled_ms` the traced step scaled to its
+    program's simulated period).  `wmem`: the share of an activation a pending W holds, measured (`Cost.wmem`;
+    None: 1, whole until W); the cap and `peak_bytes` count it from I to W."""
     fitted = Cost.fit(timeline, statistic="mean")  # a path's expected length is the sum of mean costs
     typical = Cost.fit(timeline, statistic="median").per_stage  # a stage's: one slow op does not move it
     cost = replace(fitted, per_stage={s: {k: v for k, v in c.items() if k in ("F", "B", "I", "W")}
@@ -85,15 +97,16 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
         return max(least, min(2 * P, fit)), fit
 
     def searched(c: Cost, stage_bytes: Sequence[float] | None, points: list[int] | None,
-                 budget: Sequence[float]) -> dict[str, Any]:
+                 budget: Sequence[float]) -> CutChoice:
+        """ZB-auto searched and simulated under `c` on a cut; `kept_ms` and `profiled_ms` are the caller's."""
         mem, fit = cap(stage_bytes, budget)
         found = pipedsl.load("zb-auto").compile(P=P, M=M, cost=c, **{**params, "mem": mem})
         timed = simulate(found, c)
         step = period(simulate(found, c, steps=3)) if params.get("post") else timed.makespan
         peaks = None if stage_bytes is None else [n * b for n, b in zip(timed.peak_activations, stage_bytes)]
-        return {"cost": c.__dict__, "program": found.to_json(), "points": points, "predicted_ms": step * 1e3,
-                "mem": mem, "fit": fit, "stage_bytes": None if stage_bytes is None else list(stage_bytes),
-                "peak_bytes": peaks}
+        return CutChoice(cost=c, program=found.to_json(), points=points, predicted_ms=step * 1e3,
+                         kept_ms=math.nan, profiled_ms=math.nan, mem=mem, fit=fit,
+                         stage_bytes=None if stage_bytes is None else list(stage_bytes), peak_bytes=peaks)
 
     def profiled_ms() -> float:
         """The traced step; with `post`, scaled to the profiled program's period of overlapped steps (simulated
@@ -109,7 +122,7 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
         held.update(report[1])  # type: ignore[index]
     if not whole or sorted(held) != list(range(S)):  # no units to move: the current cut, its measured bytes
         decision = searched(cost, measured, None, room.budget if room is not None else ())
-        return {**decision, "kept_ms": decision["predicted_ms"], "profiled_ms": profiled_ms()}
+        return replace(decision, kept_ms=decision.predicted_ms, profiled_ms=profiled_ms())
     seconds: dict[int, list[float]] = {}
     saved: dict[int, float] = {}
     unit_params: dict[int, int] = {}
@@ -153,9 +166,9 @@ def choose_cut(timeline: Timeline, units: Sequence[UnitTimes | None], program: A
             continue
         tried = searched(replace(cost, per_stage=stage_costs_of(per_unit, cut)), stage_bytes(cut), list(cut[1:-1]),
                          budget(cut))
-        if tried["predicted_ms"] < min(GAIN * kept["predicted_ms"], best["predicted_ms"]):
+        if tried.predicted_ms < min(GAIN * kept.predicted_ms, best.predicted_ms):
             best = tried
-    return {**best, "kept_ms": kept["predicted_ms"], "profiled_ms": profiled_ms()}
+    return replace(best, kept_ms=kept.predicted_ms, profiled_ms=profiled_ms())
 
 
 def _unit_bytes(saved: dict[int, float], bounds: list[int], measured: list[float] | None) -> list[float] | None:

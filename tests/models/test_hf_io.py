@@ -10,9 +10,10 @@ pytest.importorskip("transformers", reason="transformers is not installed (the o
 import torch  # noqa: E402
 from hf_cases import EAGER_ONLY, FAMILIES, VOCAB, tiny_model  # noqa: E402
 
+from pipedsl.models.hf import StageCut  # noqa: E402
 from pipedsl.models.hf.io import LocalStages  # noqa: E402
 
-SPLIT = {"by": "count"}
+SPLIT = StageCut()
 # families whose transformers 5 weight files rename a tensor (its checkpoint conversion mapping), which
 # LocalStages does not follow: it says so and the trainer builds the whole model on each rank
 RENAMED_IN_FILES = {"gpt_neox": "lm_head.weight is not in the weights file under its own name"}
@@ -110,7 +111,7 @@ def test_the_launcher_decides_for_every_rank_whether_stages_are_built_alone(tmp_
     from pipedsl.models.hf.io import inspect_model_dir
     from pipedsl.trainer.hf_setup import _check_architecture
 
-    split = {"by": "count", "attention_mask": False, "position_ids": False}
+    split = StageCut(attention_mask=False, position_ids=False)
     tiny_model("gemma3").save_pretrained(tmp_path)
     assert _check_architecture(inspect_model_dir(tmp_path), split, "sdpa") is True
     tensors = load_file(tmp_path / "model.safetensors")

@@ -62,9 +62,9 @@ def test_choose_cut_moves_blocks_off_a_heavy_head() -> None:
     timeline, reports = _profile(unit_f, bounds, 4, 8)
     program = pipedsl.load("zb-h1").compile(P=4, M=8)
     decision = choose_cut(timeline, reports, program, {"mem": 4})
-    assert decision["points"] is not None and decision["points"][-1] == 9, decision["points"]  # the head alone
-    assert decision["predicted_ms"] < 0.97 * decision["kept_ms"]
-    chosen = pipedsl.Cost(**decision["cost"])
+    assert decision.points is not None and decision.points[-1] == 9, decision.points  # the head alone
+    assert decision.predicted_ms < 0.97 * decision.kept_ms
+    chosen = decision.cost
     assert chosen.per_stage[3]["F"] == pytest.approx(5.0)
 
 
@@ -73,11 +73,11 @@ def test_choose_cut_keeps_a_balanced_cut_and_without_units() -> None:
     bounds = list(bounds_of([3, 2, 3]))  # [e, b0, b1] [b2, b3] [b4, b5, head]: what the balance gives
     timeline, reports = _profile(unit_f, bounds, 3, 6)
     program = pipedsl.load("zb-h1").compile(P=3, M=6)
-    assert choose_cut(timeline, reports, program)["points"] is None
+    assert choose_cut(timeline, reports, program).points is None
     lopsided = [0, 1, 2, 8]
     timeline, reports = _profile(unit_f, lopsided, 3, 6)
-    assert choose_cut(timeline, reports, program)["points"] == [3, 5]
-    assert choose_cut(timeline, [*reports[:2], None], program)["points"] is None  # a rank without units
+    assert choose_cut(timeline, reports, program).points == [3, 5]
+    assert choose_cut(timeline, [*reports[:2], None], program).points is None  # a rank without units
 
 
 def test_unit_clock_on_a_gpu_times_by_events_and_never_waits_for_the_device(monkeypatch) -> None:
@@ -160,14 +160,14 @@ def test_choose_cut_gives_a_memory_bound_rank_fewer_layers() -> None:
     program = pipedsl.load("zb-h1").compile(P=4, M=8)
     budget = (8.0, 100.0, 100.0, 100.0)
     decision = choose_cut(timeline, reports, program, {}, Room(budget, (0.0,) * 4))
-    assert decision["points"] == [2, 5, 8] and decision["mem"] == decision["fit"] == 7, decision
-    assert decision["stage_bytes"] == pytest.approx([1.1, 3.0, 3.0, 4.0])
-    assert all(p <= b for p, b in zip(decision["peak_bytes"], budget))
-    assert decision["predicted_ms"] < 0.97 * decision["kept_ms"]
+    assert decision.points == [2, 5, 8] and decision.mem == decision.fit == 7, decision
+    assert decision.stage_bytes == pytest.approx([1.1, 3.0, 3.0, 4.0])
+    assert all(p <= b for p, b in zip(decision.peak_bytes, budget))
+    assert decision.predicted_ms < 0.97 * decision.kept_ms
     kept = choose_cut(timeline, reports, program, {"mem": 3})  # the current cut's own cap, fixed: what it runs at
-    assert kept["points"] is None and decision["kept_ms"] == pytest.approx(kept["kept_ms"])
+    assert kept.points is None and decision.kept_ms == pytest.approx(kept.kept_ms)
     unbounded = choose_cut(timeline, reports, program, {}, Room((100.0,) * 4, (0.0,) * 4))
-    assert unbounded["points"] is None and unbounded["mem"] == 8 and unbounded["fit"] == 25
+    assert unbounded.points is None and unbounded.mem == 8 and unbounded.fit == 25
 
 
 @settings(max_examples=12, deadline=None)
@@ -187,17 +187,17 @@ def test_choose_cut_keeps_every_rank_within_its_memory(units, P, budgets, per_pa
     budget = tuple(budgets[:P])
     room = Room(budget, (0.0,) * P, per_param)
     decision = choose_cut(timeline, reports, pipedsl.load("zb-h1").compile(P=P, M=2 * P), {}, room, wmem)
-    assert decision["cost"]["wmem"] == (1.0 if wmem is None else wmem)
-    cut = [0, *(decision["points"] or bounds[1:-1]), L]
+    assert decision.cost.wmem == (1.0 if wmem is None else wmem)
+    cut = [0, *(decision.points or bounds[1:-1]), L]
     parts = list(zip(cut, cut[1:]))
-    assert decision["stage_bytes"] == pytest.approx([sum(unit_b[a:b]) for a, b in parts])
+    assert decision.stage_bytes == pytest.approx([sum(unit_b[a:b]) for a, b in parts])
     gained = [per_param * (sum(unit_p[a:b]) - sum(unit_p[c:d])) for (a, b), (c, d) in zip(parts, zip(bounds, bounds[1:]))]
     room_left = [b - g for b, g in zip(budget, gained)]
-    fit = min(max(int(r // s), 0) for r, s in zip(room_left, decision["stage_bytes"]))
+    fit = min(max(int(r // s), 0) for r, s in zip(room_left, decision.stage_bytes))
     least = 2 if wmem == 1.2 else 1  # a pending W holding more than its activation needs room for both
-    assert decision["fit"] == fit and decision["mem"] == max(least, min(2 * P, fit))
+    assert decision.fit == fit and decision.mem == max(least, min(2 * P, fit))
     if fit >= least:
-        assert all(p <= r * (1 + 1e-9) for p, r in zip(decision["peak_bytes"], room_left)), decision
+        assert all(p <= r * (1 + 1e-9) for p, r in zip(decision.peak_bytes, room_left)), decision
 
 
 def test_without_unit_bytes_the_cap_is_from_each_stages_measured_bytes() -> None:
@@ -208,7 +208,7 @@ def test_without_unit_bytes_the_cap_is_from_each_stages_measured_bytes() -> None
     timeline, reports = _profile(unit_f, list(bounds_of([3, 3, 2, 2])), 4, 8)
     program = pipedsl.load("zb-h1").compile(P=4, M=8)
     decision = choose_cut(timeline, reports, program, {}, Room((8.0, 100.0, 100.0, 100.0), (2.1, 3.0, 2.0, 4.0)))
-    assert decision["mem"] == decision["fit"] == 3 and decision["stage_bytes"] == [2.1, 3.0, 2.0, 4.0], decision
+    assert decision.mem == decision.fit == 3 and decision.stage_bytes == [2.1, 3.0, 2.0, 4.0], decision
 
 
 def test_unit_bytes_predict_the_saved_bytes_of_every_cut() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 import pipedsl
 from pipedsl.cli import build_parser
+from pipedsl.models.hf import StageCut
 from pipedsl.trainer.config import (
     COMMAND_DEFAULTS,
     GPT_ONLY,
@@ -259,7 +260,7 @@ def test_invalid_values_raise_one_config_error_naming_the_key(build, message) ->
 
 
 def test_the_config_is_frozen_and_pickles_as_the_ranks_receive_it() -> None:
-    hf = HFModelConfig(path="/m", local=True, attn="sdpa", split={"by": "count", "attention_mask": False},
+    hf = HFModelConfig(path="/m", local=True, attn="sdpa", split=StageCut(attention_mask=False),
                        cache="/c", eval_cache=None, eval_at_end=True, export={"config": {"a": 1}}, describe="m",
                        data_describe="d")
     cfg = TrainConfig(model=ModelConfig(model="/m"), data=DataConfig(data=["x.txt"]), hf=hf, peak_flops=1e12,
