@@ -288,3 +288,14 @@ def test_for_program_makes_sizes_concrete_and_is_idempotent() -> None:
     assert cfg.for_program(program) == cfg
     with pytest.raises(ConfigError, match="--batch 6 does not split into dp"):
         TrainConfig(training=TrainingConfig(batch=6), parallel=ParallelismConfig(dp=2)).for_program(program)
+
+
+@pytest.mark.parametrize("recorded", [
+    {"by": "count"},  # an encoder-decoder's cut
+    {"by": "flops", "attention_mask": False, "position_ids": True},
+    {"points": [3, 5], "attention_mask": True, "position_ids": False},
+    {"attention_mask": False, "position_ids": False, "points": [2]}])  # a --schedule auto re-cut, written before
+def test_the_stage_cut_a_checkpoint_recorded_reads_back_as_it_was_written(recorded):
+    """Checkpoints record an HF model's cut as a plain dict (`StageCut.keywords`, what `pipedsl export` reads with
+    `from_keywords`): every shape ever written reads back to the same keywords."""
+    assert StageCut.from_keywords(recorded).keywords() == recorded
