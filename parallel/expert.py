@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -59,17 +60,17 @@ def is_experts(module: nn.Module) -> bool:
                                              for p in module._parameters.values())
 
 
-def token_shares(module: nn.Module, top_k: int | None = None) -> dict[int, float]:
-    """The share of each experts module in `module` (by id; a shard's too) a token passes through, top_k / E: the
-    parameters it counts for a token's FLOPs (the split by FLOPs, MFU).  `top_k`: the model's, else read from the
-    block holding the experts or its router or gate (1 when none says)."""
-    shares: dict[int, float] = {}
+def token_shares(module: nn.Module, top_k: int | None = None) -> dict[int, Fraction]:
+    """The share of each experts module in `module` (by id; a shard's too) a token passes through, top_k / E
+    exactly: the parameters it counts for a token's FLOPs (the split by FLOPs, MFU).  `top_k`: the model's, else
+    read from the block holding the experts or its router or gate (1 when none says)."""
+    shares: dict[int, Fraction] = {}
     for m in module.modules():
         for child in m.children():
             if is_experts(child) or isinstance(child, ExpertParallel):
                 holders = (m, getattr(m, "router", None), getattr(m, "gate", None))
                 k = top_k or next((v for v in (getattr(h, "top_k", None) for h in holders) if isinstance(v, int)), 1)
-                shares[id(child)] = k / child.num_experts
+                shares[id(child)] = Fraction(k, child.num_experts)
     return shares
 
 

@@ -10,10 +10,13 @@ completes when the stream has run everything before it, so its device time is th
 and every event's host time is the anchor's less the device time between them (`Event.elapsed_time`).  Events
 are made once per instruction, for this step and the one before, and reused.
 
-Messages keep their host stamps, moved no earlier than the end of the compute op before them: the host reaches a
-send while the op that made its payload may still run, but the bytes leave only after it (a staging copy, or
-NCCL's wait on the compute stream, is ordered behind it on the stream).  Drawn from the host stamp alone, a send
-overlapped its own producer on the H200 (every built-in's timeline, 2026-11-28).
+The other instructions (messages, gradient reductions, the step's end) keep their host stamps, moved no earlier
+than the end of the compute op before them: the host reaches a send while the op that made its payload may still
+run, but the bytes leave only after it (a staging copy, or NCCL's wait on the compute stream, is ordered behind
+it on the stream); a reduction likewise waits for the gradients, and a receive or the step's end leaves the
+device idle only once that op is done.  Drawn from the host stamp alone, a send overlapped its own producer on
+the H200 (every built-in's timeline, 2026-11-28).  So the costs `Cost.fit` reads off a GPU's timeline count a
+send or a reduction from when its input existed, not the host's wait for the compute before it.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class DeviceStamps:
         for i, recorded in enumerate(bank.recorded):
             if recorded:
                 ready = max(ready, ends[i])
-            else:  # a message: not before the compute op before it (the module docstring)
+            else:  # a message, reduction or step end: not before the compute op before it (the module docstring)
                 starts[i] = max(starts[i], ready)
                 ends[i] = max(ends[i], starts[i])
         return starts, ends

@@ -212,7 +212,8 @@ def _is_attention(module: nn.Module) -> bool:
 
 
 def active_parameters(model: nn.Module, top_k: int, num_experts: int) -> int:
-    """The parameters a token passes through: an MoE layer's experts count top_k / E of theirs (MFU's FLOPs)."""
+    """The parameters a token passes through: an MoE layer's experts count top_k / E of theirs, E each experts
+    module's own (MFU's FLOPs); `num_experts` 0: a dense model, every parameter."""
     from pipedsl.parallel.expert import token_shares
 
     total = sum(p.numel() for p in model.parameters())
@@ -220,7 +221,7 @@ def active_parameters(model: nn.Module, top_k: int, num_experts: int) -> int:
         return total
     shares = token_shares(model, top_k)
     unused = sum(p.numel() * (1 - shares[id(m)]) for m in model.modules() if id(m) in shares for p in m.parameters())
-    return total - round(unused)
+    return total - math.ceil(unused)  # exact: the shares are fractions
 
 
 def _flops(params: int, embedding: int, layers: int, hidden: int, seq: int) -> float:

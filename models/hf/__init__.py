@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,11 @@ class StageCut:
 
     @classmethod
     def from_keywords(cls, keywords: dict[str, Any]) -> StageCut:
-        """The cut a checkpoint recorded (`keywords()`'s dict)."""
+        """The cut a checkpoint recorded (`keywords()`'s dict); a key it does not know is refused, not dropped."""
+        unknown = set(keywords) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ModelDirError(f"the checkpoint's stage cut has keys this pipedsl does not know: {sorted(unknown)} "
+                                f"(written by a newer version?)")
         points = keywords.get("points")
         return cls(by=keywords.get("by", "count"), points=None if points is None else tuple(points),
                    attention_mask=keywords.get("attention_mask"), position_ids=keywords.get("position_ids"))

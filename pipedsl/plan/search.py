@@ -319,11 +319,12 @@ def _w_share(model: ModelSpec, b: int, t: int, sp: bool, fused: bool) -> float:
 def _activation_terms(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
     """(one layer's stored activation bytes a microbatch, one recomputed region's working set, the last stage's fp32
     logits of the microbatch in flight).  An MoE model: each layer's the larger of a dense and an MoE layer's."""
-    return _terms(model, layout.microbatch, layout.tp, layout.recompute, layout.sp, layout.fused)
+    return _activation_terms_cached(model, layout.microbatch, layout.tp, layout.recompute, layout.sp, layout.fused)
 
 
 @lru_cache(maxsize=1024)  # as `_w_share`: asked per layout, a function of five of its fields
-def _terms(model: ModelSpec, b: int, t: int, recompute: str, sp: bool, fused: bool) -> tuple[float, float, float]:
+def _activation_terms_cached(model: ModelSpec, b: int, t: int, recompute: str, sp: bool,
+                             fused: bool) -> tuple[float, float, float]:
     kinds = (False, True) if model.moe else (False,)
     per_layer = max(model.layer_activation_bytes(b, t, recompute, sp, fused, moe) for moe in kinds)
     whole = max(model.layer_activation_bytes(b, t, "none", sp, fused, moe) for moe in kinds)

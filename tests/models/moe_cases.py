@@ -276,10 +276,10 @@ def hf_train_equal_here(*args: Any) -> dict[str, Any]:
 def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int = 0, steps: int = 2,
                    M: int = 4, device: str | None = None) -> list[str]:
     """The MoE GPT tensor-parallel (models/gpt/tp.py: each MoE block whole on its tp rank's share of the tokens,
-    parallel/moe_tp.py) at dp × pp2 × tp, experts over ep, `steps` SGD steps, against the whole model accumulating
-    the same dp·M microbatches: each step's loss, then every element of every parameter — each rank's tp slices
-    and expert rows put back in the dense layout by index (tests/dense_index.py), every element held by some rank,
-    copies equal.  Run on dp·2·tp ranks; the problems found."""
+    parallel/moe_tp.py) at dp × pp × tp (pp = world / (dp·tp)), experts over ep, `steps` SGD steps, against the
+    whole model accumulating the same dp·M microbatches: each step's loss, then every element of every parameter —
+    each rank's tp slices and expert rows put back in the dense layout by index (tests/dense_index.py), every
+    element held by some rank, copies equal.  The problems found."""
     from dense_index import gather_dense, index_model
 
     from pipedsl.models.gpt.tp import tp_gpt_loss

@@ -109,4 +109,4 @@ def test_the_trainer_cuts_a_hugging_face_model_by_flops_on_the_meta_device() -> 
                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     md = types.SimpleNamespace(config=config, path="llama")
     split = _split("flops", 6, 3, md)
-    assert split == {"points": [4, 7]}  # [embed + 3 layers, 3 layers, head]: the head weighs 4096·32
+    assert split.keywords() == {"points": [4, 7]}  # [embed + 3 layers, 3 layers, head]: the head weighs 4096·32

@@ -46,9 +46,9 @@ class FakeEvent:
 
 def test_recorded_ops_are_timed_when_the_device_ran_them() -> None:
     dev = FakeDevice(lag=5.0)
-    stamps = DeviceStamps(3, torch.device("cpu"), lambda: FakeEvent(dev))
-    host_starts, host_ends = [0.0, 0.1, 0.2], [0.05, 0.15, 0.25]
-    for i in (0, 2):  # 1 is a message: host stamps only
+    stamps = DeviceStamps(4, torch.device("cpu"), lambda: FakeEvent(dev))
+    host_starts, host_ends = [0.0, 0.1, 0.2, 0.3], [0.05, 0.15, 0.25, 0.35]
+    for i in (0, 2):  # 1 is a message, 3 a gradient reduction: host stamps only
         dev.host = host_starts[i]
         stamps.start(i)
         dev.queue(1.0)
@@ -56,9 +56,10 @@ def test_recorded_ops_are_timed_when_the_device_ran_them() -> None:
         stamps.end(i)
     starts, ends = stamps.times(host_starts, host_ends, now=lambda: dev.host)
     # the device ran op 0 from 5 to 6 and op 2 from 6 to 7 (queued at 0.2, behind op 0); the message, stamped at
-    # 0.1-0.15 while op 0 still ran, not before op 0's end (its payload leaves after it): the measured timeline's
-    # events in program order without overlap, as the H200 showed they were not when messages kept host stamps
-    assert starts == pytest.approx([5.0, 6.0, 6.0]) and ends == pytest.approx([6.0, 6.0, 7.0])
+    # 0.1-0.15 while op 0 still ran, not before op 0's end (its payload leaves after it), and the reduction not
+    # before op 2's: the measured timeline's events in program order without overlap, as the H200 showed they were
+    # not when they kept their host stamps
+    assert starts == pytest.approx([5.0, 6.0, 6.0, 7.0]) and ends == pytest.approx([6.0, 6.0, 7.0, 7.0])
     stamps.begin()  # the next step: nothing recorded yet, the host's stamps; the step before's kept
     assert stamps.times(host_starts, host_ends) == (host_starts, host_ends)
     assert stamps.times(host_starts, host_ends, now=lambda: dev.host, previous=True)[0] == pytest.approx(starts)

@@ -299,3 +299,10 @@ def test_the_stage_cut_a_checkpoint_recorded_reads_back_as_it_was_written(record
     """Checkpoints record an HF model's cut as a plain dict (`StageCut.keywords`, what `pipedsl export` reads with
     `from_keywords`): every shape ever written reads back to the same keywords."""
     assert StageCut.from_keywords(recorded).keywords() == recorded
+
+
+def test_a_stage_cut_with_a_key_this_version_does_not_know_is_refused_not_dropped():
+    from pipedsl.models.hf import ModelDirError
+
+    with pytest.raises(ModelDirError, match=r"\['by_memory'\]"):
+        StageCut.from_keywords({"by": "count", "by_memory": True})
