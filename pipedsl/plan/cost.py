@@ -185,7 +185,7 @@ def _piece_params(model: ModelSpec, t: int, ep: int) -> tuple[tuple[float, ...],
     params, experts = [model.embedding_params / t], [0.0]
     for i in range(model.layers):
         moe = model.is_moe_layer(i)
-        params.append(model.moe_block_params_per_gpu(t, ep) if moe else model.layer_params / t)
+        params.append(model.moe_block_params_per_gpu(t, ep) if moe else model.layer_params_per_gpu(t))
         experts.append(model.moe_layer_expert_params / ep if moe else 0.0)
     params.append((model.vocab * model.hidden + 2 * model.hidden) / t)  # the output layer, the final norm
     experts.append(0.0)
@@ -261,7 +261,8 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
 
     def kind(moe: bool) -> _Block:
         stored = model.layer_activation_bytes(b, t, "none", sp, fused, moe)
-        flops = model.layer_flops(b, moe)
+        # the tp group's FLOPs (at `rate`, the group's): what every tp rank runs whole counts t times
+        flops = model.layer_flops(b, moe) + (t - 1) * model.tp_whole_flops(b)
         block = flops / rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
         a2a = 2 * all_to_all(moe_all_to_all_bytes(model, tokens, ep), ep, ep_bw, ep_lat) if moe else 0.0
         tp_f, tp_b = (tp_block_fwd / 2 + moe_tp, tp_block_bwd / 2 + moe_tp) if moe else (tp_block_fwd, tp_block_bwd)
@@ -276,9 +277,9 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
         else:
             again = 0.0
         if not moe:
-            return _Block(flops, block, again, model.layer_params / t, 0.0, 0.0, 0.0, tp_f, tp_b)
+            return _Block(flops, block, again, model.layer_params_per_gpu(t), 0.0, 0.0, 0.0, tp_f, tp_b)
         per_gpu = model.moe_block_params_per_gpu(t, ep)
-        summed = per_gpu - (model.moe_layer_params - model.moe_mlp_params) / t if t > 1 else 0.0
+        summed = model.moe_mlp_params - model.moe_layer_expert_params * (1 - 1 / ep) if t > 1 else 0.0  # the block's
         return _Block(flops, block, again, per_gpu, model.moe_layer_expert_params / ep, a2a,
                       a2a if mode == "full" else 0.0, tp_f, tp_b, summed)
 

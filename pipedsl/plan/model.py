@@ -208,11 +208,33 @@ class ModelSpec:
         return self.moe_layer_expert_params + self.shared_experts * self.shared_expert_params + self.router_params
 
     def moe_block_params_per_gpu(self, tp: int, ep: int) -> float:
-        """One MoE block's parameters on one GPU: the attention and norms over tp, the MLP part whole but the routed
-        experts over ep."""
-        mlp = self.moe_mlp_params
+        """One MoE block's parameters on one GPU: the attention and norms over tp (but `tp_whole_params`), the MLP
+        part whole but the routed experts over ep."""
+        mlp, whole = self.moe_mlp_params, self.tp_whole_params
         routed = self.moe_layer_expert_params
-        return (self.moe_layer_params - mlp) / tp + mlp - routed + routed / ep
+        return (self.moe_layer_params - mlp - whole) / tp + whole + mlp - routed + routed / ep
+
+    def layer_params_per_gpu(self, tp: int) -> float:
+        """One dense block's parameters on one GPU: over tp, but `tp_whole_params`."""
+        whole = self.tp_whole_params
+        return (self.layer_params - whole) / tp + whole
+
+    @property
+    def tp_whole_params(self) -> int:
+        """A block's parameters tensor parallelism keeps whole on every rank beside the norms the planner prices
+        over tp: latent attention's down-projections and their norms, h·r_q + h·(r_kv + d_r) + r_q + r_kv
+        (parallel/tp_hf.py; with SP they also run on the whole sequence)."""
+        if not self.mla:
+            return 0
+        m, h = self.mla, self.hidden
+        return h * m.q_lora + h * (m.kv_lora + m.rope_dim) + m.q_lora + m.kv_lora
+
+    def tp_whole_flops(self, samples: int = 1) -> float:
+        """Forward FLOPs of `tp_whole_params`' GEMMs, which every tp rank runs whole: 2·s·(h·r_q + h·(r_kv + d_r))."""
+        if not self.mla:
+            return 0.0
+        m, h = self.mla, self.hidden
+        return samples * 2 * self.seq * (h * m.q_lora + h * (m.kv_lora + m.rope_dim))
 
     @property
     def moe_layer_params(self) -> int:

@@ -330,6 +330,36 @@ def test_moe_tensor_times_expert_parallel_equals_one_process(pool, family, sched
         assert any(c.endswith("[0:2]") for c in shards) and any(c.endswith("[2:4]") for c in shards)
 
 
+def _dense_layer_numel_under_tp(family: str, sp: bool) -> int:
+    """The parameters this tp rank holds of layer 0 (dense) of the tiny `family` under tp_hf_stages."""
+    from torch.distributed.tensor import DTensor
+
+    from pipedsl.parallel import ParallelConfig, ParallelMesh
+    from pipedsl.parallel.tp_hf import tp_hf_stages
+
+    stages = causal_lm_stages(hf_cases.tiny_model(family), 1)
+    tp_hf_stages(stages, ParallelMesh(ParallelConfig(tp=2)), sequence_parallel=sp)
+    layer = stages[0].layers["0"]
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_planner_prices_latent_attention_under_tp_as_the_ranks_hold_it(pool, sp):
+    """DeepSeek-V3's latent attention keeps its down-projections and their norms whole on every tp rank: the planner's
+    per-GPU parameters of a block (plan/model.py `layer_params_per_gpu`) are what each rank of the tiny model holds
+    under the tp plan, less the two layer norms, which stay whole too and which the planner prices over tp (2h of
+    a block's ~12h²).  It priced the down-projections over tp before."""
+    from pipedsl.plan.model import MLA, ModelSpec
+
+    spec = ModelSpec("tiny-deepseek-v3", 3, 32, 4, T, VOCAB, 8, ffn=48, gated=True, layout="hf", experts=4, top_k=2,
+                     expert_ffn=16, shared_experts=1, dense_layers=1, mla=MLA(16, 16, 4, 4, 8))
+    held = pool.run(_dense_layer_numel_under_tp, 2, "deepseek_v3", sp)
+    norms = 2 * 32
+    assert held == [spec.layer_params_per_gpu(2) + norms / 2] * 2, (held, spec.layer_params_per_gpu(2))
+    assert spec.layer_params_per_gpu(1) == spec.layer_params == sum(
+        p.numel() for p in hf_cases.tiny_model("deepseek_v3").model.layers[0].parameters())
+
+
 def _tp_refusal(family: str, sp: bool) -> str:
     import hf_cases
 
