@@ -587,25 +587,33 @@ def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_
 
 
 @pytest.mark.slow
-def test_deepseek_latent_attention_under_sequence_parallelism_equals_one_process(corpus, tmp_path):
-    """DeepSeek-V2 (latent attention, a dense first layer, shared experts) at pp2 × tp2 with sequence parallelism
-    and selective recomputation (its attention run again, hooks and all), through the command line: every step's
-    loss and gradient norm equal to one process's (without the rotary
-    key's sum over tp the norm is off; the loss hides it: Adam's first steps barely see a gradient's scale)."""
+def test_deepseek_latent_attention_under_sequence_parallelism_equals_one_process_and_resumes(corpus, tmp_path):
+    """DeepSeek-V2 (latent attention, a dense first layer, shared experts) at dp2 × pp2 × tp2 with sequence
+    parallelism and selective recomputation (its attention run again through the tp hooks), experts over ep=2 and
+    ZeRO-3, through the command line: two steps and a checkpoint, then --resume without tp or ep to step 4, every
+    step's loss and gradient norm equal to one process's (without the rotary key's sum over tp the norm is off; the
+    loss hides it: Adam's first steps barely see a gradient's scale)."""
     model = model_dir(tmp_path, "deepseek_v2")
     constant = ["--lr-schedule", "constant"]
-    one = pipedsl(*common_flags(model, corpus, tmp_path / "one", steps=2), *constant, "-P", "1")
-    par = pipedsl(*common_flags(model, corpus, tmp_path / "par", steps=2), *constant, "-P", "2", "--tp", "2",
-                  "--sequence-parallel", "--recompute", "selective")
-    for proc in (one, par):
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), *constant, "-P", "1", "-M", "4")
+    par = [*common_flags(model, corpus, tmp_path / "par"), *constant, "-P", "2", "--dp", "2", "--zero", "3",
+           "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = pipedsl(*par, "--tp", "2", "--sequence-parallel", "--ep", "2", "--recompute", "selective",
+                    "--steps", "2")
+    for proc in (one, first):
         assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got = losses(tmp_path / "one"), losses(tmp_path / "par")
-    assert want.keys() == got.keys() == {1, 2}
+    resumed = pipedsl(*par, "-o", str(tmp_path / "par2"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=2e-5), step
-    norms = {run: [json.loads(line)["grad_norm"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-                   if json.loads(line)["kind"] == "train"] for run in ("one", "par")}
-    assert len(norms["one"]) == 2 and norms["par"] == pytest.approx(norms["one"], rel=2e-5), norms
+
+    def norms(*runs: str) -> list[float]:
+        rows = [json.loads(line) for run in runs for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [r["grad_norm"] for r in rows if r["kind"] == "train"]
+
+    assert len(norms("one")) == 4 and norms("par", "par2") == pytest.approx(norms("one"), rel=2e-5)
 
 
 @pytest.mark.slow
