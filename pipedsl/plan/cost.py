@@ -279,7 +279,7 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
         if not moe:
             return _Block(flops, block, again, model.layer_params_per_gpu(t), 0.0, 0.0, 0.0, tp_f, tp_b)
         per_gpu = model.moe_block_params_per_gpu(t, ep)
-        summed = model.moe_mlp_params - model.moe_layer_expert_params * (1 - 1 / ep) if t > 1 else 0.0  # the block's
+        summed = model.moe_mlp_params_per_gpu(ep) if t > 1 else 0.0
         return _Block(flops, block, again, per_gpu, model.moe_layer_expert_params / ep, a2a,
                       a2a if mode == "full" else 0.0, tp_f, tp_b, summed)
 

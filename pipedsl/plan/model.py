@@ -210,9 +210,14 @@ class ModelSpec:
     def moe_block_params_per_gpu(self, tp: int, ep: int) -> float:
         """One MoE block's parameters on one GPU: the attention and norms over tp (but `tp_whole_params`), the MLP
         part whole but the routed experts over ep."""
-        mlp, whole = self.moe_mlp_params, self.tp_whole_params
+        whole = self.tp_whole_params
+        return (self.moe_layer_params - self.moe_mlp_params - whole) / tp + whole + self.moe_mlp_params_per_gpu(ep)
+
+    def moe_mlp_params_per_gpu(self, ep: int) -> float:
+        """One MoE block's MLP part on one GPU, whole on every tp rank but the routed experts over ep: the
+        parameters whose gradient each tp rank holds its tokens' part of (summed over tp once a step)."""
         routed = self.moe_layer_expert_params
-        return (self.moe_layer_params - mlp - whole) / tp + whole + mlp - routed + routed / ep
+        return self.moe_mlp_params - routed + routed / ep
 
     def layer_params_per_gpu(self, tp: int) -> float:
         """One dense block's parameters on one GPU: over tp, but `tp_whole_params`."""
@@ -220,21 +225,20 @@ class ModelSpec:
         return (self.layer_params - whole) / tp + whole
 
     @property
+    def tp_whole_weights(self) -> int:
+        """The matrices tensor parallelism keeps whole on every rank: latent attention's down-projections,
+        h·r_q + h·(r_kv + d_r) (parallel/tp_hf.py; with SP they also run on the whole sequence)."""
+        return self.hidden * (self.mla.q_lora + self.mla.kv_lora + self.mla.rope_dim) if self.mla else 0
+
+    @property
     def tp_whole_params(self) -> int:
         """A block's parameters tensor parallelism keeps whole on every rank beside the norms the planner prices
-        over tp: latent attention's down-projections and their norms, h·r_q + h·(r_kv + d_r) + r_q + r_kv
-        (parallel/tp_hf.py; with SP they also run on the whole sequence)."""
-        if not self.mla:
-            return 0
-        m, h = self.mla, self.hidden
-        return h * m.q_lora + h * (m.kv_lora + m.rope_dim) + m.q_lora + m.kv_lora
+        over tp: `tp_whole_weights` and the latent norms after them, r_q + r_kv."""
+        return self.tp_whole_weights + (self.mla.q_lora + self.mla.kv_lora if self.mla else 0)
 
     def tp_whole_flops(self, samples: int = 1) -> float:
-        """Forward FLOPs of `tp_whole_params`' GEMMs, which every tp rank runs whole: 2·s·(h·r_q + h·(r_kv + d_r))."""
-        if not self.mla:
-            return 0.0
-        m, h = self.mla, self.hidden
-        return samples * 2 * self.seq * (h * m.q_lora + h * (m.kv_lora + m.rope_dim))
+        """Forward FLOPs of `tp_whole_weights`, which every tp rank multiplies whole: 2·s·(those weights)."""
+        return samples * 2 * self.seq * self.tp_whole_weights
 
     @property
     def moe_layer_params(self) -> int:

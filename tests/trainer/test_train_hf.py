@@ -586,6 +586,23 @@ def test_mixtral_with_its_router_loss_and_expert_parallelism_equals_one_process_
                                                             "--loss-reduction", "token")
 
 
+def resumed_equals_one_process(model: Path, corpus: Path, tmp_path: Path, one: list[str], par: list[str],
+                               first: list[str]) -> None:
+    """Four steps of one process (-P 1 -M 4, flags `one`) against two steps of `par` + `first` with a checkpoint
+    in tmp_path/ckpt, then `par` --resume'd to step 4: every run succeeds and every step's loss is equal."""
+    constant = ["--lr-schedule", "constant"]
+    runs = [pipedsl(*common_flags(model, corpus, tmp_path / "one"), *constant, "-P", "1", "-M", "4", *one)]
+    par = [*common_flags(model, corpus, tmp_path / "par"), *constant, *par, "--checkpoint-dir", str(tmp_path / "ckpt")]
+    runs.append(pipedsl(*par, *first, "--steps", "2"))
+    runs.append(pipedsl(*par, "-o", str(tmp_path / "par2"), "--resume"))
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+
+
 @pytest.mark.slow
 def test_deepseek_latent_attention_under_sequence_parallelism_equals_one_process_and_resumes(corpus, tmp_path):
     """DeepSeek-V2 (latent attention, a dense first layer, shared experts) at dp2 × pp2 × tp2 with sequence
@@ -593,21 +610,9 @@ def test_deepseek_latent_attention_under_sequence_parallelism_equals_one_process
     ZeRO-3, through the command line: two steps and a checkpoint, then --resume without tp or ep to step 4, every
     step's loss and gradient norm equal to one process's (without the rotary key's sum over tp the norm is off; the
     loss hides it: Adam's first steps barely see a gradient's scale)."""
-    model = model_dir(tmp_path, "deepseek_v2")
-    constant = ["--lr-schedule", "constant"]
-    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), *constant, "-P", "1", "-M", "4")
-    par = [*common_flags(model, corpus, tmp_path / "par"), *constant, "-P", "2", "--dp", "2", "--zero", "3",
-           "--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = pipedsl(*par, "--tp", "2", "--sequence-parallel", "--ep", "2", "--recompute", "selective",
-                    "--steps", "2")
-    for proc in (one, first):
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = pipedsl(*par, "-o", str(tmp_path / "par2"), "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
-    assert want.keys() == got.keys() == {1, 2, 3, 4}
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    resumed_equals_one_process(model_dir(tmp_path, "deepseek_v2"), corpus, tmp_path, [],
+                               ["-P", "2", "--dp", "2", "--zero", "3"],
+                               ["--tp", "2", "--sequence-parallel", "--ep", "2", "--recompute", "selective"])
 
     def norms(*runs: str) -> list[float]:
         rows = [json.loads(line) for run in runs for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
@@ -624,21 +629,10 @@ def test_mixtral_tp2_ep2_equals_one_process_resumes_on_another_tp_and_ep_and_exp
     to one process (the router's auxiliary loss included); each step logs every routing once; the export (the
     tensor-parallel shards and the expert shards joined) is one process's model."""
 
-    model = model_dir(tmp_path, "mixtral")
-    constant = ["--lr-schedule", "constant"]
-    one = pipedsl(*common_flags(model, corpus, tmp_path / "one"), *constant, "-P", "1", "-M", "4",
-                  "--checkpoint-dir", str(tmp_path / "ckpt-one"))
-    par = [*common_flags(model, corpus, tmp_path / "par"), *constant, "-P", "2", "--dp", "2", "--zero", "1",
-           "--schedule", "zb-v", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = pipedsl(*par, "--tp", "2", "--sequence-parallel", "--ep", "2", "--steps", "2")
-    for proc in (one, first):
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = pipedsl(*par, "-o", str(tmp_path / "par2"), "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    want, got = losses(tmp_path / "one"), {**losses(tmp_path / "par"), **losses(tmp_path / "par2")}
-    assert want.keys() == got.keys() == {1, 2, 3, 4}
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=2e-5), step
+    resumed_equals_one_process(model_dir(tmp_path, "mixtral"), corpus, tmp_path,
+                               ["--checkpoint-dir", str(tmp_path / "ckpt-one")],
+                               ["-P", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-v"],
+                               ["--tp", "2", "--sequence-parallel", "--ep", "2"])
     rows = [json.loads(line) for line in (tmp_path / "par" / "metrics.jsonl").read_text().splitlines()]
     load = [r["tokens_per_expert"] for r in rows if r["kind"] == "train"]
     # 8 rows of 32 tokens, top-2 routings, 4 layers: every routing counted once though each tp rank routes its share
