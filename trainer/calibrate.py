@@ -9,7 +9,8 @@ real runtime's processes and gloo, as a `ClusterSpec` the planner predicts with.
   two give how well the shared cores are used (`sharing_efficiency`, for the planner's
   shared-processor replay, `plan/shared_host.py`).  The block's memory-bound kernels are inside
   that rate, so the cluster's elementwise term is off (`activation_passes` 0, `gemm_efficiency` 1).
-  The split backward (I, then W) against the full one gives `split_backward`;
+  The split backward (I, then W) against the full one, timed back to back, gives `split_backward` (at most
+  `MAX_SPLIT_BACKWARD`);
 - the runtime's own work per stage op (`op_overhead`): a real 1F1B `Pipeline` of one block per
   rank at M = 4 and 8 microbatches; the CPU seconds a step adds per microbatch, less the block's
   own CPU, over its two ops (executor, messages, autograd bookkeeping).  CPU time, not wall time,
@@ -40,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pipedsl.plan.cluster import GB, ClusterSpec
+from pipedsl.plan.cluster import GB, MAX_SPLIT_BACKWARD, ClusterSpec
 from pipedsl.plan.cost import ADAM_BYTES_PER_PARAM
 from pipedsl.plan.model import BYTES_FP16, ModelSpec
 from pipedsl.runtime.launch.capacity import usable_cores
@@ -147,6 +148,23 @@ def _median_time(fn, reps: int, clock=time.perf_counter) -> float:
     return statistics.median(times)
 
 
+def _paired_median(base, other, reps: int) -> tuple[float, float]:
+    """(`base`'s median time, the median over repetitions of `other`'s time / `base`'s, the two run back to back):
+    a ratio from two medians taken apart follows the load between them (a split backward once measured 10.5×
+    with the test suite running beside it)."""
+    base(), other()  # warm up
+    times, ratios = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        base()
+        t1 = time.perf_counter()
+        other()
+        t2 = time.perf_counter()
+        times.append(t1 - t0)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(times), statistics.median(ratios)
+
+
 def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] = SIZES,
                  cores: int = 0) -> dict[str, float]:
     """This rank's measurements (every rank of the process group must call it).  With `cores`
@@ -166,8 +184,8 @@ def measure_rank(rank: int, model: SmallGPT, reps: int, sizes: tuple[int, int] =
     full_large, _ = _stage_steps(block, x_large)
     world = dist.get_world_size()
     dist.barrier()
-    out = {"block": _median_time(full, reps), "split_block": _median_time(split, reps),
-           "block_large": _median_time(full_large, reps)}
+    block_s, split_ratio = _paired_median(full, split, reps)
+    out = {"block": block_s, "split_block": block_s * split_ratio, "block_large": _median_time(full_large, reps)}
     if 0 < cores < world:
         dist.barrier()
         if rank < cores:  # the others wait in the barrier
@@ -363,7 +381,8 @@ def summarize(runs: list[list[dict[str, float]]], model: SmallGPT, cores: int = 
     per_microbatch = [(r[f"pipeline{m8}_cpu"] - r[f"pipeline{m4}_cpu"]) / (m8 - m4) for r in every]
     op = max(0.0, (statistics.median(per_microbatch) - block_cpu) / 2)
     return Calibration(len(runs[0]), block_flops / block, latency, bandwidth, ADAM_BYTES_PER_PARAM / adam,
-                       cores, block_flops / statistics.median(alone) if alone else 0.0, sync, max(split, 1.0),
+                       cores, block_flops / statistics.median(alone) if alone else 0.0, sync,
+                       min(max(split, 1.0), MAX_SPLIT_BACKWARD),
                        fixed, peak, op, busy, tp_own, sp_own, all_reduce, gather)
 
 

@@ -18,6 +18,7 @@ from pipedsl.limits import MAX_PLAN_GPUS, shorten
 
 GB = 1e9
 MAX_OVERHEAD = 60.0  # seconds: a latency or per-op overhead beyond a minute is a unit mistake
+MAX_SPLIT_BACKWARD = 10.0  # (F + I + W) / (F + B) beyond this is a measurement of a loaded machine, not a cost
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,8 @@ class ClusterSpec:
         if not (isinstance(self.cores_per_node, int) and 0 <= self.cores_per_node <= MAX_PLAN_GPUS):
             raise PipeDSLError(f"cluster {self.name}: cores_per_node={shorten(self.cores_per_node)} is not in "
                                f"0..{MAX_PLAN_GPUS:,}")
-        if not (math.isfinite(self.split_backward) and 1 <= self.split_backward <= 10):
-            raise PipeDSLError(f"cluster {self.name}: split_backward must be in [1, 10], got "
+        if not (math.isfinite(self.split_backward) and 1 <= self.split_backward <= MAX_SPLIT_BACKWARD):
+            raise PipeDSLError(f"cluster {self.name}: split_backward must be in [1, {MAX_SPLIT_BACKWARD:g}], got "
                                f"{shorten(self.split_backward)}")
         for field_name in ("sync_latency", "layer_overhead", "op_overhead"):
             value = getattr(self, field_name)

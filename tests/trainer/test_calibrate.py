@@ -101,6 +101,21 @@ def test_summarize_recovers_the_machine_it_was_given():
          cal.tp_all_reduce, cal.tp_gather)
 
 
+def test_a_split_backward_measured_on_a_loaded_machine_gives_a_cluster_the_planner_takes():
+    """A split backward timed at 10.5× the full one (a CI run, the suite beside it) failed `plan --calibrate` with
+    exit 2 (the cluster refuses more than `MAX_SPLIT_BACKWARD`); the calibration holds it to that bound."""
+    from pipedsl.plan.cluster import MAX_SPLIT_BACKWARD
+    from pipedsl.trainer.calibrate import summarize
+
+    small = SmallGPT()
+    machine = _machine_measurements(small, 3e-3, 3 * small.spec().layer_flops(1) / 30e9, 1.2e-3, 5e-3, 150e-6, 2e9,
+                                    (1e-3, 4e8), (6e-4, 3e8), (2e-3, 1e-4), (3e-3, 2e-4))
+    for rank in machine:
+        rank["split_block"] = 10.5 * rank["block"]
+    cal = summarize([machine], small, 2)
+    assert cal.split_backward == MAX_SPLIT_BACKWARD and cal.cluster().split_backward == MAX_SPLIT_BACKWARD
+
+
 def test_flat_collective_times_fit_as_ring_steps_only():
     """Noise that makes the larger collective no slower gives no bandwidth term: all of it is per step."""
     from pipedsl.trainer.calibrate import MAX_BANDWIDTH, _fit_collective
