@@ -29,9 +29,9 @@ import _bench  # noqa: E402
 # name: (zero level or None, compute dtype, parameters' dtype, baseline)
 VARIANTS = {"fp32": (None, "fp32", "fp32", None), "zero1": (1, "fp32", "fp32", "fp32"),
             "zero2": (2, "fp32", "fp32", "fp32"), "zero3": (3, "fp32", "fp32", "fp32"),
-            "zero3-step": (3, "fp32", "fp32", "fp32"),  # ZeRO-3's units kept gathered through the step
+            "zero3-unit": (3, "fp32", "fp32", "fp32"),  # ZeRO-3 gathering each unit on every use
             "bf16": (None, "bf16", "fp32", None), "bf16-main": (None, "bf16", "bf16", "bf16")}
-RESHARD = {"zero3-step": "step"}  # ParallelConfig.zero_reshard of a variant ("unit" otherwise)
+RESHARD = {"zero3-unit": "unit"}  # ParallelConfig.zero_reshard of a variant ("auto" otherwise: "step" when P > 1)
 
 
 def layout(name: str, dp: int, P: int) -> Any:
@@ -41,7 +41,7 @@ def layout(name: str, dp: int, P: int) -> Any:
     zero = VARIANTS[name][0]
     if zero is None and dp == 1:
         return None
-    return ParallelConfig(dp=dp, pp=P, zero=zero or 0, zero_reshard=RESHARD.get(name, "unit"))
+    return ParallelConfig(dp=dp, pp=P, zero=zero or 0, zero_reshard=RESHARD.get(name, "auto"))
 
 
 def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[str]) -> dict:

@@ -176,7 +176,7 @@ class ParallelMesh:
         else:
             self.coords = Coords(dp=c[1], pp=c[0], tp=c[2])
 
-    def with_zero(self, zero: int, zero_reduce: str = "step", zero_reshard: str = "unit") -> ParallelMesh:
+    def with_zero(self, zero: int, zero_reduce: str = "step", zero_reshard: str = "auto") -> ParallelMesh:
         """The same groups under another ZeRO setting (no collective: ZeRO only changes what runs on dp)."""
         out = copy.copy(self)
         out.config = dataclasses.replace(self.config, zero=zero, zero_reduce=zero_reduce, zero_reshard=zero_reshard)

@@ -166,4 +166,4 @@ def strategy_for(parallel: ParallelConfig | None, precision: MixedPrecision, gro
     reason = f"zero={level}" if level else f"params={precision.params!r} (fp32 main parameters)"
     if parallel is None:
         return Flat(group, level, "step", precision, reason)
-    return Flat(group, level, parallel.zero_reduce, precision, reason, parallel.zero_reshard)
+    return Flat(group, level, parallel.zero_reduce, precision, reason, parallel.reshard)

@@ -171,8 +171,8 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--zero-reshard", choices=config.ZERO_RESHARDS,
                    help="ZeRO-3: free a layer's gathered parameters after each forward and backward (unit: one layer "
                         "whole at a time, 2M all-gathers a layer a step) or after the stage's last backward (step: "
-                        f"one all-gather a layer a step, the stage whole during the step; default "
-                        f"{D.parallel.zero_reshard})")
+                        "one all-gather a layer a step, the stage whole during the step); auto: step with -P 2 or "
+                        f"more, unit with one stage (default {D.parallel.zero_reshard})")
     p.add_argument("--tp", type=positive_int,
                    help="tensor-parallel ranks per pipeline stage (Megatron's 1-D split: attention by heads, the MLP "
                         "column- then row-wise, vocabulary-parallel embedding, head and loss): dp x P x tp "

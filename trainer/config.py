@@ -56,7 +56,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 RECOMPUTES = ("none", "full", "selective")
 LOSS_REDUCTIONS = ("microbatch", "token")
 ZERO_STAGES = (0, 1, 2, 3)
-ZERO_RESHARDS = ("unit", "step")  # parallel/config.py's RESHARD_MODES (this module imports no torch-side code)
+ZERO_RESHARDS = ("auto", "unit", "step")  # parallel/config.py's RESHARD_CHOICES (this module imports no torch-side code)
 
 # What differs between the two commands.  The dataclasses' defaults are those of a bare rank function
 # (`train(rank, program_json, cfg)`): the program decides the ranks and `logging.out=None` writes no files.
@@ -281,7 +281,7 @@ class ParallelismConfig(_Section):
     tp: int = _option(1, _at_least(1))
     sequence_parallel: bool = _option(False, FLAG)
     ep: int = _option(1, _at_least(1))  # expert parallelism: each MoE layer's experts over ep of the dp ranks
-    zero_reshard: str = _option("unit", _one_of(*ZERO_RESHARDS))  # ZeRO-3 frees a unit after each use, or the step
+    zero_reshard: str = _option("auto", _one_of(*ZERO_RESHARDS))  # ZeRO-3 frees a unit after each use, or the step
 
 
 @dataclass(frozen=True)
@@ -427,7 +427,7 @@ class TrainConfig:
         if par.sequence_parallel and d.seq % par.tp:
             raise ConfigError(f"--sequence-parallel: --seq {d.seq} does not divide by --tp {par.tp} (each tp rank "
                               f"holds an equal part of the sequence)")
-        if par.zero_reshard != "unit" and par.zero != 3:
+        if par.zero_reshard == "step" and par.zero != 3:
             raise ConfigError(f"--zero-reshard {par.zero_reshard} sets when ZeRO-3 frees gathered parameters: it needs "
                               f"--zero 3 (--zero {par.zero} keeps them whole)")
         if par.dp % par.ep:

@@ -19,7 +19,7 @@ BAD = [
     (dict(zero=2, zero_reduce="never"), "zero_reduce must be one of 'step', 'microbatch', got 'never'"),
     (dict(zero=1, zero_reduce="microbatch"),
      "zero_reduce='microbatch' needs zero=2 or 3 (zero=1 keeps the full gradient buffer anyway); use zero_reduce='step'"),
-    (dict(zero=3, zero_reshard="never"), "zero_reshard must be one of 'unit', 'step', got 'never'"),
+    (dict(zero=3, zero_reshard="never"), "zero_reshard must be one of 'auto', 'unit', 'step', got 'never'"),
     (dict(zero=2, zero_reshard="step"), "zero_reshard='step' needs zero=3 (zero=2 keeps the full parameters anyway)"),
 ]
 

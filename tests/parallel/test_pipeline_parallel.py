@@ -118,8 +118,8 @@ def _compare(res: dict, ref_losses: list[float], ref_params: torch.Tensor) -> li
 
 
 def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, tp_layers: bool = True) -> dict:
-    """Each run (schedule, M, batch, zero, mode) on one mesh, `mode` a zero_reduce or "reshard=step" (ZeRO-3 keeping
-    its units gathered through the step); on rank 0: {run: problems, seconds}."""
+    """Each run (schedule, M, batch, zero, mode) on one mesh, `mode` a zero_reduce or "reshard=unit" (ZeRO-3 freeing
+    each unit after every use; the default at pp > 1 keeps them gathered through the step); on rank 0: {run: problems, seconds}."""
     base = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode)
     mesh = ParallelMesh(base)
     torch.manual_seed(0)
@@ -128,7 +128,7 @@ def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, t
     for schedule, M, batch, zero, reduce in runs:
         batches = _batches(steps, batch)
         ref_losses, ref_params = _dense_reference(model, batches)
-        zero_mode = {"zero_reshard": "step"} if reduce == "reshard=step" else {"zero_reduce": reduce}
+        zero_mode = {"zero_reshard": "unit"} if reduce == "reshard=unit" else {"zero_reduce": reduce}
         cfg = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode, zero=zero, **zero_mode)
         res = _train(mesh, model, schedule, M, cfg, batches, tp_layers)
         problems = _compare(res, ref_losses, ref_params)
@@ -255,7 +255,7 @@ def readme_job(steps: int) -> list[float]:
 
 # ----------------------------------------------------------------------------------- tests
 
-ZERO_MODES = [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step"), (3, "reshard=step")]
+ZERO_MODES = [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step"), (3, "reshard=unit")]
 TP1D_RUNS = tuple((s, 4, 16, z, r) for s in ("1f1b", "hanayo") for z, r in ZERO_MODES)
 TP3D_RUNS = tuple((s, 2, 8, z, "step") for s in ("1f1b", "hanayo") for z in (0, 1))
 CUBE1_RUNS = tuple((s, 4, 16, z, "step") for s in ("1f1b", "hanayo") for z in (1, 3))
@@ -264,8 +264,8 @@ CUBE1_RUNS = tuple((s, 4, 16, z, "step") for s in ("1f1b", "hanayo") for z in (1
 def _every_schedule_runs() -> tuple:
     """Every built-in with ZeRO-1, and ZeRO 0, 2 and 3 each with a third of them in turn (ZeRO-3 meets the
     split-backward schedules dualpipe, v-half and zb-v; zb-h1 takes ZeRO-2), plus per-microbatch reduction
-    for every other schedule without replicas, and ZeRO-3 keeping its units gathered through the step for
-    schedules with a split backward, two stages a rank or replicas: 2-3 runs a schedule instead of 5, the
+    for every other schedule without replicas, and ZeRO-3 freeing its units after every use (not its default
+    in a pipeline: gathered through the step) for schedules with a split backward, two stages a rank or replicas: 2-3 runs a schedule instead of 5, the
     suite's slowest test."""
     runs = []
     for i, name in enumerate(pipedsl.builtin_names()):
@@ -274,7 +274,7 @@ def _every_schedule_runs() -> tuple:
         if prog.num_replicas == 1 and i % 2 == 0:
             runs.append((name, 4, 16, 2, "microbatch"))
         if name in ("zb-h1", "interleaved", "dualpipev", "chimera"):
-            runs.append((name, 4, 16, 3, "reshard=step"))
+            runs.append((name, 4, 16, 3, "reshard=unit"))
     return tuple(runs)
 
 

@@ -239,7 +239,7 @@ def test_flags_win_over_the_file_and_the_file_over_the_defaults(tmp_path) -> Non
     (lambda: TrainConfig(checkpoint=CheckpointConfig(resume="latest")), "--resume without a checkpoint needs"),
     (lambda: TrainConfig(training=TrainingConfig(grad_dtype="bf16")), "--grad-dtype bf16: gradients accumulate"),
     (lambda: TrainConfig(parallel=ParallelismConfig(sequence_parallel=True)), "--sequence-parallel splits"),
-    (lambda: ParallelismConfig(zero_reshard="never"), "--zero-reshard 'never': is not one of unit, step"),
+    (lambda: ParallelismConfig(zero_reshard="never"), "--zero-reshard 'never': is not one of auto, unit, step"),
     (lambda: TrainConfig(parallel=ParallelismConfig(zero=2, zero_reshard="step")),
      "--zero-reshard step sets when ZeRO-3 frees gathered parameters: it needs --zero 3"),
     (lambda: TrainConfig(model=ModelConfig(embd=30)), "--embd 30 must be a multiple of 4"),
