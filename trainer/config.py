@@ -56,7 +56,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 RECOMPUTES = ("none", "full", "selective")
 LOSS_REDUCTIONS = ("microbatch", "token")
 ZERO_STAGES = (0, 1, 2, 3)
-ZERO_RESHARDS = ("auto", "unit", "step")  # parallel/config.py's RESHARD_CHOICES (this module imports no torch-side code)
+ZERO_RESHARDS = ("auto", "unit", "step")  # parallel/config.py's RESHARD_CHOICES (no torch-side import here)
 
 # What differs between the two commands.  The dataclasses' defaults are those of a bare rank function
 # (`train(rank, program_json, cfg)`): the program decides the ranks and `logging.out=None` writes no files.

@@ -241,6 +241,10 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
         ("mem balance", None, lambda e: f"{e.memory_balance:.2f}"),  # the lightest pipeline rank's peak / fullest's
         *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("tp", "pp", "dp", "zero3")),
     ]
+    if any(e.layout.zero >= 2 for e in rows):  # ZeRO's buffers held during the step beyond the states' shards
+        at = [header for header, *_ in columns].index("activ {}")
+        columns[at:at] = [("grad buffer {}", BYTES, lambda e: e.memory.gradient_buffer),
+                          ("gathered {}", BYTES, lambda e: e.memory.gathered)]
     if m.moe:  # the expert-parallel all-to-alls: seconds per iteration and their share of it
         columns += [("a2a {}", SECONDS, lambda e: e.comm["ep"]),
                     ("a2a %", None, lambda e: f"{e.comm['ep'] / e.iteration:.1%}")]

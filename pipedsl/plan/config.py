@@ -8,6 +8,13 @@ from pipedsl.plan.activations import RECOMPUTE_MODES
 
 ATTENTION = ("eager", "fused")
 SPLITS = ("even", "balanced")  # how a layout cuts the layers into stages (cost.py's `stage_layers`)
+RESHARDS = ("auto", "unit", "step")  # when ZeRO-3 frees gathered parameters (parallel/config.py's RESHARD_CHOICES)
+
+
+def _auto_reshard(pp: int) -> str:
+    """`zero_reshard="auto"`'s mode, as `ParallelConfig.reshard` resolves it: a pipeline's stage holds 1/pp of the
+    model whole through the step; without a pipeline that would be all of it."""
+    return "step" if pp > 1 else "unit"
 
 
 @dataclass(frozen=True)
@@ -19,7 +26,9 @@ class Layout:
     "none", "selective" or "full" (True/False read as "full"/"none"); `sequence_parallel` only with
     1-D tp > 1; `attention` "eager" (s² scores stored) or "fused" (FlashAttention-style); `ep` the
     expert-parallel degree of an MoE model, taken from the dp ranks (ep divides dp and the expert count);
-    `split` how the layers are cut into stages ("even" or "balanced", cost.py's `stage_layers`).
+    `split` how the layers are cut into stages ("even" or "balanced", cost.py's `stage_layers`);
+    `zero_reshard` when ZeRO-3 frees a unit's gathered parameters, as `ParallelConfig.zero_reshard`
+    ("auto": "step" when pp > 1, else "unit"; `reshard` resolves it).
     """
 
     dp: int
@@ -37,6 +46,7 @@ class Layout:
     attention: str = "eager"
     ep: int = 1  # expert parallelism (MoE models): the routed experts split over ep of the dp ranks
     split: str = "even"  # "even": every stage the same layers (Megatron); "balanced": by FLOPs, the head counted
+    zero_reshard: str = "auto"  # ZeRO-3: "unit" (2M gathers a unit a step), "step" (one; the stage whole in the step)
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -49,6 +59,8 @@ class Layout:
             raise ValueError(f"ep must divide dp {self.dp}, got {self.ep}")
         if self.split not in SPLITS:
             raise ValueError(f"split is one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.zero_reshard not in RESHARDS:
+            raise ValueError(f"zero_reshard is one of {', '.join(RESHARDS)}, got {self.zero_reshard!r}")
 
     @property
     def fused(self) -> bool:
@@ -58,6 +70,14 @@ class Layout:
     def sp(self) -> bool:
         """Sequence parallelism in effect (1-D tp > 1 only)."""
         return self.sequence_parallel and self.tp > 1 and self.tp_mode == "1d"
+
+    @property
+    def reshard(self) -> str:
+        """ZeRO-3's reshard mode in effect ("unit" or "step"), "auto" resolved as the runtime does; "unit" below
+        ZeRO-3 (nothing is gathered)."""
+        if self.zero < 3:
+            return "unit"
+        return _auto_reshard(self.pp) if self.zero_reshard == "auto" else self.zero_reshard
 
     @property
     def gpus(self) -> int:
@@ -73,6 +93,11 @@ class Layout:
         grads = " fp32-grads" if self.grads == "fp32" else ""
         recompute = {"none": "", "full": " recompute", "selective": " selective"}[self.recompute]
         return (f"dp{self.dp} pp{self.pp} {tp}{'+sp' if self.sequence_parallel else ''} {self.schedule}{extra} "
-                f"b{self.microbatch} M{self.microbatches} zero{self.zero}{recompute}"
+                f"b{self.microbatch} M{self.microbatches} zero{self.zero}{self._reshard_label}{recompute}"
                 f"{' flash' if self.fused else ''}{grads}{f' ep{self.ep}' if self.ep > 1 else ''}"
                 f"{' balanced' if self.split == 'balanced' else ''}")
+
+    @property
+    def _reshard_label(self) -> str:
+        """"/unit" or "/step" where ZeRO-3 runs other than `pipedsl train --zero 3`'s default would ("auto")."""
+        return f"/{self.reshard}" if self.zero == 3 and self.reshard != _auto_reshard(self.pp) else ""

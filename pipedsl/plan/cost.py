@@ -20,9 +20,12 @@ Times are seconds per microbatch.  Communication follows what the runtime does:
   (embedding, each block, head) on entry to its forward and again to its backward and prefetches
   the next unit in execution order (`parallel/zero.py`), so a F, B or I is charged the first
   unit's gather and each later gather's excess over the unit it overlaps (`prefetched`); W
-  gathers every unit first (`before_weight_pass`, not overlapped).  Its gradients are
-  reduce-scattered at REDUCE_GRAD (reduce="step", the default), overlapping the rest of the
-  cooldown: at pp = 1 nothing is left to overlap, as in the runtime.
+  gathers every unit first (`before_weight_pass`, not overlapped).  With `Layout.reshard` "step"
+  (the default in a pipeline) each unit is gathered once a step, in the step's first forward, and
+  kept to REDUCE_GRAD: that forward's exposed gathers are charged once a step (`step_gather`), no
+  F, B, I or W pays any.  Its gradients are reduce-scattered at REDUCE_GRAD (reduce="step", the
+  default), overlapping the rest of the cooldown: at pp = 1 nothing is left to overlap, as in the
+  runtime.
 - expert parallelism (MoE models, `Layout.ep` ranks of dp): per MoE block two all-to-alls in the
   forward (dispatch, combine) and two in the backward (two more in a fully recomputed forward),
   each tokens·k·h·2·(ep-1)/ep bytes a rank, on NVLink while tp·ep ranks fit in a node, else
@@ -123,6 +126,15 @@ class StageCosts:
     all_to_all: tuple[float, ...] = ()  # per stage, per microbatch: expert-parallel all-to-alls inside F+B
     expert_params: tuple[float, ...] = ()  # per stage: the routed experts' share of stage_params (already / ep)
     exchanges: tuple[tuple[float, float], ...] = ()  # per stage: the all-to-alls inside F and inside B
+    step_gather: tuple[float, ...] = ()  # per stage, per step: ZeRO-3 reshard="step"'s gathers in the first forward
+    unit_pairs: tuple[float, ...] = ()  # per stage: parameters per GPU of its largest two consecutive ZeRO-3 units
+
+    def once_a_step(self, stages: Sequence[int]) -> float:
+        """Seconds a step of a rank holding `stages` takes beyond its pipeline ops: its optimizer steps and ZeRO 1-2's
+        gathers after them; with ZeRO-3 reshard="step" the exposed gathers of every stage up to its last, since the
+        step's first microbatch passes the stages in order, each stage's first forward waiting for its own."""
+        chain = sum(self.step_gather[:max(stages) + 1]) if self.step_gather and stages else 0.0
+        return sum(self.step[s] + self.after_step[s] for s in stages) + chain
 
     def simulator_cost(self) -> Cost:
         """The pipeline part for `pipedsl.simulate`; REDUCE_GRAD/step are added around it (async).  An overlapped
@@ -172,6 +184,12 @@ def _balanced_layers(model: ModelSpec, stages: int) -> tuple[int, ...]:
     sizes[0] -= 1  # the embedding
     sizes[-1] -= 1  # the head
     return tuple(sizes)
+
+
+def unit_pair(units: Sequence[float]) -> float:
+    """The most parameters ZeRO-3 (reshard="unit") holds gathered at once over `units` in execution order: the
+    running unit and the next one, prefetched."""
+    return max((a + b for a, b in zip(units, units[1:])), default=units[0] if units else 0.0)
 
 
 def piece_params(model: ModelSpec, layout: Layout) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -289,7 +307,8 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
     expert_dp = layout.dp // ep  # the ranks holding the same experts
     expert_bw, expert_lat = dp_bw, dp_lat
 
-    F, B, I, W, reduce, after, step, psi, tpc, zg, waits, a2a_time, expert_psi, exchanges = ([] for _ in range(14))
+    F, B, I, W, reduce, after, step, psi, tpc, zg, waits, a2a_time, expert_psi, exchanges, once, pairs = \
+        ([] for _ in range(16))
     for st in range(stages):
         n, first = layers[st], starts[st]
         blocks = [kinds[model.is_moe_layer(i)] for i in range(first, first + n)]
@@ -330,22 +349,27 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
             return ((k.flops + core) / rate + fixed + split + flash_backward + k.tp_bwd + k.again + k.a2a
                     + k.a2a_again)
 
-        zero_f = zero_b = zero_i = zero_w = 0.0
+        zero_f = zero_b = zero_i = zero_w = zero_step = 0.0
+        embed_first, head_last = st == 0, st == stages - 1
+        pairs.append(unit_pair(piece_params(model, layout)[0][0 if embed_first else first + 1:
+                                                                first + n + 1 + head_last]))
         if layout.zero >= 3:  # per unit (embedding, each block, head): gathered on entry, the next one prefetched
             g = [gather(PARAM_BYTES * (k.params - k.experts), layout.dp, dp_bw, dp_lat)
                  + (gather(PARAM_BYTES * k.experts, expert_dp, expert_bw, expert_lat) if k.experts else 0.0)
                  for k in blocks]
-            embed_first, head_last = st == 0, st == stages - 1
             if embed_first:
                 g = [gather(PARAM_BYTES * model.embedding_params / t, layout.dp, dp_bw, dp_lat)] + g
             if head_last:
                 g = g + [gather(PARAM_BYTES * (model.vocab * h + 2 * h) / t, layout.dp, dp_bw, dp_lat)]
             c_f = ([0.0] if embed_first else []) + [layer_f(k) for k in blocks] + ([head] if head_last else [])
-            zero_f = prefetched(g, c_f)
-            back_order = g[::-1]
-            zero_b = prefetched(back_order, ([2 * head] if head_last else []) + [layer_b(k) for k in blocks[::-1]])
-            zero_i = prefetched(back_order, ([head] if head_last else []) + [layer_i(k) for k in blocks[::-1]])
-            zero_w = sum(g)  # before_weight_pass gathers every unit, one after another
+            if layout.reshard == "step":  # once, in the step's first forward; held to the reduction
+                zero_step = prefetched(g, c_f)
+            else:  # again on entry to every forward and backward
+                zero_f = prefetched(g, c_f)
+                back_order = g[::-1]
+                zero_b = prefetched(back_order, ([2 * head] if head_last else []) + [layer_b(k) for k in blocks[::-1]])
+                zero_i = prefetched(back_order, ([head] if head_last else []) + [layer_i(k) for k in blocks[::-1]])
+                zero_w = sum(g)  # before_weight_pass gathers every unit, one after another
         F.append(fwd + tp_fwd + zero_f + op + a2a_f)
         B.append(2 * fwd + n * flash_backward + tp_bwd + recompute + zero_b + op + a2a_b)
         stage_split = (cluster.split_backward - 1) * 3 * fwd / 2
@@ -375,10 +399,11 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
                     else 0.0)
         tpc.append(tp_fwd + tp_bwd + tp_again)
         zg.append(zero_f + zero_b)
+        once.append(zero_step)
         a2a_time.append(a2a_f + a2a_b)
         exchanges.append((a2a_f, a2a_b))
         waits.append({"F": tp_fwd + zero_f + a2a_f, "B": tp_bwd + tp_again + zero_b + a2a_b,
                       "I": tp_bwd + tp_again + zero_i + a2a_b, "W": zero_w})
     return StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
                       tuple(psi), tuple(tpc), tuple(zg), tuple(waits), tuple(a2a_time), tuple(expert_psi),
-                      tuple(exchanges))
+                      tuple(exchanges), tuple(once), tuple(pairs))

@@ -31,10 +31,11 @@ Memory of a rank, at its peak (`RankMemory`): the model states of its stages (`m
 ZeRO 0-3 over dp), plus what the runtime keeps beyond them: under ZeRO 2/3 the full gradient
 buffer of its stages from the first backward to REDUCE_GRAD (`parallel/zero.py`, reduce="step"),
 under ZeRO-3 the gathered units (the running one and the next, prefetched; all of them during a W
-of a split-backward schedule: `before_weight_pass`); and activations: the most bytes alive at
-once on the rank, each stage's own per microbatch from its F to its B (or W), walked over the
-schedule's compiled program (`encdec_search.live_peaks`; the encoder output counted on decoder
-stages), plus one layer's whole activations while it is recomputed.
+of a split-backward schedule, `before_weight_pass`, and through the step with reshard="step"); and
+activations: the most bytes alive at once on the rank, each stage's own per microbatch from its F
+to its B (or W), walked over the schedule's compiled program (`encdec_search.live_peaks`; the
+encoder output counted on decoder stages), plus one layer's whole activations while it is
+recomputed.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from functools import lru_cache
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.cost import ADAM_BYTES_PER_PARAM, StageCosts, all_gather, all_reduce, prefetched
+from pipedsl.plan.cost import ADAM_BYTES_PER_PARAM, StageCosts, all_gather, all_reduce, prefetched, unit_pair
 from pipedsl.plan.encdec import ID_BYTES, EncDecSpec, Unit
 from pipedsl.plan.memory import PARAM_BYTES, ModelStates, model_states, state_bytes
 from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
@@ -155,7 +156,7 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
     holders = [s for s in range(len(bounds) - 1) for u in units[bounds[s]:bounds[s + 1]] if u.embedding]
     tied = len(set(holders)) > 1
 
-    F, B, I, W, reduce, after, step, psi, zg, waits = ([] for _ in range(10))
+    F, B, I, W, reduce, after, step, psi, zg, waits, once = ([] for _ in range(11))
     activation, working, largest = [], [], []
     for st in range(len(bounds) - 1):
         mine = units[bounds[st]:bounds[st + 1]]
@@ -175,14 +176,17 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
         gemm = sum(gemm_each)
         mem = sum(mem_each) + enc_out_time
         params = sum(u.params for u in mine)
-        zero_f = zero_b = zero_i = zero_w = 0.0
+        zero_f = zero_b = zero_i = zero_w = zero_step = 0.0
         if layout.zero >= 3:
             g = [gather(PARAM_BYTES * u.params, dp, dp_bw, dp_lat) for u in mine]
-            back = [2 * f + a for f, a in zip(fwd_each, again_each)]
-            zero_f = prefetched(g, fwd_each)
-            zero_b = prefetched(g[::-1], back[::-1])
-            zero_i = prefetched(g[::-1], [f + a for f, a in zip(fwd_each, again_each)][::-1])
-            zero_w = sum(g)
+            if layout.reshard == "step":  # once, in the step's first forward; held to the reduction
+                zero_step = prefetched(g, fwd_each)
+            else:
+                back = [2 * f + a for f, a in zip(fwd_each, again_each)]
+                zero_f = prefetched(g, fwd_each)
+                zero_b = prefetched(g[::-1], back[::-1])
+                zero_i = prefetched(g[::-1], [f + a for f, a in zip(fwd_each, again_each)][::-1])
+                zero_w = sum(g)
         F.append(fwd + zero_f + op)
         B.append(2 * fwd + again + zero_b + op)
         I.append(gemm + 2 * core + mem + again + zero_i + op)
@@ -204,16 +208,17 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
         step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
         psi.append(float(params))
         zg.append(zero_f + zero_b)
+        once.append(zero_step)
         waits.append({"F": zero_f, "B": zero_b, "I": zero_i, "W": zero_w})
         kept = [b * (u.kept if mode == "full" else u.stored) for u in mine]
         activation.append(sum(kept) + enc_out)
         working.append(max((b * u.stored - k for u, k in zip(mine, kept) if u.layer), default=0.0)
                        if mode == "full" else 0.0)
-        sizes = [u.params for u in mine]  # a unit gathered while the next in execution order is prefetched
-        largest.append(float(max((a + b for a, b in zip(sizes, sizes[1:])), default=sizes[0])))
+        largest.append(float(unit_pair([u.params for u in mine])))
     n = len(F)
     costs = StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
-                       tuple(psi), (0.0,) * n, tuple(zg), tuple(waits))
+                       tuple(psi), (0.0,) * n, tuple(zg), tuple(waits), step_gather=tuple(once),
+                       unit_pairs=tuple(largest))
     return EncDecStages(tuple(bounds), costs, tuple(activation), tuple(working), tuple(largest), message_bytes)
 
 
@@ -253,7 +258,8 @@ def rank_memory(stages: EncDecStages, layout: Layout, on_rank: dict[int, list[in
         buffer = mode.grad * psi * (1 - 1 / layout.dp) if layout.zero >= 2 else 0.0
         gathered = 0.0
         if layout.zero >= 3:  # beyond the shard it holds anyway
-            gathered = PARAM_BYTES * (psi if split_backward else max(stages.largest_units[s] for s in held))
+            whole = split_backward or layout.reshard == "step"  # a W gathers its stage first; "step" holds it
+            gathered = PARAM_BYTES * (psi if whole else max(stages.largest_units[s] for s in held))
             gathered *= 1 - 1 / layout.dp
         act = live_bytes[r] + max(stages.working[s] for s in held)
         out.append(RankMemory(r, tuple(held), psi, states, buffer, gathered, act, peaks[r]))

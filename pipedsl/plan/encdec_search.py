@@ -30,7 +30,16 @@ from pipedsl.plan.config import Layout
 from pipedsl.plan.encdec import ENCDEC_RECOMPUTE, EncDecSpec
 from pipedsl.plan.encdec_cost import EncDecStages, RankMemory, encdec_stage_costs, points, rank_memory, split_bounds
 from pipedsl.plan.pipeline import compiled, is_searched, run_pipeline, simulation_sizes, stage_ranks
-from pipedsl.plan.search import MICROBATCH_SIZES, VARIANTS, LayoutError, Rejected, _placement_bound, _sharing, _skeleton
+from pipedsl.plan.search import (
+    MICROBATCH_SIZES,
+    VARIANTS,
+    LayoutError,
+    Rejected,
+    _placement_bound,
+    _sharing,
+    _skeleton,
+    resharded_to_fit,
+)
 from pipedsl.simulate import Cost
 
 
@@ -224,7 +233,7 @@ def _finish(spec: EncDecSpec, cluster: ClusterSpec, prep: _Prepared, split: str)
     mine = prep.on_rank[0]
     comm = {"pp": 2 * M * len(mine) * costs.message if layout.pp > 1 else 0.0,
             "dp": sum(costs.reduce[s] + costs.after_step[s] for s in mine),
-            "zero3": M * sum(costs.zero_gather[s] for s in mine)}
+            "zero3": sum(M * costs.zero_gather[s] + costs.step_gather[s] for s in mine)}
     return EncDecEstimate(layout, split, prep.stages.bounds, run.iteration, run.pipeline,
                           spec.iteration_flops(layout.recompute) / run.iteration / gpus / 1e12,
                           spec.iteration_flops("none") / run.iteration / gpus / cluster.peak_flops,
@@ -233,9 +242,12 @@ def _finish(spec: EncDecSpec, cluster: ClusterSpec, prep: _Prepared, split: str)
 
 
 def encdec_evaluate(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str = "time") -> EncDecEstimate:
-    """Predict one layout with the units split `split`; `LayoutError` says why it cannot run."""
-    _quick(spec, cluster, layout, split)
-    return _finish(spec, cluster, _prepare(spec, cluster, layout, split), split)
+    """Predict one layout with the units split `split` (ZeRO-3 on "auto": `search.resharded_to_fit`); `LayoutError`
+    says why it cannot run."""
+    def attempt(lay: Layout) -> _Prepared:
+        _quick(spec, cluster, lay, split)
+        return _prepare(spec, cluster, lay, split)
+    return _finish(spec, cluster, resharded_to_fit(layout, attempt)[1], split)
 
 
 def rank_key(e: EncDecEstimate) -> tuple[float, float, int]:
@@ -252,7 +264,8 @@ def encdec_search(spec: EncDecSpec, cluster: ClusterSpec, top: int = 10, candida
     bounded: list[tuple[float, int, Layout]] = []
     for i, layout in enumerate(candidates if candidates is not None else encdec_layouts(spec, cluster, **space)):
         try:
-            bounded.append((_quick(spec, cluster, layout, split, result), i, layout))
+            layout, bound = resharded_to_fit(layout, lambda lay: _quick(spec, cluster, lay, split, result))
+            bounded.append((bound, i, layout))
         except LayoutError as err:
             result.rejected.append(Rejected(layout, err.message))
     bounded.sort()
@@ -261,7 +274,7 @@ def encdec_search(spec: EncDecSpec, cluster: ClusterSpec, top: int = 10, candida
             result.pruned = len(bounded) - i
             break
         try:
-            prep = _prepare(spec, cluster, layout, split)
+            layout, prep = resharded_to_fit(layout, lambda lay: _prepare(spec, cluster, lay, split))
         except LayoutError as err:
             result.rejected.append(Rejected(layout, err.message))
             continue

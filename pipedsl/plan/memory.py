@@ -106,12 +106,15 @@ def moe_model_states(psi: float, expert_psi: float, dp: int, ep: int, zero: int,
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """One GPU's peak: model states plus the activations alive at the schedule's peak."""
+    """One GPU's peak: model states between steps, what the runtime holds beyond them during the step, and the
+    activations alive at the schedule's peak."""
 
     states: ModelStates
     activations: float  # stored activations at the peak + one block's working set when recomputing
     peak_live: int  # the most microbatch-stage activations alive at once (from the simulated timeline)
+    gradient_buffer: float = 0.0  # ZeRO 2-3: the full gradient less the kept shard, first backward → REDUCE_GRAD
+    gathered: float = 0.0  # ZeRO-3: the gathered units' full parameters less the kept shard
 
     @property
     def total(self) -> float:
-        return self.states.total + self.activations
+        return self.states.total + self.gradient_buffer + self.gathered + self.activations

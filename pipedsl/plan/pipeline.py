@@ -224,7 +224,7 @@ def iteration_time(timeline: Timeline, program: Program, costs: StageCosts) -> f
                 comm_free = max(comm_free, e.end) + costs.reduce[e.instr.stage]
             last = max(last, e.end)
         stages = on_rank[r]
-        tail = sum(costs.step[s] for s in stages) + sum(costs.after_step[s] for s in stages)
+        tail = costs.once_a_step(stages)
         finish = max(finish, max(last, comm_free) + tail)
     return finish - timeline.start
 

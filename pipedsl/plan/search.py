@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import accumulate
+from typing import TypeVar
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import builtin_names, load
@@ -25,7 +26,7 @@ from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.cost import StageCosts, piece_flops, piece_params, stage_costs, stage_layers, tp_degree_3d
+from pipedsl.plan.cost import StageCosts, piece_flops, piece_params, stage_costs, stage_layers, tp_degree_3d, unit_pair
 from pipedsl.plan.memory import MemoryReport, model_states, moe_model_states, state_bytes
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.partition import even_sizes
@@ -39,6 +40,8 @@ from pipedsl.plan.pipeline import (
     stage_ranks,
 )
 from pipedsl.plan.runnable import NotRunnableError, check_runnable
+
+T = TypeVar("T")
 
 # Chunk variants searched per built-in (parameter name, values); others run with their defaults.
 VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], ...]] = {
@@ -210,7 +213,7 @@ def _placement_bound(program, costs: StageCosts, M: int) -> float:
         lowest = min(stages)
         work = sum(costs.F[x] + (costs.I[x] + costs.W[x] if split else costs.B[x]) for x in stages) * share
         deferrable = sum(costs.W[x] for x in stages) * share if split else 0.0
-        tail = sum(costs.step[x] + costs.after_step[x] for x in stages)
+        tail = costs.once_a_step(stages)
         bound = max(bound, below_f[lowest] + max(work, work - deferrable + below_b[lowest]) + tail)
     return bound
 
@@ -239,7 +242,8 @@ def _fits_at_small_size(model: ModelSpec, cluster: ClusterSpec, layout: Layout) 
     S = program.num_stages
     layers = _layers(model, layout, S)
     costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
-    memory = _memory(model, layout, costs, stage_ranks(program), program.peaks_at(w_share(model, layout)), layers)[0]
+    memory = _memory(model, layout, costs, stage_ranks(program), program.peaks_at(w_share(model, layout)), layers,
+                     program.split_backward)[0]
     return memory.total <= cluster.memory - cluster.reserved_memory
 
 
@@ -250,7 +254,15 @@ def _check_memory(cluster: ClusterSpec, memory: MemoryReport, qualifier: str = "
         st = memory.states
         raise LayoutError(f"out of memory: {qualifier}{memory.total / gb:.1f} GB > {usable / gb:.0f} GB usable "
                         f"(params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer {st.optimizer / gb:.1f}, "
-                        f"activations {memory.activations / gb:.1f} for {memory.peak_live} live){note}")
+                        f"{_during_step(memory)}activations {memory.activations / gb:.1f} for {memory.peak_live} live)"
+                        f"{note}")
+
+
+def _during_step(memory: MemoryReport) -> str:
+    """The out-of-memory message's part for ZeRO's buffers held during the step, where there are any."""
+    parts = [f"{name} {value / 1e9:.1f}, " for name, value in (("gradient buffer", memory.gradient_buffer),
+                                                                 ("gathered parameters", memory.gathered)) if value]
+    return "".join(parts)
 
 
 def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepared:
@@ -270,16 +282,17 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepare
 
 
 def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]],
-            peaks: Sequence[float], layers: Sequence[int]) -> tuple[MemoryReport, tuple[float, ...]]:
+            peaks: Sequence[float], layers: Sequence[int], split: bool) -> tuple[MemoryReport, tuple[float, ...]]:
     """The fullest rank (and every rank's total, by pipeline rank): `_rank_memory` of the stages on it, their
-    activations counted at its largest stage's layers (`layers`: each stage's)."""
+    activations counted at its largest stage's layers (`layers`: each stage's); `split`: the program has W ops."""
     stages, terms = len(layers), _activation_terms(model, layout)
     worst: MemoryReport | None = None
     totals: dict[int, float] = {}
     for r, st in on_rank.items():
         experts = sum(costs.expert_params[s] for s in st) if costs.expert_params else 0.0
+        units = None if _whole_stage_gathered(layout, split) else max(costs.unit_pairs[s] for s in st)
         report = _rank_memory(model, layout, sum(costs.stage_params[s] for s in st), experts, peaks[r],
-                              max(layers[s] for s in st), stages - 1 in st, terms)
+                              max(layers[s] for s in st), stages - 1 in st, terms, units)
         totals[r] = report.total
         if worst is None or report.total > worst.total:
             worst = report
@@ -287,17 +300,33 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[i
     return worst, tuple(totals[r] for r in sorted(totals))
 
 
+def _whole_stage_gathered(layout: Layout, split: bool) -> bool:
+    """Whether ZeRO-3 holds a rank's whole stages gathered at its peak: reshard="step" keeps them so through the step,
+    and a split backward's W gathers every unit of its stage first (`before_weight_pass`)."""
+    return layout.reshard == "step" or split
+
+
 def _rank_memory(model: ModelSpec, layout: Layout, params: float, experts: float, peak: float, layers: int,
-                 last: bool, terms: tuple[float, float, float] | None = None) -> MemoryReport:
+                 last: bool, terms: tuple[float, float, float] | None = None,
+                 units: float | None = None) -> MemoryReport:
     """One rank's peak: the model states of its `params` per GPU (`memory.model_states`, the function the runtime's
     byte tests check; `experts` of them routed experts, already / ep: `memory.moe_model_states` over their dp/ep
-    replicas), plus its `peak` live microbatch activations of `layers` layers each and one recomputed region's
+    replicas), what ZeRO holds beyond them during the step (`parallel/zero.py`: ZeRO 2-3 the full gradient buffer
+    from the first backward to REDUCE_GRAD, ZeRO-3 the parameters of `units` gathered at once, None: all of
+    `params`), plus its `peak` live microbatch activations of `layers` layers each and one recomputed region's
     working set (the last stage: the fp32 logits of the microbatch in flight too); `terms`: `_activation_terms`."""
     per_layer, extra, logits = terms or _activation_terms(model, layout)
     routed = experts * layout.ep
-    states = moe_model_states(params - experts + routed, routed, layout.dp, layout.ep, layout.zero,
-                              state_bytes("bf16", layout.grads))
-    return MemoryReport(states, peak * layers * per_layer + extra + (logits if last else 0.0), round(peak))
+    mode = state_bytes("bf16", layout.grads)
+    states = moe_model_states(params - experts + routed, routed, layout.dp, layout.ep, layout.zero, mode)
+    # the part of a full copy a rank holds beyond its shard: dense over dp, the routed experts over their dp/ep replicas
+    beyond = (params - experts) * (1 - 1 / layout.dp) + experts * (1 - layout.ep / layout.dp)
+    buffer = mode.grad * beyond if layout.zero >= 2 else 0.0
+    gathered = 0.0
+    if layout.zero >= 3:
+        gathered = mode.param * (beyond if units is None else units * (1 - 1 / layout.dp))
+    return MemoryReport(states, peak * layers * per_layer + extra + (logits if last else 0.0), round(peak),
+                        buffer, gathered)
 
 
 def w_share(model: ModelSpec, layout: Layout) -> float:
@@ -333,7 +362,7 @@ def _activation_terms_cached(model: ModelSpec, b: int, t: int, recompute: str, s
 
 
 def _fitted_layers(model: ModelSpec, cluster: ClusterSpec, layout: Layout, on_rank: dict[int, list[int]],
-                   peaks: Sequence[float], stages: int) -> list[int] | None:
+                   peaks: Sequence[float], stages: int, split: bool) -> list[int] | None:
     """A balanced split's layers when the FLOP-balanced one leaves a rank out of memory: the FLOP-balanced split
     among those where every rank fits (`partition.even_sizes` held to them).  A schedule's first ranks hold the
     most activations, so they give up layers (Megatron's smaller first stage, for memory).  One stage a rank
@@ -344,7 +373,7 @@ def _fitted_layers(model: ModelSpec, cluster: ClusterSpec, layout: Layout, on_ra
     # the fields a rank's memory does not depend on set alike, so that layouts of the same memory share the answer
     alike = replace(layout, schedule="", microbatches=0, params=())
     fitted = _fitted(model, alike, cluster.memory - cluster.reserved_memory,
-                     tuple(peaks[rank_of[s]] for s in range(stages)))
+                     tuple(peaks[rank_of[s]] for s in range(stages)), _whole_stage_gathered(layout, split))
     return None if fitted is None else list(fitted)
 
 
@@ -355,15 +384,18 @@ def _fittable(model: ModelSpec, layout: Layout, on_rank: dict[int, list[int]]) -
 
 
 @lru_cache(maxsize=4096)
-def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float, ...]) -> tuple[int, ...] | None:
-    """`_fitted_layers` for stage s's rank holding `peaks[s]` activations at most, in `usable` bytes."""
+def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float, ...],
+            whole: bool) -> tuple[int, ...] | None:
+    """`_fitted_layers` for stage s's rank holding `peaks[s]` activations at most, in `usable` bytes; `whole`:
+    ZeRO-3 holds a stage gathered whole (`_whole_stage_gathered`), else its largest two units, here the model's."""
     params, experts = piece_params(model, layout)
     p_sum, e_sum = list(accumulate(params, initial=0.0)), list(accumulate(experts, initial=0.0))
     pieces = model.layers + 2
+    units = None if whole else unit_pair(params)
     # a rank's bytes are linear in its parameters and its layers: price one of each once
-    base = _rank_memory(model, layout, 0.0, 0.0, 0.0, 0, False).total  # the recomputed working set
-    per_param = _rank_memory(model, layout, 1.0, 0.0, 0.0, 0, False).total - base
-    per_expert = _rank_memory(model, layout, 1.0, 1.0, 0.0, 0, False).total - base - per_param
+    base = _rank_memory(model, layout, 0.0, 0.0, 0.0, 0, False, None, units).total  # the recomputed working set
+    per_param = _rank_memory(model, layout, 1.0, 0.0, 0.0, 0, False, None, units).total - base
+    per_expert = _rank_memory(model, layout, 1.0, 1.0, 0.0, 0, False, None, units).total - base - per_param
     per_layer, _, logits = _activation_terms(model, layout)
 
     def fits(s: int, a: int, b: int) -> bool:  # stage s holds pieces a..b-1 of [embedding, layers…, head]
@@ -399,12 +431,12 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
                                  replace(costs.simulator_cost(), wmem=w_share(model, layout))) if searched else peaks
         except PipeDSLError as err:
             raise LayoutError(f"schedule: {err.message}") from None
-        return (layers, costs, live, *_memory(model, layout, costs, on_rank, live, layers))
+        return (layers, costs, live, *_memory(model, layout, costs, on_rank, live, layers, program.split_backward))
 
     layers, costs, live, memory, per_rank = priced(None)
     note = ""
     if memory.total > cluster.memory - cluster.reserved_memory and not searched and may_fit():
-        fitted = _fitted_layers(model, cluster, layout, on_rank, live, S)
+        fitted = _fitted_layers(model, cluster, layout, on_rank, live, S, program.split_backward)
         if fitted is None and _fittable(model, layout, on_rank):
             note = "; no other split of the layers fits either"
         elif fitted is not None and len(set(fitted)) == 1:
@@ -440,7 +472,8 @@ def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate
     comm = {"tp": M * sum(costs.tp_comm[s] for s in stages),
             "pp": 2 * M * len(stages) * costs.message if layout.pp > 1 else 0.0,
             "dp": sum(costs.reduce[s] + costs.after_step[s] for s in stages),
-            "zero3": M * sum(costs.zero_gather[s] for s in stages),
+            "zero3": sum(M * costs.zero_gather[s] + (costs.step_gather[s] if costs.step_gather else 0.0)
+                         for s in stages),
             "ep": M * sum(costs.all_to_all[s] for s in stages) if costs.all_to_all else 0.0}
     return Estimate(layout, run.iteration, run.pipeline, hardware / run.iteration / gpus / 1e12,
                     useful / run.iteration / gpus / cluster.peak_flops, prep.memory, comm, prep.rank_memory,
@@ -448,9 +481,27 @@ def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate:
-    """Predict one layout; `LayoutError` says why it cannot run."""
-    _quick_bound(model, cluster, layout)
-    return _finish(model, cluster, _prepare(model, cluster, layout))
+    """Predict one layout (a ZeRO-3 pipeline left on "auto": `resharded_to_fit`); `LayoutError` says why it cannot
+    run."""
+    def attempt(lay: Layout) -> _Prepared:
+        _quick_bound(model, cluster, lay)
+        return _prepare(model, cluster, lay)
+    return _finish(model, cluster, resharded_to_fit(layout, attempt)[1])
+
+
+def resharded_to_fit(layout: Layout, attempt: Callable[[Layout], T]) -> tuple[Layout, T]:
+    """`attempt(layout)`, and the layout it ran.  A ZeRO-3 pipeline left on "auto" runs "step" (each unit gathered
+    once a step: never slower than "unit", which gathers it again for every op); where that is out of memory, the
+    same layout resharding by "unit" (two units whole at a time) is tried, as `pipedsl train --zero-reshard unit`
+    would run it."""
+    try:
+        return layout, attempt(layout)
+    except LayoutError as err:
+        if not (layout.zero == 3 and layout.zero_reshard == "auto" and layout.reshard == "step"
+                and err.message.startswith("out of memory")):
+            raise
+        unit = replace(layout, zero_reshard="unit")
+        return unit, attempt(unit)
 
 
 # ------------------------------------------------------------------ the space
@@ -472,7 +523,8 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
     parallelism is tried only with 1-D tp > 1; `attention` defaults to the cluster's (`fused_attention`).
     An MoE model also tries each expert-parallel degree (`ep`, default every one) that divides dp and its
     expert count; a dense model runs ep 1.  Pipelines whose layers split evenly over pp also try each other of
-    `splits` (cost.py's `stage_layers`: balanced by FLOPs, the head counted)."""
+    `splits` (cost.py's `stage_layers`: balanced by FLOPs, the head counted).  ZeRO-3 layouts reshard "auto"
+    (`resharded_to_fit` tries "step", then "unit" where that does not fit)."""
     kernels = list(attention) if attention is not None else ["fused" if cluster.fused_attention else "eager"]
     # searched schedules (`order auto`, zb-auto) need the stage costs to compile: only when named
     names = list(schedules) if schedules is not None else [n for n in builtin_names() if not load(n).searched]
@@ -525,7 +577,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, top: int = 10, candidates: Se
     bounded: list[tuple[float, int, Layout]] = []
     for i, layout in enumerate(candidates if candidates is not None else layouts(model, cluster, **space)):
         try:
-            bounded.append((_quick_bound(model, cluster, layout), i, layout))
+            layout, bound = resharded_to_fit(layout, lambda lay: _quick_bound(model, cluster, lay))
+            bounded.append((bound, i, layout))
         except LayoutError as err:
             result.rejected.append(Rejected(layout, err.message))
     bounded.sort()
@@ -534,7 +587,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, top: int = 10, candidates: Se
             result.pruned = len(bounded) - i
             break
         try:
-            prep = _prepare(model, cluster, layout)
+            layout, prep = resharded_to_fit(layout, lambda lay: _prepare(model, cluster, lay))
         except LayoutError as err:
             result.rejected.append(Rejected(layout, err.message))
             continue

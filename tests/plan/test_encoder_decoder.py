@@ -219,13 +219,14 @@ def test_the_balanced_splits_are_exact(weights, data):
 
 def test_zero3_memory_shrinks_with_dp_as_the_formula_says():
     """ZeRO-3 over dp: the states are 16Ψ/dp (2 + 2 + 12 bytes, all sharded); the runtime's reduce="step" keeps
-    the full bf16 gradient between the first backward and REDUCE_GRAD, 2Ψ(1 - 1/dp) more, and a unit gathered and
-    the next prefetched; activations do not depend on dp."""
+    the full bf16 gradient between the first backward and REDUCE_GRAD, 2Ψ(1 - 1/dp) more, and (reshard="unit") a
+    unit gathered and the next prefetched, (reshard="step", the pipeline's default) the whole stage; activations do
+    not depend on dp."""
     spec = ENCDEC_MODELS["mt5-xl"]
     seen = {}
     for dp in (2, 4, 8):
         cluster = cluster_preset("a100-80gb").with_gpus(4 * dp)
-        e = encdec_evaluate(spec, cluster, Layout(dp, 4, 1, "1f1b", 1, 1024 // dp, 3, "none"))
+        e = encdec_evaluate(spec, cluster, Layout(dp, 4, 1, "1f1b", 1, 1024 // dp, 3, "none", zero_reshard="unit"))
         for m in e.ranks:
             assert m.states == model_states(m.params_count, dp, 3)
             assert m.states.total == pytest.approx(16 * m.params_count / dp, rel=1e-12)
@@ -247,6 +248,10 @@ def test_zero3_memory_shrinks_with_dp_as_the_formula_says():
     tables = [m for m in e.ranks if any(u.embedding or u.kind == "head" for u in units[e.bounds[m.stages[0]]:
                                                                                    e.bounds[m.stages[0] + 1]])]
     assert min(m.gathered for m in tables) > max(m.gathered for m in e.ranks if m not in tables)
+    held = encdec_evaluate(spec, cluster_preset("a100-80gb").with_gpus(32), Layout(8, 4, 1, "1f1b", 1, 128, 3, "none"))
+    assert held.layout.reshard == "step"
+    for m in held.ranks:
+        assert m.gathered == pytest.approx(2 * m.params_count * (1 - 1 / 8), rel=1e-12)
 
 
 def test_live_activations_weigh_each_stage_by_its_own_bytes():

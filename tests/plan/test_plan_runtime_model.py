@@ -23,21 +23,76 @@ def test_prefetched_by_hand() -> None:
 
 @pytest.mark.parametrize("inter_gbps", [45.0, 0.05])  # gathers hidden behind compute / longer than it
 def test_zero3_forward_charges_one_gather_plus_the_excess(inter_gbps: float) -> None:
-    """A middle stage of GPT-175B at dp8 pp4 tp8 (its units: 24 blocks): ZeRO-3's forward costs over
-    ZeRO-1's the first block's gather plus 23 × max(0, gather - one block's forward), computed by hand."""
+    """A middle stage of GPT-175B at dp8 pp4 tp8 (its units: 24 blocks): ZeRO-3's forward (reshard="unit") costs
+    over ZeRO-1's the first block's gather plus 23 × max(0, gather - one block's forward), computed by hand.
+    Resharded by step (the pipeline's default) no op pays a gather: the same sum is paid once a step, and the
+    step's first microbatch meets every stage's up to a rank's last stage in turn (`once_a_step`)."""
     model = model_preset("gpt-175b")
     cluster = dataclasses.replace(cluster_preset("a100-80gb"), gpus=256, inter_bandwidth=inter_gbps * 1e9)
     base = Layout(8, 4, 8, "1f1b", 4, 48, zero=1, recompute="none")
     z1 = stage_costs(model, cluster, base, 4)
-    z3 = stage_costs(model, cluster, dataclasses.replace(base, zero=3), 4)
+    z3 = stage_costs(model, cluster, dataclasses.replace(base, zero=3, zero_reshard="unit"), 4)
     n = model.layers // 4
     g = all_gather(2 * model.layer_params / 8, 8, *cluster.link(8 * 8))
     block = (z1.F[1] - cluster.op_overhead) / n  # compute + tp collectives of one block
-    assert z3.F[1] - z1.F[1] == pytest.approx(g + (n - 1) * max(0.0, g - block))
+    exposed = g + (n - 1) * max(0.0, g - block)
+    assert z3.F[1] - z1.F[1] == pytest.approx(exposed)
     assert (g < block) == (inter_gbps > 1)
     if inter_gbps > 1:
         assert z3.F[1] - z1.F[1] == pytest.approx(g)  # only the first gather is exposed
     assert z3.W[1] - z1.W[1] == pytest.approx(n * g)  # a weight pass gathers every unit first
+    held = stage_costs(model, cluster, dataclasses.replace(base, zero=3), 4)
+    assert dataclasses.replace(base, zero=3).reshard == "step"
+    for op in ("F", "B", "I", "W"):
+        assert getattr(held, op)[1] == pytest.approx(getattr(z1, op)[1])
+    assert held.step_gather[1] == pytest.approx(exposed) and z3.step_gather == (0.0,) * 4
+    assert held.once_a_step([1]) == pytest.approx(held.step[1] + held.step_gather[0] + exposed)
+    assert z3.once_a_step([1]) == pytest.approx(z3.step[1])  # ZeRO-3 has no gather after the optimizer step
+
+
+def test_zero3_memory_holds_two_units_or_the_whole_stage() -> None:
+    """ZeRO-3's peak beyond the states: reshard="unit" the largest two consecutive units (a block and the next,
+    prefetched), a split backward's W and reshard="step" the whole
+    stage; under ZeRO 2-3 the whole gradient less the shard too (reduce="step") — 2 bytes a parameter each, the
+    shard's 1/dp kept anyway."""
+    model = model_preset("gpt-18b")
+    cluster = dataclasses.replace(cluster_preset("a100-80gb"), gpus=64)
+    base = Layout(8, 8, 1, "1f1b", 1, 128, zero=3, recompute="full", zero_reshard="unit")
+    unit = evaluate(model, cluster, base)
+    costs = stage_costs(model, cluster, base, 8)
+    assert model.embedding_params < model.layer_params  # so the largest pair is two blocks, not embedding + block
+    pair = 2 * model.layer_params
+    assert unit.memory.gradient_buffer == pytest.approx(2 * max(costs.stage_params) * 7 / 8, rel=1e-9)
+    assert max(costs.unit_pairs) == pytest.approx(pair)
+    assert unit.memory.gathered == pytest.approx(2 * pair * 7 / 8, rel=1e-9)
+    for layout in (dataclasses.replace(base, zero_reshard="step"), dataclasses.replace(base, schedule="zb-h1")):
+        whole = evaluate(model, cluster, layout)
+        # the fullest rank's whole stage (1F1B's: the first; ZB-H1's may be another)
+        assert any(whole.memory.gathered == pytest.approx(2 * p * 7 / 8, rel=1e-9) for p in costs.stage_params)
+        assert whole.memory.gathered > unit.memory.gathered
+        assert whole.memory.total > unit.memory.total
+    zero1 = evaluate(model, cluster, dataclasses.replace(base, zero=1))
+    assert zero1.memory.gradient_buffer == zero1.memory.gathered == 0.0
+
+
+def test_zero3_on_auto_reshards_by_unit_only_where_step_does_not_fit() -> None:
+    """A ZeRO-3 pipeline left on "auto" is priced resharded by step (the runtime's default); on a GPU too small for
+    that but not for two units at a time, by unit, marked so for `pipedsl train --zero-reshard unit`."""
+    model = model_preset("gpt-18b")
+    roomy = dataclasses.replace(cluster_preset("a100-80gb"), gpus=64)
+    auto = Layout(8, 8, 1, "1f1b", 1, 128, zero=3, recompute="full")
+    step = evaluate(model, roomy, auto)
+    unit = evaluate(model, roomy, dataclasses.replace(auto, zero_reshard="unit"))
+    assert step.layout == auto and str(step.layout).endswith("zero3 recompute")
+    assert step.iteration < unit.iteration and unit.memory.total < step.memory.total
+    tight = dataclasses.replace(roomy, memory=roomy.reserved_memory + (unit.memory.total + step.memory.total) / 2)
+    fitted = evaluate(model, tight, auto)
+    assert fitted.layout.zero_reshard == "unit" and "zero3/unit" in str(fitted.layout)
+    assert fitted.iteration == pytest.approx(unit.iteration) and fitted.memory.total == unit.memory.total
+    ranked = search(model, tight, top=1, candidates=[auto]).ranked
+    assert [e.layout for e in ranked] == [fitted.layout]
+    with pytest.raises(LayoutError, match="out of memory"):  # an explicit mode is not changed
+        evaluate(model, tight, dataclasses.replace(auto, zero_reshard="step"))
 
 
 def test_zero3_reduce_scatter_is_exposed_at_pp1_as_in_the_runtime() -> None:

@@ -125,7 +125,8 @@ def test_a_rank_short_of_memory_gives_up_layers_in_the_balanced_split() -> None:
     on_rank, peaks = stage_ranks(compiled("1f1b", 4, 8)), program_peaks("1f1b", 4, 64)
 
     def memory(layers: list[int]) -> float:
-        return _memory(model, layout, stage_costs(model, cluster, layout, 4, 1, layers), on_rank, peaks, layers)[0].total
+        return _memory(model, layout, stage_costs(model, cluster, layout, 4, 1, layers), on_rank, peaks, layers,
+                       False)[0].total
 
     flop_balanced = stage_layers(model, layout, 4)
     assert flop_balanced == [5, 4, 4, 3] and memory(flop_balanced) > usable
