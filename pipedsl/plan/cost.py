@@ -157,6 +157,32 @@ def prefetched(gathers: Sequence[float], computes: Sequence[float]) -> float:
     return gathers[0] + sum(max(0.0, g - c) for g, c in zip(gathers[1:], computes))
 
 
+@dataclass(frozen=True)
+class Zero3Exposed:
+    """Seconds of a stage's ZeRO-3 gathers left on the critical path: in each F, B, I and W (reshard="unit"), or
+    once a step (reshard="step": in the step's first forward)."""
+
+    F: float = 0.0
+    B: float = 0.0
+    I: float = 0.0  # noqa: E741 - the papers' name
+    W: float = 0.0
+    once: float = 0.0
+
+
+def zero3_exposed(gathers: Sequence[float], forward: Sequence[float], backward: Sequence[float],
+                  input_grad: Sequence[float], reshard: str) -> Zero3Exposed:
+    """ZeRO-3's exposed gathers for a stage of units whose `gathers` and computes (forward, backward, the input
+    gradient of a split backward) are given in forward order, as `parallel/zero.py` runs them: "unit" gathers on
+    entry to every F, B and I, the next unit prefetched (`prefetched`; backward in reverse order), and every unit
+    first for a W (`before_weight_pass`, one after another); "step" gathers each unit once, in the step's first
+    forward, and holds it to the reduction."""
+    if reshard == "step":
+        return Zero3Exposed(once=prefetched(gathers, forward))
+    back = list(gathers)[::-1]
+    return Zero3Exposed(prefetched(gathers, forward), prefetched(back, list(backward)[::-1]),
+                        prefetched(back, list(input_grad)[::-1]), sum(gathers))
+
+
 def stage_layers(model: ModelSpec, layout: Layout, stages: int) -> list[int] | None:
     """The decoder layers of each of `stages` program stages, the embedding on the first and the output layer on
     the last.  `layout.split == "even"`: the same number on every stage (Megatron-LM's split; None when they do
@@ -349,11 +375,11 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
             return ((k.flops + core) / rate + fixed + split + flash_backward + k.tp_bwd + k.again + k.a2a
                     + k.a2a_again)
 
-        zero_f = zero_b = zero_i = zero_w = zero_step = 0.0
         embed_first, head_last = st == 0, st == stages - 1
         pairs.append(unit_pair(piece_params(model, layout)[0][0 if embed_first else first + 1:
                                                                 first + n + 1 + head_last]))
-        if layout.zero >= 3:  # per unit (embedding, each block, head): gathered on entry, the next one prefetched
+        z = Zero3Exposed()
+        if layout.zero >= 3:  # per unit (embedding, each block, head)
             g = [gather(PARAM_BYTES * (k.params - k.experts), layout.dp, dp_bw, dp_lat)
                  + (gather(PARAM_BYTES * k.experts, expert_dp, expert_bw, expert_lat) if k.experts else 0.0)
                  for k in blocks]
@@ -361,21 +387,16 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
                 g = [gather(PARAM_BYTES * model.embedding_params / t, layout.dp, dp_bw, dp_lat)] + g
             if head_last:
                 g = g + [gather(PARAM_BYTES * (model.vocab * h + 2 * h) / t, layout.dp, dp_bw, dp_lat)]
-            c_f = ([0.0] if embed_first else []) + [layer_f(k) for k in blocks] + ([head] if head_last else [])
-            if layout.reshard == "step":  # once, in the step's first forward; held to the reduction
-                zero_step = prefetched(g, c_f)
-            else:  # again on entry to every forward and backward
-                zero_f = prefetched(g, c_f)
-                back_order = g[::-1]
-                zero_b = prefetched(back_order, ([2 * head] if head_last else []) + [layer_b(k) for k in blocks[::-1]])
-                zero_i = prefetched(back_order, ([head] if head_last else []) + [layer_i(k) for k in blocks[::-1]])
-                zero_w = sum(g)  # before_weight_pass gathers every unit, one after another
-        F.append(fwd + tp_fwd + zero_f + op + a2a_f)
-        B.append(2 * fwd + n * flash_backward + tp_bwd + recompute + zero_b + op + a2a_b)
+            lead, tail = [0.0] if embed_first else [], [head] if head_last else []  # the embedding, the head
+            z = zero3_exposed(g, lead + [layer_f(k) for k in blocks] + tail,
+                              lead + [layer_b(k) for k in blocks] + [2 * x for x in tail],
+                              lead + [layer_i(k) for k in blocks] + tail, layout.reshard)
+        F.append(fwd + tp_fwd + z.F + op + a2a_f)
+        B.append(2 * fwd + n * flash_backward + tp_bwd + recompute + z.B + op + a2a_b)
         stage_split = (cluster.split_backward - 1) * 3 * fwd / 2
         I.append((gemm + 2 * n * core) / rate + n * (fixed + flash_backward) + stage_split + tp_bwd + recompute
-                 + zero_i + op + a2a_b)
-        W.append(gemm / rate + n * fixed + stage_split + zero_w + op)
+                 + z.I + op + a2a_b)
+        W.append(gemm / rate + n * fixed + stage_split + z.W + op)
         grad = state_bytes("bf16", layout.grads).grad  # reduced in the dtype they accumulate in
         grad_bytes = grad * (p_gpu - experts)
         replica = all_reduce(grad * p_gpu, replicas, pp_bw, pp_lat)
@@ -398,12 +419,12 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
         tp_again = (blocks_tp_fwd if mode == "full" else n * tp_block_fwd / 2 if mode == "selective" and model.hf
                     else 0.0)
         tpc.append(tp_fwd + tp_bwd + tp_again)
-        zg.append(zero_f + zero_b)
-        once.append(zero_step)
+        zg.append(z.F + z.B)
+        once.append(z.once)
         a2a_time.append(a2a_f + a2a_b)
         exchanges.append((a2a_f, a2a_b))
-        waits.append({"F": tp_fwd + zero_f + a2a_f, "B": tp_bwd + tp_again + zero_b + a2a_b,
-                      "I": tp_bwd + tp_again + zero_i + a2a_b, "W": zero_w})
+        waits.append({"F": tp_fwd + z.F + a2a_f, "B": tp_bwd + tp_again + z.B + a2a_b,
+                      "I": tp_bwd + tp_again + z.I + a2a_b, "W": z.W})
     return StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
                       tuple(psi), tuple(tpc), tuple(zg), tuple(waits), tuple(a2a_time), tuple(expert_psi),
                       tuple(exchanges), tuple(once), tuple(pairs))

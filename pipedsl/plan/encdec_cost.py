@@ -47,7 +47,15 @@ from functools import lru_cache
 from pipedsl.errors import PipeDSLError
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.cost import ADAM_BYTES_PER_PARAM, StageCosts, all_gather, all_reduce, prefetched, unit_pair
+from pipedsl.plan.cost import (
+    ADAM_BYTES_PER_PARAM,
+    StageCosts,
+    Zero3Exposed,
+    all_gather,
+    all_reduce,
+    unit_pair,
+    zero3_exposed,
+)
 from pipedsl.plan.encdec import ID_BYTES, EncDecSpec, Unit
 from pipedsl.plan.memory import PARAM_BYTES, ModelStates, model_states, state_bytes
 from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
@@ -176,21 +184,15 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
         gemm = sum(gemm_each)
         mem = sum(mem_each) + enc_out_time
         params = sum(u.params for u in mine)
-        zero_f = zero_b = zero_i = zero_w = zero_step = 0.0
+        z = Zero3Exposed()
         if layout.zero >= 3:
-            g = [gather(PARAM_BYTES * u.params, dp, dp_bw, dp_lat) for u in mine]
-            if layout.reshard == "step":  # once, in the step's first forward; held to the reduction
-                zero_step = prefetched(g, fwd_each)
-            else:
-                back = [2 * f + a for f, a in zip(fwd_each, again_each)]
-                zero_f = prefetched(g, fwd_each)
-                zero_b = prefetched(g[::-1], back[::-1])
-                zero_i = prefetched(g[::-1], [f + a for f, a in zip(fwd_each, again_each)][::-1])
-                zero_w = sum(g)
-        F.append(fwd + zero_f + op)
-        B.append(2 * fwd + again + zero_b + op)
-        I.append(gemm + 2 * core + mem + again + zero_i + op)
-        W.append(gemm + mem + zero_w + op)
+            z = zero3_exposed([gather(PARAM_BYTES * u.params, dp, dp_bw, dp_lat) for u in mine], fwd_each,
+                              [2 * f + a for f, a in zip(fwd_each, again_each)],
+                              [f + a for f, a in zip(fwd_each, again_each)], layout.reshard)
+        F.append(fwd + z.F + op)
+        B.append(2 * fwd + again + z.B + op)
+        I.append(gemm + 2 * core + mem + again + z.I + op)
+        W.append(gemm + mem + z.W + op)
         grads = grad_bytes * params
         replica = all_reduce(grads, replicas, pp_bw, pp_lat)
         tie = 0.0
@@ -207,9 +209,9 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
         shard = params / (dp if layout.zero >= 1 else 1)
         step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
         psi.append(float(params))
-        zg.append(zero_f + zero_b)
-        once.append(zero_step)
-        waits.append({"F": zero_f, "B": zero_b, "I": zero_i, "W": zero_w})
+        zg.append(z.F + z.B)
+        once.append(z.once)
+        waits.append({"F": z.F, "B": z.B, "I": z.I, "W": z.W})
         kept = [b * (u.kept if mode == "full" else u.stored) for u in mine]
         activation.append(sum(kept) + enc_out)
         working.append(max((b * u.stored - k for u, k in zip(mine, kept) if u.layer), default=0.0)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from pipedsl.plan import Layout, cluster_preset, evaluate, model_preset, search
-from pipedsl.plan.cost import all_gather, all_reduce, prefetched, stage_costs
+from pipedsl.plan.cost import all_gather, all_reduce, prefetched, stage_costs, zero3_exposed
 from pipedsl.plan.runnable import NotRunnableError, check_runnable
 from pipedsl.plan.search import LayoutError
 
@@ -19,6 +19,16 @@ def test_prefetched_by_hand() -> None:
     assert prefetched([3.0, 3.0, 3.0], [1.0, 5.0, 1.0]) == 3.0 + 2.0 + 0.0
     assert prefetched([2.0], [10.0]) == 2.0
     assert prefetched([], []) == 0.0
+
+
+def test_zero3_exposed_by_hand() -> None:
+    """Three units gathering 3 s each, computing forward 1, 5, 1 s, backward 2 s and an input gradient 1 s each:
+    "unit" pays F 3 + 2 + 0, B 3 + 1 + 1 (in reverse order), I 3 + 2 + 2 and W all three gathers; "step" pays the
+    forward's 5 s once a step and nothing in any op."""
+    unit = zero3_exposed([3.0] * 3, [1.0, 5.0, 1.0], [2.0] * 3, [1.0] * 3, "unit")
+    assert (unit.F, unit.B, unit.I, unit.W, unit.once) == (5.0, 5.0, 7.0, 9.0, 0.0)
+    step = zero3_exposed([3.0] * 3, [1.0, 5.0, 1.0], [2.0] * 3, [1.0] * 3, "step")
+    assert (step.F, step.B, step.I, step.W, step.once) == (0.0, 0.0, 0.0, 0.0, 5.0)
 
 
 @pytest.mark.parametrize("inter_gbps", [45.0, 0.05])  # gathers hidden behind compute / longer than it
