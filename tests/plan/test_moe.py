@@ -307,7 +307,7 @@ def test_the_planners_first_choice_for_an_moe_preset_is_one_pipedsl_train_accept
         lay = estimate.layout
         check_runnable(model, lay)
         assert lay.dp % lay.ep == 0 and model.experts % lay.ep == 0, lay
-        TrainConfig(parallel=ParallelismConfig(dp=lay.dp, tp=lay.tp, zero=lay.zero, ep=lay.ep,
+        TrainConfig(parallel=ParallelismConfig(dp=lay.dp, tp=lay.tp, zero=lay.zero,  # ep: by the rule (the GPT has none)
                                                sequence_parallel=lay.sequence_parallel,
                                                zero_reshard=lay.zero_reshard),
                     schedule=ScheduleConfig(schedule=lay.schedule, microbatches=lay.microbatches))
