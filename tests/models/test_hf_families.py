@@ -305,6 +305,7 @@ def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
 @pytest.mark.parametrize("dp, pp, schedule, zero, adamw", [
     (2, 1, "1f1b", 1, False),  # dp2 × ep2: one ep group, SGD (each weight's change is lr × its gradient)
     (2, 1, "1f1b", 3, True),  # ... ZeRO-3, AdamW
+    (2, 1, "1f1b", 0, False),  # ... without ZeRO
     (2, 2, "1f1b", 3, False),  # dp2 × pp2 × ep2
     (4, 2, "1f1b", 1, True),  # dp4 × pp2 × ep2, 8 ranks: two ep groups, the experts' gradients summed over edp
     (4, 2, "zb-v", 3, False)])
