@@ -676,6 +676,39 @@ def test_jetmoe_trains_with_its_router_loss_and_expert_parallelism(corpus, tmp_p
     assert loads["one"] == loads["two"] == loads["ep"], loads
 
 
+def test_ep_is_refused_for_an_moe_whose_experts_cannot_be_found(tmp_path):
+    """An MoE whose experts module has neither the experts interface nor a view giving it one (as JetMoE's
+    JetMoeParallelExperts had before models/hf/jetmoe.py) is refused --ep naming the module and the forward it
+    takes; a JetMoE model is not refused."""
+    from types import SimpleNamespace
+
+    import transformers as tf
+
+    from pipedsl.errors import PipeDSLError
+    from pipedsl.trainer.hf_setup import _check_experts
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 4
+            self.weight = torch.nn.Parameter(torch.zeros(4, 3, 2))
+
+        def forward(self, inputs: torch.Tensor, expert_size: list[int]) -> torch.Tensor:
+            return inputs
+
+    md = SimpleNamespace(config=SimpleNamespace(num_local_experts=4), path=tmp_path)
+    cfg = SimpleNamespace(parallel=SimpleNamespace(ep=2))
+    with pytest.raises(PipeDSLError) as refused:
+        _check_experts(cfg, md, torch.nn.Sequential(Experts()))
+    assert "--ep 2: pipedsl cannot shard the experts of Sequential" in str(refused.value)
+    assert "Experts (0) takes forward(inputs, expert_size)" in str(refused.value)
+    with torch.device("meta"):
+        jetmoe = tf.JetMoeForCausalLM(tf.JetMoeConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
+                                                      num_hidden_layers=1, num_key_value_heads=2, kv_channels=4,
+                                                      num_local_experts=4, num_experts_per_tok=2))
+    assert _check_experts(cfg, SimpleNamespace(config=jetmoe.config, path=tmp_path), jetmoe)
+
+
 def test_lr_0_runs_the_steps_and_leaves_the_weights(corpus, tmp_path):
     """--lr 0 (the data's losses under the model as it is, no update) was refused: it runs, and the exported weights
     are the model's own, bit for bit (AdamW's decoupled weight decay is scaled by the learning rate too)."""
