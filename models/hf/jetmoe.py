@@ -37,7 +37,7 @@ class JetMoeExperts(nn.Module):
         and summed per token (an index ≥ num_experts, a slot another rank serves, is left out)."""
         E, k = self.num_experts, top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        _, order = flat.sort(0)  # JetMoeTopKGating's own sort: the same order, so the same sums, bit for bit
         counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
             0, flat.clamp(max=E), torch.ones_like(flat))
         sizes = counts[:E].tolist()  # JetMoE's own host synchronisation (JetMoeTopKGating makes it too)
