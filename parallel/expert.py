@@ -9,7 +9,10 @@ dp/ep groups of ep consecutive ranks (`ParallelMesh.ep_group`).  Rank j of an ep
 What is wrapped is any *experts module* with the interface of transformers' MoE models (Mixtral,
 Qwen2/3-MoE, OLMoE, DeepSeek-V3) and of the GPT's (models/gpt/moe.py): an int `num_experts`, its own
 parameters all [E, …], and `forward(hidden_states [N, C], top_k_index [N, k], top_k_weights [N, k])`
-returning each token's weighted sum of its experts (an index ≥ E is a dropped slot).  The router
+returning each token's weighted sum of its experts (an index ≥ E is a dropped slot).  An experts module
+may instead be a view over modules of the model that keep its [E, …] parameters under the model's own names
+(`parameter_holders()`, JetMoE's two `JetMoeParallelExperts`: models/hf/jetmoe.py): those are sharded in
+place, so state dicts keep naming them as the model does.  The router
 stays where it is: every rank routes its own tokens.  `ExpertParallel.forward`, on every rank of
 an ep group at once:
 
@@ -47,17 +50,28 @@ from pipedsl.parallel.config import ParallelConfigError
 SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
 
 
+def holders(module: nn.Module) -> list[nn.Module]:
+    """The modules keeping an experts module's [E, …] parameters: its `parameter_holders()` when it is a view over
+    the model's own modules (whose names a state dict must keep), else itself."""
+    held = getattr(module, "parameter_holders", None)
+    return list(held()) if callable(held) else [module]
+
+
 def is_experts(module: nn.Module) -> bool:
-    """An experts module this file can shard: `num_experts`, parameters [E, …] of its own, the forward above."""
+    """An experts module this file can shard: `num_experts`, parameters [E, …] (its own or its holders'), the
+    forward above."""
     E = getattr(module, "num_experts", None)
-    if not isinstance(E, int) or isinstance(module, ExpertParallel) or not module._parameters:
+    if not isinstance(E, int) or isinstance(module, ExpertParallel):
+        return False
+    tables = [h._parameters for h in holders(module)]
+    if not any(tables):
         return False
     try:
         names = [n for n in inspect.signature(type(module).forward).parameters][1:4]
     except (TypeError, ValueError):
         return False
     return tuple(names) == SIGNATURE and all(p is not None and p.dim() >= 1 and p.shape[0] == E
-                                             for p in module._parameters.values())
+                                             for table in tables for p in table.values())
 
 
 def token_shares(module: nn.Module, top_k: int | None = None) -> dict[int, Fraction]:
@@ -94,7 +108,8 @@ class ExpertParallel(nn.Module):
     Its parameters are the module's, under the same names, cut to rows [first, first + E/ep) along dim 0, so a
     state dict names them as the unsharded model does (checkpoints join and re-cut them, runtime/checkpoint).
     The model's own experts module computes, holding E/ep experts (`_impl`, unregistered: it reads the
-    parameters this module holds now, ZeRO's views included)."""
+    parameters this module holds now, ZeRO's views included).  A view's share (`parameter_holders()`) is cut in
+    place instead: its holders keep their names and places in the model, this module holds no parameter."""
 
     def __init__(self, experts: nn.Module, group: ProcessGroup, edp_group: ProcessGroup | None, dp: int) -> None:
         super().__init__()
@@ -102,27 +117,48 @@ class ExpertParallel(nn.Module):
         if E % ep:
             raise ParallelConfigError(f"{type(experts).__name__} has {E} experts, which ep={ep} ranks cannot share "
                                       f"evenly")
-        if any(True for m in experts.children() for _ in m.parameters()):
+        held = holders(experts)
+        if any(True for h in held for m in h.children() for _ in m.parameters()):
             raise ParallelConfigError(f"{type(experts).__name__} keeps parameters in submodules: expert "
-                                      f"parallelism shards only [E, …] parameters of the experts module itself")
+                                      f"parallelism shards only [E, …] parameters of the experts module itself "
+                                      f"(or of the modules its parameter_holders() names)")
         self.num_experts, self.ep, self.rank = E, ep, group_rank(group)
         # a router that caps each expert at ceil(c·N·k/E) slots (the GPT's capacity_factor c): fixed-size blocks
         self.capacity_factor: float | None = getattr(experts, "capacity_factor", None)
         self.per_rank = E // ep
         self.first = self.rank * self.per_rank
         self.group, self.edp_group, self.dp = group, edp_group, dp
-        for name, p in experts._parameters.items():
-            rows = p.detach()[self.first:self.first + self.per_rank].clone()
-            shard = nn.Parameter(rows, requires_grad=p.requires_grad)
-            shard.__dict__.update(p.__dict__)  # its marks (a tp copy whose gradient is summed later: moe_tp.py)
-            self.register_parameter(name, shard)
-        self._names = list(experts._parameters)
         impl = copy.copy(experts)  # its attributes and activation modules shared; its parameters set per call
-        impl._parameters = dict(self._parameters)
-        impl._modules = dict(experts._modules)
-        impl._buffers = dict(experts._buffers)
         impl.num_experts = self.per_rank
         object.__setattr__(self, "_impl", impl)
+        if held != [experts]:  # a view: the holders keep their names and places, their parameters cut in place
+            self._names: list[str] = []
+            for h in held:
+                for name, p in h._parameters.items():
+                    h.register_parameter(name, self._shard(p))
+                if isinstance(getattr(h, "num_experts", None), int):  # a holder counting its experts counts its share
+                    h.num_experts = self.per_rank
+        else:
+            for name, p in experts._parameters.items():
+                self.register_parameter(name, self._shard(p))
+            self._names = list(experts._parameters)
+            impl._parameters = dict(self._parameters)
+            impl._modules = dict(experts._modules)
+            impl._buffers = dict(experts._buffers)
+            held = [self]
+        # (holder, its sharded parameters' names): kept, since ZeRO's flat buffer may stand for them later
+        object.__setattr__(self, "_held", [(h, self._names if h is self else list(h._parameters)) for h in held])
+
+    def _shard(self, p: nn.Parameter) -> nn.Parameter:
+        """This rank's rows of `p`, a parameter with its marks (a tp copy whose gradient is summed later: moe_tp.py)."""
+        rows = p.detach()[self.first:self.first + self.per_rank].clone()
+        shard = nn.Parameter(rows, requires_grad=p.requires_grad)
+        shard.__dict__.update(p.__dict__)
+        return shard
+
+    def parameter_holders(self) -> list[nn.Module]:
+        """The modules holding this share's parameters: itself, or the view's holders (sharded in place)."""
+        return [h for h, _ in self._held]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -188,7 +224,7 @@ class ExpertParallel(nn.Module):
             return out
         if tokens.requires_grad:
             return out + 0 * tokens
-        trainable = [p for p in self.parameters() if p.requires_grad]
+        trainable = [p for h in self.parameter_holders() for p in h.parameters(recurse=False) if p.requires_grad]
         return out + 0 * trainable[0].sum() if trainable else out
 
     def extra_repr(self) -> str:
@@ -240,14 +276,31 @@ def fixed_size(module: nn.Module) -> bool:
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters of `module`'s expert shards (reduced over `edp_group`, divided by dp)."""
-    return [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters(recurse=False)]
+    return [p for m in module.modules() if isinstance(m, ExpertParallel) for h in m.parameter_holders()
+            for p in h.parameters(recurse=False)]
+
+
+def expert_units(module: nn.Module) -> list[tuple[nn.Module, ProcessGroup | None, int]]:
+    """(holder, edp group, dp) for each module holding expert shards inside `module`: ZeRO's units of their own,
+    reduced over the edp group and divided by dp."""
+    return [(h, m.edp_group, m.dp) for m in module.modules() if isinstance(m, ExpertParallel)
+            for h in m.parameter_holders()]
 
 
 def expert_shards(module: nn.Module) -> dict[str, tuple[int, int]]:
     """{state-dict name: (ep, this rank's index among them)} of `module`'s expert-sharded parameters, each cut
     along dim 0 into ep equal parts (what checkpoints join and cut again)."""
-    return {f"{path}.{name}" if path else name: (m.ep, m.rank) for path, m in module.named_modules()
-            if isinstance(m, ExpertParallel) for name in m._names}  # ZeRO's flat buffer may stand for them now
+    path_of: dict[int, str] = {}
+    for path, m in module.named_modules():
+        path_of.setdefault(id(m), path)
+    out = {}
+    for m in module.modules():
+        if not isinstance(m, ExpertParallel):
+            continue
+        for h, names in m._held:  # ZeRO's flat buffer may stand for the parameters now: their names kept
+            path = path_of[id(h)]
+            out.update({f"{path}.{name}" if path else name: (m.ep, m.rank) for name in names})
+    return out
 
 
 def reduction_of(module: nn.Module) -> tuple[ProcessGroup | None, int] | None:

@@ -29,7 +29,7 @@ from torch import nn
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.ir import Program
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
-from pipedsl.parallel.expert import ExpertParallel
+from pipedsl.parallel.expert import expert_units
 from pipedsl.parallel.weight_decay import Decay, split_decay
 from pipedsl.parallel.zero import ZeroOptimizer
 from pipedsl.runtime import clip
@@ -119,7 +119,7 @@ class Flat:
         """A ZeroOptimizer per local stage (each applies its own weight decay, sparing `exempt`'s names)."""
         own_copies(pipe.local_stages())
         for s, module in sorted(pipe.local_stages().items()):  # the same order on every dp peer
-            shards = [(m, m.edp_group, m.dp) for m in module.modules() if isinstance(m, ExpertParallel)]
+            shards = expert_units(module)
             self.zero[s] = ZeroOptimizer(module, optimizer_class, group=self.group, stage=self.level,
                                          reduce=self.reduce, reshard=self.reshard, separate=pipe.ties.separate(s),
                                          groups=shards,

@@ -214,13 +214,14 @@ def _is_attention(module: nn.Module) -> bool:
 def active_parameters(model: nn.Module, top_k: int, num_experts: int) -> int:
     """The parameters a token passes through: an MoE layer's experts count top_k / E of theirs, E each experts
     module's own (MFU's FLOPs); `num_experts` 0: a dense model, every parameter."""
-    from pipedsl.parallel.expert import token_shares
+    from pipedsl.parallel.expert import holders, token_shares
 
     total = sum(p.numel() for p in model.parameters())
     if not num_experts:
         return total
     shares = token_shares(model, top_k)
-    unused = sum(p.numel() * (1 - shares[id(m)]) for m in model.modules() if id(m) in shares for p in m.parameters())
+    unused = sum(p.numel() * (1 - shares[id(m)]) for m in model.modules() if id(m) in shares
+                 for h in holders(m) for p in h.parameters())  # a view's: its holders'
     return total - math.ceil(unused)  # exact: the shares are fractions
 
 

@@ -93,6 +93,14 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
+def adapt_experts(model: nn.Module) -> None:
+    """`model`'s experts behind parallel/expert.py's interface where its family keeps them otherwise (JetMoE:
+    models/hf/jetmoe.py), in place, its parameters and their names unchanged."""
+    from pipedsl.models.hf.jetmoe import adapt_experts as adapt_jetmoe
+
+    adapt_jetmoe(model)
+
+
 class _Parts:
     """The pieces of an HF causal decoder in transformers' standard layout, found by structure.
 
@@ -120,6 +128,7 @@ class _Parts:
         if getattr(config, "use_bidirectional_attention", False):
             raise PipeRuntimeError(f"causal_lm_stages: {name} has use_bidirectional_attention=True; only causal "
                                    f"(left-to-right) attention is supported")
+        adapt_experts(model)  # before anything reads its modules: one layout, sharded by --ep or not
         body = model.base_model
         self.router = RouterLoss.of(model, body, name) if getattr(config, "output_router_logits", False) else None
         self.model, self.name = model, name

@@ -14,7 +14,7 @@ import pipedsl
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, randomize_, synthetic_batch
 from pipedsl.models.gpt.moe import MoE
 from pipedsl.parallel import ParallelConfig, ParallelMesh
-from pipedsl.parallel.expert import ExpertParallel
+from pipedsl.parallel.expert import ExpertParallel, expert_shards
 from pipedsl.runtime.expert_load import ExpertLoad
 
 LR = 0.05
@@ -101,17 +101,17 @@ def compare_parameters(rank: int, pipe: pipedsl.Pipeline, opt: Any, names: dict[
     """Every local parameter (ZeRO's slices gathered) against the whole model's — an expert shard against its rows
     [first, first + E/ep) — appending to `problems`; the names checked.  `names[s]`: stage s's names (a shard keeps
     its experts module's) → the whole model's."""
-    shards = {s: {name: m for name, m in module.named_modules() if isinstance(m, ExpertParallel)}
-              for s, module in pipe.local_stages().items()}
+    shards = {s: expert_shards(module) for s, module in pipe.local_stages().items()}
     ref_params = dict(ref.named_parameters())
     checked = set()
     for s, named in opt.stage_parameters().items():
         for name, v in named.items():
-            shard = shards[s].get(name.rpartition(".")[0])
-            if shard is not None:  # an expert shard: the whole model's name, its rows
+            if name in shards[s]:  # an expert shard (held by its experts module or a view's holder): its rows
                 whole = names[s][name]
-                want = ref_params[whole][shard.first:shard.first + shard.per_rank]
-                key = f"{whole}[{shard.first}:{shard.first + shard.per_rank}]"
+                ep, at = shards[s][name]
+                rows = ref_params[whole].shape[0] // ep
+                want = ref_params[whole][at * rows:(at + 1) * rows]
+                key = f"{whole}[{at * rows}:{(at + 1) * rows}]"
             else:
                 want, key = ref_params[names[s][name]], names[s][name]
             checked.add(key)
@@ -124,11 +124,11 @@ def compare_parameters(rank: int, pipe: pipedsl.Pipeline, opt: Any, names: dict[
 
 
 def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, ep: int = 1, zero: int = 0,
-                   steps: int = 2, tp: int = 1, sp: bool = False) -> dict[str, Any]:
+                   steps: int = 2, tp: int = 1, sp: bool = False, adamw: bool = False) -> dict[str, Any]:
     """A transformers MoE decoder with its router loss, dp × pp × tp with the experts over ep (tp: the attention
     tensor-parallel, each MoE block on its tp rank's share of the tokens; `sp` sequence-parallel), against the
     whole model accumulating the same dp·M microbatches (HF's loss per microbatch, averaged): loss, gradient norm,
-    weights."""
+    weights after SGD steps (each step's change is lr × the gradient) or, with `adamw`, AdamW steps."""
     import hf_cases
 
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
@@ -146,8 +146,9 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
     if tp > 1:
         stages, loss_fn = tp_hf_stages(stages, mesh, sequence_parallel=sp), tp_hf_loss(mesh)
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss_fn, parallel=mesh)
-    opt = pipe.optimizer(torch.optim.SGD, lr=hf_cases.LR)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=hf_cases.LR)
+    kind, lr = (torch.optim.AdamW, 1e-2) if adamw else (torch.optim.SGD, hf_cases.LR)
+    opt = pipe.optimizer(kind, lr=lr)
+    ref_opt = kind(ref.parameters(), lr=lr)
     x, mask, labels = hf_cases.batch(M * dp, True)
     problems: list[str] = []
     for step in range(steps):

@@ -302,6 +302,32 @@ def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dp, pp, schedule, zero, adamw", [
+    (2, 1, "1f1b", 1, False),  # dp2 × ep2: one ep group, SGD (each weight's change is lr × its gradient)
+    (2, 1, "1f1b", 3, True),  # ... ZeRO-3, AdamW
+    (2, 1, "1f1b", 0, False),  # ... without ZeRO
+    (2, 2, "1f1b", 3, False),  # dp2 × pp2 × ep2
+    (4, 2, "1f1b", 1, True),  # dp4 × pp2 × ep2, 8 ranks: two ep groups, the experts' gradients summed over edp
+    (4, 2, "zb-v", 3, False)])
+def test_jetmoe_expert_parallel_equals_one_process(pool, dp, pp, schedule, zero, adamw):
+    """JetMoE's MLP experts (two JetMoeParallelExperts behind the view models/hf/jetmoe.py gives them) sharded over
+    ep=2 under ZeRO-1 and ZeRO-3, its mixture of attention heads replicated: the loss (its router loss over both
+    routers included), the gradient norm and every weight — each expert shard against its rows, under the HF
+    names mlp.input_linear.weight / mlp.output_linear.weight — equal one process, JetMoeForCausalLM's own forward
+    accumulating the same microbatches (tests/models/moe_cases.py's `hf_train_equal`)."""
+    import moe_cases
+
+    results = pool.run(moe_cases.hf_train_equal_here, dp * pp, "jetmoe", schedule, 4, dp, 2, zero, 2, 1, False,
+                       adamw)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:8])
+    shards = {c for r in results for c in r["checked"] if "[" in c}
+    assert {c.partition("[")[0].rsplit(".", 2)[-2] for c in shards} == {"input_linear", "output_linear"}, shards
+    assert any(c.endswith("[0:2]") for c in shards) and any(c.endswith("[2:4]") for c in shards)
+    every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"], results[0]["rows"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family, schedule, dp, ep, sp, zero", [
     ("mixtral", "1f1b", 1, 1, False, 0),  # tp2 × pp2: 4 ranks
     ("mixtral", "dualpipev", 2, 2, True, 1),  # dp2 × pp2 × tp2, experts over ep2, overlapped F&B pairs: 8 ranks

@@ -645,26 +645,68 @@ def test_mixtral_tp2_ep2_equals_one_process_resumes_on_another_tp_and_ep_and_exp
     assert all(v <= 5e-5 for v in bad.values()), {k: v for k, v in bad.items() if v > 5e-5}
 
 
-def test_jetmoe_trains_with_its_router_loss_and_refuses_what_it_cannot_shard(corpus, tmp_path):
+@pytest.mark.slow
+def test_jetmoe_trains_with_its_router_loss_and_expert_parallelism(corpus, tmp_path):
     """JetMoE calls its router loss's factor aux_loss_coef; it once trained on the cross-entropy alone, logged
-    tokens_per_expert [0, 0, 0, 0] and accepted --ep 2 while sharding nothing.  Now pp2 equals one process with
-    the loss the model's own forward gives (the launcher's check compares it); its experts, which take
-    forward(inputs, expert_size), are named as what --ep cannot shard, and no router statistics are logged."""
+    tokens_per_expert [0, 0, 0, 0] and accepted --ep 2 while sharding nothing, and was then refused --ep.  Now its
+    MLP experts are sharded (models/hf/jetmoe.py): pp2 and dp2 × pp2 with the experts over ep=2 equal one process
+    step by step (the launcher's check compares the model's own loss), and every step logs the tokens each MLP
+    expert received, the same with ep as without."""
     model = model_dir(tmp_path, "jetmoe")
-    one = pipedsl(*common_flags(model, corpus, tmp_path / "one", steps=2), "-P", "1", "-M", "2")
-    two = pipedsl(*common_flags(model, corpus, tmp_path / "two", steps=2), "-P", "2")
-    for proc in (one, two):
+    one = pipedsl(*common_flags(model, corpus, tmp_path / "one", steps=2), "-P", "1", "-M", "4")  # dp2 × M2's
+    two = pipedsl(*common_flags(model, corpus, tmp_path / "two", steps=2), "-P", "2", "-M", "4")
+    ep = pipedsl(*common_flags(model, corpus, tmp_path / "ep", steps=2), "-P", "2", "--dp", "2", "--ep", "2", "--zero",
+                 "1")
+    for proc in (one, two, ep):
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "note: no router statistics (tokens_per_expert): JetMoeForCausalLM" in proc.stdout
-    want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert want.keys() == got.keys() == {1, 2}
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=2e-5), step
-    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert not any("tokens_per_expert" in r for r in rows)
-    refused = _refused(*common_flags(model, corpus, tmp_path / "ep"), "-P", "2", "--dp", "2", "--ep", "2")
-    assert "--ep 2: pipedsl cannot shard the experts of JetMoeForCausalLM" in refused
-    assert "JetMoeParallelExperts" in refused and "takes forward(inputs, expert_size)" in refused
+        assert "no router statistics" not in proc.stdout
+    assert "experts over ep=2" in ep.stdout
+    want = losses(tmp_path / "one")
+    assert want.keys() == losses(tmp_path / "two").keys() == losses(tmp_path / "ep").keys() == {1, 2}
+    for run in ("two", "ep"):
+        got = losses(tmp_path / run)
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=2e-5), (run, step)
+    loads = {}
+    for run in ("one", "two", "ep"):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        loads[run] = [r["tokens_per_expert"] for r in rows if r["kind"] == "train"]
+    # 8 rows of 32 tokens, top-2 routings, 4 layers: every MLP routing counted once, over every rank
+    assert len(loads["ep"]) == 2 and all(len(t) == 4 and sum(t) == 8 * 32 * 2 * 4 for t in loads["ep"]), loads
+    assert loads["one"] == loads["two"] == loads["ep"], loads
+
+
+def test_ep_is_refused_for_an_moe_whose_experts_cannot_be_found(tmp_path):
+    """An MoE whose experts module has neither the experts interface nor a view giving it one (as JetMoE's
+    JetMoeParallelExperts had before models/hf/jetmoe.py) is refused --ep naming the module and the forward it
+    takes; a JetMoE model is not refused."""
+    from types import SimpleNamespace
+
+    import transformers as tf
+
+    from pipedsl.errors import PipeDSLError
+    from pipedsl.trainer.hf_setup import _check_experts
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 4
+            self.weight = torch.nn.Parameter(torch.zeros(4, 3, 2))
+
+        def forward(self, inputs: torch.Tensor, expert_size: list[int]) -> torch.Tensor:
+            return inputs
+
+    md = SimpleNamespace(config=SimpleNamespace(num_local_experts=4), path=tmp_path)
+    cfg = SimpleNamespace(parallel=SimpleNamespace(ep=2))
+    with pytest.raises(PipeDSLError) as refused:
+        _check_experts(cfg, md, torch.nn.Sequential(Experts()))
+    assert "--ep 2: pipedsl cannot shard the experts of Sequential" in str(refused.value)
+    assert "Experts (0) takes forward(inputs, expert_size)" in str(refused.value)
+    with torch.device("meta"):
+        jetmoe = tf.JetMoeForCausalLM(tf.JetMoeConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
+                                                      num_hidden_layers=1, num_key_value_heads=2, kv_channels=4,
+                                                      num_local_experts=4, num_experts_per_tok=2))
+    assert _check_experts(cfg, SimpleNamespace(config=jetmoe.config, path=tmp_path), jetmoe)
 
 
 def test_lr_0_runs_the_steps_and_leaves_the_weights(corpus, tmp_path):
