@@ -96,9 +96,16 @@ class PipelineGroups:
         return group
 
     def _grid(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Global ranks [pp, dp, *tp] and this rank's tp part.  Expert parallelism's mesh is (pp, edp, ep, *tp):
+        its two dp dimensions are merged, dp = edp·ep + ep rank as `ParallelMesh.coords` counts it, so "every dp
+        replica" means all of them (a tie's group spanned only the edp replicas at this ep rank)."""
         assert self.mesh is not None
         mesh = self.mesh.device_mesh
-        return mesh.mesh, tuple(mesh.get_coordinate()[2:])  # global ranks [pp, dp, *tp]; this rank's tp part
+        grid, coordinate = mesh.mesh, list(mesh.get_coordinate())
+        if self.mesh.config.ep > 1:
+            grid = grid.reshape(grid.shape[0], grid.shape[1] * grid.shape[2], *grid.shape[3:])
+            coordinate = [coordinate[0], coordinate[1] * self.mesh.config.ep + coordinate[2], *coordinate[3:]]
+        return grid, tuple(coordinate[2:])
 
     def _new_on_mesh(self, ranks: list[int], across_dp: bool, backend: str | None) -> dist.ProcessGroup | None:
         grid, _ = self._grid()

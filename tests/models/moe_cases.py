@@ -124,11 +124,13 @@ def compare_parameters(rank: int, pipe: pipedsl.Pipeline, opt: Any, names: dict[
 
 
 def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, ep: int = 1, zero: int = 0,
-                   steps: int = 2, tp: int = 1, sp: bool = False, adamw: bool = False) -> dict[str, Any]:
+                   steps: int = 2, tp: int = 1, sp: bool = False, adamw: bool = False,
+                   tie: bool | None = None) -> dict[str, Any]:
     """A transformers MoE decoder with its router loss, dp × pp × tp with the experts over ep (tp: the attention
     tensor-parallel, each MoE block on its tp rank's share of the tokens; `sp` sequence-parallel), against the
     whole model accumulating the same dp·M microbatches (HF's loss per microbatch, averaged): loss, gradient norm,
-    weights after SGD steps (each step's change is lr × the gradient) or, with `adamw`, AdamW steps."""
+    weights after SGD steps (each step's change is lr × the gradient) or, with `adamw`, AdamW steps.  `tie`: the
+    word embeddings tied to the head (the family's default when None)."""
     import hf_cases
 
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
@@ -136,7 +138,7 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
 
     pp = dist.get_world_size() // (dp * tp)
     program = pipedsl.load(schedule).compile(P=pp, M=M)
-    model = hf_cases.tiny_model(family)
+    model = hf_cases.tiny_model(family, tie=tie)
     ref = copy.deepcopy(model)
     stages = causal_lm_stages(model, program.num_stages, attention_mask=True)
     whole = {id(p): n for n, p in model.named_parameters()}

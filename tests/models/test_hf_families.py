@@ -302,6 +302,25 @@ def test_moe_expert_parallel_equals_one_process(pool4, family, schedule, zero):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family, dp", [("mixtral", 2), ("jetmoe", 2), ("mixtral", 4)])
+def test_tied_embeddings_under_expert_parallelism_equal_one_process(pool, family, dp):
+    """dp2 × pp2 × ep2 and dp4 × pp2 × ep2 (8 ranks: two ep groups), without ZeRO, the word embedding tied to the
+    head on the other pipeline rank: the tie's sum
+    spans every dp replica — without ZeRO one all-reduce over the holders of all of them, which under ep had
+    spanned only the replicas at this ep rank (the expert mesh is (pp, edp, ep, tp): runtime/groups.py took edp for
+    dp) and left the embedding's gradient wrong by 0.05-0.07.  Loss, gradient norm and every weight after two SGD
+    steps equal the whole model accumulating the same microbatches (tests/models/moe_cases.py's
+    `hf_train_equal`)."""
+    import moe_cases
+
+    results = pool.run(moe_cases.hf_train_equal_here, dp * 2, family, "1f1b", 4, dp, 2, 0, 2, 1, False, False, True)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:8])
+    assert any("embed_tokens" in c for r in results for c in r["checked"])
+    every_parameter_compared([n for r in results for n in r["checked"]], results[0]["all"], results[0]["rows"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, pp, schedule, zero, adamw", [
     (2, 1, "1f1b", 1, False),  # dp2 × ep2: one ep group, SGD (each weight's change is lr × its gradient)
     (2, 1, "1f1b", 3, True),  # ... ZeRO-3, AdamW
