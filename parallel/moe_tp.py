@@ -36,6 +36,7 @@ from pipedsl.parallel.config import ParallelConfigError
 from pipedsl.parallel.replicated import mark_replicated, param_sum_grad_later
 
 _WHOLE = "_pipedsl_whole_shape"  # on the token share a block received: the hidden states' shape it came from
+_EVERY_TOKEN = "_pipedsl_routes_every_token"  # on a router that every tp rank runs on every token
 _WAS_DTENSOR = "_pipedsl_was_dtensor"  # on a sequence shard a block received as a DTensor's local part
 
 
@@ -65,6 +66,17 @@ class TokenShare:
         """A sum over this rank's tokens made a sum over the microbatch's: all-reduced over tp; its gradient
         reaches every rank's part unchanged."""
         return reduce_from_group(t, self.group)
+
+
+def mark_every_token(router: nn.Module) -> None:
+    """Record that every tp rank runs `router` on every token of the microbatch (a router outside an MoE block:
+    JetMoE's attention router), so the router loss adds its statistics as they are, not summed over tp."""
+    setattr(router, _EVERY_TOKEN, True)
+
+
+def routes_every_token(router: nn.Module) -> bool:
+    """Whether `mark_every_token` marked `router`."""
+    return getattr(router, _EVERY_TOKEN, False)
 
 
 def split_tokens(block: nn.Module, share: TokenShare, tp_mesh: Any = None) -> None:

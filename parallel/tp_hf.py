@@ -56,9 +56,12 @@ experts may be sharded over ep as well (Mixtral, Qwen2-MoE with its shared exper
 GraniteMoE, DeepSeek-V2/V3).  DeepSeek's multi-head latent attention keeps its down-projections and
 their norms whole and splits its up-projections to the heads by column (with SP: on the gathered sequence).
 
-Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms),
-`mlp` (gate/up/down_proj, or an MoE block), `input_layernorm`, `post_attention_layernorm` —
-Llama, Mistral, Qwen2, Qwen3 and the MoE families above.  Tied embeddings stay one parameter
+An attention module that splits itself (a `tensor_parallel(tp_mesh, sequence_parallel)` method its model family
+gives it: JetMoE's mixture of attention heads, models/hf/jetmoe.py) is left to it, beside an MoE block.
+
+Supported: decoders whose layers are `self_attn` (q/k/v/o_proj, optional per-head q/k norms) or an attention
+that splits itself, `mlp` (gate/up/down_proj, or an MoE block), `input_layernorm`, `post_attention_layernorm` —
+Llama, Mistral, Qwen2, Qwen3, JetMoE and the MoE families above.  Tied embeddings stay one parameter
 (embedding and head hold the same row block).  Others are refused by name.  Checkpoints hold each
 rank's shards and load under any tp and ZeRO stage, and `pipedsl export` puts the shards back
 together (runtime/checkpoint/state.py: `_retp`, `read_model`).  Not yet: dropout, 3-D tp.
@@ -105,6 +108,16 @@ def is_mla(attention: nn.Module) -> bool:
     return "kv_b_proj" in kids and kids <= MLA
 
 
+def own_attention(layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of a layer's attention that splits itself over tp (a `tensor_parallel(tp_mesh,
+    sequence_parallel)` method a model family provides: JetMoE's mixture of attention heads, models/hf/jetmoe.py);
+    None for the q/k/v/o layout this file splits."""
+    for name, child in layer.named_children():
+        if callable(getattr(child, "tensor_parallel", None)):
+            return name, child
+    return None
+
+
 def moe_block(layer: nn.Module) -> tuple[str, nn.Module] | None:
     """(name, module) of the layer's MoE block: its MLP slot holding experts (a module with an int `num_experts`
     or `num_local_experts`) rather than gate/up/down_proj; None for a dense layer."""
@@ -139,6 +152,13 @@ def check_stages(stages: Sequence[nn.Module], config: ParallelConfig,
             raise ParallelConfigError("tp_hf_stages: learned position embeddings (wpe) are not supported")
         for i, layer in stage.layers.items():
             kids = {n for n, _ in layer.named_children()}
+            own = own_attention(layer)
+            if own is not None:  # it splits itself: the rest of the layer is an MoE block and the two norms
+                moe = moe_block(layer)
+                if moe is None or kids != {own[0], moe[0], *NORMS}:
+                    raise ParallelConfigError(f"tp_hf_stages: layer {i} ({type(layer).__name__}) has an attention "
+                                              f"that splits itself but not an MoE block and two norms beside it")
+                continue
             attn = {n for n, _ in getattr(layer, "self_attn", nn.Module()).named_children()}
             moe = moe_block(layer)
             mlp = {n for n, _ in getattr(layer, "mlp", nn.Module()).named_children()}
@@ -198,7 +218,7 @@ def _hook_grads(stage: nn.Module, args: tuple) -> None:
                 _grad_like_param(p, sums_grads_later(m))
 
 
-def _layer_plan(sp: bool, moe: bool = False, mla: nn.Module | None = None) -> dict[str, Any]:
+def _layer_plan(sp: bool, moe: bool = False, mla: nn.Module | None = None, own: bool = False) -> dict[str, Any]:
     """The layer's plan; an MoE layer's (`moe`) leaves its block to `split_tokens`; DeepSeek's latent attention
     (`mla`) splits its up-projections to the heads by column and its output by row, its down-projections whole on
     every rank.  With SP the attention's input is gathered as the dense plan's is (a DTensor, so that a module
@@ -208,6 +228,8 @@ def _layer_plan(sp: bool, moe: bool = False, mla: nn.Module | None = None) -> di
     plan = _dense_layer_plan(sp)
     if moe:
         plan = {k: v for k, v in plan.items() if not k.startswith("mlp")}
+    if own:  # an attention that splits itself (`own_attention`): its entries are its own
+        plan = {k: v for k, v in plan.items() if not k.startswith("self_attn")}
     if mla is not None:
         plan = {k: v for k, v in plan.items() if not k.startswith("self_attn.")}
         ups = [n for n in ("q_proj", "q_b_proj", "kv_b_proj") if getattr(mla, n, None) is not None]
@@ -274,8 +296,12 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
                 input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)})
         for layer in stage.layers.values():
             moe = moe_block(layer)
-            mla = layer.self_attn if is_mla(layer.self_attn) else None
-            parallelize_module(layer, tp_mesh, _layer_plan(sp, moe is not None, mla))
+            own = own_attention(layer)
+            attention = own[1] if own is not None else layer.self_attn
+            mla = attention if own is None and is_mla(attention) else None
+            parallelize_module(layer, tp_mesh, _layer_plan(sp, moe is not None, mla, own is not None))
+            if own is not None:
+                attention.tensor_parallel(tp_mesh, sp)
             if mla is not None:
                 mark_replicated([p for n in MLA_REPLICATED if getattr(mla, n, None) is not None
                                  for p in getattr(mla, n).parameters()], group)
@@ -283,11 +309,11 @@ def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
             if moe is not None:
                 stage.token_share = share
                 split_tokens(moe[1], share, tp_mesh)
-            for n in ("q_norm", "k_norm"):
-                if getattr(layer.self_attn, n, None) is not None:
-                    parallelize_module(layer.self_attn, tp_mesh, {n: SequenceParallel(sequence_dim=2,
-                                                                                      use_local_output=True)})
-                    sum_grads_later(getattr(layer.self_attn, n))
+            for n in ("q_norm", "k_norm") if own is None else ():
+                if getattr(attention, n, None) is not None:
+                    parallelize_module(attention, tp_mesh, {n: SequenceParallel(sequence_dim=2,
+                                                                                use_local_output=True)})
+                    sum_grads_later(getattr(attention, n))
             if sp:
                 sum_grads_later(layer.input_layernorm)
                 sum_grads_later(layer.post_attention_layernorm)

@@ -70,6 +70,7 @@ from pipedsl.models.hf.common import (
     require_transformers,
 )
 from pipedsl.models.split import ModelNamed, _bounds
+from pipedsl.parallel.moe_tp import routes_every_token
 
 LAYER_NAMES = ("layers", "h")  # the decoder layers: model.model.layers (Llama and most), transformer.h (GPT-2)
 NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")  # the final norm before the head (last: GPT-NeoX)
@@ -93,12 +94,14 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
-def adapt_experts(model: nn.Module) -> None:
-    """`model`'s experts behind parallel/expert.py's interface where its family keeps them otherwise (JetMoE:
-    models/hf/jetmoe.py), in place, its parameters and their names unchanged."""
-    from pipedsl.models.hf.jetmoe import adapt_experts as adapt_jetmoe
+def adapt_model(model: nn.Module) -> None:
+    """`model`'s modules behind the interfaces pipedsl's parallelism uses where its family differs, in place, its
+    parameters and their names unchanged: JetMoE's experts behind parallel/expert.py's, its attention able to split
+    itself over tp (`tensor_parallel`, parallel/tp_hf.py) — models/hf/jetmoe.py."""
+    from pipedsl.models.hf.jetmoe import adapt_attention, adapt_experts
 
-    adapt_jetmoe(model)
+    adapt_experts(model)
+    adapt_attention(model)
 
 
 class _Parts:
@@ -128,7 +131,7 @@ class _Parts:
         if getattr(config, "use_bidirectional_attention", False):
             raise PipeRuntimeError(f"causal_lm_stages: {name} has use_bidirectional_attention=True; only causal "
                                    f"(left-to-right) attention is supported")
-        adapt_experts(model)  # before anything reads its modules: one layout, sharded by --ep or not
+        adapt_model(model)  # before anything reads its modules: one layout, parallel or not
         body = model.base_model
         self.router = RouterLoss.of(model, body, name) if getattr(config, "output_router_logits", False) else None
         self.model, self.name = model, name
@@ -338,7 +341,8 @@ class CausalLMStage(ModelNamed, nn.Module):
         self.rotary_per_type = parts.rotary_per_type
         self.layer_extras = parts.layer_extras
         self.router: RouterLoss | None = parts.router  # an MoE's auxiliary loss: accumulators travel (RouterLoss)
-        self._caught: list[torch.Tensor] | None = None  # this forward's router logits, in layer order
+        # this forward's router logits in layer order, each with whether its router ran on every token under tp
+        self._caught: list[tuple[bool, torch.Tensor]] | None = None
         self.token_share: Any = None  # under tp: the tokens this rank's MoE blocks run (parallel/moe_tp.py)
         if self.router is not None:
             for m in self.layers.modules():
@@ -353,9 +357,9 @@ class CausalLMStage(ModelNamed, nn.Module):
         out += [(int(i) + 1, layer) for i, layer in self.layers.items()]
         return out + ([(self._num_layers + 1, self.head)] if self.head is not None else [])
 
-    def _catch(self, _module: nn.Module, _args: Any, out: Any) -> None:
+    def _catch(self, module: nn.Module, _args: Any, out: Any) -> None:
         if self._caught is not None:
-            self._caught.append(out[self.router.index] if isinstance(out, tuple) else out)
+            self._caught.append((routes_every_token(module), out[self.router.index] if isinstance(out, tuple) else out))
 
     def forward(self, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         sums_in = 3 if self.router is not None and self.embed is None else 0  # the router loss's accumulators
@@ -389,21 +393,25 @@ class CausalLMStage(ModelNamed, nn.Module):
         # cloned: a received buffer is reused once this microbatch's backward is done, maybe before its send is
         return (h, *(t.clone() for t in passed), *(t.clone() for t in (sums or ())))
 
-    def _router_sums(self, sums: tuple[torch.Tensor, ...], caught: list[torch.Tensor],
+    def _router_sums(self, sums: tuple[torch.Tensor, ...], caught: list[tuple[bool, torch.Tensor]],
                      mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """`sums` with this stage's layers' router logits added; under tp, where each rank's MoE blocks route only
         its share of the tokens, its layers' sums added over tp in one all-reduce (fp64: the counts stay exact,
-        the probabilities keep their gradient)."""
+        the probabilities keep their gradient).  A router every tp rank runs on every token (JetMoE's attention
+        router, `routes_every_token`) is added as it is."""
         assert self.router is not None
         share = self.token_share
         if share is None:
-            for logits in caught:
+            for _, logits in caught:
                 sums = self.router.add(sums, logits, mask)
             return sums
         mine = self.router.start(sums[0].device)
         rows = None if mask is None else share.rows(mask)
-        for logits in caught:
-            mine = self.router.add(mine, logits, rows)
+        for every_token, logits in caught:
+            if every_token:
+                sums = self.router.add(sums, logits, mask)
+            else:
+                mine = self.router.add(mine, logits, rows)
         counts, probs, n = mine
         E = counts.numel()
         whole = share.summed(torch.cat([probs.double(), counts.double(), n.double()]))

@@ -356,7 +356,11 @@ def test_jetmoe_expert_parallel_equals_one_process(pool, dp, pp, schedule, zero,
     ("deepseek_v3", "dualpipev", 2, 2, False, 3),  # latent attention, shared experts, a dense first layer
     ("deepseek_v2", "1f1b", 2, 2, False, 1),  # latent attention without a q down-projection
     ("deepseek_v3", "1f1b", 1, 1, True, 0),  # latent attention under SP: tp2 × pp2
-    ("deepseek_v2", "zb-v", 2, 2, True, 1)])  # ... without a q down-projection, under SP, experts over ep2
+    ("deepseek_v2", "zb-v", 2, 2, True, 1),  # ... without a q down-projection, under SP, experts over ep2
+    ("jetmoe", "1f1b", 1, 1, False, 0),  # its mixture of attention heads split by heads (models/hf/jetmoe.py)
+    ("jetmoe", "1f1b", 1, 1, True, 0),  # ... under SP
+    ("jetmoe", "dualpipev", 2, 2, True, 1),  # ... its MLP experts over ep2, overlapped F&B pairs: 8 ranks
+    ("jetmoe", "1f1b", 2, 2, False, 3)])  # ... ZeRO-3
 def test_moe_tensor_times_expert_parallel_equals_one_process(pool, family, schedule, dp, ep, sp, zero):
     """Tensor parallelism of an MoE decoder (parallel/moe_tp.py): the attention over tp (with sequence parallelism
     or not), each MoE block whole on its tp rank's share of the tokens, the routed experts over ep, ZeRO-1 and
@@ -370,8 +374,9 @@ def test_moe_tensor_times_expert_parallel_equals_one_process(pool, family, sched
     assert not problems, "\n".join(problems[:8])
     checked = {c.partition("[")[0] for r in results for c in r["checked"]}
     assert checked == set(results[0]["all"]), set(results[0]["all"]) - checked
-    if ep > 1:
-        shards = {c for r in results for c in r["checked"] if "experts" in c and "[" in c}
+    if ep > 1:  # JetMoE's MLP experts are mlp.input_linear / mlp.output_linear
+        shards = {c for r in results for c in r["checked"]
+                  if ("mlp.input_linear" in c if family == "jetmoe" else "experts" in c) and "[" in c}
         assert any(c.endswith("[0:2]") for c in shards) and any(c.endswith("[2:4]") for c in shards)
 
 
