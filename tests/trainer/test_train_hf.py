@@ -622,14 +622,16 @@ def test_deepseek_latent_attention_under_sequence_parallelism_equals_one_process
 
 
 @pytest.mark.slow
-def test_mixtral_tp2_ep2_equals_one_process_resumes_on_another_tp_and_ep_and_exports(corpus, tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "jetmoe"])
+def test_moe_tp2_ep2_equals_one_process_resumes_on_another_tp_and_ep_and_exports(corpus, tmp_path, family):
     """An MoE directory at dp2 × pp2 × tp2 with sequence parallelism and the experts over ep=2 (8 ranks: the
-    attention tensor-parallel, each MoE block on its tp rank's share of the tokens, parallel/moe_tp.py), ZeRO-1 and
-    ZB-V: two steps and a checkpoint, then --resume at tp1 × ep1 (4 ranks) to step 4, every step's loss equal
-    to one process (the router's auxiliary loss included); each step logs every routing once; the export (the
-    tensor-parallel shards and the expert shards joined) is one process's model."""
+    attention tensor-parallel — JetMoE's mixture of attention heads split by heads, models/hf/jetmoe.py — each MoE
+    block on its tp rank's share of the tokens, parallel/moe_tp.py), ZeRO-1 and ZB-V: two steps and a checkpoint,
+    then --resume at tp1 × ep1 (4 ranks) to step 4, every step's loss equal to one process (the router's auxiliary
+    loss included); each step logs every routing once; the export (the tensor-parallel shards and the expert
+    shards joined) is one process's model."""
 
-    resumed_equals_one_process(model_dir(tmp_path, "mixtral"), corpus, tmp_path,
+    resumed_equals_one_process(model_dir(tmp_path, family), corpus, tmp_path,
                                ["--checkpoint-dir", str(tmp_path / "ckpt-one")],
                                ["-P", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-v"],
                                ["--tp", "2", "--sequence-parallel", "--ep", "2"])
