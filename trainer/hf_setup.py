@@ -126,12 +126,12 @@ def _check_experts(cfg: TrainConfig, md: Any, meta: Any) -> bool:
     router statistics count.  A model whose experts it cannot see still trains exactly (its loss was checked),
     but `--ep` is refused and no statistics are logged, each said by name — never zeros nor a layout that shards
     nothing."""
-    from pipedsl.models.hf.stages import adapt_experts
+    from pipedsl.models.hf.stages import adapt_model
     from pipedsl.parallel.expert import is_experts, why_no_experts
 
     if not num_experts(md.config):
         return False
-    adapt_experts(meta)  # as the stages will be
+    adapt_model(meta)  # as the stages will be
     if any(is_experts(m) for m in meta.modules()):
         return True
     why = f"{type(meta).__name__} ({md.path}): {why_no_experts(meta)}"

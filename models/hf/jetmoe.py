@@ -7,7 +7,8 @@ gives each `JetMoeMoE` the forward below — its own router, then `JetMoeExperts
 `JetMoeParallelExperts` with the standard interface, then the bias — so `--ep` shards the view (the
 two weights cut along their experts in place: state dicts, checkpoints and HF export keep
 `mlp.input_linear.weight`, `mlp.output_linear.weight`) and the router statistics count its routings.
-The mixture of attention heads (`JetMoeMoA`) is left as it is: replicated, not sharded by `--ep`.
+The mixture of attention heads (`JetMoeMoA`) is not sharded by `--ep`; under tensor parallelism it splits
+itself by key/value heads (`TensorParallelJetMoeAttention.tensor_parallel`, which parallel/tp_hf.py calls).
 """
 
 from __future__ import annotations
