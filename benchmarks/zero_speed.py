@@ -12,6 +12,7 @@ paired ratio to its baseline (fp32, or bf16 autocast for bf16-main).
     python benchmarks/zero_speed.py                       # P=2, 1F1B, M=8, hidden 384 (the issue's GPT)
     python benchmarks/zero_speed.py --schedules 1f1b zb-h1 --variants zero1 bf16-main
     python benchmarks/zero_speed.py --model llama --dp 2 --embd 256
+    python benchmarks/zero_speed.py --dp 2 --with-optimizer   # the optimizer's step timed too
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[s
                                     parallel=layout(name, dp, P), precision=MixedPrecision(compute, params=params))
             runs[(schedule, name)] = (pipe, pipe.optimizer(torch.optim.AdamW, lr=1e-4))
 
+    with_optimizer = cfg.get("optimizer", False)  # the optimizer's step (ZeRO 1-2's gathers after it) timed too
+
     def timed(key: tuple[str, str], steps: int) -> float:
         pipe, opt = runs[key]
         total = 0.0
@@ -95,10 +98,14 @@ def _rank_main(rank: int, schedules: list[str], P: int, cfg: dict, names: list[s
             dist.barrier()
             t0 = time.perf_counter()
             pipe.step(x, y)
+            if with_optimizer:
+                opt.step()
+                opt.zero_grad()
             dist.barrier()
             total += time.perf_counter() - t0
-            opt.step()
-            opt.zero_grad()
+            if not with_optimizer:
+                opt.step()
+                opt.zero_grad()
         return total / steps
 
     keys = list(runs)
@@ -124,11 +131,14 @@ def main(argv: list[str] | None = None) -> dict:
                     "Llama of the same sizes (the hf extra)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (P x dp ranks; default 1)")
     ap.add_argument("--no-append", action="store_true", help="do not add a row to RESULTS.md")
+    ap.add_argument("--with-optimizer", action="store_true", help="time pipe.step and the optimizer's step together "
+                    "(ZeRO 1-2 gather the updated parameters in the optimizer's step, ZeRO-3 in the next forward: "
+                    "pipe.step alone counts ZeRO-3's gathers and not theirs)")
     ap.add_argument("--schedules", nargs="+", help="schedules to time (default --schedule); with several, each "
                     "variant's step under every schedule over its step under the first, against the same ratio "
                     "of its baseline (zero bubble's gain kept under ZeRO?)")
     args = ap.parse_args(argv)
-    cfg = {**_bench.small_gpt_config(args), "model": args.model, "dp": args.dp}
+    cfg = {**_bench.small_gpt_config(args), "model": args.model, "dp": args.dp, "optimizer": args.with_optimizer}
     schedules = args.schedules or [args.schedule]
     names = [n for n in VARIANTS if n in args.variants or any(VARIANTS[v][3] == n for v in args.variants)]
     t = pipedsl.launch(_rank_main, args.P * args.dp, schedules, args.P, cfg, names, threads=1, timeout=900)[0]
@@ -145,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     first = schedules[0]
 
     def table(result: dict) -> str:
-        lines = [f"{'schedule':<10} {'variant':<10} {'pipe.step ms':>12} {'vs':>6} {'ratio':>7} {'vs ' + first:>12}"]
+        timed = "step+opt ms" if args.with_optimizer else "pipe.step ms"
+        lines = [f"{'schedule':<10} {'variant':<10} {timed:>12} {'vs':>6} {'ratio':>7} {'vs ' + first:>12}"]
         for r in result["rows"]:
             ratio = f"{r['ratio_paired_median']:7.3f}" if r["baseline"] else " " * 7
             across = f"{r['vs_' + first]:12.3f}" if f"vs_{first}" in r else ""
@@ -155,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     cells = "; ".join(f"{r['schedule']} {r['variant']} {r['ratio_paired_median']:.3f}"
                       for r in rows if r["baseline"])
-    summary = (f"{args.model} P={args.P} dp={args.dp} M={args.M}, pipe.step over the same step without ZeRO / bf16 "
+    what = "pipe.step and the optimizer's step" if args.with_optimizer else "pipe.step"
+    summary = (f"{args.model} P={args.P} dp={args.dp} M={args.M}, {what} over the same without ZeRO / bf16 "
                f"parameters: {cells}")
     return _bench.publish("zero_speed", argv, {**cfg, "schedules": schedules, "P": args.P}, rows, {}, table, summary,
                           args.json, args.no_append)
