@@ -263,10 +263,10 @@ CUBE1_RUNS = tuple((s, 4, 16, z, "step") for s in ("1f1b", "hanayo") for z in (1
 
 def _every_schedule_runs() -> tuple:
     """Every built-in with ZeRO-1, and ZeRO 0, 2 and 3 each with a third of them in turn (ZeRO-3 meets the
-    split-backward schedules dualpipe, v-half and zb-v; zb-h1 takes ZeRO-2), plus per-microbatch reduction
-    for every other schedule without replicas, and ZeRO-3 freeing its units after every use (not its default
-    in a pipeline: gathered through the step) for schedules with a split backward, two stages a rank or replicas: 2-3 runs a schedule instead of 5, the
-    suite's slowest test."""
+    split-backward schedules dualpipe, v-half and zb-v; zb-h1 takes ZeRO-2), plus per-microbatch reduction for
+    every other schedule without replicas (and under ZeRO-3 for 1F1B, ZB-H1 and ZB-V), and ZeRO-3 freeing its units
+    after every use (not its default in a pipeline: gathered through the step) for schedules with a split backward,
+    two stages a rank or replicas: 2-4 runs a schedule instead of 5, the suite's slowest test."""
     runs = []
     for i, name in enumerate(pipedsl.builtin_names()):
         prog = pipedsl.load(name).compile(P=2, M=4, **SCHEDULE_PARAMS.get(name, {}))
@@ -275,6 +275,8 @@ def _every_schedule_runs() -> tuple:
             runs.append((name, 4, 16, 2, "microbatch"))
         if name in ("zb-h1", "interleaved", "dualpipev", "chimera"):
             runs.append((name, 4, 16, 3, "reshard=unit"))
+        if name in ("1f1b", "zb-h1", "zb-v"):  # ZeRO-3 resharded by step with per-microbatch reduce-scatters
+            runs.append((name, 4, 16, 3, "microbatch"))
     return tuple(runs)
 
 
