@@ -141,7 +141,21 @@ def export(args: argparse.Namespace) -> int:
 def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     """The options `train` and `run` share.  No default here: None means "not given", and `TrainConfig`
     supplies the value (the help quotes it), so a TOML file fills exactly what the flags leave out."""
-    m, d, t, r = D.model, D.data, D.training, D.run
+    _add_model_options(p)
+    _add_parallel_options(p)
+    _add_numerics_options(p)
+    _add_run_options(p)
+    _add_data_options(p)
+    _add_logging_options(p)
+    p.add_argument("-o", "--out", help="directory for metrics.jsonl, timeline.json, losses.json "
+                                       f"(default {config.COMMAND_DEFAULTS[command]['out']})")
+    p.add_argument("--allow-oversubscribe", action="store_true", default=None,
+                   help="start more local processes, threads or model memory than this machine sensibly holds")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """The step count, the batch, the model's sizes, the optimizer's rates and the seed."""
+    m, d, t = D.model, D.data, D.training
     p.add_argument("--steps", type=positive_int, help=f"train until this step (default {t.steps})")
     p.add_argument("--batch", type=nonnegative_int, help="sequences per step (default 4·M)")
     p.add_argument("--seq", type=positive_int, help=f"tokens per sequence (default {d.seq})")
@@ -164,6 +178,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
                         f"none (default {t.no_decay}: HF Trainer's and torchtitan's choice)")
     p.add_argument("--dropout", type=fraction, help=f"dropout probability (default {m.dropout:g})")
     p.add_argument("--seed", type=int, help=f"the seed of the weights and the data order (default {m.seed})")
+
+def _add_parallel_options(p: argparse.ArgumentParser) -> None:
+    """Data, tensor and expert parallelism, ZeRO, the GPT's experts."""
+    m = D.model
     p.add_argument("--dp", type=positive_int,
                    help=f"data-parallel replicas of the pipeline: dp x P processes (default {D.parallel.dp})")
     p.add_argument("--zero", type=int, choices=config.ZERO_STAGES,
@@ -191,6 +209,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--sequence-parallel", action="store_true", default=None,
                    help="with --tp: norms and residuals on 1/tp of the sequence, reduce-scatter and all-gather in "
                         "place of the all-reduces (Korthikanti et al. 2022); --seq must divide by --tp")
+
+def _add_numerics_options(p: argparse.ArgumentParser) -> None:
+    """Precision, clipping, the learning-rate schedule, recomputation and the loss."""
+    d, t = D.data, D.training
     p.add_argument("--precision", choices=config.DTYPES,
                    help=f"compute dtype (autocast; fp16 scales the loss; default {t.precision})")
     p.add_argument("--param-dtype", choices=config.DTYPES,
@@ -226,6 +248,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--pad-fraction", type=fraction, metavar="F",
                    help="about this fraction of the targets is padding (ignore_index -100), as a random tail per "
                         f"sequence (default {d.pad_fraction:g})")
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """Timeouts, threads and checkpoints."""
+    t, r = D.training, D.run
     p.add_argument("--timeout", type=positive_float,
                    help=f"seconds before a silent rank counts as failed (process group; default {r.timeout:g})")
     p.add_argument("--checkpoint-timeout", type=positive_float, metavar="SECONDS",
@@ -252,6 +278,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="without --resume: remove another run's checkpoints from --checkpoint-dir and start over "
                         "(a run into a directory holding them is refused otherwise)")
+
+def _add_data_options(p: argparse.ArgumentParser) -> None:
+    """The data and evaluation group (with --model)."""
+    d = D.data
     g = p.add_argument_group("data and evaluation (with --model)")
     g.add_argument("--data", nargs="+", metavar="PATH",
                    help="text files or folders, .jsonl (see --text-field), .parquet, or a `datasets` dataset saved "
@@ -288,6 +318,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--cache-dir", metavar="DIR", help="where tokenized data is cached (default OUT/token-cache)")
     g.add_argument("--attn", choices=config.ATTENTIONS,
                    help="the model's attention implementation (default sdpa, eager where transformers has no sdpa)")
+
+
+def _add_logging_options(p: argparse.ArgumentParser) -> None:
+    """The logging group."""
     g = p.add_argument_group("logging")
     g.add_argument("--tensorboard", metavar="DIR",
                    help="also write TensorBoard event files, to DIR/NAME with NAME the output directory's (-o) "
@@ -297,10 +331,6 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
                    help="record the metrics every N steps (and the first and the last; default 1)")
     g.add_argument("--peak-tflops", type=positive_float, metavar="X",
                    help="peak TFLOP/s of one device for MFU (default: a known GPU's datasheet, or measured on a CPU)")
-    p.add_argument("-o", "--out", help="directory for metrics.jsonl, timeline.json, losses.json "
-                                       f"(default {config.COMMAND_DEFAULTS[command]['out']})")
-    p.add_argument("--allow-oversubscribe", action="store_true", default=None,
-                   help="start more local processes, threads or model memory than this machine sensibly holds")
 
 
 # ---------------------------------------------------------------- commands
