@@ -431,6 +431,44 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _placement(device: str, ranks: int | None) -> tuple[int, str, str | None] | None:
+    """(ranks, backend, the one GPU every rank shares or None) for `--device`; None (said) without a GPU."""
+    import torch
+
+    if device != "cuda":
+        return ranks or 2, "gloo", None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 1:
+        print(f"gpu_check: no GPU to check (no CUDA device visible; torch {torch.__version__}, "
+              f"CUDA build {torch.version.cuda}). `--device cpu` runs the same checks on gloo.")
+        return None
+    if count == 1:
+        return ranks or 4, "gloo", "cuda:0"
+    return ranks or count, "nccl", None
+
+
+def _runnable(checks: list[str], P: int, shared_device: str | None, device: str) -> tuple[list[str], dict[str, str]]:
+    """The checks this placement can run, and why each other one cannot."""
+    skipped = {}
+    if shared_device:  # torch's pipelining sends GPU tensors over gloo, which cannot: these need NCCL
+        skipped = {c: f"{P} ranks share one GPU over gloo; torch's runtime needs one GPU a rank (NCCL)"
+                   for c in ("vs_torch", "op_cpu") if c in checks}
+        if "large" in checks:
+            skipped["large"] = (f"{P} ranks share one GPU over gloo, which buffers sends: NCCL's rendezvous of large "
+                                f"messages needs two GPUs or more (PIPEDSL_P2P=rendezvous emulates it on CPU)")
+        if "layouts" in checks:
+            skipped["layouts"] = (f"{P} ranks share one GPU over gloo: tensor parallelism's and ZeRO's collectives "
+                                  f"on GPU tensors need NCCL, one GPU a rank (the CPU tests run them on gloo)")
+        if "trainer_auto" in checks:
+            skipped["trainer_auto"] = ("with one GPU `pipedsl train -P 2` runs its ranks on the CPU (gloo): the "
+                                       "trainer's GPU run needs one GPU a rank")
+        checks = [c for c in checks if c not in skipped]
+    if "one_gpu" in checks and device == "cuda" and not shared_device:
+        skipped["one_gpu"] = "run with one GPU visible (CUDA_VISIBLE_DEVICES=0): it measures one GPU alone"
+        checks = [c for c in checks if c != "one_gpu"]
+    return checks, skipped
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -448,41 +486,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the built-ins that schedules and large run (default: every one)")
     ap.add_argument("--json", help="output file (default benchmarks/results/gpu_check.json; the table beside it, .md)")
     args = ap.parse_args(argv)
-    shared_device = None  # every rank on this one GPU (one GPU visible: NCCL takes one rank a GPU)
-    if args.device == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count < 1:
-            print(f"gpu_check: no GPU to check (no CUDA device visible; torch {torch.__version__}, "
-                  f"CUDA build {torch.version.cuda}). `--device cpu` runs the same checks on gloo.")
-            return 0
-        if count == 1:
-            P, backend, shared_device = args.P or 4, "gloo", "cuda:0"
-        else:
-            P, backend = args.P or count, "nccl"
-    else:
-        P, backend = args.P or 2, "gloo"
+    placed = _placement(args.device, args.P)
+    if placed is None:
+        return 0
+    P, backend, shared_device = placed  # shared_device: every rank on this one GPU (NCCL takes one rank a GPU)
     sizes = SIZES["tiny" if args.tiny else "full"]
-    checks = [c for c in CHECKS if c not in args.skip]
-    skipped = {}
-    if shared_device:  # torch's pipelining sends GPU tensors over gloo, which cannot: these need NCCL
-        skipped = {c: f"{P} ranks share one GPU over gloo; torch's runtime needs one GPU a rank (NCCL)"
-                   for c in ("vs_torch", "op_cpu") if c in checks}
-        if "large" in checks:
-            skipped["large"] = (f"{P} ranks share one GPU over gloo, which buffers sends: NCCL's rendezvous of large "
-                                f"messages needs two GPUs or more (PIPEDSL_P2P=rendezvous emulates it on CPU)")
-        if "layouts" in checks:
-            skipped["layouts"] = (f"{P} ranks share one GPU over gloo: tensor parallelism's and ZeRO's collectives "
-                                  f"on GPU tensors need NCCL, one GPU a rank (the CPU tests run them on gloo)")
-        if "trainer_auto" in checks:
-            skipped["trainer_auto"] = ("with one GPU `pipedsl train -P 2` runs its ranks on the CPU (gloo): the "
-                                       "trainer's GPU run needs one GPU a rank")
-        checks = [c for c in checks if c not in skipped]
-    if "one_gpu" in checks and args.device == "cuda" and not shared_device:
-        skipped["one_gpu"] = "run with one GPU visible (CUDA_VISIBLE_DEVICES=0): it measures one GPU alone"
-        checks.remove("one_gpu")
+    checks, skipped = _runnable([c for c in CHECKS if c not in args.skip], P, shared_device, args.device)
     large = dict(sizes["large"])
     large["rows"] = max(1, int(args.message_mib * 2**20 / (4 * large["width"]))) if not args.tiny else 2
-    mib = large["rows"] * large["width"] * 4 / 2**20
     programs, rows = {}, []
     for name in args.schedules or pipedsl.builtin_names():
         program = compile_for(name, P)
@@ -503,6 +514,23 @@ def main(argv: list[str] | None = None) -> int:
     result["gpus"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                       if args.device == "cuda" else [])
     result["device"] = ranks[0]["device"] if ranks else args.device
+    _collect(result, checks, ranks, programs, rows, args, sizes, large["rows"] * large["width"] * 4 / 2**20)
+    result["failed"] = failed = _failures(result)
+    path = _bench.write_json("gpu_check", result, args.json)
+    md = table(result)
+    path.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {path} and {path.with_suffix('.md')}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def _collect(result: dict[str, Any], checks: list[str], ranks: list[dict], programs: dict, rows: list[dict],
+             args: argparse.Namespace, sizes: dict, mib: float) -> None:
+    """Each check's outcome into `result`: from the ranks' reports, or run here (one GPU, ZeRO on one rank, the
+    trainer, calibration)."""
+    import pipedsl
+
+    P = result["P"]
     if "schedules" in checks:
         for name, program in programs.items():
             problems = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["schedules"][name]["problems"]]
@@ -525,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         result["moe"] = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["moe"]["problems"]]
     if "layouts" in checks:
         if P not in LAYOUTS:
-            skipped["layouts"] = f"no layout listed for {P} ranks (LAYOUTS: {', '.join(map(str, LAYOUTS))})"
+            result["skipped"]["layouts"] = f"no layout listed for {P} ranks (LAYOUTS: {', '.join(map(str, LAYOUTS))})"
         else:
             result["layouts"] = {name: [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["layouts"][name]]
                                  for name in ranks[0]["layouts"]}
@@ -533,12 +561,11 @@ def main(argv: list[str] | None = None) -> int:
         result["timeline"] = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["timeline"]]
     if "trainer_auto" in checks:
         result["trainer_auto"] = trainer_auto(args.device, args.tiny)
+    device = "cuda" if args.device == "cuda" else "cpu"
     if "one_gpu" in checks:
-        device = "cuda" if args.device == "cuda" else "cpu"
         result["one_gpu"] = pipedsl.launch(one_gpu, 1, device, sizes["one_gpu"], backend="nccl" if device == "cuda"
                                            else "gloo", threads=None if device == "cuda" else 1, timeout=600)[0]
     if "zero" in checks:
-        device = "cuda" if args.device == "cuda" else "cpu"
         result["zero"] = pipedsl.launch(zero_one_rank, 1, device, sizes["steps"] + 2,
                                         backend="nccl" if device == "cuda" else "gloo", threads=1, timeout=600)[0]
     if "op_cpu" in checks:
@@ -547,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         result["op_cpu"] = op_cpu.summarize([r["op_cpu"] for r in ranks])
     if "calibrate" in checks:
         result["calibrate"] = calibrate(P, args.device)
+
+
+def _failures(result: dict[str, Any]) -> list[str]:
+    """The names of the checks that failed."""
     failed = [r["schedule"] for r in result.get("schedules", []) if not r["ok"]]
     failed += ["moe"] if result.get("moe") else []
     failed += [f"layout {name}" for name, problems in result.get("layouts", {}).items() if problems]
@@ -555,14 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     failed += ["timeline"] if result.get("timeline") else []
     failed += ["zero"] if result.get("zero", {}).get("problems") else []
     failed += ["plan --calibrate"] if "calibrate" in result and not result["calibrate"]["ok"] else []
-    result["failed"] = failed
-    path = _bench.write_json("gpu_check", result, args.json)
-    md = table(result)
-    path.with_suffix(".md").write_text(md + "\n")
-    print(md)
-    print(f"wrote {path} and {path.with_suffix('.md')}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
-
+    return failed
 
 if __name__ == "__main__":
     raise SystemExit(main())
