@@ -23,6 +23,7 @@ from transformers.models.jetmoe.modeling_jetmoe import JetMoeAttention, JetMoeMo
 
 from pipedsl.parallel.comm import copy_to_group, group_rank, group_size, reduce_from_group
 from pipedsl.parallel.config import ParallelConfigError
+from pipedsl.parallel.expert import routings
 from pipedsl.parallel.moe_tp import mark_every_token
 from pipedsl.parallel.replicated import mark_replicated, param_sum_grad_later
 
@@ -48,9 +49,7 @@ class JetMoeExperts(nn.Module):
         E, k = self.num_experts, top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         _, order = flat.sort(0)  # JetMoeTopKGating's own sort: the same order, so the same sums, bit for bit
-        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat.clamp(max=E), torch.ones_like(flat))
-        sizes = counts[:E].tolist()  # JetMoE's own host synchronisation (JetMoeTopKGating makes it too)
+        sizes = routings(flat, E + 1)[:E].tolist()  # JetMoE's own host synchronisation (JetMoeTopKGating makes it too)
         slots = order[:sum(sizes)]
         h = self.input_linear(hidden_states[slots // k], sizes)
         gate, up = h.chunk(2, dim=-1)
@@ -74,7 +73,7 @@ class RoutedJetMoeMoE(JetMoeMoE):
         experts = torch.repeat_interleave(torch.arange(len(expert_size), device=flat.device),
                                           torch.tensor(expert_size, device=flat.device))
         top_k_index = torch.empty_like(index_sorted).index_copy(0, index_sorted, experts).view(-1, k)
-        top_k_weights = batch_gates[torch.argsort(index_sorted)].view(-1, k)
+        top_k_weights = torch.empty_like(batch_gates).index_copy(0, index_sorted, batch_gates).view(-1, k)
         out = self.experts(flat, top_k_index, top_k_weights)
         return out.view(bsz, length, self.input_size) + self.bias
 
