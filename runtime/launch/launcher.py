@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import gc
 import math
 import multiprocessing as mp
@@ -108,6 +109,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         init_process_group(rank, world, backend, timeout, int(os.environ.get("LOCAL_RANK", rank)))
+        faulthandler.enable(file=sys.stderr, all_threads=True)  # as a forked rank (`_child`)
         try:
             return [fn(rank, *args)]
         except BaseException as err:
@@ -182,6 +184,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
     os.environ.clear()  # a forked rank has the fork server's environment: the launcher's, as spawn gives
     os.environ.update(env)
     follow_launcher(launcher_pid, rank)
+    # a rank that dies by a signal (heap corruption's SIGABRT, a SIGSEGV in an extension) prints where each of its
+    # threads was: the launcher can only say which signal it was
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)

@@ -35,24 +35,25 @@ def nan_loss(rank: int) -> None:
 
 
 class KillAt(nn.Module):
-    """Kills its own process (SIGKILL: no goodbye) in the forward of the given call."""
+    """Kills its own process (SIGKILL: no goodbye) in the forward of the given call; `abort`: SIGABRT, as glibc
+    does when it finds the heap corrupted."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: int, abort: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.calls = 0
-        self.at = at
+        self.at, self.abort = at, abort
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGABRT if self.abort else signal.SIGKILL)
         return self.lin(x)
 
 
-def killed_mid_step(rank: int) -> None:
+def killed_mid_step(rank: int, abort: bool = False) -> None:
     torch.manual_seed(0)
-    stages = [nn.Linear(4, 4), KillAt(at=8 + 3), nn.Linear(4, 4)]  # step 2, microbatch 2 on rank 1
+    stages = [nn.Linear(4, 4), KillAt(at=8 + 3, abort=abort), nn.Linear(4, 4)]  # step 2, microbatch 2 on rank 1
     pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=8, loss_fn=F.mse_loss)
     for _ in range(3):
         pipe.step(torch.randn(16, 4), torch.randn(16, 4))

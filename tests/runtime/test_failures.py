@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,6 +51,22 @@ def test_a_killed_rank_stops_the_others() -> None:
     notes = [line.strip() for line in text.splitlines()[1:]]
     for r in (0, 2):  # both neighbours stopped on their own, blaming rank 1
         assert any(n.startswith(f"note: rank {r}: ") and "rank 1" in n.partition(": rank")[2] for n in notes), text
+
+
+@pytest.mark.slow
+def test_a_rank_aborted_by_a_signal_prints_where_its_threads_were() -> None:
+    """SIGABRT (glibc's answer to a corrupted heap) leaves no Python error to report: the rank's faulthandler prints
+    every thread's stack to its stderr, down to the module's forward that was running.  A fresh interpreter, whose
+    ranks' stderr is its own."""
+    code = ("import pipedsl, failure_cases\n"
+            f"pipedsl.launch(failure_cases.killed_mid_step, 3, True, **{BOUNDS!r})")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(cases.__file__).parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "rank 1 failed: killed by signal SIGABRT" in proc.stderr, proc.stderr[-2000:]
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r'failure_cases\.py", line \d+ in forward', proc.stderr), proc.stderr[-2000:]
 
 
 def _line_of(text: str) -> int:
