@@ -243,7 +243,6 @@ class _Unit:
         # them again as DTensors over views of `flat` (`install_views`), whose gradients autograd sums into it.
         self.leaves = [(e, p) for e, p in zip(entries, params or []) if e.dtensor is None]
         self.viewed = [e for e in entries if e.dtensor is not None]
-        self._entry_of = {id(p): e for e, p in self.leaves}
         self.flat = nn.Parameter(full, requires_grad=trainable and bool(self.viewed))  # [padded]
         if self.viewed:
             self.flat.holds_views = True  # see `is_flat_buffer`
@@ -252,6 +251,7 @@ class _Unit:
                 p.data = self.flat.data.narrow(0, e.offset, e.numel).view(e.shape)
                 p.grad = None
         self._grad: torch.Tensor | None = None  # the full gradient [padded] in `grad_dtype` (property `grad`)
+        self._grad_views: dict[int, torch.Tensor] = {}  # id(leaf) -> its slice of `_grad`, made once per buffer
         self.arrived: set[int] = set()  # the leaves (and `flat`) whose gradient this backward has accumulated
         self.expected = {id(p) for _, p in self.leaves} | ({id(self.flat)} if self.flat.requires_grad else set())
         for _, p in self.leaves:
@@ -358,10 +358,12 @@ class _Unit:
         """Set the full gradient; in the parameters' dtype, each parameter's `.grad` becomes its slice of it, so
         autograd accumulates there in place (DDP's gradient-as-bucket-view)."""
         self._grad = value
+        self._grad_views = {} if value is None else {
+            id(p): value.narrow(0, e.offset, e.numel).view(e.shape) for e, p in self.leaves}
         if self.separate_grad:
             return
-        for e, p in self.leaves:
-            p.grad = None if value is None else value.narrow(0, e.offset, e.numel).view(e.shape)
+        for _, p in self.leaves:
+            p.grad = self._grad_views.get(id(p))
         if self.viewed:
             self.flat.grad = value
 
@@ -371,8 +373,7 @@ class _Unit:
             self.grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
         if p is self.flat:
             return self._grad
-        e = self._entry_of[id(p)]
-        return self._grad.narrow(0, e.offset, e.numel).view(e.shape)
+        return self._grad_views[id(p)]
 
     def accumulated(self, p: torch.Tensor) -> bool:
         """After autograd accumulated `p`'s gradient (a leaf, or `flat`): make sure it is in the full gradient,
@@ -382,7 +383,7 @@ class _Unit:
         left incomplete (a parameter without a gradient) is forgotten at its end."""
         g = p.grad
         into = self.gradient(p)  # binds every `.grad` to its slice when the full gradient is new
-        if g is not None and g.data_ptr() != into.data_ptr():
+        if g is not None and g is not into and g.data_ptr() != into.data_ptr():
             into.add_(g)
             p.grad = into if into.dtype == p.dtype else None
         if not self.arrived:
@@ -407,7 +408,7 @@ class _Unit:
         """Sum the full gradient over the group into this rank's slice (averaged), free the full one."""
         assert self.shard_grad is not None
         out = torch.empty(self.size, dtype=self.grad_dtype, device=self.device)
-        reduce_scatter_into(out, self.full_grad(), self.group)
+        reduce_scatter_into(out, self.full_grad(), self.group, overwrite=True)
         out.div_(self.divisor)
         if accumulate:
             self.shard_grad.add_(out)
@@ -813,7 +814,7 @@ class ZeroOptimizer:
                 self._pending_reduce.append((work, average))
             elif self.stage == 1:
                 out = torch.empty(u.size, dtype=u.grad_dtype, device=u.device)
-                work = reduce_scatter_into(out, u.full_grad(), u.group, async_op=True)
+                work = reduce_scatter_into(out, u.full_grad(), u.group, async_op=True, overwrite=True)
 
                 def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
                     grad_slice = u.grad[u.own]
@@ -823,7 +824,7 @@ class ZeroOptimizer:
                 self._pending_reduce.append((work, finish))
             else:
                 out = torch.empty(u.size, dtype=u.grad_dtype, device=u.device)
-                work = reduce_scatter_into(out, u.full_grad(), u.group, async_op=True)
+                work = reduce_scatter_into(out, u.full_grad(), u.group, async_op=True, overwrite=True)
 
                 def finish(u: _Unit = u, out: torch.Tensor = out) -> None:
                     u.shard_grad.copy_(out).div_(u.divisor)
