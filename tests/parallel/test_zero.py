@@ -348,3 +348,31 @@ def test_dtensor_tensor_parallel_under_zero_equals_torch_fsdp2(run_once, stage):
         assert len(errs) == 8
         bad = {k: v for k, v in errs.items() if not v[0] <= 2e-6 + 2e-6 * v[1]}
         assert not bad, bad
+
+
+def reduce_scatter_job() -> dict:
+    """`reduce_scatter_into` with `overwrite` (gloo: an in-place all-reduce, then this rank's slice) against gloo's own
+    reduce-scatter and a sum computed here from every rank's tensor, sync and async."""
+    from pipedsl.parallel.comm import reduce_scatter_into
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    tensors = [torch.randn(n * 1000, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    want = torch.stack(tensors).sum(0).view(n, -1)[rank]
+    native = torch.empty(1000)
+    reduce_scatter_into(native, tensors[rank].clone(), None)
+    out, mine = {}, {}
+    for mode in ("sync", "async"):
+        out[mode], given = torch.empty(1000), tensors[rank].clone()
+        work = reduce_scatter_into(out[mode], given, None, async_op=mode == "async", overwrite=True)
+        if work is not None:
+            work.wait()
+        mine[mode] = diff(out[mode], want)
+    return {"native": diff(native, want), **mine, "same": all(torch.equal(o, native) for o in out.values())}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_of_a_given_up_buffer_equals_the_collective(run_once, world):
+    for out in run_once(reduce_scatter_job, world):
+        assert max(out["native"][0], out["sync"][0], out["async"][0]) < 1e-5, out
+        if world == 2:  # a + b either way
+            assert out["same"], out
