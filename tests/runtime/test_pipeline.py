@@ -55,6 +55,53 @@ def test_matches_single_process(schedule: str, P: int, pools) -> None:
         assert res["stages"] == sorted({s for (_, s), rank in program.placement.items() if rank == r})
 
 
+FAMILIES = ["1f1b", "interleaved", "zb-h1", "zb-v", "chimera"]  # one schedule of each family (docs/testing.md)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"lookahead": 0}, {"strict_pair_order": True}],
+                         ids=["lookahead=0", "strict_pair_order"])
+@pytest.mark.parametrize("schedule", FAMILIES)
+def test_issue_order_options_match_single_process(schedule: str, options: dict, pool2) -> None:
+    """`lookahead=0` (no receive posted before its own instruction) and `strict_pair_order=True` (none ahead of an
+    earlier send to the same peer) change only when the runtime posts its receives: loss, every gradient and Adam
+    equal one process, as in test_matches_single_process."""
+    program = compile_for(schedule, 2)
+    results = pool2.run(cases.equivalence, program.to_json(), 3, options)
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    assert not problems, "\n".join(problems[:20])
+
+
+def nan_loss_passes(rank: int) -> list[float]:
+    """`check_finite=False`: a loss that turns nan is returned, not refused (the fp16 loss scaler's own check)."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from torch import nn
+
+    torch.manual_seed(0)
+    scale = [1.0]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target) * scale[0]
+    pipe = pipedsl.Pipeline([nn.Linear(4, 4), nn.Linear(4, 4)], "1f1b", microbatches=2, loss_fn=loss_fn,
+                            check_finite=False)
+    losses = [pipe.step(torch.randn(4, 4), torch.randn(4, 4))]
+    scale[0] = float("nan")
+    losses.append(pipe.step(torch.randn(4, 4), torch.randn(4, 4)))
+    pipe.close()
+    return losses
+
+
+@pytest.mark.slow
+def test_a_nan_loss_is_returned_when_the_check_is_off(pool2) -> None:
+    """The finite check is on by default (tests/runtime/test_failures.py: a nan loss names its rank and instruction);
+    off, every rank finishes the step and the last stage's rank returns nan."""
+    import math
+
+    results = pool2.run(nan_loss_passes)
+    assert math.isfinite(results[1][0]) and math.isnan(results[1][1]), results
+
+
 @settings(max_examples=5, deadline=None)  # slow by construction: it runs on the pool (tests/conftest.py)
 @given(P=st.integers(2, 4), M=st.integers(2, 9), extra=st.integers(0, 4),
        F=st.sampled_from([0.5, 1.0, 2.0]), I=st.sampled_from([0.5, 1.0, 2.0]),  # noqa: E741, N803

@@ -81,7 +81,8 @@ def test_t5_span_corruption_zero3_equals_one_process_resumes_and_exports(root, t
     """T5 pretraining as the mT5 work did (span corruption, ZeRO-3), on dp2 × pp2 with ZB-H1: every loss and the
     held-out losses equal one process (fp32), it learns; resuming the step-2 checkpoint gives steps 3 and 4 bit for
     bit; the export loads with AutoModelForSeq2SeqLM and gives the pipeline's last evaluation loss."""
-    t5 = ["--model", str(root / "t5"), "--data", str(root / "corpus"), "--seq", "24"]
+    t5 = ["--model", str(root / "t5"), "--data", str(root / "corpus"), "--seq", "24",
+          "--noise-density", "0.2", "--mean-noise-span", "2"]  # not the defaults: both runs mask alike
     ckpt = tmp_path / "ckpt"
     _ok(pipedsl(*_flags(root, tmp_path / "one", *t5), "-P", "1"))
     _ok(pipedsl(*_flags(root, tmp_path / "par", *t5), *ZERO3, "--checkpoint-dir", str(ckpt), "--checkpoint-every",
@@ -115,7 +116,8 @@ def _exported_eval_loss(root: Path, exported: Path) -> float:
     [cache] = [data.TokenCache.open(p) for p in (root / "cache").iterdir() if p.is_dir()
                and data.TokenCache.open(p).num_documents == 12]
     sentinels = seq2seq_data.sentinel_ids(data.load_tokenizer(root / "t5"), "t5")
-    samples = seq2seq_data.SpanCorruption(cache, 24, sentinels=sentinels, pad_id=0, start_id=0)
+    samples = seq2seq_data.SpanCorruption(cache, 24, sentinels=sentinels, pad_id=0, start_id=0, noise_density=0.2,
+                                          mean_noise_span=2)  # the run's --noise-density and --mean-noise-span
     _, heldout = samples.split(0.2)
     total = count = 0.0
     with torch.no_grad():
