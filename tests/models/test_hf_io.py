@@ -51,6 +51,8 @@ def test_held_stages_hold_the_saved_weights_and_buffers(family, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
 def test_random_init_is_the_same_whichever_rank_holds_a_stage(family, tmp_path):
+    """Each stage's seeded init on a rank holding only that stage equals, tensor for tensor (torch.equal), the same
+    stage built with all three held (a tied copy aside: it starts from the embedding); another seed differs."""
     tiny_model(family, _attn(family)).config.save_pretrained(tmp_path)
     whole = LocalStages(tmp_path, 3, SPLIT, {0, 1, 2}, seed=5, attn=_attn(family))
     copies = {member for tie in whole.ties for member in tie[1:]}  # a tied head starts from the embedding (Pipeline)

@@ -191,8 +191,9 @@ def test_sequential_stages_pass_tuples_as_positional_arguments():
 @pytest.mark.quick
 @pytest.mark.parametrize("case", ["resnet", "vit", "dict", "frozen", "regroup", "tuple_seq"])
 def test_two_steps_under_1f1b_equal_one_process(pool2, case):
-    """Loss, every gradient, the weights after two SGD steps; ResNet's running statistics on the rank holding
-    them and its `evaluate()` in eval mode; DictNet's tied projection; Regroup's batch size sent as a tensor."""
+    """Loss, every gradient and the weights after two SGD steps equal one process on the same microbatches, and so do
+    ResNet's running statistics on the rank holding them and its `evaluate()` in eval mode; DictNet's tied projection;
+    Regroup's batch size sent as a tensor."""
     results = pool2.run(cases.equivalence, case, "1f1b")
     _check(results)
     if case == "resnet":

@@ -287,6 +287,8 @@ def _problems(results: dict) -> list[str]:
 @pytest.mark.parametrize("schedule", ["1f1b", "hanayo"])
 @pytest.mark.parametrize("zero,reduce", ZERO_MODES)
 def test_dp2_pp2_tp2_1d_equals_one_process(run_once, schedule, zero, reduce):
+    """dp2 × pp2 × tp2 (1-D) under each ZeRO mode: the loss of 3 Adam steps (rtol 2e-6) and every final parameter, shards
+    put back in the dense layout (atol 2e-6), equal one process training the dense GPT on the global batch."""
     res = run_once(grid_job, 8, 2, 2, 2, "1d", TP1D_RUNS, 3)[0][(schedule, zero, reduce)]
     assert len(res["losses"]) == 3 and res["moved"] > 1000 * PARAM_ATOL
     assert not res["problems"], "\n".join(res["problems"])
@@ -308,6 +310,8 @@ def test_reduce_every_microbatch_holds_less_gradient_memory(run_once, schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "hanayo"])
 @pytest.mark.parametrize("zero", [0, 1])
 def test_3d_tensor_parallel_tp8_equals_one_process(run_once, schedule, zero):
+    """tp=8 as a q=2 cube (3-D) under ZeRO 0 and 1: the loss of 3 Adam steps (rtol 2e-6) and every final parameter in the
+    dense layout (atol 2e-6) equal one process training the dense GPT on the whole batch."""
     res = run_once(grid_job, 8, 1, 1, 8, "3d", TP3D_RUNS, 3)[0][(schedule, zero, "step")]
     assert res["moved"] > 1000 * PARAM_ATOL
     assert not res["problems"], "\n".join(res["problems"])
@@ -368,6 +372,8 @@ def test_3d_microbatch_must_divide_by_q_squared(run_once):
 
 
 def test_parallel_3d_example_equals_one_process(run_once):
+    """examples/parallel_3d.py at dp2 × pp2 × tp2, ZeRO-1, with check=True: every rank's 3 losses agree and equal those
+    of one process training the dense model on the whole batch (rank 0's reference, rtol 2e-6)."""
     results = run_once(example_job, 8)
     ref = results[0]["reference"]
     assert len(ref) == 3

@@ -194,6 +194,8 @@ CHECKS = ["column", "column gathered", "row", "mlp", "attention", "block", "embe
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("check", CHECKS)
 def test_layer_equals_dense(run_once, tp, check):
+    """Each layer at tp 2 and 4: output, input gradient and every weight and bias gradient equal the dense module's on
+    the full data, on this rank's slice (atol and rtol 2e-6); "dtensor mlp" equals torch's Colwise/RowwiseParallel."""
     per_rank = run_once(tp1d_job, tp, tp)
     assert not failures(per_rank, check, atol=2e-6, rtol=2e-6)
 

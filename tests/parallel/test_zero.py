@@ -134,6 +134,8 @@ def job(request, run_once):
 
 @pytest.mark.parametrize("stage,reduce", MODES)
 def test_zero_equals_data_parallel(job, stage, reduce):
+    """Each ZeRO stage and reduce mode: every parameter after 3 Adam steps of 3 microbatches equals DDP-style data
+    parallel (gradients all-reduced and averaged) and one dense process on the global batch (2e-6 + 2e-6 of the max)."""
     n, per_rank = job
     bad = []
     for rank, res in enumerate(per_rank):
@@ -243,6 +245,8 @@ def fsdp2_job(model_name: str) -> dict:
 
 @pytest.mark.parametrize("n,model", [(2, "mlp"), (2, "block")])
 def test_stage3_equals_torch_fsdp2(run_once, n, model):
+    """ZeRO-3's parameters after 3 Adam steps of 3 accumulated microbatches equal torch FSDP2's (`fully_shard` per child
+    and the root) on the same data (2e-6 + 2e-6 of the max)."""
     for errs in run_once(fsdp2_job, n, model):
         assert len(errs) >= 6
         bad = {k: v for k, v in errs.items() if not v[0] <= 2e-6 + 2e-6 * v[1]}
@@ -313,6 +317,8 @@ def dp_tp_job(stage: int) -> dict:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_tensor_parallel_block_under_zero_equals_dense(run_once, stage):
+    """dp2 × tp2: a 1-D tensor-parallel block under ZeRO-1 and 3 over dp ends 3 Adam steps equal to the dense block
+    trained in one process on the global batch, sliced the same way (2e-6 + 2e-6 of the max)."""
     for errs in run_once(dp_tp_job, 4, stage):
         assert len(errs) == 12
         bad = {k: v for k, v in errs.items() if not v[0] <= 2e-6 + 2e-6 * v[1]}
@@ -344,6 +350,8 @@ def fsdp2_tp_job(stage: int) -> dict:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_dtensor_tensor_parallel_under_zero_equals_torch_fsdp2(run_once, stage):
+    """dp2 × tp2 with torch's DTensor tensor parallelism: ZeRO-1 and 3 over dp end 3 Adam steps equal to torch FSDP2's
+    `fully_shard` on the same 2-D mesh, compared as whole tensors (2e-6 + 2e-6 of the max)."""
     for errs in run_once(fsdp2_tp_job, 4, stage):
         assert len(errs) == 8
         bad = {k: v for k, v in errs.items() if not v[0] <= 2e-6 + 2e-6 * v[1]}
@@ -372,6 +380,9 @@ def reduce_scatter_job() -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_reduce_scatter_of_a_given_up_buffer_equals_the_collective(run_once, world):
+    """The overwrite path (gloo: an in-place all-reduce, then this rank's slice), sync and async, and gloo's own
+    reduce-scatter equal this rank's slice of the sum computed here (1e-5); at 2 ranks the overwrite path equals
+    gloo's bit for bit."""
     for out in run_once(reduce_scatter_job, world):
         assert max(out["native"][0], out["sync"][0], out["async"][0]) < 1e-5, out
         if world == 2:  # a + b either way

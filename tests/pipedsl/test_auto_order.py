@@ -24,6 +24,8 @@ def _cost(F: float, I: float, W: float, comm: float) -> pipedsl.Cost:  # noqa: E
 @settings(max_examples=12, deadline=None)
 @given(P=st.integers(2, 5), extra=st.integers(0, 6), costs=COSTS)
 def test_never_worse_than_zb_h1_and_zb_h2_at_the_same_memory(P: int, extra: int, costs: tuple) -> None:
+    """zb-auto's simulated makespan is at most the reference handcrafted schedule's under the same costs and cap (ZB-H1
+    at mem P and 2P, ZB-H2 at 2P), and its peak activations stay within the cap."""
     M = 2 * P + extra
     cost = _cost(*costs)
     auto = pipedsl.load("zb-auto")

@@ -254,6 +254,8 @@ def test_chimera_p4_is_the_published_order():
 
 @pytest.mark.parametrize("P", [2, 4, 6, 8])
 def test_chimera_is_the_authors_order_at_m_equals_p(P):
+    """At M = P (2 to 8) every rank's compute order equals, op for op, the reference: the authors' generator
+    (`chimera_authors`, after Shigangli/Chimera's chimera_pipeline_rank.py)."""
     program = pipedsl.load("chimera").compile(P=P, M=P)
     assert program.compute_orders() == chimera_authors(P)
 

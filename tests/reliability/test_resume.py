@@ -85,6 +85,8 @@ def test_saving_checkpoints_does_not_change_training(saved, resumed) -> None:
 
 @pytest.mark.slow
 def test_resume_on_the_same_schedule_is_bit_exact(saved, resumed) -> None:
+    """1F1B resumed from step 2 on fresh processes: every loss of steps 1-6 equals the run that never stopped, bit for
+    bit."""
     assert resumed["1f1b"][0]["losses"] == saved["a"][1]  # steps 1-2 from the checkpoint's record, 3-6 run again
 
 
@@ -98,6 +100,8 @@ def test_resume_with_dropout_restores_the_rng_exactly(saved, resumed) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "after"), [("gpipe", 4), ("zb-h1", 2)])
 def test_resume_under_another_schedule_with_the_same_partition(saved, resumed, schedule, after) -> None:
+    """GPipe resumed from 1F1B's step-4 checkpoint and ZB-H1 from its step 2 (the same partition): every loss equals the
+    1F1B run that never stopped, bit for bit."""
     assert resumed[schedule][0]["losses"] == saved["a"][1], schedule  # those up to `after` from the checkpoint
     assert after < max(saved["a"][1])
 

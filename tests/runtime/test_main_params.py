@@ -36,6 +36,8 @@ def _close(got: list[float], want: list[float], rel: float) -> bool:
 
 @pytest.mark.parametrize("schedule", pipedsl.builtin_names())
 def test_every_schedule_equals_one_process_with_main_parameters(every_schedule, schedule):
+    """bf16 parameters over fp32 main ones, P=2, 3 clipped SGD steps: losses, norms and main parameters equal one
+    process under the same policy (grads="fp32": main within 1e-7, first loss bitwise; grads="bf16": 5e-4, 2 ulps)."""
     for rank, out in enumerate(every_schedule):
         for grads in ("fp32", "bf16"):
             res = out[(schedule, grads)]
@@ -58,6 +60,8 @@ def test_every_schedule_equals_one_process_with_main_parameters(every_schedule, 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_fp16_parameters_with_loss_scaling_equal_one_process(every_schedule, schedule):
+    """fp16 parameters over fp32 main ones, loss scale 2^16 (1F1B, ZB-H1): main parameters (1e-7, the model's within
+    one ulp) and losses (rtol 1e-5) of 3 steps equal one process under the same policy; no step is skipped."""
     for rank, out in enumerate(every_schedule):
         res = out[(schedule, "fp16")]
         assert res["dtypes"] == ["torch.float16"]
@@ -72,6 +76,8 @@ ZERO_RUNS = [(0, "1f1b", "fp32"), (1, "interleaved", "bf16"), (2, "chimera", "fp
 
 @pytest.mark.parametrize("zero,schedule,grads", ZERO_RUNS)
 def test_dp2_pp2_zero_equals_one_process(pool, zero, schedule, grads):
+    """dp2 × pp2, bf16 parameters over fp32 main ones, ZeRO 0-3: losses and norms (rtol 1e-4; grads="bf16" 2e-3) and
+    main parameters (2e-6; 5e-4) of 3 clipped steps equal one process on the global batch; every rank clips alike."""
     results = pool.run(cases.zero_job, 4, zero, schedule, grads)
     for rank, res in enumerate(results):
         what = f"rank {rank} zero={zero} {schedule} grads={grads}"

@@ -27,7 +27,8 @@ NCCL_CASES = [(s, 2) for s in SCHEDULES] + [(s, 4) for s in SCHEDULES if _name(s
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, P", NCCL_CASES, ids=lambda v: _name(v) if isinstance(v, str) else f"P{v}")
 def test_every_schedule_equals_one_process_under_nccls_semantics(schedule: str, P: int, pools) -> None:
-    """Loss, every gradient and the parameters after Adam, with every send a rendezvous on its edge's stream."""
+    """Loss, every gradient and the parameters after 2 Adam steps equal one process running the unsplit model, with
+    every send a rendezvous on its edge's stream."""
     program = compile_for(schedule, P)
     both = pools[P].run(nccl_cases.by_rendezvous, cases.equivalence, program.to_json(), 2)
     problems = [f"rank {r}: {p}" for r, (res, _) in enumerate(both) for p in res["problems"]]

@@ -56,6 +56,8 @@ def _run(block: type[nn.Module], last_backward: bool) -> tuple[list[torch.Tensor
 
 
 def test_the_users_overlap_hook_equals_the_sequential_pair():
+    """A block class's `overlapped_forward_backward` (DeepSeek's contract): outputs, input gradients and parameter
+    gradients equal the sequential forward-then-backward pair's bit for bit, the backward on the last stage or not."""
     for last in (True, False):
         HookedBlock.calls.clear()
         plain = _run(Block, last)

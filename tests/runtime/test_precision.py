@@ -46,6 +46,8 @@ def _check(res: dict, what: str) -> None:
 
 @pytest.mark.parametrize("schedule", pipedsl.builtin_names())
 def test_bf16_fp16_and_clipping_equal_one_process(every_schedule, schedule):
+    """Each built-in schedule at P=2, bf16 and fp16 with 2-norm and fp32 with inf-norm clipping: losses (rtol 1e-6), norms
+    (rtol 1e-5) and parameters (atol 1e-6) equal one process under the same policy, and stand apart from fp32's."""
     for rank, out in enumerate(every_schedule):
         for prec, norm_type in (("bf16", 2.0), ("fp16", 2.0), ("fp32", math.inf)):
             res = out[(schedule, prec, norm_type)]
@@ -84,6 +86,8 @@ def test_fp16_overflow_skips_the_step_on_every_rank(pool):
 
 
 def test_checkpoint_resumes_the_loss_scale_and_lr_schedule_bit_exactly(pool, tmp_path):
+    """fp16 with a warmup + cosine lr schedule, saved after step 2 and resumed into fresh stages: losses, loss scales,
+    lrs, scaler and schedule state of steps 3-4 and the parameters equal the run that never stopped, bit for bit."""
     res = pool.run(cases.resume_job, P, str(tmp_path))
     for out in res:
         straight, resumed = out["straight"], out["resumed"]

@@ -15,6 +15,8 @@ import pipedsl
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", pipedsl.builtin_names())
 def test_same_gradients_with_dropout(schedule: str, pool2) -> None:
+    """Full and selective recomputation with dropout, each built-in schedule: losses equal no recomputation's bit for
+    bit, gradients to rtol 2e-5 (the same seeds); full keeps no more saved-activation bytes than selective."""
     program = compile_for(schedule, 2)
     results = pool2.run(cases.recompute_check, program.to_json(), ("full", "selective"))
     problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]

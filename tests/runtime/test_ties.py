@@ -22,6 +22,8 @@ def test_find_ties_names_each_shared_parameter_by_stage():
 ])
 @pytest.mark.quick
 def test_tied_weights_train_like_one_process(pools, schedule, P, M, params):
+    """Losses, every gradient (the tied weight's included) and the parameters after 3 Adam steps equal one process
+    running the tied model (rtol 1e-5); `pipe.parameters()` yields the tied weight once."""
     out = pools[P].run(tie_cases.tied_equivalence, schedule, P, M, False, 3, params)
     for rank, r in enumerate(out):
         assert r["problems"] == [], f"rank {rank}: {r['problems'][:4]}"
