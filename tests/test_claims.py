@@ -111,6 +111,23 @@ def test_equality_tests_are_found() -> None:
     assert len(equality_sources()) > 100
 
 
+# a name that promises a comparison against a reference: its docstring must say which (the test-suite issue's rule)
+PROMISES = re.compile(r"equals?_(one_process|dense|data_parallel|torch|the_|synchronous|tp)|equal_one_process|"
+                      r"matches_single_process|bit_?exact|like_one_process|equal_the_unsplit|equal_synchronous")
+
+
+def test_every_test_named_as_a_comparison_names_its_reference() -> None:
+    """A test named `…_equals_one_process`, `…_is_bit_exact`, … says in its docstring what it is held to (one
+    process, a dense layer, DDP, FSDP2, a run that never stopped, …), so a reader need not reverse-engineer it."""
+    unnamed = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and PROMISES.search(node.name) \
+                    and not REFERENCE.search(ast.get_docstring(node) or ""):
+                unnamed.append(f"{path.relative_to(TESTS.parent)}:{node.lineno}::{node.name}")
+    assert not unnamed, "tests whose docstring does not name their reference:\n" + "\n".join(unnamed)
+
+
 def test_every_builtin_schedule_is_in_an_equality_test() -> None:
     sources = equality_sources()
     if any("builtin_names()" in src for src in sources):  # a grid over every built-in

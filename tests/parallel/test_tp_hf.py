@@ -45,7 +45,8 @@ def test_tp2_equals_dense(run_once, family: str, pp: int, sp: bool) -> None:
 
 def test_tp2_pp2_llama_equals_dense_under_nccls_semantics(run_once) -> None:
     """The pipeline's messages by rendezvous on one stream per directed edge (runtime/rendezvous.py) beside the
-    tensor-parallel collectives: the same results as over gloo."""
+    tensor-parallel collectives: the same results as over gloo, each equal to the dense one-process Llama
+    (`tp_equivalence`)."""
     import nccl_cases
 
     _check(run_once(nccl_cases.under, 4, "rendezvous", None, None, tp_equivalence, "llama", 1, 2, 2, True), True, 2)

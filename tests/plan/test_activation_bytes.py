@@ -94,7 +94,8 @@ VARIANTS = [(recompute, attn) for recompute in (None, "selective", "layer") for 
 def test_measured_bytes_equal_the_formula(pool, tp: int, sp: bool) -> None:
     """The runtime's count (fp32: 4 bytes a value) of one tiny Llama layer's saved tensors, per rank, for no,
     selective (attention modules) and layer-wise recomputation, eager and sdpa attention (one job per mode).
-    At tp2 + SP, pipedsl's recompute="full" (the whole stage one region) keeps nothing per layer."""
+    At tp2 + SP, pipedsl's recompute="full" (the whole stage one region) keeps nothing per layer.  The reference:
+    `layer_activation_bytes`, the HF Llama formula the planner prices, equal to within 1 %."""
     z = SIZES
     variants = VARIANTS + ([("full", "sdpa")] if sp else [])
     per_rank = pool.run(layer_bytes_each, tp, tp, sp, variants)

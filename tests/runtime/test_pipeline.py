@@ -128,7 +128,8 @@ def test_searched_orders_under_random_costs_match_single_process(pool, P: int, M
 
 @pytest.mark.slow
 def test_interleaved_with_m_not_a_multiple_of_p_matches_single_process(pool2) -> None:
-    """Megatron's / torch's interleaved 1F1B at P = 2, M = 3 (one group of 3 microbatches)."""
+    """Megatron's / torch's interleaved 1F1B at P = 2, M = 3 (one group of 3 microbatches): loss, every gradient and
+    Adam equal one process (`cases.equivalence`), peak activations as simulated."""
     program = pipedsl.load("interleaved").compile(P=2, M=3, V=2)
     results = pool2.run(cases.equivalence, program.to_json())
     problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
