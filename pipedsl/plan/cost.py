@@ -40,9 +40,10 @@ reduce-scatter half of that (Patarasuk & Yuan; NCCL's ring model).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.plan.cluster import ClusterSpec
@@ -247,184 +248,361 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     return _stage_costs(model, cluster, alike, stages, replicas, tuple(layers))
 
 
-@lru_cache(maxsize=8192)
-def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int,
-                 layers: tuple[int, ...]) -> StageCosts:
-    b, t, h, s = layout.microbatch, layout.tp, model.hidden, model.seq
-    starts = [sum(layers[:st]) for st in range(stages)]
+_Collective = Callable[[float, int, float, float], float]
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """What every stage and block of one layout shares, worked out once so each helper prices a quantity the
+    same way: the tp group's rate, the links, and a block's own overheads and tensor-parallel collectives."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    layout: Layout
+    q: int  # 3-D tp: q with q³ = tp; 0 for 1-D
+    rate: float  # FLOP/s of the tp group
+    gather: _Collective  # ZeRO's and the tp hop's all-gather (gloo: as slow as an all-reduce)
+    act: float  # bytes of one [b, s, h] activation
+    tp_link: tuple[float, float]  # (bandwidth, latency) of the tp group's all-reduces
+    dp_link: tuple[float, float]  # and of the dp group's collectives (the experts' dp/ep replicas alike)
+    pp_link: tuple[float, float]  # and of a pipeline hop (the stage replicas' all-reduce too)
+    expert_dp: int  # the ranks holding the same experts
+    core: float  # a block's attention-core forward FLOPs
+    fixed: float  # per pass of a block (F 1, B 2, I 1 + W 1): its overhead and 1-D tp's own work
+    flash_backward: float  # a fused attention kernel's backward recomputing QKᵀ
+    tp_block_fwd: float  # a block's tensor-parallel collectives in the forward
+    tp_block_bwd: float  # and in the backward
+
+
+def _layout_terms(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Terms:
+    """The shared terms of `layout` on `cluster` (`_Terms`)."""
+    b, t = layout.microbatch, layout.tp
     q = tp_degree_3d(t) if layout.tp_mode == "3d" else 0
-    sp, fused, mode = layout.sp, layout.fused, layout.recompute
-    rate = cluster.peak_flops * cluster.gemm_efficiency * t  # FLOP/s of the tp group
+    rate = cluster.peak_flops * cluster.gemm_efficiency * t
+    act = BYTES_FP16 * b * model.seq * model.hidden
+    # one block: GEMMs and attention at the tp group's rate, the memory-bound kernels streaming what it stores
+    core = model.attention_core_flops(b)
+    own = cluster.sp_own if layout.sp else cluster.tp_own
+    tp_own = own[0] + b * own[1] if t > 1 and not q else 0.0
+    fixed = (cluster.layer_overhead + tp_own) / 3
+    flash_backward = core / 2 / rate if layout.fused else 0.0
+    tp_block_fwd, tp_block_bwd = _tp_block_collectives(model, cluster, layout, q, act)
+    return _Terms(model, cluster, layout, q, rate, _zero_gather(cluster), act, cluster.tp_link(t),
+                  cluster.link(t * layout.dp), _pipeline_link(cluster, layout), layout.dp // layout.ep, core, fixed,
+                  flash_backward, tp_block_fwd, tp_block_bwd)
 
-    gather = all_reduce if cluster.all_gather_as_all_reduce else all_gather  # gloo: as slow as an all-reduce
-    act = BYTES_FP16 * b * s * h  # one [b, s, h] activation
+
+def _zero_gather(cluster: ClusterSpec) -> _Collective:
+    """The all-gather ZeRO and the tp pipeline hop run: gloo's is as slow as an all-reduce."""
+    return all_reduce if cluster.all_gather_as_all_reduce else all_gather
+
+
+def _sp_gather(cluster: ClusterSpec, t: int, size: float) -> float:
+    """One of sequence parallelism's all-gathers (or reduce-scatters): as calibration timed them inside a step
+    where it did, else a ring over the tp link."""
+    if cluster.tp_gather[1] > 0:
+        return all_gather(size, t, *cluster.tp_link(t, gather=True))
+    return _zero_gather(cluster)(size, t, *cluster.tp_link(t))
+
+
+def _tp_block_collectives(model: ModelSpec, cluster: ClusterSpec, layout: Layout, q: int,
+                          act: float) -> tuple[float, float]:
+    """Seconds of one block's tensor-parallel collectives in its forward and in its backward, as the runtime's
+    1-D (with or without SP) or 3-D tensor parallelism issues them."""
+    t, h, sp = layout.tp, model.hidden, layout.sp
     tp_bw, tp_lat = cluster.tp_link(t)
-    in_step_gathers = cluster.tp_gather[1] > 0  # calibrated: SP's gathers and scatters priced as timed in a step
-    gather_bw, gather_lat = cluster.tp_link(t, gather=True)
-
-    def sp_gather(n: float) -> float:
-        return all_gather(n, t, gather_bw, gather_lat) if in_step_gathers else gather(n, t, tp_bw, tp_lat)
-
     if q:  # per block: activations 16·[b,s,h], weights 12h²; (q-1)/q³ of each moved, 3 collectives per linear
         moved = (q - 1) / q ** 3 * (16 * act + BYTES_FP16 * 12 * h * h)
         tp_block_fwd = moved / tp_bw + 12 * (q - 1) * tp_lat
-        tp_block_bwd = tp_block_fwd
-    else:  # two all-reduces, or with SP two all-gathers + two reduce-scatters: the same ring time (on NCCL)
-        tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat)
-        if sp and in_step_gathers:
-            tp_block_fwd = tp_block_bwd = 4 * sp_gather(act)
-        elif sp and cluster.reduce_scatter_as_all_reduce:  # gloo: each reduce-scatter an all-reduce
-            tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat) + 2 * sp_gather(act)
-        if sp and model.hf:  # torch's SP: each norm weight's Partial gradient all-reduced as it is computed
-            tp_block_bwd += 2 * all_reduce(BYTES_FP16 * h, t, tp_bw, tp_lat)
-        elif sp:  # Megatron's SP (tp1d.py): the column-parallel inputs, kept as shards, gathered again
-            tp_block_bwd += 2 * sp_gather(act)
+        return tp_block_fwd, tp_block_fwd
+    # two all-reduces, or with SP two all-gathers + two reduce-scatters: the same ring time (on NCCL)
+    tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat)
+    if sp and cluster.tp_gather[1] > 0:  # calibrated: SP's gathers and scatters priced as timed in a step
+        tp_block_fwd = tp_block_bwd = 4 * _sp_gather(cluster, t, act)
+    elif sp and cluster.reduce_scatter_as_all_reduce:  # gloo: each reduce-scatter an all-reduce
+        tp_block_fwd = tp_block_bwd = 2 * all_reduce(act, t, tp_bw, tp_lat) + 2 * _sp_gather(cluster, t, act)
+    if sp and model.hf:  # torch's SP: each norm weight's Partial gradient all-reduced as it is computed
+        tp_block_bwd += 2 * all_reduce(BYTES_FP16 * h, t, tp_bw, tp_lat)
+    elif sp:  # Megatron's SP (tp1d.py): the column-parallel inputs, kept as shards, gathered again
+        tp_block_bwd += 2 * _sp_gather(cluster, t, act)
+    return tp_block_fwd, tp_block_bwd
 
-    dp_bw, dp_lat = cluster.link(t * layout.dp)
-    pp_hops_cross_nodes = layout.gpus > cluster.gpus_per_node
-    pp_bw, pp_lat = (cluster.inter_bandwidth, cluster.inter_latency) if pp_hops_cross_nodes else \
-        (cluster.intra_bandwidth, cluster.intra_latency)
-    message = pp_lat + act / t / pp_bw
-    if t > 1 and not q and not sp:  # Megatron's scatter/gather; with SP a stage passes its sequence shard
-        message += gather(act, t, *cluster.link(t))
 
-    # one block: GEMMs and attention at the tp group's rate, the memory-bound kernels streaming what it stores
-    core = model.attention_core_flops(b)
-    # per pass of a block: F 1, B 2 (I 1 + W 1); a 1-D tensor-parallel block's own work with it
-    own = cluster.sp_own if sp else cluster.tp_own
-    tp_own = own[0] + b * own[1] if t > 1 and not q else 0.0
-    fixed = (cluster.layer_overhead + tp_own) / 3
-    flash_backward = core / 2 / rate if fused else 0.0  # a fused kernel's backward recomputes QKᵀ
-    ep = layout.ep
-    ep_bw, ep_lat = cluster.link(t * ep)  # ep ranks are dp ranks, t apart
-    # an MoE block runs on its tp rank's share of the tokens (parallel/moe_tp.py): its all-to-alls carry 1/t of the
-    # microbatch; without SP the share is taken and its outputs all-gathered (the gradients likewise, backward) in
-    # place of the MLP's all-reduce; with SP the share is the sequence shard, and the MLP's collectives go
-    tokens = b * s / t
-    moe_tp = 0.0 if sp or t == 1 else gather(act, t, tp_bw, tp_lat)
+def _pipeline_link(cluster: ClusterSpec, layout: Layout) -> tuple[float, float]:
+    """(bandwidth, latency) of a pipeline hop: InfiniBand once the layout spans more than a node."""
+    if layout.gpus > cluster.gpus_per_node:
+        return cluster.inter_bandwidth, cluster.inter_latency
+    return cluster.intra_bandwidth, cluster.intra_latency
 
-    def kind(moe: bool) -> _Block:
-        stored = model.layer_activation_bytes(b, t, "none", sp, fused, moe)
-        # the tp group's FLOPs (at `rate`, the group's): what every tp rank runs whole counts t times
-        flops = model.layer_flops(b, moe) + (t - 1) * model.tp_whole_flops(b)
-        block = flops / rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
-        a2a = 2 * all_to_all(moe_all_to_all_bytes(model, tokens, ep), ep, ep_bw, ep_lat) if moe else 0.0
-        tp_f, tp_b = (tp_block_fwd / 2 + moe_tp, tp_block_bwd / 2 + moe_tp) if moe else (tp_block_fwd, tp_block_bwd)
-        if mode == "full":
-            again = block + fixed + tp_f
-        elif mode == "selective":  # what it recomputes, and the memory-bound kernels on what it no longer stores
-            dropped = stored - model.layer_activation_bytes(b, t, "selective", sp, fused, moe)
-            again = model.recomputed_flops("selective", fused, b) / rate + \
-                dropped * cluster.activation_passes / cluster.hbm_bandwidth
-            if model.hf:  # the attention module again, with its collective (all-reduce, or all-gather + reduce-scatter)
-                again += tp_block_fwd / 2
-        else:
-            again = 0.0
-        if not moe:
-            return _Block(flops, block, again, model.layer_params_per_gpu(t), 0.0, 0.0, 0.0, tp_f, tp_b)
-        per_gpu = model.moe_block_params_per_gpu(t, ep)
-        summed = model.moe_mlp_params_per_gpu(ep) if t > 1 else 0.0
-        return _Block(flops, block, again, per_gpu, model.moe_layer_expert_params / ep, a2a,
-                      a2a if mode == "full" else 0.0, tp_f, tp_b, summed)
 
-    kinds = {False: kind(False)}
+def _pipeline_message(terms: _Terms) -> float:
+    """Seconds of one pipeline hop: a [b, s, h]/t message, then (1-D tp without SP) Megatron's all-gather of it
+    inside the node; with SP a stage passes its sequence shard."""
+    t, (pp_bw, pp_lat) = terms.layout.tp, terms.pp_link
+    message = pp_lat + terms.act / t / pp_bw
+    if t > 1 and not terms.q and not terms.layout.sp:
+        message += terms.gather(terms.act, t, *terms.cluster.link(t))
+    return message
+
+
+def _block_kind(terms: _Terms, moe: bool) -> _Block:
+    """One dense or MoE block as one GPU runs it: every block of a kind costs the same, so it is priced once."""
+    model, cluster, layout = terms.model, terms.cluster, terms.layout
+    b, t = layout.microbatch, layout.tp
+    stored = model.layer_activation_bytes(b, t, "none", layout.sp, layout.fused, moe)
+    # the tp group's FLOPs (at `rate`, the group's): what every tp rank runs whole counts t times
+    flops = model.layer_flops(b, moe) + (t - 1) * model.tp_whole_flops(b)
+    block = flops / terms.rate + stored * cluster.activation_passes / cluster.hbm_bandwidth
+    if not moe:
+        again = _recomputed(terms, moe, stored, block + terms.fixed + terms.tp_block_fwd)
+        return _Block(flops, block, again, model.layer_params_per_gpu(t), 0.0, 0.0, 0.0, terms.tp_block_fwd,
+                      terms.tp_block_bwd)
+    # an MoE block runs on its tp rank's share of the tokens (parallel/moe_tp.py): without SP the share is taken
+    # and its outputs all-gathered (the gradients likewise, backward) in place of the MLP's all-reduce; with SP
+    # the share is the sequence shard, and the MLP's collectives go
+    moe_tp = 0.0 if layout.sp or t == 1 else terms.gather(terms.act, t, *terms.tp_link)
+    tp_f, tp_b = terms.tp_block_fwd / 2 + moe_tp, terms.tp_block_bwd / 2 + moe_tp
+    a2a = _moe_exchange(terms)
+    again = _recomputed(terms, moe, stored, block + terms.fixed + tp_f)
+    summed = model.moe_mlp_params_per_gpu(layout.ep) if t > 1 else 0.0
+    return _Block(flops, block, again, model.moe_block_params_per_gpu(t, layout.ep),
+                  model.moe_layer_expert_params / layout.ep, a2a, a2a if layout.recompute == "full" else 0.0, tp_f,
+                  tp_b, summed)
+
+
+def _moe_exchange(terms: _Terms) -> float:
+    """Seconds of an MoE block's forward all-to-alls (dispatch, combine) over its ep ranks (dp ranks, t apart),
+    each carrying its tp rank's 1/t of the microbatch's tokens."""
+    model, layout = terms.model, terms.layout
+    ep, t = layout.ep, layout.tp
+    ep_bw, ep_lat = terms.cluster.link(t * ep)
+    tokens = layout.microbatch * model.seq / t
+    return 2 * all_to_all(moe_all_to_all_bytes(model, tokens, ep), ep, ep_bw, ep_lat)
+
+
+def _recomputed(terms: _Terms, moe: bool, stored: float, full: float) -> float:
+    """Seconds a block runs again in its backward: the whole forward (`full`) under full recomputation; under
+    selective what it recomputes and the memory-bound kernels on what it no longer stores."""
+    model, cluster, layout = terms.model, terms.cluster, terms.layout
+    if layout.recompute == "full":
+        return full
+    if layout.recompute != "selective":
+        return 0.0
+    b, t = layout.microbatch, layout.tp
+    dropped = stored - model.layer_activation_bytes(b, t, "selective", layout.sp, layout.fused, moe)
+    again = model.recomputed_flops("selective", layout.fused, b) / terms.rate + \
+        dropped * cluster.activation_passes / cluster.hbm_bandwidth
+    if model.hf:  # the attention module again, with its collective (all-reduce, or all-gather + reduce-scatter)
+        again += terms.tp_block_fwd / 2
+    return again
+
+
+@dataclass(frozen=True)
+class _StageWork:
+    """One stage's blocks (and the embedding on the first, the head on the last) summed, per microbatch on one
+    GPU: what its F, B, I, W and its once-a-step terms are made of."""
+
+    blocks: tuple[_Block, ...]  # in forward order
+    gemm: float  # the tp group's forward FLOPs outside the attention cores, the head's included
+    params: float  # parameters per GPU (over tp, the routed experts over ep)
+    experts: float  # of which routed experts
+    summed: float  # parameters whose gradient each tp rank holds part of
+    head: float  # the head's forward seconds (last stage)
+    fwd: float  # forward seconds of the blocks and the head
+    blocks_tp_fwd: float  # the blocks' tensor-parallel collectives in the forward
+    tp_fwd: float  # and with the embedding's and the cross-entropy's
+    tp_bwd: float  # the blocks' tensor-parallel collectives in the backward
+    recompute: float  # seconds recomputed in the backward
+    a2a_f: float  # all-to-alls in the forward: dispatch + combine of each MoE block
+    a2a_b: float  # and in the backward: their gradients (+ a recomputed forward's)
+
+
+def _stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, embed_first: bool,
+                head_last: bool) -> _StageWork:
+    """Sum the `n` blocks from layer `first` by kind, and add the embedding and head where the stage holds them."""
+    model, layout = terms.model, terms.layout
+    b, t, h = layout.microbatch, layout.tp, model.hidden
+    blocks = tuple(kinds[model.is_moe_layer(i)] for i in range(first, first + n))
+    n_moe = model.moe_layers_in(first, n)
+    counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
+    gemm = sum(c * (k.flops - terms.core) for c, k in counts)
+    params = sum(c * k.params for c, k in counts)  # per GPU: over tp, the routed experts over ep
+    head = 0.0
+    if embed_first:
+        params += model.embedding_params / t
+    if head_last:
+        head = model.logit_flops(b) / terms.rate
+        gemm += model.logit_flops(b)
+        params += (model.vocab * h + 2 * h) / t  # the output layer (the GPT's copy of the word embedding), norm
+    blocks_tp_fwd = sum(c * k.tp_fwd for c, k in counts)
+    a2a_f = sum(c * k.a2a for c, k in counts)
+    return _StageWork(blocks, gemm, params,
+                      experts=sum(c * k.experts for c, k in counts),
+                      summed=sum(c * k.summed for c, k in counts),
+                      head=head,
+                      fwd=sum(c * (k.block + terms.fixed) for c, k in counts) + head,
+                      blocks_tp_fwd=blocks_tp_fwd,
+                      tp_fwd=_stage_tp_forward(terms, blocks_tp_fwd, embed_first, head_last),
+                      tp_bwd=sum(c * k.tp_bwd for c, k in counts),
+                      recompute=sum(c * k.again for c, k in counts),
+                      a2a_f=a2a_f,
+                      a2a_b=a2a_f + sum(c * k.a2a_again for c, k in counts))
+
+
+def _stage_tp_forward(terms: _Terms, blocks_tp_fwd: float, embed_first: bool, head_last: bool) -> float:
+    """The stage's tensor-parallel seconds in the forward: its blocks', and 1-D tp's vocabulary-parallel embedding
+    and cross-entropy where it holds them."""
+    t, b = terms.layout.tp, terms.layout.microbatch
+    tp_bw, tp_lat = terms.tp_link
+    tp_fwd = blocks_tp_fwd
+    if t > 1 and not terms.q and embed_first:  # the vocabulary-parallel embedding sums its partial lookups
+        tp_fwd += all_reduce(terms.act, t, tp_bw, tp_lat)
+    if t > 1 and not terms.q and head_last:  # vocabulary-parallel cross-entropy: max, Σexp, target logit
+        tp_fwd += 3 * all_reduce(4 * b * terms.model.seq, t, tp_bw, tp_lat)
+    return tp_fwd
+
+
+def _block_forward(terms: _Terms, k: _Block) -> float:
+    """Seconds of one block's F: what a ZeRO-3 prefetch of the next unit overlaps."""
+    return k.block + terms.fixed + k.tp_fwd + k.a2a
+
+
+def _block_backward(terms: _Terms, k: _Block) -> float:
+    """Seconds of one block's B."""
+    return 2 * (k.block + terms.fixed) + terms.flash_backward + k.tp_bwd + k.again + k.a2a + k.a2a_again
+
+
+def _block_input_grad(terms: _Terms, k: _Block) -> float:
+    """Seconds of one block's I, a split backward's extra work included."""
+    split = (terms.cluster.split_backward - 1) * 3 * (k.block + terms.fixed) / 2
+    return ((k.flops + terms.core) / terms.rate + terms.fixed + split + terms.flash_backward + k.tp_bwd + k.again
+            + k.a2a + k.a2a_again)
+
+
+def _param_gather(terms: _Terms, dense: float, experts: float) -> float:
+    """Seconds to all-gather `dense` parameters over dp and `experts` routed-expert parameters over their own
+    dp/ep replicas (ZeRO-3's unit gathers, ZeRO 1-2's after the step)."""
+    dp_bw, dp_lat = terms.dp_link
+    return (terms.gather(PARAM_BYTES * dense, terms.layout.dp, dp_bw, dp_lat)
+            + (terms.gather(PARAM_BYTES * experts, terms.expert_dp, dp_bw, dp_lat) if experts else 0.0))
+
+
+def _stage_zero3(terms: _Terms, work: _StageWork, embed_first: bool, head_last: bool) -> Zero3Exposed:
+    """A stage's exposed ZeRO-3 gathers, unit by unit (embedding, each block, head); none below ZeRO-3."""
+    model, layout = terms.model, terms.layout
+    if layout.zero < 3:
+        return Zero3Exposed()
+    t, h = layout.tp, model.hidden
+    dp_bw, dp_lat = terms.dp_link
+    g = [_param_gather(terms, k.params - k.experts, k.experts) for k in work.blocks]
+    if embed_first:
+        g = [terms.gather(PARAM_BYTES * model.embedding_params / t, layout.dp, dp_bw, dp_lat)] + g
+    if head_last:
+        g = g + [terms.gather(PARAM_BYTES * (model.vocab * h + 2 * h) / t, layout.dp, dp_bw, dp_lat)]
+    lead, tail = [0.0] if embed_first else [], [work.head] if head_last else []  # the embedding, the head
+    return zero3_exposed(g, lead + [_block_forward(terms, k) for k in work.blocks] + tail,
+                         lead + [_block_backward(terms, k) for k in work.blocks] + [2 * x for x in tail],
+                         lead + [_block_input_grad(terms, k) for k in work.blocks] + tail, layout.reshard)
+
+
+def _op_times(terms: _Terms, work: _StageWork, z: Zero3Exposed) -> tuple[float, float, float, float]:
+    """Seconds of the stage's F, B, I and W of one microbatch: compute, collectives on the critical path, the
+    exposed ZeRO-3 gathers and the per-op overhead."""
+    n, op, fb = len(work.blocks), terms.cluster.op_overhead, terms.flash_backward
+    F = work.fwd + work.tp_fwd + z.F + op + work.a2a_f
+    B = 2 * work.fwd + n * fb + work.tp_bwd + work.recompute + z.B + op + work.a2a_b
+    stage_split = (terms.cluster.split_backward - 1) * 3 * work.fwd / 2
+    I = ((work.gemm + 2 * n * terms.core) / terms.rate + n * (terms.fixed + fb) + stage_split + work.tp_bwd
+         + work.recompute + z.I + op + work.a2a_b)
+    W = work.gemm / terms.rate + n * terms.fixed + stage_split + z.W + op
+    return F, B, I, W
+
+
+def _gradient_sync(terms: _Terms, work: _StageWork, replicas: int) -> tuple[float, float]:
+    """Seconds of the stage's gradient reduction at REDUCE_GRAD (replicas, MoE parts over tp, then dp: all-reduce,
+    or ZeRO's reduce-scatter) and of ZeRO 1-2's parameter all-gather after the step."""
+    layout, cluster = terms.layout, terms.cluster
+    dp_bw, dp_lat = terms.dp_link
+    grad = state_bytes("bf16", layout.grads).grad  # reduced in the dtype they accumulate in
+    p_gpu, experts = work.params, work.experts
+    grad_bytes = grad * (p_gpu - experts)
+    replica = all_reduce(grad * p_gpu, replicas, *terms.pp_link)
+    replica += all_reduce(grad * work.summed, layout.tp, *terms.tp_link) if work.summed else 0.0
+    if layout.zero == 0:  # the experts' gradients over their own replicas (dp/ep), the rest over dp
+        return (replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat)
+                + (all_reduce(grad * experts, terms.expert_dp, dp_bw, dp_lat) if experts else 0.0)), 0.0
+    # reduce-scatter at REDUCE_GRAD (ZeRO's reduce="step"), overlapping the rest of the cooldown
+    scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
+    reduce = (replica + scatter(grad_bytes, layout.dp, dp_bw, dp_lat)
+              + (scatter(grad * experts, terms.expert_dp, dp_bw, dp_lat) if experts else 0.0))
+    return reduce, (_param_gather(terms, p_gpu - experts, experts) if layout.zero < 3 else 0.0)
+
+
+def _optimizer_step(terms: _Terms, work: _StageWork) -> float:
+    """Seconds of the stage's Adam step, memory-bound, over the parameters its rank updates (a 1/dp shard with
+    ZeRO)."""
+    p_gpu, experts = work.params, work.experts
+    shard = (p_gpu - experts) / terms.layout.dp + experts / terms.expert_dp if terms.layout.zero >= 1 else p_gpu
+    return shard * ADAM_BYTES_PER_PARAM / terms.cluster.hbm_bandwidth
+
+
+def _tp_recomputed(terms: _Terms, work: _StageWork) -> float:
+    """Tensor-parallel seconds a recomputed forward adds to the stage's backward."""
+    if terms.layout.recompute == "full":
+        return work.blocks_tp_fwd
+    if terms.layout.recompute == "selective" and terms.model.hf:
+        return len(work.blocks) * terms.tp_block_fwd / 2
+    return 0.0
+
+
+class _StageRow(NamedTuple):
+    """One stage's entry of each per-stage field of `StageCosts` (named alike)."""
+
+    F: float
+    B: float
+    I: float  # noqa: E741 - the papers' name
+    W: float
+    reduce: float
+    after_step: float
+    step: float
+    stage_params: float
+    tp_comm: float
+    zero_gather: float
+    waits: dict[str, float]
+    all_to_all: float
+    expert_params: float
+    exchanges: tuple[float, float]
+    step_gather: float
+    unit_pairs: float
+
+
+def _stage_row(terms: _Terms, kinds: dict[bool, _Block], layers: tuple[int, ...], st: int, stages: int,
+               replicas: int) -> _StageRow:
+    """Every per-stage cost of stage `st` (`StageCosts`'s fields but the message)."""
+    first, n = sum(layers[:st]), layers[st]
+    embed_first, head_last = st == 0, st == stages - 1
+    work = _stage_work(terms, kinds, first, n, embed_first, head_last)
+    z = _stage_zero3(terms, work, embed_first, head_last)
+    F, B, I, W = _op_times(terms, work, z)
+    reduce, after = _gradient_sync(terms, work, replicas)
+    tp_again = _tp_recomputed(terms, work)
+    units = piece_params(terms.model, terms.layout)[0][0 if embed_first else first + 1:first + n + 1 + head_last]
+    waits = {"F": work.tp_fwd + z.F + work.a2a_f, "B": work.tp_bwd + tp_again + z.B + work.a2a_b,
+             "I": work.tp_bwd + tp_again + z.I + work.a2a_b, "W": z.W}
+    return _StageRow(F, B, I, W, reduce, after, _optimizer_step(terms, work), work.params,
+                     work.tp_fwd + work.tp_bwd + tp_again, z.F + z.B, waits, work.a2a_f + work.a2a_b, work.experts,
+                     (work.a2a_f, work.a2a_b), z.once, unit_pair(units))
+
+
+@lru_cache(maxsize=8192)
+def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int,
+                 layers: tuple[int, ...]) -> StageCosts:
+    """`stage_costs` on a layout stripped of what the costs do not depend on, so the cache hits across schedules.
+    Each kind of block is priced once, then every stage sums its own."""
+    terms = _layout_terms(model, cluster, layout)
+    kinds = {False: _block_kind(terms, False)}
     if model.moe:
-        kinds[True] = kind(True)
-    expert_dp = layout.dp // ep  # the ranks holding the same experts
-    expert_bw, expert_lat = dp_bw, dp_lat
-
-    F, B, I, W, reduce, after, step, psi, tpc, zg, waits, a2a_time, expert_psi, exchanges, once, pairs = \
-        ([] for _ in range(16))
-    for st in range(stages):
-        n, first = layers[st], starts[st]
-        blocks = [kinds[model.is_moe_layer(i)] for i in range(first, first + n)]
-        n_moe = model.moe_layers_in(first, n)
-        counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
-        gemm = sum(c * (k.flops - core) for c, k in counts)
-        p_gpu = sum(c * k.params for c, k in counts)  # per GPU: over tp, the routed experts over ep
-        experts = sum(c * k.experts for c, k in counts)
-        summed = sum(c * k.summed for c, k in counts)
-        head = 0.0
-        if st == 0:
-            p_gpu += model.embedding_params / t
-        if st == stages - 1:
-            head = model.logit_flops(b) / rate
-            gemm += model.logit_flops(b)
-            p_gpu += (model.vocab * h + 2 * h) / t  # the output layer (the GPT's copy of the word embedding), norm
-        blocks_tp_fwd = sum(c * k.tp_fwd for c, k in counts)
-        tp_fwd = blocks_tp_fwd
-        if t > 1 and not q and st == 0:  # the vocabulary-parallel embedding sums its partial lookups
-            tp_fwd += all_reduce(act, t, tp_bw, tp_lat)
-        if t > 1 and not q and st == stages - 1:  # vocabulary-parallel cross-entropy: max, Σexp, target logit
-            tp_fwd += 3 * all_reduce(4 * b * s, t, tp_bw, tp_lat)
-        tp_bwd = sum(c * k.tp_bwd for c, k in counts)
-        fwd = sum(c * (k.block + fixed) for c, k in counts) + head
-        recompute = sum(c * k.again for c, k in counts)
-        a2a_f = sum(c * k.a2a for c, k in counts)  # dispatch + combine of each MoE block
-        a2a_b = a2a_f + sum(c * k.a2a_again for c, k in counts)  # their gradients (+ a recomputed forward's)
-        op = cluster.op_overhead
-
-        def layer_f(k: _Block) -> float:
-            return k.block + fixed + k.tp_fwd + k.a2a
-
-        def layer_b(k: _Block) -> float:
-            return 2 * (k.block + fixed) + flash_backward + k.tp_bwd + k.again + k.a2a + k.a2a_again
-
-        def layer_i(k: _Block) -> float:
-            split = (cluster.split_backward - 1) * 3 * (k.block + fixed) / 2  # a split backward's extra work
-            return ((k.flops + core) / rate + fixed + split + flash_backward + k.tp_bwd + k.again + k.a2a
-                    + k.a2a_again)
-
-        embed_first, head_last = st == 0, st == stages - 1
-        pairs.append(unit_pair(piece_params(model, layout)[0][0 if embed_first else first + 1:
-                                                                first + n + 1 + head_last]))
-        z = Zero3Exposed()
-        if layout.zero >= 3:  # per unit (embedding, each block, head)
-            g = [gather(PARAM_BYTES * (k.params - k.experts), layout.dp, dp_bw, dp_lat)
-                 + (gather(PARAM_BYTES * k.experts, expert_dp, expert_bw, expert_lat) if k.experts else 0.0)
-                 for k in blocks]
-            if embed_first:
-                g = [gather(PARAM_BYTES * model.embedding_params / t, layout.dp, dp_bw, dp_lat)] + g
-            if head_last:
-                g = g + [gather(PARAM_BYTES * (model.vocab * h + 2 * h) / t, layout.dp, dp_bw, dp_lat)]
-            lead, tail = [0.0] if embed_first else [], [head] if head_last else []  # the embedding, the head
-            z = zero3_exposed(g, lead + [layer_f(k) for k in blocks] + tail,
-                              lead + [layer_b(k) for k in blocks] + [2 * x for x in tail],
-                              lead + [layer_i(k) for k in blocks] + tail, layout.reshard)
-        F.append(fwd + tp_fwd + z.F + op + a2a_f)
-        B.append(2 * fwd + n * flash_backward + tp_bwd + recompute + z.B + op + a2a_b)
-        stage_split = (cluster.split_backward - 1) * 3 * fwd / 2
-        I.append((gemm + 2 * n * core) / rate + n * (fixed + flash_backward) + stage_split + tp_bwd + recompute
-                 + z.I + op + a2a_b)
-        W.append(gemm / rate + n * fixed + stage_split + z.W + op)
-        grad = state_bytes("bf16", layout.grads).grad  # reduced in the dtype they accumulate in
-        grad_bytes = grad * (p_gpu - experts)
-        replica = all_reduce(grad * p_gpu, replicas, pp_bw, pp_lat)
-        replica += all_reduce(grad * summed, t, tp_bw, tp_lat) if summed else 0.0  # MoE blocks' parts, over tp
-        scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
-        if layout.zero == 0:  # the experts' gradients over their own replicas (dp/ep), the rest over dp
-            reduce.append(replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat)
-                          + (all_reduce(grad * experts, expert_dp, expert_bw, expert_lat) if experts else 0.0))
-            after.append(0.0)
-        else:  # reduce-scatter at REDUCE_GRAD (ZeRO's reduce="step"), overlapping the rest of the cooldown
-            reduce.append(replica + scatter(grad_bytes, layout.dp, dp_bw, dp_lat)
-                          + (scatter(grad * experts, expert_dp, expert_bw, expert_lat) if experts else 0.0))
-            after.append((gather(PARAM_BYTES * (p_gpu - experts), layout.dp, dp_bw, dp_lat)
-                          + (gather(PARAM_BYTES * experts, expert_dp, expert_bw, expert_lat) if experts else 0.0))
-                         if layout.zero < 3 else 0.0)
-        shard = (p_gpu - experts) / layout.dp + experts / expert_dp if layout.zero >= 1 else p_gpu
-        step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
-        psi.append(p_gpu)
-        expert_psi.append(experts)
-        tp_again = (blocks_tp_fwd if mode == "full" else n * tp_block_fwd / 2 if mode == "selective" and model.hf
-                    else 0.0)
-        tpc.append(tp_fwd + tp_bwd + tp_again)
-        zg.append(z.F + z.B)
-        once.append(z.once)
-        a2a_time.append(a2a_f + a2a_b)
-        exchanges.append((a2a_f, a2a_b))
-        waits.append({"F": tp_fwd + z.F + a2a_f, "B": tp_bwd + tp_again + z.B + a2a_b,
-                      "I": tp_bwd + tp_again + z.I + a2a_b, "W": z.W})
-    return StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
-                      tuple(psi), tuple(tpc), tuple(zg), tuple(waits), tuple(a2a_time), tuple(expert_psi),
-                      tuple(exchanges), tuple(once), tuple(pairs))
+        kinds[True] = _block_kind(terms, True)
+    rows = [_stage_row(terms, kinds, layers, st, stages, replicas) for st in range(stages)]
+    columns = {name: tuple(getattr(row, name) for row in rows) for name in _StageRow._fields}
+    return StageCosts(message=_pipeline_message(terms), **columns)
