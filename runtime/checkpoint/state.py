@@ -53,7 +53,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -577,6 +577,64 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any,
     stages = pipe.local_stages()
     prog = pipe.program
     zeros, plain = _optimizers(pipe, optimizer)
+    retp = _retp_needed(manifest, saved_par, par, stages, zeros)
+    described = {s: _describe(m, zeros.get(s)) for s, m in stages.items()}
+    moves = _partition_moves(manifest, stages, prog.num_stages, 0 if retp else tp, described, saved_par, par,
+                             everywhere)
+    parts = manifest["parts"]
+    held = _held_parts(parts, retp, tp)
+    read = part_reader(path)
+    want_opt = optimizer is not None
+    _check_optimizer_count(parts, plain, zeros, want_opt, held.sliced, retp)
+    src = _Source(path, parts, read, held, dp, tp, par["tp"], saved_par.get("ep", 1), want_opt, retp)
+    full: dict[int, FullState] = {}  # stage -> full-size state reassembled from ZeRO slices
+    finish: list[ZeroOptimizer] = []
+    if moves is not None:
+        full = _load_moved(stages, zeros, plain, moves, src)
+    else:
+        for s, module in sorted(stages.items()):
+            _load_stage(s, module, zeros.get(s), src, full, finish)
+    if want_opt:
+        for k, opt in enumerate(plain):
+            _load_optimizer(opt, k, stages, held.dense, full, read)
+    saved, own = _restore_rank_state(pipe, lay, parts, read, optimizer)
+    sched = manifest["schedule"]
+    now = _program_fingerprint(prog)
+    restored = Restored(step=info.step, path=path, extra=saved.get("extra"),
+                        shards=saved.get("shards") if own else None,
+                        saved_schedule=schedule_name(manifest), schedule_changed=sched.get("fingerprint") != now,
+                        rng_restored=own, partition_changed=moves is not None)
+    return restored, _syncing(finish)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """Which saved part holds each stage at this rank's tp coordinate, by how it was saved."""
+
+    dense: dict[int, tuple[dict[str, Any], str]]  # stage -> (part, module key): saved without ZeRO
+    buffers: dict[int, tuple[dict[str, Any], str]]  # stage -> (part, buffers key): beside ZeRO's slices
+    sliced: dict[int, dict[int, dict[str, Any]]]  # stage -> {saved dp rank: part}: ZeRO's slices
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What loading a stage reads from and where this rank sits, so each stage's loader takes one argument."""
+
+    path: Path
+    parts: list[dict[str, Any]]
+    read: Callable[[dict[str, Any]], dict[str, Any]]  # a part's contents, each part read once
+    held: _Held
+    dp: int
+    tp: int
+    tp_size: int  # this pipeline's tp size
+    saved_ep: int
+    want_opt: bool
+    retp: bool  # saved under another tp size or mode: every stage is resharded (`_retp`)
+
+
+def _retp_needed(manifest: dict[str, Any], saved_par: dict[str, Any], par: dict[str, Any],
+                 stages: dict[int, nn.Module], zeros: dict[int, ZeroOptimizer]) -> bool:
+    """Whether the tp layout differs from the saved one; refused unless both sides can reshard (DTensor stages)."""
     retp = (saved_par["tp"], saved_par["tp_mode"]) != (par["tp"], par["tp_mode"])
     if retp and not _tp_reshardable(manifest, saved_par, par, stages, zeros):
         raise CheckpointError(f"the checkpoint (step {manifest['step']}, {schedule_name(manifest)}) was saved with "
@@ -584,16 +642,25 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any,
                               f"({par['tp_mode']}): the tp sizes differ, and these tensor-parallel shards load only "
                               f"under the same tp size and layout (DTensor stages, parallel/tp_hf.py, load under "
                               f"any 1-D tp)")
-    described = {s: _describe(m, zeros.get(s)) for s, m in stages.items()}
-    moves = None
+    return retp
+
+
+def _partition_moves(manifest: dict[str, Any], stages: dict[int, nn.Module], num_stages: int, tp: int,
+                     described: dict[int, dict[str, list]], saved_par: dict[str, Any], par: dict[str, Any],
+                     everywhere: list[set[str] | None]) -> dict[int, dict[str, tuple[int, str]]] | None:
+    """None under the saved stage partition; under another one, where each tensor lies (`_moves`), or its error."""
     try:
-        check_partition(manifest, stages, prog.num_stages, tp=0 if retp else tp, described=described)
+        check_partition(manifest, stages, num_stages, tp=tp, described=described)
     except CheckpointError as err:  # another partition: loaded by the whole model's names where both have them
-        moves = _moves(manifest, stages, described, saved_par, par, everywhere, err)
-    parts = manifest["parts"]
-    dense: dict[int, tuple[dict[str, Any], str]] = {}  # stage -> (part, module key) at this tp coordinate
+        return _moves(manifest, stages, described, saved_par, par, everywhere, err)
+    return None
+
+
+def _held_parts(parts: list[dict[str, Any]], retp: bool, tp: int) -> _Held:
+    """Index the parts at this rank's tp coordinate by the stages they hold (the first part holding one wins)."""
+    dense: dict[int, tuple[dict[str, Any], str]] = {}
     buffers: dict[int, tuple[dict[str, Any], str]] = {}
-    sliced: dict[int, dict[int, dict[str, Any]]] = {}  # stage -> {saved dp rank: part}
+    sliced: dict[int, dict[int, dict[str, Any]]] = {}
     for part in parts:
         d, _, t = part_coords(part)
         if retp or t != tp:  # under another tp size `_retp` reads every saved tp rank's part
@@ -604,90 +671,123 @@ def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any,
             buffers.setdefault(int(key.split("/")[0]), (part, key))
         for key in part.get("zero", []):
             sliced.setdefault(int(key), {}).setdefault(d, part)
-    read = part_reader(path)
+    return _Held(dense, buffers, sliced)
+
+
+def _check_optimizer_count(parts: list[dict[str, Any]], plain: list[torch.optim.Optimizer],
+                           zeros: dict[int, ZeroOptimizer], want_opt: bool, sliced: dict[int, dict[int, Any]],
+                           retp: bool) -> None:
+    """Refuse, before loading anything, optimizers that cannot take the saved optimizer state."""
     n_saved = {p.get("optimizers", 0) for p in parts}
-    n_given = len(plain) + (1 if zeros and optimizer is not None else 0)
-    if optimizer is not None and n_saved != {n_given}:
+    n_given = len(plain) + (1 if zeros and want_opt else 0)
+    if want_opt and n_saved != {n_given}:
         raise CheckpointError(f"the checkpoint holds the state of {max(n_saved)} optimizer(s) per rank, "
                               f"{n_given} were given to load")
     if sliced and plain and len(plain) != 1:
         raise CheckpointError(f"the checkpoint holds ZeRO optimizer state, which loads into one optimizer per "
                               f"rank, not {len(plain)}")
-    want_opt = optimizer is not None
-    full: dict[int, FullState] = {}  # stage -> full-size state reassembled from ZeRO slices
-    finish: list[ZeroOptimizer] = []
     if retp and want_opt and len(plain) > 1:
         raise CheckpointError(f"loading under another tp size takes one optimizer per rank, not {len(plain)}")
-    saved_ep = saved_par.get("ep", 1)
-    if moves is not None:
-        if want_opt and len(plain) > 1:
-            raise CheckpointError(f"loading into another stage partition takes one optimizer per rank, not "
-                                  f"{len(plain)}")
-        full = _repartitioned(stages, zeros, moves, parts, read, saved_ep, want_opt, path)
-        for s, module in sorted(stages.items()):
-            _load_full(s, module, zeros.get(s), full[s], path)
-    for s, module in sorted(stages.items()) if moves is None else ():
-        z = zeros.get(s)
-        sharded = _ep_params(parts, s) | set(expert_shards(module))
-        same = False  # this rank's own ZeRO slices restore as they are
-        if s in sliced and not retp:
-            mine, first = sliced[s].get(dp), next(iter(sliced[s].values()))
-            same = z is not None and mine is not None and zero_checkpoint.restorable(z, _zero_state(read, s, first))
-        if retp:
-            full[s] = _retp(s, module, z, parts, read, tp, par["tp"], saved_ep, want_opt, path)
-            _load_full(s, module, z, full[s], path)
-        elif sharded and not same:
-            full[s] = _reep(s, module, z, parts, read, tp, saved_ep, want_opt, path)
-            _load_full(s, module, z, full[s], path)
-            if s in sliced:
-                _load_buffers(s, module, z, buffers, read, path)
-        elif s in sliced:
-            slices = sliced[s]
-            mine = slices.get(dp)
-            if same:
-                with _resharding(f"stage {s}: cannot restore the ZeRO slices of {path / mine['file']}: "):
-                    zero_checkpoint.restore(z, _zero_state(read, s, mine), want_opt)
-                finish.append(z)
-            else:
-                with _resharding(f"{path}: "):
-                    full[s] = zero_checkpoint.assemble(s, _zero_states(read, s, slices), want_opt)
-                _load_full(s, module, z, full[s], path)
-            _load_buffers(s, module, z, buffers, read, path)
-        elif s in dense:
-            part, key = dense[s]
-            if z is None:
-                try:
-                    module.load_state_dict(read(part)["modules"][key])
-                except (RuntimeError, KeyError) as err:
-                    raise CheckpointError(f"stage {s}: cannot load {path / part['file']}: {err}") from None
-            else:
-                full[s] = _from_dense(s, z, read(part), key, want_opt)
-                _load_full(s, module, z, full[s], path)
-        else:
-            raise CheckpointError(f"{path}: no part holds stage {s} at tp rank {tp}")
-    if want_opt:
-        for k, opt in enumerate(plain):
-            _load_optimizer(opt, k, stages, dense, full, read)
-    own_coords = (dp, lay.coords[1], tp)
-    own = next((p for p in parts if part_coords(p) == own_coords), None)
-    fallback = next((p for p in parts if part_coords(p) == (0, lay.coords[1], tp)), None)
+
+
+def _load_moved(stages: dict[int, nn.Module], zeros: dict[int, ZeroOptimizer], plain: list[torch.optim.Optimizer],
+                moves: dict[int, dict[str, tuple[int, str]]], src: _Source) -> dict[int, FullState]:
+    """Load every stage from a checkpoint of another partition; returns their full-size state (for the optimizer)."""
+    if src.want_opt and len(plain) > 1:
+        raise CheckpointError(f"loading into another stage partition takes one optimizer per rank, not "
+                              f"{len(plain)}")
+    full = _repartitioned(stages, zeros, moves, src.parts, src.read, src.saved_ep, src.want_opt, src.path)
+    for s, module in sorted(stages.items()):
+        _load_full(s, module, zeros.get(s), full[s], src.path)
+    return full
+
+
+def _load_stage(s: int, module: nn.Module, z: ZeroOptimizer | None, src: _Source, full: dict[int, FullState],
+                finish: list[ZeroOptimizer]) -> None:
+    """Stage `s` from however it was saved; adds its full-size state to `full` when reassembled, and its ZeRO
+    optimizer to `finish` when its own slices were restored as they are (their all-gather comes later)."""
+    sliced = src.held.sliced
+    sharded = _ep_params(src.parts, s) | set(expert_shards(module))
+    same = _own_slices_restorable(s, z, src)
+    if src.retp:
+        full[s] = _retp(s, module, z, src.parts, src.read, src.tp, src.tp_size, src.saved_ep, src.want_opt, src.path)
+        _load_full(s, module, z, full[s], src.path)
+    elif sharded and not same:
+        full[s] = _reep(s, module, z, src.parts, src.read, src.tp, src.saved_ep, src.want_opt, src.path)
+        _load_full(s, module, z, full[s], src.path)
+        if s in sliced:
+            _load_buffers(s, module, z, src.held.buffers, src.read, src.path)
+    elif s in sliced:
+        _load_sliced(s, module, z, same, src, full, finish)
+    elif s in src.held.dense:
+        _load_dense(s, module, z, src, full)
+    else:
+        raise CheckpointError(f"{src.path}: no part holds stage {s} at tp rank {src.tp}")
+
+
+def _own_slices_restorable(s: int, z: ZeroOptimizer | None, src: _Source) -> bool:
+    """Whether this rank's own ZeRO slices of stage `s` restore as they are (same dp size and units)."""
+    sliced = src.held.sliced
+    same = False
+    if s in sliced and not src.retp:
+        mine, first = sliced[s].get(src.dp), next(iter(sliced[s].values()))
+        same = z is not None and mine is not None and zero_checkpoint.restorable(z, _zero_state(src.read, s, first))
+    return same
+
+
+def _load_sliced(s: int, module: nn.Module, z: ZeroOptimizer | None, same: bool, src: _Source,
+                 full: dict[int, FullState], finish: list[ZeroOptimizer]) -> None:
+    """A stage saved with ZeRO: its own slices as they are, else reassembled from all saved slices; then buffers."""
+    path, slices = src.path, src.held.sliced[s]
+    mine = slices.get(src.dp)
+    if same:
+        with _resharding(f"stage {s}: cannot restore the ZeRO slices of {path / mine['file']}: "):
+            zero_checkpoint.restore(z, _zero_state(src.read, s, mine), src.want_opt)
+        finish.append(z)
+    else:
+        with _resharding(f"{path}: "):
+            full[s] = zero_checkpoint.assemble(s, _zero_states(src.read, s, slices), src.want_opt)
+        _load_full(s, module, z, full[s], path)
+    _load_buffers(s, module, z, src.held.buffers, src.read, path)
+
+
+def _load_dense(s: int, module: nn.Module, z: ZeroOptimizer | None, src: _Source,
+                full: dict[int, FullState]) -> None:
+    """A stage saved without ZeRO: its module state as it is, or re-sliced into a ZeRO stage."""
+    part, key = src.held.dense[s]
+    if z is None:
+        try:
+            module.load_state_dict(src.read(part)["modules"][key])
+        except (RuntimeError, KeyError) as err:
+            raise CheckpointError(f"stage {s}: cannot load {src.path / part['file']}: {err}") from None
+    else:
+        full[s] = _from_dense(s, z, src.read(part), key, src.want_opt)
+        _load_full(s, module, z, full[s], src.path)
+
+
+def _restore_rank_state(pipe: Pipeline, lay: _Layout, parts: list[dict[str, Any]], read: Any,
+                        optimizer: Any) -> tuple[dict[str, Any], bool]:
+    """RNG and training state from this rank's own part (else dp rank 0's at its (pp, tp), else rank 0's); returns
+    that part's contents and whether it was this rank's own (only then is its RNG restored)."""
+    dp, pp, tp = lay.coords
+    own = next((p for p in parts if part_coords(p) == (dp, pp, tp)), None)
+    fallback = next((p for p in parts if part_coords(p) == (0, pp, tp)), None)
     source = own or fallback or next(p for p in parts if p["rank"] == 0)
     saved = read(source)
     if own is not None:
         _set_rng_state(saved["rng"])
     _restore_training_state(pipe, optimizer, saved.get("training"))
-    sched = manifest["schedule"]
-    now = _program_fingerprint(prog)
-    restored = Restored(step=info.step, path=path, extra=saved.get("extra"),
-                        shards=saved.get("shards") if own is not None else None,
-                        saved_schedule=schedule_name(manifest), schedule_changed=sched.get("fingerprint") != now,
-                        rng_restored=own is not None, partition_changed=moves is not None)
+    return saved, own is not None
+
+
+def _syncing(finish: list[ZeroOptimizer]) -> Callable[[], None]:
+    """The collectives `load` runs once every rank loaded without error: ZeRO's all-gathers of restored slices."""
 
     def collectives() -> None:
         for z in finish:  # stages in order, the same on every dp rank
             z.sync_parameters()
 
-    return restored, collectives
+    return collectives
 
 
 def _moves(manifest: dict[str, Any], stages: dict[int, nn.Module], described: dict[int, dict[str, list]],
