@@ -60,38 +60,56 @@ def par_group(par: nn.Module):
 
 
 def tp1d_job(tp: int) -> Errors:
+    """Every 1-D tensor-parallel layer against its dense module on the same data (the checks in CHECKS), in one world;
+    the sections draw from one generator in a fixed order, so every rank builds the same weights and data."""
     mesh = ParallelMesh(ParallelConfig(tp=tp))
     group = mesh.tp_group
     g = torch.Generator().manual_seed(0)  # the same dense weights and data on every rank
     errs: Errors = {}
     r, t = dist.get_rank(group), tp
-
-    def cols(n):
-        return lambda a: a[..., r * n // t:(r + 1) * n // t]
-
-    def full(a):
-        return a
-
     x = torch.randn(B, S, H, generator=g)
+    dense = _check_layers(errs, group, g, r, t, x)
+    dense["emb"] = _check_vocabulary_parallel(errs, group, g, r, t, x)
+    _check_mlp_comm(errs, group, t, x, dense["mlp"])
+    _check_sequence_parallel(errs, group, g, r, t, dense)
+    _check_against_dtensor(errs, mesh, group, g, x, dense["mlp"])
+    return errs
+
+
+def _cols(r: int, t: int, n: int):
+    return lambda a: a[..., r * n // t:(r + 1) * n // t]
+
+
+def _full(a):
+    return a
+
+
+def _check_layers(errs: Errors, group, g: torch.Generator, r: int, t: int, x: torch.Tensor) -> dict[str, nn.Module]:
+    """Column, row, MLP, attention and block against their dense modules; the dense modules, for the later sections."""
     col = gpt.randomize_(nn.Linear(H, 3 * H), g)
-    _check_layer(errs, "column", col, ColumnParallelLinear.from_dense(col, group), x, x, cols(3 * H), full)
+    _check_layer(errs, "column", col, ColumnParallelLinear.from_dense(col, group), x, x, _cols(r, t, 3 * H), _full)
     colg = ColumnParallelLinear.from_dense(col, group, gather_output=True)
-    _check_layer(errs, "column gathered", col, colg, x, x, full, full)
+    _check_layer(errs, "column gathered", col, colg, x, x, _full, _full)
 
     x4 = torch.randn(B, S, 4 * H, generator=g)
     row = gpt.randomize_(nn.Linear(4 * H, H), g)
-    _check_layer(errs, "row", row, RowParallelLinear.from_dense(row, group), x4, cols(4 * H)(x4), full, cols(4 * H))
+    _check_layer(errs, "row", row, RowParallelLinear.from_dense(row, group), x4, _cols(r, t, 4 * H)(x4), _full,
+                 _cols(r, t, 4 * H))
 
     mlp = gpt.randomize_(gpt.MLP(gpt.GPTConfig(n_embd=H)), g)
-    _check_layer(errs, "mlp", mlp, ParallelMLP.from_dense(mlp, group), x, x, full, full)
+    _check_layer(errs, "mlp", mlp, ParallelMLP.from_dense(mlp, group), x, x, _full, _full)
 
     attn = gpt.randomize_(gpt.CausalSelfAttention(gpt.GPTConfig(n_embd=H, n_head=HEADS)), g)
-    _check_layer(errs, "attention", attn, ParallelSelfAttention.from_dense(attn, group), x, x, full, full)
+    _check_layer(errs, "attention", attn, ParallelSelfAttention.from_dense(attn, group), x, x, _full, _full)
 
     block = gpt.randomize_(gpt.Block(gpt.GPTConfig(n_embd=H, n_head=HEADS)), g)
-    _check_layer(errs, "block", block, ParallelBlock.from_dense(block, group), x, x, full, full)
+    _check_layer(errs, "block", block, ParallelBlock.from_dense(block, group), x, x, _full, _full)
+    return {"col": col, "row": row, "mlp": mlp, "block": block}
 
-    # vocabulary-parallel embedding
+
+def _check_vocabulary_parallel(errs: Errors, group, g: torch.Generator, r: int, t: int, x: torch.Tensor) -> nn.Module:
+    """The vocabulary-parallel embedding, cross-entropy (never gathering the logits) and a language-model head; the
+    dense embedding, for the sequence-parallel section."""
     emb = gpt.randomize_(nn.Embedding(V, H), g)
     ids = torch.randint(0, V, (B, S), generator=g)
     pemb = VocabParallelEmbedding.from_dense(emb, group)
@@ -103,7 +121,6 @@ def tp1d_job(tp: int) -> Errors:
     errs["embedding: output"] = diff(yp, yd)
     errs["embedding: grad weight"] = diff(pemb.weight.grad, emb.weight.grad[r * V // t:(r + 1) * V // t])
 
-    # vocabulary-parallel cross-entropy, never gathering the logits
     logits = (3 * torch.randn(B, S, V, generator=g)).requires_grad_()
     target = torch.randint(0, V, (B, S), generator=g)
     dense_loss = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
@@ -125,8 +142,11 @@ def tp1d_job(tp: int) -> Errors:
     lp.backward()
     errs["lm head: input grad"] = diff(hp.grad, hd.grad)
     param_grads(errs, "lm head", phead, ColumnParallelLinear.from_dense(grads_as_module(head), group))
+    return emb
 
-    # communication of an MLP: one all-reduce of [b, s, h] forward, one backward
+
+def _check_mlp_comm(errs: Errors, group, t: int, x: torch.Tensor, mlp: nn.Module) -> None:
+    """The communication of an MLP: one all-reduce of [b, s, h] forward, one backward."""
     with count_comm() as c:
         ParallelMLP.from_dense(mlp, group)(x.clone().requires_grad_()).sum().backward()
     want = 2 * 2 * (t - 1) / t * B * S * H * 4
@@ -135,16 +155,20 @@ def tp1d_job(tp: int) -> Errors:
     errs["mlp comm: seconds of each collective timed"] = (float(not all(c.seconds[k] > 0 for k in c.calls)), 0.0)
     errs["mlp comm: seconds per collective only"] = (float(set(c.seconds) != set(c.calls)), 0.0)
 
-    # sequence parallelism: sequence shards [b, s/t, h] in and out, the whole sequence inside (s = 8 splits at t 2, 4)
+
+def _check_sequence_parallel(errs: Errors, group, g: torch.Generator, r: int, t: int, dense: dict) -> None:
+    """Sequence parallelism: sequence shards [b, s/t, h] in and out, the whole sequence inside (s = 8 splits at t 2,
+    4)."""
+    col, row, block, emb, mlp = (dense[k] for k in ("col", "row", "block", "emb", "mlp"))
     xs, x4s, S8 = torch.randn(B, 8, H, generator=g), torch.randn(B, 8, 4 * H, generator=g), 8
 
     def seq(a):
         return a[:, r * S8 // t:(r + 1) * S8 // t]
 
     _check_layer(errs, "sp column", col, ColumnParallelLinear.from_dense(col, group, sequence_parallel=True), xs,
-                 seq(xs), cols(3 * H), seq)
+                 seq(xs), _cols(r, t, 3 * H), seq)
     _check_layer(errs, "sp row", row, RowParallelLinear.from_dense(row, group, sequence_parallel=True), x4s,
-                 cols(4 * H)(x4s), seq, cols(4 * H))
+                 _cols(r, t, 4 * H)(x4s), seq, _cols(r, t, 4 * H))
     _check_layer(errs, "sp block", block, ParallelBlock.from_dense(block, group, sequence_parallel=True), xs, seq(xs),
                  seq, seq)
     ids8 = torch.randint(0, V, (B, S8), generator=g)
@@ -167,7 +191,9 @@ def tp1d_job(tp: int) -> Errors:
     errs["sp mlp comm: bias all-reduce"] = (abs(got["all_reduce"] - 2 * (t - 1) / t * H * 4), 0.0)
     errs["sp mlp comm: calls"] = (abs(sum(c.calls.values()) - 6), 0.0)
 
-    # torch DTensor tensor parallel as a second oracle
+
+def _check_against_dtensor(errs: Errors, mesh, group, g: torch.Generator, x: torch.Tensor, mlp: nn.Module) -> None:
+    """torch's DTensor tensor parallelism as a second oracle for the MLP."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     ref = parallelize_module(copy.deepcopy(mlp), mesh.device_mesh["tp"],
                              {"0": ColwiseParallel(), "2": RowwiseParallel()})  # mlp.fc, mlp.proj
@@ -184,7 +210,6 @@ def tp1d_job(tp: int) -> Errors:
     errs["dtensor mlp: grad fc.bias"] = diff(ours.fc.bias.grad, ref.fc.bias.grad.to_local())
     errs["dtensor mlp: grad proj.weight"] = diff(ours.proj.weight.grad, ref.proj.weight.grad.to_local())
     errs["dtensor mlp: grad proj.bias"] = diff(ours.proj.bias.grad, ref.proj.bias.grad.full_tensor())
-    return errs
 
 
 CHECKS = ["column", "column gathered", "row", "mlp", "attention", "block", "embedding", "cross-entropy", "lm head",
