@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: setup demo test test-parallel test-quick lint bench-quick clean
+.PHONY: setup demo test test-quick lint bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,6 @@ demo: setup
 
 test: setup
 	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q --durations=40
-
-# the whole suite as two pytest processes side by side (tests/run_shards.py), each its own part of the files
-test-parallel: setup
-	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python tests/run_shards.py 2 -q --durations=20
 
 # the everyday tier: the tests not marked slow (about 3 minutes here; `make test` runs all, about 13)
 test-quick: setup

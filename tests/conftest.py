@@ -52,21 +52,9 @@ _start_the_fork_server()
 POOL_FIXTURES = {"pool", "pool2", "pool4", "pools", "run_once"}  # the multi-process tests' way to their ranks
 
 
-def pytest_addoption(parser) -> None:
-    parser.addoption("--shard", metavar="K/N", help="run the K-th of N parts of the selected tests, split by file and "
-                     "balanced by tests/durations.txt (tests/run_shards.py runs the N parts side by side)")
-
-
 def pytest_collection_modifyitems(config, items) -> None:
     """`slow` by construction: a test that runs on the process pools is slow unless marked `quick` (a deliberate
     smoke check of its area kept in `make test-quick`), so the everyday tier cannot grow by forgetting a marker."""
-    shard = config.getoption("--shard")
-    if shard:
-        from shards import keep_shard
-
-        kept = keep_shard(items, shard)
-        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
-        items[:] = [i for i in items if i in kept]
     for item in items:
         if POOL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("quick") is None:
             item.add_marker(pytest.mark.slow)

@@ -94,6 +94,11 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None, t
         kwargs["device_id"] = torch.device("cuda", local)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kwargs)
+    if backend == "gloo":
+        # gloo connects every pair of ranks as it initialises, and a rank can finish before its peers: one whose
+        # function returns (or fails) at once would close its sockets under a peer still connecting, which would
+        # then report gloo's "connectFullMesh failed" instead of its own outcome (seen on a loaded machine)
+        dist.barrier()
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
