@@ -561,7 +561,7 @@ def _collect(result: dict[str, Any], checks: list[str], ranks: list[dict], progr
         result["timeline"] = [f"rank {r}: {p}" for r, out in enumerate(ranks) for p in out["timeline"]]
     if "trainer_auto" in checks:
         result["trainer_auto"] = trainer_auto(args.device, args.tiny)
-    device = "cuda" if args.device == "cuda" else "cpu"
+    device = args.device  # "cuda" or "cpu"
     if "one_gpu" in checks:
         result["one_gpu"] = pipedsl.launch(one_gpu, 1, device, sizes["one_gpu"], backend="nccl" if device == "cuda"
                                            else "gloo", threads=None if device == "cuda" else 1, timeout=600)[0]

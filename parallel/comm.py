@@ -182,16 +182,16 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup 
     if p == 1:
         out.copy_(t.reshape(out.shape))
         return None
+    nbytes = (p - 1) / p * _nbytes(t)  # counted as the reduce-scatter either way (NCCL's bytes)
     if overwrite and t.is_contiguous() and dist.get_backend(group) == "gloo":
         mine = t.view(p, -1)[group_rank(group)]
-        work = _counted("reduce_scatter", group, (p - 1) / p * _nbytes(t),  # the collective it stands for
-                        lambda: dist.all_reduce(t, group=group, async_op=True))
+        work = _counted("reduce_scatter", group, nbytes, lambda: dist.all_reduce(t, group=group, async_op=True))
         done = _Then(work, lambda: out.view(-1).copy_(mine))
         if async_op:
             return done  # type: ignore[return-value]
         done.wait()
         return None
-    return _counted("reduce_scatter", group, (p - 1) / p * _nbytes(t),  # gloo: flat
+    return _counted("reduce_scatter", group, nbytes,  # gloo: flat
                     lambda: _reduce_scatter_single(out.view(-1), t.reshape(-1), group=group, async_op=async_op))
 
 

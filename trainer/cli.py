@@ -179,6 +179,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=fraction, help=f"dropout probability (default {m.dropout:g})")
     p.add_argument("--seed", type=int, help=f"the seed of the weights and the data order (default {m.seed})")
 
+
 def _add_parallel_options(p: argparse.ArgumentParser) -> None:
     """Data, tensor and expert parallelism, ZeRO, the GPT's experts."""
     m = D.model
@@ -209,6 +210,7 @@ def _add_parallel_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true", default=None,
                    help="with --tp: norms and residuals on 1/tp of the sequence, reduce-scatter and all-gather in "
                         "place of the all-reduces (Korthikanti et al. 2022); --seq must divide by --tp")
+
 
 def _add_numerics_options(p: argparse.ArgumentParser) -> None:
     """Precision, clipping, the learning-rate schedule, recomputation and the loss."""
@@ -249,6 +251,7 @@ def _add_numerics_options(p: argparse.ArgumentParser) -> None:
                    help="about this fraction of the targets is padding (ignore_index -100), as a random tail per "
                         f"sequence (default {d.pad_fraction:g})")
 
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     """Timeouts, threads and checkpoints."""
     t, r = D.training, D.run
@@ -278,6 +281,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="without --resume: remove another run's checkpoints from --checkpoint-dir and start over "
                         "(a run into a directory holding them is refused otherwise)")
+
 
 def _add_data_options(p: argparse.ArgumentParser) -> None:
     """The data and evaluation group (with --model)."""

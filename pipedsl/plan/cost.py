@@ -421,7 +421,7 @@ def _stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, em
                 head_last: bool) -> _StageWork:
     """Sum the `n` blocks from layer `first` by kind, and add the embedding and head where the stage holds them."""
     model, layout = terms.model, terms.layout
-    b, t, h = layout.microbatch, layout.tp, model.hidden
+    b, t = layout.microbatch, layout.tp
     blocks = tuple(kinds[model.is_moe_layer(i)] for i in range(first, first + n))
     n_moe = model.moe_layers_in(first, n)
     counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
@@ -433,7 +433,7 @@ def _stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, em
     if head_last:
         head = model.logit_flops(b) / terms.rate
         gemm += model.logit_flops(b)
-        params += (model.vocab * h + 2 * h) / t  # the output layer (the GPT's copy of the word embedding), norm
+        params += _head_params(model, t)
     blocks_tp_fwd = sum(c * k.tp_fwd for c, k in counts)
     a2a_f = sum(c * k.a2a for c, k in counts)
     return _StageWork(blocks, gemm, params,
@@ -447,6 +447,12 @@ def _stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, em
                       recompute=sum(c * k.again for c, k in counts),
                       a2a_f=a2a_f,
                       a2a_b=a2a_f + sum(c * k.a2a_again for c, k in counts))
+
+
+def _head_params(model: ModelSpec, t: int) -> float:
+    """Parameters per GPU of the last stage's output layer (the GPT's copy of the word embedding) and final norm."""
+    h = model.hidden
+    return (model.vocab * h + 2 * h) / t
 
 
 def _stage_tp_forward(terms: _Terms, blocks_tp_fwd: float, embed_first: bool, head_last: bool) -> float:
@@ -492,13 +498,13 @@ def _stage_zero3(terms: _Terms, work: _StageWork, embed_first: bool, head_last: 
     model, layout = terms.model, terms.layout
     if layout.zero < 3:
         return Zero3Exposed()
-    t, h = layout.tp, model.hidden
+    t = layout.tp
     dp_bw, dp_lat = terms.dp_link
     g = [_param_gather(terms, k.params - k.experts, k.experts) for k in work.blocks]
     if embed_first:
         g = [terms.gather(PARAM_BYTES * model.embedding_params / t, layout.dp, dp_bw, dp_lat)] + g
     if head_last:
-        g = g + [terms.gather(PARAM_BYTES * (model.vocab * h + 2 * h) / t, layout.dp, dp_bw, dp_lat)]
+        g = g + [terms.gather(PARAM_BYTES * _head_params(model, t), layout.dp, dp_bw, dp_lat)]
     lead, tail = [0.0] if embed_first else [], [work.head] if head_last else []  # the embedding, the head
     return zero3_exposed(g, lead + [_block_forward(terms, k) for k in work.blocks] + tail,
                          lead + [_block_backward(terms, k) for k in work.blocks] + [2 * x for x in tail],
