@@ -35,6 +35,7 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    gc.freeze()  # torch's objects out of every collection (see `_release_groups`)
     while True:
         job = jobs.get()
         if job is None:
@@ -75,6 +76,9 @@ def _release_groups(kept: set) -> None:
     for group in _groups() - kept:
         dist.destroy_process_group(group)
     gc.collect()  # the job's pipelines hold their gloo groups (two threads each) in reference cycles
+    # what survives is the modules the job imported and their caches: frozen, no collection walks them again.  A
+    # full collection over torch's ~170,000 objects took 0.15 s, and every job of every worker paid it
+    gc.freeze()
 
 
 MAX_THREADS = 100  # a worker past this many threads is replaced before the next run
