@@ -135,24 +135,16 @@ def _add_options(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def _add_flag(group: argparse._ActionsContainer, name: str, command: str) -> None:
-    """One option's flag, as its field's `config.Flag` says; a bool option is a switch."""
-    keywords: dict[str, Any] = {}
+    """One flag, as its `config.Flag` says; an option's (a field's) flag defaults to None, a bool option's is a
+    switch, and its help quotes the command's default."""
     if name in FILE_FLAGS:
-        flag, default = FILE_FLAGS[name], None
-    else:
-        option = config.FIELDS[name]
-        flag, default = option.metadata["flag"], config.COMMAND_DEFAULTS[command].get(name, option.default)
-        keywords = {"default": None, **({"action": "store_true"} if isinstance(option.default, bool) else {})}
-    keywords.update({key: value for key, value in (("type", flag.type), ("choices", flag.choices),
-                                                   ("metavar", flag.metavar), ("nargs", flag.nargs),
-                                                   ("const", flag.const), ("action", flag.action))
-                     if value is not None})
-    if flag.required:
-        keywords["required"] = True
-    text = flag.help if isinstance(flag.help, str) else flag.help[command]
-    shown = f"{default:g}" if isinstance(default, float) else str(default)
-    group.add_argument(*([flag.short] if flag.short else []), "--" + name.replace("_", "-"),
-                       help=text.replace("{default}", shown), **keywords)
+        group.add_argument(*FILE_FLAGS[name].spellings(name), **FILE_FLAGS[name].keywords(command))
+        return
+    option = config.FIELDS[name]
+    flag: config.Flag = option.metadata["flag"]
+    keywords = flag.keywords(command, config.COMMAND_DEFAULTS[command].get(name, option.default))
+    switch = {"action": "store_true"} if isinstance(option.default, bool) else {}
+    group.add_argument(*flag.spellings(name), **keywords, default=None, **switch)
 
 
 # ---------------------------------------------------------------- commands

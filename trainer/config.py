@@ -10,8 +10,10 @@
     precision = "bf16"
 
 `TrainConfig` is a frozen dataclass of one frozen dataclass per TOML section (`ModelConfig`,
-`DataConfig`, … — torchtitan's job config), and the single home of every default: the command's
-flags default to None and the dataclass supplies the value.  Each section checks its own values
+`DataConfig`, … — torchtitan's job config), and the single home of every option: a field holds its
+default, the rules its value must pass and its command-line flag (`Flag`: spellings, type, help), and
+the parsers of `pipedsl train` and `pipedsl run` are built from the fields (trainer/cli.py), each
+flag defaulting to None so that the dataclass supplies the value.  Each section checks its own values
 where it is built and `TrainConfig` checks how they combine (`--checkpoint-every` needs
 `--checkpoint-dir`, …): a `ConfigError`, one line naming the option, exit status 2.  The
 launcher (trainer/cli.py) then makes it concrete for the compiled program (`for_program`: the
@@ -181,9 +183,9 @@ def _no_decay(text: str) -> str:
 
 @dataclass(frozen=True)
 class Flag:
-    """An option's command-line flag, kept in its field's metadata beside its default and rules: the parser of
-    `pipedsl train` and `pipedsl run` is built from the fields (trainer/cli.py), so an option is declared once.
-    Its argparse default is always None ("not given": the field supplies the value) and a bool option is a
+    """An option's command-line flag, kept in its field's metadata beside its default and rules: the parsers of
+    `pipedsl train` and `pipedsl run` are built from the fields (trainer/cli.py), so an option is declared once.
+    There an option's flag defaults to None ("not given": the field supplies the value), and a bool option is a
     switch (store_true)."""
 
     help: str | Mapping[str, str]  # "{default}" quotes the (command's) default; a mapping: the text by command
@@ -196,6 +198,18 @@ class Flag:
     action: str | None = None  # "append"
     required: bool = False
 
+    def spellings(self, name: str) -> list[str]:
+        """The flag of the option `name`: `["-P", "--ranks"]`."""
+        return [*([self.short] if self.short else []), "--" + name.replace("_", "-")]
+
+    def keywords(self, command: str, default: Any = None) -> dict[str, Any]:
+        """`add_argument`'s keywords for the flag in `command`, its help quoting `default`."""
+        text = self.help if isinstance(self.help, str) else self.help[command]
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        given = {"type": self.type, "choices": self.choices, "metavar": self.metavar, "nargs": self.nargs,
+                 "const": self.const, "action": self.action, "required": self.required or None}
+        return {"help": text.replace("{default}", shown), **{k: v for k, v in given.items() if v is not None}}
+
 
 def _option(default: Any, *rules: Rule, choices: tuple[Any, ...] | None = None, **flag: Any) -> Any:
     """A field with its default, the rules its value must pass (checked in `_Section.__post_init__`) and its
@@ -207,7 +221,7 @@ def _option(default: Any, *rules: Rule, choices: tuple[Any, ...] | None = None, 
 
 def _flag(f: Field) -> str:
     """The flag an error names: the short one where there is one (-P)."""
-    return f.metadata["flag"].short or "--" + f.name.replace("_", "-")
+    return f.metadata["flag"].spellings(f.name)[0]
 
 
 def _shown(value: Any) -> str:
