@@ -178,6 +178,11 @@ def _no_decay(text: str) -> str:
     return ",".join(no_decay_kinds(text)) or "none"
 
 
+SPLIT: Rule = (f"is not one of {', '.join(SPLITS)} or cut points (\"3,7\": where stages 1 … S-1 begin among the units "
+               f"embedding, blocks…, head)", lambda v: isinstance(v, str) and _parses(_split_arg, v))
+TIMEOUT: tuple[Rule, ...] = (POSITIVE, WITHIN_A_YEAR)
+
+
 # ---------------------------------------------------------------- how an option is spelled on the command line
 
 
@@ -247,10 +252,6 @@ class _Section:
 
 
 # ---------------------------------------------------------------- the sections
-
-SPLIT: Rule = (f"is not one of {', '.join(SPLITS)} or cut points (\"3,7\": where stages 1 … S-1 begin among the units "
-               f"embedding, blocks…, head)", lambda v: isinstance(v, str) and _parses(_split_arg, v))
-TIMEOUT: tuple[Rule, ...] = (POSITIVE, WITHIN_A_YEAR)
 
 
 @dataclass(frozen=True)
