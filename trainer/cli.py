@@ -49,15 +49,6 @@ from functools import wraps
 from pathlib import Path
 from typing import Any
 
-from pipedsl.arguments import (
-    NO_DECAY_KINDS,
-    fraction,
-    no_decay_kinds,
-    nonnegative_float,
-    nonnegative_int,
-    positive_float,
-    positive_int,
-)
 from pipedsl.output import write_text
 from pipedsl.runtime.launch.capacity import check_local_ranks, total_memory, usable_cores
 from pipedsl.runtime.launch.lifecycle import exit_on_signals
@@ -65,49 +56,41 @@ from pipedsl.steps import period
 from pipedsl.trainer import config
 from pipedsl.trainer.config import GPT_HEADS, GPT_VOCAB, TrainConfig, split_keywords
 
-D = TrainConfig()  # the defaults the help texts quote; every flag defaults to None (not given)
-
-
-def _no_decay(text: str) -> str:
-    """`--no-decay` checked and written as the configuration keeps it ("none" for no kind)."""
-    return ",".join(no_decay_kinds(text)) or "none"
+# The help pages of `pipedsl train` and `pipedsl run`: their argument groups in order (None: argparse's own
+# "options"), each naming its options in order.  An option's flag itself (spellings, type, choices, help) is its
+# `TrainConfig` field's `config.Flag`, declared there once; "config" and "print_config" are the commands' own.
+_SHARED = ("steps", "batch", "seq", "layers", "split", "embd", "lr", "weight_decay", "no_decay", "dropout", "seed",
+           "dp", "zero", "zero_reshard", "tp", "ep", "experts", "top_k", "capacity_factor", "sequence_parallel",
+           "precision", "param_dtype", "grad_dtype", "clip_grad", "post_validate", "lr_schedule", "min_lr",
+           "decay_steps", "warmup_steps", "recompute", "loss_reduction", "pad_fraction",
+           "timeout", "checkpoint_timeout", "join_timeout", "max_time", "stop_timeout", "threads", "checkpoint_dir",
+           "checkpoint_every", "keep_checkpoints", "resume", "overwrite")
+_GROUPS = (("data and evaluation (with --model)",
+            ("data", "text_field", "source_field", "target_field", "target_seq", "noise_density", "mean_noise_span",
+             "packing", "doc_mask", "eval_fraction", "eval_data", "eval_every", "eval_batches", "cache_dir", "attn")),
+           ("logging", ("tensorboard", "wandb", "log_every", "peak_tflops")),
+           (None, ("out", "allow_oversubscribe")))
+LAYOUTS: dict[str, tuple[tuple[str | None, tuple[str, ...]], ...]] = {
+    "train": ((None, ("config", "print_config", "model", "schedule", "auto_memory", "ranks", "microbatches", "param",
+                      *_SHARED)), *_GROUPS),
+    "run": ((None, ("program", "ranks", "config", "print_config", "model", *_SHARED)), *_GROUPS),
+}
+FILE_FLAGS: dict[str, config.Flag] = {  # not options of a run: never in a TOML file (config.NOT_IN_FILE)
+    "config": config.Flag("read every option from a TOML file (flags given here win)", metavar="TOML"),
+    "print_config": config.Flag("print the resolved configuration as TOML and exit", action="store_true"),
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a Hugging Face decoder on text, or a small GPT on synthetic "
                                             "tokens, with a schedule (local processes)")
-    p.add_argument("--config", metavar="TOML", help="read every option from a TOML file (flags given here win)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
-    p.add_argument("--model", metavar="DIR",
-                   help="a local Hugging Face model directory (config.json; with safetensors weights: fine-tune "
-                        "them, without: random init); default: the built-in GPT on synthetic tokens")
-    p.add_argument("--schedule", help=f"a built-in name or a .pipe file (default {D.schedule.schedule}); auto: "
-                                      "profile a few steps under ZB-H1, then continue under ZB-auto searched from "
-                                      "the measured op and message times (-p mem=N: its memory cap, default 2P)")
-    p.add_argument("--auto-memory", type=positive_float, metavar="GB",
-                   help="with --schedule auto and no -p mem: the memory a rank gives activations, which sets "
-                        "ZB-auto's cap from one activation's bytes measured in the profile steps (default: the "
-                        "device's free memory then, less a tenth; the cap is at most 2P)")
-    p.add_argument("-P", "--ranks", type=positive_int,
-                   help=f"pipeline ranks = local processes (default {config.COMMAND_DEFAULTS['train']['ranks']})")
-    p.add_argument("-M", "--microbatches", type=positive_int,
-                   help=f"microbatches per step (default {D.schedule.microbatches})")
-    p.add_argument("-p", "--param", action="append", metavar="NAME=VALUE", help="a schedule parameter")
-    _add_training_options(p, "train")
-    p.set_defaults(_parser=p)
+    _add_options(p, "train")
     return p
 
 
 def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="train the small GPT with a compiled program file (JSON, CSV or text)")
-    p.add_argument("--program", required=True, metavar="FILE",
-                   help="a program as written by `pipedsl compile --format json|csv|text`")
-    p.add_argument("-P", "--ranks", type=positive_int, help="the ranks the program must have (default: its own)")
-    p.add_argument("--config", metavar="TOML", help="read every option from a TOML file (flags given here win)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
-    p.add_argument("--model", metavar="DIR", help="a local Hugging Face model directory (default: the built-in GPT)")
-    _add_training_options(p, "run")
-    p.set_defaults(_parser=p)
+    _add_options(p, "run")
     return p
 
 
@@ -138,203 +121,30 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
-    """The options `train` and `run` share.  No default here: None means "not given", and `TrainConfig`
-    supplies the value (the help quotes it), so a TOML file fills exactly what the flags leave out."""
-    _add_model_options(p)
-    _add_parallel_options(p)
-    _add_numerics_options(p)
-    _add_run_options(p)
-    _add_data_options(p)
-    _add_logging_options(p)
-    p.add_argument("-o", "--out", help="directory for metrics.jsonl, timeline.json, losses.json "
-                                       f"(default {config.COMMAND_DEFAULTS[command]['out']})")
-    p.add_argument("--allow-oversubscribe", action="store_true", default=None,
-                   help="start more local processes, threads or model memory than this machine sensibly holds")
+def _add_options(p: argparse.ArgumentParser, command: str) -> None:
+    """The command's flags in its help page's order (`LAYOUTS`).  No default here: None means "not given", and
+    `TrainConfig` supplies the value (the help quotes it), so a TOML file fills exactly what the flags leave out."""
+    placed = {name for layout in LAYOUTS.values() for _, names in layout for name in names}
+    if unplaced := [name for name in config.FIELDS if name not in placed]:
+        raise RuntimeError(f"options on no help page (trainer/cli.py's LAYOUTS): {', '.join(unplaced)}")
+    for title, names in LAYOUTS[command]:
+        group = p if title is None else p.add_argument_group(title)
+        for name in names:
+            _add_flag(group, name, command)
+    p.set_defaults(_parser=p)
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
-    """The step count, the batch, the model's sizes, the optimizer's rates and the seed."""
-    m, d, t = D.model, D.data, D.training
-    p.add_argument("--steps", type=positive_int, help=f"train until this step (default {t.steps})")
-    p.add_argument("--batch", type=nonnegative_int, help="sequences per step (default 4·M)")
-    p.add_argument("--seq", type=positive_int, help=f"tokens per sequence (default {d.seq})")
-    p.add_argument("--layers", type=nonnegative_int, help="transformer blocks (default: 2 per stage)")
-    p.add_argument("--split", type=_split_arg, metavar="{count,blocks,flops,POINTS}",
-                   help="how the model is cut into stages: count (the embedding and the head count as pieces like "
-                        "the blocks; default), blocks (every stage the same number of blocks, the embedding and "
-                        "head on the end stages: Megatron-LM's split, the one `pipedsl plan` models), flops "
-                        "(balanced by the FLOPs a token costs in each piece: a large-vocabulary head gets a stage "
-                        "with fewer blocks) or cut points, e.g. 3,7 (stages 1 and 2 begin at pieces 3 and 7 of "
-                        "[embedding, blocks…, head])")
-    p.add_argument("--embd", type=positive_int,
-                   help=f"embedding width, a multiple of {GPT_HEADS} (default {m.embd})")
-    p.add_argument("--lr", type=nonnegative_float,
-                   help=f"AdamW's learning rate (default {t.lr:g}; 0: the steps run, the weights stay)")
-    p.add_argument("--weight-decay", type=nonnegative_float,
-                   help=f"AdamW's weight decay (default {t.weight_decay:g})")
-    p.add_argument("--no-decay", type=_no_decay,
-                   help=f"what weight decay spares: some of {', '.join(NO_DECAY_KINDS)} separated by commas, or "
-                        f"none (default {t.no_decay}: HF Trainer's and torchtitan's choice)")
-    p.add_argument("--dropout", type=fraction, help=f"dropout probability (default {m.dropout:g})")
-    p.add_argument("--seed", type=int, help=f"the seed of the weights and the data order (default {m.seed})")
-
-
-def _add_parallel_options(p: argparse.ArgumentParser) -> None:
-    """Data, tensor and expert parallelism, ZeRO, the GPT's experts."""
-    m = D.model
-    p.add_argument("--dp", type=positive_int,
-                   help=f"data-parallel replicas of the pipeline: dp x P processes (default {D.parallel.dp})")
-    p.add_argument("--zero", type=int, choices=config.ZERO_STAGES,
-                   help=f"ZeRO stage over the dp replicas (default {D.parallel.zero}: an averaging all-reduce)")
-    p.add_argument("--zero-reshard", choices=config.ZERO_RESHARDS,
-                   help="ZeRO-3: free a layer's gathered parameters after each forward and backward (unit: one layer "
-                        "whole at a time, 2M all-gathers a layer a step) or after the stage's last backward (step: "
-                        "one all-gather a layer a step, the stage whole during the step); auto: step with -P 2 or "
-                        f"more, unit with one stage (default {D.parallel.zero_reshard})")
-    p.add_argument("--tp", type=positive_int,
-                   help="tensor-parallel ranks per pipeline stage (Megatron's 1-D split: attention by heads, the MLP "
-                        "column- then row-wise, vocabulary-parallel embedding, head and loss): dp x P x tp "
-                        f"processes (default {D.parallel.tp})")
-    p.add_argument("--ep", type=positive_int,
-                   help="expert parallelism: each MoE layer's experts sharded over groups of ep data-parallel "
-                        "replicas, tokens exchanged with all-to-alls (parallel/expert.py); ep divides --dp "
-                        f"(default {D.parallel.ep})")
-    p.add_argument("--experts", type=nonnegative_int,
-                   help="the built-in GPT with a mixture of experts in every block (a top-k router with its "
-                        f"load-balancing loss, models/gpt/moe.py; default {m.experts}: a dense MLP)")
-    p.add_argument("--top-k", type=positive_int, help=f"experts a token is routed to (default {m.top_k})")
-    p.add_argument("--capacity-factor", type=nonnegative_float,
-                   help="an expert takes at most this times its even share of the routings, the rest dropped "
-                        "(default 0: dropless)")
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="with --tp: norms and residuals on 1/tp of the sequence, reduce-scatter and all-gather in "
-                        "place of the all-reduces (Korthikanti et al. 2022); --seq must divide by --tp")
-
-
-def _add_numerics_options(p: argparse.ArgumentParser) -> None:
-    """Precision, clipping, the learning-rate schedule, recomputation and the loss."""
-    d, t = D.data, D.training
-    p.add_argument("--precision", choices=config.DTYPES,
-                   help=f"compute dtype (autocast; fp16 scales the loss; default {t.precision})")
-    p.add_argument("--param-dtype", choices=config.DTYPES,
-                   help=f"the model's parameters: {t.param_dtype} (default; autocast casts them per op) or the "
-                        "--precision dtype, with fp32 main parameters in the optimizer, sharded by --zero (Megatron's "
-                        "distributed optimizer: 6 + 12/dp bytes a parameter at --zero 1)")
-    p.add_argument("--grad-dtype", choices=config.DTYPES,
-                   help="with --param-dtype bf16/fp16: gradients accumulate over microbatches and are reduced in "
-                        f"{t.grad_dtype} (default, Megatron's) or in the parameters' dtype (2 bytes a parameter less, "
-                        "the ZeRO paper's; the sums round in bf16)")
-    p.add_argument("--clip-grad", type=positive_float, metavar="MAX_NORM",
-                   help="clip the whole model's gradient norm (over every rank) to MAX_NORM (default: no clipping)")
-    p.add_argument("--post-validate", action="store_true", default=None,
-                   help="steps overlap: each rank steps its optimizer when its part of the step ends and the global "
-                        "checks (gradient norm, inf/NaN) complete in the next step, which redoes the step when they "
-                        "fail (the weights equal synchronous steps'); the loss is logged one step late")
-    p.add_argument("--lr-schedule", choices=config.LR_SCHEDULES,
-                   help=f"after --warmup-steps of linear warmup: constant (default {t.lr_schedule}), a cosine or a "
-                        "linear decay to --min-lr at --steps, or wsd (warmup-stable-decay: constant, then linear to "
-                        "--min-lr over the last --decay-steps)")
-    p.add_argument("--min-lr", type=nonnegative_float,
-                   help=f"the learning rate cosine, linear and wsd decay to (default {t.min_lr:g})")
-    p.add_argument("--decay-steps", type=nonnegative_int, metavar="N",
-                   help="wsd: the final decay's steps (default: a tenth of those after the warmup)")
-    p.add_argument("--warmup-steps", type=nonnegative_int, metavar="N",
-                   help=f"linear learning-rate warmup over the first N steps (default {t.warmup_steps})")
-    p.add_argument("--recompute", choices=config.RECOMPUTES,
-                   help="activation recomputation per stage: keep only the stage input (full) or recompute the "
-                        f"attention modules (selective); default {t.recompute}")
-    p.add_argument("--loss-reduction", choices=config.LOSS_REDUCTIONS,
-                   help="mean loss per microbatch, averaged, or the mean over every non-padding token of the global "
-                        "batch (token); default: token with --model, microbatch for the GPT")
-    p.add_argument("--pad-fraction", type=fraction, metavar="F",
-                   help="about this fraction of the targets is padding (ignore_index -100), as a random tail per "
-                        f"sequence (default {d.pad_fraction:g})")
-
-
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    """Timeouts, threads and checkpoints."""
-    t, r = D.training, D.run
-    p.add_argument("--timeout", type=positive_float,
-                   help=f"seconds before a silent rank counts as failed (process group; default {r.timeout:g})")
-    p.add_argument("--checkpoint-timeout", type=positive_float, metavar="SECONDS",
-                   help="seconds to wait for the other ranks' checkpoint parts (default: --timeout)")
-    p.add_argument("--join-timeout", type=positive_float,
-                   help=f"seconds the whole run may take before its processes are killed (default {r.join_timeout:g})")
-    p.add_argument("--max-time", type=positive_float, metavar="SECONDS",
-                   help="stop before the run has taken SECONDS (from the command's start), saving a checkpoint "
-                        "with --checkpoint-dir; --resume continues it")
-    p.add_argument("--stop-timeout", type=positive_float, metavar="SECONDS",
-                   help="after SIGTERM, SIGINT or SIGHUP the ranks finish their step and save a checkpoint (with "
-                        f"--checkpoint-dir); killed if that takes longer than SECONDS (default {r.stop_timeout:g}; "
-                        "a second signal kills at once)")
-    p.add_argument("--threads", type=positive_int, help=f"torch threads per rank (default {t.threads})")
-    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints under DIR/step-NNNNNNNN/")
-    p.add_argument("--checkpoint-every", type=nonnegative_int, metavar="N",
-                   help="checkpoint every N steps (default: only after the last step)")
-    p.add_argument("--keep-checkpoints", type=nonnegative_int, metavar="N",
-                   help="keep the newest N complete checkpoints, removing older ones after each save "
-                        "(default 0: keep every one)")
-    p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
-                   help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), "
-                        "or from the given checkpoint directory")
-    p.add_argument("--overwrite", action="store_true", default=None,
-                   help="without --resume: remove another run's checkpoints from --checkpoint-dir and start over "
-                        "(a run into a directory holding them is refused otherwise)")
-
-
-def _add_data_options(p: argparse.ArgumentParser) -> None:
-    """The data and evaluation group (with --model)."""
-    d = D.data
-    g = p.add_argument_group("data and evaluation (with --model)")
-    g.add_argument("--data", nargs="+", metavar="PATH",
-                   help="text files or folders, .jsonl (see --text-field), .parquet, or a `datasets` dataset saved "
-                        "with save_to_disk; tokenized once with the model's tokenizer (bytes when it has none)")
-    g.add_argument("--text-field",
-                   help=f"the JSONL / Parquet / dataset column holding the text (default {d.text_field})")
-    g.add_argument("--source-field", metavar="FIELD",
-                   help="encoder-decoders: train on (source, target) pairs, the encoder's text in this JSONL / "
-                        "Parquet field (default: T5's span corruption of --text-field)")
-    g.add_argument("--target-field", metavar="FIELD", help="encoder-decoders: the field holding each target")
-    g.add_argument("--target-seq", type=nonnegative_int, metavar="N",
-                   help="encoder-decoders on pairs: target tokens a row (default: --seq); span corruption derives it")
-    g.add_argument("--noise-density", type=float,
-                   help=f"span corruption: the share of tokens masked (default {d.noise_density:g}, T5's)")
-    g.add_argument("--mean-noise-span", type=float,
-                   help=f"span corruption: the masked spans' mean length (default {d.mean_noise_span:g})")
-    g.add_argument("--packing", choices=config.PACKINGS,
-                   help="pack: documents joined by end-of-text into fixed windows (default); pad: one document a "
-                        "row, right-padded, masked")
-    g.add_argument("--doc-mask", action="store_true", default=None,
-                   help="packed rows: keep attention inside each document (position ids restart after end-of-text)")
-    g.add_argument("--eval-fraction", type=fraction,
-                   help=f"share of the samples held out for evaluation, in blocks spread over the data "
-                        f"(default {d.eval_fraction:g})")
-    g.add_argument("--eval-data", nargs="+", metavar="PATH",
-                   help="a held-out set of its own (same formats as --data); then all of --data trains and "
-                        "--eval-fraction is ignored")
-    g.add_argument("--eval-every", type=nonnegative_int, metavar="N",
-                   help="evaluate held-out loss and perplexity every N steps and after the last (default: only "
-                        "after the last)")
-    g.add_argument("--eval-batches", type=nonnegative_int, metavar="N",
-                   help=f"held-out global batches an evaluation runs, spread over the held-out set (default "
-                        f"{D.eval.eval_batches}; 0: all of them)")
-    g.add_argument("--cache-dir", metavar="DIR", help="where tokenized data is cached (default OUT/token-cache)")
-    g.add_argument("--attn", choices=config.ATTENTIONS,
-                   help="the model's attention implementation (default sdpa, eager where transformers has no sdpa)")
-
-
-def _add_logging_options(p: argparse.ArgumentParser) -> None:
-    """The logging group."""
-    g = p.add_argument_group("logging")
-    g.add_argument("--tensorboard", metavar="DIR",
-                   help="also write TensorBoard event files, to DIR/NAME with NAME the output directory's (-o) "
-                        "name: runs sharing DIR show side by side")
-    g.add_argument("--wandb", metavar="PROJECT", help="also log to Weights & Biases (offline unless WANDB_MODE says)")
-    g.add_argument("--log-every", type=positive_int, metavar="N",
-                   help="record the metrics every N steps (and the first and the last; default 1)")
-    g.add_argument("--peak-tflops", type=positive_float, metavar="X",
-                   help="peak TFLOP/s of one device for MFU (default: a known GPU's datasheet, or measured on a CPU)")
+def _add_flag(group: argparse._ActionsContainer, name: str, command: str) -> None:
+    """One flag, as its `config.Flag` says; an option's (a field's) flag defaults to None, a bool option's is a
+    switch, and its help quotes the command's default."""
+    if name in FILE_FLAGS:
+        group.add_argument(*FILE_FLAGS[name].spellings(name), **FILE_FLAGS[name].keywords(command))
+        return
+    option = config.FIELDS[name]
+    flag: config.Flag = option.metadata["flag"]
+    keywords = flag.keywords(command, config.COMMAND_DEFAULTS[command].get(name, option.default))
+    switch = {"action": "store_true"} if isinstance(option.default, bool) else {}
+    group.add_argument(*flag.spellings(name), **keywords, default=None, **switch)
 
 
 # ---------------------------------------------------------------- commands
@@ -620,12 +430,6 @@ def _memory_estimate(cfg: TrainConfig, nprocs: int) -> int:
     dp = cfg.parallel.dp
     states = dp * model_states(params, dp, cfg.parallel.zero, cfg.training.state_bytes).total
     return int(4 * params * nprocs + states + activations)
-
-
-def _split_arg(value: str) -> str:
-    if value in config.SPLITS or config.split_points(value) is not None:
-        return value
-    raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(config.SPLITS)} or cut points such as 3,7")
 
 
 def _resume_point(program: Any, cfg: TrainConfig) -> str | None:

@@ -10,8 +10,10 @@
     precision = "bf16"
 
 `TrainConfig` is a frozen dataclass of one frozen dataclass per TOML section (`ModelConfig`,
-`DataConfig`, … — torchtitan's job config), and the single home of every default: the command's
-flags default to None and the dataclass supplies the value.  Each section checks its own values
+`DataConfig`, … — torchtitan's job config), and the single home of every option: a field holds its
+default, the rules its value must pass and its command-line flag (`Flag`: spellings, type, help), and
+the parsers of `pipedsl train` and `pipedsl run` are built from the fields (trainer/cli.py), each
+flag defaulting to None so that the dataclass supplies the value.  Each section checks its own values
 where it is built and `TrainConfig` checks how they combine (`--checkpoint-every` needs
 `--checkpoint-dir`, …): a `ConfigError`, one line naming the option, exit status 2.  The
 launcher (trainer/cli.py) then makes it concrete for the compiled program (`for_program`: the
@@ -36,10 +38,18 @@ import json
 import math
 import tomllib
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any
 
-from pipedsl.arguments import NO_DECAY_KINDS, no_decay_kinds
+from pipedsl.arguments import (
+    NO_DECAY_KINDS,
+    fraction,
+    no_decay_kinds,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from pipedsl.errors import PipeDSLError
 from pipedsl.models.hf import StageCut
 
@@ -148,11 +158,6 @@ NO_DECAY: Rule = (f"must be 'none' or some of {', '.join(NO_DECAY_KINDS)} separa
 WITHIN_A_YEAR: Rule = (f"more than a year ({MAX_SECONDS:g} s)", lambda v: v is None or v <= MAX_SECONDS)
 
 
-def _option(default: Any, *rules: Rule) -> Any:
-    """A field with its default and the rules its value must pass (checked in `_Section.__post_init__`)."""
-    return field(default=default, metadata={"rules": rules})
-
-
 def _open_fraction() -> Rule:
     return ("must be in (0, 1)", lambda v: _is_number(v) and 0 < v < 1)
 
@@ -161,8 +166,67 @@ def _at_least_number(low: float) -> Rule:
     return (f"must be a number of at least {low:g}", lambda v: _is_number(v) and v >= low)
 
 
-def _flag(name: str) -> str:
-    return {"ranks": "-P", "microbatches": "-M", "param": "-p"}.get(name, "--" + name.replace("_", "-"))
+def _split_arg(value: str) -> str:
+    """`--split`'s flag type: a named rule or cut points."""
+    if value in SPLITS or split_points(value) is not None:
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(SPLITS)} or cut points such as 3,7")
+
+
+def _no_decay(text: str) -> str:
+    """`--no-decay` checked and written as the configuration keeps it ("none" for no kind)."""
+    return ",".join(no_decay_kinds(text)) or "none"
+
+
+SPLIT: Rule = (f"is not one of {', '.join(SPLITS)} or cut points (\"3,7\": where stages 1 … S-1 begin among the units "
+               f"embedding, blocks…, head)", lambda v: isinstance(v, str) and _parses(_split_arg, v))
+TIMEOUT: tuple[Rule, ...] = (POSITIVE, WITHIN_A_YEAR)
+
+
+# ---------------------------------------------------------------- how an option is spelled on the command line
+
+
+@dataclass(frozen=True)
+class Flag:
+    """An option's command-line flag, kept in its field's metadata beside its default and rules: the parsers of
+    `pipedsl train` and `pipedsl run` are built from the fields (trainer/cli.py), so an option is declared once.
+    There an option's flag defaults to None ("not given": the field supplies the value), and a bool option is a
+    switch (store_true)."""
+
+    help: str | Mapping[str, str]  # "{default}" quotes the (command's) default; a mapping: the text by command
+    short: str | None = None  # "-P", before the long flag (--ranks)
+    type: Callable[[str], Any] | None = None  # argparse's; the TOML value goes through it too (read_file)
+    choices: tuple[Any, ...] | None = None
+    metavar: str | None = None
+    nargs: str | None = None
+    const: Any = None
+    action: str | None = None  # "append"
+    required: bool = False
+
+    def spellings(self, name: str) -> list[str]:
+        """The flag of the option `name`: `["-P", "--ranks"]`."""
+        return [*([self.short] if self.short else []), "--" + name.replace("_", "-")]
+
+    def keywords(self, command: str, default: Any = None) -> dict[str, Any]:
+        """`add_argument`'s keywords for the flag in `command`, its help quoting `default`."""
+        text = self.help if isinstance(self.help, str) else self.help[command]
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        given = {"type": self.type, "choices": self.choices, "metavar": self.metavar, "nargs": self.nargs,
+                 "const": self.const, "action": self.action, "required": self.required or None}
+        return {"help": text.replace("{default}", shown), **{k: v for k, v in given.items() if v is not None}}
+
+
+def _option(default: Any, *rules: Rule, choices: tuple[Any, ...] | None = None, **flag: Any) -> Any:
+    """A field with its default, the rules its value must pass (checked in `_Section.__post_init__`) and its
+    flag (`Flag`'s keywords).  `choices` are both a rule and the flag's choices."""
+    if choices is not None:
+        rules = (*rules, _one_of(*choices) if default is not None else _optional(_one_of(*choices)))
+    return field(default=default, metadata={"rules": rules, "flag": Flag(choices=choices, **flag)})
+
+
+def _flag(f: Field) -> str:
+    """The flag an error names: the short one where there is one (-P)."""
+    return f.metadata["flag"].spellings(f.name)[0]
 
 
 def _shown(value: Any) -> str:
@@ -184,7 +248,7 @@ class _Section:
                 object.__setattr__(self, f.name, value)
             for requirement, ok in f.metadata.get("rules", ()):
                 if not ok(value):
-                    raise ConfigError(f"{_flag(f.name)} {_shown(value)}: {requirement}")
+                    raise ConfigError(f"{_flag(f)} {_shown(value)}: {requirement}")
 
 
 # ---------------------------------------------------------------- the sections
@@ -194,18 +258,37 @@ class _Section:
 class ModelConfig(_Section):
     """[model]: which model, and how it is cut into stages."""
 
-    model: str | None = _option(None, _optional(TEXT))  # a Hugging Face directory; None or "gpt": the built-in GPT
-    attn: str | None = _option(None, _optional(_one_of(*ATTENTIONS)))  # None: sdpa where transformers has it
-    layers: int = _option(0, _at_least(0))  # the GPT's blocks; 0: 2 a stage (`for_program`)
-    embd: int = _option(64, _at_least(1))
-    split: str = _option("count", (f"is not one of {', '.join(SPLITS)} or cut points (\"3,7\": where stages 1 … "
-                                   f"S-1 begin among the units embedding, blocks…, head)",
-                                   lambda v: isinstance(v, str) and (v in SPLITS or split_points(v) is not None)))
-    dropout: float = _option(0.0, FRACTION)
-    seed: int = _option(0, SEED)
-    experts: int = _option(0, _at_least(0))  # the GPT's experts per block (models/gpt/moe.py); 0: a dense MLP
-    top_k: int = _option(2, _at_least(1))  # experts a token goes to
-    capacity_factor: float = _option(0.0, NONNEGATIVE)  # slots an expert takes, × its even share; 0: dropless
+    model: str | None = _option(  # a Hugging Face directory; None or "gpt": the built-in GPT
+        None, _optional(TEXT), metavar="DIR",
+        help={"train": "a local Hugging Face model directory (config.json; with safetensors weights: fine-tune them, "
+                       "without: random init); default: the built-in GPT on synthetic tokens",
+              "run": "a local Hugging Face model directory (default: the built-in GPT)"})
+    attn: str | None = _option(  # None: sdpa where transformers has it
+        None, choices=ATTENTIONS,
+        help="the model's attention implementation (default sdpa, eager where transformers has no sdpa)")
+    layers: int = _option(  # the GPT's blocks; 0: 2 a stage (`for_program`)
+        0, _at_least(0), type=nonnegative_int, help="transformer blocks (default: 2 per stage)")
+    embd: int = _option(64, _at_least(1), type=positive_int,
+                        help=f"embedding width, a multiple of {GPT_HEADS} (default {{default}})")
+    split: str = _option(
+        "count", SPLIT, type=_split_arg, metavar="{count,blocks,flops,POINTS}",
+        help="how the model is cut into stages: count (the embedding and the head count as pieces like the blocks; "
+             "default), blocks (every stage the same number of blocks, the embedding and head on the end stages: "
+             "Megatron-LM's split, the one `pipedsl plan` models), flops (balanced by the FLOPs a token costs in each "
+             "piece: a large-vocabulary head gets a stage with fewer blocks) or cut points, e.g. 3,7 (stages 1 and 2 "
+             "begin at pieces 3 and 7 of [embedding, blocks…, head])")
+    dropout: float = _option(0.0, FRACTION, type=fraction, help="dropout probability (default {default})")
+    seed: int = _option(0, SEED, type=int, help="the seed of the weights and the data order (default {default})")
+    experts: int = _option(  # the GPT's experts per block (models/gpt/moe.py); 0: a dense MLP
+        0, _at_least(0), type=nonnegative_int,
+        help="the built-in GPT with a mixture of experts in every block (a top-k router with its load-balancing "
+             "loss, models/gpt/moe.py; default {default}: a dense MLP)")
+    top_k: int = _option(2, _at_least(1), type=positive_int,  # experts a token goes to
+                         help="experts a token is routed to (default {default})")
+    capacity_factor: float = _option(  # slots an expert takes, × its even share; 0: dropless
+        0.0, NONNEGATIVE, type=nonnegative_float,
+        help="an expert takes at most this times its even share of the routings, the rest dropped (default 0: "
+             "dropless)")
 
     @property
     def is_hf(self) -> bool:
@@ -216,20 +299,48 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """[data]: the text a Hugging Face model trains on (the GPT draws synthetic tokens) and its shape."""
 
-    data: tuple[str, ...] | None = _option(None, _optional(PATHS))
-    eval_data: tuple[str, ...] | None = _option(None, _optional(PATHS))
-    text_field: str = _option("text", TEXT)
-    source_field: str | None = _option(None, _optional(TEXT))  # encoder-decoders: (source, target) pairs …
-    target_field: str | None = _option(None, _optional(TEXT))  # … else span corruption of --text-field
-    seq: int = _option(32, _at_least(1))
-    target_seq: int = _option(0, _at_least(0))  # pairs: the targets' length; 0: --seq
-    noise_density: float = _option(0.15, _open_fraction())  # span corruption: the share of tokens masked
-    mean_noise_span: float = _option(3.0, _at_least_number(1.0))  # … and their spans' mean length
-    packing: str = _option("pack", _one_of(*PACKINGS))
-    doc_mask: bool = _option(False, FLAG)
-    eval_fraction: float = _option(0.05, FRACTION)
-    cache_dir: str | None = _option(None, _optional(TEXT))
-    pad_fraction: float = _option(0.0, FRACTION)
+    data: tuple[str, ...] | None = _option(
+        None, _optional(PATHS), nargs="+", metavar="PATH",
+        help="text files or folders, .jsonl (see --text-field), .parquet, or a `datasets` dataset saved with "
+             "save_to_disk; tokenized once with the model's tokenizer (bytes when it has none)")
+    eval_data: tuple[str, ...] | None = _option(
+        None, _optional(PATHS), nargs="+", metavar="PATH",
+        help="a held-out set of its own (same formats as --data); then all of --data trains and --eval-fraction is "
+             "ignored")
+    text_field: str = _option(
+        "text", TEXT, help="the JSONL / Parquet / dataset column holding the text (default {default})")
+    source_field: str | None = _option(  # encoder-decoders: (source, target) pairs …
+        None, _optional(TEXT), metavar="FIELD",
+        help="encoder-decoders: train on (source, target) pairs, the encoder's text in this JSONL / Parquet field "
+             "(default: T5's span corruption of --text-field)")
+    target_field: str | None = _option(  # … else span corruption of --text-field
+        None, _optional(TEXT), metavar="FIELD", help="encoder-decoders: the field holding each target")
+    seq: int = _option(32, _at_least(1), type=positive_int, help="tokens per sequence (default {default})")
+    target_seq: int = _option(  # pairs: the targets' length; 0: --seq
+        0, _at_least(0), type=nonnegative_int, metavar="N",
+        help="encoder-decoders on pairs: target tokens a row (default: --seq); span corruption derives it")
+    noise_density: float = _option(  # span corruption: the share of tokens masked
+        0.15, _open_fraction(), type=float,
+        help="span corruption: the share of tokens masked (default {default}, T5's)")
+    mean_noise_span: float = _option(  # … and their spans' mean length
+        3.0, _at_least_number(1.0), type=float, help="span corruption: the masked spans' mean length (default "
+                                                     "{default})")
+    packing: str = _option(
+        "pack", choices=PACKINGS,
+        help="pack: documents joined by end-of-text into fixed windows (default); pad: one document a row, "
+             "right-padded, masked")
+    doc_mask: bool = _option(
+        False, FLAG,
+        help="packed rows: keep attention inside each document (position ids restart after end-of-text)")
+    eval_fraction: float = _option(
+        0.05, FRACTION, type=fraction,
+        help="share of the samples held out for evaluation, in blocks spread over the data (default {default})")
+    cache_dir: str | None = _option(
+        None, _optional(TEXT), metavar="DIR", help="where tokenized data is cached (default OUT/token-cache)")
+    pad_fraction: float = _option(
+        0.0, FRACTION, type=fraction, metavar="F",
+        help="about this fraction of the targets is padding (ignore_index -100), as a random tail per sequence "
+             "(default {default})")
 
     @property
     def heldout_fraction(self) -> float:
@@ -241,13 +352,28 @@ class DataConfig(_Section):
 class ScheduleConfig(_Section):
     """[schedule]: the schedule and its sizes (`pipedsl train`), or a compiled program file (`pipedsl run`)."""
 
-    schedule: str = _option("1f1b", TEXT)
-    ranks: int | None = _option(None, _optional(_at_least(1)))  # None: the program's own (COMMAND_DEFAULTS)
-    microbatches: int = _option(8, _at_least(1))
-    param: tuple[str, ...] = _option((), ("must be a list of NAME=VALUE strings", lambda v: isinstance(v, tuple)
-                                          and all(isinstance(p, str) for p in v)))
-    program: str | None = _option(None, _optional(TEXT))
-    auto_memory: float | None = _option(None, _optional(POSITIVE))  # GB for activations under auto; None: free now
+    schedule: str = _option(
+        "1f1b", TEXT,
+        help="a built-in name or a .pipe file (default {default}); auto: profile a few steps under ZB-H1, then "
+             "continue under ZB-auto searched from the measured op and message times (-p mem=N: its memory cap, "
+             "default 2P)")
+    ranks: int | None = _option(  # None: the program's own (COMMAND_DEFAULTS)
+        None, _optional(_at_least(1)), short="-P", type=positive_int,
+        help={"train": "pipeline ranks = local processes (default {default})",
+              "run": "the ranks the program must have (default: its own)"})
+    microbatches: int = _option(8, _at_least(1), short="-M", type=positive_int,
+                                help="microbatches per step (default {default})")
+    param: tuple[str, ...] = _option(
+        (), ("must be a list of NAME=VALUE strings", lambda v: isinstance(v, tuple) and all(isinstance(p, str)
+                                                                                             for p in v)),
+        short="-p", action="append", metavar="NAME=VALUE", help="a schedule parameter")
+    program: str | None = _option(None, _optional(TEXT), required=True, metavar="FILE",
+                                  help="a program as written by `pipedsl compile --format json|csv|text`")
+    auto_memory: float | None = _option(  # GB for activations under auto; None: free now
+        None, _optional(POSITIVE), type=positive_float, metavar="GB",
+        help="with --schedule auto and no -p mem: the memory a rank gives activations, which sets ZB-auto's cap "
+             "from one activation's bytes measured in the profile steps (default: the device's free memory then, "
+             "less a tenth; the cap is at most 2P)")
 
     def __post_init__(self) -> None:
         _Section.__post_init__(self)
@@ -276,35 +402,88 @@ def _integer(text: str) -> int | None:
 class ParallelismConfig(_Section):
     """[parallel]: data-, tensor- and sequence-parallel ranks around the pipeline, and the ZeRO stage."""
 
-    dp: int = _option(1, _at_least(1))
-    zero: int = _option(0, _one_of(*ZERO_STAGES))
-    tp: int = _option(1, _at_least(1))
-    sequence_parallel: bool = _option(False, FLAG)
-    ep: int = _option(1, _at_least(1))  # expert parallelism: each MoE layer's experts over ep of the dp ranks
-    zero_reshard: str = _option("auto", _one_of(*ZERO_RESHARDS))  # ZeRO-3 frees a unit after each use, or the step
+    dp: int = _option(1, _at_least(1), type=positive_int,
+                      help="data-parallel replicas of the pipeline: dp x P processes (default {default})")
+    zero: int = _option(0, choices=ZERO_STAGES, type=int,
+                        help="ZeRO stage over the dp replicas (default {default}: an averaging all-reduce)")
+    tp: int = _option(
+        1, _at_least(1), type=positive_int,
+        help="tensor-parallel ranks per pipeline stage (Megatron's 1-D split: attention by heads, the MLP column- "
+             "then row-wise, vocabulary-parallel embedding, head and loss): dp x P x tp processes (default "
+             "{default})")
+    sequence_parallel: bool = _option(
+        False, FLAG,
+        help="with --tp: norms and residuals on 1/tp of the sequence, reduce-scatter and all-gather in place of the "
+             "all-reduces (Korthikanti et al. 2022); --seq must divide by --tp")
+    ep: int = _option(  # expert parallelism: each MoE layer's experts over ep of the dp ranks
+        1, _at_least(1), type=positive_int,
+        help="expert parallelism: each MoE layer's experts sharded over groups of ep data-parallel replicas, "
+             "tokens exchanged with all-to-alls (parallel/expert.py); ep divides --dp (default {default})")
+    zero_reshard: str = _option(  # ZeRO-3 frees a unit after each use, or the step
+        "auto", choices=ZERO_RESHARDS,
+        help="ZeRO-3: free a layer's gathered parameters after each forward and backward (unit: one layer whole at "
+             "a time, 2M all-gathers a layer a step) or after the stage's last backward (step: one all-gather a "
+             "layer a step, the stage whole during the step); auto: step with -P 2 or more, unit with one stage "
+             "(default {default})")
 
 
 @dataclass(frozen=True)
 class TrainingConfig(_Section):
     """[training]: steps, batch, optimizer, precision, recomputation and the loss."""
 
-    steps: int = _option(20, _at_least(1))
-    batch: int = _option(0, _at_least(0))  # 0: 4 sequences a microbatch and replica (`for_program`)
-    lr: float = _option(3e-3, NONNEGATIVE)  # 0: the steps run, the weights stay (an evaluation of the data)
-    weight_decay: float = _option(0.01, NONNEGATIVE)
-    no_decay: str = _option(",".join(NO_DECAY_KINDS), NO_DECAY)  # what weight decay spares, or "none"
-    precision: str = _option("fp32", _one_of(*DTYPES))
-    param_dtype: str = _option("fp32", _one_of(*DTYPES))
-    grad_dtype: str = _option("fp32", _one_of(*DTYPES))
-    clip_grad: float | None = _option(None, _optional(POSITIVE))
-    post_validate: bool = _option(False, FLAG)  # steps overlap: the checks after the optimizer step (post_validate.py)
-    lr_schedule: str = _option("constant", _one_of(*LR_SCHEDULES))
-    warmup_steps: int = _option(0, _at_least(0))
-    min_lr: float = _option(0.0, NONNEGATIVE)  # where cosine, linear and wsd decay to
-    decay_steps: int = _option(0, _at_least(0))  # wsd's final decay; 0: a tenth of the steps after the warmup
-    recompute: str = _option("none", _one_of(*RECOMPUTES))
-    loss_reduction: str | None = _option(None, _optional(_one_of(*LOSS_REDUCTIONS)))  # see TrainConfig's
-    threads: int = _option(1, _at_least(1))
+    steps: int = _option(20, _at_least(1), type=positive_int, help="train until this step (default {default})")
+    batch: int = _option(  # 0: 4 sequences a microbatch and replica (`for_program`)
+        0, _at_least(0), type=nonnegative_int, help="sequences per step (default 4·M)")
+    lr: float = _option(  # 0: the steps run, the weights stay (an evaluation of the data)
+        3e-3, NONNEGATIVE, type=nonnegative_float,
+        help="AdamW's learning rate (default {default}; 0: the steps run, the weights stay)")
+    weight_decay: float = _option(0.01, NONNEGATIVE, type=nonnegative_float,
+                                  help="AdamW's weight decay (default {default})")
+    no_decay: str = _option(  # what weight decay spares, or "none"
+        ",".join(NO_DECAY_KINDS), NO_DECAY, type=_no_decay,
+        help=f"what weight decay spares: some of {', '.join(NO_DECAY_KINDS)} separated by commas, or none "
+             f"(default {{default}}: HF Trainer's and torchtitan's choice)")
+    precision: str = _option("fp32", choices=DTYPES,
+                             help="compute dtype (autocast; fp16 scales the loss; default {default})")
+    param_dtype: str = _option(
+        "fp32", choices=DTYPES,
+        help="the model's parameters: {default} (default; autocast casts them per op) or the --precision dtype, "
+             "with fp32 main parameters in the optimizer, sharded by --zero (Megatron's distributed optimizer: 6 + "
+             "12/dp bytes a parameter at --zero 1)")
+    grad_dtype: str = _option(
+        "fp32", choices=DTYPES,
+        help="with --param-dtype bf16/fp16: gradients accumulate over microbatches and are reduced in {default} "
+             "(default, Megatron's) or in the parameters' dtype (2 bytes a parameter less, the ZeRO paper's; the "
+             "sums round in bf16)")
+    clip_grad: float | None = _option(
+        None, _optional(POSITIVE), type=positive_float, metavar="MAX_NORM",
+        help="clip the whole model's gradient norm (over every rank) to MAX_NORM (default: no clipping)")
+    post_validate: bool = _option(  # steps overlap: the checks after the optimizer step (post_validate.py)
+        False, FLAG,
+        help="steps overlap: each rank steps its optimizer when its part of the step ends and the global checks "
+             "(gradient norm, inf/NaN) complete in the next step, which redoes the step when they fail (the "
+             "weights equal synchronous steps'); the loss is logged one step late")
+    lr_schedule: str = _option(
+        "constant", choices=LR_SCHEDULES,
+        help="after --warmup-steps of linear warmup: constant (default {default}), a cosine or a linear decay to "
+             "--min-lr at --steps, or wsd (warmup-stable-decay: constant, then linear to --min-lr over the last "
+             "--decay-steps)")
+    warmup_steps: int = _option(0, _at_least(0), type=nonnegative_int, metavar="N",
+                                help="linear learning-rate warmup over the first N steps (default {default})")
+    min_lr: float = _option(0.0, NONNEGATIVE, type=nonnegative_float,  # where cosine, linear and wsd decay to
+                            help="the learning rate cosine, linear and wsd decay to (default {default})")
+    decay_steps: int = _option(  # wsd's final decay; 0: a tenth of the steps after the warmup
+        0, _at_least(0), type=nonnegative_int, metavar="N",
+        help="wsd: the final decay's steps (default: a tenth of those after the warmup)")
+    recompute: str = _option(
+        "none", choices=RECOMPUTES,
+        help="activation recomputation per stage: keep only the stage input (full) or recompute the attention "
+             "modules (selective); default {default}")
+    loss_reduction: str | None = _option(  # see TrainConfig's
+        None, choices=LOSS_REDUCTIONS,
+        help="mean loss per microbatch, averaged, or the mean over every non-padding token of the global batch "
+             "(token); default: token with --model, microbatch for the GPT")
+    threads: int = _option(1, _at_least(1), type=positive_int, help="torch threads per rank (default {default})")
 
     @property
     def state_bytes(self) -> Any:
@@ -319,42 +498,83 @@ class TrainingConfig(_Section):
 class EvalConfig(_Section):
     """[eval]: when and how much held-out data is evaluated (a Hugging Face model's)."""
 
-    eval_every: int = _option(0, _at_least(0))  # 0: only after the last step
-    eval_batches: int = _option(20, _at_least(0))  # spread over the held-out set; 0: all of them
+    eval_every: int = _option(  # 0: only after the last step
+        0, _at_least(0), type=nonnegative_int, metavar="N",
+        help="evaluate held-out loss and perplexity every N steps and after the last (default: only after the last)")
+    eval_batches: int = _option(  # spread over the held-out set; 0: all of them
+        20, _at_least(0), type=nonnegative_int, metavar="N",
+        help="held-out global batches an evaluation runs, spread over the held-out set (default {default}; 0: all "
+             "of them)")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig(_Section):
     """[checkpoint]: where and how often to save, and what to resume from."""
 
-    checkpoint_dir: str | None = _option(None, _optional(TEXT))
-    checkpoint_every: int = _option(0, _at_least(0))  # 0: only after the last step
-    resume: str | None = _option(None, _optional(TEXT))  # "latest" in checkpoint_dir, or a checkpoint
-    overwrite: bool = _option(False, FLAG)  # a new run may remove another run's checkpoints from checkpoint_dir
-    keep_checkpoints: int = _option(0, _at_least(0))  # the newest N complete checkpoints stay; 0: every one
+    checkpoint_dir: str | None = _option(None, _optional(TEXT), metavar="DIR",
+                                         help="write checkpoints under DIR/step-NNNNNNNN/")
+    checkpoint_every: int = _option(  # 0: only after the last step
+        0, _at_least(0), type=nonnegative_int, metavar="N",
+        help="checkpoint every N steps (default: only after the last step)")
+    resume: str | None = _option(  # "latest" in checkpoint_dir, or a checkpoint
+        None, _optional(TEXT), nargs="?", const="latest", metavar="CHECKPOINT",
+        help="continue from the latest complete checkpoint in --checkpoint-dir (none: start fresh), or from the "
+             "given checkpoint directory")
+    overwrite: bool = _option(  # a new run may remove another run's checkpoints from checkpoint_dir
+        False, FLAG,
+        help="without --resume: remove another run's checkpoints from --checkpoint-dir and start over (a run into a "
+             "directory holding them is refused otherwise)")
+    keep_checkpoints: int = _option(  # the newest N complete checkpoints stay; 0: every one
+        0, _at_least(0), type=nonnegative_int, metavar="N",
+        help="keep the newest N complete checkpoints, removing older ones after each save (default 0: keep every "
+             "one)")
 
 
 @dataclass(frozen=True)
 class LoggingConfig(_Section):
     """[logging]: the output folder and the loggers beside metrics.jsonl."""
 
-    out: str | None = _option(None, _optional(TEXT))  # None: no files, the console only
-    tensorboard: str | None = _option(None, _optional(TEXT))
-    wandb: str | None = _option(None, _optional(TEXT))
-    peak_tflops: float | None = _option(None, _optional(POSITIVE))  # None: a datasheet's, or measured
-    log_every: int = _option(1, _at_least(1))  # steps between metric records (the first and the last always)
+    out: str | None = _option(  # None: no files, the console only
+        None, _optional(TEXT), short="-o",
+        help="directory for metrics.jsonl, timeline.json, losses.json (default {default})")
+    tensorboard: str | None = _option(
+        None, _optional(TEXT), metavar="DIR",
+        help="also write TensorBoard event files, to DIR/NAME with NAME the output directory's (-o) name: runs "
+             "sharing DIR show side by side")
+    wandb: str | None = _option(None, _optional(TEXT), metavar="PROJECT",
+                                help="also log to Weights & Biases (offline unless WANDB_MODE says)")
+    peak_tflops: float | None = _option(  # None: a datasheet's, or measured
+        None, _optional(POSITIVE), type=positive_float, metavar="X",
+        help="peak TFLOP/s of one device for MFU (default: a known GPU's datasheet, or measured on a CPU)")
+    log_every: int = _option(  # steps between metric records (the first and the last always)
+        1, _at_least(1), type=positive_int, metavar="N",
+        help="record the metrics every N steps (and the first and the last; default {default})")
 
 
 @dataclass(frozen=True)
 class RunConfig(_Section):
     """[run]: how long the processes may take, and whether to start more than the machine holds."""
 
-    timeout: float = _option(120.0, POSITIVE, WITHIN_A_YEAR)
-    checkpoint_timeout: float | None = _option(None, _optional(POSITIVE), WITHIN_A_YEAR)
-    join_timeout: float = _option(3600.0, POSITIVE, WITHIN_A_YEAR)
-    allow_oversubscribe: bool = _option(False, FLAG)
-    max_time: float | None = _option(None, _optional(POSITIVE), WITHIN_A_YEAR)  # stop (and save) before this
-    stop_timeout: float = _option(120.0, POSITIVE, WITHIN_A_YEAR)  # after a stop signal: to end the step and save
+    timeout: float = _option(
+        120.0, *TIMEOUT, type=positive_float,
+        help="seconds before a silent rank counts as failed (process group; default {default})")
+    checkpoint_timeout: float | None = _option(
+        None, _optional(POSITIVE), WITHIN_A_YEAR, type=positive_float, metavar="SECONDS",
+        help="seconds to wait for the other ranks' checkpoint parts (default: --timeout)")
+    join_timeout: float = _option(
+        3600.0, *TIMEOUT, type=positive_float,
+        help="seconds the whole run may take before its processes are killed (default {default})")
+    allow_oversubscribe: bool = _option(
+        False, FLAG, help="start more local processes, threads or model memory than this machine sensibly holds")
+    max_time: float | None = _option(  # stop (and save) before this
+        None, _optional(POSITIVE), WITHIN_A_YEAR, type=positive_float, metavar="SECONDS",
+        help="stop before the run has taken SECONDS (from the command's start), saving a checkpoint with "
+             "--checkpoint-dir; --resume continues it")
+    stop_timeout: float = _option(  # after a stop signal: to end the step and save
+        120.0, *TIMEOUT, type=positive_float, metavar="SECONDS",
+        help="after SIGTERM, SIGINT or SIGHUP the ranks finish their step and save a checkpoint (with "
+             "--checkpoint-dir); killed if that takes longer than SECONDS (default {default}; a second signal "
+             "kills at once)")
 
     @property
     def save_timeout(self) -> float:
@@ -369,6 +589,7 @@ SECTION_TYPES: dict[str, type[_Section]] = {
 SECTIONS: dict[str, tuple[str, ...]] = {name: tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
                                         for name, cls in SECTION_TYPES.items()}
 SECTION_OF: dict[str, str] = {key: section for section, keys in SECTIONS.items() for key in keys}
+FIELDS: dict[str, Field] = {f.name: f for cls in SECTION_TYPES.values() for f in fields(cls)}  # type: ignore[arg-type]
 # the options only one model source reads (`render` prints the chosen one's): the built-in GPT's shape and
 # synthetic padding; a Hugging Face model's attention, its data (all of [data] but seq and pad_fraction) and [eval]
 GPT_ONLY: tuple[str, ...] = ("layers", "embd", "dropout", "experts", "top_k", "capacity_factor", "pad_fraction")
