@@ -160,10 +160,10 @@ class HFSource:
         self.loader: Any = None
 
     def _tensor_parallel(self, mesh: Any, held: set[int]) -> None:
-        """This rank's stages sliced in place over the mesh's tp dimension (parallel/tp_hf.py), with the
-        vocabulary-parallel loss.  Only the held stages: the ranks of one tp group hold the same ones, and
-        slicing is collective among them."""
-        from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
+        """This rank's stages sliced in place over the mesh's tp dimension by the model's own plan
+        (models/hf/parallelize.py), with the vocabulary-parallel loss.  Only the held stages: the ranks of one tp
+        group hold the same ones, and slicing is collective among them."""
+        from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
 
         build = self.stages
         local = {s: build[s] if isinstance(build, list) else build(s) for s in sorted(held)}

@@ -133,8 +133,8 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
     word embeddings tied to the head (the family's default when None)."""
     import hf_cases
 
+    from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
-    from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
 
     pp = dist.get_world_size() // (dp * tp)
     program = pipedsl.load(schedule).compile(P=pp, M=M)
