@@ -285,7 +285,7 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
     element held by some rank, copies equal.  The problems found."""
     from dense_index import gather_dense, index_model
 
-    from pipedsl.models.gpt.tp import tp_gpt_loss
+    from pipedsl.models.gpt.parallelize import tp_gpt_loss
     from pipedsl.parallel.expert import shard_experts
 
     pp = dist.get_world_size() // (dp * tp)
