@@ -63,7 +63,7 @@ def _train_rank(rank: int, model: SmallGPT, layout: Layout, steps: int, warmup: 
     if layout.dp > 1 or layout.tp > 1:
         mesh = ParallelMesh(ParallelConfig(dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero))
     if layout.tp > 1:
-        from pipedsl.models.gpt.tp import tp_gpt_loss
+        from pipedsl.models.gpt.parallelize import tp_gpt_loss
 
         stages = gpt.tp_stages(program.num_stages, mesh, by="blocks", sequence_parallel=layout.sequence_parallel)
         loss = tp_gpt_loss(mesh)

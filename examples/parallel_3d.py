@@ -23,7 +23,7 @@ import torch
 
 import pipedsl
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
-from pipedsl.models.gpt.tp import tp_gpt_loss
+from pipedsl.models.gpt.parallelize import tp_gpt_loss
 from pipedsl.parallel import ParallelConfig, ParallelMesh
 
 

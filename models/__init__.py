@@ -1,9 +1,11 @@
 """pipedsl.models: models as pipeline stages.
 
 - split.py: `split_sequential`, `split_gpt` — cut any `nn.Sequential` or embedding/blocks/head model;
-- gpt/: a small GPT (nanoGPT-style, model.py) and its tensor-parallel stages (tp.py: 1-D, 3-D, SP);
-- hf/: Hugging Face causal decoders (stages.py) and encoder-decoders (seq2seq.py) as stages, and their
-  files (io.py: each rank reads the tensors it owns, export back to a Hugging Face directory).
+- gpt/: a small GPT (nanoGPT-style, model.py) and its tensor-parallel stages (parallelize.py: 1-D, 3-D, SP,
+  from its tp modules in tp.py);
+- hf/: Hugging Face causal decoders (stages.py) and encoder-decoders (seq2seq.py) as stages, their
+  tensor-parallel plan (parallelize.py), and their files (io.py: each rank reads the tensors it owns, export
+  back to a Hugging Face directory).
 
 Built on `pipedsl.runtime` and `pipedsl.parallel`; the trainer (`pipedsl.trainer`) builds on this.
 Names are imported on first use.
@@ -27,8 +29,10 @@ _EXPORTS = {
     "split_gpt": "split",
     "split_module": "split_graph",
     "split_sequential": "split",
-    "tp_gpt_loss": "gpt.tp",
-    "tp_gpt_stages": "gpt.tp",
+    "tp_gpt_loss": "gpt.parallelize",
+    "tp_gpt_stages": "gpt.parallelize",
+    "tp_hf_loss": "hf.parallelize",
+    "tp_hf_stages": "hf.parallelize",
 }
 __all__ = sorted(_EXPORTS)
 

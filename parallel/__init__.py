@@ -2,7 +2,8 @@
 
 Everything takes its process groups explicitly; nothing here keeps global state.  A leaf over
 torch.distributed: nothing here knows a pipeline or a model (tp blocks are built from any dense pre-LN
-block, tp1d's `DenseBlock`, such as pipedsl.models.gpt's `Block`).
+block, tp1d's `DenseBlock`, such as pipedsl.models.gpt's `Block`; which module of a model splits how is the
+model's own plan, models/<name>/parallelize.py, over the mechanisms here).
 
     cfg = ParallelConfig(dp=2, pp=2, tp=8, tp_mode="3d", zero=2)
     cfg.check_model(hidden=1024, heads=16, vocab=32768, batch=64, microbatches=8)
@@ -24,7 +25,6 @@ from pipedsl.parallel.tp1d import (
     vocab_parallel_cross_entropy,
 )
 from pipedsl.parallel.tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, Linear3D, loss_value
-from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
 from pipedsl.parallel.zero import MemoryReport, ZeroOptimizer, memory_report
 
 __all__ = [
@@ -50,8 +50,6 @@ __all__ = [
     "count_comm",
     "loss_value",
     "memory_report",
-    "tp_hf_loss",
-    "tp_hf_stages",
     "vocab_parallel_cross_entropy",
 ]
 

@@ -32,7 +32,7 @@ if os.environ.get("PIPEDSL_REQUIRE_EXTRAS") == "1":
 
 # What the suite's ranks import, imported once by the fork server every rank and pool worker is forked from
 # (`runtime/launch/fork_server.py`): otherwise each of 8 workers imports transformers itself, again after each restart.
-RANK_IMPORTS = ("pipedsl.trainer.train", "pipedsl.parallel.tp_hf", "transformers.modeling_utils",
+RANK_IMPORTS = ("pipedsl.trainer.train", "pipedsl.models.hf.parallelize", "transformers.modeling_utils",
                 *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "gemma3")))
 
 

@@ -282,16 +282,16 @@ def _check_memory(cfg: TrainConfig, md: Any, meta: Any) -> None:
 
 
 def _check_tensor_parallel(cfg: TrainConfig, md: Any, meta: Any, split: StageCut, S: int) -> None:
-    """`--tp`: the model's stages split as parallel/tp_hf.py splits them — its own checks (the Llama layout,
+    """`--tp`: the model's stages split as models/hf/parallelize.py splits them — its own checks (the Llama layout,
     heads, kv heads, vocabulary and MLP divisible by tp, no dropout, what it composes with), run here on the
     meta-device stages, so that a model it refuses is one line before any rank starts."""
     tp = cfg.parallel.tp
     if tp == 1:
         return
+    from pipedsl.models.hf.parallelize import check_stages
     from pipedsl.models.hf.stages import causal_lm_stages
     from pipedsl.parallel import ParallelConfig
     from pipedsl.parallel.config import ParallelConfigError
-    from pipedsl.parallel.tp_hf import check_stages
 
     try:
         check_stages(causal_lm_stages(meta, S, **split.keywords(), check=False),

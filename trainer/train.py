@@ -56,11 +56,11 @@ class GPTSource:
         self.model = GPT(self.gcfg)  # the same weights on every rank; each keeps only its stages (or slices)
         self.token = cfg.loss_reduction == "token"
         split = split_keywords(cfg.model.split)
-        if cfg.parallel.tp > 1:  # Megatron's 1-D slices of the same dense model (models/gpt/tp.py)
-            from pipedsl.models.gpt.tp import tp_gpt_loss
+        if cfg.parallel.tp > 1:  # Megatron's 1-D slices of the same dense model (models/gpt/parallelize.py)
+            from pipedsl.models.gpt.parallelize import tp_gpt_loss, tp_gpt_stages
 
-            self.stages = self.model.tp_stages(program.num_stages, mesh,
-                                               sequence_parallel=cfg.parallel.sequence_parallel, **split)
+            self.stages = tp_gpt_stages(self.model, program.num_stages, mesh,
+                                        sequence_parallel=cfg.parallel.sequence_parallel, **split)
             self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
         else:
             self.stages = self.model.stages(program.num_stages, **split)
@@ -160,10 +160,10 @@ class HFSource:
         self.loader: Any = None
 
     def _tensor_parallel(self, mesh: Any, held: set[int]) -> None:
-        """This rank's stages sliced in place over the mesh's tp dimension (parallel/tp_hf.py), with the
-        vocabulary-parallel loss.  Only the held stages: the ranks of one tp group hold the same ones, and
-        slicing is collective among them."""
-        from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
+        """This rank's stages sliced in place over the mesh's tp dimension by the model's own plan
+        (models/hf/parallelize.py), with the vocabulary-parallel loss.  Only the held stages: the ranks of one tp
+        group hold the same ones, and slicing is collective among them."""
+        from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
 
         build = self.stages
         local = {s: build[s] if isinstance(build, list) else build(s) for s in sorted(held)}

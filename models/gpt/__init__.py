@@ -1,1 +1,1 @@
-"""The small GPT (model.py) and its tensor-parallel stages (tp.py)."""
+"""The small GPT (model.py), how it is parallelized (parallelize.py) and its tensor-parallel modules (tp.py)."""

@@ -2,7 +2,7 @@
 
 Shapes in comments: B batch (micro-batch), T sequence, C embedding, H heads, V vocabulary.
 Used by `pipedsl train` and examples/nanogpt.py; `GPT.tp_stages` slices it into tensor-parallel
-stages (models/gpt/tp.py, examples/parallel_3d.py), and its `Block` is the dense reference every
+stages (models/gpt/parallelize.py, examples/parallel_3d.py), and its `Block` is the dense reference every
 tensor-parallel block is built from (parallel/tp1d.py's `ParallelBlock`, parallel/tp3d.py's `Block3D`:
 they read ln1, attn.qkv/proj/n_head, ln2, mlp.fc/proj).  The head does not tie its weight to the
 token embedding (examples/hf_llama.py trains a tied model: see runtime/ties.py).
@@ -165,11 +165,11 @@ class GPT(nn.Module):
         """This model as `num_stages` tensor-parallel stages for this rank of a `ParallelMesh` (1-D or 3-D).
 
         The weights are slices of this dense model, so it is the one-process reference; pair the
-        stages with `pipedsl.models.gpt.tp.tp_gpt_loss(mesh)` (see that module).  With
+        stages with `pipedsl.models.gpt.parallelize.tp_gpt_loss(mesh)` (see that module).  With
         `sequence_parallel` (1-D) the stages exchange sequence shards [mb, T/t, C].  An MoE model's experts
         stay whole on every tp rank, which runs them on its share of the tokens (1-D, dropless).
         """
-        from pipedsl.models.gpt.tp import tp_gpt_stages
+        from pipedsl.models.gpt.parallelize import tp_gpt_stages
 
         return tp_gpt_stages(self, num_stages, mesh, by=by, sequence_parallel=sequence_parallel, points=points)
 

@@ -8,7 +8,7 @@ gives each `JetMoeMoE` the forward below — its own router, then `JetMoeExperts
 two weights cut along their experts in place: state dicts, checkpoints and HF export keep
 `mlp.input_linear.weight`, `mlp.output_linear.weight`) and the router statistics count its routings.
 The mixture of attention heads (`JetMoeMoA`) is not sharded by `--ep`; under tensor parallelism it splits
-itself by key/value heads (`TensorParallelJetMoeAttention.tensor_parallel`, which parallel/tp_hf.py calls).
+itself by key/value heads (`TensorParallelJetMoeAttention.tensor_parallel`, which models/hf/parallelize.py calls).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class _TensorParallelMoA(JetMoeMoA):
 
 class TensorParallelJetMoeAttention(JetMoeAttention):
     """JetMoE's attention, able to split itself over a tensor-parallel group (`tensor_parallel`, which
-    parallel/tp_hf.py calls for an attention module that has it)."""
+    models/hf/parallelize.py calls for an attention module that has it)."""
 
     def tensor_parallel(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         """Megatron's split by key/value heads, in place: rank r of t keeps heads [r·H/t, (r+1)·H/t).

@@ -97,7 +97,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 def adapt_model(model: nn.Module) -> None:
     """`model`'s modules behind the interfaces pipedsl's parallelism uses where its family differs, in place, its
     parameters and their names unchanged: JetMoE's experts behind parallel/expert.py's, its attention able to split
-    itself over tp (`tensor_parallel`, parallel/tp_hf.py) — models/hf/jetmoe.py."""
+    itself over tp (`tensor_parallel`, models/hf/parallelize.py) — models/hf/jetmoe.py."""
     from pipedsl.models.hf.jetmoe import adapt_attention, adapt_experts
 
     adapt_experts(model)

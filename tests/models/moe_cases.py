@@ -133,8 +133,8 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
     word embeddings tied to the head (the family's default when None)."""
     import hf_cases
 
+    from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
-    from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
 
     pp = dist.get_world_size() // (dp * tp)
     program = pipedsl.load(schedule).compile(P=pp, M=M)
@@ -285,7 +285,7 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
     element held by some rank, copies equal.  The problems found."""
     from dense_index import gather_dense, index_model
 
-    from pipedsl.models.gpt.tp import tp_gpt_loss
+    from pipedsl.models.gpt.parallelize import tp_gpt_loss
     from pipedsl.parallel.expert import shard_experts
 
     pp = dist.get_world_size() // (dp * tp)

@@ -385,8 +385,8 @@ def _dense_layer_numel_under_tp(family: str, sp: bool) -> int:
     """The parameters this tp rank holds of layer 0 (dense) of the tiny `family` under tp_hf_stages."""
     from torch.distributed.tensor import DTensor
 
+    from pipedsl.models.hf.parallelize import tp_hf_stages
     from pipedsl.parallel import ParallelConfig, ParallelMesh
-    from pipedsl.parallel.tp_hf import tp_hf_stages
 
     stages = causal_lm_stages(hf_cases.tiny_model(family), 1)
     tp_hf_stages(stages, ParallelMesh(ParallelConfig(tp=2)), sequence_parallel=sp)
@@ -414,9 +414,9 @@ def test_the_planner_prices_latent_attention_under_tp_as_the_ranks_hold_it(pool,
 def _tp_refusal(family: str, sp: bool) -> str:
     import hf_cases
 
+    from pipedsl.models.hf.parallelize import tp_hf_stages
     from pipedsl.models.hf.stages import causal_lm_stages
     from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh
-    from pipedsl.parallel.tp_hf import tp_hf_stages
 
     stages = causal_lm_stages(hf_cases.tiny_model(family), 1)
     try:

@@ -23,7 +23,7 @@ from dense_index import gather_dense, index_model
 import pipedsl
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss
-from pipedsl.models.gpt.tp import tp_gpt_loss
+from pipedsl.models.gpt.parallelize import tp_gpt_loss
 from pipedsl.parallel import ParallelConfig, ParallelConfigError, ParallelMesh, count_comm
 from pipedsl.parallel.tp1d import ParallelSelfAttention
 from pipedsl.runtime.precision import MixedPrecision

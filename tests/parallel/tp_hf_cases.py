@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import pipedsl
+from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
 from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
 from pipedsl.parallel import ParallelConfig, ParallelMesh
-from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
 from pipedsl.runtime.precision import MixedPrecision
 
 

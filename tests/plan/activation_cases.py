@@ -41,8 +41,8 @@ def _layer(module: torch.nn.Module) -> bool:
 
 
 def _stored(layers: int, M: int, tp: int, sp: bool, recompute: str | None, attn: str) -> int:
+    from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
-    from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
 
     program = pipedsl.load("gpipe").compile(P=1, M=M)
     stages = causal_lm_stages(tiny_llama(layers, attn), 1)
@@ -85,8 +85,8 @@ def w_held_layer(tp: int, sp: bool, kv_heads: int) -> dict:
     of two (the layers and the head: stage 0, the embedding, has no input gradient, so its I is empty) under
     ZB-H1, one microbatch; the counter's share after I (`w_shares`) times the forward's bytes (`largest_bytes`),
     with 2 layers less with 1.  Run on 2·tp ranks (pp2 × tp)."""
+    from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
-    from pipedsl.parallel.tp_hf import tp_hf_loss, tp_hf_stages
 
     def one(layers: int) -> tuple[float, float]:
         mesh = ParallelMesh(ParallelConfig(pp=2, tp=tp))

@@ -315,7 +315,7 @@ def parallel_job(dp: int, pp: int, tp: int, runs: tuple, steps: int = 2) -> dict
     import torch.distributed as dist
 
     from pipedsl.models.gpt.model import GPT, CausalSelfAttention, GPTConfig
-    from pipedsl.models.gpt.tp import tp_gpt_loss
+    from pipedsl.models.gpt.parallelize import tp_gpt_loss
     from pipedsl.parallel import ParallelConfig, ParallelMesh
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)

@@ -261,7 +261,7 @@ def tp_job(tp_mode: str, zero: int, steps: int = 3) -> dict:
     parameters over fp32 main parameters, against the dense model in one process under the same policy; and
     the same layout in fp32, to show the tolerance tells the two apart."""
     from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, synthetic_batch
-    from pipedsl.models.gpt.tp import tp_gpt_loss
+    from pipedsl.models.gpt.parallelize import tp_gpt_loss
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     dims = {"dp": 2, "pp": 2, "tp": 2} if tp_mode == "1d" else {"tp": 8, "tp_mode": "3d"}
