@@ -53,8 +53,10 @@ MOVED: dict[str, dict[str, str]] = {
     },
     "pipedsl.parallel": {
         "PipelineOptimizer": "pipedsl.runtime.optim:PipelineOptimizer",
-        "tp_gpt_loss": "pipedsl.models.gpt.tp:tp_gpt_loss",
-        "tp_gpt_stages": "pipedsl.models.gpt.tp:tp_gpt_stages",
+        "tp_gpt_loss": "pipedsl.models.gpt.parallelize:tp_gpt_loss",
+        "tp_gpt_stages": "pipedsl.models.gpt.parallelize:tp_gpt_stages",
+        "tp_hf_loss": "pipedsl.models.hf.parallelize:tp_hf_loss",
+        "tp_hf_stages": "pipedsl.models.hf.parallelize:tp_hf_stages",
     },
 }
 

@@ -129,13 +129,3 @@ class Head3D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
-
-
-def __getattr__(name: str) -> object:
-    """`tp_gpt_stages` and `tp_gpt_loss`, which moved to models/gpt/parallelize.py; pipedsl/registry.py's MOVED
-    table still names them here."""
-    if name in ("tp_gpt_stages", "tp_gpt_loss"):
-        from pipedsl.models.gpt import parallelize
-
-        return getattr(parallelize, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
