@@ -9,6 +9,10 @@ collection would walk all of it (0.2 s at 10⁶ instructions) and promote it, an
 generation's would walk it again.  It lives as long as its caller keeps it, so `no_gc` moves
 it straight to the oldest generation (`gc.freeze` then `gc.unfreeze`, which moves lists, not
 objects); a cycle among it is still found by the next full collection.
+
+A process that froze what it imported (`freeze_imports`: the pool's workers, launched ranks) skips that aging:
+unfreezing would thaw torch's objects back into every full collection, and merely asking how many objects are
+frozen (`gc.get_freeze_count`) walks all of them, 0.1 s each time.
 """
 
 from __future__ import annotations
@@ -16,6 +20,16 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+_imports_frozen = False  # set once by `freeze_imports`; read by `no_gc`
+
+
+def freeze_imports() -> None:
+    """Move every object alive now (what the process imported: torch is ~170,000 of them) out of the cycle
+    collector's reach for good: they are never garbage, and each full collection walked them all (0.15 s)."""
+    global _imports_frozen
+    gc.freeze()
+    _imports_frozen = True
 
 
 @contextmanager
@@ -28,7 +42,7 @@ def no_gc() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
-            if gc.get_freeze_count() == 0:  # unfreeze would thaw objects someone else froze
+            if not _imports_frozen and gc.get_freeze_count() == 0:  # unfreeze would thaw what someone else froze
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from pipedsl.errors import PipeDSLError, PipeRuntimeError
+from pipedsl.perf import freeze_imports
 from pipedsl.runtime.launch.capacity import check_local_ranks, usable_cores
 from pipedsl.runtime.launch.errors import RankFailure, failure_order, is_consequence, record_failure
 from pipedsl.runtime.launch.fork_server import TORCHRUN_ENV, rank_context
@@ -115,7 +116,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         init_process_group(rank, world, backend, timeout, int(os.environ.get("LOCAL_RANK", rank)))
         faulthandler.enable(file=sys.stderr, all_threads=True)  # as a forked rank (`_child`)
-        gc.freeze()  # as a forked rank
+        freeze_imports()  # as a forked rank
         try:
             return [fn(rank, *args)]
         except BaseException as err:
@@ -193,7 +194,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
     # a rank that dies by a signal (heap corruption's SIGABRT, a SIGSEGV in an extension) prints where each of its
     # threads was: the launcher can only say which signal it was
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    gc.freeze()  # what the fork server imported (torch: ~170,000 objects) is never garbage: no collection walks it
+    freeze_imports()  # what the fork server imported (torch: ~170,000 objects) is never garbage: no collection walks it
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)

@@ -25,6 +25,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from pipedsl.errors import PipeRuntimeError
+from pipedsl.perf import freeze_imports
 
 
 class WorkerError(PipeRuntimeError):
@@ -35,7 +36,7 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    gc.freeze()  # torch's objects out of every collection (see `_release_groups`)
+    freeze_imports()  # torch's objects out of every collection (see `_release_groups`)
     while True:
         job = jobs.get()
         if job is None:
@@ -78,7 +79,7 @@ def _release_groups(kept: set) -> None:
     gc.collect()  # the job's pipelines hold their gloo groups (two threads each) in reference cycles
     # what survives is the modules the job imported and their caches: frozen, no collection walks them again.  A
     # full collection over torch's ~170,000 objects took 0.15 s, and every job of every worker paid it
-    gc.freeze()
+    freeze_imports()
 
 
 MAX_THREADS = 100  # a worker past this many threads is replaced before the next run
