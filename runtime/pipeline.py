@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,7 +100,8 @@ class Pipeline:
 
     def __init__(self, stages: StageSpec, schedule: str | Schedule | None = "1f1b",
                  microbatches: int | None = None, loss_fn: LossFn | None = None, *,
-                 program: Program | str | None = None, parallel: ParallelConfig | ParallelMesh | None = None,
+                 program: Program | str | os.PathLike | None = None,
+                 parallel: ParallelConfig | ParallelMesh | None = None,
                  options: PipelineOptions | None = None, **keywords: Any) -> None:
         """`options`: how it runs (options.py).  `keywords`: the older flat options (`precision=`, `recompute=`,
         `group=`, …, each setting the field `options.KEYWORDS` names) and the schedule's own parameters (`V=2`)."""
