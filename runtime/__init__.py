@@ -1,6 +1,8 @@
 """pipedsl.runtime: execute compiled programs on real processes (torch.distributed).
 
-- `Pipeline` (pipeline.py): the per-rank API — stages, `step(inputs, targets)`, timelines;
+- `Pipeline` (pipeline.py): the per-rank API — stages, `step(inputs, targets)`, timelines; built by
+  assembly.py, its options typed in options.py (`PipelineOptions`: `ScheduleOptions`, `MixedPrecision`,
+  `RecomputeOptions`, `LossOptions`);
 - `TrainingSteps` (post_validate.py): a whole training step — clipping, the optimizer — synchronous or
   post-validated (consecutive steps overlap, the global checks read a step later);
 - underneath: `Executor` (executor.py) interprets one rank's instruction stream, `Stage`
@@ -20,8 +22,13 @@ from __future__ import annotations
 from pipedsl.registry import lazy_attributes
 
 _EXPORTS = {
+    "LossOptions": "options",
+    "MixedPrecision": "precision",
     "Pipeline": "pipeline",
+    "PipelineOptions": "options",
     "PipelineOptimizer": "optim",
+    "RecomputeOptions": "options",
+    "ScheduleOptions": "options",
     "StepReport": "post_validate",
     "TrainingSteps": "post_validate",
 }

@@ -19,8 +19,8 @@ dp-reduced slices within one replica (flat) or averages full gradients over ever
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,19 @@ from pipedsl.runtime.precision import MixedPrecision
 from pipedsl.runtime.reduce import DataParallelReducer, ExpertReducer, GradReducer
 from pipedsl.runtime.ties import TieReducer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from pipedsl.runtime.pipeline import Pipeline
+
+class HeldStages(Protocol):
+    """What building an optimizer reads of a pipeline (`Pipeline` is one): this rank's stages, their ties, and
+    where the weight-pass hooks go."""
+
+    ties: TieReducer
+
+    def local_stages(self) -> dict[int, nn.Module]: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def register_weight_pass_hook(self, stage: int, before: Callable[[], None], after: Callable[[], None],
+                                  early: bool = False) -> None: ...
 
 
 class Replicated:
@@ -60,7 +71,7 @@ class Replicated:
         if self.ep > 1:
             reducer.add_hook(ExpertReducer())
 
-    def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any],
+    def build(self, pipe: HeldStages, optimizer_class: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any],
               exempt: dict[int, set[str]]) -> tuple[torch.optim.Optimizer | None, Decay | None]:
         """The optimizer over the trainable parameters, and the weight decay that replaces its own when `exempt`
         ({stage: parameter names}, weight_decay.py) spares some."""
@@ -114,7 +125,7 @@ class Flat:
         zero.reduce_gradients(async_op=True)
         return zero  # its wait() completes the reduction at the step end
 
-    def build(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any],
+    def build(self, pipe: HeldStages, optimizer_class: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any],
               exempt: dict[int, set[str]]) -> tuple[None, None]:
         """A ZeroOptimizer per local stage (each applies its own weight decay, sparing `exempt`'s names)."""
         own_copies(pipe.local_stages())

@@ -13,7 +13,7 @@ Beside the gradients, running statistics (BatchNorm's mean, variance and count) 
 dp rank 0 to the other replicas at the same point (`RunningStatsBroadcast`), as DDP's
 `broadcast_buffers` does: every replica then evaluates with the same statistics.
 
-`install` wires them on a new pipeline; nothing else registers step-end reductions.
+`install` wires them on a new pipeline (runtime/assembly.py); nothing else registers step-end reductions.
 """
 
 from __future__ import annotations
@@ -31,22 +31,26 @@ from pipedsl.parallel.comm import all_reduce
 from pipedsl.parallel.config import ParallelConfigError
 from pipedsl.parallel.replicated import summed_later
 
-if TYPE_CHECKING:  # pragma: no cover
-    from pipedsl.runtime.pipeline import Pipeline
+if TYPE_CHECKING:  # pragma: no cover - for the annotations
+    from pipedsl.runtime.data_parallel import Flat, Replicated
+    from pipedsl.runtime.reduce import GradReducer
+    from pipedsl.runtime.ties import TieReducer
 
 
-def install(pipe: Pipeline) -> None:
-    """Make the replicas agree, then register the step-end reductions on `pipe`'s reducer, in order."""
-    pipe.reducer.broadcast_replicas()
-    pipe.ties.broadcast()
-    pipe.data_parallel.install(pipe.reducer, pipe.ties)
-    tp, group = (pipe.mesh.config.tp, pipe.mesh.tp_group) if pipe.mesh is not None else (1, None)
-    tp_sum = SequenceParallelGradSum.for_stages(tp, group, pipe.local_stages(), pipe.data_parallel.zero)
+def install(reducer: GradReducer, ties: TieReducer, strategy: Replicated | Flat, modules: dict[int, nn.Module], *,
+            tp: tuple[int, ProcessGroup | None], dp: tuple[int, ProcessGroup | None]) -> None:
+    """Make the replicas agree, then register the step-end reductions on a new pipeline's `reducer`, in order:
+    `strategy`'s dp reduction, the tp sums and the dp broadcast of running statistics of this rank's `modules`
+    ({stage: module}); `tp`, `dp`: (size, group)."""
+    reducer.broadcast_replicas()
+    ties.broadcast()
+    strategy.install(reducer, ties)
+    tp_sum = SequenceParallelGradSum.for_stages(*tp, modules, strategy.zero)
     if tp_sum is not None:  # after the dp reduction: the same sum on the averaged gradients
-        pipe.reducer.add_hook(tp_sum)
-    stats = RunningStatsBroadcast.for_stages(pipe.dp, pipe.dp_group, pipe.local_stages())
+        reducer.add_hook(tp_sum)
+    stats = RunningStatsBroadcast.for_stages(*dp, modules)
     if stats is not None:
-        pipe.reducer.add_hook(stats)
+        reducer.add_hook(stats)
 
 
 def running_stats(module: nn.Module) -> list[torch.Tensor]:

@@ -27,17 +27,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from pipedsl.errors import PipeRuntimeError
 from pipedsl.parallel.weight_decay import NO_DECAY_KINDS, exempt_names
 from pipedsl.parallel.zero import MemoryReport, ZeroOptimizer, unique_bytes
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pipedsl.runtime.pipeline import Pipeline
-
+from pipedsl.runtime.data_parallel import Flat, HeldStages, Replicated
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY = 0.1  # wsd without `decay`: the last tenth of the steps after the warmup decays
@@ -89,10 +86,25 @@ class LRSchedule:
         return self.lr + (self.min_lr - self.lr) * progress
 
 
+class OptimizedPipeline(HeldStages, Protocol):
+    """What the optimizer reads of its pipeline (`Pipeline` is one): besides the stages, the data-parallel
+    strategy that builds it, the step count (for the lr schedule) and fp16's unscale / update around a step."""
+
+    data_parallel: Replicated | Flat
+    steps: int
+
+    @property
+    def dp(self) -> int: ...
+
+    def unscale_(self) -> bool: ...
+
+    def update_scale(self) -> None: ...
+
+
 class PipelineOptimizer:
     """step() / zero_grad() for every stage this rank holds (see the module docstring)."""
 
-    def __init__(self, pipe: Pipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
+    def __init__(self, pipe: OptimizedPipeline, optimizer_class: Callable[..., torch.optim.Optimizer],
                  no_decay: Collection[str] = (), **kwargs: Any) -> None:
         self._pipe = pipe
         self.lr_schedule: LRSchedule | None = None

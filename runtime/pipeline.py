@@ -4,6 +4,11 @@
     loss = pipe.step(inputs, targets)      # same batch on every rank; mean loss on every rank
     optimizer.step(); optimizer.zero_grad()  # the optimizer is the user's
 
+Built by assembly.py (the program, the mesh and groups, the stages, channels and reducers), run here.
+How it runs is one `PipelineOptions` (options.py: `ScheduleOptions`, `MixedPrecision`, `RecomputeOptions`,
+`LossOptions`, the batch mode, ties, …) passed as `options=`; the keywords named below (`precision=`,
+`loss_reduction=`, `recompute=`, `lookahead=`, …) are its flat spelling, each setting one field of it.
+
 `stages` is a list of `nn.Module` (one per global stage), or a callable `stage -> nn.Module`
 that builds only what this rank holds.  `local_stages()` maps each global stage index held
 here to its module.  With replicas (Chimera), the copies of a stage on *different* ranks are
@@ -60,7 +65,7 @@ import contextlib
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,33 +75,23 @@ from torch import nn
 from pipedsl.compiler import Schedule
 from pipedsl.errors import PipeDSLError, PipeRuntimeError
 from pipedsl.ir import Program
-from pipedsl.library import load
-from pipedsl.nccl_model import edges
-from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
-from pipedsl.parallel.expert import ExpertParallel, shard_experts, why_no_experts
+from pipedsl.parallel.config import ParallelConfig
 from pipedsl.parallel.mesh import ParallelMesh
-from pipedsl.runtime import clip, finalize
-from pipedsl.runtime.data_parallel import strategy_for
+from pipedsl.runtime import clip
+from pipedsl.runtime.assembly import StageSpec, assemble
 from pipedsl.runtime.device_clock import DeviceStamps
 from pipedsl.runtime.discovery import Discovery
 from pipedsl.runtime.executor import Executor, StepRedoneError, loss_ranks
-from pipedsl.runtime.groups import PipelineGroups
-from pipedsl.runtime.keys import Copy
 from pipedsl.runtime.launch.errors import RankFailure, explain_peer_failure, record_failure
-from pipedsl.runtime.loss import LOSS_REDUCTIONS, LossPolicy
-from pipedsl.runtime.p2p import Channels, TensorMeta, describe
-from pipedsl.runtime.precision import LossScaler, LossScaling, MixedPrecision, policy
-from pipedsl.runtime.recompute import RECOMPUTE_MODES, ModulePredicate, Recompute
-from pipedsl.runtime.reduce import GradReducer, Hook
-from pipedsl.runtime.stage import ActivationCounter, LossFn, Stage, StageOptions
-from pipedsl.runtime.ties import TieReducer, check_ties, find_ties
+from pipedsl.runtime.options import KEYWORDS, PipelineOptions, with_keywords
+from pipedsl.runtime.p2p import TensorMeta, describe
+from pipedsl.runtime.precision import LossScaler, MixedPrecision
+from pipedsl.runtime.reduce import Hook
+from pipedsl.runtime.stage import LossFn
 from pipedsl.runtime.tracer import Tracer
 from pipedsl.steps import consecutive
 from pipedsl.timeline import Timeline
-from pipedsl.validate import validate
 
-StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
-BATCH_MODES = ("global", "local")
 _MAX_SHAPES = 8  # input shapes whose executors are kept (length bucketing alternates between a few)
 
 
@@ -105,208 +100,82 @@ class Pipeline:
 
     def __init__(self, stages: StageSpec, schedule: str | Schedule | None = "1f1b",
                  microbatches: int | None = None, loss_fn: LossFn | None = None, *,
-                 program: Program | None = None, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None, lookahead: int = 16,
-                 strict_pair_order: bool | None = None, check_finite: bool = True,
-                 parallel: ParallelConfig | ParallelMesh | None = None, batch: str = "global",
-                 ties: Sequence[Sequence[tuple[int, str]]] | None = None,
-                 precision: str | MixedPrecision | None = None, loss_reduction: str = "microbatch",
-                 ignore_index: int = -100, recompute: str | None = None,
-                 recompute_filter: ModulePredicate | None = None, activation_bytes: bool = False,
-                 overlap: bool = True, **schedule_params: int) -> None:
-        if program is not None and schedule_params:
-            raise PipeRuntimeError(_not_for_a_program(schedule_params))
-        if not dist.is_initialized():
-            raise PipeRuntimeError("torch.distributed is not initialised: start the ranks with "
-                                   "pipedsl.launch(fn, nprocs) or torchrun")
-        if batch not in BATCH_MODES:
-            raise PipeRuntimeError(f"batch must be one of {', '.join(map(repr, BATCH_MODES))}, got {batch!r}")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise PipeRuntimeError(f"loss_reduction must be one of {', '.join(map(repr, LOSS_REDUCTIONS))}, "
-                                   f"got {loss_reduction!r}")
-        if recompute == "none":
-            recompute = None
-        if recompute is not None and recompute not in RECOMPUTE_MODES:
-            raise PipeRuntimeError(f"recompute must be None, 'none', {', '.join(map(repr, RECOMPUTE_MODES))}, "
-                                   f"got {recompute!r}")
-        if recompute == "selective" and recompute_filter is None:
-            raise PipeRuntimeError("recompute='selective' needs recompute_filter=predicate(module) -> bool, the "
-                                   "modules whose activations are recomputed (e.g. the attention modules)")
-        self.batch_mode = batch
-        self.precision = policy(precision)
-        self.recompute = recompute
-        self.mesh = self._mesh(parallel, group)
-        self.parallel: ParallelConfig | None = self.mesh.config if self.mesh is not None else None
-        if self.mesh is not None:
-            group = self.mesh.pp_group
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.program = self._program(schedule, program, microbatches, schedule_params)
-        self.num_microbatches = self.program.num_microbatches
-        backend = dist.get_backend(group)
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)  # the current device of autograd's threads (cuBLAS's context)
-        self.loss_fn = loss_fn
-
-        prog, rank = self.program, self.rank
-        held = sorted({s for (c, s), r in prog.placement.items() if r == rank})
-        self._modules = {s: self._build(stages, s).to(self.device) for s in held}
-        if self.mesh is not None and self.mesh.config.ep > 1:  # this rank's share of each experts module
-            for m in self._modules.values():
-                shard_experts(m, self.mesh.ep_group, self.mesh.edp_group, self.mesh.config.dp)
-            self._check_expert_peers()
-        self.counter = ActivationCounter(count_bytes=activation_bytes)
-        self.loss = LossPolicy(loss_reduction, self.num_microbatches, ignore_index)  # one, shared by the stages
-        options = StageOptions(self.precision, self.device, overlap, release=prog.split_backward)
-        self._stages = {s: Stage(m, s, prog.num_stages, loss_fn, self.num_microbatches, self.counter,
-                                 None if recompute is None else Recompute(m, recompute, recompute_filter),
-                                 options=options, loss=self.loss)
-                        for s, m in self._modules.items()}
-        self._copies = {Copy(c, s): self._stages[s] for (c, s), r in prog.placement.items() if r == rank}
-        self.loss_scaling = LossScaling(self.precision)
-        self.groups = PipelineGroups(group, self.mesh)
-        self.channels = Channels(group, self.device, self.groups, edges(prog))
-        self._loss_group = self.groups.new(range(self.size))  # the step's loss sum, reduced while the step runs
-        self.dp = self.parallel.dp if self.parallel is not None else 1
-        self.dp_rank = self.mesh.coords.dp if self.mesh is not None else 0
-        self.dp_group = self.mesh.dp_group if self.mesh is not None else self._solo_group()
-        self.data_parallel = strategy_for(self.parallel, self.precision, self.dp_group, self.dp)  # grads' owner
-        self.ties = self._ties(stages, ties)
-        self.data_parallel.check_program(prog)
-        self.reducer = GradReducer(prog, rank, self._modules, self.groups, self.ties)
-        self.ownership = clip.GradientOwnership(prog, rank, self._modules, self.ties.names, self.dp_rank,
-                                                self.data_parallel.level)
-        finalize.install(self)  # the step end's gradient reductions: replicas, dp, tp sums, ties
+                 program: Program | str | os.PathLike | None = None,
+                 parallel: ParallelConfig | ParallelMesh | None = None,
+                 options: PipelineOptions | None = None, **keywords: Any) -> None:
+        """`options`: how it runs (options.py).  `keywords`: the older flat options (`precision=`, `recompute=`,
+        `group=`, …, each setting the field `options.KEYWORDS` names) and the schedule's own parameters (`V=2`)."""
+        self.options = with_keywords(options, keywords)
+        if program is not None and self.options.schedule.params:
+            raise PipeRuntimeError(_not_for_a_program(dict(self.options.schedule.params)))
+        parts = assemble(stages, schedule, microbatches, loss_fn, program, parallel, self.options)
+        # built once (assembly.py); from here on each piece is the pipeline's
+        self.mesh, self.group, self.rank, self.size = parts.mesh, parts.group, parts.rank, parts.size
+        self.program, self.device, self.loss_fn = parts.program, parts.device, loss_fn
+        self._modules, self._stages, self._copies = parts.modules, parts.stages, parts.copies
+        self.counter, self.loss, self.loss_scaling = parts.counter, parts.loss, parts.loss_scaling
+        self.groups, self.channels, self._loss_group = parts.groups, parts.channels, parts.loss_group
+        self.dp_group, self.data_parallel, self.ties = parts.dp_group, parts.data_parallel, parts.ties
+        self.reducer, self.ownership = parts.reducer, parts.ownership
+        # what running changes
+        self.tracer = Tracer(self.group)
         self._optimizer = None
         self._checked_batch = False
-        self.tracer = Tracer(group)
-        self.lookahead = lookahead
-        # receives may be posted ahead of sends to the same peer: on NCCL each direction of a pair has a communicator
-        # of its own (nccl_model.LAYOUT), so no receive queues behind a send on one stream
-        self.strict_pair_order = bool(strict_pair_order)
-        # fp16 with loss scaling: a non-finite loss is an overflow like any other, and the step is skipped on
-        # every rank (torch.amp.GradScaler's behaviour) instead of failing the run
-        self.check_finite = check_finite and self.loss_scaling.scaler is None
         self._executor: Executor | None = None
         # by (microbatch shapes, forward only)
         self._executors: OrderedDict[tuple[tuple[TensorMeta, ...], bool], Executor] = OrderedDict()
-        self._loss_ranks = loss_ranks(prog)  # the ranks holding the last stage: they alone have losses to sum
+        self._loss_ranks = loss_ranks(self.program)  # the ranks holding the last stage: they alone have losses to sum
         self._forward_program = self.program.forward_only()  # evaluation passes
         self.shape_handshakes = 0  # input shapes learned so far (one discovery step each, discovery.py)
         self.eval_count = 0  # the last evaluate()'s microbatches (or tokens, per-token mode) over the global batch
         self.steps = 0
         self.closed = False
 
-    # ------------------------------------------------------------ construction
+    # ------------------------------------------------------------ the options and layout, as read before
 
-    def _check_expert_peers(self) -> None:
-        """Refuse, on every rank, ep peers that would exchange tokens at different points — another program, or
-        other MoE layers on a stage (stages built differently per replica) — which would hang in an all-to-all.
-        Equal programs and layers are what makes every exchange matched (docs/parallelism.md).  Gathered over
-        the world, so that the ranks of groups that agree stop too."""
-        layers = {s: [f"{name or '<stage>'} ({m.num_experts} experts)" for name, m in module.named_modules()
-                      if isinstance(m, ExpertParallel)] for s, module in sorted(self._modules.items())}
-        mine = (dist.get_process_group_ranks(self.mesh.ep_group),
-                hashlib.sha256(self.program.to_text().encode()).hexdigest()[:16], self.program.name, layers)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        if not any(found for *_, stages in everyone for found in stages.values()):  # ep over dense stages
-            why = "; ".join(dict.fromkeys(why_no_experts(m) for m in self._modules.values()))
-            raise PipeRuntimeError(f"expert parallelism: ep={self.mesh.config.ep} shards nothing, no stage holds "
-                                   f"an experts module pipedsl can shard: {why}")
-        for rank, (ranks, key, name, stages) in enumerate(everyone):
-            first = ranks[0]
-            _, key0, name0, stages0 = everyone[first]
-            if (key, stages) == (key0, stages0):
-                continue
-            if key != key0:
-                what = f"rank {first} runs {name0}, rank {rank} runs {name} (another program)"
-            else:
-                s = next(s for s in stages if stages0.get(s) != stages[s])
-                what = (f"stage {s} has MoE layers {stages0.get(s)} on rank {first} and {stages[s]} on rank {rank} "
-                        f"(stages built differently)")
-            raise PipeRuntimeError(f"expert parallelism: the ranks {ranks} of an ep group would exchange tokens at "
-                                   f"different points — {what}; every rank of an ep group must run the same program "
-                                   f"with the same MoE layers on each stage")
+    @property
+    def parallel(self) -> ParallelConfig | None:
+        return self.mesh.config if self.mesh is not None else None
 
-    @staticmethod
-    def _mesh(parallel: ParallelConfig | ParallelMesh | None, group: dist.ProcessGroup | None) -> ParallelMesh | None:
-        if parallel is None:
-            return None
-        if group is not None:
-            raise PipeRuntimeError("pass parallel= (the pipeline then runs on its pp group) or group=, not both")
-        if isinstance(parallel, ParallelMesh):
-            return parallel
-        if not isinstance(parallel, ParallelConfig):
-            raise PipeRuntimeError(f"parallel= takes a ParallelConfig or a ParallelMesh, got {type(parallel).__name__}")
-        return ParallelMesh(parallel)  # checks world size = dp*pp*tp before any group exists
+    @property
+    def dp(self) -> int:
+        return self.mesh.config.dp if self.mesh is not None else 1
 
-    def _ties(self, stages: StageSpec, ties: Sequence[Sequence[tuple[int, str]]] | None) -> TieReducer:
-        """Parameters shared between stages: named by `ties=`, or found in a list of stage modules."""
-        if ties is not None:
-            found = check_ties(ties, self.program.num_stages)
-        elif isinstance(stages, Sequence) and len(stages) == self.program.num_stages:
-            found = find_ties(stages)
-        else:
-            found = []
-        reducer = TieReducer(found, self.program, self.rank, self._modules, self.groups, self.dp,
-                             self.data_parallel.level, flat=self.data_parallel.flat)
-        if found:
-            reducer.agree(self.group, self.size)
-        return reducer
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.coords.dp if self.mesh is not None else 0
 
-    def _solo_group(self) -> dist.ProcessGroup | None:
-        """Without a mesh, low-precision parameters still live in a `ZeroOptimizer` (stage 0): over a group of
-        this rank alone (one per program rank, made collectively)."""
-        if not self.precision.keeps_main:
-            return None
-        groups = [self.groups.new([r]) for r in range(self.size)]
-        return groups[self.rank]
+    @property
+    def num_microbatches(self) -> int:
+        return self.program.num_microbatches
 
-    def _program(self, schedule: str | Schedule | None, program: Program | None, microbatches: int | None,
-                 params: dict[str, int]) -> Program:
-        if program is not None:
-            program = _as_program(program)  # a Program, or a program file (JSON/CSV/text): validated here
-            if microbatches is not None and microbatches != program.num_microbatches:
-                raise PipeRuntimeError(f"microbatches={microbatches}, but the program was compiled for "
-                                       f"M={program.num_microbatches}")
-        else:
-            if microbatches is None:
-                raise PipeRuntimeError("Pipeline needs microbatches=M (or a compiled program=)")
-            sched = schedule if isinstance(schedule, Schedule) else load(schedule or "1f1b")
-            program = sched.compile(P=self.size, M=microbatches, **params)
-        if program.num_ranks != self.size and self.parallel is not None:
-            c = self.parallel
-            raise ParallelConfigError(f"the program {program.name!r} has P={program.num_ranks} ranks, but the "
-                                      f"parallel layout has pp={c.pp} (dp*pp*tp = {c.dp}*{c.pp}*{c.tp}); compile "
-                                      f"the schedule with P=pp")
-        if program.num_ranks != self.size:
-            raise PipeRuntimeError(f"the program {program.name!r} has {program.num_ranks} ranks, but the process "
-                                   f"group has {self.size}")
-        return program
+    @property
+    def batch_mode(self) -> str:
+        return self.options.batch
 
-    def _build(self, stages: StageSpec, s: int) -> nn.Module:
-        prog = self.program
-        if callable(stages) and not isinstance(stages, (nn.Module, Sequence)):
-            module = stages(s)
-        else:
-            if isinstance(stages, nn.Module) and not isinstance(stages, (nn.ModuleList, nn.Sequential)):
-                raise PipeRuntimeError("stages must be a list of modules (one per stage) or a callable "
-                                       "stage -> module; split a model with pipedsl.models.split")
-            if len(stages) != prog.num_stages:
-                raise PipeRuntimeError(
-                    f"rank {self.rank}: the model has {len(stages)} stage(s), but schedule {prog.name!r} with "
-                    f"{', '.join(f'{k}={v}' for k, v in prog.params.items())} has {prog.num_stages} stages")
-            module = stages[s]
-        if not isinstance(module, nn.Module):
-            raise PipeRuntimeError(f"rank {self.rank}: stage {s} is a {type(module).__name__}, not an nn.Module")
-        return module
+    @property
+    def precision(self) -> MixedPrecision:
+        return self.options.precision
+
+    @property
+    def recompute(self) -> str | None:
+        return self.options.recompute.mode
+
+    @property
+    def lookahead(self) -> int:
+        return self.options.schedule.lookahead
+
+    @property
+    def strict_pair_order(self) -> bool:
+        """Receives may be posted ahead of sends to the same peer unless set: on NCCL each direction of a pair
+        has a communicator of its own (nccl_model.LAYOUT), so no receive queues behind a send on one stream."""
+        return self.options.schedule.strict_pair_order
+
+    @property
+    def check_finite(self) -> bool:
+        """Refuse a non-finite loss, but under fp16 loss scaling: there it is an overflow like any other, and the
+        step is skipped on every rank (torch.amp.GradScaler's behaviour) instead of failing the run."""
+        return self.options.loss.check_finite and self.loss_scaling.scaler is None
 
     # ------------------------------------------------------------ public
 
@@ -318,7 +187,7 @@ class Pipeline:
         """{(replica, stage): module} for every stage copy placed on this rank."""
         return {k: st.module for k, st in self._copies.items()}
 
-    def parameters(self):
+    def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters, each once (a parameter tied between two local stages is one object)."""
         seen: set[int] = set()
         for m in self._modules.values():
@@ -763,18 +632,6 @@ def _fingerprint(t: torch.Tensor) -> tuple:
     return tuple(t.shape), str(t.dtype), float(flat.sum()), float((flat * w).sum())
 
 
-def _as_program(program: Any) -> Program:
-    """`program=`: a `Program`, or a path to a program file (JSON, CSV or text; see program_file.py), validated."""
-    if isinstance(program, Program):
-        return validate(program)
-    if isinstance(program, (str, os.PathLike)):
-        from pipedsl.runtime.program_file import read_program
-
-        return read_program(program)
-    raise PipeRuntimeError(f"program= takes a Program or the path of a program file (JSON, CSV or text), "
-                           f"got {type(program).__name__}")
-
-
 def _tensors(x: Any) -> list[torch.Tensor]:
     items = list(x) if isinstance(x, (tuple, list)) else [x]
     for k, t in enumerate(items):
@@ -827,7 +684,8 @@ def _not_for_a_program(params: dict[str, int]) -> str:
     import difflib
     import inspect
 
-    options = [n for n in inspect.signature(Pipeline.__init__).parameters if n not in ("self", "schedule_params")]
+    explicit = inspect.signature(Pipeline.__init__).parameters
+    options = [n for n in explicit if n not in ("self", "keywords")] + list(KEYWORDS)
     words = []
     for name in sorted(params):
         close = difflib.get_close_matches(name, options, n=1)

@@ -27,23 +27,59 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pipedsl.ir import Program
 from pipedsl.runtime import clip
 from pipedsl.runtime.executor import StepRedoneError
 from pipedsl.runtime.finalize import running_stats
 from pipedsl.runtime.launch.errors import RankFailure
+from pipedsl.runtime.precision import LossScaler, LossScaling
 from pipedsl.runtime.recompute import rng_state, set_rng_state
 from pipedsl.steps import gates
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipedsl.runtime.optim import PipelineOptimizer
-    from pipedsl.runtime.pipeline import Pipeline
+
+
+class SteppedPipeline(Protocol):
+    """What a training step reads and runs of its pipeline (`Pipeline` is one): its program and place, its
+    training pass (gated) and its step count, fp16's loss scaling, the gradients and the group of their norm."""
+
+    program: Program
+    rank: int
+    device: torch.device
+    steps: int
+    loss_scaling: LossScaling
+
+    @property
+    def scaler(self) -> LossScaler | None: ...
+
+    def local_stages(self) -> dict[int, nn.Module]: ...
+
+    def step(self, inputs: Any, targets: Any = None) -> float: ...
+
+    def unscale_(self) -> bool: ...
+
+    def gradients(self) -> clip.Gradients: ...
+
+    def _norm_group(self) -> dist.ProcessGroup | None: ...
+
+    def _stepped(self) -> list[torch.Tensor]: ...
+
+    def _check_open(self, what: str) -> None: ...
+
+    def _failures_told(self) -> AbstractContextManager[None]: ...
+
+    def _train_pass(self, inputs: Any, targets: Any, on_loss: Callable[[torch.Tensor], None] | None = None,
+                    gate: Callable[[], bool] | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -140,7 +176,7 @@ class TrainingSteps:
     """`step(inputs, targets)`: forward, backward, clipping by the global norm (`max_norm`, None: none), the
     optimizer's step and zero_grad — synchronous, or post-validated (see the module docstring)."""
 
-    def __init__(self, pipe: Pipeline, opt: PipelineOptimizer, max_norm: float | None = None,
+    def __init__(self, pipe: SteppedPipeline, opt: PipelineOptimizer, max_norm: float | None = None,
                  norm_type: float = 2.0, post_validate: bool = False) -> None:
         if post_validate:
             gates(pipe.program)  # a program whose forwards before the gates are no consistent cut: refused now

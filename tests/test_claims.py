@@ -161,8 +161,21 @@ def test_every_parallel_config_field_is_in_an_equality_test() -> None:
     assert not _unheld(fields)
 
 
+def _pipeline_keywords() -> list[str]:
+    """Pipeline's own keywords but `options` (a `PipelineOptions`), and each keyword that sets a field of it
+    (runtime/options.py's KEYWORDS); every such field has one, but the schedule's parameters (any other keyword)."""
+    from pipedsl.runtime.options import KEYWORDS, PipelineOptions
+
+    own = [p.name for p in inspect.signature(pipedsl.Pipeline).parameters.values()
+           if p.kind is inspect.Parameter.KEYWORD_ONLY or p.default is not inspect.Parameter.empty]
+    groups = {group for group, _ in KEYWORDS.values() if group is not None}
+    fields = {(None, f.name) for f in dataclasses.fields(PipelineOptions) if f.name not in groups}
+    fields |= {(group, f.name) for group in groups for f in dataclasses.fields(getattr(PipelineOptions(), group))}
+    assert fields - {("schedule", "params")} == set(KEYWORDS.values()), "an option without its keyword"
+    return [k for k in own if k != "options"] + list(KEYWORDS)
+
+
 def test_every_pipeline_keyword_is_in_an_equality_test() -> None:
-    keywords = [p.name for p in inspect.signature(pipedsl.Pipeline).parameters.values()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY or p.default is not inspect.Parameter.empty]
+    keywords = _pipeline_keywords()
     assert not [k for k in _unheld({k: [f"{k}="] for k in keywords}) if k not in PIPELINE_EXEMPT]
     assert set(PIPELINE_EXEMPT) <= set(keywords)

@@ -57,14 +57,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipedsl.ir import Program
 from pipedsl.parallel import zero_checkpoint
+from pipedsl.parallel.config import ParallelConfig
 from pipedsl.parallel.expert import expert_shards
+from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.parallel.zero import ZeroOptimizer
 from pipedsl.parallel.zero_checkpoint import FullState, ReshardError, local_shard
 from pipedsl.runtime.checkpoint.files import (
@@ -87,11 +90,10 @@ from pipedsl.runtime.checkpoint.files import (
     schedule_name,
     step_dir,
 )
+from pipedsl.runtime.data_parallel import Flat, Replicated
 from pipedsl.runtime.launch.errors import RankFailure
 from pipedsl.runtime.optim import PipelineOptimizer
-
-if TYPE_CHECKING:  # pragma: no cover - for the annotations
-    from pipedsl.runtime.pipeline import Pipeline
+from pipedsl.runtime.precision import LossScaling
 
 __all__ = ["FORMAT", "MANIFEST", "READABLE", "VERSION", "CheckpointError", "CheckpointInfo", "Restored",
            "SavedModel", "check", "check_partition", "checkpoints", "describe_stage", "describe_stage_tensors",
@@ -194,7 +196,28 @@ class _Layout:
     parallel: dict[str, Any]  # dp, pp, tp, tp_mode, zero (and ep when > 1)
 
 
-def _layout(pipe: Pipeline) -> _Layout:
+class CheckpointedPipeline(Protocol):
+    """What a checkpoint reads and restores of a pipeline (`Pipeline` is one): its program, its stages and their
+    copies, where it runs, the data-parallel strategy (ZeRO needs its optimizer), fp16's loss scale and the step."""
+
+    program: Program
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    mesh: ParallelMesh | None
+    data_parallel: Replicated | Flat
+    loss_scaling: LossScaling
+    steps: int
+
+    @property
+    def parallel(self) -> ParallelConfig | None: ...
+
+    def local_stages(self) -> dict[int, nn.Module]: ...
+
+    def local_copies(self) -> dict[tuple[int, int], nn.Module]: ...
+
+
+def _layout(pipe: CheckpointedPipeline) -> _Layout:
     cfg = getattr(pipe, "parallel", None)
     if cfg is None:
         par = {"dp": 1, "pp": pipe.size, "tp": 1, "tp_mode": "1d", "zero": 0}
@@ -205,7 +228,7 @@ def _layout(pipe: Pipeline) -> _Layout:
     return _Layout(None, dist.get_rank(), dist.get_world_size(), (c.dp, c.pp, c.tp), par)
 
 
-def save(pipe: Pipeline, directory: str | os.PathLike, step: int,
+def save(pipe: CheckpointedPipeline, directory: str | os.PathLike, step: int,
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | PipelineOptimizer | None = None, *,
          extra: Any = None, shards: Any = None, timeout: float = 300.0,
          model: dict[str, Any] | None = None) -> CheckpointInfo:
@@ -234,7 +257,7 @@ def save(pipe: Pipeline, directory: str | os.PathLike, step: int,
     return CheckpointInfo(commit.target, step, manifest)
 
 
-def _save_tag(pipe: Pipeline, lay: _Layout) -> str:
+def _save_tag(pipe: CheckpointedPipeline, lay: _Layout) -> str:
     """Names the group saving together, so that its saves meet on the store apart from other groups'."""
     if lay.group is None and getattr(pipe, "parallel", None) is not None:
         return f"world{lay.size}"
@@ -242,7 +265,8 @@ def _save_tag(pipe: Pipeline, lay: _Layout) -> str:
     return "-".join(map(str, ranks))
 
 
-def _optimizers(pipe: Pipeline, optimizer: Any) -> tuple[dict[int, ZeroOptimizer], list[torch.optim.Optimizer]]:
+def _optimizers(pipe: CheckpointedPipeline, optimizer: Any
+                ) -> tuple[dict[int, ZeroOptimizer], list[torch.optim.Optimizer]]:
     """({stage: ZeroOptimizer}, [plain optimizers]) from what the user passed; ZeRO needs `pipe.optimizer()`'s."""
     if isinstance(optimizer, PipelineOptimizer):
         return dict(optimizer.zero), [optimizer.optimizer] if optimizer.optimizer is not None else []
@@ -274,25 +298,26 @@ def _check_plain(obj: Any, where: str) -> None:
                               f"and lists, tuples and dicts of them (convert it, e.g. a NumPy array to a tensor)")
 
 
-def _stateful(pipe: Pipeline, optimizer: Any) -> dict[str, Any]:
+def _stateful(pipe: CheckpointedPipeline, optimizer: Any) -> dict[str, Any]:
     """The components whose `state_dict()` a resumed step needs besides weights and optimizer state, by the key
     each is saved under: the fp16 loss scale (the same on every rank) and `pipe.optimizer()`'s lr schedule."""
     return {"loss_scale": pipe.loss_scaling, **({"lr_schedule": optimizer} if isinstance(optimizer, PipelineOptimizer)
                                                 else {})}
 
 
-def _training_state(pipe: Pipeline, optimizer: Any) -> dict[str, Any]:
+def _training_state(pipe: CheckpointedPipeline, optimizer: Any) -> dict[str, Any]:
     return {"lr_schedule": None, **{k: c.state_dict() for k, c in _stateful(pipe, optimizer).items()}}
 
 
-def _restore_training_state(pipe: Pipeline, optimizer: Any, state: dict[str, Any] | None) -> None:
+def _restore_training_state(pipe: CheckpointedPipeline, optimizer: Any, state: dict[str, Any] | None) -> None:
     state = state or {}
     for key, component in _stateful(pipe, optimizer).items():
         component.load_state_dict(state.get(key))
 
 
-def _part(pipe: Pipeline, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer], plain: list[torch.optim.Optimizer],
-          with_optimizer: bool, extra: Any, shards: Any, training: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+def _part(pipe: CheckpointedPipeline, lay: _Layout, step: int, zeros: dict[int, ZeroOptimizer],
+          plain: list[torch.optim.Optimizer], with_optimizer: bool, extra: Any, shards: Any,
+          training: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
     """This rank's part (serialised) and its metadata for the manifest.
 
     Replicas hold the same stage state: only dp rank 0 stores modules, buffers and plain optimizer
@@ -391,7 +416,7 @@ def _model_names(module: nn.Module, described: dict[str, list]) -> dict[str, str
     return names if all(isinstance(v, str) for v in names.values()) else None
 
 
-def _manifest(pipe: Pipeline, lay: _Layout, step: int, metas: list[dict[str, Any]]) -> dict[str, Any]:
+def _manifest(pipe: CheckpointedPipeline, lay: _Layout, step: int, metas: list[dict[str, Any]]) -> dict[str, Any]:
     prog = pipe.program
     stages: dict[int, dict[str, list]] = {}
     names: dict[int, dict[str, str] | None] = {}
@@ -507,7 +532,7 @@ def _rank() -> int:
 # ------------------------------------------------------------------ load
 
 
-def load(pipe: Pipeline, source: str | os.PathLike,
+def load(pipe: CheckpointedPipeline, source: str | os.PathLike,
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | PipelineOptimizer | None = None
          ) -> Restored:
     """Restore this rank's stages, optimizer state and RNG from `source`; call on every rank
@@ -553,7 +578,7 @@ def load(pipe: Pipeline, source: str | os.PathLike,
     return restored
 
 
-def _names_here(pipe: Pipeline, optimizer: Any) -> set[str] | None:
+def _names_here(pipe: CheckpointedPipeline, optimizer: Any) -> set[str] | None:
     """The whole model's names of this rank's stage tensors; None when a stage does not name them all."""
     try:
         zeros, _ = _optimizers(pipe, optimizer)
@@ -568,7 +593,7 @@ def _names_here(pipe: Pipeline, optimizer: Any) -> set[str] | None:
     return out
 
 
-def _load(pipe: Pipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any,
+def _load(pipe: CheckpointedPipeline, lay: _Layout, info: CheckpointInfo, optimizer: Any,
           everywhere: list[set[str] | None]) -> tuple[Restored, Any]:
     """Everything that can fail, checked and applied locally; returns the collectives to run afterwards."""
     manifest, path = info.manifest, info.path
@@ -765,7 +790,7 @@ def _load_dense(s: int, module: nn.Module, z: ZeroOptimizer | None, src: _Source
         _load_full(s, module, z, full[s], src.path)
 
 
-def _restore_rank_state(pipe: Pipeline, lay: _Layout, parts: list[dict[str, Any]], read: Any,
+def _restore_rank_state(pipe: CheckpointedPipeline, lay: _Layout, parts: list[dict[str, Any]], read: Any,
                         optimizer: Any) -> tuple[dict[str, Any], bool]:
     """RNG and training state from this rank's own part (else dp rank 0's at its (pp, tp), else rank 0's); returns
     that part's contents and whether it was this rank's own (only then is its RNG restored)."""
