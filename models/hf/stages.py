@@ -74,7 +74,9 @@ from pipedsl.parallel.moe_tp import routes_every_token
 
 LAYER_NAMES = ("layers", "h")  # the decoder layers: model.model.layers (Llama and most), transformer.h (GPT-2)
 NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")  # the final norm before the head (last: GPT-NeoX)
-DROPOUT_NAMES = ("drop", "emb_dropout")  # dropout on the embedding's output (GPT-2, GPT-NeoX)
+DROPOUT_NAMES = ("drop", "emb_dropout")  # a dropout module on the embedding's output (GPT-2, GPT-NeoX)
+# … or a bare probability the model's forward applies with F.dropout instead of a module (StarCoder2)
+DROPOUT_PROBABILITIES = ("embedding_dropout",)
 # arguments a decoder layer may require that the model's forward sets to None when the config turns them off
 NONE_WHEN_OFF = {"alibi": "alibi"}  # Falcon: `alibi` is None unless config.alibi
 LAYER_ARGUMENTS = {"hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache", "cache",
@@ -153,7 +155,10 @@ class _Parts:
         self.layer_extras = _layer_extras(self.layers[0], config, name) if self.layers else {}
         multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
         drop = next((d for d in (getattr(body, n, None) for n in DROPOUT_NAMES) if isinstance(d, nn.Module)), None)
-        self.embed: nn.Module = _Embedding(embed, positions, drop, multiplier)
+        # a check in eval mode cannot see an embedding dropout left out: looked for here, not left to the check
+        drop_p = next((float(p) for p in (getattr(body, n, None) for n in DROPOUT_PROBABILITIES)
+                       if isinstance(p, (int, float)) and not isinstance(p, bool)), 0.0) if drop is None else 0.0
+        self.embed: nn.Module = _Embedding(embed, positions, drop, multiplier, drop_p)
         self.head: nn.Module = _Head(norm, head, divisor=float(getattr(config, "logits_scaling", None) or 1.0),
                                      scale=float(getattr(config, "logit_scale", None) or 1.0),
                                      softcap=getattr(config, "final_logit_softcapping", None))
@@ -279,12 +284,16 @@ def _child_list(body: nn.Module, names: tuple[str, ...], model: str, what: str) 
 
 
 class _Embedding(nn.Module):
-    """Token embedding [+ learned positions, dropout] × the config's embedding multiplier."""
+    """Token embedding [+ learned positions, dropout] × the config's embedding multiplier.  The dropout is the
+    model's module (`drop`) or, where the model keeps only its probability (`drop_p`: StarCoder2), `F.dropout` as
+    its forward calls it — the same draw — in the train/eval mode of the model's own embedding module, so that
+    the model's `.eval()` (the architecture check's) turns it off as it turns off the model's."""
 
     def __init__(self, tokens: nn.Module, positions: nn.Module | None, drop: nn.Module | None,
-                 multiplier: float) -> None:
+                 multiplier: float, drop_p: float = 0.0) -> None:
         super().__init__()
         self.embed_tokens, self.wpe, self.drop, self.multiplier = tokens, positions, drop, multiplier
+        self.drop_p = drop_p
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # [mb, T] → [mb, T, C]
         h = self.embed_tokens(input_ids)
@@ -292,6 +301,8 @@ class _Embedding(nn.Module):
             h = h * self.multiplier
         if self.wpe is not None:
             h = h + self.wpe(position_ids)
+        if self.drop_p:
+            return F.dropout(h, self.drop_p, training=self.embed_tokens.training)
         return self.drop(h) if self.drop is not None else h
 
 

@@ -24,7 +24,7 @@ TP_MOE_FAMILIES = ("qwen2_moe", "granitemoe")  # more MoE layouts tensor paralle
 ROUTER_SUFFIXES = {"mixtral": ("mlp.gate.weight",), "qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
                    "jetmoe": ("mlp.router.layer.weight", "experts.router.layer.weight")}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "phi3", "olmo2", "gpt2", "cohere",
-            "gpt_neox", "falcon")
+            "gpt_neox", "falcon", "starcoder2")
 EAGER_ONLY = ("gemma2",)  # transformers refuses sdpa for Gemma 2 (its attention soft-capping)
 # (loss, gradient) relative errors allowed: of the loss, and of each gradient tensor's largest entry.
 # Measured on these models: fp32 ≤ 1.4e-7 and ≤ 1.2e-6; bf16 ≤ 2.7e-5 and ≤ 1.9e-2 (8 mantissa bits).
@@ -74,6 +74,10 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
                                  num_kv_heads=2, new_decoder_architecture=True, alibi=False, bos_token_id=0,
                                  eos_token_id=0, attention_dropout=dropout, hidden_dropout=dropout,
                                  **({} if tie is None else {"tie_word_embeddings": tie}))
+    elif family == "starcoder2":  # biased LayerNorms and projections, a GELU MLP (c_fc, c_proj), a window on every
+        # layer, dropout on the residual branches and on the embedding (a bare probability, not a module)
+        config = tf.Starcoder2Config(**common, sliding_window=4, use_bias=True, residual_dropout=dropout,
+                                     embedding_dropout=dropout)
     elif family == "deepseek_v3":  # MLA, a dense first layer, shared experts, group-limited routing, no aux loss
         config = tf.DeepseekV3Config(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
                                      num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4,
@@ -113,6 +117,11 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
             for name, p in model.named_parameters():
                 if name.endswith("e_score_correction_bias"):
                     p.normal_()
+    if family == "starcoder2":  # its biases start at 0: random, so that a bias the stages dropped would show
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(std=0.5)
     return model
 
 

@@ -428,10 +428,11 @@ def _tp_refusal(family: str, sp: bool) -> str:
 
 @pytest.mark.parametrize("family, sp, said", [
     ("olmoe", False, "layer 0's q_norm is not per head"),
+    ("starcoder2", False, "layer 0 (Starcoder2DecoderLayer) is not in the Llama layout"),
     ("jetmoe", True, "accepted")])
 def test_what_tensor_parallelism_cannot_split_is_refused_by_name(pool, family, sp, said):
-    """An MoE decoder whose attention the tp plan cannot split is refused naming the layer or module: OLMoE's q/k
-    norms over every head.  JetMoE's mixture of attention heads, once refused, splits itself (models/hf/jetmoe.py)
+    """A decoder whose layers the tp plan cannot split is refused naming the layer or module: OLMoE's q/k
+    norms over every head, StarCoder2's GELU MLP (c_fc, c_proj: not gate/up/down_proj).  JetMoE's mixture of attention heads, once refused, splits itself (models/hf/jetmoe.py)
     and is accepted, with sequence parallelism too."""
     said_on = pool.run(_tp_refusal, 2, family, sp)
     assert all(said in s for s in said_on), said_on
