@@ -117,11 +117,12 @@ def tiny_model(family: str, attn: str = "sdpa", tie: bool | None = None, dropout
             for name, p in model.named_parameters():
                 if name.endswith("e_score_correction_bias"):
                     p.normal_()
-    if family == "starcoder2":  # its biases start at 0: random, so that a bias the stages dropped would show
+    if family == "starcoder2":  # its biases start at 0: random, so that a bias the stages dropped would show; std
+        # 0.1, since larger ones shrink its (already tiny) q_proj gradient into rounding: 6e-5 apart pipelined at 0.5
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
-                    p.normal_(std=0.5)
+                    p.normal_(std=0.1)
     return model
 
 

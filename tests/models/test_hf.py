@@ -76,6 +76,7 @@ def test_full_recomputation_gives_the_same_gradients(pool2, family, schedule, pa
     ("qwen2", "eager", False, True),   # packed documents (position ids restart): HF's packed masks
     ("qwen3", "sdpa", True, False),
     ("gpt2", "sdpa", False, True),
+    ("starcoder2", "sdpa", True, False),  # its embedding dropout: a probability, applied by the stage's embedding
 ])
 def test_stages_in_sequence_reproduce_the_logits_with_dropout(pool2, family, attn, padded, positions):
     r = pool2.run(hf_cases.stage_chain, family, attn, 3, 0.2, padded, positions)[0]

@@ -221,7 +221,7 @@ def test_stages_call_no_deprecated_transformers_argument():
                                                       ("gemma2", "1f1b", None), ("phi3", "1f1b", None),
                                                       ("olmo2", "zb-h1", None), ("qwen3", "1f1b", None),
                                                       ("cohere", "1f1b", None), ("gpt_neox", "zb-h1", None),
-                                                      ("falcon", "1f1b", None)])
+                                                      ("falcon", "1f1b", None), ("starcoder2", "zb-h1", None)])
 def test_pipelined_steps_equal_the_unsplit_model(pool2, family, schedule, params):
     """Two SGD steps on 2 ranks with padding and the per-token loss: loss, gradients, norm and weights equal the unsplit
     model in one process (rtol 1e-5 on the loss, 1e-4 of each tensor's largest entry)."""
