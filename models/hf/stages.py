@@ -10,7 +10,7 @@ name (`_Parts`): embedding → decoder layers → final norm → head, the model
 per-layer full/sliding attention, and the config's embedding/logit multipliers and logit
 soft-capping.  Tested equal to the unsplit model's forward (tests/models/test_hf_families.py):
 Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (`gemma3_text`), Granite, Phi-3, OLMo 2, GPT-2,
-Cohere, GPT-NeoX, Falcon (rotary); transformers 5.x.  `causal_lm_stages` checks any other model
+Cohere, GPT-NeoX, Falcon (rotary), StarCoder2; transformers 5.x.  `causal_lm_stages` checks any other model
 itself (`check_architecture`: a shallow random copy must give the model's own logits) and refuses
 what it cannot reproduce by name: ALiBi, an MoE router's auxiliary loss (`output_router_logits`).  The
 stages hold the model's own modules (no copies), so a tied `lm_head.weight` *is* the embedding
