@@ -311,8 +311,8 @@ def test_search_finds_a_layout_that_fits_and_reports_the_balance():
 
 def test_the_docs_table_rows_are_what_the_planner_prints():
     """docs/planner.md's mT5 table (A100) is `pipedsl plan --mt5-table`'s output: one of its rows, recomputed."""
-    from pipedsl.plan.encdec_cli import zero_table_markdown
     from pipedsl.plan.encdec_search import zero_table
+    from pipedsl.plan.report import zero_table_markdown
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
     section = doc[doc.index("A100 80 GB (`a100-80gb`):"):doc.index("H100 80 GB (`--cluster h100`):")]
