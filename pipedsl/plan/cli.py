@@ -13,10 +13,9 @@ from pipedsl.plan.activations import LAYOUTS, RECOMPUTE_MODES
 from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
 from pipedsl.plan.encdec import ENCDEC_MODELS, ENCDEC_RECOMPUTE, MT5_BATCH, MT5_SOURCE, MT5_TARGET, EncDecSpec
 from pipedsl.plan.encdec_cost import SPLITS
-from pipedsl.plan.encdec_search import encdec_search, zero_table
 from pipedsl.plan.model import MODELS, ModelSpec, model_preset
 from pipedsl.plan.report import assumptions, print_result, zero_table_markdown
-from pipedsl.plan.search import search
+from pipedsl.plan.search import search, zero_table
 from pipedsl.plan.units import FLOPS, SECONDS, scaled
 
 
@@ -233,7 +232,7 @@ def _gpu_counts(text: str) -> tuple[int, ...]:
 
 
 def _run_encdec(args: argparse.Namespace) -> int:
-    """An encoder-decoder preset (`plan/encdec_search.py`), or `--mt5-table`: every mT5 size on each GPU count."""
+    """An encoder-decoder preset, or `--mt5-table`: every mT5 size on each GPU count."""
     if args.attention in ("fused", "both"):
         raise PipeDSLError("plan: encoder-decoders are planned with eager attention (T5's relative position bias is "
                            "added to the stored scores)")
@@ -250,7 +249,7 @@ def _run_encdec(args: argparse.Namespace) -> int:
     space = {"schedules": schedules, "zero": _zero_stages(args.zero), "recompute": modes, "grads": args.grad_dtype,
              "split": args.split}
     if not args.mt5_table:
-        result = encdec_search(encdec_from_args(args, args.model), cluster, top=args.top, **space)
+        result = search(encdec_from_args(args, args.model), cluster, top=args.top, **space)
         print_result(result, args.rejected)
         return 0 if result.ranked else 1
     specs = [encdec_from_args(args, n) for n in ([args.model] if args.model else ENCDEC_MODELS)]

@@ -13,8 +13,7 @@ from typing import Any
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.encdec import EncDecSpec
 from pipedsl.plan.encdec_cost import SPLITS, stage_labels
-from pipedsl.plan.encdec_search import encdec_evaluate
-from pipedsl.plan.search import TIES, LayoutError
+from pipedsl.plan.search import TIES, LayoutError, evaluate
 from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, Units, add_columns, scaled
 
 GB = 1e9
@@ -187,7 +186,7 @@ def print_other_splits(e: Any, spec: EncDecSpec, cluster: ClusterSpec, console: 
         if how == e.split:
             continue
         try:
-            other = encdec_evaluate(spec, cluster, e.layout, how)
+            other = evaluate(spec, cluster, e.layout, how)
         except LayoutError as err:
             parts.append(f'by="{how}": {err.message}')
             continue
