@@ -152,8 +152,34 @@ def _ep_degrees(text: str | None, model: ModelSpec) -> tuple[int, ...] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """One search for every model kind: the model and the space it is searched over from the arguments, then the
+    ranked table (`--scaling`, `--mt5-table`: their own outputs instead)."""
     if args.mt5_table or (args.model in ENCDEC_MODELS):
-        return _run_encdec(args)
+        cluster, space = _encdec_space(args)
+        if args.mt5_table:
+            return _print_zero_table(args, cluster, space)
+        model: ModelSpec | EncDecSpec = encdec_from_args(args, args.model)
+    else:
+        model, cluster = _decoder(args)
+        if args.scaling:
+            return _run_scaling(model, cluster, args.scaling)
+        space = _decoder_space(args, model)
+    result = search(model, cluster, top=args.top, **space)
+    print_result(result, args.rejected)
+    return 0 if result.ranked else 1
+
+
+def _schedules(args: argparse.Namespace) -> list[str] | None:
+    """--schedule's names, each once; an unknown name or a broken .pipe is one error up front, not every layout
+    rejected."""
+    schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None
+    for name in schedules or ():
+        load(name)
+    return schedules
+
+
+def _decoder(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
+    """A decoder (dense or MoE) and the cluster, from a preset, sizes or a calibration of this machine."""
     encdec_only = [flag for flag, given in (("--source-len", args.source_len), ("--target-len", args.target_len),
                                             ("--split params", args.split == "params")) if given]
     if args.ep is not None and (args.scaling or args.calibrate):
@@ -162,29 +188,29 @@ def run(args: argparse.Namespace) -> int:
         raise PipeDSLError(f"plan: {', '.join(encdec_only)} apply to the encoder-decoder presets "
                            f"({', '.join(ENCDEC_MODELS)})")
     if args.calibrate:
-        model, cluster = _calibrated(args)
-    else:
-        model, cluster = model_from_args(args), cluster_from_args(args)
-    if args.scaling:
-        from pipedsl.plan.scaling import GPU_COUNTS, plot_scaling, scaling
+        return _calibrated(args)
+    return model_from_args(args), cluster_from_args(args)
 
-        points = scaling(model, cluster)
-        plot_scaling(points, model, cluster, args.scaling)
-        for p in points:
-            print(f"{p.gpus:>5} GPUs: best {_short(p.best)}; data parallel {_short(p.data_parallel)}")
-        print(f"wrote {args.scaling} ({GPU_COUNTS[0]}..{GPU_COUNTS[-1]} GPUs)")
-        return 0
-    schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None  # each once
-    for name in schedules or ():
-        load(name)  # an unknown name or a broken .pipe is one error up front, not every layout rejected
+
+def _decoder_space(args: argparse.Namespace, model: ModelSpec) -> dict:
+    """`search`'s space for a decoder: every option narrows it."""
+    schedules = _schedules(args)
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sequence_parallel]
     attention = {None: None, "fused": ("fused",), "eager": ("eager",), "both": ("eager", "fused")}[args.attention]
-    result = search(model, cluster, top=args.top, schedules=schedules, zero=_zero_stages(args.zero),
-                    grads=args.grad_dtype, recompute=_recompute_modes(args.recompute), sequence_parallel=sp,
-                    attention=attention, ep=_ep_degrees(args.ep, model),
-                    splits=("even", "balanced") if args.split == "time" else ("even",))
-    print_result(result, args.rejected)
-    return 0 if result.ranked else 1
+    return {"schedules": schedules, "zero": _zero_stages(args.zero), "grads": args.grad_dtype,
+            "recompute": _recompute_modes(args.recompute), "sequence_parallel": sp, "attention": attention,
+            "ep": _ep_degrees(args.ep, model), "splits": ("even", "balanced") if args.split == "time" else ("even",)}
+
+
+def _run_scaling(model: ModelSpec, cluster: ClusterSpec, path: str) -> int:
+    from pipedsl.plan.scaling import GPU_COUNTS, plot_scaling, scaling
+
+    points = scaling(model, cluster)
+    plot_scaling(points, model, cluster, path)
+    for p in points:
+        print(f"{p.gpus:>5} GPUs: best {_short(p.best)}; data parallel {_short(p.data_parallel)}")
+    print(f"wrote {path} ({GPU_COUNTS[0]}..{GPU_COUNTS[-1]} GPUs)")
+    return 0
 
 
 def _short(e) -> str:
@@ -231,8 +257,9 @@ def _gpu_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
-def _run_encdec(args: argparse.Namespace) -> int:
-    """An encoder-decoder preset, or `--mt5-table`: every mT5 size on each GPU count."""
+def _encdec_space(args: argparse.Namespace) -> tuple[ClusterSpec, dict]:
+    """The cluster and `search`'s space for an encoder-decoder (or `--mt5-table`'s): what the runtime runs for one
+    (`search.ENCDEC_SPACE`), narrowed by the options; the options it cannot run are one error."""
     if args.attention in ("fused", "both"):
         raise PipeDSLError("plan: encoder-decoders are planned with eager attention (T5's relative position bias is "
                            "added to the stored scores)")
@@ -242,16 +269,14 @@ def _run_encdec(args: argparse.Namespace) -> int:
     if args.model and args.model not in ENCDEC_MODELS:
         raise PipeDSLError(f"plan: --mt5-table plans the encoder-decoder presets ({', '.join(ENCDEC_MODELS)}), "
                            f"not {args.model!r}")
-    schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None
-    for name in schedules or ():
-        load(name)  # an unknown name is one error up front
+    schedules = _schedules(args)
     cluster = cluster_from_args(args)
-    space = {"schedules": schedules, "zero": _zero_stages(args.zero), "recompute": modes, "grads": args.grad_dtype,
-             "split": args.split}
-    if not args.mt5_table:
-        result = search(encdec_from_args(args, args.model), cluster, top=args.top, **space)
-        print_result(result, args.rejected)
-        return 0 if result.ranked else 1
+    return cluster, {"schedules": schedules, "zero": _zero_stages(args.zero), "recompute": modes,
+                     "grads": args.grad_dtype, "split": args.split}
+
+
+def _print_zero_table(args: argparse.Namespace, cluster: ClusterSpec, space: dict) -> int:
+    """`--mt5-table`: every mT5 size (or --model's) on each of --gpu-counts, the best layout of each ZeRO stage."""
     specs = [encdec_from_args(args, n) for n in ([args.model] if args.model else ENCDEC_MODELS)]
     rows = zero_table(specs, cluster, _gpu_counts(args.gpu_counts), **space)
     print(assumptions(specs[0], cluster, space))
