@@ -51,11 +51,12 @@ from pipedsl.ir import Op, Program
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout, LayoutError
 from pipedsl.plan.cost import (
-    ADAM_BYTES_PER_PARAM,
     StageCosts,
     Zero3Exposed,
-    all_gather,
     all_reduce,
+    gradient_sync,
+    optimizer_step,
+    param_gather,
     unit_pair,
     zero3_exposed,
 )
@@ -164,9 +165,6 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
     b, mode, dp = layout.microbatch, layout.recompute, layout.dp
     rate = cluster.peak_flops * cluster.gemm_efficiency
     stream = cluster.activation_passes / cluster.hbm_bandwidth
-    gather = all_reduce if cluster.all_gather_as_all_reduce else all_gather
-    scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
-    dp_bw, dp_lat = cluster.link(layout.dp)
     pp_bw, pp_lat = (cluster.inter_bandwidth, cluster.inter_latency) if layout.gpus > cluster.gpus_per_node else \
         (cluster.intra_bandwidth, cluster.intra_latency)
     cuts = list(bounds[1:-1])
@@ -200,28 +198,22 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
         params = sum(u.params for u in mine)
         z = Zero3Exposed()
         if layout.zero >= 3:
-            z = zero3_exposed([gather(PARAM_BYTES * u.params, dp, dp_bw, dp_lat) for u in mine], fwd_each,
+            z = zero3_exposed([param_gather(cluster, layout, u.params) for u in mine], fwd_each,
                               [2 * f + a for f, a in zip(fwd_each, again_each)],
                               [f + a for f, a in zip(fwd_each, again_each)], layout.reshard)
         F.append(fwd + z.F + op)
         B.append(2 * fwd + again + z.B + op)
         I.append(gemm + 2 * core + mem + again + z.I + op)
         W.append(gemm + mem + z.W + op)
-        grads = grad_bytes * params
-        replica = all_reduce(grads, replicas, pp_bw, pp_lat)
         tie = 0.0
         if tied and st in holders:
             tie_bytes = grad_bytes * spec.embedding_params
             tie = all_reduce(tie_bytes, 2 * dp, *cluster.link(layout.gpus)) if layout.zero == 0 else \
                 all_reduce(tie_bytes / dp, 2, pp_bw, pp_lat)
-        if layout.zero == 0:
-            reduce.append(replica + all_reduce(grads, dp, dp_bw, dp_lat))
-            after.append(tie)
-        else:
-            reduce.append(replica + scatter(grads, dp, dp_bw, dp_lat))
-            after.append(tie + (gather(PARAM_BYTES * params, dp, dp_bw, dp_lat) if layout.zero < 3 else 0.0))
-        shard = params / (dp if layout.zero >= 1 else 1)
-        step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
+        synced, gathered = gradient_sync(cluster, layout, params, replicas=replicas)
+        reduce.append(synced)
+        after.append(tie + gathered)
+        step.append(optimizer_step(cluster, layout, params))
         psi.append(float(params))
         zg.append(z.F + z.B)
         once.append(z.once)
