@@ -1,4 +1,5 @@
-"""`pipedsl plan`: the command-line face of the planner (a ranked rich table, the rejections)."""
+"""`pipedsl plan`: the command-line face of the planner — one run for every model kind: the model, the cluster and
+the space searched from the arguments, printed by `plan/report.py`."""
 
 from __future__ import annotations
 
