@@ -1,9 +1,9 @@
-"""`pipedsl plan`: the command-line face of the planner (a ranked rich table, the rejections)."""
+"""`pipedsl plan`: the command-line face of the planner — one run for every model kind: the model, the cluster and
+the space searched from the arguments, printed by `plan/report.py`."""
 
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 from dataclasses import replace
 
 from pipedsl.arguments import float_in, int_in
@@ -15,8 +15,9 @@ from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
 from pipedsl.plan.encdec import ENCDEC_MODELS, ENCDEC_RECOMPUTE, MT5_BATCH, MT5_SOURCE, MT5_TARGET, EncDecSpec
 from pipedsl.plan.encdec_cost import SPLITS
 from pipedsl.plan.model import MODELS, ModelSpec, model_preset
-from pipedsl.plan.search import TIES, PlanResult, search
-from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, add_columns, scaled
+from pipedsl.plan.report import assumptions, print_result, zero_table_markdown
+from pipedsl.plan.search import search, zero_table
+from pipedsl.plan.units import FLOPS, SECONDS, scaled
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -152,8 +153,34 @@ def _ep_degrees(text: str | None, model: ModelSpec) -> tuple[int, ...] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """One search for every model kind: the model and the space it is searched over from the arguments, then the
+    ranked table (`--scaling`, `--mt5-table`: their own outputs instead)."""
     if args.mt5_table or (args.model in ENCDEC_MODELS):
-        return _run_encdec(args)
+        cluster, space = _encdec_space(args)
+        if args.mt5_table:
+            return _print_zero_table(args, cluster, space)
+        model: ModelSpec | EncDecSpec = encdec_from_args(args, args.model)
+    else:
+        model, cluster = _decoder(args)
+        if args.scaling:
+            return _run_scaling(model, cluster, args.scaling)
+        space = _decoder_space(args, model)
+    result = search(model, cluster, top=args.top, **space)
+    print_result(result, args.rejected)
+    return 0 if result.ranked else 1
+
+
+def _schedules(args: argparse.Namespace) -> list[str] | None:
+    """--schedule's names, each once; an unknown name or a broken .pipe is one error up front, not every layout
+    rejected."""
+    schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None
+    for name in schedules or ():
+        load(name)
+    return schedules
+
+
+def _decoder(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
+    """A decoder (dense or MoE) and the cluster, from a preset, sizes or a calibration of this machine."""
     encdec_only = [flag for flag, given in (("--source-len", args.source_len), ("--target-len", args.target_len),
                                             ("--split params", args.split == "params")) if given]
     if args.ep is not None and (args.scaling or args.calibrate):
@@ -162,37 +189,29 @@ def run(args: argparse.Namespace) -> int:
         raise PipeDSLError(f"plan: {', '.join(encdec_only)} apply to the encoder-decoder presets "
                            f"({', '.join(ENCDEC_MODELS)})")
     if args.calibrate:
-        model, cluster = _calibrated(args)
-    else:
-        model, cluster = model_from_args(args), cluster_from_args(args)
-    if args.scaling:
-        from pipedsl.plan.scaling import GPU_COUNTS, plot_scaling, scaling
+        return _calibrated(args)
+    return model_from_args(args), cluster_from_args(args)
 
-        points = scaling(model, cluster)
-        plot_scaling(points, model, cluster, args.scaling)
-        for p in points:
-            print(f"{p.gpus:>5} GPUs: best {_short(p.best)}; data parallel {_short(p.data_parallel)}")
-        print(f"wrote {args.scaling} ({GPU_COUNTS[0]}..{GPU_COUNTS[-1]} GPUs)")
-        return 0
-    schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None  # each once
-    for name in schedules or ():
-        load(name)  # an unknown name or a broken .pipe is one error up front, not every layout rejected
+
+def _decoder_space(args: argparse.Namespace, model: ModelSpec) -> dict:
+    """`search`'s space for a decoder: every option narrows it."""
+    schedules = _schedules(args)
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sequence_parallel]
     attention = {None: None, "fused": ("fused",), "eager": ("eager",), "both": ("eager", "fused")}[args.attention]
-    result = search(model, cluster, top=args.top, schedules=schedules, zero=_zero_stages(args.zero),
-                    grads=args.grad_dtype, recompute=_recompute_modes(args.recompute), sequence_parallel=sp,
-                    attention=attention, ep=_ep_degrees(args.ep, model),
-                    splits=("even", "balanced") if args.split == "time" else ("even",))
-    print_result(result, args.rejected)
-    return 0 if result.ranked else 1
+    return {"schedules": schedules, "zero": _zero_stages(args.zero), "grads": args.grad_dtype,
+            "recompute": _recompute_modes(args.recompute), "sequence_parallel": sp, "attention": attention,
+            "ep": _ep_degrees(args.ep, model), "splits": ("even", "balanced") if args.split == "time" else ("even",)}
 
 
-def train_split(layers: tuple[int, ...]) -> str:
-    """`pipedsl train --split`'s value for stages of `layers` decoder layers each (the embedding on the first, the
-    head on the last): "blocks" when they are even, else the cut points among [embedding, layers…, head]."""
-    if len(set(layers)) <= 1:
-        return "blocks"
-    return ",".join(str(1 + sum(layers[:k])) for k in range(1, len(layers)))
+def _run_scaling(model: ModelSpec, cluster: ClusterSpec, path: str) -> int:
+    from pipedsl.plan.scaling import GPU_COUNTS, plot_scaling, scaling
+
+    points = scaling(model, cluster)
+    plot_scaling(points, model, cluster, path)
+    for p in points:
+        print(f"{p.gpus:>5} GPUs: best {_short(p.best)}; data parallel {_short(p.data_parallel)}")
+    print(f"wrote {path} ({GPU_COUNTS[0]}..{GPU_COUNTS[-1]} GPUs)")
+    return 0
 
 
 def _short(e) -> str:
@@ -211,61 +230,6 @@ def _calibrated(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
           "(train a layout so with `pipedsl train --split blocks`)")
     given = args.model or any(getattr(args, k) is not None for k in ("layers", "hidden", "heads", "seq", "vocab"))
     return (model_from_args(args) if given else small.spec()), cal.cluster()
-
-
-def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    m, c = result.model, result.cluster
-    console = Console(width=240)
-    moe = (f"{scaled(m.active_params, COUNT, '')} active, {m.experts} experts top-{m.top_k}"
-           + (f" + {m.shared_experts} shared" if m.shared_experts else "") + ", ") if m.moe else ""
-    console.print(f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters ({moe}{m.layout} layout), {m.layers} "
-                  f"layers, h={m.hidden}, a={m.heads}, s={m.seq}, V={m.vocab}, batch {m.global_batch} — on "
-                  f"{c.gpus} × {c.name} ({c.gpus_per_node}/node, {scaled(c.peak_flops, FLOPS)}, "
-                  f"{scaled(c.memory, BYTES)})")
-    table = Table(title=f"ranked by predicted iteration time; {TIES} (pipeline simulated on each schedule's "
-                        f"compiled program)")
-    rows = result.ranked
-    columns = [  # (header, "{}" where the column's unit goes; units, or None for text; a row's value)
-        ("iteration {}", SECONDS, lambda e: e.iteration),
-        ("{}/GPU", FLOPS, lambda e: e.tflops * 1e12),
-        ("MFU", None, lambda e: f"{e.mfu:.1%}"),
-        ("memory {}", BYTES, lambda e: e.memory.total),  # the fullest GPU's: the tie-break
-        ("params {}", BYTES, lambda e: e.memory.states.params),
-        ("grads {}", BYTES, lambda e: e.memory.states.grads),
-        ("optim {}", BYTES, lambda e: e.memory.states.optimizer),
-        ("activ {}", BYTES, lambda e: e.memory.activations),
-        ("peak live", None, lambda e: str(e.memory.peak_live)),
-        ("mem balance", None, lambda e: f"{e.memory_balance:.2f}"),  # the lightest pipeline rank's peak / fullest's
-        *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("tp", "pp", "dp", "zero3")),
-    ]
-    if any(e.layout.zero >= 2 for e in rows):  # ZeRO's buffers held during the step beyond the states' shards
-        at = [header for header, *_ in columns].index("activ {}")
-        columns[at:at] = [("grad buffer {}", BYTES, lambda e: e.memory.gradient_buffer),
-                          ("gathered {}", BYTES, lambda e: e.memory.gathered)]
-    if m.moe:  # the expert-parallel all-to-alls: seconds per iteration and their share of it
-        columns += [("a2a {}", SECONDS, lambda e: e.comm["ep"]),
-                    ("a2a %", None, lambda e: f"{e.comm['ep'] / e.iteration:.1%}")]
-    if any(e.layout.split != "even" for e in rows):  # where `pipedsl train --split` cuts the layout's stages
-        columns.append(("--split", None, lambda e: train_split(e.layers)))
-    table.add_column("#", justify="right")
-    table.add_column("layout")
-    shown = add_columns(table, columns, rows)
-    for i, e in enumerate(rows):
-        table.add_row(str(i + 1), str(e.layout), *(values[i] for values in shown))
-    console.print(table)
-    kinds = Counter(r.reason.split(":")[0] for r in result.rejected)
-    console.print(f"{result.simulated} simulated, {result.pruned} pruned (lower bound above the #{len(result.ranked)} "
-                  f"time), {len(result.rejected)} rejected: "
-                  + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) + f"; {result.seconds:.1f} s")
-    shown: Counter = Counter()
-    for r in result.rejected:
-        kind = r.reason.split(":")[0]
-        if shown[kind] < max(1, rejected_examples // max(1, len(kinds))):
-            shown[kind] += 1
-            console.print(f"  rejected {r.layout}: {r.reason}", markup=False)
 
 
 # ------------------------------------------------------------------ encoder-decoders
@@ -294,11 +258,9 @@ def _gpu_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
-def _run_encdec(args: argparse.Namespace) -> int:
-    """An encoder-decoder preset (`plan/encdec_search.py`), or `--mt5-table`: every mT5 size on each GPU count."""
-    from pipedsl.plan.encdec_cli import assumptions, print_encdec_result, zero_table_markdown
-    from pipedsl.plan.encdec_search import encdec_search, zero_table
-
+def _encdec_space(args: argparse.Namespace) -> tuple[ClusterSpec, dict]:
+    """The cluster and `search`'s space for an encoder-decoder (or `--mt5-table`'s): what the runtime runs for one
+    (`search.ENCDEC_SPACE`), narrowed by the options; the options it cannot run are one error."""
     if args.attention in ("fused", "both"):
         raise PipeDSLError("plan: encoder-decoders are planned with eager attention (T5's relative position bias is "
                            "added to the stored scores)")
@@ -308,16 +270,14 @@ def _run_encdec(args: argparse.Namespace) -> int:
     if args.model and args.model not in ENCDEC_MODELS:
         raise PipeDSLError(f"plan: --mt5-table plans the encoder-decoder presets ({', '.join(ENCDEC_MODELS)}), "
                            f"not {args.model!r}")
-    schedules = list(dict.fromkeys(args.schedule)) if args.schedule else None
-    for name in schedules or ():
-        load(name)  # an unknown name is one error up front
+    schedules = _schedules(args)
     cluster = cluster_from_args(args)
-    space = {"schedules": schedules, "zero": _zero_stages(args.zero), "recompute": modes, "grads": args.grad_dtype,
-             "split": args.split}
-    if not args.mt5_table:
-        result = encdec_search(encdec_from_args(args, args.model), cluster, top=args.top, **space)
-        print_encdec_result(result, args.rejected)
-        return 0 if result.ranked else 1
+    return cluster, {"schedules": schedules, "zero": _zero_stages(args.zero), "recompute": modes,
+                     "grads": args.grad_dtype, "split": args.split}
+
+
+def _print_zero_table(args: argparse.Namespace, cluster: ClusterSpec, space: dict) -> int:
+    """`--mt5-table`: every mT5 size (or --model's) on each of --gpu-counts, the best layout of each ZeRO stage."""
     specs = [encdec_from_args(args, n) for n in ([args.model] if args.model else ENCDEC_MODELS)]
     rows = zero_table(specs, cluster, _gpu_counts(args.gpu_counts), **space)
     print(assumptions(specs[0], cluster, space))

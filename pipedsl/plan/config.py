@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
+from pipedsl.errors import PipeDSLError
 from pipedsl.plan.activations import RECOMPUTE_MODES
+
+T = TypeVar("T")
 
 ATTENTION = ("eager", "fused")
 SPLITS = ("even", "balanced")  # how a layout cuts the layers into stages (cost.py's `stage_layers`)
@@ -101,3 +106,22 @@ class Layout:
     def _reshard_label(self) -> str:
         """"/unit" or "/step" where ZeRO-3 runs other than `pipedsl train --zero 3`'s default would ("auto")."""
         return f"/{self.reshard}" if self.zero == 3 and self.reshard != _auto_reshard(self.pp) else ""
+
+
+class LayoutError(PipeDSLError):
+    """A layout that cannot run: the reason says which rule it breaks."""
+
+
+def resharded_to_fit(layout: Layout, attempt: Callable[[Layout], T]) -> tuple[Layout, T]:
+    """`attempt(layout)`, and the layout it ran.  A ZeRO-3 pipeline left on "auto" runs "step" (each unit gathered
+    once a step: never slower than "unit", which gathers it again for every op); where that is out of memory, the
+    same layout resharding by "unit" (two units whole at a time) is tried, as `pipedsl train --zero-reshard unit`
+    would run it."""
+    try:
+        return layout, attempt(layout)
+    except LayoutError as err:
+        if not (layout.zero == 3 and layout.zero_reshard == "auto" and layout.reshard == "step"
+                and err.message.startswith("out of memory")):
+            raise
+        unit = replace(layout, zero_reshard="unit")
+        return unit, attempt(unit)

@@ -266,7 +266,6 @@ class _Terms:
     tp_link: tuple[float, float]  # (bandwidth, latency) of the tp group's all-reduces
     dp_link: tuple[float, float]  # and of the dp group's collectives (the experts' dp/ep replicas alike)
     pp_link: tuple[float, float]  # and of a pipeline hop (the stage replicas' all-reduce too)
-    expert_dp: int  # the ranks holding the same experts
     core: float  # a block's attention-core forward FLOPs
     fixed: float  # per pass of a block (F 1, B 2, I 1 + W 1): its overhead and 1-D tp's own work
     flash_backward: float  # a fused attention kernel's backward recomputing QKᵀ
@@ -288,7 +287,7 @@ def _layout_terms(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Te
     flash_backward = core / 2 / rate if layout.fused else 0.0
     tp_block_fwd, tp_block_bwd = _tp_block_collectives(model, cluster, layout, q, act)
     return _Terms(model, cluster, layout, q, rate, _zero_gather(cluster), act, cluster.tp_link(t),
-                  cluster.link(t * layout.dp), _pipeline_link(cluster, layout), layout.dp // layout.ep, core, fixed,
+                  cluster.link(t * layout.dp), _pipeline_link(cluster, layout), core, fixed,
                   flash_backward, tp_block_fwd, tp_block_bwd)
 
 
@@ -485,12 +484,12 @@ def _block_input_grad(terms: _Terms, k: _Block) -> float:
             + k.a2a + k.a2a_again)
 
 
-def _param_gather(terms: _Terms, dense: float, experts: float) -> float:
+def param_gather(cluster: ClusterSpec, layout: Layout, dense: float, experts: float = 0.0) -> float:
     """Seconds to all-gather `dense` parameters over dp and `experts` routed-expert parameters over their own
-    dp/ep replicas (ZeRO-3's unit gathers, ZeRO 1-2's after the step)."""
-    dp_bw, dp_lat = terms.dp_link
-    return (terms.gather(PARAM_BYTES * dense, terms.layout.dp, dp_bw, dp_lat)
-            + (terms.gather(PARAM_BYTES * experts, terms.expert_dp, dp_bw, dp_lat) if experts else 0.0))
+    dp/ep replicas (ZeRO-3's unit gathers, ZeRO 1-2's after the step): every model kind's."""
+    gather, (dp_bw, dp_lat) = _zero_gather(cluster), cluster.link(layout.tp * layout.dp)
+    return (gather(PARAM_BYTES * dense, layout.dp, dp_bw, dp_lat)
+            + (gather(PARAM_BYTES * experts, layout.dp // layout.ep, dp_bw, dp_lat) if experts else 0.0))
 
 
 def _stage_zero3(terms: _Terms, work: _StageWork, embed_first: bool, head_last: bool) -> Zero3Exposed:
@@ -500,7 +499,7 @@ def _stage_zero3(terms: _Terms, work: _StageWork, embed_first: bool, head_last: 
         return Zero3Exposed()
     t = layout.tp
     dp_bw, dp_lat = terms.dp_link
-    g = [_param_gather(terms, k.params - k.experts, k.experts) for k in work.blocks]
+    g = [param_gather(terms.cluster, layout, k.params - k.experts, k.experts) for k in work.blocks]
     if embed_first:
         g = [terms.gather(PARAM_BYTES * model.embedding_params / t, layout.dp, dp_bw, dp_lat)] + g
     if head_last:
@@ -524,32 +523,33 @@ def _op_times(terms: _Terms, work: _StageWork, z: Zero3Exposed) -> tuple[float, 
     return F, B, I, W
 
 
-def _gradient_sync(terms: _Terms, work: _StageWork, replicas: int) -> tuple[float, float]:
-    """Seconds of the stage's gradient reduction at REDUCE_GRAD (replicas, MoE parts over tp, then dp: all-reduce,
-    or ZeRO's reduce-scatter) and of ZeRO 1-2's parameter all-gather after the step."""
-    layout, cluster = terms.layout, terms.cluster
-    dp_bw, dp_lat = terms.dp_link
+def gradient_sync(cluster: ClusterSpec, layout: Layout, params: float, experts: float = 0.0, summed: float = 0.0,
+                  replicas: int = 1) -> tuple[float, float]:
+    """Seconds of a stage's gradient reduction at REDUCE_GRAD (its `replicas` in the pipeline, the MoE parts over tp,
+    then dp: all-reduce, or ZeRO's reduce-scatter) and of ZeRO 1-2's parameter all-gather after the step, for
+    `params` parameters per GPU, `experts` of them routed experts (already / ep), `summed` of them held in part by
+    each tp rank: every model kind's."""
+    dp_bw, dp_lat = cluster.link(layout.tp * layout.dp)
+    expert_dp = layout.dp // layout.ep
     grad = state_bytes("bf16", layout.grads).grad  # reduced in the dtype they accumulate in
-    p_gpu, experts = work.params, work.experts
-    grad_bytes = grad * (p_gpu - experts)
-    replica = all_reduce(grad * p_gpu, replicas, *terms.pp_link)
-    replica += all_reduce(grad * work.summed, layout.tp, *terms.tp_link) if work.summed else 0.0
+    grad_bytes = grad * (params - experts)
+    replica = all_reduce(grad * params, replicas, *_pipeline_link(cluster, layout))
+    replica += all_reduce(grad * summed, layout.tp, *cluster.tp_link(layout.tp)) if summed else 0.0
     if layout.zero == 0:  # the experts' gradients over their own replicas (dp/ep), the rest over dp
         return (replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat)
-                + (all_reduce(grad * experts, terms.expert_dp, dp_bw, dp_lat) if experts else 0.0)), 0.0
+                + (all_reduce(grad * experts, expert_dp, dp_bw, dp_lat) if experts else 0.0)), 0.0
     # reduce-scatter at REDUCE_GRAD (ZeRO's reduce="step"), overlapping the rest of the cooldown
     scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
     reduce = (replica + scatter(grad_bytes, layout.dp, dp_bw, dp_lat)
-              + (scatter(grad * experts, terms.expert_dp, dp_bw, dp_lat) if experts else 0.0))
-    return reduce, (_param_gather(terms, p_gpu - experts, experts) if layout.zero < 3 else 0.0)
+              + (scatter(grad * experts, expert_dp, dp_bw, dp_lat) if experts else 0.0))
+    return reduce, (param_gather(cluster, layout, params - experts, experts) if layout.zero < 3 else 0.0)
 
 
-def _optimizer_step(terms: _Terms, work: _StageWork) -> float:
-    """Seconds of the stage's Adam step, memory-bound, over the parameters its rank updates (a 1/dp shard with
-    ZeRO)."""
-    p_gpu, experts = work.params, work.experts
-    shard = (p_gpu - experts) / terms.layout.dp + experts / terms.expert_dp if terms.layout.zero >= 1 else p_gpu
-    return shard * ADAM_BYTES_PER_PARAM / terms.cluster.hbm_bandwidth
+def optimizer_step(cluster: ClusterSpec, layout: Layout, params: float, experts: float = 0.0) -> float:
+    """Seconds of a stage's Adam step, memory-bound, over the parameters its rank updates (a 1/dp shard with ZeRO;
+    the routed experts' 1/(dp/ep)): every model kind's."""
+    shard = (params - experts) / layout.dp + experts / (layout.dp // layout.ep) if layout.zero >= 1 else params
+    return shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth
 
 
 def _tp_recomputed(terms: _Terms, work: _StageWork) -> float:
@@ -590,12 +590,13 @@ def _stage_row(terms: _Terms, kinds: dict[bool, _Block], layers: tuple[int, ...]
     work = _stage_work(terms, kinds, first, n, embed_first, head_last)
     z = _stage_zero3(terms, work, embed_first, head_last)
     F, B, I, W = _op_times(terms, work, z)
-    reduce, after = _gradient_sync(terms, work, replicas)
+    reduce, after = gradient_sync(terms.cluster, terms.layout, work.params, work.experts, work.summed, replicas)
+    step = optimizer_step(terms.cluster, terms.layout, work.params, work.experts)
     tp_again = _tp_recomputed(terms, work)
     units = piece_params(terms.model, terms.layout)[0][0 if embed_first else first + 1:first + n + 1 + head_last]
     waits = {"F": work.tp_fwd + z.F + work.a2a_f, "B": work.tp_bwd + tp_again + z.B + work.a2a_b,
              "I": work.tp_bwd + tp_again + z.I + work.a2a_b, "W": z.W}
-    return _StageRow(F, B, I, W, reduce, after, _optimizer_step(terms, work), work.params,
+    return _StageRow(F, B, I, W, reduce, after, step, work.params,
                      work.tp_fwd + work.tp_bwd + tp_again, z.F + z.B, waits, work.a2a_f + work.a2a_b, work.experts,
                      (work.a2a_f, work.a2a_b), z.once, unit_pair(units))
 

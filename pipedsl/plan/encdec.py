@@ -140,6 +140,11 @@ class EncDecSpec:
     def layers(self) -> int:
         return self.encoder_layers + self.decoder_layers
 
+    @property
+    def moe(self) -> bool:
+        """No Mixture-of-Experts layers: the search's expert-parallel degree is 1."""
+        return False
+
     # ------------------------------------------------------------ parameters
 
     @property

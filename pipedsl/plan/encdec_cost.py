@@ -1,4 +1,5 @@
-"""An encoder-decoder's pipeline stages: which units each holds, what each costs, what each rank holds.
+"""An encoder-decoder's pipeline stages: which units each holds, what each costs, what each rank holds, and the
+search's steps for one layout (`quick_bound`, `prepare`, `finish`, as `plan/search.py` takes them).
 
 Units (`EncDecSpec.units`) are [encoder input, encoder layers…, decoder input, decoder layers…,
 head], as `models/hf/seq2seq.py`'s `seq2seq_stages(model, n, by=…, points=…)` spreads them; a
@@ -33,7 +34,7 @@ buffer of its stages from the first backward to REDUCE_GRAD (`parallel/zero.py`,
 under ZeRO-3 the gathered units (the running one and the next, prefetched; all of them during a W
 of a split-backward schedule, `before_weight_pass`, and through the step with reshard="step"); and
 activations: the most bytes alive at once on the rank, each stage's own per microbatch from its F
-to its B (or W), walked over the schedule's compiled program (`encdec_search.live_peaks`; the
+to its B (or W), walked over the schedule's compiled program (`live_peaks`; the
 encoder output counted on decoder stages), plus one layer's whole activations while it is
 recomputed.
 """
@@ -43,22 +44,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.ir import Op, Program
 from pipedsl.plan.cluster import ClusterSpec
-from pipedsl.plan.config import Layout
+from pipedsl.plan.config import Layout, LayoutError
 from pipedsl.plan.cost import (
-    ADAM_BYTES_PER_PARAM,
     StageCosts,
     Zero3Exposed,
-    all_gather,
     all_reduce,
+    gradient_sync,
+    optimizer_step,
+    param_gather,
     unit_pair,
     zero3_exposed,
 )
 from pipedsl.plan.encdec import ID_BYTES, EncDecSpec, Unit
 from pipedsl.plan.memory import PARAM_BYTES, ModelStates, model_states, state_bytes
 from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
+from pipedsl.plan.pipeline import (
+    compiled,
+    is_searched,
+    layout_skeleton,
+    placement_bound,
+    run_pipeline,
+    sharing,
+    simulation_sizes,
+    stage_ranks,
+)
+from pipedsl.simulate import Cost
 
 SPLITS = ("time", "count", "params")
 
@@ -150,9 +165,6 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
     b, mode, dp = layout.microbatch, layout.recompute, layout.dp
     rate = cluster.peak_flops * cluster.gemm_efficiency
     stream = cluster.activation_passes / cluster.hbm_bandwidth
-    gather = all_reduce if cluster.all_gather_as_all_reduce else all_gather
-    scatter = all_reduce if cluster.reduce_scatter_as_all_reduce else all_gather
-    dp_bw, dp_lat = cluster.link(layout.dp)
     pp_bw, pp_lat = (cluster.inter_bandwidth, cluster.inter_latency) if layout.gpus > cluster.gpus_per_node else \
         (cluster.intra_bandwidth, cluster.intra_latency)
     cuts = list(bounds[1:-1])
@@ -186,28 +198,22 @@ def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, b
         params = sum(u.params for u in mine)
         z = Zero3Exposed()
         if layout.zero >= 3:
-            z = zero3_exposed([gather(PARAM_BYTES * u.params, dp, dp_bw, dp_lat) for u in mine], fwd_each,
+            z = zero3_exposed([param_gather(cluster, layout, u.params) for u in mine], fwd_each,
                               [2 * f + a for f, a in zip(fwd_each, again_each)],
                               [f + a for f, a in zip(fwd_each, again_each)], layout.reshard)
         F.append(fwd + z.F + op)
         B.append(2 * fwd + again + z.B + op)
         I.append(gemm + 2 * core + mem + again + z.I + op)
         W.append(gemm + mem + z.W + op)
-        grads = grad_bytes * params
-        replica = all_reduce(grads, replicas, pp_bw, pp_lat)
         tie = 0.0
         if tied and st in holders:
             tie_bytes = grad_bytes * spec.embedding_params
             tie = all_reduce(tie_bytes, 2 * dp, *cluster.link(layout.gpus)) if layout.zero == 0 else \
                 all_reduce(tie_bytes / dp, 2, pp_bw, pp_lat)
-        if layout.zero == 0:
-            reduce.append(replica + all_reduce(grads, dp, dp_bw, dp_lat))
-            after.append(tie)
-        else:
-            reduce.append(replica + scatter(grads, dp, dp_bw, dp_lat))
-            after.append(tie + (gather(PARAM_BYTES * params, dp, dp_bw, dp_lat) if layout.zero < 3 else 0.0))
-        shard = params / (dp if layout.zero >= 1 else 1)
-        step.append(shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth)
+        synced, gathered = gradient_sync(cluster, layout, params, replicas=replicas)
+        reduce.append(synced)
+        after.append(tie + gathered)
+        step.append(optimizer_step(cluster, layout, params))
         psi.append(float(params))
         zg.append(z.F + z.B)
         once.append(z.once)
@@ -266,3 +272,165 @@ def rank_memory(stages: EncDecStages, layout: Layout, on_rank: dict[int, list[in
         act = live_bytes[r] + max(stages.working[s] for s in held)
         out.append(RankMemory(r, tuple(held), psi, states, buffer, gathered, act, peaks[r]))
     return out
+
+
+# ------------------------------------------------------------------ one layout, as the search takes it
+
+
+@dataclass(frozen=True)
+class EncDecEstimate:
+    """A simulated layout of an encoder-decoder: time, throughput, every rank's memory, the unit split."""
+
+    layout: Layout
+    split: str  # "time", "count" or "params"
+    bounds: tuple[int, ...]  # unit bounds of the program stages
+    iteration: float  # seconds
+    pipeline: float  # the simulated makespan alone
+    tflops: float  # hardware TFLOP/s per GPU (the recomputed forward included)
+    mfu: float  # model FLOPs / (time · peak)
+    memory: RankMemory  # the fullest rank
+    ranks: tuple[RankMemory, ...]
+    stage_seconds: tuple[float, ...]  # F + B of one microbatch, per program stage
+    comm: dict[str, float]  # seconds per iteration on rank 0: pp, dp, zero3
+
+    @property
+    def points(self) -> tuple[int, ...]:
+        """`seq2seq_stages(model, n, points=…)` for this split."""
+        return points(self.bounds)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    layout: Layout
+    stages: EncDecStages
+    ranks: tuple[RankMemory, ...]
+    bound: float
+    on_rank: dict[int, list[int]]
+
+
+def _live(program: Program, per_stage: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per rank, the most microbatch-stages and the most activation bytes alive at once: a stage's bytes from its
+    F to its B or W (`pipeline.peak_live`'s rule, in program order, which is the execution order); an overlapped
+    F&B pair adds its forward before its backward frees."""
+    counts, sizes = [], []
+    for stream in program.ranks:
+        live = peak = held = most = 0.0
+        for ins in stream:
+            for part in ins.parts:
+                if part.op is Op.F:
+                    live, held = live + 1, held + per_stage[part.stage]
+                    peak, most = max(peak, live), max(most, held)
+                elif part.op is Op.B or part.op is Op.W:
+                    live, held = live - 1, held - per_stage[part.stage]
+        counts.append(peak)
+        sizes.append(most)
+    return counts, sizes
+
+
+def live_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...],
+               per_stage: Sequence[float], cost: Cost | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`_live` of the schedule's program at M, extended linearly past the simulated sizes (as `program_peaks`); a
+    searched schedule's as searched under `cost`."""
+    sizes = simulation_sizes(M, P)
+    runs = [_live(compiled(schedule, P, m, params, cost), per_stage) for m in sizes]
+    if len(runs) == 1:
+        return tuple(runs[0][0]), tuple(runs[0][1])
+    k = (M - sizes[0]) / (sizes[1] - sizes[0])
+    (c1, b1), (c2, b2) = runs
+    return tuple(a + k * (b - a) for a, b in zip(c1, c2)), tuple(a + k * (b - a) for a, b in zip(b1, b2))
+
+
+# × P microbatches: where `run_pipeline` starts its linear extension.  With stages of unequal cost a schedule needs
+# more microbatches to reach its periodic steady state: extended from 2P and 3P, mT5-Base on 64 GPUs under looped BFS
+# V=2 (M = 64) was predicted 14 % fast and Hanayo W=1 on 8 (M = 256) 2.2 % fast, under the placement bound; from 8P
+# and 9P both equal the full simulation (tests/plan/test_encoder_decoder.py).
+EXTEND_FROM = 8
+
+
+def _fullest(ranks: Sequence[RankMemory]) -> RankMemory:
+    return max(ranks, key=lambda m: m.total)
+
+
+def _check_memory(cluster: ClusterSpec, memory: RankMemory, qualifier: str = "") -> None:
+    usable = cluster.memory - cluster.reserved_memory
+    if memory.total > usable:
+        gb = 1e9
+        st = memory.states
+        raise LayoutError(f"out of memory: {qualifier}{memory.total / gb:.1f} GB > {usable / gb:.0f} GB usable on rank "
+                          f"{memory.rank} (params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer "
+                          f"{st.optimizer / gb:.1f}, gradient buffer {memory.gradient_buffer / gb:.1f}, gathered "
+                          f"{memory.gathered / gb:.1f}, activations {memory.activations / gb:.1f} for "
+                          f"{memory.peak_live:g} live)")
+
+
+def _stages(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, num_stages: int, replicas: int,
+            split: str) -> EncDecStages:
+    if num_stages > len(spec.units()):
+        raise LayoutError(f"split: {len(spec.units())} units ({spec.encoder_layers} encoder and "
+                          f"{spec.decoder_layers} decoder layers, 2 inputs, a head) cannot fill {num_stages} stages")
+    bounds = split_bounds(spec, cluster, num_stages, split, layout.recompute)
+    return encdec_stage_costs(spec, cluster, layout, bounds, replicas)
+
+
+def quick_bound(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str, result: Any = None) -> float:
+    """The cheap checks on the schedule's small program (peaks only grow with M), and the placement bound; the fullest
+    rank's memory lowers `result.least_memory` where given."""
+    if layout.tp != 1:
+        raise LayoutError("runtime: encoder-decoder stages are not tensor-parallel (parallel/tp_hf.py splits "
+                          "Llama-layout decoders only)")
+    if layout.dp * layout.microbatches * layout.microbatch != spec.global_batch:
+        raise LayoutError(f"batch: dp {layout.dp} × M {layout.microbatches} × microbatch {layout.microbatch} "
+                          f"!= global batch {spec.global_batch}")
+    program = layout_skeleton(layout)
+    stages = _stages(spec, cluster, layout, program.num_stages, program.num_replicas, split)
+    on_rank = stage_ranks(program)
+    at_least = [n * min((stages.activation[s] for s in on_rank[r]), default=0.0) for r, n in enumerate(program.peaks)]
+    fullest = _fullest(rank_memory(stages, layout, on_rank, at_least, program.peaks, program.split_backward))
+    if result is not None:
+        result.least_memory = min(result.least_memory, fullest.total)
+    if not is_searched(layout.schedule):  # a searched order's peaks come with the costs: checked in `_prepare`
+        _check_memory(cluster, fullest, "at least ")
+    return placement_bound(program, stages.costs, layout.microbatches)
+
+
+def prepare(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str) -> Prepared:
+    P, M = layout.pp, layout.microbatches
+    if is_searched(layout.schedule):  # placed without its order: `live_peaks` searches it under the costs
+        program = layout_skeleton(layout)
+    else:
+        try:
+            program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+        except PipeDSLError as err:
+            raise LayoutError(f"schedule: {err.message}") from None
+    stages = _stages(spec, cluster, layout, program.num_stages, program.num_replicas, split)
+    on_rank = stage_ranks(program)
+    try:
+        peaks, live = live_peaks(layout.schedule, P, M, layout.params, stages.activation,
+                                 stages.costs.simulator_cost())
+    except PipeDSLError as err:
+        raise LayoutError(f"schedule: {err.message}") from None
+    ranks = tuple(rank_memory(stages, layout, on_rank, live, peaks, program.split_backward))
+    _check_memory(cluster, _fullest(ranks))
+    return Prepared(layout, stages, ranks, placement_bound(program, stages.costs, M), on_rank)
+
+
+def finish(spec: EncDecSpec, cluster: ClusterSpec, prep: Prepared, split: str) -> EncDecEstimate:
+    layout, costs = prep.layout, prep.stages.costs
+    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, sharing(cluster, layout),
+                       EXTEND_FROM)
+    gpus, M = layout.gpus, layout.microbatches
+    mine = prep.on_rank[0]
+    comm = {"pp": 2 * M * len(mine) * costs.message if layout.pp > 1 else 0.0,
+            "dp": sum(costs.reduce[s] + costs.after_step[s] for s in mine),
+            "zero3": sum(M * costs.zero_gather[s] + costs.step_gather[s] for s in mine)}
+    return EncDecEstimate(layout, split, prep.stages.bounds, run.iteration, run.pipeline,
+                          spec.iteration_flops(layout.recompute) / run.iteration / gpus / 1e12,
+                          spec.iteration_flops("none") / run.iteration / gpus / cluster.peak_flops,
+                          _fullest(prep.ranks), prep.ranks,
+                          tuple(f + b for f, b in zip(costs.F, costs.B)), comm)
+
+
+def rank_key(e: EncDecEstimate) -> tuple[float, float, int]:
+    """Predicted time; equal times (to 9 digits: microbatch sizes at pp 1 differ by rounding only) by the fullest
+    GPU's memory, then by GPU count (as `search.rank_key`)."""
+    return (float(f"{e.iteration:.9g}"), e.memory.total, e.layout.gpus)

@@ -22,6 +22,8 @@ from functools import cache, lru_cache
 from pipedsl.errors import PipeDSLError
 from pipedsl.ir import RECVS, SENDS, Instr, Op, Program
 from pipedsl.library import load
+from pipedsl.plan.cluster import ClusterSpec
+from pipedsl.plan.config import Layout, LayoutError
 from pipedsl.plan.cost import StageCosts
 from pipedsl.plan.shared_host import shared_dry_run
 from pipedsl.simulate import Cost, simulate, simulated_timeline
@@ -293,3 +295,60 @@ def run_pipeline(schedule: str, P: int, M: int, params: tuple[tuple[str, int], .
 
     return PipelineRun(extend(a[0], b[0]), extend(a[1], b[1]),
                        tuple(extend(x, y) for x, y in zip(a[2], b[2])), extend(a[3], b[3]))
+
+
+# ------------------------------------------------------------------ what every model kind's search asks of a layout
+
+
+def layout_skeleton(layout: Layout) -> Skeleton:
+    """The schedule at a small size (M = min(M, P)), planned but not compiled: placement, stages, early peaks."""
+    P, M = layout.pp, layout.microbatches
+    try:
+        return skeleton(layout.schedule, P, min(M, P), layout.params)
+    except PipeDSLError as err:
+        if M <= P:
+            raise LayoutError(f"schedule: {err.message}") from None
+    try:  # a requirement the small size breaks but M meets
+        return skeleton(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+    except PipeDSLError as err:
+        raise LayoutError(f"schedule: {err.message}") from None
+
+
+def placement_bound(program: Program | Skeleton, costs: StageCosts, M: int) -> float:
+    """No schedule with this placement beats: for each rank, the forward chain that must run before
+    its first stage can start (Σ F of the stages below), its own work, and the backward chain
+    below its lowest stage that must follow its last backward (split: its last I — its W's may run
+    meanwhile); plus the optimizer step.  For 1F1B with equal stages this is (M + P - 1)(F + B), its
+    exact makespan; for ZB-H1 with F = I = W, M(F + I + W) + (P - 1)(F + I − W), its exact makespan too."""
+    S = program.num_stages
+    split = program.split_backward
+    back = costs.I if split else costs.B
+    below_f = [0.0] * (S + 1)
+    below_b = [0.0] * (S + 1)
+    for st in range(S):
+        below_f[st + 1] = below_f[st] + costs.F[st]
+        below_b[st + 1] = below_b[st] + back[st]
+    share = M / program.num_replicas
+    bound = 0.0
+    for stages in stage_ranks(program).values():
+        if not stages:
+            continue
+        lowest = min(stages)
+        work = sum(costs.F[x] + (costs.I[x] + costs.W[x] if split else costs.B[x]) for x in stages) * share
+        deferrable = sum(costs.W[x] for x in stages) * share if split else 0.0
+        tail = costs.once_a_step(stages)
+        bound = max(bound, below_f[lowest] + max(work, work - deferrable + below_b[lowest]) + tail)
+    return bound
+
+
+def sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float, float, float] | None:
+    """(the cores this pipeline's ranks share, their efficiency, the busy share of a blocking collective, how many
+    other pipelines share them) where ranks share cores, else None: the node runs ranks / pp identical pipelines
+    side by side (a tp group's ranks each count as one); a pipeline longer than a node gets its share of each."""
+    ranks = cluster.shared_ranks(layout.gpus)
+    if not ranks:
+        return None
+    pipelines = ranks / layout.pp
+    if pipelines <= 1:
+        return cluster.cores_per_node * layout.pp / ranks, cluster.sharing_efficiency, cluster.collective_busy, 0.0
+    return cluster.cores_per_node, cluster.sharing_efficiency, cluster.collective_busy, pipelines - 1

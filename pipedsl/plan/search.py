@@ -18,30 +18,32 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import accumulate
-from typing import TypeVar
+from typing import Any, NamedTuple
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import builtin_names, load
 from pipedsl.limits import MAX_BALANCED_LAYERS
+from pipedsl.plan import encdec_cost
 from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
-from pipedsl.plan.config import Layout
+from pipedsl.plan.config import Layout, LayoutError, resharded_to_fit
 from pipedsl.plan.cost import StageCosts, piece_flops, piece_params, stage_costs, stage_layers, tp_degree_3d, unit_pair
+from pipedsl.plan.encdec import ENCDEC_RECOMPUTE, EncDecSpec
 from pipedsl.plan.memory import MemoryReport, model_states, moe_model_states, state_bytes
 from pipedsl.plan.model import ModelSpec
 from pipedsl.plan.partition import even_sizes
 from pipedsl.plan.pipeline import (
     compiled,
     is_searched,
+    layout_skeleton,
+    placement_bound,
     program_peaks,
     run_pipeline,
+    sharing,
     simulation_sizes,
-    skeleton,
     stage_ranks,
 )
 from pipedsl.plan.runnable import NotRunnableError, check_runnable
-
-T = TypeVar("T")
 
 # Chunk variants searched per built-in (parameter name, values); others run with their defaults.
 VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], ...]] = {
@@ -50,10 +52,6 @@ VARIANTS: dict[str, tuple[tuple[tuple[str, int], ...], ...]] = {
     "hanayo": ((("W", 1),), (("W", 2),)),
 }
 MICROBATCH_SIZES = (1, 2, 4, 8)
-
-
-class LayoutError(PipeDSLError):
-    """A layout that cannot run: the reason says which rule it breaks."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +82,17 @@ class Rejected:
 
 @dataclass
 class PlanResult:
-    model: ModelSpec
+    """What `search` found for a model of any kind: the ranked estimates (`Estimate`, or an encoder-decoder's
+    `EncDecEstimate`), the rejected layouts with their reasons, how many were pruned and simulated."""
+
+    model: ModelSpec | EncDecSpec
     cluster: ClusterSpec
-    ranked: list[Estimate] = field(default_factory=list)
+    ranked: list[Any] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     pruned: int = 0
     simulated: int = 0
     seconds: float = 0.0
+    least_memory: float = float("inf")  # an encoder-decoder's: the least peak memory of any candidate (at least)
 
 
 # ------------------------------------------------------------------ one layout
@@ -177,68 +179,27 @@ def _layers(model: ModelSpec, layout: Layout, stages: int) -> list[int]:
     return layers
 
 
-def _skeleton(layout: Layout):
-    """The schedule at a small size (M = min(M, P)), planned but not compiled: placement, stages, early peaks."""
-    P, M = layout.pp, layout.microbatches
-    try:
-        return skeleton(layout.schedule, P, min(M, P), layout.params)
-    except PipeDSLError as err:
-        if M <= P:
-            raise LayoutError(f"schedule: {err.message}") from None
-    try:  # a requirement the small size breaks but M meets
-        return skeleton(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
-    except PipeDSLError as err:
-        raise LayoutError(f"schedule: {err.message}") from None
-
-
-def _placement_bound(program, costs: StageCosts, M: int) -> float:
-    """No schedule with this placement beats: for each rank, the forward chain that must run before
-    its first stage can start (Σ F of the stages below), its own work, and the backward chain
-    below its lowest stage that must follow its last backward (split: its last I — its W's may run
-    meanwhile); plus the optimizer step.  For 1F1B with equal stages this is (M + P - 1)(F + B), its
-    exact makespan; for ZB-H1 with F = I = W, M(F + I + W) + (P - 1)(F + I − W), its exact makespan too."""
-    S = program.num_stages
-    split = program.split_backward
-    back = costs.I if split else costs.B
-    below_f = [0.0] * (S + 1)
-    below_b = [0.0] * (S + 1)
-    for st in range(S):
-        below_f[st + 1] = below_f[st] + costs.F[st]
-        below_b[st + 1] = below_b[st] + back[st]
-    share = M / program.num_replicas
-    bound = 0.0
-    for stages in stage_ranks(program).values():
-        if not stages:
-            continue
-        lowest = min(stages)
-        work = sum(costs.F[x] + (costs.I[x] + costs.W[x] if split else costs.B[x]) for x in stages) * share
-        deferrable = sum(costs.W[x] for x in stages) * share if split else 0.0
-        tail = costs.once_a_step(stages)
-        bound = max(bound, below_f[lowest] + max(work, work - deferrable + below_b[lowest]) + tail)
-    return bound
-
-
 def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> float:
     """Before compiling at full size: the cheap checks, an early out-of-memory test with the
     small program's peaks (peaks only grow with M), and the placement bound."""
     _check_shape(model, layout)
     _check_states(model, cluster, layout)
-    program = _skeleton(layout)
+    program = layout_skeleton(layout)
     if is_searched(layout.schedule):  # its order, and so its peaks, come with the costs: checked in `_prepare`
         layers = _layers(model, layout, program.num_stages)
-        return _placement_bound(program, stage_costs(model, cluster, layout, program.num_stages,
+        return placement_bound(program, stage_costs(model, cluster, layout, program.num_stages,
                                                      program.num_replicas, layers), layout.microbatches)
     layers, costs, _, _ = _costed(model, cluster, layout, program, program.peaks_at(w_share(model, layout)),
                                   "at least ")
     if layers != stage_layers(model, layout, program.num_stages):  # fitted to the small size's peaks: the full
         return 0.0  # size's may take other layers, whose bound this one is not
-    return _placement_bound(program, costs, layout.microbatches)
+    return placement_bound(program, costs, layout.microbatches)
 
 
 def _fits_at_small_size(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> bool:
     """Whether the layout's own split fits at the schedule's small size (the quick bound's check): only a layout
     that does not is fitted (`_costed`), so the quick bound of every other is its split's, which `_prepare` keeps."""
-    program = _skeleton(layout)
+    program = layout_skeleton(layout)
     S = program.num_stages
     layers = _layers(model, layout, S)
     costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
@@ -268,7 +229,7 @@ def _during_step(memory: MemoryReport) -> str:
 def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepared:
     P, M = layout.pp, layout.microbatches
     if is_searched(layout.schedule):  # placed without its order: `_costed` searches it under the costs
-        program, peaks = _skeleton(layout), ()
+        program, peaks = layout_skeleton(layout), ()
     else:
         try:
             program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
@@ -278,7 +239,7 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepare
     layers, costs, memory, per_rank = _costed(model, cluster, layout, program, peaks,
                                               may_fit=lambda: not _fits_at_small_size(model, cluster, layout))
     on_rank = stage_ranks(program)
-    return _Prepared(layout, costs, memory, _placement_bound(program, costs, M), on_rank, per_rank, tuple(layers))
+    return _Prepared(layout, costs, memory, placement_bound(program, costs, M), on_rank, per_rank, tuple(layers))
 
 
 def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]],
@@ -448,22 +409,9 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
     return layers, costs, memory, per_rank
 
 
-def _sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float, float, float] | None:
-    """(the cores this pipeline's ranks share, their efficiency, the busy share of a blocking collective, how many
-    other pipelines share them) where ranks share cores, else None: the node runs ranks / pp identical pipelines
-    side by side (a tp group's ranks each count as one); a pipeline longer than a node gets its share of each."""
-    ranks = cluster.shared_ranks(layout.gpus)
-    if not ranks:
-        return None
-    pipelines = ranks / layout.pp
-    if pipelines <= 1:
-        return cluster.cores_per_node * layout.pp / ranks, cluster.sharing_efficiency, cluster.collective_busy, 0.0
-    return cluster.cores_per_node, cluster.sharing_efficiency, cluster.collective_busy, pipelines - 1
-
-
 def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate:
     layout, costs = prep.layout, prep.costs
-    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, _sharing(cluster, layout))
+    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, sharing(cluster, layout))
     gpus = layout.gpus
     hardware = model.iteration_flops(layout.recompute, layout.fused)
     useful = model.iteration_flops("none")
@@ -480,59 +428,86 @@ def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate
                     prep.layers)
 
 
-def evaluate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate:
-    """Predict one layout (a ZeRO-3 pipeline left on "auto": `resharded_to_fit`); `LayoutError` says why it cannot
-    run."""
-    def attempt(lay: Layout) -> _Prepared:
-        _quick_bound(model, cluster, lay)
-        return _prepare(model, cluster, lay)
-    return _finish(model, cluster, resharded_to_fit(layout, attempt)[1])
+class _Steps(NamedTuple):
+    """One model kind's steps for one layout, as the search takes them: the cheap checks and the placement bound
+    (`quick`), the compiled program's costs and memory (`prepare`), the simulation (`finish`)."""
+
+    quick: Callable[[Layout], float]
+    prepare: Callable[[Layout], Any]
+    finish: Callable[[Any], Any]
 
 
-def resharded_to_fit(layout: Layout, attempt: Callable[[Layout], T]) -> tuple[Layout, T]:
-    """`attempt(layout)`, and the layout it ran.  A ZeRO-3 pipeline left on "auto" runs "step" (each unit gathered
-    once a step: never slower than "unit", which gathers it again for every op); where that is out of memory, the
-    same layout resharding by "unit" (two units whole at a time) is tried, as `pipedsl train --zero-reshard unit`
-    would run it."""
-    try:
-        return layout, attempt(layout)
-    except LayoutError as err:
-        if not (layout.zero == 3 and layout.zero_reshard == "auto" and layout.reshard == "step"
-                and err.message.startswith("out of memory")):
-            raise
-        unit = replace(layout, zero_reshard="unit")
-        return unit, attempt(unit)
+def _steps(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, split: str = "time",
+           result: PlanResult | None = None) -> _Steps:
+    """`model`'s steps: a decoder's (dense or MoE) here; an encoder-decoder's (`encdec_cost`), its units split
+    `split`, the least memory of any candidate kept in `result`."""
+    if isinstance(model, EncDecSpec):
+        return _Steps(lambda lay: encdec_cost.quick_bound(model, cluster, lay, split, result),
+                      lambda lay: encdec_cost.prepare(model, cluster, lay, split),
+                      lambda prep: encdec_cost.finish(model, cluster, prep, split))
+    return _Steps(lambda lay: _quick_bound(model, cluster, lay), lambda lay: _prepare(model, cluster, lay),
+                  lambda prep: _finish(model, cluster, prep))
+
+
+def evaluate(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str = "time") -> Any:
+    """Predict one layout (a ZeRO-3 pipeline left on "auto": `resharded_to_fit`): an `Estimate`, or for an
+    encoder-decoder, its units split `split` ("time", "count", "params"), an `EncDecEstimate`; `LayoutError` says
+    why it cannot run."""
+    steps = _steps(model, cluster, split)
+
+    def attempt(lay: Layout) -> Any:
+        steps.quick(lay)
+        return steps.prepare(lay)
+    return steps.finish(resharded_to_fit(layout, attempt)[1])
 
 
 # ------------------------------------------------------------------ the space
+
+
+# What the runtime runs for a Hugging Face encoder-decoder, where a decoder's space is wider: tp 1 (`parallel/tp_hf.py`
+# splits Llama-layout decoders only), eager attention (T5's relative position bias is added to the stored scores),
+# recomputation none or full (per layer), every built-in schedule; its units are split by `search(split=…)`.
+ENCDEC_SPACE: dict[str, Any] = {"tp": (1,), "tp_modes": ("1d",), "sequence_parallel": (False,),
+                                "attention": ("eager",), "splits": ("even",), "recompute": ENCDEC_RECOMPUTE}
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | None = None,
+def layouts(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, schedules: Iterable[str] | None = None,
             zero: Iterable[int] = (0, 1, 2, 3), microbatch_sizes: Iterable[int] = MICROBATCH_SIZES,
-            recompute: Iterable[str | bool] = RECOMPUTE_MODES, tp: Iterable[int] | None = None,
-            pp: Iterable[int] | None = None, tp_modes: Iterable[str] = ("1d", "3d"),
-            grads: str = "bf16", sequence_parallel: Iterable[bool] = (False, True),
+            recompute: Iterable[str | bool] | None = None, tp: Iterable[int] | None = None,
+            pp: Iterable[int] | None = None, tp_modes: Iterable[str] | None = None,
+            grads: str = "bf16", sequence_parallel: Iterable[bool] | None = None,
             attention: Iterable[str] | None = None, ep: Iterable[int] | None = None,
-            splits: Iterable[str] = ("even", "balanced")) -> list[Layout]:
+            splits: Iterable[str] | None = None) -> list[Layout]:
     """Every candidate with dp · pp · tp = cluster.gpus and dp · M · microbatch = global batch; `grads`: the
     gradients' dtype under bf16 parameters with fp32 main parameters (runtime: --grad-dtype).  Sequence
     parallelism is tried only with 1-D tp > 1; `attention` defaults to the cluster's (`fused_attention`).
     An MoE model also tries each expert-parallel degree (`ep`, default every one) that divides dp and its
     expert count; a dense model runs ep 1.  Pipelines whose layers split evenly over pp also try each other of
     `splits` (cost.py's `stage_layers`: balanced by FLOPs, the head counted).  ZeRO-3 layouts reshard "auto"
-    (`resharded_to_fit` tries "step", then "unit" where that does not fit)."""
-    kernels = list(attention) if attention is not None else ["fused" if cluster.fused_attention else "eager"]
-    # searched schedules (`order auto`, zb-auto) need the stage costs to compile: only when named
-    names = list(schedules) if schedules is not None else [n for n in builtin_names() if not load(n).searched]
+    (`resharded_to_fit` tries "step", then "unit" where that does not fit).  An encoder-decoder's defaults are
+    `ENCDEC_SPACE`'s."""
+    encdec = isinstance(model, EncDecSpec)
+    given = {"recompute": recompute, "tp": tp, "tp_modes": tp_modes, "sequence_parallel": sequence_parallel,
+             "attention": attention, "splits": splits}
+    defaults = ENCDEC_SPACE if encdec else {"recompute": RECOMPUTE_MODES, "tp_modes": ("1d", "3d"),
+                                            "sequence_parallel": (False, True), "splits": ("even", "balanced")}
+    space = {k: v if v is not None else defaults.get(k) for k, v in given.items()}
+    if encdec:
+        _check_encdec_recompute(space["recompute"])
+    kernels = list(space["attention"]) if space["attention"] is not None else \
+        ["fused" if cluster.fused_attention else "eager"]
+    # searched schedules (`order auto`, zb-auto) need the stage costs to compile: a decoder's only when named
+    names = list(schedules) if schedules is not None else builtin_names() if encdec else \
+        [n for n in builtin_names() if not load(n).searched]
     N = cluster.gpus
-    tps = [t for t in _divisors(N) if t <= cluster.gpus_per_node] if tp is None else list(tp)
+    tps = [t for t in _divisors(N) if t <= cluster.gpus_per_node] if space["tp"] is None else list(space["tp"])
     out = []
     for t in tps:
-        for mode in tp_modes:
+        for mode in space["tp_modes"]:
             if mode == "3d" and tp_degree_3d(t) < 2:
                 continue
             for p in (_divisors(N // t) if pp is None else pp):
@@ -541,7 +516,7 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
                 d = N // (t * p)
                 # balanced beside even where the layers split evenly: the space twice as large, not the pp values
                 # only an uneven split allows (each a new program to compile for every schedule)
-                layer_splits = tuple(splits) if p > 1 and model.layers % p == 0 else ("even",)
+                layer_splits = tuple(space["splits"]) if p > 1 and model.layers % p == 0 else ("even",)
                 eps = [e for e in (_divisors(d) if ep is None else ep) if d % e == 0 and model.experts % e == 0] \
                     if model.moe else [1]
                 for b in microbatch_sizes:
@@ -551,13 +526,20 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, schedules: Iterable[str] | N
                     for name in (names if p > 1 else names[:1] if schedules is not None else ["1f1b"]):
                         for params in VARIANTS.get(name, ((),)):
                             for z in (zero if d > 1 else (0,)):
-                                for rc in recompute:
-                                    for sp in (sequence_parallel if t > 1 and mode == "1d" else (False,)):
+                                for rc in space["recompute"]:
+                                    for sp in (space["sequence_parallel"] if t > 1 and mode == "1d" else (False,)):
                                         for kernel in kernels:
                                             out.extend(Layout(d, p, t, name, b, M, z, rc, mode, params, grads,
                                                               sp, kernel, e, split) for e in eps
                                                        for split in layer_splits)
     return out
+
+
+def _check_encdec_recompute(modes: Iterable[str | bool]) -> None:
+    for mode in modes:
+        if mode not in ENCDEC_RECOMPUTE:
+            raise PipeDSLError(f"encoder-decoders are planned with recomputation {' or '.join(ENCDEC_RECOMPUTE)}, "
+                               f"got {mode!r}")
 
 
 TIES = "equal times: less memory first, then fewer GPUs"
@@ -569,15 +551,22 @@ def rank_key(e: Estimate) -> tuple[float, float, int]:
     return (e.iteration, e.memory.total, e.layout.gpus)
 
 
-def search(model: ModelSpec, cluster: ClusterSpec, top: int = 10, candidates: Sequence[Layout] | None = None,
-           **space) -> PlanResult:
-    """Rank the layouts (`candidates`, or `layouts(model, cluster, **space)`); the best `top` exactly."""
+def _rank_key(model: ModelSpec | EncDecSpec) -> Callable[[Any], tuple[float, float, int]]:
+    """`model`'s ranking: `rank_key`, an encoder-decoder's `encdec_cost.rank_key` (times to 9 digits)."""
+    return encdec_cost.rank_key if isinstance(model, EncDecSpec) else rank_key
+
+
+def search(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, top: int = 10,
+           candidates: Sequence[Layout] | None = None, split: str = "time", **space) -> PlanResult:
+    """Rank the layouts of a model of any kind (`candidates`, or `layouts(model, cluster, **space)`); the best `top`
+    exactly.  An encoder-decoder's units are split `split` ("time", "count" or "params", `encdec_cost`)."""
     began = time.perf_counter()
     result = PlanResult(model, cluster)
+    steps, key = _steps(model, cluster, split, result), _rank_key(model)
     bounded: list[tuple[float, int, Layout]] = []
     for i, layout in enumerate(candidates if candidates is not None else layouts(model, cluster, **space)):
         try:
-            layout, bound = resharded_to_fit(layout, lambda lay: _quick_bound(model, cluster, lay))
+            layout, bound = resharded_to_fit(layout, steps.quick)
             bounded.append((bound, i, layout))
         except LayoutError as err:
             result.rejected.append(Rejected(layout, err.message))
@@ -587,15 +576,55 @@ def search(model: ModelSpec, cluster: ClusterSpec, top: int = 10, candidates: Se
             result.pruned = len(bounded) - i
             break
         try:
-            layout, prep = resharded_to_fit(layout, lambda lay: _prepare(model, cluster, lay))
+            layout, prep = resharded_to_fit(layout, steps.prepare)
         except LayoutError as err:
             result.rejected.append(Rejected(layout, err.message))
             continue
         if len(result.ranked) >= top and prep.bound > result.ranked[top - 1].iteration:
             continue  # its own program's busiest rank already loses
-        result.ranked.append(_finish(model, cluster, prep))
+        result.ranked.append(steps.finish(prep))
         result.simulated += 1
-        result.ranked.sort(key=rank_key)
+        result.ranked.sort(key=key)
     result.ranked = result.ranked[:top] if top else result.ranked
     result.seconds = time.perf_counter() - began
     return result
+
+
+# ------------------------------------------------------------------ which ZeRO stage
+
+
+@dataclass(frozen=True)
+class ZeroRow:
+    """One model on one GPU count: the best layout of each ZeRO stage (None: nothing fits) and, per stage, the
+    least memory any of its layouts needs (an encoder-decoder's; a decoder's search does not keep it)."""
+
+    model: ModelSpec | EncDecSpec
+    gpus: int
+    per_zero: dict[int, Any]
+    least_memory: dict[int, float]
+    data_parallel: Any = None  # the best with pp = 1 (pure data parallelism, any ZeRO stage)
+    data_parallel_least: float = float("inf")
+
+    @property
+    def best(self) -> Any:
+        found = [e for e in self.per_zero.values() if e is not None]
+        return min(found, key=_rank_key(self.model)) if found else None
+
+
+def zero_table(specs: Sequence[ModelSpec | EncDecSpec], cluster: ClusterSpec, gpu_counts: Sequence[int],
+               zero: Sequence[int] = (0, 1, 2, 3), **space) -> list[ZeroRow]:
+    """For each model and GPU count, the best layout of each ZeRO stage (ZeRO 1-3 only with dp > 1), and the best
+    pure data-parallel one (pp = 1, the layout ZeRO is usually run with)."""
+    rows = []
+    for spec in specs:
+        for n in gpu_counts:
+            c = cluster.with_gpus(n)
+            per_zero: dict[int, Any] = {}
+            least: dict[int, float] = {}
+            for z in zero:
+                found = search(spec, c, top=1, zero=(z,), **space)
+                per_zero[z] = found.ranked[0] if found.ranked else None
+                least[z] = found.least_memory
+            flat = search(spec, c, top=1, zero=tuple(zero), pp=[1], **space)
+            rows.append(ZeroRow(spec, n, per_zero, least, flat.ranked[0] if flat.ranked else None, flat.least_memory))
+    return rows

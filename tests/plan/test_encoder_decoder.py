@@ -17,10 +17,11 @@ from torch import nn
 from pipedsl.cli import main
 from pipedsl.plan import Layout, cluster_preset, model_states
 from pipedsl.plan.encdec import ENCDEC_MODELS, EncDecSpec
-from pipedsl.plan.encdec_cost import encdec_stage_costs, split_bounds, stage_labels
-from pipedsl.plan.encdec_search import EXTEND_FROM, encdec_evaluate, encdec_search, live_peaks
+from pipedsl.plan.encdec_cost import EXTEND_FROM, encdec_stage_costs, live_peaks, split_bounds, stage_labels
 from pipedsl.plan.partition import balanced_sizes, even_sizes
 from pipedsl.plan.pipeline import _run_exact, program_peaks, run_pipeline
+from pipedsl.plan.search import evaluate as encdec_evaluate
+from pipedsl.plan.search import search as encdec_search
 
 transformers = pytest.importorskip("transformers")
 
@@ -274,7 +275,7 @@ def test_live_activations_weigh_each_stage_by_its_own_bytes():
 def test_unequal_stages_are_extended_from_where_the_simulation_is_periodic(name, gpus, layout):
     """Stages of unequal cost reach their steady state later: extended from 2P (`pipeline.run_pipeline`) these
     were 14 %, 2.2 % and 1.6 % fast and under the placement bound; from 8P they are the full simulation."""
-    from pipedsl.plan.encdec_search import _prepare
+    from pipedsl.plan.encdec_cost import prepare as _prepare
 
     prep = _prepare(ENCDEC_MODELS[name], cluster_preset("a100-80gb").with_gpus(gpus), layout, "time")
     P, M = layout.pp, layout.microbatches
@@ -311,8 +312,8 @@ def test_search_finds_a_layout_that_fits_and_reports_the_balance():
 
 def test_the_docs_table_rows_are_what_the_planner_prints():
     """docs/planner.md's mT5 table (A100) is `pipedsl plan --mt5-table`'s output: one of its rows, recomputed."""
-    from pipedsl.plan.encdec_cli import zero_table_markdown
-    from pipedsl.plan.encdec_search import zero_table
+    from pipedsl.plan.report import zero_table_markdown
+    from pipedsl.plan.search import zero_table
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
     section = doc[doc.index("A100 80 GB (`a100-80gb`):"):doc.index("H100 80 GB (`--cluster h100`):")]

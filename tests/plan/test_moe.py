@@ -342,7 +342,8 @@ def test_a_pipeline_extended_past_its_simulated_sizes_is_its_exact_simulation() 
     Mixtral's MoE stage costs at M = 32: the extension was 1.6 % short, so `--top 1` pruned the layout `--top 5`
     ranked first) the planner simulates M itself."""
     from pipedsl.plan.pipeline import run_pipeline
-    from pipedsl.plan.search import _prepare, _sharing
+    from pipedsl.plan.pipeline import sharing as _sharing
+    from pipedsl.plan.search import _prepare
 
     m, c = model_preset("mixtral-8x7b"), dataclasses.replace(cluster_preset("a100-80gb"), gpus=64)
     for lay in (Layout(16, 4, 1, "zb-v", 1, 32, zero=2, recompute="selective", ep=8),

@@ -229,7 +229,7 @@ def test_the_placement_bound_never_exceeds_the_simulated_pipeline(schedule):
     backward chain below a rank, though they may run beside it: ZB-H1's bound was above its makespan."""
     from pipedsl.errors import PipeDSLError
     from pipedsl.plan.cost import StageCosts
-    from pipedsl.plan.search import _placement_bound
+    from pipedsl.plan.pipeline import placement_bound as _placement_bound
     from pipedsl.simulate import Cost, simulate
 
     checked = 0

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.models.gpt.model import GPT, GPTConfig
-from pipedsl.plan.cli import train_split
 from pipedsl.plan.cluster import cluster_preset
 from pipedsl.plan.config import Layout
 from pipedsl.plan.cost import piece_params, stage_costs, stage_layers
 from pipedsl.plan.model import ModelSpec, model_preset
 from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
+from pipedsl.plan.report import train_split
 from pipedsl.plan.search import LayoutError, evaluate, search
 
 BIG_VOCAB = ModelSpec("big-vocab", layers=16, hidden=1024, heads=16, seq=1024, vocab=256_000, global_batch=64)
