@@ -376,7 +376,7 @@ def quick_bound(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: s
     """The cheap checks on the schedule's small program (peaks only grow with M), and the placement bound; the fullest
     rank's memory lowers `result.least_memory` where given."""
     if layout.tp != 1:
-        raise LayoutError("runtime: encoder-decoder stages are not tensor-parallel (parallel/tp_hf.py splits "
+        raise LayoutError("runtime: encoder-decoder stages are not tensor-parallel (models/hf/parallelize.py splits "
                           "Llama-layout decoders only)")
     if layout.dp * layout.microbatches * layout.microbatch != spec.global_batch:
         raise LayoutError(f"batch: dp {layout.dp} × M {layout.microbatches} × microbatch {layout.microbatch} "

@@ -1,9 +1,9 @@
 """Transformer models as the planner sees them: sizes, parameters, FLOPs and activation bytes.
 
 Two layouts, because the runtime runs two kinds of decoder (and their tensor parallelism differs):
-- "gpt": Megatron's GPT, pipedsl's built-in GPT (`models/gpt/model.py`, `models/gpt/tp.py`): 4h GeLU
+- "gpt": Megatron's GPT, pipedsl's built-in GPT (`models/gpt/model.py`, `models/gpt/parallelize.py`): 4h GeLU
   MLP, LayerNorms, biases, learned positions, the output layer tied to the word embedding;
-- "hf": a Hugging Face decoder in the Llama layout (`parallel/tp_hf.py`): SwiGLU MLP (`ffn`),
+- "hf": a Hugging Face decoder in the Llama layout (`models/hf/parallelize.py`): SwiGLU MLP (`ffn`),
   grouped-query attention (`kv_heads`), RMSNorm, rotary positions, no biases, an untied head.
 
 Formulas:

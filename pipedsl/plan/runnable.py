@@ -6,10 +6,10 @@ rejected with a reason beginning "runtime:" (listed by `pipedsl plan --rejected 
 rules every layout meets (batch split, tp divides the sizes, layers split over stages) are in
 `search._check_shape`.
 
-Hugging Face decoders (`ModelSpec.layout == "hf"`, `parallel/tp_hf.py` `check_stages` and its docstring):
+Hugging Face decoders (`ModelSpec.layout == "hf"`, `models/hf/parallelize.py` `check_stages` and its docstring):
 - 1-D tensor parallelism only (no 3-D);
 - heads, key/value heads, vocabulary and intermediate size divisible by tp;
-- sequence parallelism needs the sequence divisible by tp (`tp_hf.py`'s stage pre-hook).
+- sequence parallelism needs the sequence divisible by tp (`parallel/tp_hf.py`'s `sequence_divides` pre-hook).
 ZeRO 1-3 and bf16 parameters over fp32 main parameters take the DTensor shards (`tp_hf.py`,
 `parallel/zero.py`): no rule.
 
@@ -64,14 +64,16 @@ def check_runnable(model: ModelSpec, layout: Layout) -> None:
         raise NotRunnableError(f"runtime: {why} (parallel/moe_tp.py)")
     if layout.sequence_parallel and t > 1:
         if layout.tp_mode != "1d":
-            raise NotRunnableError("runtime: sequence parallelism needs 1-D tensor parallelism (models/gpt/tp.py)")
+            raise NotRunnableError("runtime: sequence parallelism needs 1-D tensor parallelism "
+                                   "(models/gpt/parallelize.py)")
         if model.seq % t:
             raise NotRunnableError(f"runtime: sequence parallelism needs the sequence {model.seq} divisible by tp {t} "
                               f"({'parallel/tp_hf.py' if model.hf else 'parallel/tp1d.py'})")
     if not model.hf or t == 1:
         return
     if layout.tp_mode != "1d":
-        raise NotRunnableError("runtime: Hugging Face stages support 1-D tensor parallelism only (parallel/tp_hf.py)")
+        raise NotRunnableError("runtime: Hugging Face stages support 1-D tensor parallelism only "
+                               "(models/hf/parallelize.py)")
     for what, n in (("heads", model.heads), ("kv heads", model.kv_heads or model.heads), ("vocab", model.vocab),
                     ("ffn", model.ffn_size)):
         if n % t:

@@ -96,7 +96,7 @@ def test_plan_modes_and_runtime_rejections(capsys):
     assert code == 0 and "(hf layout)" in out
     rows = [line for line in out.splitlines() if line.startswith("│ ") and "dp" in line]
     assert rows and all(" selective" in r and " flash" not in r and ("+sp" in r or " tp1 " in r) for r in rows)
-    assert "runtime: Hugging Face stages support 1-D tensor parallelism only (parallel/tp_hf.py)" in out
+    assert "runtime: Hugging Face stages support 1-D tensor parallelism only (models/hf/parallelize.py)" in out
 
 
 def test_plan_rejects_an_unknown_recompute_mode(run_cli):
