@@ -74,7 +74,8 @@ from pipedsl.parallel.moe_tp import routes_every_token
 
 LAYER_NAMES = ("layers", "h")  # the decoder layers: model.model.layers (Llama and most), transformer.h (GPT-2)
 NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")  # the final norm before the head (last: GPT-NeoX)
-DROPOUT_NAMES = ("drop", "emb_dropout")  # a dropout module on the embedding's output (GPT-2, GPT-NeoX)
+# a dropout module on the embedding's output (GPT-2, GPT-NeoX, Phi)
+DROPOUT_NAMES = ("drop", "emb_dropout", "embed_dropout")
 # … or a bare probability the model's forward applies with F.dropout instead of a module (StarCoder2)
 DROPOUT_PROBABILITIES = ("embedding_dropout",)
 # arguments a decoder layer may require that the model's forward sets to None when the config turns them off

@@ -158,6 +158,43 @@ def test_a_loss_term_the_stages_miss_is_refused_though_every_logit_is_right(monk
     assert causal_lm_stages(model, 2)[-1].router.coef == 0.5
 
 
+def _phi(embd_pdrop: float) -> torch.nn.Module:
+    """Phi (v1): its embedding dropout is a module named `embed_dropout`, applied to the embedding's output."""
+    import transformers as tf
+
+    config = tf.PhiConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=4, max_position_embeddings=64, embd_pdrop=embd_pdrop, resid_pdrop=0.1,
+                          bos_token_id=None, eos_token_id=None)
+    return tf.PhiForCausalLM(config)
+
+
+def test_a_dropout_the_stages_leave_out_is_refused_though_every_logit_is_right(monkeypatch):
+    """The check runs in training mode too when the model draws dropout: the stages from the model's seed draw the
+    model's masks.  Phi's embedding dropout (a module name the splitter once did not know) and StarCoder2's (a bare
+    probability) left out give the model's logits in eval mode, and each model is refused by name instead of
+    training without it; known, both are accepted and the stage chain reproduces the model's training forward."""
+    from pipedsl.models.hf import stages as hf_stages
+
+    starcoder2 = tiny_model("starcoder2", layers=2, dropout=0.2)
+    for model, attribute, unknown in ((_phi(0.3), "DROPOUT_NAMES", ("drop", "emb_dropout")),
+                                      (starcoder2, "DROPOUT_PROBABILITIES", ())):
+        monkeypatch.setattr(hf_stages, attribute, unknown)
+        with pytest.raises(PipeRuntimeError, match=rf"{type(model).__name__} cut into 2 stages gives the model's "
+                                                   r"logits without dropout but \S+ \(relative\) away with it"):
+            causal_lm_stages(model, 2)
+        monkeypatch.undo()
+        stages = causal_lm_stages(model, 2)
+        model.train()
+        ids = torch.randint(VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(3)
+        want = model(ids, use_cache=False).logits
+        torch.manual_seed(3)
+        got = stages[1](stages[0](ids))
+        torch.manual_seed(4)
+        assert (model(ids, use_cache=False).logits - want).abs().max() > 1e-3  # dropout draws: another seed differs
+        assert torch.allclose(got, want, rtol=0, atol=1e-5), type(model).__name__
+
+
 def test_the_check_runs_an_moe_layer_where_the_first_layers_are_dense(monkeypatch):
     """A Qwen2-MoE whose first two layers are dense (as DeepSeek's first_k_dense_replace makes them): the check's
     shallow copy keeps layers up to the first MoE one, so a router loss the stages miss is refused — a copy of
