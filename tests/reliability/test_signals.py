@@ -118,6 +118,14 @@ def _start_time(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]  # a zombie has exited
 
 
+def importing_torch(pid: int) -> bool:
+    """Whether the process has loaded torch's C++ library: its `import torch` is under way (it takes seconds more)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def alive(pids: dict[int, str]) -> list[int]:
     return [pid for pid, started in pids.items() if _start_time(pid) == started]
 
@@ -248,8 +256,7 @@ def test_ctrl_c_while_the_ranks_start_is_no_traceback(tmp_path) -> None:
     any rank exists: the server starts with the stop signals blocked, so nothing prints a KeyboardInterrupt
     traceback, and the launcher stops whatever it started."""
     proc = spawn(tmp_path, [sys.executable, str(HERE / "signal_script.py"), str(tmp_path)])
-    wait_until(proc, lambda: workers(proc.pid), "starting its fork server")
-    time.sleep(0.5)  # into the server's `import torch` (seconds), past Python's own start-up
+    wait_until(proc, lambda: any(importing_torch(pid) for pid in workers(proc.pid)), "importing torch in its server")
     pids = workers(proc.pid)
     assert not ranks(proc.pid) and not any((tmp_path / f"pid-{r}").exists() for r in (0, 1)), \
         "the ranks started too fast to test this"
