@@ -39,7 +39,7 @@ import math
 import tomllib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import Field, dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipedsl.arguments import (
     NO_DECAY_KINDS,
@@ -52,6 +52,10 @@ from pipedsl.arguments import (
 )
 from pipedsl.errors import PipeDSLError
 from pipedsl.models.hf import StageCut
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only (it imports numpy and the data layer)
+    from pipedsl.models.hf.io import ExportMetadata
+    from pipedsl.trainer.seq2seq_data import Seq2SeqObjective
 
 GPT_HEADS = 4  # the built-in GPT's attention heads and synthetic vocabulary: fixed, so not options
 GPT_VOCAB = 64
@@ -610,10 +614,10 @@ class HFModelConfig:
     cache: str  # the token cache of --data
     eval_cache: str | None  # the token cache of --eval-data
     eval_at_end: bool  # there is a held-out batch to evaluate after the last step
-    export: dict[str, Any]  # hf_io.export_metadata: saved in every checkpoint as a plain dict
+    export: ExportMetadata  # what `pipedsl export` needs: saved in every checkpoint (as a plain dict)
     describe: str  # one line on the model, for the launcher's banner
     data_describe: str  # one line on the data
-    seq2seq: dict[str, Any] | None = None  # an encoder-decoder's objective and target caches (seq2seq_data.samples)
+    seq2seq: Seq2SeqObjective | None = None  # an encoder-decoder's objective and target caches
     router_loss: bool = False  # an MoE decoder adds its router's auxiliary loss per microbatch (RouterLoss)
     experts_seen: bool = False  # its experts are modules parallel/expert.py can shard and count (is_experts)
 

@@ -187,18 +187,18 @@ def _seq2seq_config(cfg: TrainConfig, program: Any, out: Path, md: Any) -> HFMod
                      for f in fields)
 
     if d.source_field:
-        objective = {"kind": "pairs", "target_seq": target_seq, "pad_id": int(pad), "start_id": int(start)}
-    else:
-        objective = {"kind": "spans", "sentinels": seq2seq_data.sentinel_ids(tokenizer, str(md.path)),
-                     "pad_id": int(pad), "start_id": int(start), "noise_density": d.noise_density,
-                     "mean_noise_span": d.mean_noise_span, "seed": cfg.model.seed}
+        objective = seq2seq_data.Seq2SeqObjective("pairs", int(pad), int(start), target_seq=target_seq)
+    else:  # (its sentinels checked before any tokenizing)
+        objective = seq2seq_data.Seq2SeqObjective(
+            "spans", int(pad), int(start), sentinels=tuple(seq2seq_data.sentinel_ids(tokenizer, str(md.path))),
+            noise_density=d.noise_density, mean_noise_span=d.mean_noise_span, seed=cfg.model.seed)
     train_caches = caches(d.data)
-    objective["target_cache"] = train_caches[1]
+    objective = replace(objective, target_cache=train_caches[1])
     samples = seq2seq_data.samples(objective, train_caches[0], d.seq)
     train, heldout = samples.split(d.heldout_fraction)
     eval_caches = caches(d.eval_data) if d.eval_data else None
     if eval_caches:
-        objective["eval_target_cache"] = eval_caches[1]
+        objective = replace(objective, eval_target_cache=eval_caches[1])
         heldout = seq2seq_data.samples(objective, eval_caches[0], d.seq, held_out=True)
     data.BatchLoader(train, batch, dp_size=cfg.parallel.dp)
     eval_at_end, notes = _held_out_fits(cfg, train, heldout, own_set=bool(eval_caches))

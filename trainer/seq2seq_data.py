@@ -26,6 +26,7 @@ replaced by the pad id (transformers' `shift_tokens_right`).
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -234,14 +235,30 @@ def sentinel_ids(tokenizer: object, where: str) -> list[int]:
     return out
 
 
-def samples(objective: dict, cache_path: str, seq_len: int, *, held_out: bool = False) -> _Samples:
+@dataclass(frozen=True)
+class Seq2SeqObjective:
+    """What an encoder-decoder trains on, as the launcher chose it (trainer/hf_setup.py) so that no rank looks
+    again: (source, target) `pairs` with their target caches, or T5's span corruption (`spans`) of text."""
+
+    kind: str  # "pairs" or "spans"
+    pad_id: int
+    start_id: int  # the decoder's start token
+    target_seq: int = 0  # pairs: the target's length
+    target_cache: str | None = None  # pairs: the targets of --data, and of --eval-data
+    eval_target_cache: str | None = None
+    sentinels: tuple[int, ...] = ()  # spans: <extra_id_k> token ids
+    noise_density: float = 0.0
+    mean_noise_span: float = 0.0
+    seed: int = 0
+
+
+def samples(objective: Seq2SeqObjective, cache_path: str, seq_len: int, *, held_out: bool = False) -> _Samples:
     """The samples the launcher chose (`objective`, trainer/hf_setup.py) over the token cache at `cache_path`;
     `held_out`: of --eval-data (its own target cache)."""
     cache = TokenCache.open(cache_path)
-    if objective["kind"] == "pairs":
-        target = TokenCache.open(objective["eval_target_cache" if held_out else "target_cache"])
-        return Seq2SeqPairs(cache, target, seq_len, objective["target_seq"], pad_id=objective["pad_id"],
-                            start_id=objective["start_id"])
-    return SpanCorruption(cache, seq_len, sentinels=objective["sentinels"], pad_id=objective["pad_id"],
-                          start_id=objective["start_id"], noise_density=objective["noise_density"],
-                          mean_noise_span=objective["mean_noise_span"], seed=objective["seed"])
+    o = objective
+    if o.kind == "pairs":
+        target = TokenCache.open(o.eval_target_cache if held_out else o.target_cache)
+        return Seq2SeqPairs(cache, target, seq_len, o.target_seq, pad_id=o.pad_id, start_id=o.start_id)
+    return SpanCorruption(cache, seq_len, sentinels=list(o.sentinels), pad_id=o.pad_id, start_id=o.start_id,
+                          noise_density=o.noise_density, mean_noise_span=o.mean_noise_span, seed=o.seed)

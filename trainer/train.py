@@ -156,7 +156,7 @@ class HFSource:
             self.heldout = held
         self.samples_per_step = cfg.training.batch
         self.tokens_per_step = cfg.training.batch * (d.seq + getattr(samples, "target_len", 0))
-        self.meta = hfc.export  # every checkpoint carries it (a plain dict) for `pipedsl export`
+        self.meta = hfc.export.to_dict()  # every checkpoint carries it (plain values) for `pipedsl export`
         self.loader: Any = None
 
     def _tensor_parallel(self, mesh: Any, held: set[int]) -> None:
@@ -235,7 +235,7 @@ def model_record(cfg: TrainConfig) -> dict[str, Any]:
     """The model's configuration as every checkpoint of the run records it: an HF model's config.json fields, the
     GPT's `GPTConfig`; a resume under another is refused naming the fields (`checkpoint.model_differences`)."""
     if cfg.hf is not None:
-        return dict(cfg.hf.export["config"])
+        return dict(cfg.hf.export.config)
     return asdict(gpt_config(cfg))
 
 
@@ -491,7 +491,7 @@ def _with_points(cfg: TrainConfig, points: list[int]) -> TrainConfig:
     if cfg.hf is None:
         return cfg
     cut = replace(cfg.hf.split, points=tuple(points))
-    return replace(cfg, hf=replace(cfg.hf, split=cut, export={**cfg.hf.export, "split": cut.keywords()}))
+    return replace(cfg, hf=replace(cfg.hf, split=cut, export=replace(cfg.hf.export, split=cut.keywords())))
 
 
 def _logger(cfg: TrainConfig, start: int) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -377,12 +377,32 @@ def tokenizer_files(model_dir: str | os.PathLike) -> dict[str, bytes]:
     return out
 
 
+@dataclass(frozen=True)
+class ExportMetadata:
+    """What `export_hf` needs, stored in every checkpoint (`extra["hf"]` of rank 0) as `to_dict()`'s plain values,
+    which torch.load(weights_only=True) reads back: so the cut is its keywords (`StageCut.keywords`)."""
+
+    config: dict[str, Any]  # the model's config.json, as a dict
+    num_stages: int
+    split: dict[str, Any]  # StageCut.keywords()
+    tokenizer: dict[str, bytes]  # the tokenizer's files, by name
+    source: str  # the model directory it was read from
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> ExportMetadata:
+        """The metadata of a checkpoint (older ones may lack the tokenizer)."""
+        return cls(dict(saved["config"]), int(saved["num_stages"]), dict(saved["split"]),
+                   dict(saved.get("tokenizer", {})), str(saved.get("source", "")))
+
+
 def export_metadata(model_dir: ModelDir, num_stages: int, split: StageCut,
-                    tokenizer: dict[str, bytes]) -> dict[str, Any]:
-    """What `export_hf` needs, stored in every checkpoint (`extra["hf"]` of rank 0): plain values, which
-    torch.load(weights_only=True) reads back, so the cut as its keywords (`StageCut.keywords`)."""
-    return {"config": model_dir.config.to_dict(), "num_stages": num_stages, "split": split.keywords(),
-            "tokenizer": dict(tokenizer), "source": str(model_dir.path)}
+                    tokenizer: dict[str, bytes]) -> ExportMetadata:
+    """The export's metadata of a model directory cut into `num_stages` at `split`."""
+    return ExportMetadata(model_dir.config.to_dict(), num_stages, split.keywords(), dict(tokenizer),
+                          str(model_dir.path))
 
 
 def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32") -> tuple[Path, int]:
@@ -393,15 +413,16 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     tf = require_transformers()
     tf.utils.logging.disable_progress_bar()
     saved = checkpoint.read_model(source)
-    meta = saved.extra.get("hf") if isinstance(saved.extra, dict) else None
-    if meta is None:
+    saved_meta = saved.extra.get("hf") if isinstance(saved.extra, dict) else None
+    if saved_meta is None:
         raise ModelDirError(f"{saved.info.path}: not a checkpoint of a Hugging Face model (written by "
                             f"`pipedsl train --model DIR`); nothing says which model its tensors belong to")
-    config_dict = dict(meta["config"])
+    meta = ExportMetadata.from_dict(saved_meta)
+    config_dict = dict(meta.config)
     config = tf.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     with torch.device("meta"):
         model = auto_class(config).from_config(config, dtype=torch.float32)
-    stages = model_stages(model, meta["num_stages"], StageCut.from_keywords(meta["split"]), check=False)
+    stages = model_stages(model, meta.num_stages, StageCut.from_keywords(meta.split), check=False)
     hf_names: dict[int, list[str]] = {}  # a tied tensor has two names (embedding and head)
     for n, t in model.state_dict(keep_vars=True).items():
         hf_names.setdefault(id(t), []).append(n)
@@ -421,7 +442,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}")  # beside it: the move is a rename
     try:
         model.save_pretrained(staging, safe_serialization=True)
-        for name, content in meta.get("tokenizer", {}).items():
+        for name, content in meta.tokenizer.items():
             (staging / name).write_bytes(content)
         target.mkdir(exist_ok=True)
         for f in sorted(staging.iterdir()):
