@@ -4,9 +4,7 @@ The blocks are parallel/'s (`ParallelBlock`, `Block3D`); what is the GPT's own i
 table + learned positions) and head (ln_f + lm_head) in 1-D and 3-D, and its MoE block under 1-D tp, whose
 experts stay whole on every tp rank and run on that rank's share of the tokens (parallel/moe_tp.py).
 
-Dropout must be 0: tensor-parallel dropout needs an RNG state per tp rank, which these
-layers do not track (with sequence parallelism every shard needs its own stream, Megatron's
-RNG tracker).
+Dropout must be 0 (models/gpt/parallelize.py says why).
 """
 
 from __future__ import annotations
