@@ -21,7 +21,7 @@ demo: setup
 test: setup
 	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q --durations=40
 
-# the everyday tier: the tests not marked slow (about 3.5 minutes here; `make test` runs all, about 17)
+# the everyday tier: the tests not marked slow (about 4 minutes here; `make test` runs all, about 15)
 test-quick: setup
 	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -m "not slow"
 
