@@ -50,16 +50,7 @@ from pipedsl.errors import PipeDSLError
 from pipedsl.ir import Op, Program
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout, LayoutError
-from pipedsl.plan.cost import (
-    StageCosts,
-    Zero3Exposed,
-    all_reduce,
-    gradient_sync,
-    optimizer_step,
-    param_gather,
-    unit_pair,
-    zero3_exposed,
-)
+from pipedsl.plan.cost import StageCosts, StageWork, UnitWork, pipeline_link, price_stages
 from pipedsl.plan.encdec import ID_BYTES, EncDecSpec, Unit
 from pipedsl.plan.memory import PARAM_BYTES, ModelStates, model_states, state_bytes
 from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
@@ -160,74 +151,53 @@ def boundary_bytes(spec: EncDecSpec, cut: int, b: int) -> float:
 
 def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, bounds: Sequence[int],
                        replicas: int = 1) -> EncDecStages:
-    """Costs of each program stage holding units `bounds[s]:bounds[s+1]` for `layout` (tp = 1) on `cluster`."""
+    """Costs of each program stage holding units `bounds[s]:bounds[s+1]` for `layout` (tp = 1) on `cluster`: its
+    units summed one by one (`StageWork`), priced by the cost function of every model kind (`cost.price_stages`)."""
     units = spec.units()
-    b, mode, dp = layout.microbatch, layout.recompute, layout.dp
-    rate = cluster.peak_flops * cluster.gemm_efficiency
-    stream = cluster.activation_passes / cluster.hbm_bandwidth
-    pp_bw, pp_lat = (cluster.inter_bandwidth, cluster.inter_latency) if layout.gpus > cluster.gpus_per_node else \
-        (cluster.intra_bandwidth, cluster.intra_latency)
+    b, mode = layout.microbatch, layout.recompute
+    pp_bw, pp_lat = pipeline_link(cluster, layout)
     cuts = list(bounds[1:-1])
     message_bytes = max((boundary_bytes(spec, c, b) for c in cuts), default=0.0)
-    message = pp_lat + message_bytes / pp_bw if cuts else 0.0
-    grad_bytes = state_bytes("bf16", layout.grads).grad
-    op = cluster.op_overhead
     # the tied embedding: the stages holding the encoder input and the decoder input, if they differ
     holders = [s for s in range(len(bounds) - 1) for u in units[bounds[s]:bounds[s + 1]] if u.embedding]
     tied = len(set(holders)) > 1
-
-    F, B, I, W, reduce, after, step, psi, zg, waits, once = ([] for _ in range(11))
-    activation, working, largest = [], [], []
+    works, activation, working = [], [], []
     for st in range(len(bounds) - 1):
         mine = units[bounds[st]:bounds[st + 1]]
-        fwd_each, again_each, gemm_each, mem_each = [], [], [], []
-        for u in mine:
-            fwd, _ = unit_seconds(u, cluster, b, mode)
-            fwd_each.append(fwd)
-            again_each.append(fwd if mode == "full" and u.layer else 0.0)
-            gemm_each.append(b * (u.flops - u.core) / rate)
-            mem_each.append(b * u.stored * stream + (cluster.layer_overhead / 3 if u.layer else 0.0))
-        decoder = any(u.decoder_layer for u in mine)
-        enc_out = b * spec.encoder_output_bytes if decoder else 0.0
-        enc_out_time = enc_out * stream  # the cross-attention reads it: streamed like a stored tensor
-        fwd = sum(fwd_each) + enc_out_time
-        again = sum(again_each)
-        core = sum(b * u.core for u in mine) / rate
-        gemm = sum(gemm_each)
-        mem = sum(mem_each) + enc_out_time
-        params = sum(u.params for u in mine)
-        z = Zero3Exposed()
-        if layout.zero >= 3:
-            z = zero3_exposed([param_gather(cluster, layout, u.params) for u in mine], fwd_each,
-                              [2 * f + a for f, a in zip(fwd_each, again_each)],
-                              [f + a for f, a in zip(fwd_each, again_each)], layout.reshard)
-        F.append(fwd + z.F + op)
-        B.append(2 * fwd + again + z.B + op)
-        I.append(gemm + 2 * core + mem + again + z.I + op)
-        W.append(gemm + mem + z.W + op)
-        tie = 0.0
-        if tied and st in holders:
-            tie_bytes = grad_bytes * spec.embedding_params
-            tie = all_reduce(tie_bytes, 2 * dp, *cluster.link(layout.gpus)) if layout.zero == 0 else \
-                all_reduce(tie_bytes / dp, 2, pp_bw, pp_lat)
-        synced, gathered = gradient_sync(cluster, layout, params, replicas=replicas)
-        reduce.append(synced)
-        after.append(tie + gathered)
-        step.append(optimizer_step(cluster, layout, params))
-        psi.append(float(params))
-        zg.append(z.F + z.B)
-        once.append(z.once)
-        waits.append({"F": z.F, "B": z.B, "I": z.I, "W": z.W})
+        works.append(_encdec_stage_work(spec, cluster, layout, mine, spec.embedding_params if tied and st in holders
+                                        else 0))
+        enc_out = b * spec.encoder_output_bytes if any(u.decoder_layer for u in mine) else 0.0
         kept = [b * (u.kept if mode == "full" else u.stored) for u in mine]
         activation.append(sum(kept) + enc_out)
         working.append(max((b * u.stored - k for u, k in zip(mine, kept) if u.layer), default=0.0)
                        if mode == "full" else 0.0)
-        largest.append(float(unit_pair([u.params for u in mine])))
-    n = len(F)
-    costs = StageCosts(tuple(F), tuple(B), tuple(I), tuple(W), message, tuple(reduce), tuple(after), tuple(step),
-                       tuple(psi), (0.0,) * n, tuple(zg), tuple(waits), step_gather=tuple(once),
-                       unit_pairs=tuple(largest))
-    return EncDecStages(tuple(bounds), costs, tuple(activation), tuple(working), tuple(largest), message_bytes)
+    costs = price_stages(cluster, layout, works, pp_lat + message_bytes / pp_bw if cuts else 0.0, replicas)
+    return EncDecStages(tuple(bounds), costs, tuple(activation), tuple(working), costs.unit_pairs, message_bytes)
+
+
+def _encdec_stage_work(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, mine: Sequence[Unit],
+                       tied: int) -> StageWork:
+    """A stage's units summed one by one at tp = 1; a stage of decoder layers also streams the encoder output their
+    cross-attention reads."""
+    b, mode = layout.microbatch, layout.recompute
+    rate = cluster.peak_flops * cluster.gemm_efficiency
+    stream = cluster.activation_passes / cluster.hbm_bandwidth
+    fwd_each, again_each, gemm_each, mem_each = [], [], [], []
+    for u in mine:
+        fwd, _ = unit_seconds(u, cluster, b, mode)
+        fwd_each.append(fwd)
+        again_each.append(fwd if mode == "full" and u.layer else 0.0)
+        gemm_each.append(b * (u.flops - u.core) / rate)
+        mem_each.append(b * u.stored * stream + (cluster.layer_overhead / 3 if u.layer else 0.0))
+    decoder = any(u.decoder_layer for u in mine)
+    enc_out_time = (b * spec.encoder_output_bytes if decoder else 0.0) * stream  # read like a stored tensor
+    fwd = sum(fwd_each) + enc_out_time
+    core = sum(b * u.core for u in mine) / rate
+    gemm = sum(gemm_each)
+    mem = sum(mem_each) + enc_out_time
+    units = tuple(UnitWork(float(u.params), 0.0, f, 2 * f + a, f + a) for u, f, a in zip(mine, fwd_each, again_each))
+    return StageWork(fwd, 0.0, gemm + 2 * core + mem, gemm + mem, recompute=sum(again_each),
+                     params=float(sum(u.params for u in mine)), units=units, tied=tied)
 
 
 # ------------------------------------------------------------------ memory
