@@ -36,6 +36,28 @@ Times are seconds per microbatch.  Communication follows what the runtime does:
   backward recomputes QKᵀ (half the attention core); a recomputed block or module runs again in B and I.
 Ring collectives over N ranks: all-reduce 2(N-1)/N·bytes/bw + 2(N-1)·latency, all-gather and
 reduce-scatter half of that (Patarasuk & Yuan; NCCL's ring model).
+
+Every model kind's stages are priced by one function, `price_stages`, from each stage's units summed
+(`StageWork`): a decoder sums its blocks by kind (every block of a kind costs the same), an
+encoder-decoder its units one by one, each in the order its numbers were always summed in.
+
+An encoder-decoder (`EncDecSpec.units`: [encoder input, encoder layers…, decoder input, decoder
+layers…, head], as `models/hf/seq2seq.py`'s `seq2seq_stages(model, n, by=…, points=…)` spreads
+them) runs at tp = 1; a split is the `points` where stages 1 … n−1 begin (`split_bounds`):
+- "count": the runtime's default `by="count"` (⌈U/n⌉ units on the first U mod n stages);
+- "params": the runtime's `by="params"`, the same exact DP as `models/split.py` on unit parameters;
+- "time" (the planner's): the same DP on each unit's forward + backward seconds, minimising the
+  slowest stage, which sets the pipeline's pace, then among the splits that reach it the most even
+  (`even_sizes`); pass its points to `seq2seq_stages(points=…)`.
+A unit's forward is its GEMM FLOPs at peak × efficiency and the memory-bound kernels streaming the
+bytes it stores, backward 2× forward, full recomputation one more forward of each layer; split
+backward I = forward with the attention core doubled, W = the GEMMs (the memory-bound part in each);
+a stage of decoder layers streams the encoder output their cross-attention reads.  The simulator
+prices every message alike, so a layout's message is its largest boundary's
+(`EncDecSpec.boundary_bytes`).  The shared embedding is a weight tied between the stage holding the
+encoder input and the one holding the decoder input (`runtime/ties.py`): each copy has its own
+optimizer state, and the copies' gradients are summed at the step end (`tie_sync`), after the
+data-parallel reduction.
 """
 
 from __future__ import annotations
@@ -45,12 +67,14 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
+from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
+from pipedsl.plan.encdec import EncDecSpec, Unit
 from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES, state_bytes
 from pipedsl.plan.model import BYTES_FP16, ModelSpec
-from pipedsl.plan.partition import even_sizes
+from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
 from pipedsl.simulate import Cost
 
 # Adam's step per parameter: fp32 weight, momentum, variance read and written, the fp16 gradient read, the
@@ -635,3 +659,105 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
     works = [_decoder_stage_work(terms, kinds, sum(layers[:st]), layers[st], st == 0, st == stages - 1)
              for st in range(stages)]
     return price_stages(cluster, layout, works, _pipeline_message(terms), replicas)
+
+
+# ------------------------------------------------------------------ encoder-decoders: units at tp = 1
+
+
+SPLITS = ("time", "count", "params")
+
+
+def unit_seconds(unit: Unit, cluster: ClusterSpec, samples: float = 1, recompute: str = "none") -> tuple[float, float]:
+    """(forward, forward + backward) seconds of one unit on `samples` samples at tp = 1."""
+    rate = cluster.peak_flops * cluster.gemm_efficiency
+    stream = cluster.activation_passes / cluster.hbm_bandwidth
+    fixed = cluster.layer_overhead / 3 if unit.layer else 0.0
+    fwd = samples * (unit.flops / rate + unit.stored * stream) + fixed
+    return fwd, (4 if recompute == "full" and unit.layer else 3) * fwd
+
+
+def split_bounds(spec: EncDecSpec, cluster: ClusterSpec, stages: int, how: str = "time",
+                 recompute: str = "none") -> tuple[int, ...]:
+    """Unit bounds (0, first unit of stage 1, …, U) of `stages` program stages split `how` (see the module)."""
+    return _split_bounds(spec, cluster, stages, how, recompute)
+
+
+@lru_cache(maxsize=4096)
+def _split_bounds(spec: EncDecSpec, cluster: ClusterSpec, stages: int, how: str, recompute: str) -> tuple[int, ...]:
+    units = spec.units()
+    U = len(units)
+    if not 1 <= stages <= U:
+        raise PipeDSLError(f"cannot split {U} units ({spec.encoder_layers} encoder and {spec.decoder_layers} decoder "
+                           f"layers, 2 inputs, a head) into {stages} stages")
+    if how == "count":
+        return bounds_of([U // stages + (1 if i < U % stages else 0) for i in range(stages)])
+    if how == "params":  # as the runtime counts a unit's module: the encoder's final norm (d) is in none of them
+        d = spec.d_model
+        return bounds_of(balanced_sizes([u.params - (d if u.kind == "decoder input" else 0) for u in units], stages))
+    if how == "time":  # seconds are linear in the samples: one split for every microbatch size
+        return bounds_of(even_sizes([unit_seconds(u, cluster, 1, recompute)[1] for u in units], stages))
+    raise PipeDSLError(f"split is one of {', '.join(SPLITS)}, got {how!r}")
+
+
+@dataclass(frozen=True)
+class EncDecStages:
+    """A layout's program stages: unit bounds, per-stage costs (`StageCosts`, for the simulator and the
+    bound), and what memory needs per stage."""
+
+    bounds: tuple[int, ...]
+    costs: StageCosts
+    activation: tuple[float, ...]  # bytes a stage keeps per live microbatch
+    working: tuple[float, ...]  # bytes of one recomputed layer's whole activations (0 without recomputation)
+    largest_units: tuple[float, ...]  # parameters of a stage's largest two consecutive units (ZeRO-3's gathers)
+    message_bytes: float  # the largest boundary, forward
+
+
+def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, bounds: Sequence[int],
+                       replicas: int = 1) -> EncDecStages:
+    """Costs of each program stage holding units `bounds[s]:bounds[s+1]` for `layout` (tp = 1) on `cluster`: its
+    units summed one by one (`StageWork`), priced by the cost function of every model kind (`price_stages`)."""
+    units = spec.units()
+    b, mode = layout.microbatch, layout.recompute
+    pp_bw, pp_lat = pipeline_link(cluster, layout)
+    cuts = list(bounds[1:-1])
+    message_bytes = max((spec.boundary_bytes(c, b) for c in cuts), default=0.0)
+    # the tied embedding: the stages holding the encoder input and the decoder input, if they differ
+    holders = [s for s in range(len(bounds) - 1) for u in units[bounds[s]:bounds[s + 1]] if u.embedding]
+    tied = len(set(holders)) > 1
+    works, activation, working = [], [], []
+    for st in range(len(bounds) - 1):
+        mine = units[bounds[st]:bounds[st + 1]]
+        works.append(_encdec_stage_work(spec, cluster, layout, mine, spec.embedding_params if tied and st in holders
+                                        else 0))
+        enc_out = b * spec.encoder_output_bytes if any(u.decoder_layer for u in mine) else 0.0
+        kept = [b * (u.kept if mode == "full" else u.stored) for u in mine]
+        activation.append(sum(kept) + enc_out)
+        working.append(max((b * u.stored - k for u, k in zip(mine, kept) if u.layer), default=0.0)
+                       if mode == "full" else 0.0)
+    costs = price_stages(cluster, layout, works, pp_lat + message_bytes / pp_bw if cuts else 0.0, replicas)
+    return EncDecStages(tuple(bounds), costs, tuple(activation), tuple(working), costs.unit_pairs, message_bytes)
+
+
+def _encdec_stage_work(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, mine: Sequence[Unit],
+                       tied: int) -> StageWork:
+    """A stage's units summed one by one at tp = 1; a stage of decoder layers also streams the encoder output their
+    cross-attention reads."""
+    b, mode = layout.microbatch, layout.recompute
+    rate = cluster.peak_flops * cluster.gemm_efficiency
+    stream = cluster.activation_passes / cluster.hbm_bandwidth
+    fwd_each, again_each, gemm_each, mem_each = [], [], [], []
+    for u in mine:
+        fwd, _ = unit_seconds(u, cluster, b, mode)
+        fwd_each.append(fwd)
+        again_each.append(fwd if mode == "full" and u.layer else 0.0)
+        gemm_each.append(b * (u.flops - u.core) / rate)
+        mem_each.append(b * u.stored * stream + (cluster.layer_overhead / 3 if u.layer else 0.0))
+    decoder = any(u.decoder_layer for u in mine)
+    enc_out_time = (b * spec.encoder_output_bytes if decoder else 0.0) * stream  # read like a stored tensor
+    fwd = sum(fwd_each) + enc_out_time
+    core = sum(b * u.core for u in mine) / rate
+    gemm = sum(gemm_each)
+    mem = sum(mem_each) + enc_out_time
+    units = tuple(UnitWork(float(u.params), 0.0, f, 2 * f + a, f + a) for u, f, a in zip(mine, fwd_each, again_each))
+    return StageWork(fwd, 0.0, gemm + 2 * core + mem, gemm + mem, recompute=sum(again_each),
+                     params=float(sum(u.params for u in mine)), units=units, tied=tied)

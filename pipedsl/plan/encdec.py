@@ -31,7 +31,7 @@ and value products included, the causal mask not exploited, as eager attention c
                     (self q, k, v, o and cross q, o over T tokens; cross k, v over the S encoder
                     outputs; self scores and values T×T, cross scores and values T×S)
     head            2·T·d·V
-    embeddings, norms, softmax: no matmul (timed by the bytes they move, `plan/encdec_cost.py`)
+    embeddings, norms, softmax: no matmul (timed by the bytes they move, `plan/cost.py`)
 
 Training = forward + 2× forward (backward); full recomputation adds one more forward of each layer.
 At T = S a decoder layer costs more than an encoder layer (cross-attention: 8·S·d·n + 4·S²·n
@@ -257,6 +257,16 @@ class EncDecSpec:
         out.append(Unit("head", "head", self.head_params + (self.embedding_params if self.tied_head else 0),
                         self.head_flops(), 0.0, head, head))
         return tuple(out)
+
+    def boundary_bytes(self, cut: int, b: int) -> float:
+        """Bytes crossing the boundary before unit `cut`, per microbatch of `b` samples: inside the encoder part
+        hidden [b, S, d], the mask [b, S] and the decoder ids [b, T] (int64); inside the decoder part hidden
+        [b, T, d] + the encoder output [b, S, d] + the mask — every decoder stage relays the encoder output."""
+        S, T, v, d = self.source, self.target, self.value_bytes, self.d_model
+        in_decoder = cut > self.encoder_layers + 1  # after the decoder input unit
+        ids = ID_BYTES * b * S + (0 if in_decoder else ID_BYTES * b * T)  # the mask [b, S]; the decoder ids [b, T]
+        hidden = v * b * d * ((T + S) if in_decoder else S)
+        return hidden + ids
 
     def with_lengths(self, source: int | None = None, target: int | None = None) -> EncDecSpec:
         return replace(self, source=source or self.source, target=target or self.target)
