@@ -7,9 +7,9 @@ can run for it — the pipeline part simulated on each schedule's real compiled 
 from pipedsl.plan.activations import layer_activation_bytes
 from pipedsl.plan.cluster import CLUSTERS, ClusterSpec, cluster_preset
 from pipedsl.plan.config import Layout
-from pipedsl.plan.encdec import ENCDEC_MODELS, EncDecSpec, encdec_preset
+from pipedsl.plan.encdec import ENCDEC_MODELS, encdec_preset
 from pipedsl.plan.memory import ModelStates, model_states
-from pipedsl.plan.model import MODELS, ModelSpec, model_preset
+from pipedsl.plan.model import MODELS, EncDecSpec, ModelSpec, model_preset
 from pipedsl.plan.runnable import NotRunnableError, check_runnable
 from pipedsl.plan.search import EncDecEstimate, Estimate, LayoutError, PlanResult, evaluate, layouts, search, zero_table
 

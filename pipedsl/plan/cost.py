@@ -71,9 +71,8 @@ from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
-from pipedsl.plan.encdec import EncDecSpec, Unit
 from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES, state_bytes
-from pipedsl.plan.model import BYTES_FP16, ModelSpec
+from pipedsl.plan.model import BYTES_FP16, EncDecSpec, ModelSpec, Unit
 from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
 from pipedsl.simulate import Cost
 

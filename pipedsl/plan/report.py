@@ -12,7 +12,7 @@ from typing import Any
 
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.cost import SPLITS
-from pipedsl.plan.encdec import EncDecSpec, Unit
+from pipedsl.plan.model import EncDecSpec, Unit
 from pipedsl.plan.search import TIES, LayoutError, evaluate
 from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, Units, add_columns, scaled
 

@@ -39,9 +39,8 @@ from pipedsl.plan.cost import (
     tp_degree_3d,
     unit_pair,
 )
-from pipedsl.plan.encdec import ENCDEC_RECOMPUTE, EncDecSpec
 from pipedsl.plan.memory import MemoryReport, RankMemory, model_states, moe_model_states, rank_memory, state_bytes
-from pipedsl.plan.model import ModelSpec
+from pipedsl.plan.model import ENCDEC_RECOMPUTE, EncDecSpec, ModelSpec
 from pipedsl.plan.partition import even_sizes
 from pipedsl.plan.pipeline import (
     compiled,

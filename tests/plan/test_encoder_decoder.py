@@ -17,7 +17,8 @@ from torch import nn
 from pipedsl.cli import main
 from pipedsl.plan import Layout, cluster_preset, model_states
 from pipedsl.plan.cost import encdec_stage_costs, split_bounds
-from pipedsl.plan.encdec import ENCDEC_MODELS, EncDecSpec
+from pipedsl.plan.encdec import ENCDEC_MODELS
+from pipedsl.plan.model import EncDecSpec
 from pipedsl.plan.partition import balanced_sizes, even_sizes
 from pipedsl.plan.pipeline import _run_exact, live_peaks, program_peaks, run_pipeline
 from pipedsl.plan.report import stage_labels
