@@ -1,17 +1,17 @@
 """`pipedsl plan`: which dp × pp × tp, ZeRO stage, schedule, batch split, recomputation, sequence
 parallelism and attention kernel trains a model fastest on a cluster, among the layouts the runtime
 can run for it — the pipeline part simulated on each schedule's real compiled program.  Encoder-decoders
-(mT5), whose stages differ in cost, are searched alike, their units priced by `plan/encdec_cost.py`."""
+(mT5), whose stages differ in cost, are searched alike, their units priced by the same cost function
+(`plan/cost.py`)."""
 
 from pipedsl.plan.activations import layer_activation_bytes
 from pipedsl.plan.cluster import CLUSTERS, ClusterSpec, cluster_preset
 from pipedsl.plan.config import Layout
-from pipedsl.plan.encdec import ENCDEC_MODELS, EncDecSpec, encdec_preset
-from pipedsl.plan.encdec_cost import EncDecEstimate
+from pipedsl.plan.encdec import ENCDEC_MODELS, encdec_preset
 from pipedsl.plan.memory import ModelStates, model_states
-from pipedsl.plan.model import MODELS, ModelSpec, model_preset
+from pipedsl.plan.model import MODELS, EncDecSpec, ModelSpec, model_preset
 from pipedsl.plan.runnable import NotRunnableError, check_runnable
-from pipedsl.plan.search import Estimate, LayoutError, PlanResult, evaluate, layouts, search, zero_table
+from pipedsl.plan.search import EncDecEstimate, Estimate, LayoutError, PlanResult, evaluate, layouts, search, zero_table
 
 __all__ = ["CLUSTERS", "ENCDEC_MODELS", "MODELS", "ClusterSpec", "EncDecEstimate", "EncDecSpec", "Estimate", "Layout",
            "ModelSpec", "ModelStates", "NotRunnableError", "PlanResult", "LayoutError", "check_runnable",

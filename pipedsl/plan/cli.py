@@ -12,9 +12,9 @@ from pipedsl.library import load
 from pipedsl.limits import MAX_PLAN_GPUS, MAX_PLAN_SIZE, MAX_PLAN_TOP, PLAN_RATE_RANGE, shorten
 from pipedsl.plan.activations import LAYOUTS, RECOMPUTE_MODES
 from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
-from pipedsl.plan.encdec import ENCDEC_MODELS, ENCDEC_RECOMPUTE, MT5_BATCH, MT5_SOURCE, MT5_TARGET, EncDecSpec
-from pipedsl.plan.encdec_cost import SPLITS
-from pipedsl.plan.model import MODELS, ModelSpec, model_preset
+from pipedsl.plan.cost import SPLITS
+from pipedsl.plan.encdec import ENCDEC_MODELS, MT5_BATCH, MT5_SOURCE, MT5_TARGET
+from pipedsl.plan.model import ENCDEC_RECOMPUTE, MODELS, EncDecSpec, ModelSpec, model_preset
 from pipedsl.plan.report import assumptions, print_result, zero_table_markdown
 from pipedsl.plan.search import search, zero_table
 from pipedsl.plan.units import FLOPS, SECONDS, scaled

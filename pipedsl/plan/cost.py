@@ -36,6 +36,28 @@ Times are seconds per microbatch.  Communication follows what the runtime does:
   backward recomputes QKᵀ (half the attention core); a recomputed block or module runs again in B and I.
 Ring collectives over N ranks: all-reduce 2(N-1)/N·bytes/bw + 2(N-1)·latency, all-gather and
 reduce-scatter half of that (Patarasuk & Yuan; NCCL's ring model).
+
+Every model kind's stages are priced by one function, `price_stages`, from each stage's units summed
+(`StageWork`): a decoder sums its blocks by kind (every block of a kind costs the same), an
+encoder-decoder its units one by one, each in the order its numbers were always summed in.
+
+An encoder-decoder (`EncDecSpec.units`: [encoder input, encoder layers…, decoder input, decoder
+layers…, head], as `models/hf/seq2seq.py`'s `seq2seq_stages(model, n, by=…, points=…)` spreads
+them) runs at tp = 1; a split is the `points` where stages 1 … n−1 begin (`split_bounds`):
+- "count": the runtime's default `by="count"` (⌈U/n⌉ units on the first U mod n stages);
+- "params": the runtime's `by="params"`, the same exact DP as `models/split.py` on unit parameters;
+- "time" (the planner's): the same DP on each unit's forward + backward seconds, minimising the
+  slowest stage, which sets the pipeline's pace, then among the splits that reach it the most even
+  (`even_sizes`); pass its points to `seq2seq_stages(points=…)`.
+A unit's forward is its GEMM FLOPs at peak × efficiency and the memory-bound kernels streaming the
+bytes it stores, backward 2× forward, full recomputation one more forward of each layer; split
+backward I = forward with the attention core doubled, W = the GEMMs (the memory-bound part in each);
+a stage of decoder layers streams the encoder output their cross-attention reads.  The simulator
+prices every message alike, so a layout's message is its largest boundary's
+(`EncDecSpec.boundary_bytes`).  The shared embedding is a weight tied between the stage holding the
+encoder input and the one holding the decoder input (`runtime/ties.py`): each copy has its own
+optimizer state, and the copies' gradients are summed at the step end (`tie_sync`), after the
+data-parallel reduction.
 """
 
 from __future__ import annotations
@@ -45,12 +67,13 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
+from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_BALANCED_LAYERS
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout
 from pipedsl.plan.memory import OPTIMIZER_BYTES, PARAM_BYTES, state_bytes
-from pipedsl.plan.model import BYTES_FP16, ModelSpec
-from pipedsl.plan.partition import even_sizes
+from pipedsl.plan.model import BYTES_FP16, EncDecSpec, ModelSpec, Unit
+from pipedsl.plan.partition import balanced_sizes, bounds_of, even_sizes
 from pipedsl.simulate import Cost
 
 # Adam's step per parameter: fp32 weight, momentum, variance read and written, the fp16 gradient read, the
@@ -287,7 +310,7 @@ def _layout_terms(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Te
     flash_backward = core / 2 / rate if layout.fused else 0.0
     tp_block_fwd, tp_block_bwd = _tp_block_collectives(model, cluster, layout, q, act)
     return _Terms(model, cluster, layout, q, rate, _zero_gather(cluster), act, cluster.tp_link(t),
-                  cluster.link(t * layout.dp), _pipeline_link(cluster, layout), core, fixed,
+                  cluster.link(t * layout.dp), pipeline_link(cluster, layout), core, fixed,
                   flash_backward, tp_block_fwd, tp_block_bwd)
 
 
@@ -327,7 +350,7 @@ def _tp_block_collectives(model: ModelSpec, cluster: ClusterSpec, layout: Layout
     return tp_block_fwd, tp_block_bwd
 
 
-def _pipeline_link(cluster: ClusterSpec, layout: Layout) -> tuple[float, float]:
+def pipeline_link(cluster: ClusterSpec, layout: Layout) -> tuple[float, float]:
     """(bandwidth, latency) of a pipeline hop: InfiniBand once the layout spans more than a node."""
     if layout.gpus > cluster.gpus_per_node:
         return cluster.inter_bandwidth, cluster.inter_latency
@@ -395,36 +418,49 @@ def _recomputed(terms: _Terms, moe: bool, stored: float, full: float) -> float:
         again += terms.tp_block_fwd / 2
     return again
 
+class UnitWork(NamedTuple):
+    """One unit of a stage (an embedding, a layer, a head) as ZeRO-3 gathers and runs it: its parameters per GPU
+    (`experts` of them routed experts, already / ep) and its seconds in F, B and I."""
+
+    params: float
+    experts: float
+    forward: float
+    backward: float
+    input_grad: float
+
 
 @dataclass(frozen=True)
-class _StageWork:
-    """One stage's blocks (and the embedding on the first, the head on the last) summed, per microbatch on one
-    GPU: what its F, B, I, W and its once-a-step terms are made of."""
+class StageWork:
+    """One program stage's units summed, per microbatch on one GPU, for any model kind: what its F, B, I, W and its
+    once-a-step terms are made of (`price_stages`).  Each kind sums its own units in its own order — a decoder by
+    block kind (`_decoder_stage_work`), an encoder-decoder unit by unit (`encdec_stage_costs`) — so each keeps its
+    rounding; what is not in a kind (tp, MoE, a tied weight) is 0."""
 
-    blocks: tuple[_Block, ...]  # in forward order
-    gemm: float  # the tp group's forward FLOPs outside the attention cores, the head's included
-    params: float  # parameters per GPU (over tp, the routed experts over ep)
-    experts: float  # of which routed experts
-    summed: float  # parameters whose gradient each tp rank holds part of
-    head: float  # the head's forward seconds (last stage)
-    fwd: float  # forward seconds of the blocks and the head
-    blocks_tp_fwd: float  # the blocks' tensor-parallel collectives in the forward
-    tp_fwd: float  # and with the embedding's and the cross-entropy's
-    tp_bwd: float  # the blocks' tensor-parallel collectives in the backward
+    forward: float  # compute seconds of F
+    backward_extra: float  # compute seconds B adds to twice the forward (a fused attention's recomputed QKᵀ)
+    input_grad: float  # compute seconds of I (a split backward's input gradient)
+    weight_grad: float  # and of W
     recompute: float  # seconds recomputed in the backward
-    a2a_f: float  # all-to-alls in the forward: dispatch + combine of each MoE block
-    a2a_b: float  # and in the backward: their gradients (+ a recomputed forward's)
+    params: float  # parameters per GPU (over tp, the routed experts over ep)
+    units: tuple[UnitWork, ...]  # in forward order
+    experts: float = 0.0  # of which routed experts
+    summed: float = 0.0  # parameters whose gradient each tp rank holds part of, summed over tp once a step
+    tied: float = 0.0  # parameters of a weight tied to a copy on another stage (summed at the step end)
+    tp_fwd: float = 0.0  # tensor-parallel seconds in the forward
+    tp_bwd: float = 0.0  # and in the backward
+    tp_again: float = 0.0  # and in a recomputed forward
+    a2a_f: float = 0.0  # expert-parallel all-to-alls in the forward
+    a2a_b: float = 0.0  # and in the backward (+ a recomputed forward's)
 
 
-def _stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, embed_first: bool,
-                head_last: bool) -> _StageWork:
+def _decoder_stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, embed_first: bool,
+                        head_last: bool) -> StageWork:
     """Sum the `n` blocks from layer `first` by kind, and add the embedding and head where the stage holds them."""
     model, layout = terms.model, terms.layout
     b, t = layout.microbatch, layout.tp
-    blocks = tuple(kinds[model.is_moe_layer(i)] for i in range(first, first + n))
     n_moe = model.moe_layers_in(first, n)
     counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
-    gemm = sum(c * (k.flops - terms.core) for c, k in counts)
+    gemm = sum(c * (k.flops - terms.core) for c, k in counts)  # the tp group's FLOPs outside the attention cores
     params = sum(c * k.params for c, k in counts)  # per GPU: over tp, the routed experts over ep
     head = 0.0
     if embed_first:
@@ -435,17 +471,27 @@ def _stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, em
         params += _head_params(model, t)
     blocks_tp_fwd = sum(c * k.tp_fwd for c, k in counts)
     a2a_f = sum(c * k.a2a for c, k in counts)
-    return _StageWork(blocks, gemm, params,
-                      experts=sum(c * k.experts for c, k in counts),
-                      summed=sum(c * k.summed for c, k in counts),
-                      head=head,
-                      fwd=sum(c * (k.block + terms.fixed) for c, k in counts) + head,
-                      blocks_tp_fwd=blocks_tp_fwd,
-                      tp_fwd=_stage_tp_forward(terms, blocks_tp_fwd, embed_first, head_last),
-                      tp_bwd=sum(c * k.tp_bwd for c, k in counts),
-                      recompute=sum(c * k.again for c, k in counts),
-                      a2a_f=a2a_f,
-                      a2a_b=a2a_f + sum(c * k.a2a_again for c, k in counts))
+    fwd = sum(c * (k.block + terms.fixed) for c, k in counts) + head
+    fb = terms.flash_backward
+    split = (terms.cluster.split_backward - 1) * 3 * fwd / 2  # a split backward's extra work
+    per_kind = {moe: UnitWork(k.params, k.experts, _block_forward(terms, k), _block_backward(terms, k),
+                              _block_input_grad(terms, k)) for moe, k in kinds.items()}
+    units = tuple(per_kind[model.is_moe_layer(i)] for i in range(first, first + n))
+    if embed_first:
+        units = (UnitWork(model.embedding_params / t, 0.0, 0.0, 0.0, 0.0), *units)
+    if head_last:
+        units = (*units, UnitWork(_head_params(model, t), 0.0, head, 2 * head, head))
+    return StageWork(fwd, n * fb, (gemm + 2 * n * terms.core) / terms.rate + n * (terms.fixed + fb) + split,
+                     gemm / terms.rate + n * terms.fixed + split,
+                     recompute=sum(c * k.again for c, k in counts),
+                     params=params, units=units,
+                     experts=sum(c * k.experts for c, k in counts),
+                     summed=sum(c * k.summed for c, k in counts),
+                     tp_fwd=_stage_tp_forward(terms, blocks_tp_fwd, embed_first, head_last),
+                     tp_bwd=sum(c * k.tp_bwd for c, k in counts),
+                     tp_again=_tp_recomputed(terms, blocks_tp_fwd, n),
+                     a2a_f=a2a_f,
+                     a2a_b=a2a_f + sum(c * k.a2a_again for c, k in counts))
 
 
 def _head_params(model: ModelSpec, t: int) -> float:
@@ -484,6 +530,15 @@ def _block_input_grad(terms: _Terms, k: _Block) -> float:
             + k.a2a + k.a2a_again)
 
 
+def _tp_recomputed(terms: _Terms, blocks_tp_fwd: float, n: int) -> float:
+    """Tensor-parallel seconds a recomputed forward adds to the backward of a stage of `n` blocks."""
+    if terms.layout.recompute == "full":
+        return blocks_tp_fwd
+    if terms.layout.recompute == "selective" and terms.model.hf:
+        return n * terms.tp_block_fwd / 2
+    return 0.0
+
+
 def param_gather(cluster: ClusterSpec, layout: Layout, dense: float, experts: float = 0.0) -> float:
     """Seconds to all-gather `dense` parameters over dp and `experts` routed-expert parameters over their own
     dp/ep replicas (ZeRO-3's unit gathers, ZeRO 1-2's after the step): every model kind's."""
@@ -492,35 +547,13 @@ def param_gather(cluster: ClusterSpec, layout: Layout, dense: float, experts: fl
             + (gather(PARAM_BYTES * experts, layout.dp // layout.ep, dp_bw, dp_lat) if experts else 0.0))
 
 
-def _stage_zero3(terms: _Terms, work: _StageWork, embed_first: bool, head_last: bool) -> Zero3Exposed:
-    """A stage's exposed ZeRO-3 gathers, unit by unit (embedding, each block, head); none below ZeRO-3."""
-    model, layout = terms.model, terms.layout
+def _stage_zero3(cluster: ClusterSpec, layout: Layout, units: Sequence[UnitWork]) -> Zero3Exposed:
+    """A stage's exposed ZeRO-3 gathers, unit by unit; none below ZeRO-3."""
     if layout.zero < 3:
         return Zero3Exposed()
-    t = layout.tp
-    dp_bw, dp_lat = terms.dp_link
-    g = [param_gather(terms.cluster, layout, k.params - k.experts, k.experts) for k in work.blocks]
-    if embed_first:
-        g = [terms.gather(PARAM_BYTES * model.embedding_params / t, layout.dp, dp_bw, dp_lat)] + g
-    if head_last:
-        g = g + [terms.gather(PARAM_BYTES * _head_params(model, t), layout.dp, dp_bw, dp_lat)]
-    lead, tail = [0.0] if embed_first else [], [work.head] if head_last else []  # the embedding, the head
-    return zero3_exposed(g, lead + [_block_forward(terms, k) for k in work.blocks] + tail,
-                         lead + [_block_backward(terms, k) for k in work.blocks] + [2 * x for x in tail],
-                         lead + [_block_input_grad(terms, k) for k in work.blocks] + tail, layout.reshard)
-
-
-def _op_times(terms: _Terms, work: _StageWork, z: Zero3Exposed) -> tuple[float, float, float, float]:
-    """Seconds of the stage's F, B, I and W of one microbatch: compute, collectives on the critical path, the
-    exposed ZeRO-3 gathers and the per-op overhead."""
-    n, op, fb = len(work.blocks), terms.cluster.op_overhead, terms.flash_backward
-    F = work.fwd + work.tp_fwd + z.F + op + work.a2a_f
-    B = 2 * work.fwd + n * fb + work.tp_bwd + work.recompute + z.B + op + work.a2a_b
-    stage_split = (terms.cluster.split_backward - 1) * 3 * work.fwd / 2
-    I = ((work.gemm + 2 * n * terms.core) / terms.rate + n * (terms.fixed + fb) + stage_split + work.tp_bwd
-         + work.recompute + z.I + op + work.a2a_b)
-    W = work.gemm / terms.rate + n * terms.fixed + stage_split + z.W + op
-    return F, B, I, W
+    gathers = [param_gather(cluster, layout, u.params - u.experts, u.experts) for u in units]
+    return zero3_exposed(gathers, [u.forward for u in units], [u.backward for u in units],
+                         [u.input_grad for u in units], layout.reshard)
 
 
 def gradient_sync(cluster: ClusterSpec, layout: Layout, params: float, experts: float = 0.0, summed: float = 0.0,
@@ -533,7 +566,7 @@ def gradient_sync(cluster: ClusterSpec, layout: Layout, params: float, experts: 
     expert_dp = layout.dp // layout.ep
     grad = state_bytes("bf16", layout.grads).grad  # reduced in the dtype they accumulate in
     grad_bytes = grad * (params - experts)
-    replica = all_reduce(grad * params, replicas, *_pipeline_link(cluster, layout))
+    replica = all_reduce(grad * params, replicas, *pipeline_link(cluster, layout))
     replica += all_reduce(grad * summed, layout.tp, *cluster.tp_link(layout.tp)) if summed else 0.0
     if layout.zero == 0:  # the experts' gradients over their own replicas (dp/ep), the rest over dp
         return (replica + all_reduce(grad_bytes, layout.dp, dp_bw, dp_lat)
@@ -545,20 +578,23 @@ def gradient_sync(cluster: ClusterSpec, layout: Layout, params: float, experts: 
     return reduce, (param_gather(cluster, layout, params - experts, experts) if layout.zero < 3 else 0.0)
 
 
+def tie_sync(cluster: ClusterSpec, layout: Layout, tied: float) -> float:
+    """Seconds to sum the gradients of a weight of `tied` parameters whose two copies live on two stages
+    (`runtime/ties.py`), after the data-parallel reduction: ZeRO 0 all-reduces the full gradient over the holding
+    ranks of every replica, ZeRO 1-3 the 1/dp slice over the two holding ranks."""
+    if not tied:
+        return 0.0
+    tie_bytes = state_bytes("bf16", layout.grads).grad * tied
+    if layout.zero == 0:
+        return all_reduce(tie_bytes, 2 * layout.dp, *cluster.link(layout.gpus))
+    return all_reduce(tie_bytes / layout.dp, 2, *pipeline_link(cluster, layout))
+
+
 def optimizer_step(cluster: ClusterSpec, layout: Layout, params: float, experts: float = 0.0) -> float:
     """Seconds of a stage's Adam step, memory-bound, over the parameters its rank updates (a 1/dp shard with ZeRO;
     the routed experts' 1/(dp/ep)): every model kind's."""
     shard = (params - experts) / layout.dp + experts / (layout.dp // layout.ep) if layout.zero >= 1 else params
     return shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth
-
-
-def _tp_recomputed(terms: _Terms, work: _StageWork) -> float:
-    """Tensor-parallel seconds a recomputed forward adds to the stage's backward."""
-    if terms.layout.recompute == "full":
-        return work.blocks_tp_fwd
-    if terms.layout.recompute == "selective" and terms.model.hf:
-        return len(work.blocks) * terms.tp_block_fwd / 2
-    return 0.0
 
 
 class _StageRow(NamedTuple):
@@ -582,23 +618,32 @@ class _StageRow(NamedTuple):
     unit_pairs: float
 
 
-def _stage_row(terms: _Terms, kinds: dict[bool, _Block], layers: tuple[int, ...], st: int, stages: int,
-               replicas: int) -> _StageRow:
-    """Every per-stage cost of stage `st` (`StageCosts`'s fields but the message)."""
-    first, n = sum(layers[:st]), layers[st]
-    embed_first, head_last = st == 0, st == stages - 1
-    work = _stage_work(terms, kinds, first, n, embed_first, head_last)
-    z = _stage_zero3(terms, work, embed_first, head_last)
-    F, B, I, W = _op_times(terms, work, z)
-    reduce, after = gradient_sync(terms.cluster, terms.layout, work.params, work.experts, work.summed, replicas)
-    step = optimizer_step(terms.cluster, terms.layout, work.params, work.experts)
-    tp_again = _tp_recomputed(terms, work)
-    units = piece_params(terms.model, terms.layout)[0][0 if embed_first else first + 1:first + n + 1 + head_last]
+def _stage_row(cluster: ClusterSpec, layout: Layout, work: StageWork, replicas: int) -> _StageRow:
+    """Every per-stage cost of a stage (`StageCosts`'s fields but the message): compute, collectives on the critical
+    path, the exposed ZeRO-3 gathers and the per-op overhead in F, B, I and W; the once-a-step terms."""
+    z = _stage_zero3(cluster, layout, work.units)
+    op = cluster.op_overhead
+    F = work.forward + work.tp_fwd + z.F + op + work.a2a_f
+    B = 2 * work.forward + work.backward_extra + work.tp_bwd + work.recompute + z.B + op + work.a2a_b
+    I = work.input_grad + work.tp_bwd + work.recompute + z.I + op + work.a2a_b  # noqa: E741 - the papers' name
+    W = work.weight_grad + z.W + op
+    reduce, after = gradient_sync(cluster, layout, work.params, work.experts, work.summed, replicas)
+    step = optimizer_step(cluster, layout, work.params, work.experts)
+    tp_again = work.tp_again
     waits = {"F": work.tp_fwd + z.F + work.a2a_f, "B": work.tp_bwd + tp_again + z.B + work.a2a_b,
              "I": work.tp_bwd + tp_again + z.I + work.a2a_b, "W": z.W}
-    return _StageRow(F, B, I, W, reduce, after, step, work.params,
+    return _StageRow(F, B, I, W, reduce, tie_sync(cluster, layout, work.tied) + after, step, work.params,
                      work.tp_fwd + work.tp_bwd + tp_again, z.F + z.B, waits, work.a2a_f + work.a2a_b, work.experts,
-                     (work.a2a_f, work.a2a_b), z.once, unit_pair(units))
+                     (work.a2a_f, work.a2a_b), z.once, unit_pair([u.params for u in work.units]))
+
+
+def price_stages(cluster: ClusterSpec, layout: Layout, works: Sequence[StageWork], message: float,
+                 replicas: int = 1) -> StageCosts:
+    """The cost function of every model kind: `StageCosts` of the program stages whose units sum to `works`, one
+    pipeline hop taking `message` seconds, each stage in `replicas` copies in the pipeline."""
+    rows = [_stage_row(cluster, layout, work, replicas) for work in works]
+    columns = {name: tuple(getattr(row, name) for row in rows) for name in _StageRow._fields}
+    return StageCosts(message=message, **columns)
 
 
 @lru_cache(maxsize=8192)
@@ -610,6 +655,108 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
     kinds = {False: _block_kind(terms, False)}
     if model.moe:
         kinds[True] = _block_kind(terms, True)
-    rows = [_stage_row(terms, kinds, layers, st, stages, replicas) for st in range(stages)]
-    columns = {name: tuple(getattr(row, name) for row in rows) for name in _StageRow._fields}
-    return StageCosts(message=_pipeline_message(terms), **columns)
+    works = [_decoder_stage_work(terms, kinds, sum(layers[:st]), layers[st], st == 0, st == stages - 1)
+             for st in range(stages)]
+    return price_stages(cluster, layout, works, _pipeline_message(terms), replicas)
+
+
+# ------------------------------------------------------------------ encoder-decoders: units at tp = 1
+
+
+SPLITS = ("time", "count", "params")
+
+
+def unit_seconds(unit: Unit, cluster: ClusterSpec, samples: float = 1, recompute: str = "none") -> tuple[float, float]:
+    """(forward, forward + backward) seconds of one unit on `samples` samples at tp = 1."""
+    rate = cluster.peak_flops * cluster.gemm_efficiency
+    stream = cluster.activation_passes / cluster.hbm_bandwidth
+    fixed = cluster.layer_overhead / 3 if unit.layer else 0.0
+    fwd = samples * (unit.flops / rate + unit.stored * stream) + fixed
+    return fwd, (4 if recompute == "full" and unit.layer else 3) * fwd
+
+
+def split_bounds(spec: EncDecSpec, cluster: ClusterSpec, stages: int, how: str = "time",
+                 recompute: str = "none") -> tuple[int, ...]:
+    """Unit bounds (0, first unit of stage 1, …, U) of `stages` program stages split `how` (see the module)."""
+    return _split_bounds(spec, cluster, stages, how, recompute)
+
+
+@lru_cache(maxsize=4096)
+def _split_bounds(spec: EncDecSpec, cluster: ClusterSpec, stages: int, how: str, recompute: str) -> tuple[int, ...]:
+    units = spec.units()
+    U = len(units)
+    if not 1 <= stages <= U:
+        raise PipeDSLError(f"cannot split {U} units ({spec.encoder_layers} encoder and {spec.decoder_layers} decoder "
+                           f"layers, 2 inputs, a head) into {stages} stages")
+    if how == "count":
+        return bounds_of([U // stages + (1 if i < U % stages else 0) for i in range(stages)])
+    if how == "params":  # as the runtime counts a unit's module: the encoder's final norm (d) is in none of them
+        d = spec.d_model
+        return bounds_of(balanced_sizes([u.params - (d if u.kind == "decoder input" else 0) for u in units], stages))
+    if how == "time":  # seconds are linear in the samples: one split for every microbatch size
+        return bounds_of(even_sizes([unit_seconds(u, cluster, 1, recompute)[1] for u in units], stages))
+    raise PipeDSLError(f"split is one of {', '.join(SPLITS)}, got {how!r}")
+
+
+@dataclass(frozen=True)
+class EncDecStages:
+    """A layout's program stages: unit bounds, per-stage costs (`StageCosts`, for the simulator and the
+    bound), and what memory needs per stage."""
+
+    bounds: tuple[int, ...]
+    costs: StageCosts
+    activation: tuple[float, ...]  # bytes a stage keeps per live microbatch
+    working: tuple[float, ...]  # bytes of one recomputed layer's whole activations (0 without recomputation)
+    largest_units: tuple[float, ...]  # parameters of a stage's largest two consecutive units (ZeRO-3's gathers)
+    message_bytes: float  # the largest boundary, forward
+
+
+def encdec_stage_costs(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, bounds: Sequence[int],
+                       replicas: int = 1) -> EncDecStages:
+    """Costs of each program stage holding units `bounds[s]:bounds[s+1]` for `layout` (tp = 1) on `cluster`: its
+    units summed one by one (`StageWork`), priced by the cost function of every model kind (`price_stages`)."""
+    units = spec.units()
+    b, mode = layout.microbatch, layout.recompute
+    pp_bw, pp_lat = pipeline_link(cluster, layout)
+    cuts = list(bounds[1:-1])
+    message_bytes = max((spec.boundary_bytes(c, b) for c in cuts), default=0.0)
+    # the tied embedding: the stages holding the encoder input and the decoder input, if they differ
+    holders = [s for s in range(len(bounds) - 1) for u in units[bounds[s]:bounds[s + 1]] if u.embedding]
+    tied = len(set(holders)) > 1
+    works, activation, working = [], [], []
+    for st in range(len(bounds) - 1):
+        mine = units[bounds[st]:bounds[st + 1]]
+        works.append(_encdec_stage_work(spec, cluster, layout, mine, spec.embedding_params if tied and st in holders
+                                        else 0))
+        enc_out = b * spec.encoder_output_bytes if any(u.decoder_layer for u in mine) else 0.0
+        kept = [b * (u.kept if mode == "full" else u.stored) for u in mine]
+        activation.append(sum(kept) + enc_out)
+        working.append(max((b * u.stored - k for u, k in zip(mine, kept) if u.layer), default=0.0)
+                       if mode == "full" else 0.0)
+    costs = price_stages(cluster, layout, works, pp_lat + message_bytes / pp_bw if cuts else 0.0, replicas)
+    return EncDecStages(tuple(bounds), costs, tuple(activation), tuple(working), costs.unit_pairs, message_bytes)
+
+
+def _encdec_stage_work(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, mine: Sequence[Unit],
+                       tied: int) -> StageWork:
+    """A stage's units summed one by one at tp = 1; a stage of decoder layers also streams the encoder output their
+    cross-attention reads."""
+    b, mode = layout.microbatch, layout.recompute
+    rate = cluster.peak_flops * cluster.gemm_efficiency
+    stream = cluster.activation_passes / cluster.hbm_bandwidth
+    fwd_each, again_each, gemm_each, mem_each = [], [], [], []
+    for u in mine:
+        fwd, _ = unit_seconds(u, cluster, b, mode)
+        fwd_each.append(fwd)
+        again_each.append(fwd if mode == "full" and u.layer else 0.0)
+        gemm_each.append(b * (u.flops - u.core) / rate)
+        mem_each.append(b * u.stored * stream + (cluster.layer_overhead / 3 if u.layer else 0.0))
+    decoder = any(u.decoder_layer for u in mine)
+    enc_out_time = (b * spec.encoder_output_bytes if decoder else 0.0) * stream  # read like a stored tensor
+    fwd = sum(fwd_each) + enc_out_time
+    core = sum(b * u.core for u in mine) / rate
+    gemm = sum(gemm_each)
+    mem = sum(mem_each) + enc_out_time
+    units = tuple(UnitWork(float(u.params), 0.0, f, 2 * f + a, f + a) for u, f, a in zip(mine, fwd_each, again_each))
+    return StageWork(fwd, 0.0, gemm + 2 * core + mem, gemm + mem, recompute=sum(again_each),
+                     params=float(sum(u.params for u in mine)), units=units, tied=tied)

@@ -21,11 +21,26 @@ Mixture-of-Experts (`moe_model_states`): every expert is held, so the states cou
 parameters; with expert parallelism ep the routed experts' Ψ_e is split over ep ranks and
 replicated (and ZeRO-sharded) over the dp/ep ranks holding the same experts, the rest over dp:
 states(Ψ − Ψ_e, dp) + states(Ψ_e/ep, dp/ep).
+
+An encoder-decoder's rank (`RankMemory`, at its peak): the model states of its stages, plus what the
+runtime keeps beyond them: under ZeRO 2/3 the full gradient buffer of its stages from the first
+backward to REDUCE_GRAD (`parallel/zero.py`, reduce="step"), under ZeRO-3 the gathered units (the
+running one and the next, prefetched; all of them during a W of a split-backward schedule,
+`before_weight_pass`, and through the step with reshard="step"); and activations: the most bytes
+alive at once on the rank, each stage's own per microbatch from its F to its B (or W), walked over
+the schedule's compiled program (`pipeline.live_peaks`; the encoder output counted on decoder
+stages), plus one layer's whole activations while it is recomputed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipedsl.plan.config import Layout
+    from pipedsl.plan.cost import EncDecStages
 
 
 @dataclass(frozen=True)
@@ -118,3 +133,44 @@ class MemoryReport:
     @property
     def total(self) -> float:
         return self.states.total + self.gradient_buffer + self.gathered + self.activations
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's peak: model states between steps, what the runtime keeps beyond them during the step, and
+    activations."""
+
+    rank: int
+    stages: tuple[int, ...]
+    params_count: float  # parameters of its stages (a tied copy counts on each stage holding it)
+    states: ModelStates  # `model_states` over dp: between steps
+    gradient_buffer: float  # ZeRO 2/3: the full gradient less the kept shard, first backward → REDUCE_GRAD
+    gathered: float  # ZeRO-3: full parameters of the units gathered at once
+    activations: float
+    peak_live: float
+
+    @property
+    def total(self) -> float:
+        return self.states.total + self.gradient_buffer + self.gathered + self.activations
+
+
+def rank_memory(stages: EncDecStages, layout: Layout, on_rank: dict[int, list[int]], live_bytes: Sequence[float],
+                peaks: Sequence[float], split_backward: bool) -> list[RankMemory]:
+    """Every rank's `RankMemory` for a program whose ranks hold `on_rank` stages, keep at most `live_bytes` of
+    activations at once and `peaks` live microbatch-stages."""
+    mode = state_bytes("bf16", layout.grads)
+    out = []
+    for r, held in on_rank.items():
+        if not held:
+            continue
+        psi = sum(stages.costs.stage_params[s] for s in held)
+        states = model_states(psi, layout.dp, layout.zero, mode)
+        buffer = mode.grad * psi * (1 - 1 / layout.dp) if layout.zero >= 2 else 0.0
+        gathered = 0.0
+        if layout.zero >= 3:  # beyond the shard it holds anyway
+            whole = split_backward or layout.reshard == "step"  # a W gathers its stage first; "step" holds it
+            gathered = PARAM_BYTES * (psi if whole else max(stages.largest_units[s] for s in held))
+            gathered *= 1 - 1 / layout.dp
+        act = live_bytes[r] + max(stages.working[s] for s in held)
+        out.append(RankMemory(r, tuple(held), psi, states, buffer, gathered, act, peaks[r]))
+    return out

@@ -15,7 +15,7 @@ itself (tests/plan/test_moe.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
@@ -352,3 +352,35 @@ def sharing(cluster: ClusterSpec, layout: Layout) -> tuple[float, float, float, 
     if pipelines <= 1:
         return cluster.cores_per_node * layout.pp / ranks, cluster.sharing_efficiency, cluster.collective_busy, 0.0
     return cluster.cores_per_node, cluster.sharing_efficiency, cluster.collective_busy, pipelines - 1
+
+
+def _live(program: Program, per_stage: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per rank, the most microbatch-stages and the most activation bytes alive at once: a stage's bytes from its
+    F to its B or W (`peak_live`'s rule, in program order, which is the execution order); an overlapped
+    F&B pair adds its forward before its backward frees."""
+    counts, sizes = [], []
+    for stream in program.ranks:
+        live = peak = held = most = 0.0
+        for ins in stream:
+            for part in ins.parts:
+                if part.op is Op.F:
+                    live, held = live + 1, held + per_stage[part.stage]
+                    peak, most = max(peak, live), max(most, held)
+                elif part.op is Op.B or part.op is Op.W:
+                    live, held = live - 1, held - per_stage[part.stage]
+        counts.append(peak)
+        sizes.append(most)
+    return counts, sizes
+
+
+def live_peaks(schedule: str, P: int, M: int, params: tuple[tuple[str, int], ...],
+               per_stage: Sequence[float], cost: Cost | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`_live` of the schedule's program at M, extended linearly past the simulated sizes (as `program_peaks`); a
+    searched schedule's as searched under `cost`."""
+    sizes = simulation_sizes(M, P)
+    runs = [_live(compiled(schedule, P, m, params, cost), per_stage) for m in sizes]
+    if len(runs) == 1:
+        return tuple(runs[0][0]), tuple(runs[0][1])
+    k = (M - sizes[0]) / (sizes[1] - sizes[0])
+    (c1, b1), (c2, b2) = runs
+    return tuple(a + k * (b - a) for a, b in zip(c1, c2)), tuple(a + k * (b - a) for a, b in zip(b1, b2))

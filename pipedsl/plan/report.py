@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipedsl.plan.cluster import ClusterSpec
-from pipedsl.plan.encdec import EncDecSpec
-from pipedsl.plan.encdec_cost import SPLITS, stage_labels
+from pipedsl.plan.cost import SPLITS
+from pipedsl.plan.model import EncDecSpec, Unit
 from pipedsl.plan.search import TIES, LayoutError, evaluate
 from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, Units, add_columns, scaled
 
@@ -148,6 +148,21 @@ def _print_encdec_details(result: Any, console: Any) -> None:
     elif result.least_memory < float("inf"):
         console.print(f"nothing fits: the least memory any layout needs is {result.least_memory / GB:.1f} GB "
                       f"(usable {(cluster.memory - cluster.reserved_memory) / GB:.0f} GB)")
+
+
+def stage_labels(spec: EncDecSpec, bounds: Sequence[int]) -> list[str]:
+    """Per stage, its units in short: 'emb E0-E5', 'E23 dec-emb D0-D3', 'D20-D23 head'."""
+    units = spec.units()
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        groups: list[list[Unit]] = []
+        for u in units[a:b]:
+            if groups and u.layer and groups[-1][-1].kind == u.kind:
+                groups[-1].append(u)
+            else:
+                groups.append([u])
+        out.append(" ".join(g[0].label if len(g) == 1 else f"{g[0].label}-{g[-1].label}" for g in groups))
+    return out
 
 
 def print_stages(e: Any, spec: EncDecSpec, console: Any) -> None:

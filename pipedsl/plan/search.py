@@ -8,7 +8,8 @@ or fused).  Cheap checks reject first (divisibility, what the runtime can run fo
 (`plan/runnable.py`), schedule requirements, memory, with the reason); the survivors get a lower
 bound — the busiest rank's compute plus its optimizer step, which no schedule can beat — and are
 simulated best bound first until the bound exceeds the `top`-th best simulated time: the ranking
-of the top is exact, the rest are counted as pruned.
+of the top is exact, the rest are counted as pruned.  An encoder-decoder takes the same steps with its
+units split `split` (`cost.split_bounds`) and each rank's memory walked over the program (`RankMemory`).
 """
 
 from __future__ import annotations
@@ -23,19 +24,29 @@ from typing import Any, NamedTuple
 from pipedsl.errors import PipeDSLError
 from pipedsl.library import builtin_names, load
 from pipedsl.limits import MAX_BALANCED_LAYERS
-from pipedsl.plan import encdec_cost
 from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout, LayoutError, resharded_to_fit
-from pipedsl.plan.cost import StageCosts, piece_flops, piece_params, stage_costs, stage_layers, tp_degree_3d, unit_pair
-from pipedsl.plan.encdec import ENCDEC_RECOMPUTE, EncDecSpec
-from pipedsl.plan.memory import MemoryReport, model_states, moe_model_states, state_bytes
-from pipedsl.plan.model import ModelSpec
+from pipedsl.plan.cost import (
+    EncDecStages,
+    StageCosts,
+    encdec_stage_costs,
+    piece_flops,
+    piece_params,
+    split_bounds,
+    stage_costs,
+    stage_layers,
+    tp_degree_3d,
+    unit_pair,
+)
+from pipedsl.plan.memory import MemoryReport, RankMemory, model_states, moe_model_states, rank_memory, state_bytes
+from pipedsl.plan.model import ENCDEC_RECOMPUTE, EncDecSpec, ModelSpec
 from pipedsl.plan.partition import even_sizes
 from pipedsl.plan.pipeline import (
     compiled,
     is_searched,
     layout_skeleton,
+    live_peaks,
     placement_bound,
     program_peaks,
     run_pipeline,
@@ -428,6 +439,141 @@ def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate
                     prep.layers)
 
 
+# ------------------------------------------------------------------ one layout of an encoder-decoder
+
+
+@dataclass(frozen=True)
+class EncDecEstimate:
+    """A simulated layout of an encoder-decoder: time, throughput, every rank's memory, the unit split."""
+
+    layout: Layout
+    split: str  # "time", "count" or "params"
+    bounds: tuple[int, ...]  # unit bounds of the program stages
+    iteration: float  # seconds
+    pipeline: float  # the simulated makespan alone
+    tflops: float  # hardware TFLOP/s per GPU (the recomputed forward included)
+    mfu: float  # model FLOPs / (time · peak)
+    memory: RankMemory  # the fullest rank
+    ranks: tuple[RankMemory, ...]
+    stage_seconds: tuple[float, ...]  # F + B of one microbatch, per program stage
+    comm: dict[str, float]  # seconds per iteration on rank 0: pp, dp, zero3
+
+    @property
+    def points(self) -> tuple[int, ...]:
+        """`seq2seq_stages(model, n, points=…)` for this split: where stages 1 … n−1 begin."""
+        return tuple(self.bounds[1:-1])
+
+
+@dataclass(frozen=True)
+class _EncDecPrepared:
+    layout: Layout
+    stages: EncDecStages
+    ranks: tuple[RankMemory, ...]
+    bound: float
+    on_rank: dict[int, list[int]]
+
+
+# × P microbatches: where `run_pipeline` starts its linear extension.  With stages of unequal cost a schedule needs
+# more microbatches to reach its periodic steady state: extended from 2P and 3P, mT5-Base on 64 GPUs under looped BFS
+# V=2 (M = 64) was predicted 14 % fast and Hanayo W=1 on 8 (M = 256) 2.2 % fast, under the placement bound; from 8P
+# and 9P both equal the full simulation (tests/plan/test_encoder_decoder.py).
+EXTEND_FROM = 8
+
+
+def _fullest(ranks: Sequence[RankMemory]) -> RankMemory:
+    return max(ranks, key=lambda m: m.total)
+
+
+def _check_rank_memory(cluster: ClusterSpec, memory: RankMemory, qualifier: str = "") -> None:
+    usable = cluster.memory - cluster.reserved_memory
+    if memory.total > usable:
+        gb = 1e9
+        st = memory.states
+        raise LayoutError(f"out of memory: {qualifier}{memory.total / gb:.1f} GB > {usable / gb:.0f} GB usable on rank "
+                          f"{memory.rank} (params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer "
+                          f"{st.optimizer / gb:.1f}, gradient buffer {memory.gradient_buffer / gb:.1f}, gathered "
+                          f"{memory.gathered / gb:.1f}, activations {memory.activations / gb:.1f} for "
+                          f"{memory.peak_live:g} live)")
+
+
+def _encdec_stages(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, num_stages: int, replicas: int,
+                   split: str) -> EncDecStages:
+    """The layout's program stages, its units split `split`; a `LayoutError` where they are fewer than the stages."""
+    if num_stages > len(spec.units()):
+        raise LayoutError(f"split: {len(spec.units())} units ({spec.encoder_layers} encoder and "
+                          f"{spec.decoder_layers} decoder layers, 2 inputs, a head) cannot fill {num_stages} stages")
+    bounds = split_bounds(spec, cluster, num_stages, split, layout.recompute)
+    return encdec_stage_costs(spec, cluster, layout, bounds, replicas)
+
+
+def _encdec_quick_bound(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str,
+                        result: Any = None) -> float:
+    """The cheap checks on the schedule's small program (peaks only grow with M), and the placement bound; the fullest
+    rank's memory lowers `result.least_memory` where given."""
+    if layout.tp != 1:
+        raise LayoutError("runtime: encoder-decoder stages are not tensor-parallel (models/hf/parallelize.py splits "
+                          "Llama-layout decoders only)")
+    if layout.dp * layout.microbatches * layout.microbatch != spec.global_batch:
+        raise LayoutError(f"batch: dp {layout.dp} × M {layout.microbatches} × microbatch {layout.microbatch} "
+                          f"!= global batch {spec.global_batch}")
+    program = layout_skeleton(layout)
+    stages = _encdec_stages(spec, cluster, layout, program.num_stages, program.num_replicas, split)
+    on_rank = stage_ranks(program)
+    at_least = [n * min((stages.activation[s] for s in on_rank[r]), default=0.0) for r, n in enumerate(program.peaks)]
+    fullest = _fullest(rank_memory(stages, layout, on_rank, at_least, program.peaks, program.split_backward))
+    if result is not None:
+        result.least_memory = min(result.least_memory, fullest.total)
+    if not is_searched(layout.schedule):  # a searched order's peaks come with the costs: checked in `_encdec_prepare`
+        _check_rank_memory(cluster, fullest, "at least ")
+    return placement_bound(program, stages.costs, layout.microbatches)
+
+
+def _encdec_prepare(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str) -> _EncDecPrepared:
+    """The compiled program's stage costs and every rank's memory, its activations walked over the program
+    (`live_peaks`); a `LayoutError` where a rank does not fit."""
+    P, M = layout.pp, layout.microbatches
+    if is_searched(layout.schedule):  # placed without its order: `live_peaks` searches it under the costs
+        program = layout_skeleton(layout)
+    else:
+        try:
+            program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+        except PipeDSLError as err:
+            raise LayoutError(f"schedule: {err.message}") from None
+    stages = _encdec_stages(spec, cluster, layout, program.num_stages, program.num_replicas, split)
+    on_rank = stage_ranks(program)
+    try:
+        peaks, live = live_peaks(layout.schedule, P, M, layout.params, stages.activation,
+                                 stages.costs.simulator_cost())
+    except PipeDSLError as err:
+        raise LayoutError(f"schedule: {err.message}") from None
+    ranks = tuple(rank_memory(stages, layout, on_rank, live, peaks, program.split_backward))
+    _check_rank_memory(cluster, _fullest(ranks))
+    return _EncDecPrepared(layout, stages, ranks, placement_bound(program, stages.costs, M), on_rank)
+
+
+def _encdec_finish(spec: EncDecSpec, cluster: ClusterSpec, prep: _EncDecPrepared, split: str) -> EncDecEstimate:
+    """The simulation, extended from `EXTEND_FROM`·P microbatches (unequal stages reach their steady state late)."""
+    layout, costs = prep.layout, prep.stages.costs
+    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, sharing(cluster, layout),
+                       EXTEND_FROM)
+    gpus, M = layout.gpus, layout.microbatches
+    mine = prep.on_rank[0]
+    comm = {"pp": 2 * M * len(mine) * costs.message if layout.pp > 1 else 0.0,
+            "dp": sum(costs.reduce[s] + costs.after_step[s] for s in mine),
+            "zero3": sum(M * costs.zero_gather[s] + costs.step_gather[s] for s in mine)}
+    return EncDecEstimate(layout, split, prep.stages.bounds, run.iteration, run.pipeline,
+                          spec.iteration_flops(layout.recompute) / run.iteration / gpus / 1e12,
+                          spec.iteration_flops("none") / run.iteration / gpus / cluster.peak_flops,
+                          _fullest(prep.ranks), prep.ranks,
+                          tuple(f + b for f, b in zip(costs.F, costs.B)), comm)
+
+
+def encdec_rank_key(e: EncDecEstimate) -> tuple[float, float, int]:
+    """Predicted time; equal times (to 9 digits: microbatch sizes at pp 1 differ by rounding only) by the fullest
+    GPU's memory, then by GPU count (as `rank_key`)."""
+    return (float(f"{e.iteration:.9g}"), e.memory.total, e.layout.gpus)
+
+
 class _Steps(NamedTuple):
     """One model kind's steps for one layout, as the search takes them: the cheap checks and the placement bound
     (`quick`), the compiled program's costs and memory (`prepare`), the simulation (`finish`)."""
@@ -439,12 +585,12 @@ class _Steps(NamedTuple):
 
 def _steps(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, split: str = "time",
            result: PlanResult | None = None) -> _Steps:
-    """`model`'s steps: a decoder's (dense or MoE) here; an encoder-decoder's (`encdec_cost`), its units split
-    `split`, the least memory of any candidate kept in `result`."""
+    """`model`'s steps: a decoder's (dense or MoE), or an encoder-decoder's (`_encdec_quick_bound`, `_encdec_prepare`,
+    `_encdec_finish`), its units split `split`, the least memory of any candidate kept in `result`."""
     if isinstance(model, EncDecSpec):
-        return _Steps(lambda lay: encdec_cost.quick_bound(model, cluster, lay, split, result),
-                      lambda lay: encdec_cost.prepare(model, cluster, lay, split),
-                      lambda prep: encdec_cost.finish(model, cluster, prep, split))
+        return _Steps(lambda lay: _encdec_quick_bound(model, cluster, lay, split, result),
+                      lambda lay: _encdec_prepare(model, cluster, lay, split),
+                      lambda prep: _encdec_finish(model, cluster, prep, split))
     return _Steps(lambda lay: _quick_bound(model, cluster, lay), lambda lay: _prepare(model, cluster, lay),
                   lambda prep: _finish(model, cluster, prep))
 
@@ -552,14 +698,14 @@ def rank_key(e: Estimate) -> tuple[float, float, int]:
 
 
 def _rank_key(model: ModelSpec | EncDecSpec) -> Callable[[Any], tuple[float, float, int]]:
-    """`model`'s ranking: `rank_key`, an encoder-decoder's `encdec_cost.rank_key` (times to 9 digits)."""
-    return encdec_cost.rank_key if isinstance(model, EncDecSpec) else rank_key
+    """`model`'s ranking: `rank_key`, an encoder-decoder's `encdec_rank_key` (times to 9 digits)."""
+    return encdec_rank_key if isinstance(model, EncDecSpec) else rank_key
 
 
 def search(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, top: int = 10,
            candidates: Sequence[Layout] | None = None, split: str = "time", **space) -> PlanResult:
     """Rank the layouts of a model of any kind (`candidates`, or `layouts(model, cluster, **space)`); the best `top`
-    exactly.  An encoder-decoder's units are split `split` ("time", "count" or "params", `encdec_cost`)."""
+    exactly.  An encoder-decoder's units are split `split` ("time", "count" or "params", `cost.split_bounds`)."""
     began = time.perf_counter()
     result = PlanResult(model, cluster)
     steps, key = _steps(model, cluster, split, result), _rank_key(model)

@@ -16,10 +16,13 @@ from torch import nn
 
 from pipedsl.cli import main
 from pipedsl.plan import Layout, cluster_preset, model_states
-from pipedsl.plan.encdec import ENCDEC_MODELS, EncDecSpec
-from pipedsl.plan.encdec_cost import EXTEND_FROM, encdec_stage_costs, live_peaks, split_bounds, stage_labels
+from pipedsl.plan.cost import encdec_stage_costs, split_bounds
+from pipedsl.plan.encdec import ENCDEC_MODELS
+from pipedsl.plan.model import EncDecSpec
 from pipedsl.plan.partition import balanced_sizes, even_sizes
-from pipedsl.plan.pipeline import _run_exact, program_peaks, run_pipeline
+from pipedsl.plan.pipeline import _run_exact, live_peaks, program_peaks, run_pipeline
+from pipedsl.plan.report import stage_labels
+from pipedsl.plan.search import EXTEND_FROM
 from pipedsl.plan.search import evaluate as encdec_evaluate
 from pipedsl.plan.search import search as encdec_search
 
@@ -275,7 +278,7 @@ def test_live_activations_weigh_each_stage_by_its_own_bytes():
 def test_unequal_stages_are_extended_from_where_the_simulation_is_periodic(name, gpus, layout):
     """Stages of unequal cost reach their steady state later: extended from 2P (`pipeline.run_pipeline`) these
     were 14 %, 2.2 % and 1.6 % fast and under the placement bound; from 8P they are the full simulation."""
-    from pipedsl.plan.encdec_cost import prepare as _prepare
+    from pipedsl.plan.search import _encdec_prepare as _prepare
 
     prep = _prepare(ENCDEC_MODELS[name], cluster_preset("a100-80gb").with_gpus(gpus), layout, "time")
     P, M = layout.pp, layout.microbatches
