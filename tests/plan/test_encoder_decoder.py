@@ -1,4 +1,4 @@
-"""The encoder-decoder planner (plan/encdec*.py) against its references: transformers' own mT5 modules for
+"""The planner on encoder-decoders (plan/model.py EncDecSpec, plan/cost.py, the mT5 presets in plan/encdec.py) against its references: transformers' own mT5 modules for
 parameters, FLOPs and saved activation bytes, hand counts of every matmul, the runtime's own unit splits
 (`seq2seq_stages`), the ZeRO formulas, and the CLI."""
 
