@@ -74,12 +74,10 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
     try:
         with torch.no_grad():
             device = next(model.parameters()).device
-            out = model(**{k: v.to(device) for k, v in model_inputs.items() if v is not None}, use_cache=False)
+            out = _model_forward(model, model_inputs, device)
             expected = out.logits.float()
-            x: Any = tuple(t.to(device) for t in stage_inputs)
             try:
-                for stage in stages:
-                    x = stage(*x) if isinstance(x, tuple) else stage(x)
+                x = _stage_chain(stages, stage_inputs, device)
             except Exception as err:  # noqa: BLE001 - whatever the layers refuse, said as the model's refusal
                 raise PipeRuntimeError(f"{who}: {name}'s layers fail when called as pipedsl's stages call them "
                                        f"({type(err).__name__}: {one_line(err, 200)}): its forward passes them "
@@ -117,6 +115,19 @@ def compare_with_model(model: nn.Module, stages: Sequence[nn.Module], stage_inpu
     return diff
 
 
+def _model_forward(model: nn.Module, model_inputs: dict, device: torch.device) -> Any:
+    """The model's own training forward (no KV cache) on `model_inputs`."""
+    return model(**{k: v.to(device) for k, v in model_inputs.items() if v is not None}, use_cache=False)
+
+
+def _stage_chain(stages: Sequence[nn.Module], stage_inputs: tuple, device: torch.device) -> Any:
+    """The stages called one after another, as the pipeline calls them; the last one's output."""
+    x: Any = tuple(t.to(device) for t in stage_inputs)
+    for stage in stages:
+        x = stage(*x) if isinstance(x, tuple) else stage(x)
+    return x
+
+
 def has_dropout(model: nn.Module) -> bool:
     """Whether training draws any dropout: a dropout module, or a probability its forward applies itself
     (`config.attention_dropout`, StarCoder2's `embedding_dropout`), above zero."""
@@ -140,12 +151,9 @@ def _compare_in_training(model: nn.Module, stages: Sequence[nn.Module], stage_in
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             device = next(model.parameters()).device
             torch.manual_seed(0)
-            expected = model(**{k: v.to(device) for k, v in model_inputs.items() if v is not None},
-                             use_cache=False).logits.float()
+            expected = _model_forward(model, model_inputs, device).logits.float()
             torch.manual_seed(0)
-            x: Any = tuple(t.to(device) for t in stage_inputs)
-            for stage in stages:
-                x = stage(*x) if isinstance(x, tuple) else stage(x)
+            x = _stage_chain(stages, stage_inputs, device)
             got = (x[0] if isinstance(x, tuple) else x).float()
     finally:
         for m, mode in modes:
