@@ -120,11 +120,16 @@ class _Prepared:
     layers: tuple[int, ...]
 
 
+def _check_batch(global_batch: int, layout: Layout) -> None:
+    """The global batch is dp × M × microbatch, for every model kind."""
+    if layout.dp * layout.microbatches * layout.microbatch != global_batch:
+        raise LayoutError(f"batch: dp {layout.dp} × M {layout.microbatches} × microbatch {layout.microbatch} "
+                          f"!= global batch {global_batch}")
+
+
 def _check_shape(model: ModelSpec, layout: Layout) -> None:
     t = layout.tp
-    if layout.dp * layout.microbatches * layout.microbatch != model.global_batch:
-        raise LayoutError(f"batch: dp {layout.dp} × M {layout.microbatches} × microbatch {layout.microbatch} "
-                        f"!= global batch {model.global_batch}")
+    _check_batch(model.global_batch, layout)
     if layout.tp_mode == "3d":
         q = tp_degree_3d(t)
         if q < 2:
@@ -499,8 +504,9 @@ def _check_rank_memory(cluster: ClusterSpec, memory: RankMemory, qualifier: str 
 def _encdec_stages(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, num_stages: int, replicas: int,
                    split: str) -> EncDecStages:
     """The layout's program stages, its units split `split`; a `LayoutError` where they are fewer than the stages."""
-    if num_stages > len(spec.units()):
-        raise LayoutError(f"split: {len(spec.units())} units ({spec.encoder_layers} encoder and "
+    units = len(spec.units())
+    if num_stages > units:
+        raise LayoutError(f"split: {units} units ({spec.encoder_layers} encoder and "
                           f"{spec.decoder_layers} decoder layers, 2 inputs, a head) cannot fill {num_stages} stages")
     bounds = split_bounds(spec, cluster, num_stages, split, layout.recompute)
     return encdec_stage_costs(spec, cluster, layout, bounds, replicas)
@@ -513,9 +519,7 @@ def _encdec_quick_bound(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, 
     if layout.tp != 1:
         raise LayoutError("runtime: encoder-decoder stages are not tensor-parallel (models/hf/parallelize.py splits "
                           "Llama-layout decoders only)")
-    if layout.dp * layout.microbatches * layout.microbatch != spec.global_batch:
-        raise LayoutError(f"batch: dp {layout.dp} × M {layout.microbatches} × microbatch {layout.microbatch} "
-                          f"!= global batch {spec.global_batch}")
+    _check_batch(spec.global_batch, layout)
     program = layout_skeleton(layout)
     stages = _encdec_stages(spec, cluster, layout, program.num_stages, program.num_replicas, split)
     on_rank = stage_ranks(program)
