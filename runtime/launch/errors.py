@@ -113,6 +113,14 @@ def first_failure(wait: float = 2.0) -> tuple[int, str] | None:
         return None
 
 
+def forget_failures(store: dist.Store) -> None:
+    """Clear the recorded failures, for a world that outlives a run (the test pool's `same_world`): the next run's
+    `first_failure` must not name a rank that failed in an earlier one."""
+    for n in range(1, store.add(_COUNT, 0) + 1):
+        store.delete_key(f"{_COUNT}/{n}")
+    store.delete_key(_COUNT)
+
+
 def failure_order(store: dist.Store) -> list[int]:
     """The ranks that recorded a failure of their own, first one first (the launcher reads its store)."""
     ranks: list[int] = []

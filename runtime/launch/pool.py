@@ -35,6 +35,8 @@ class WorkerError(PipeRuntimeError):
 def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
+
+    from pipedsl.runtime.launch.errors import forget_failures
     torch.set_num_threads(1)
     freeze_imports()  # torch's objects out of every collection (see `_release_groups`)
     while True:
@@ -52,6 +54,10 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
                 timeout = datetime.timedelta(seconds=timeout_s)
                 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the parent's
                 dist.init_process_group("gloo", store=store, rank=index, world_size=world, timeout=timeout)
+            else:  # the world's store outlives each run: this one starts with no failure recorded by an earlier one
+                if index == 0:
+                    forget_failures(dist.distributed_c10d._get_default_store())
+                dist.barrier()
             kept = _groups()
             try:
                 torch.manual_seed(1234 + index)

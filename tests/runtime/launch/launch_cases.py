@@ -50,3 +50,15 @@ def where_am_i(rank: int) -> dict:
 
     return {"rank": rank, "probe": os.environ.get("PIPEDSL_PROBE"), "cwd": os.getcwd(),
             "name": mp.current_process().name, "path_has_tests": any(p.endswith("launch") for p in sys.path)}
+
+
+def fail_and_read(rank: int, fail: bool) -> tuple[int, str] | None:
+    """With `fail`, rank 0 records a failure; then each rank reads the first failure recorded in its world."""
+    import torch.distributed as dist
+
+    from pipedsl.runtime.launch.errors import first_failure, record_failure
+
+    if fail and rank == 0:
+        record_failure(0, "rank 0's own failure")
+    dist.barrier()
+    return first_failure(wait=0.0)
