@@ -64,7 +64,6 @@ _OPTIMIZER_STATE = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
 
 # the ZeRO paper's accounting (the planner's default): the per-parameter constants other modules use
 PARAM_BYTES = ZERO_PAPER.param
-GRAD_BYTES = ZERO_PAPER.grad
 OPTIMIZER_BYTES = ZERO_PAPER.main + ZERO_PAPER.optimizer  # the ZeRO paper's K
 
 

@@ -312,11 +312,6 @@ class ModelSpec:
         return (self.layer_params - dense_mlp + self.moe_layer_expert_params
                 + self.shared_experts * self.shared_expert_params + self.router_params)
 
-    @property
-    def moe_layer_active_params(self) -> int:
-        """One MoE block as one token uses it: k experts instead of E."""
-        return self.moe_layer_params - (self.experts - self.top_k) * self.expert_params
-
     def block_params(self, moe: bool = False) -> int:
         return self.moe_layer_params if moe else self.layer_params
 
@@ -336,11 +331,6 @@ class ModelSpec:
     def active_params(self) -> int:
         """Parameters one token uses: the total less the E − k routed experts it skips in each MoE layer."""
         return self.params - self.moe_layers * (self.experts - self.top_k) * self.expert_params
-
-    @property
-    def expert_params_total(self) -> int:
-        """Every routed expert of every MoE layer: the parameters ep shards."""
-        return self.moe_layers * self.moe_layer_expert_params
 
     @property
     def active_matmul_params(self) -> int:
