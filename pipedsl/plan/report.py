@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.cost import SPLITS
-from pipedsl.plan.model import EncDecSpec, Unit
+from pipedsl.plan.model import EncDecSpec, PlannedModel, Unit
 from pipedsl.plan.search import TIES, Estimate, LayoutError, PlanResult, evaluate
 from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, Units, add_columns, scaled
 
@@ -33,14 +33,17 @@ def train_split(layers: tuple[int, ...]) -> str:
 
 class _Kind(NamedTuple):
     """What a model kind (`PlannedModel.kind`) changes in the printout: the console's width, the header (and whether
-    it is Rich markup), the table's title, its columns (`leading`: right after the layout), what follows it."""
+    it is Rich markup), the table's title, the columns `_columns` adds (`leading`: right after the layout; `live`:
+    the peak's live count and the memory balance; `buffers`: ZeRO's step buffers on every table, not only where a
+    row has them), what follows the table."""
 
     width: int
     header: Callable[[Any, ClusterSpec], str]
     markup: bool
     title: str
-    columns: Callable[[Any, Sequence[Estimate]], list[Column]]
     leading: list[tuple[str, Callable[[Estimate], str]]]
+    live: bool
+    buffers: bool
     details: Callable[[PlanResult, Any], None]
 
 
@@ -58,7 +61,7 @@ def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
     table.add_column("layout")
     for head, _ in kind.leading:
         table.add_column(head)
-    shown = add_columns(table, kind.columns(result.model, rows), rows)
+    shown = add_columns(table, _columns(result.model, rows, kind.live, kind.buffers), rows)
     for i, e in enumerate(rows):
         table.add_row(str(i + 1), str(e.layout), *(value(e) for _, value in kind.leading), *(v[i] for v in shown))
     console.print(table)
@@ -93,7 +96,10 @@ def _decoder_header(m: Any, c: ClusterSpec) -> str:
             f"{scaled(c.memory, BYTES)})")
 
 
-def _decoder_columns(m: Any, rows: Sequence[Any]) -> list[Column]:
+def _columns(m: PlannedModel, rows: Sequence[Estimate], live: bool, buffers: bool) -> list[Column]:
+    """Every model kind's columns: time, throughput, the fullest GPU's memory, each communication its model has
+    (`comm_kinds`; MoE all-to-alls with their share), where `pipedsl train --split` cuts an uneven split; `live`,
+    `buffers`: `_Kind`'s."""
     columns: list[Column] = [
         ("iteration {}", SECONDS, lambda e: e.iteration),
         ("{}/GPU", FLOPS, lambda e: e.tflops * 1e12),
@@ -103,11 +109,12 @@ def _decoder_columns(m: Any, rows: Sequence[Any]) -> list[Column]:
         ("grads {}", BYTES, lambda e: e.memory.states.grads),
         ("optim {}", BYTES, lambda e: e.memory.states.optimizer),
         ("activ {}", BYTES, lambda e: e.memory.activations),
-        ("peak live", None, lambda e: str(e.memory.peak_live)),
-        ("mem balance", None, lambda e: f"{e.memory_balance:.2f}"),  # the lightest pipeline rank's peak / fullest's
-        *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("tp", "pp", "dp", "zero3")),
     ]
-    if any(e.layout.zero >= 2 for e in rows):  # ZeRO's buffers held during the step beyond the states' shards
+    if live:
+        columns += [("peak live", None, lambda e: str(e.memory.peak_live)),
+                    ("mem balance", None, lambda e: f"{e.memory_balance:.2f}")]  # the lightest rank's peak / fullest's
+    columns += [(f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in m.comm_kinds if kind != "ep"]
+    if buffers or any(e.layout.zero >= 2 for e in rows):  # ZeRO's buffers held during the step beyond the shards
         at = [header for header, *_ in columns].index("activ {}")
         columns[at:at] = [("grad buffer {}", BYTES, lambda e: e.memory.gradient_buffer),
                           ("gathered {}", BYTES, lambda e: e.memory.gathered)]
@@ -127,22 +134,6 @@ def encdec_header(spec: EncDecSpec, cluster: ClusterSpec) -> str:
             f"{spec.global_batch} — on {cluster.gpus} × {cluster.name} ({cluster.gpus_per_node}/node, "
             f"{scaled(cluster.peak_flops, FLOPS)}, {scaled(cluster.memory, BYTES)}); bf16 parameters, fp32 main "
             f"parameters and Adam, tp 1, eager attention")
-
-
-def _encdec_columns() -> list[Column]:
-    return [
-        ("iteration {}", SECONDS, lambda e: e.iteration),
-        ("{}/GPU", FLOPS, lambda e: e.tflops * 1e12),
-        ("MFU", None, lambda e: f"{e.mfu:.1%}"),
-        ("memory {}", BYTES, lambda e: e.memory.total),
-        ("params {}", BYTES, lambda e: e.memory.states.params),
-        ("grads {}", BYTES, lambda e: e.memory.states.grads),
-        ("optim {}", BYTES, lambda e: e.memory.states.optimizer),
-        ("grad buffer {}", BYTES, lambda e: e.memory.gradient_buffer),
-        ("gathered {}", BYTES, lambda e: e.memory.gathered),
-        ("activ {}", BYTES, lambda e: e.memory.activations),
-        *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("pp", "dp", "zero3")),
-    ]
 
 
 def _print_encdec_details(result: PlanResult, console: Any) -> None:
@@ -218,12 +209,12 @@ def print_other_splits(e: Any, spec: EncDecSpec, cluster: ClusterSpec, console: 
 
 
 _KINDS = {
-    "decoder": _Kind(240, _decoder_header, True, "pipeline simulated on each schedule's compiled program",
-                     _decoder_columns, [], lambda result, console: None),
+    "decoder": _Kind(240, _decoder_header, True, "pipeline simulated on each schedule's compiled program", [],
+                     live=True, buffers=False, details=lambda result, console: None),
     "encoder-decoder": _Kind(200, encdec_header, False,
                              "units split by the planner's balanced DP: seq2seq_stages(points=…)",
-                             lambda spec, rows: _encdec_columns(),
-                             [("points", lambda e: ",".join(map(str, e.points)) or "-")], _print_encdec_details),
+                             [("points", lambda e: ",".join(map(str, e.points)) or "-")], live=False, buffers=True,
+                             details=_print_encdec_details),
 }
 
 
