@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import accumulate
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.ir import Program
@@ -520,7 +520,7 @@ def _encdec_stages(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, num_s
 
 
 def _encdec_quick_bound(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str,
-                        result: Any = None) -> float:
+                        result: PlanResult | None = None) -> float:
     """The cheap checks on the schedule's small program (peaks only grow with M), and the placement bound; the fullest
     rank's memory lowers `result.least_memory` where given."""
     if layout.tp != 1:
