@@ -14,7 +14,7 @@ from pipedsl.plan.activations import LAYOUTS, RECOMPUTE_MODES
 from pipedsl.plan.cluster import CLUSTERS, GB, ClusterSpec, cluster_preset
 from pipedsl.plan.cost import SPLITS
 from pipedsl.plan.encdec import ENCDEC_MODELS, MT5_BATCH, MT5_SOURCE, MT5_TARGET
-from pipedsl.plan.model import ENCDEC_RECOMPUTE, MODELS, EncDecSpec, ModelSpec, model_preset
+from pipedsl.plan.model import ENCDEC_RECOMPUTE, MODELS, EncDecSpec, ModelSpec, PlannedModel, model_preset
 from pipedsl.plan.report import assumptions, print_result, zero_table_markdown
 from pipedsl.plan.search import search, zero_table
 from pipedsl.plan.units import FLOPS, SECONDS, scaled
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         cluster, space = _encdec_space(args)
         if args.mt5_table:
             return _print_zero_table(args, cluster, space)
-        model: ModelSpec | EncDecSpec = encdec_from_args(args, args.model)
+        model: PlannedModel = encdec_from_args(args, args.model)
     else:
         model, cluster = _decoder(args)
         if args.scaling:
@@ -260,7 +260,7 @@ def _gpu_counts(text: str) -> tuple[int, ...]:
 
 def _encdec_space(args: argparse.Namespace) -> tuple[ClusterSpec, dict]:
     """The cluster and `search`'s space for an encoder-decoder (or `--mt5-table`'s): what the runtime runs for one
-    (`search.ENCDEC_SPACE`), narrowed by the options; the options it cannot run are one error."""
+    (`EncDecSpec.space`), narrowed by the options; the options it cannot run are one error."""
     if args.attention in ("fused", "both"):
         raise PipeDSLError("plan: encoder-decoders are planned with eager attention (T5's relative position bias is "
                            "added to the stored scores)")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pipedsl.plan.config import Layout
@@ -64,7 +64,6 @@ _OPTIMIZER_STATE = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
 
 # the ZeRO paper's accounting (the planner's default): the per-parameter constants other modules use
 PARAM_BYTES = ZERO_PAPER.param
-GRAD_BYTES = ZERO_PAPER.grad
 OPTIMIZER_BYTES = ZERO_PAPER.main + ZERO_PAPER.optimizer  # the ZeRO paper's K
 
 
@@ -134,6 +133,15 @@ class MemoryReport:
     def total(self) -> float:
         return self.states.total + self.gradient_buffer + self.gathered + self.activations
 
+    def describe(self) -> str:
+        """The out-of-memory message's account of the total: ZeRO's buffers named only where there are any."""
+        gb, st = 1e9, self.states
+        during = "".join(f"{name} {value / gb:.1f}, " for name, value in (("gradient buffer", self.gradient_buffer),
+                                                                           ("gathered parameters", self.gathered))
+                         if value)
+        return (f" (params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer {st.optimizer / gb:.1f}, "
+                f"{during}activations {self.activations / gb:.1f} for {self.peak_live} live)")
+
 
 @dataclass(frozen=True)
 class RankMemory:
@@ -152,6 +160,29 @@ class RankMemory:
     @property
     def total(self) -> float:
         return self.states.total + self.gradient_buffer + self.gathered + self.activations
+
+    def describe(self) -> str:
+        """The out-of-memory message's account of the total: which rank, and every part of it."""
+        gb, st = 1e9, self.states
+        return (f" on rank {self.rank} (params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer "
+                f"{st.optimizer / gb:.1f}, gradient buffer {self.gradient_buffer / gb:.1f}, gathered "
+                f"{self.gathered / gb:.1f}, activations {self.activations / gb:.1f} for {self.peak_live:g} live)")
+
+
+class PeakMemory(Protocol):
+    """What the search, its ranking and the printer read of a rank's peak, whichever way it was counted: a decoder's
+    `MemoryReport` (its activations from the schedule's live microbatch count) or an encoder-decoder's `RankMemory`
+    (its activations walked over the program)."""
+
+    states: ModelStates
+    gradient_buffer: float
+    gathered: float
+    activations: float
+
+    @property
+    def total(self) -> float: ...
+
+    def describe(self) -> str: ...
 
 
 def rank_memory(stages: EncDecStages, layout: Layout, on_rank: dict[int, list[int]], live_bytes: Sequence[float],

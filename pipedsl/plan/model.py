@@ -1,5 +1,6 @@
 """Transformer models as the planner sees them: sizes, parameters, FLOPs and activation bytes — decoders
-(`ModelSpec`) and encoder-decoders (`EncDecSpec`, its units those `seq2seq_stages` spreads over the stages).
+(`ModelSpec`) and encoder-decoders (`EncDecSpec`, its units those `seq2seq_stages` spreads over the stages), both
+read by the planner through one protocol (`PlannedModel`).
 
 Two layouts, because the runtime runs two kinds of decoder (and their tensor parallelism differs):
 - "gpt": Megatron's GPT, pipedsl's built-in GPT (`models/gpt/model.py`, `models/gpt/parallelize.py`): 4h GeLU
@@ -96,16 +97,47 @@ saves, every tensor once — tests/plan/test_encoder_decoder.py counts them on t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Protocol
 
 from pipedsl.errors import PipeDSLError
 from pipedsl.limits import MAX_PLAN_SIZE, shorten
-from pipedsl.plan.activations import LAYOUTS, layer_activation_bytes, layer_w_held_bytes
+from pipedsl.plan.activations import LAYOUTS, RECOMPUTE_MODES, layer_activation_bytes, layer_w_held_bytes
 
 BYTES_FP16 = 2
 BYTES_BF16 = 2
 FP32 = 4
 ID_BYTES = 8  # int64 token ids, kept by an embedding for its backward
 ENCDEC_RECOMPUTE = ("none", "full")  # what the runtime recomputes in an encoder-decoder: whole layers or none
+
+
+class PlannedModel(Protocol):
+    """A model as the planner reads it, whatever its kind (`ModelSpec`: decoders, dense and MoE; `EncDecSpec`:
+    encoder-decoders): one search (`plan/search.py`), one printer (`plan/report.py`) and one CLI take either through
+    these names; what differs between the kinds is data here (`kind`, `space`, `comm_kinds`), not a type test."""
+
+    name: str
+    global_batch: int  # samples per iteration
+    kind: ClassVar[str]  # "decoder" or "encoder-decoder": how its stages are costed (search) and printed (report)
+    space: ClassVar[dict[str, Any]]  # `search.layouts`' defaults for the options not given
+    comm_kinds: ClassVar[tuple[str, ...]]  # the communication an estimate reports, per iteration on rank 0
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def moe(self) -> bool: ...
+
+    @property
+    def experts(self) -> int: ...
+
+    @property
+    def params(self) -> int: ...
+
+    def with_batch(self, global_batch: int) -> PlannedModel: ...
+
+    def describe(self) -> str: ...
+
+    def iteration_flops(self, recompute: str = "none", fused: bool = False) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -147,6 +179,13 @@ class ModelSpec:
     shared_ffn: int = 0  # f_s, one shared expert's width (0: f_e)
     dense_layers: int = 0  # the first layers keep the dense MLP of width `ffn` (DeepSeek-V3: 3)
     mla: MLA | None = None  # multi-head latent attention instead of Q/K/V projections (DeepSeek-V3)
+    kind: ClassVar[str] = "decoder"
+    # every option the runtime runs a decoder with (tp: every divisor of the GPUs up to a node; attention: the
+    # cluster's kernel; schedules: every built-in but the searched ones, which need the stage costs to compile)
+    space: ClassVar[dict[str, Any]] = {"recompute": RECOMPUTE_MODES, "tp_modes": ("1d", "3d"),
+                                       "sequence_parallel": (False, True), "splits": ("even", "balanced")}
+    # what the planner reports a layout's rank 0 communicates: tensor and expert parallelism besides the pipeline's
+    comm_kinds: ClassVar[tuple[str, ...]] = ("tp", "pp", "dp", "zero3", "ep")
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -312,11 +351,6 @@ class ModelSpec:
         return (self.layer_params - dense_mlp + self.moe_layer_expert_params
                 + self.shared_experts * self.shared_expert_params + self.router_params)
 
-    @property
-    def moe_layer_active_params(self) -> int:
-        """One MoE block as one token uses it: k experts instead of E."""
-        return self.moe_layer_params - (self.experts - self.top_k) * self.expert_params
-
     def block_params(self, moe: bool = False) -> int:
         return self.moe_layer_params if moe else self.layer_params
 
@@ -336,11 +370,6 @@ class ModelSpec:
     def active_params(self) -> int:
         """Parameters one token uses: the total less the E − k routed experts it skips in each MoE layer."""
         return self.params - self.moe_layers * (self.experts - self.top_k) * self.expert_params
-
-    @property
-    def expert_params_total(self) -> int:
-        """Every routed expert of every MoE layer: the parameters ep shards."""
-        return self.moe_layers * self.moe_layer_expert_params
 
     @property
     def active_matmul_params(self) -> int:
@@ -432,6 +461,9 @@ class ModelSpec:
     def with_batch(self, global_batch: int) -> ModelSpec:
         return replace(self, global_batch=global_batch)
 
+    def describe(self) -> str:
+        return f"{self.layers} layers, h={self.hidden}, a={self.heads}, s={self.seq}, V={self.vocab}"
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -481,6 +513,16 @@ class EncDecSpec:
     tied_head: bool = False  # mT5 and T5 v1.1: an untied lm_head; T5 v1.0 ties it to the embedding
     buckets: int = 32  # relative position buckets (a B×a table in each stack's first layer)
     value_bytes: int = BYTES_BF16
+    kind: ClassVar[str] = "encoder-decoder"
+    # What the runtime runs for a Hugging Face encoder-decoder, where a decoder's space is wider: tp 1
+    # (`parallel/tp_hf.py` splits Llama-layout decoders only), eager attention (T5's relative position bias is added
+    # to the stored scores), recomputation none or full (per layer), every built-in schedule (the searched ones
+    # too, `searched`), recomputation only among its defaults (`recompute_only`); its units are split by
+    # `search(split=…)`.
+    space: ClassVar[dict[str, Any]] = {"tp": (1,), "tp_modes": ("1d",), "sequence_parallel": (False,),
+                                       "attention": ("eager",), "splits": ("even",), "recompute": ENCDEC_RECOMPUTE,
+                                       "recompute_only": True, "searched": True}
+    comm_kinds: ClassVar[tuple[str, ...]] = ("pp", "dp", "zero3")  # tp 1, no experts: the pipeline's and dp's only
 
     def __post_init__(self) -> None:
         for field_name in ("encoder_layers", "decoder_layers", "d_model", "heads", "d_kv", "d_ff", "vocab", "source",
@@ -505,6 +547,10 @@ class EncDecSpec:
     def moe(self) -> bool:
         """No Mixture-of-Experts layers: the search's expert-parallel degree is 1."""
         return False
+
+    @property
+    def experts(self) -> int:
+        return 0
 
     # ------------------------------------------------------------ parameters
 
@@ -565,9 +611,9 @@ class EncDecSpec:
         return (self.encoder_layers * self.encoder_layer_flops(samples)
                 + self.decoder_layers * self.decoder_layer_flops(samples) + self.head_flops(samples))
 
-    def iteration_flops(self, recompute: str = "none") -> float:
+    def iteration_flops(self, recompute: str = "none", fused: bool = False) -> float:
         """One iteration of the global batch: forward + backward (2× forward), and with full recomputation one
-        more forward of every layer."""
+        more forward of every layer (`fused` as a decoder's takes it: encoder-decoders run eager attention)."""
         B = self.global_batch
         layers = self.encoder_layers * self.encoder_layer_flops(B) + self.decoder_layers * self.decoder_layer_flops(B)
         return 3 * self.forward_flops(B) + (layers if recompute == "full" else 0.0)

@@ -2,18 +2,19 @@
 encoder-decoder's stages and ranks, and `--mt5-table`'s Markdown.
 
 A model kind changes only the header, the columns and what follows the table (an encoder-decoder's
-stages, the runtime's own splits of its best layout); the table and the rejections are printed alike."""
+stages, the runtime's own splits of its best layout), each kind's in one `_Kind` record (`_KINDS`, keyed by
+`PlannedModel.kind`); the table and the rejections are printed alike."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.cost import SPLITS
-from pipedsl.plan.model import EncDecSpec, Unit
-from pipedsl.plan.search import TIES, LayoutError, evaluate
+from pipedsl.plan.model import EncDecSpec, PlannedModel, Unit
+from pipedsl.plan.search import TIES, Estimate, LayoutError, PlanResult, evaluate
 from pipedsl.plan.units import BYTES, COUNT, FLOPS, SECONDS, Units, add_columns, scaled
 
 GB = 1e9
@@ -30,37 +31,45 @@ def train_split(layers: tuple[int, ...]) -> str:
     return ",".join(str(1 + sum(layers[:k])) for k in range(1, len(layers)))
 
 
-def print_result(result: Any, rejected_examples: int = 8) -> None:
+class _Kind(NamedTuple):
+    """What a model kind (`PlannedModel.kind`) changes in the printout: the console's width, the header (and whether
+    it is Rich markup), the table's title, the columns `_columns` adds (`leading`: right after the layout; `live`:
+    the peak's live count and the memory balance; `buffers`: ZeRO's step buffers on every table, not only where a
+    row has them), what follows the table."""
+
+    width: int
+    header: Callable[[Any, ClusterSpec], str]
+    markup: bool
+    title: str
+    leading: list[tuple[str, Callable[[Estimate], str]]]
+    live: bool
+    buffers: bool
+    details: Callable[[PlanResult, Any], None]
+
+
+def print_result(result: PlanResult, rejected_examples: int = 8) -> None:
     """The ranked table of a `search` result (any model kind), what the kind adds after it, and the rejections."""
     from rich.console import Console
     from rich.table import Table
 
-    encdec = isinstance(result.model, EncDecSpec)
-    console = Console(width=200 if encdec else 240)
-    if encdec:
-        console.print(encdec_header(result.model, result.cluster), markup=False)
-        title = "units split by the planner's balanced DP: seq2seq_stages(points=…)"
-        columns, leading = _encdec_columns(), [("points", lambda e: ",".join(map(str, e.points)) or "-")]
-    else:
-        console.print(_decoder_header(result.model, result.cluster))
-        title = "pipeline simulated on each schedule's compiled program"
-        columns, leading = _decoder_columns(result.model, result.ranked), []
-    table = Table(title=f"ranked by predicted iteration time; {TIES} ({title})")
+    kind = _KINDS[result.model.kind]
+    console = Console(width=kind.width)
+    console.print(kind.header(result.model, result.cluster), markup=kind.markup)
+    table = Table(title=f"ranked by predicted iteration time; {TIES} ({kind.title})")
     rows = result.ranked
     table.add_column("#", justify="right")
     table.add_column("layout")
-    for head, _ in leading:
+    for head, _ in kind.leading:
         table.add_column(head)
-    shown = add_columns(table, columns, rows)
+    shown = add_columns(table, _columns(result.model, rows, kind.live, kind.buffers), rows)
     for i, e in enumerate(rows):
-        table.add_row(str(i + 1), str(e.layout), *(value(e) for _, value in leading), *(v[i] for v in shown))
+        table.add_row(str(i + 1), str(e.layout), *(value(e) for _, value in kind.leading), *(v[i] for v in shown))
     console.print(table)
-    if encdec:
-        _print_encdec_details(result, console)
+    kind.details(result, console)
     print_rejections(result, rejected_examples, console)
 
 
-def print_rejections(result: Any, examples: int, console: Any) -> None:
+def print_rejections(result: PlanResult, examples: int, console: Any) -> None:
     """The search's counts (simulated, pruned, rejected by kind of reason) and up to `examples` rejected layouts,
     shared among the kinds of reason."""
     kinds = Counter(r.reason.split(":")[0] for r in result.rejected)
@@ -81,13 +90,16 @@ def print_rejections(result: Any, examples: int, console: Any) -> None:
 def _decoder_header(m: Any, c: ClusterSpec) -> str:
     moe = (f"{scaled(m.active_params, COUNT, '')} active, {m.experts} experts top-{m.top_k}"
            + (f" + {m.shared_experts} shared" if m.shared_experts else "") + ", ") if m.moe else ""
-    return (f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters ({moe}{m.layout} layout), {m.layers} "
-            f"layers, h={m.hidden}, a={m.heads}, s={m.seq}, V={m.vocab}, batch {m.global_batch} — on "
+    return (f"[bold]{m.name}[/]: {scaled(m.params, COUNT, '')} parameters ({moe}{m.layout} layout), "
+            f"{m.describe()}, batch {m.global_batch} — on "
             f"{c.gpus} × {c.name} ({c.gpus_per_node}/node, {scaled(c.peak_flops, FLOPS)}, "
             f"{scaled(c.memory, BYTES)})")
 
 
-def _decoder_columns(m: Any, rows: Sequence[Any]) -> list[Column]:
+def _columns(m: PlannedModel, rows: Sequence[Estimate], live: bool, buffers: bool) -> list[Column]:
+    """Every model kind's columns: time, throughput, the fullest GPU's memory, each communication its model has
+    (`comm_kinds`; MoE all-to-alls with their share), where `pipedsl train --split` cuts an uneven split; `live`,
+    `buffers`: `_Kind`'s."""
     columns: list[Column] = [
         ("iteration {}", SECONDS, lambda e: e.iteration),
         ("{}/GPU", FLOPS, lambda e: e.tflops * 1e12),
@@ -97,11 +109,12 @@ def _decoder_columns(m: Any, rows: Sequence[Any]) -> list[Column]:
         ("grads {}", BYTES, lambda e: e.memory.states.grads),
         ("optim {}", BYTES, lambda e: e.memory.states.optimizer),
         ("activ {}", BYTES, lambda e: e.memory.activations),
-        ("peak live", None, lambda e: str(e.memory.peak_live)),
-        ("mem balance", None, lambda e: f"{e.memory_balance:.2f}"),  # the lightest pipeline rank's peak / fullest's
-        *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("tp", "pp", "dp", "zero3")),
     ]
-    if any(e.layout.zero >= 2 for e in rows):  # ZeRO's buffers held during the step beyond the states' shards
+    if live:
+        columns += [("peak live", None, lambda e: str(e.memory.peak_live)),
+                    ("mem balance", None, lambda e: f"{e.memory_balance:.2f}")]  # the lightest rank's peak / fullest's
+    columns += [(f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in m.comm_kinds if kind != "ep"]
+    if buffers or any(e.layout.zero >= 2 for e in rows):  # ZeRO's buffers held during the step beyond the shards
         at = [header for header, *_ in columns].index("activ {}")
         columns[at:at] = [("grad buffer {}", BYTES, lambda e: e.memory.gradient_buffer),
                           ("gathered {}", BYTES, lambda e: e.memory.gathered)]
@@ -123,23 +136,7 @@ def encdec_header(spec: EncDecSpec, cluster: ClusterSpec) -> str:
             f"parameters and Adam, tp 1, eager attention")
 
 
-def _encdec_columns() -> list[Column]:
-    return [
-        ("iteration {}", SECONDS, lambda e: e.iteration),
-        ("{}/GPU", FLOPS, lambda e: e.tflops * 1e12),
-        ("MFU", None, lambda e: f"{e.mfu:.1%}"),
-        ("memory {}", BYTES, lambda e: e.memory.total),
-        ("params {}", BYTES, lambda e: e.memory.states.params),
-        ("grads {}", BYTES, lambda e: e.memory.states.grads),
-        ("optim {}", BYTES, lambda e: e.memory.states.optimizer),
-        ("grad buffer {}", BYTES, lambda e: e.memory.gradient_buffer),
-        ("gathered {}", BYTES, lambda e: e.memory.gathered),
-        ("activ {}", BYTES, lambda e: e.memory.activations),
-        *((f"{kind} {{}}", SECONDS, lambda e, kind=kind: e.comm[kind]) for kind in ("pp", "dp", "zero3")),
-    ]
-
-
-def _print_encdec_details(result: Any, console: Any) -> None:
+def _print_encdec_details(result: PlanResult, console: Any) -> None:
     """After the table: the best layout's stages, ranks and other splits, or the least memory nothing fitted in."""
     spec, cluster = result.model, result.cluster
     if result.ranked:
@@ -209,6 +206,16 @@ def print_other_splits(e: Any, spec: EncDecSpec, cluster: ClusterSpec, console: 
                      f"slowest stage {scaled(max(other.stage_seconds), SECONDS)}, fullest GPU "
                      f"{other.memory.total / GB:.1f} GB)")
     console.print("the same layout split as the runtime would: " + "; ".join(parts), markup=False)
+
+
+_KINDS = {
+    "decoder": _Kind(240, _decoder_header, True, "pipeline simulated on each schedule's compiled program", [],
+                     live=True, buffers=False, details=lambda result, console: None),
+    "encoder-decoder": _Kind(200, encdec_header, False,
+                             "units split by the planner's balanced DP: seq2seq_stages(points=…)",
+                             [("points", lambda e: ",".join(map(str, e.points)) or "-")], live=False, buffers=True,
+                             details=_print_encdec_details),
+}
 
 
 # ------------------------------------------------------------------ --mt5-table

@@ -9,7 +9,9 @@ or fused).  Cheap checks reject first (divisibility, what the runtime can run fo
 bound — the busiest rank's compute plus its optimizer step, which no schedule can beat — and are
 simulated best bound first until the bound exceeds the `top`-th best simulated time: the ranking
 of the top is exact, the rest are counted as pruned.  An encoder-decoder takes the same steps with its
-units split `split` (`cost.split_bounds`) and each rank's memory walked over the program (`RankMemory`).
+units split `split` (`cost.split_bounds`) and each rank's memory walked over the program (`RankMemory`); every
+kind's prepared layout (`_Prepared`) is simulated alike (`_finish`), checked against the memory by one test
+(`_check_memory`, each kind's record saying what its total holds) and ranked by one key (`rank_key`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import accumulate
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from pipedsl.errors import PipeDSLError
+from pipedsl.ir import Program
 from pipedsl.library import builtin_names, load
 from pipedsl.limits import MAX_BALANCED_LAYERS
-from pipedsl.plan.activations import RECOMPUTE_MODES
 from pipedsl.plan.cluster import ClusterSpec
 from pipedsl.plan.config import Layout, LayoutError, resharded_to_fit
 from pipedsl.plan.cost import (
@@ -39,10 +41,20 @@ from pipedsl.plan.cost import (
     tp_degree_3d,
     unit_pair,
 )
-from pipedsl.plan.memory import MemoryReport, RankMemory, model_states, moe_model_states, rank_memory, state_bytes
-from pipedsl.plan.model import ENCDEC_RECOMPUTE, EncDecSpec, ModelSpec
+from pipedsl.plan.memory import (
+    MemoryReport,
+    PeakMemory,
+    RankMemory,
+    model_states,
+    moe_model_states,
+    rank_memory,
+    state_bytes,
+)
+from pipedsl.plan.model import EncDecSpec, ModelSpec, PlannedModel
 from pipedsl.plan.partition import even_sizes
 from pipedsl.plan.pipeline import (
+    M_CAP_FACTOR,
+    Skeleton,
     compiled,
     is_searched,
     layout_skeleton,
@@ -67,22 +79,40 @@ MICROBATCH_SIZES = (1, 2, 4, 8)
 
 @dataclass(frozen=True)
 class Estimate:
-    """A simulated layout: time, throughput, memory of its fullest GPU, communication per kind."""
+    """A simulated layout of any model kind: time, throughput, every pipeline rank's peak memory (the fullest's
+    apart: the ranking's tie-break), communication per kind, and where the model was cut into stages."""
 
     layout: Layout
     iteration: float  # seconds
     pipeline: float  # the simulated pipeline makespan (without the exposed reduction and the step)
     tflops: float  # hardware TFLOP/s per GPU, SC'21's count (the recomputed forward included)
     mfu: float  # model FLOPs (no recomputation) / (time · peak)
-    memory: MemoryReport
-    comm: dict[str, float]  # seconds per iteration on the busiest rank: tp, pp, dp, zero3, ep (MoE all-to-alls)
-    rank_memory: tuple[float, ...] = ()  # each pipeline rank's peak bytes (states + activations)
-    layers: tuple[int, ...] = ()  # the decoder layers of each program stage
+    memory: PeakMemory  # the fullest rank's
+    comm: dict[str, float]  # seconds per iteration on rank 0, the kinds its model has (`spec.comm_kinds`)
+    ranks: tuple[PeakMemory, ...] = ()  # each pipeline rank's peak (states + step buffers + activations), by rank
+    stage_seconds: tuple[float, ...] = ()  # F + B of one microbatch, per program stage
+    layers: tuple[int, ...] = ()  # a decoder's: its layers on each program stage
+    split: str = ""  # an encoder-decoder's: how its units were split ("time", "count" or "params")
+    bounds: tuple[int, ...] = ()  # an encoder-decoder's: the unit bounds of the program stages
+
+    @property
+    def rank_memory(self) -> tuple[float, ...]:
+        """Each pipeline rank's peak bytes."""
+        return tuple(m.total for m in self.ranks)
 
     @property
     def memory_balance(self) -> float:
         """The lightest pipeline rank's peak over the fullest's (1: even)."""
-        return min(self.rank_memory) / max(self.rank_memory) if self.rank_memory else 1.0
+        totals = self.rank_memory
+        return min(totals) / max(totals) if totals else 1.0
+
+    @property
+    def points(self) -> tuple[int, ...]:
+        """An encoder-decoder's `seq2seq_stages(model, n, points=…)` for this split: where stages 1 … n−1 begin."""
+        return tuple(self.bounds[1:-1])
+
+
+EncDecEstimate = Estimate  # the name an encoder-decoder's estimate had
 
 
 @dataclass(frozen=True)
@@ -93,12 +123,12 @@ class Rejected:
 
 @dataclass
 class PlanResult:
-    """What `search` found for a model of any kind: the ranked estimates (`Estimate`, or an encoder-decoder's
-    `EncDecEstimate`), the rejected layouts with their reasons, how many were pruned and simulated."""
+    """What `search` found for a model of any kind: the ranked estimates, the rejected layouts with their reasons,
+    how many were pruned and simulated."""
 
-    model: ModelSpec | EncDecSpec
+    model: PlannedModel
     cluster: ClusterSpec
-    ranked: list[Any] = field(default_factory=list)
+    ranked: list[Estimate] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     pruned: int = 0
     simulated: int = 0
@@ -111,13 +141,18 @@ class PlanResult:
 
 @dataclass(frozen=True)
 class _Prepared:
+    """A layout's compiled program priced, every rank's memory checked: what the simulation (`_finish`) needs."""
+
     layout: Layout
     costs: StageCosts
-    memory: MemoryReport
-    bound: float
+    memory: PeakMemory  # the fullest rank's
+    ranks: tuple[PeakMemory, ...]  # by pipeline rank
+    bound: float  # the placement bound: the busiest rank's compute and step
     on_rank: dict[int, list[int]]
-    rank_memory: tuple[float, ...]
-    layers: tuple[int, ...]
+    extend_from: int = M_CAP_FACTOR  # × P microbatches: where `run_pipeline` starts its linear extension
+    layers: tuple[int, ...] = ()  # a decoder's: its layers on each program stage
+    stages: EncDecStages | None = None  # an encoder-decoder's: its units' stages
+    split: str = ""  # an encoder-decoder's: how its units were split
 
 
 def _check_batch(global_batch: int, layout: Layout) -> None:
@@ -195,9 +230,11 @@ def _layers(model: ModelSpec, layout: Layout, stages: int) -> list[int]:
     return layers
 
 
-def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> float:
+def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout, split: str = "time",
+                 result: PlanResult | None = None) -> float:
     """Before compiling at full size: the cheap checks, an early out-of-memory test with the
-    small program's peaks (peaks only grow with M), and the placement bound."""
+    small program's peaks (peaks only grow with M), and the placement bound (`split`, `result`: an
+    encoder-decoder's, `_encdec_quick_bound`)."""
     _check_shape(model, layout)
     _check_states(model, cluster, layout)
     program = layout_skeleton(layout)
@@ -224,57 +261,60 @@ def _fits_at_small_size(model: ModelSpec, cluster: ClusterSpec, layout: Layout) 
     return memory.total <= cluster.memory - cluster.reserved_memory
 
 
-def _check_memory(cluster: ClusterSpec, memory: MemoryReport, qualifier: str = "", note: str = "") -> None:
+def _check_memory(cluster: ClusterSpec, memory: PeakMemory, qualifier: str = "", note: str = "") -> None:
+    """The one out-of-memory test of every model kind: the fullest rank within the usable memory, else why not."""
     usable = cluster.memory - cluster.reserved_memory
     if memory.total > usable:
-        gb = 1e9
-        st = memory.states
-        raise LayoutError(f"out of memory: {qualifier}{memory.total / gb:.1f} GB > {usable / gb:.0f} GB usable "
-                        f"(params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer {st.optimizer / gb:.1f}, "
-                        f"{_during_step(memory)}activations {memory.activations / gb:.1f} for {memory.peak_live} live)"
-                        f"{note}")
+        raise LayoutError(f"out of memory: {qualifier}{memory.total / 1e9:.1f} GB > {usable / 1e9:.0f} GB usable"
+                          f"{memory.describe()}{note}")
 
 
-def _during_step(memory: MemoryReport) -> str:
-    """The out-of-memory message's part for ZeRO's buffers held during the step, where there are any."""
-    parts = [f"{name} {value / 1e9:.1f}, " for name, value in (("gradient buffer", memory.gradient_buffer),
-                                                                 ("gathered parameters", memory.gathered)) if value]
-    return "".join(parts)
-
-
-def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> _Prepared:
+def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout, split: str = "time") -> _Prepared:
+    """The compiled program's stage costs (its layers fitted to the memory where a balanced split does not fit) and
+    every rank's memory; a `LayoutError` where the fullest does not fit (`split`: an encoder-decoder's)."""
     P, M = layout.pp, layout.microbatches
-    if is_searched(layout.schedule):  # placed without its order: `_costed` searches it under the costs
-        program, peaks = layout_skeleton(layout), ()
-    else:
+    program, peaks = _program(layout), ()  # a searched order's peaks: `_costed` searches it under the costs
+    if not is_searched(layout.schedule):
         try:
-            program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
             peaks = program_peaks(layout.schedule, P, M, layout.params, wmem=w_share(model, layout))
         except PipeDSLError as err:
             raise LayoutError(f"schedule: {err.message}") from None
     layers, costs, memory, per_rank = _costed(model, cluster, layout, program, peaks,
                                               may_fit=lambda: not _fits_at_small_size(model, cluster, layout))
     on_rank = stage_ranks(program)
-    return _Prepared(layout, costs, memory, placement_bound(program, costs, M), on_rank, per_rank, tuple(layers))
+    return _Prepared(layout, costs, memory, per_rank, placement_bound(program, costs, M), on_rank,
+                     layers=tuple(layers))
 
 
-def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]],
-            peaks: Sequence[float], layers: Sequence[int], split: bool) -> tuple[MemoryReport, tuple[float, ...]]:
-    """The fullest rank (and every rank's total, by pipeline rank): `_rank_memory` of the stages on it, their
+def _program(layout: Layout) -> Program | Skeleton:
+    """The layout's program at the simulation's size, or a searched schedule's placement without its order (every
+    model kind's: its order needs the kind's stage costs); a `LayoutError` where the schedule cannot run it."""
+    if is_searched(layout.schedule):
+        return layout_skeleton(layout)
+    P, M = layout.pp, layout.microbatches
+    try:
+        return compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
+    except PipeDSLError as err:
+        raise LayoutError(f"schedule: {err.message}") from None
+
+
+def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]], peaks: Sequence[float],
+            layers: Sequence[int], split: bool) -> tuple[MemoryReport, tuple[MemoryReport, ...]]:
+    """The fullest rank (and every rank's, by pipeline rank): `_rank_memory` of the stages on it, their
     activations counted at its largest stage's layers (`layers`: each stage's); `split`: the program has W ops."""
     stages, terms = len(layers), _activation_terms(model, layout)
     worst: MemoryReport | None = None
-    totals: dict[int, float] = {}
+    per_rank: dict[int, MemoryReport] = {}
     for r, st in on_rank.items():
         experts = sum(costs.expert_params[s] for s in st) if costs.expert_params else 0.0
         units = None if _whole_stage_gathered(layout, split) else max(costs.unit_pairs[s] for s in st)
         report = _rank_memory(model, layout, sum(costs.stage_params[s] for s in st), experts, peaks[r],
                               max(layers[s] for s in st), stages - 1 in st, terms, units)
-        totals[r] = report.total
+        per_rank[r] = report
         if worst is None or report.total > worst.total:
             worst = report
     assert worst is not None
-    return worst, tuple(totals[r] for r in sorted(totals))
+    return worst, tuple(per_rank[r] for r in sorted(per_rank))
 
 
 def _whole_stage_gathered(layout: Layout, split: bool) -> bool:
@@ -390,7 +430,7 @@ def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float,
 
 def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, peaks: Sequence[float],
             qualifier: str = "", may_fit: Callable[[], bool] = lambda: True
-            ) -> tuple[list[int], StageCosts, MemoryReport, tuple[float, ...]]:
+            ) -> tuple[list[int], StageCosts, MemoryReport, tuple[MemoryReport, ...]]:
     """The layers of each stage, their costs, the fullest rank's memory and every rank's: the layout's split,
     or where its balanced split leaves a rank out of memory and `may_fit()`, the balanced split that fits
     (`_fitted_layers`); a `LayoutError` when the memory does not hold it.  A searched schedule's peaks are its
@@ -400,7 +440,7 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
     searched = is_searched(layout.schedule)
 
     def priced(layers: list[int] | None) -> tuple[list[int], StageCosts, Sequence[float], MemoryReport,
-                                                  tuple[float, ...]]:
+                                                  tuple[MemoryReport, ...]]:
         layers = layers if layers is not None else _layers(model, layout, S)
         costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
         try:
@@ -425,57 +465,35 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
     return layers, costs, memory, per_rank
 
 
-def _finish(model: ModelSpec, cluster: ClusterSpec, prep: _Prepared) -> Estimate:
+def _finish(model: PlannedModel, cluster: ClusterSpec, prep: _Prepared) -> Estimate:
+    """The simulation of a prepared layout of any model kind, and what it predicts."""
     layout, costs = prep.layout, prep.costs
-    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, sharing(cluster, layout))
+    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, sharing(cluster, layout),
+                       prep.extend_from)
     gpus = layout.gpus
     hardware = model.iteration_flops(layout.recompute, layout.fused)
     useful = model.iteration_flops("none")
-    stages = prep.on_rank[0]
-    M = layout.microbatches
-    comm = {"tp": M * sum(costs.tp_comm[s] for s in stages),
-            "pp": 2 * M * len(stages) * costs.message if layout.pp > 1 else 0.0,
-            "dp": sum(costs.reduce[s] + costs.after_step[s] for s in stages),
-            "zero3": sum(M * costs.zero_gather[s] + (costs.step_gather[s] if costs.step_gather else 0.0)
-                         for s in stages),
-            "ep": M * sum(costs.all_to_all[s] for s in stages) if costs.all_to_all else 0.0}
     return Estimate(layout, run.iteration, run.pipeline, hardware / run.iteration / gpus / 1e12,
-                    useful / run.iteration / gpus / cluster.peak_flops, prep.memory, comm, prep.rank_memory,
-                    prep.layers)
+                    useful / run.iteration / gpus / cluster.peak_flops, prep.memory,
+                    _comm(costs, layout, prep.on_rank[0], model.comm_kinds), prep.ranks,
+                    tuple(f + b for f, b in zip(costs.F, costs.B)), prep.layers, prep.split,
+                    prep.stages.bounds if prep.stages is not None else ())
+
+
+def _comm(costs: StageCosts, layout: Layout, stages: Sequence[int], kinds: Sequence[str]) -> dict[str, float]:
+    """Seconds per iteration a rank holding `stages` communicates, of each of `kinds` its model has: tp, pp, dp,
+    zero3, ep (MoE all-to-alls)."""
+    M = layout.microbatches
+    every = {"tp": lambda: M * sum(costs.tp_comm[s] for s in stages),
+             "pp": lambda: 2 * M * len(stages) * costs.message if layout.pp > 1 else 0.0,
+             "dp": lambda: sum(costs.reduce[s] + costs.after_step[s] for s in stages),
+             "zero3": lambda: sum(M * costs.zero_gather[s] + (costs.step_gather[s] if costs.step_gather else 0.0)
+                                  for s in stages),
+             "ep": lambda: M * sum(costs.all_to_all[s] for s in stages) if costs.all_to_all else 0.0}
+    return {kind: every[kind]() for kind in kinds}
 
 
 # ------------------------------------------------------------------ one layout of an encoder-decoder
-
-
-@dataclass(frozen=True)
-class EncDecEstimate:
-    """A simulated layout of an encoder-decoder: time, throughput, every rank's memory, the unit split."""
-
-    layout: Layout
-    split: str  # "time", "count" or "params"
-    bounds: tuple[int, ...]  # unit bounds of the program stages
-    iteration: float  # seconds
-    pipeline: float  # the simulated makespan alone
-    tflops: float  # hardware TFLOP/s per GPU (the recomputed forward included)
-    mfu: float  # model FLOPs / (time · peak)
-    memory: RankMemory  # the fullest rank
-    ranks: tuple[RankMemory, ...]
-    stage_seconds: tuple[float, ...]  # F + B of one microbatch, per program stage
-    comm: dict[str, float]  # seconds per iteration on rank 0: pp, dp, zero3
-
-    @property
-    def points(self) -> tuple[int, ...]:
-        """`seq2seq_stages(model, n, points=…)` for this split: where stages 1 … n−1 begin."""
-        return tuple(self.bounds[1:-1])
-
-
-@dataclass(frozen=True)
-class _EncDecPrepared:
-    layout: Layout
-    stages: EncDecStages
-    ranks: tuple[RankMemory, ...]
-    bound: float
-    on_rank: dict[int, list[int]]
 
 
 # × P microbatches: where `run_pipeline` starts its linear extension.  With stages of unequal cost a schedule needs
@@ -486,19 +504,8 @@ EXTEND_FROM = 8
 
 
 def _fullest(ranks: Sequence[RankMemory]) -> RankMemory:
+    """The first of the fullest ranks: the one the out-of-memory message names."""
     return max(ranks, key=lambda m: m.total)
-
-
-def _check_rank_memory(cluster: ClusterSpec, memory: RankMemory, qualifier: str = "") -> None:
-    usable = cluster.memory - cluster.reserved_memory
-    if memory.total > usable:
-        gb = 1e9
-        st = memory.states
-        raise LayoutError(f"out of memory: {qualifier}{memory.total / gb:.1f} GB > {usable / gb:.0f} GB usable on rank "
-                          f"{memory.rank} (params {st.params / gb:.1f}, grads {st.grads / gb:.1f}, optimizer "
-                          f"{st.optimizer / gb:.1f}, gradient buffer {memory.gradient_buffer / gb:.1f}, gathered "
-                          f"{memory.gathered / gb:.1f}, activations {memory.activations / gb:.1f} for "
-                          f"{memory.peak_live:g} live)")
 
 
 def _encdec_stages(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, num_stages: int, replicas: int,
@@ -513,7 +520,7 @@ def _encdec_stages(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, num_s
 
 
 def _encdec_quick_bound(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str,
-                        result: Any = None) -> float:
+                        result: PlanResult | None = None) -> float:
     """The cheap checks on the schedule's small program (peaks only grow with M), and the placement bound; the fullest
     rank's memory lowers `result.least_memory` where given."""
     if layout.tp != 1:
@@ -528,21 +535,15 @@ def _encdec_quick_bound(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, 
     if result is not None:
         result.least_memory = min(result.least_memory, fullest.total)
     if not is_searched(layout.schedule):  # a searched order's peaks come with the costs: checked in `_encdec_prepare`
-        _check_rank_memory(cluster, fullest, "at least ")
+        _check_memory(cluster, fullest, "at least ")
     return placement_bound(program, stages.costs, layout.microbatches)
 
 
-def _encdec_prepare(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str) -> _EncDecPrepared:
+def _encdec_prepare(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str) -> _Prepared:
     """The compiled program's stage costs and every rank's memory, its activations walked over the program
     (`live_peaks`); a `LayoutError` where a rank does not fit."""
     P, M = layout.pp, layout.microbatches
-    if is_searched(layout.schedule):  # placed without its order: `live_peaks` searches it under the costs
-        program = layout_skeleton(layout)
-    else:
-        try:
-            program = compiled(layout.schedule, P, simulation_sizes(M, P)[0], layout.params)
-        except PipeDSLError as err:
-            raise LayoutError(f"schedule: {err.message}") from None
+    program = _program(layout)  # a searched order: `live_peaks` searches it under the costs
     stages = _encdec_stages(spec, cluster, layout, program.num_stages, program.num_replicas, split)
     on_rank = stage_ranks(program)
     try:
@@ -551,31 +552,10 @@ def _encdec_prepare(spec: EncDecSpec, cluster: ClusterSpec, layout: Layout, spli
     except PipeDSLError as err:
         raise LayoutError(f"schedule: {err.message}") from None
     ranks = tuple(rank_memory(stages, layout, on_rank, live, peaks, program.split_backward))
-    _check_rank_memory(cluster, _fullest(ranks))
-    return _EncDecPrepared(layout, stages, ranks, placement_bound(program, stages.costs, M), on_rank)
-
-
-def _encdec_finish(spec: EncDecSpec, cluster: ClusterSpec, prep: _EncDecPrepared, split: str) -> EncDecEstimate:
-    """The simulation, extended from `EXTEND_FROM`·P microbatches (unequal stages reach their steady state late)."""
-    layout, costs = prep.layout, prep.stages.costs
-    run = run_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.params, costs, sharing(cluster, layout),
-                       EXTEND_FROM)
-    gpus, M = layout.gpus, layout.microbatches
-    mine = prep.on_rank[0]
-    comm = {"pp": 2 * M * len(mine) * costs.message if layout.pp > 1 else 0.0,
-            "dp": sum(costs.reduce[s] + costs.after_step[s] for s in mine),
-            "zero3": sum(M * costs.zero_gather[s] + costs.step_gather[s] for s in mine)}
-    return EncDecEstimate(layout, split, prep.stages.bounds, run.iteration, run.pipeline,
-                          spec.iteration_flops(layout.recompute) / run.iteration / gpus / 1e12,
-                          spec.iteration_flops("none") / run.iteration / gpus / cluster.peak_flops,
-                          _fullest(prep.ranks), prep.ranks,
-                          tuple(f + b for f, b in zip(costs.F, costs.B)), comm)
-
-
-def encdec_rank_key(e: EncDecEstimate) -> tuple[float, float, int]:
-    """Predicted time; equal times (to 9 digits: microbatch sizes at pp 1 differ by rounding only) by the fullest
-    GPU's memory, then by GPU count (as `rank_key`)."""
-    return (float(f"{e.iteration:.9g}"), e.memory.total, e.layout.gpus)
+    fullest = _fullest(ranks)
+    _check_memory(cluster, fullest)
+    return _Prepared(layout, stages.costs, fullest, ranks, placement_bound(program, stages.costs, M), on_rank,
+                     EXTEND_FROM, stages=stages, split=split)
 
 
 class _Steps(NamedTuple):
@@ -583,29 +563,33 @@ class _Steps(NamedTuple):
     (`quick`), the compiled program's costs and memory (`prepare`), the simulation (`finish`)."""
 
     quick: Callable[[Layout], float]
-    prepare: Callable[[Layout], Any]
-    finish: Callable[[Any], Any]
+    prepare: Callable[[Layout], _Prepared]
+    finish: Callable[[_Prepared], Estimate]
 
 
-def _steps(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, split: str = "time",
-           result: PlanResult | None = None) -> _Steps:
-    """`model`'s steps: a decoder's (dense or MoE), or an encoder-decoder's (`_encdec_quick_bound`, `_encdec_prepare`,
-    `_encdec_finish`), its units split `split`, the least memory of any candidate kept in `result`."""
-    if isinstance(model, EncDecSpec):
-        return _Steps(lambda lay: _encdec_quick_bound(model, cluster, lay, split, result),
-                      lambda lay: _encdec_prepare(model, cluster, lay, split),
-                      lambda prep: _encdec_finish(model, cluster, prep, split))
-    return _Steps(lambda lay: _quick_bound(model, cluster, lay), lambda lay: _prepare(model, cluster, lay),
-                  lambda prep: _finish(model, cluster, prep))
+# How each model kind (`PlannedModel.kind`) is checked and bounded, and costed into a `_Prepared`: a decoder by its
+# layers per stage (dense and MoE blocks summed by kind), an encoder-decoder by its units split `split`; the rest
+# of the search is the same for both.
+_KINDS: dict[str, tuple[Callable[..., float], Callable[..., _Prepared]]] = {
+    "decoder": (_quick_bound, _prepare),
+    "encoder-decoder": (_encdec_quick_bound, _encdec_prepare),
+}
 
 
-def evaluate(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, layout: Layout, split: str = "time") -> Any:
+def _steps(model: PlannedModel, cluster: ClusterSpec, split: str = "time", result: PlanResult | None = None) -> _Steps:
+    """`model`'s steps (`_KINDS`), an encoder-decoder's units split `split`, the least memory of any candidate kept in
+    `result`; one simulation (`_finish`)."""
+    quick, prepare = _KINDS[model.kind]
+    return _Steps(lambda lay: quick(model, cluster, lay, split, result),
+                  lambda lay: prepare(model, cluster, lay, split), lambda prep: _finish(model, cluster, prep))
+
+
+def evaluate(model: PlannedModel, cluster: ClusterSpec, layout: Layout, split: str = "time") -> Estimate:
     """Predict one layout (a ZeRO-3 pipeline left on "auto": `resharded_to_fit`): an `Estimate`, or for an
-    encoder-decoder, its units split `split` ("time", "count", "params"), an `EncDecEstimate`; `LayoutError` says
-    why it cannot run."""
+    encoder-decoder, its units split `split` ("time", "count", "params"); `LayoutError` says why it cannot run."""
     steps = _steps(model, cluster, split)
 
-    def attempt(lay: Layout) -> Any:
+    def attempt(lay: Layout) -> _Prepared:
         steps.quick(lay)
         return steps.prepare(lay)
     return steps.finish(resharded_to_fit(layout, attempt)[1])
@@ -614,18 +598,14 @@ def evaluate(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, layout: Layout
 # ------------------------------------------------------------------ the space
 
 
-# What the runtime runs for a Hugging Face encoder-decoder, where a decoder's space is wider: tp 1 (`parallel/tp_hf.py`
-# splits Llama-layout decoders only), eager attention (T5's relative position bias is added to the stored scores),
-# recomputation none or full (per layer), every built-in schedule; its units are split by `search(split=…)`.
-ENCDEC_SPACE: dict[str, Any] = {"tp": (1,), "tp_modes": ("1d",), "sequence_parallel": (False,),
-                                "attention": ("eager",), "splits": ("even",), "recompute": ENCDEC_RECOMPUTE}
+ENCDEC_SPACE = EncDecSpec.space  # where an encoder-decoder's space was defined
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, schedules: Iterable[str] | None = None,
+def layouts(model: PlannedModel, cluster: ClusterSpec, schedules: Iterable[str] | None = None,
             zero: Iterable[int] = (0, 1, 2, 3), microbatch_sizes: Iterable[int] = MICROBATCH_SIZES,
             recompute: Iterable[str | bool] | None = None, tp: Iterable[int] | None = None,
             pp: Iterable[int] | None = None, tp_modes: Iterable[str] | None = None,
@@ -638,20 +618,17 @@ def layouts(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, schedules: Iter
     An MoE model also tries each expert-parallel degree (`ep`, default every one) that divides dp and its
     expert count; a dense model runs ep 1.  Pipelines whose layers split evenly over pp also try each other of
     `splits` (cost.py's `stage_layers`: balanced by FLOPs, the head counted).  ZeRO-3 layouts reshard "auto"
-    (`resharded_to_fit` tries "step", then "unit" where that does not fit).  An encoder-decoder's defaults are
-    `ENCDEC_SPACE`'s."""
-    encdec = isinstance(model, EncDecSpec)
+    (`resharded_to_fit` tries "step", then "unit" where that does not fit).  The defaults are the model kind's
+    (`PlannedModel.space`)."""
     given = {"recompute": recompute, "tp": tp, "tp_modes": tp_modes, "sequence_parallel": sequence_parallel,
              "attention": attention, "splits": splits}
-    defaults = ENCDEC_SPACE if encdec else {"recompute": RECOMPUTE_MODES, "tp_modes": ("1d", "3d"),
-                                            "sequence_parallel": (False, True), "splits": ("even", "balanced")}
-    space = {k: v if v is not None else defaults.get(k) for k, v in given.items()}
-    if encdec:
-        _check_encdec_recompute(space["recompute"])
+    space = {k: v if v is not None else model.space.get(k) for k, v in given.items()}
+    if model.space.get("recompute_only"):
+        _check_recompute(model, space["recompute"])
     kernels = list(space["attention"]) if space["attention"] is not None else \
         ["fused" if cluster.fused_attention else "eager"]
     # searched schedules (`order auto`, zb-auto) need the stage costs to compile: a decoder's only when named
-    names = list(schedules) if schedules is not None else builtin_names() if encdec else \
+    names = list(schedules) if schedules is not None else builtin_names() if model.space.get("searched") else \
         [n for n in builtin_names() if not load(n).searched]
     N = cluster.gpus
     tps = [t for t in _divisors(N) if t <= cluster.gpus_per_node] if space["tp"] is None else list(space["tp"])
@@ -685,34 +662,34 @@ def layouts(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, schedules: Iter
     return out
 
 
-def _check_encdec_recompute(modes: Iterable[str | bool]) -> None:
+def _check_recompute(model: PlannedModel, modes: Iterable[str | bool]) -> None:
+    """A model kind that runs only some recomputation modes (`space["recompute_only"]`) is planned with those."""
+    allowed = model.space["recompute"]
     for mode in modes:
-        if mode not in ENCDEC_RECOMPUTE:
-            raise PipeDSLError(f"encoder-decoders are planned with recomputation {' or '.join(ENCDEC_RECOMPUTE)}, "
-                               f"got {mode!r}")
+        if mode not in allowed:
+            raise PipeDSLError(f"{model.kind}s are planned with recomputation {' or '.join(allowed)}, got {mode!r}")
 
 
 TIES = "equal times: less memory first, then fewer GPUs"
 
 
 def rank_key(e: Estimate) -> tuple[float, float, int]:
-    """The ranking: predicted iteration time; equal times (ZeRO-1 and -2 often predict the same)
-    by the fullest GPU's memory, then by GPU count, so the table's order says something."""
-    return (e.iteration, e.memory.total, e.layout.gpus)
+    """The ranking of every model kind: predicted iteration time; equal times (ZeRO-1 and -2 often predict the same)
+    by the fullest GPU's memory, then by GPU count, so the table's order says something.  An encoder-decoder's times
+    (`bounds`: its unit split) count to 9 digits: its microbatch sizes at pp 1 differ by rounding only."""
+    return (float(f"{e.iteration:.9g}") if e.bounds else e.iteration, e.memory.total, e.layout.gpus)
 
 
-def _rank_key(model: ModelSpec | EncDecSpec) -> Callable[[Any], tuple[float, float, int]]:
-    """`model`'s ranking: `rank_key`, an encoder-decoder's `encdec_rank_key` (times to 9 digits)."""
-    return encdec_rank_key if isinstance(model, EncDecSpec) else rank_key
+encdec_rank_key = rank_key  # the name an encoder-decoder's ranking had
 
 
-def search(model: ModelSpec | EncDecSpec, cluster: ClusterSpec, top: int = 10,
+def search(model: PlannedModel, cluster: ClusterSpec, top: int = 10,
            candidates: Sequence[Layout] | None = None, split: str = "time", **space) -> PlanResult:
     """Rank the layouts of a model of any kind (`candidates`, or `layouts(model, cluster, **space)`); the best `top`
     exactly.  An encoder-decoder's units are split `split` ("time", "count" or "params", `cost.split_bounds`)."""
     began = time.perf_counter()
     result = PlanResult(model, cluster)
-    steps, key = _steps(model, cluster, split, result), _rank_key(model)
+    steps, key = _steps(model, cluster, split, result), rank_key
     bounded: list[tuple[float, int, Layout]] = []
     for i, layout in enumerate(candidates if candidates is not None else layouts(model, cluster, **space)):
         try:
@@ -748,20 +725,20 @@ class ZeroRow:
     """One model on one GPU count: the best layout of each ZeRO stage (None: nothing fits) and, per stage, the
     least memory any of its layouts needs (an encoder-decoder's; a decoder's search does not keep it)."""
 
-    model: ModelSpec | EncDecSpec
+    model: PlannedModel
     gpus: int
-    per_zero: dict[int, Any]
+    per_zero: dict[int, Estimate | None]
     least_memory: dict[int, float]
-    data_parallel: Any = None  # the best with pp = 1 (pure data parallelism, any ZeRO stage)
+    data_parallel: Estimate | None = None  # the best with pp = 1 (pure data parallelism, any ZeRO stage)
     data_parallel_least: float = float("inf")
 
     @property
-    def best(self) -> Any:
+    def best(self) -> Estimate | None:
         found = [e for e in self.per_zero.values() if e is not None]
-        return min(found, key=_rank_key(self.model)) if found else None
+        return min(found, key=rank_key) if found else None
 
 
-def zero_table(specs: Sequence[ModelSpec | EncDecSpec], cluster: ClusterSpec, gpu_counts: Sequence[int],
+def zero_table(specs: Sequence[PlannedModel], cluster: ClusterSpec, gpu_counts: Sequence[int],
                zero: Sequence[int] = (0, 1, 2, 3), **space) -> list[ZeroRow]:
     """For each model and GPU count, the best layout of each ZeRO stage (ZeRO 1-3 only with dp > 1), and the best
     pure data-parallel one (pp = 1, the layout ZeRO is usually run with)."""
@@ -769,7 +746,7 @@ def zero_table(specs: Sequence[ModelSpec | EncDecSpec], cluster: ClusterSpec, gp
     for spec in specs:
         for n in gpu_counts:
             c = cluster.with_gpus(n)
-            per_zero: dict[int, Any] = {}
+            per_zero: dict[int, Estimate | None] = {}
             least: dict[int, float] = {}
             for z in zero:
                 found = search(spec, c, top=1, zero=(z,), **space)
