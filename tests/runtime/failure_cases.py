@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
-import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
@@ -62,10 +63,10 @@ def killed_mid_step(rank: int, abort: bool = False) -> None:
 class FailsAtMicrobatch(nn.Module):
     """A user's module that raises in the forward (or, with `backward=True`, the backward) of microbatch `at`."""
 
-    def __init__(self, at: int, backward: bool = False) -> None:
+    def __init__(self, at: int, backward: bool = False, announce: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.at, self.backward = at, backward
+        self.at, self.backward, self.announce = at, backward, announce
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,8 @@ class FailsAtMicrobatch(nn.Module):
             return self.lin(x)
         microbatch, self.calls = self.calls, self.calls + 1
         if microbatch == self.at and not self.backward:
+            if self.announce:  # for a peer that must still be working when this rank fails (`Slow`)
+                dist.distributed_c10d._get_default_store().set(FAILING, "1")
             raise ValueError(f"user forward rejects microbatch {microbatch}")  # the user's forward raises
         y = self.lin(x)
         return RejectGradient.apply(y) if microbatch == self.at else y
@@ -88,16 +91,23 @@ class RejectGradient(torch.autograd.Function):
         raise FloatingPointError("user backward rejects this gradient")  # the user's backward raises
 
 
+FAILING = "failure_cases/failing"  # the store key a `FailsAtMicrobatch(announce=True)` sets as it raises
+
+
 class Slow(nn.Module):
-    """Takes its time in each forward, so its rank is still sending when the next rank fails."""
+    """Its second forward waits until the next rank's module is failing (`FAILING`), so this rank is still sending
+    when that rank fails."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            time.sleep(0.2)
+            self.calls += 1
+            if self.calls == 2:
+                dist.distributed_c10d._get_default_store().wait([FAILING], datetime.timedelta(seconds=60))
         return self.lin(x)
 
 
@@ -117,5 +127,6 @@ def user_backward_raises(rank: int) -> None:
 def sends_to_a_failed_rank(rank: int) -> None:
     """GPipe: rank 1 fails at its first forward while rank 0 is still sending the other microbatches to it."""
     torch.manual_seed(0)
-    pipe = pipedsl.Pipeline([Slow(), FailsAtMicrobatch(at=0)], "gpipe", microbatches=8, loss_fn=F.mse_loss)
+    pipe = pipedsl.Pipeline([Slow(), FailsAtMicrobatch(at=0, announce=True)], "gpipe", microbatches=8,
+                            loss_fn=F.mse_loss)
     pipe.step(torch.randn(16, 4), torch.randn(16, 4))
