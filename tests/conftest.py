@@ -48,6 +48,14 @@ def _start_the_fork_server() -> None:
 
 _start_the_fork_server()
 
+# One intra-op thread in the test process, as in every rank (`launch(threads=1)`): the pool's workers, the launched
+# ranks and the smoke scripts keep the other core busy, and torch's second OpenMP thread then spins waiting for it —
+# the seq2seq stage checks took 75 s with two threads beside one busy process, 12 s with one.  (After the fork
+# server's start: its imports overlap this one.)
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
 
 POOL_FIXTURES = {"pool", "pool2", "pool4", "pools", "run_once"}  # the multi-process tests' way to their ranks
 
