@@ -649,7 +649,8 @@ def price_stages(cluster: ClusterSpec, layout: Layout, works: Sequence[StageWork
     once: dict[int, _StageRow] = {}  # a stage whose work is another's (`_stage_costs`: alike stages) is priced once
     rows = [once.setdefault(id(work), _stage_row(cluster, layout, work, replicas)) if id(work) not in once
             else once[id(work)]._replace(waits=dict(once[id(work)].waits)) for work in works]
-    columns = {name: tuple(getattr(row, name) for row in rows) for name in _StageRow._fields}
+    columns = dict(zip(_StageRow._fields, map(tuple, zip(*rows)))) if rows else \
+        {name: () for name in _StageRow._fields}
     return StageCosts(message=message, **columns)
 
 
