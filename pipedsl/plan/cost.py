@@ -225,7 +225,12 @@ def stage_layers(model: ModelSpec, layout: Layout, stages: int) -> list[int] | N
 def piece_flops(model: ModelSpec) -> list[float]:
     """The forward FLOPs of a sample through each piece of [embedding, layers…, head]: what a balanced split
     balances (the embedding's lookup counted as none)."""
-    return [0.0, *(model.layer_flops(1, model.is_moe_layer(i)) for i in range(model.layers)), model.logit_flops(1)]
+    return list(_piece_flops(model))
+
+
+@lru_cache(maxsize=256)  # a function of the model alone, asked for every fitted split the search tries
+def _piece_flops(model: ModelSpec) -> tuple[float, ...]:
+    return (0.0, *(model.layer_flops(1, model.is_moe_layer(i)) for i in range(model.layers)), model.logit_flops(1))
 
 
 @lru_cache(maxsize=4096)
@@ -641,8 +646,11 @@ def price_stages(cluster: ClusterSpec, layout: Layout, works: Sequence[StageWork
                  replicas: int = 1) -> StageCosts:
     """The cost function of every model kind: `StageCosts` of the program stages whose units sum to `works`, one
     pipeline hop taking `message` seconds, each stage in `replicas` copies in the pipeline."""
-    rows = [_stage_row(cluster, layout, work, replicas) for work in works]
-    columns = {name: tuple(getattr(row, name) for row in rows) for name in _StageRow._fields}
+    once: dict[int, _StageRow] = {}  # a stage whose work is another's (`_stage_costs`: alike stages) is priced once
+    rows = [once.setdefault(id(work), _stage_row(cluster, layout, work, replicas)) if id(work) not in once
+            else once[id(work)]._replace(waits=dict(once[id(work)].waits)) for work in works]
+    columns = dict(zip(_StageRow._fields, map(tuple, zip(*rows)))) if rows else \
+        {name: () for name in _StageRow._fields}
     return StageCosts(message=message, **columns)
 
 
@@ -655,8 +663,13 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
     kinds = {False: _block_kind(terms, False)}
     if model.moe:
         kinds[True] = _block_kind(terms, True)
-    works = [_decoder_stage_work(terms, kinds, sum(layers[:st]), layers[st], st == 0, st == stages - 1)
-             for st in range(stages)]
+    firsts = [sum(layers[:st]) for st in range(stages)]
+    # a stage's work depends on `first` only through which of its layers are MoE: stages alike are summed once
+    keys = [(tuple(model.is_moe_layer(i) for i in range(first, first + n)), st == 0, st == stages - 1)
+            for st, (first, n) in enumerate(zip(firsts, layers))]
+    once: dict[tuple, StageWork] = {}
+    works = [once[key] if key in once else once.setdefault(key, _decoder_stage_work(terms, kinds, first, n, *key[1:]))
+             for key, first, n in zip(keys, firsts, layers)]
     return price_stages(cluster, layout, works, _pipeline_message(terms), replicas)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ PARAM_BYTES = ZERO_PAPER.param
 OPTIMIZER_BYTES = ZERO_PAPER.main + ZERO_PAPER.optimizer  # the ZeRO paper's K
 
 
+@lru_cache(maxsize=64)  # the search prices every rank of every candidate in one of a few modes
 def state_bytes(params: str = "bf16", grads: str = "fp32", optimizer: str = "adam") -> StateBytes:
     """The bytes of a runtime precision mode: `params` the model's dtype ("fp32": autocast), `grads` the
     accumulation dtype (fp32 parameters always have fp32 gradients), `optimizer` "adam"/"adamw" (8),

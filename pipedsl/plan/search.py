@@ -43,8 +43,10 @@ from pipedsl.plan.cost import (
 )
 from pipedsl.plan.memory import (
     MemoryReport,
+    ModelStates,
     PeakMemory,
     RankMemory,
+    StateBytes,
     model_states,
     moe_model_states,
     rank_memory,
@@ -193,6 +195,17 @@ def _check_shape(model: ModelSpec, layout: Layout) -> None:
 
 def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> None:
     """Before compiling anything: even the lightest rank's model states must fit."""
+    refusal = _states_refusal(model, cluster.memory - cluster.reserved_memory, layout.dp, layout.pp, layout.tp,
+                              layout.ep, layout.zero, layout.grads, layout.split)
+    if refusal is not None:
+        raise LayoutError(refusal)
+
+
+@lru_cache(maxsize=4096)  # candidates differing only in their schedule, batch or kernels share the answer
+def _states_refusal(model: ModelSpec, usable: float, dp: int, pp: int, tp: int, ep: int, zero: int, grads: str,
+                    split: str) -> str | None:
+    """`_check_states`' refusal, or None: a function of these fields only, asked for every candidate."""
+    layout = Layout(dp, pp, tp, "", 1, 1, zero, grads=grads, ep=ep, split=split)  # the fields the states depend on
     n, mode = _lightest(model, layout), state_bytes("bf16", layout.grads)
     if model.moe:  # the lightest stage: the fewest MoE layers
         moe = min(model.moe_layers_in(st * n, n) for st in range(layout.pp))
@@ -202,9 +215,9 @@ def _check_states(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Non
     else:
         psi = n * model.layer_params / layout.tp
         states = model_states(psi, layout.dp, layout.zero, mode)
-    if states.total > cluster.memory - cluster.reserved_memory:
-        raise LayoutError(f"out of memory: the model states alone take {states.total / 1e9:.1f} GB "
-                        f"> {(cluster.memory - cluster.reserved_memory) / 1e9:.0f} GB usable")
+    if states.total > usable:
+        return f"out of memory: the model states alone take {states.total / 1e9:.1f} GB > {usable / 1e9:.0f} GB usable"
+    return None
 
 
 def _lightest(model: ModelSpec, layout: Layout) -> int:
@@ -333,17 +346,25 @@ def _rank_memory(model: ModelSpec, layout: Layout, params: float, experts: float
     `params`), plus its `peak` live microbatch activations of `layers` layers each and one recomputed region's
     working set (the last stage: the fp32 logits of the microbatch in flight too); `terms`: `_activation_terms`."""
     per_layer, extra, logits = terms or _activation_terms(model, layout)
-    routed = experts * layout.ep
-    mode = state_bytes("bf16", layout.grads)
-    states = moe_model_states(params - experts + routed, routed, layout.dp, layout.ep, layout.zero, mode)
-    # the part of a full copy a rank holds beyond its shard: dense over dp, the routed experts over their dp/ep replicas
-    beyond = (params - experts) * (1 - 1 / layout.dp) + experts * (1 - layout.ep / layout.dp)
+    states, beyond, mode = _rank_states(params, experts, layout.dp, layout.ep, layout.zero, layout.grads)
     buffer = mode.grad * beyond if layout.zero >= 2 else 0.0
     gathered = 0.0
     if layout.zero >= 3:
         gathered = mode.param * (beyond if units is None else units * (1 - 1 / layout.dp))
     return MemoryReport(states, peak * layers * per_layer + extra + (logits if last else 0.0), round(peak),
                         buffer, gathered)
+
+
+@lru_cache(maxsize=8192, typed=True)  # ranks of the same stage recur across schedules, batches and kernels
+def _rank_states(params: float, experts: float, dp: int, ep: int, zero: int,
+                 grads: str) -> tuple[ModelStates, float, StateBytes]:
+    """`_rank_memory`'s model states, the parameters a rank holds beyond its shard, and the precision mode."""
+    routed = experts * ep
+    mode = state_bytes("bf16", grads)
+    states = moe_model_states(params - experts + routed, routed, dp, ep, zero, mode)
+    # the part of a full copy a rank holds beyond its shard: dense over dp, the routed experts over their dp/ep replicas
+    beyond = (params - experts) * (1 - 1 / dp) + experts * (1 - ep / dp)
+    return states, beyond, mode
 
 
 def w_share(model: ModelSpec, layout: Layout) -> float:
