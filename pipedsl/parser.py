@@ -24,9 +24,10 @@ _WORDS = {
 
 
 @functools.cache
-def _lark() -> Lark:
-    grammar = Path(__file__).with_name("grammar.lark")
-    return Lark(grammar.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True,
+def grammar() -> Lark:
+    """The language's parser, built once a process (about 1 s): the fork server builds it for every rank."""
+    path = Path(__file__).with_name("grammar.lark")
+    return Lark(path.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True,
                 tree_class=_MeasuredTree)
 
 
@@ -65,7 +66,7 @@ def _parse_bounded(text: str, file: str) -> Tree:
     """Lark's parse, one token at a time, refused as soon as the source nests deeper than
     `MAX_NESTING`: the parser's stack grows on a run of `- -`, `not not`, `((` or `if … else
     if …` (stopped within a thousand tokens), a tree grows when a chain `a + b + …` reduces."""
-    parser = _lark().parse_interactive(text)
+    parser = grammar().parse_interactive(text)
     try:
         for token in parser.iter_parse():
             if len(parser.parser_state.state_stack) > _MAX_STACK:
@@ -115,7 +116,7 @@ def _describe(terminal: str) -> str:
     if terminal in _WORDS:
         return _WORDS[terminal]
     try:
-        pattern = _lark().get_terminal(terminal).pattern
+        pattern = grammar().get_terminal(terminal).pattern
     except KeyError:
         return terminal.lower()
     return f"'{pattern.value}'" if isinstance(pattern, PatternStr) else terminal.lower()

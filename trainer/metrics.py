@@ -16,6 +16,7 @@ is not counted (it is overhead, not model FLOPs), so full recomputation lowers M
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -36,9 +37,11 @@ def model_flops_per_token(params: int, embedding_params: int, layers: int, hidde
     return 6.0 * (params - embedding_params) + 12.0 * layers * hidden * seq
 
 
+@functools.lru_cache(maxsize=4)
 def measured_cpu_peak(seconds: float = 0.3) -> float:
-    """One core's fp32 GEMM rate (FLOP/s) measured now: the 'peak' of a CPU, which has no datasheet number
-    pipedsl could look up.  A 256² matmul, the best of a few rounds."""
+    """One core's fp32 GEMM rate (FLOP/s): the 'peak' of a CPU, which has no datasheet number pipedsl could look
+    up.  A 256² matmul, the best of a few rounds, measured once a process: a notebook or a test session running
+    several commands pays the 0.3 s once."""
     import torch
 
     threads = torch.get_num_threads()

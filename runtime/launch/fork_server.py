@@ -28,7 +28,8 @@ from typing import Any
 from pipedsl.errors import PipeDSLError
 from pipedsl.runtime.launch.lifecycle import signals_held
 
-ALWAYS = ("torch", "torch.distributed", "pipedsl.runtime.launch.launcher")  # what every rank imports
+ALWAYS = ("torch", "torch.distributed", "pipedsl.runtime.launch.launcher",  # what every rank imports, and builds:
+          "pipedsl.runtime.preload")  # by name: the server imports it, this module does not
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")  # torchrun's: then `launch` starts no process
 METHOD_ENV = "PIPEDSL_START_METHOD"
 METHODS = ("forkserver", "spawn")
