@@ -1,8 +1,9 @@
 """What every rank needs and would otherwise build for itself, imported once by the fork server
-(runtime/launch/fork_server.py).  A rank forked from the server inherits what the server holds.  Measured in a 4-rank `pipedsl.launch` of the
-README's script on 2 cores, each rank spent 3.2 s importing torch._dynamo (the first optimizer's constructor
-imports it), 1.0 s building the schedule language's parser and 0.9 s importing the runtime; done here, they
-are paid once instead of once a rank.
+(runtime/launch/fork_server.py): a rank forked from the server inherits what the server holds.
+
+Measured in a 4-rank `pipedsl.launch` of the README's script on 2 cores, each rank spent 3.2 s importing
+torch._dynamo (the first optimizer's constructor imports it), 1.0 s building the schedule language's parser and
+0.9 s importing the runtime; done here, they are paid once instead of once a rank.
 """
 
 from __future__ import annotations
