@@ -306,3 +306,14 @@ def test_a_stage_cut_with_a_key_this_version_does_not_know_is_refused_not_droppe
 
     with pytest.raises(ModelDirError, match=r"\['by_memory'\]"):
         StageCut.from_keywords({"by": "count", "by_memory": True})
+
+
+def test_every_option_is_on_a_help_page() -> None:
+    """trainer/cli.py's LAYOUTS places each TrainConfig option under some command's help heading: an option added
+    to the config and forgotten there would be a field no flag sets."""
+    from pipedsl.trainer import config
+    from pipedsl.trainer.cli import FILE_FLAGS, LAYOUTS
+
+    placed = {name for layout in LAYOUTS.values() for _, names in layout for name in names}
+    assert [name for name in config.FIELDS if name not in placed] == []
+    assert placed - set(config.FIELDS) <= set(FILE_FLAGS)  # the rest are file flags (--config, --print-config)
