@@ -1,0 +1,84 @@
+"""`make test`: the whole suite as its two tiers run side by side, one pytest session each.
+
+The everyday tier (`-m "not slow"`, `make test-quick`) is almost all single-process tests: one core.  The slow tier
+is the multi-process tests, whose ranks wait on each other part of the time.  One session after the other left a
+core idle for much of the run; side by side, each takes what the other leaves (docs/testing.md, "Suite time").
+
+    python tests/tiers.py [pytest options…]     # both tiers, each given the options; exit status 0 if both pass
+
+Each session writes to its own log, printed whole when it ends (the quicker one first), so the two never
+interleave.  Ctrl-C or SIGTERM stops both sessions and everything they started (each runs in its own process
+group); the exit status is then 128 + the signal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TIERS = {"everyday tier (not slow)": "not slow", "slow tier": "slow"}
+ROOT = Path(__file__).resolve().parents[1]
+NO_TESTS = 5  # pytest's status when a selection leaves a tier nothing to run: fine for one tier, not for both
+
+
+def _start(marker: str, args: list[str], folder: Path) -> subprocess.Popen:
+    """One tier's session: its own temporary-files root, no shared cache file (two sessions would overwrite each
+    other's record of failures)."""
+    name = marker.replace(" ", "-")
+    out = (folder / f"{name}.log").open("w")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider",
+                                 "--basetemp", str(folder / f"{name}-tmp"), *args], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        out.close()  # the child holds its own copy
+
+
+def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    """Every session's whole process group: pytest, its pool's workers, its fork server, the ranks."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for proc in procs.values():
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main(args: list[str]) -> int:
+    logs = Path(tempfile.mkdtemp(prefix="pipedsl-tiers-"))
+    started = time.monotonic()
+    procs = {name: _start(marker, args, logs) for name, marker in TIERS.items()}
+
+    def stop(signum: int, _frame: object) -> None:
+        _stop_all(procs)
+        print(f"==== stopped by {signal.Signals(signum).name}: both tiers' processes ended; logs in {logs} ====")
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    codes: dict[str, int] = {}
+    while len(codes) < len(procs):
+        for name, proc in procs.items():
+            if name not in codes and proc.poll() is not None:
+                codes[name] = proc.returncode
+                log = logs / f"{TIERS[name].replace(' ', '-')}.log"
+                print(f"==== {name}: exit status {proc.returncode} after {time.monotonic() - started:.0f} s ====")
+                print(log.read_text(errors="replace"), flush=True)
+        time.sleep(0.5)
+    print(f"==== both tiers done in {time.monotonic() - started:.0f} s: "
+          + ", ".join(f"{name} {code}" for name, code in codes.items()) + " ====")
+    failed = [code for code in codes.values() if code not in (0, NO_TESTS)]
+    return failed[0] if failed else (NO_TESTS if set(codes.values()) == {NO_TESTS} else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
