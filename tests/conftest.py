@@ -60,12 +60,31 @@ torch.set_num_threads(1)
 POOL_FIXTURES = {"pool", "pool2", "pool4", "pools", "run_once"}  # the multi-process tests' way to their ranks
 
 
+# `make test` runs the suite as two sessions side by side (tests/parts.py), split by one rule: the second takes the
+# slow tests of these folders (multi-process equalities: most of their time is ranks), the first everything else
+# (the everyday tier, and the slow tests of the trainer, the planner and reliability: mostly one process each).
+SECOND_PART = ("models", "parallel", "runtime", "pipedsl", "benchmarks")
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--part", choices=("1/2", "2/2"), default=None,
+                     help="run one of the two parts `make test` runs side by side (tests/parts.py)")
+
+
+def part_of(item) -> str:
+    folder = item.nodeid.split("/")[1] if item.nodeid.count("/") > 1 else ""
+    return "2/2" if item.get_closest_marker("slow") is not None and folder in SECOND_PART else "1/2"
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """`slow` by construction: a test that runs on the process pools is slow unless marked `quick` (a deliberate
     smoke check of its area kept in `make test-quick`), so the everyday tier cannot grow by forgetting a marker."""
     for item in items:
         if POOL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("quick") is None:
             item.add_marker(pytest.mark.slow)
+    if part := config.getoption("--part"):
+        config.hook.pytest_deselected(items=[i for i in items if part_of(i) != part])
+        items[:] = [i for i in items if part_of(i) == part]
     # the benchmarks' smoke tests last: their commands start as the session starts and run beside the rest
     items[:] = [i for i in items if not _smoke(i)] + [i for i in items if _smoke(i)]
 

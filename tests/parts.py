@@ -1,10 +1,12 @@
-"""`make test`: the whole suite as its two tiers run side by side, one pytest session each.
+"""`make test`: the whole suite as two parts run side by side, one pytest session each.
 
-The everyday tier (`-m "not slow"`, `make test-quick`) is almost all single-process tests: one core.  The slow tier
-is the multi-process tests, whose ranks wait on each other part of the time.  One session after the other left a
-core idle for much of the run; side by side, each takes what the other leaves (docs/testing.md, "Suite time").
+Most single-process tests keep one core busy; the multi-process tests' ranks wait on each other part of the time.
+One session left a core idle for much of the run; two, each taking what the other leaves, use both.  The split is
+one rule (tests/conftest.py, `part_of`): part 2 is the slow tests of the folders whose time is ranks (models,
+parallel, runtime, the language's, the benchmarks'), part 1 everything else — the everyday tier of `make
+test-quick` and the trainer's, planner's and reliability tests, mostly one process each (docs/testing.md).
 
-    python tests/tiers.py [pytest options…]     # both tiers, each given the options; exit status 0 if both pass
+    python tests/parts.py [pytest options…]     # both parts, each given the options; exit status 0 if both pass
 
 Each session writes to its own log, printed whole when it ends (the quicker one first), so the two never
 interleave.  Ctrl-C or SIGTERM stops both sessions and everything they started (each runs in its own process
@@ -21,18 +23,19 @@ import tempfile
 import time
 from pathlib import Path
 
-TIERS = {"everyday tier (not slow)": "not slow", "slow tier": "slow"}
+PARTS = {"part 1 (everyday tier, trainer, planner, reliability)": "1/2",
+         "part 2 (multi-process: models, parallel, runtime, language)": "2/2"}
 ROOT = Path(__file__).resolve().parents[1]
-NO_TESTS = 5  # pytest's status when a selection leaves a tier nothing to run: fine for one tier, not for both
+NO_TESTS = 5  # pytest's status when a selection leaves a part nothing to run: fine for one part, not for both
 
 
-def _start(marker: str, args: list[str], folder: Path) -> subprocess.Popen:
-    """One tier's session: its own temporary-files root, no shared cache file (two sessions would overwrite each
+def _start(part: str, args: list[str], folder: Path) -> subprocess.Popen:
+    """One part's session: its own temporary-files root, no shared cache file (two sessions would overwrite each
     other's record of failures)."""
-    name = marker.replace(" ", "-")
+    name = "part-" + part[0]
     out = (folder / f"{name}.log").open("w")
     try:
-        return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider",
+        return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "--part", part, "-p", "no:cacheprovider",
                                  "--basetemp", str(folder / f"{name}-tmp"), *args], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     finally:
@@ -54,13 +57,13 @@ def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
 
 
 def main(args: list[str]) -> int:
-    logs = Path(tempfile.mkdtemp(prefix="pipedsl-tiers-"))
+    logs = Path(tempfile.mkdtemp(prefix="pipedsl-parts-"))
     started = time.monotonic()
-    procs = {name: _start(marker, args, logs) for name, marker in TIERS.items()}
+    procs = {name: _start(part, args, logs) for name, part in PARTS.items()}
 
     def stop(signum: int, _frame: object) -> None:
         _stop_all(procs)
-        print(f"==== stopped by {signal.Signals(signum).name}: both tiers' processes ended; logs in {logs} ====")
+        print(f"==== stopped by {signal.Signals(signum).name}: both parts' processes ended; logs in {logs} ====")
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGINT, stop)
@@ -70,11 +73,11 @@ def main(args: list[str]) -> int:
         for name, proc in procs.items():
             if name not in codes and proc.poll() is not None:
                 codes[name] = proc.returncode
-                log = logs / f"{TIERS[name].replace(' ', '-')}.log"
+                log = logs / f"part-{PARTS[name][0]}.log"
                 print(f"==== {name}: exit status {proc.returncode} after {time.monotonic() - started:.0f} s ====")
                 print(log.read_text(errors="replace"), flush=True)
         time.sleep(0.5)
-    print(f"==== both tiers done in {time.monotonic() - started:.0f} s: "
+    print(f"==== both parts done in {time.monotonic() - started:.0f} s: "
           + ", ".join(f"{name} {code}" for name, code in codes.items()) + " ====")
     failed = [code for code in codes.values() if code not in (0, NO_TESTS)]
     return failed[0] if failed else (NO_TESTS if set(codes.values()) == {NO_TESTS} else 0)
