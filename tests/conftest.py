@@ -33,7 +33,8 @@ if os.environ.get("PIPEDSL_REQUIRE_EXTRAS") == "1":
 # What the suite's ranks import, imported once by the fork server every rank and pool worker is forked from
 # (`runtime/launch/fork_server.py`): otherwise each of 8 workers imports transformers itself, again after each restart.
 RANK_IMPORTS = ("pipedsl.trainer.train", "pipedsl.models.hf.parallelize", "transformers.modeling_utils",
-                *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "gemma3")))
+                *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "gemma3")),
+                "pipedsl.trainer.rank_modules")  # last: the trainer's first-use imports, as `pipedsl train` does
 
 
 def _start_the_fork_server() -> None:
@@ -43,7 +44,7 @@ def _start_the_fork_server() -> None:
 
     from pipedsl.runtime.launch.fork_server import start
 
-    start(RANK_IMPORTS if find_spec("transformers") else RANK_IMPORTS[:2])
+    start(RANK_IMPORTS if find_spec("transformers") else (*RANK_IMPORTS[:2], RANK_IMPORTS[-1]))
 
 
 _start_the_fork_server()

@@ -228,7 +228,8 @@ def _start_fork_server(cfg: TrainConfig) -> None:
 
     if all(k in os.environ for k in TORCHRUN_ENV):  # torchrun started this process: it starts no rank
         return
-    start(["pipedsl.trainer.train", *(["transformers.modeling_utils"] if cfg.model.is_hf else [])])
+    start(["pipedsl.trainer.train", *(["transformers.modeling_utils"] if cfg.model.is_hf else []),
+           "pipedsl.trainer.rank_modules"])  # last: what the ranks import on first use (trainer/rank_modules.py)
 
 
 def _execute(program: Any, cfg: TrainConfig, started: float) -> int:

@@ -317,3 +317,12 @@ def test_every_option_is_on_a_help_page() -> None:
     placed = {name for layout in LAYOUTS.values() for _, names in layout for name in names}
     assert [name for name in config.FIELDS if name not in placed] == []
     assert placed - set(config.FIELDS) <= set(FILE_FLAGS)  # the rest are file flags (--config, --print-config)
+
+
+def test_the_modules_the_fork_server_preloads_for_the_ranks_exist() -> None:
+    """trainer/rank_modules.py names modules by string: a renamed one would silently stop being preloaded."""
+    import importlib.util
+
+    from pipedsl.trainer.rank_modules import EVERY_RANK, HF_RANK
+
+    assert [name for name in (*EVERY_RANK, *HF_RANK) if importlib.util.find_spec(name) is None] == []
