@@ -458,6 +458,50 @@ class StageWork:
     a2a_b: float = 0.0  # and in the backward (+ a recomputed forward's)
 
 
+class StageHoldings(NamedTuple):
+    """The parameters each program stage of a decoder holds per GPU: the columns of `StageCosts` a rank's memory
+    reads (named alike), without its times, so that the search tests the memory before it prices anything."""
+
+    stage_params: tuple[float, ...]
+    expert_params: tuple[float, ...]  # the routed experts' share of stage_params (already / ep)
+    unit_pairs: tuple[float, ...]  # parameters of a stage's largest two consecutive ZeRO-3 units
+
+
+def stage_holdings(model: ModelSpec, layout: Layout, stages: int, layers: Sequence[int]) -> StageHoldings:
+    """`StageHoldings` of `stages` program stages holding `layers` decoder layers each: the very numbers
+    `stage_costs` gives (`_held` sums them for both)."""
+    return _stage_holdings(model, layout.tp, layout.ep, stages, tuple(layers))
+
+
+@lru_cache(maxsize=4096)  # a function of the split and two of a layout's fields, asked for every candidate
+def _stage_holdings(model: ModelSpec, t: int, ep: int, stages: int, layers: tuple[int, ...]) -> StageHoldings:
+    firsts = [sum(layers[:st]) for st in range(stages)]
+    held = [_held(model, t, ep, first, n, st == 0, st == stages - 1)
+            for st, (first, n) in enumerate(zip(firsts, layers))]
+    return StageHoldings(tuple(h[0] for h in held), tuple(h[1] for h in held), tuple(unit_pair(h[2]) for h in held))
+
+
+@lru_cache(maxsize=4096)
+def _held(model: ModelSpec, t: int, ep: int, first: int, n: int, embed_first: bool,
+          head_last: bool) -> tuple[float, float, tuple[float, ...]]:
+    """A stage's parameters per GPU (over tp, the routed experts over ep), its routed experts' and each of its units'
+    in forward order: the `n` blocks from layer `first` summed by kind, the embedding and head where it holds them."""
+    dense = model.layer_params_per_gpu(t)
+    moe, routed = (model.moe_block_params_per_gpu(t, ep), model.moe_layer_expert_params / ep) if model.moe \
+        else (dense, 0.0)
+    n_moe = model.moe_layers_in(first, n)
+    counts = ((n - n_moe, dense, 0.0), (n_moe, moe, routed))
+    params = sum(c * p for c, p, _ in counts)
+    units = tuple(moe if model.is_moe_layer(i) else dense for i in range(first, first + n))
+    if embed_first:
+        params += model.embedding_params / t
+        units = (model.embedding_params / t, *units)
+    if head_last:
+        params += _head_params(model, t)
+        units = (*units, _head_params(model, t))
+    return params, sum(c * e for c, _, e in counts), units
+
+
 def _decoder_stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, embed_first: bool,
                         head_last: bool) -> StageWork:
     """Sum the `n` blocks from layer `first` by kind, and add the embedding and head where the stage holds them."""
@@ -466,14 +510,11 @@ def _decoder_stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n:
     n_moe = model.moe_layers_in(first, n)
     counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
     gemm = sum(c * (k.flops - terms.core) for c, k in counts)  # the tp group's FLOPs outside the attention cores
-    params = sum(c * k.params for c, k in counts)  # per GPU: over tp, the routed experts over ep
+    params, experts, _ = _held(model, t, layout.ep, first, n, embed_first, head_last)
     head = 0.0
-    if embed_first:
-        params += model.embedding_params / t
     if head_last:
         head = model.logit_flops(b) / terms.rate
         gemm += model.logit_flops(b)
-        params += _head_params(model, t)
     blocks_tp_fwd = sum(c * k.tp_fwd for c, k in counts)
     a2a_f = sum(c * k.a2a for c, k in counts)
     fwd = sum(c * (k.block + terms.fixed) for c, k in counts) + head
@@ -490,7 +531,7 @@ def _decoder_stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n:
                      gemm / terms.rate + n * terms.fixed + split,
                      recompute=sum(c * k.again for c, k in counts),
                      params=params, units=units,
-                     experts=sum(c * k.experts for c, k in counts),
+                     experts=experts,
                      summed=sum(c * k.summed for c, k in counts),
                      tp_fwd=_stage_tp_forward(terms, blocks_tp_fwd, embed_first, head_last),
                      tp_bwd=sum(c * k.tp_bwd for c, k in counts),
