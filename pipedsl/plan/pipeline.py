@@ -39,6 +39,7 @@ def _schedule(name: str):
     return load(name)
 
 
+@lru_cache(maxsize=256)  # asked for every candidate; a schedule's kind is fixed once loaded (`_schedule`)
 def is_searched(schedule: str) -> bool:
     """Whether the schedule's order is searched from costs (`order auto`): its program comes with a layout's costs."""
     return _schedule(schedule).searched
