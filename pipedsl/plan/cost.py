@@ -63,7 +63,7 @@ data-parallel reduction.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -272,8 +272,14 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     its parameters or the number of microbatches, which the search varies most."""
     layers = list(layers) if layers is not None else stage_layers(model, layout, stages)
     assert layers is not None, "stage_costs: the layers do not split into the stages (search.py checks first)"
-    alike = replace(layout, schedule="", microbatches=0, params=(), split="even")
-    return _stage_costs(model, cluster, alike, stages, replicas, tuple(layers))
+    return _stage_costs(model, cluster, tuple(getattr(layout, name) for name in _COST_FIELDS), stages, replicas,
+                        tuple(layers))
+
+
+# The fields of a layout its stage costs depend on: all but the schedule, its parameters, M and the split (the costs
+# are given the layers).  The search asks for the costs of every candidate: a tuple of them keys the cache faster
+# than a stripped copy of the layout would.
+_COST_FIELDS = tuple(f.name for f in fields(Layout) if f.name not in ("schedule", "microbatches", "params", "split"))
 
 
 _Collective = Callable[[float, int, float, float], float]
@@ -688,18 +694,43 @@ def price_stages(cluster: ClusterSpec, layout: Layout, works: Sequence[StageWork
     """The cost function of every model kind: `StageCosts` of the program stages whose units sum to `works`, one
     pipeline hop taking `message` seconds, each stage in `replicas` copies in the pipeline."""
     once: dict[int, _StageRow] = {}  # a stage whose work is another's (`_stage_costs`: alike stages) is priced once
-    rows = [once.setdefault(id(work), _stage_row(cluster, layout, work, replicas)) if id(work) not in once
-            else once[id(work)]._replace(waits=dict(once[id(work)].waits)) for work in works]
-    columns = dict(zip(_StageRow._fields, map(tuple, zip(*rows)))) if rows else \
-        {name: () for name in _StageRow._fields}
+    for work in works:
+        if id(work) not in once:
+            once[id(work)] = _stage_row(cluster, layout, work, replicas)
+    rows = [once[id(work)] for work in works]
+    if not rows:
+        return StageCosts(message=message, **{name: () for name in _StageRow._fields})
+    columns = dict(zip(_StageRow._fields, map(tuple, zip(*rows))))
+    columns["waits"] = _unshared(columns["waits"])
     return StageCosts(message=message, **columns)
 
 
+def _unshared(dicts: Sequence[dict[str, float]]) -> tuple[dict[str, float], ...]:
+    """`dicts`, each one a stage's own: a stage priced as an earlier one (`price_stages`) gets a copy."""
+    seen: set[int] = set()
+    out = []
+    for d in dicts:
+        out.append(dict(d) if id(d) in seen else d)
+        seen.add(id(d))
+    return tuple(out)
+
+
 @lru_cache(maxsize=8192)
-def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int,
+def _stage_costs(model: ModelSpec, cluster: ClusterSpec, values: tuple, stages: int, replicas: int,
                  layers: tuple[int, ...]) -> StageCosts:
-    """`stage_costs` on a layout stripped of what the costs do not depend on, so the cache hits across schedules.
-    Each kind of block is priced once, then every stage sums its own."""
+    """`stage_costs` of a layout of these `_COST_FIELDS` `values`, so the cache hits across schedules.  The stages'
+    work does not depend on ZeRO (`_stage_works`): only its pricing does."""
+    layout = Layout(**dict(zip(_COST_FIELDS, values)), schedule="", microbatches=0, params=(), split="even")
+    works, message = _stage_works(model, cluster, replace(layout, zero=0, grads="bf16", zero_reshard="auto"), stages,
+                                  layers)
+    return price_stages(cluster, layout, works, message, replicas)
+
+
+@lru_cache(maxsize=4096)  # the ZeRO stages and gradient dtypes of a layout share it
+def _stage_works(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int,
+                 layers: tuple[int, ...]) -> tuple[tuple[StageWork, ...], float]:
+    """Each stage's `StageWork` (alike stages one object) and the pipeline hop's seconds.  Each kind of block is
+    priced once, then every stage sums its own."""
     terms = _layout_terms(model, cluster, layout)
     kinds = {False: _block_kind(terms, False)}
     if model.moe:
@@ -709,9 +740,10 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
     keys = [(tuple(model.is_moe_layer(i) for i in range(first, first + n)), st == 0, st == stages - 1)
             for st, (first, n) in enumerate(zip(firsts, layers))]
     once: dict[tuple, StageWork] = {}
-    works = [once[key] if key in once else once.setdefault(key, _decoder_stage_work(terms, kinds, first, n, *key[1:]))
-             for key, first, n in zip(keys, firsts, layers)]
-    return price_stages(cluster, layout, works, _pipeline_message(terms), replicas)
+    for key, first, n in zip(keys, firsts, layers):
+        if key not in once:
+            once[key] = _decoder_stage_work(terms, kinds, first, n, *key[1:])
+    return tuple(once[key] for key in keys), _pipeline_message(terms)
 
 
 # ------------------------------------------------------------------ encoder-decoders: units at tp = 1
