@@ -63,7 +63,7 @@ data-parallel reduction.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -272,8 +272,14 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: 
     its parameters or the number of microbatches, which the search varies most."""
     layers = list(layers) if layers is not None else stage_layers(model, layout, stages)
     assert layers is not None, "stage_costs: the layers do not split into the stages (search.py checks first)"
-    alike = replace(layout, schedule="", microbatches=0, params=(), split="even")
-    return _stage_costs(model, cluster, alike, stages, replicas, tuple(layers))
+    return _stage_costs(model, cluster, tuple(getattr(layout, name) for name in _COST_FIELDS), stages, replicas,
+                        tuple(layers))
+
+
+# The fields of a layout its stage costs depend on: all but the schedule, its parameters, M and the split (the costs
+# are given the layers).  The search asks for the costs of every candidate: a tuple of them keys the cache faster
+# than a stripped copy of the layout would.
+_COST_FIELDS = tuple(f.name for f in fields(Layout) if f.name not in ("schedule", "microbatches", "params", "split"))
 
 
 _Collective = Callable[[float, int, float, float], float]
@@ -458,6 +464,50 @@ class StageWork:
     a2a_b: float = 0.0  # and in the backward (+ a recomputed forward's)
 
 
+class StageHoldings(NamedTuple):
+    """The parameters each program stage of a decoder holds per GPU: the columns of `StageCosts` a rank's memory
+    reads (named alike), without its times, so that the search tests the memory before it prices anything."""
+
+    stage_params: tuple[float, ...]
+    expert_params: tuple[float, ...]  # the routed experts' share of stage_params (already / ep)
+    unit_pairs: tuple[float, ...]  # parameters of a stage's largest two consecutive ZeRO-3 units
+
+
+def stage_holdings(model: ModelSpec, layout: Layout, stages: int, layers: Sequence[int]) -> StageHoldings:
+    """`StageHoldings` of `stages` program stages holding `layers` decoder layers each: the very numbers
+    `stage_costs` gives (`_held` sums them for both)."""
+    return _stage_holdings(model, layout.tp, layout.ep, stages, tuple(layers))
+
+
+@lru_cache(maxsize=4096)  # a function of the split and two of a layout's fields, asked for every candidate
+def _stage_holdings(model: ModelSpec, t: int, ep: int, stages: int, layers: tuple[int, ...]) -> StageHoldings:
+    firsts = [sum(layers[:st]) for st in range(stages)]
+    held = [_held(model, t, ep, first, n, st == 0, st == stages - 1)
+            for st, (first, n) in enumerate(zip(firsts, layers))]
+    return StageHoldings(tuple(h[0] for h in held), tuple(h[1] for h in held), tuple(unit_pair(h[2]) for h in held))
+
+
+@lru_cache(maxsize=4096)
+def _held(model: ModelSpec, t: int, ep: int, first: int, n: int, embed_first: bool,
+          head_last: bool) -> tuple[float, float, tuple[float, ...]]:
+    """A stage's parameters per GPU (over tp, the routed experts over ep), its routed experts' and each of its units'
+    in forward order: the `n` blocks from layer `first` summed by kind, the embedding and head where it holds them."""
+    dense = model.layer_params_per_gpu(t)
+    moe, routed = (model.moe_block_params_per_gpu(t, ep), model.moe_layer_expert_params / ep) if model.moe \
+        else (dense, 0.0)
+    n_moe = model.moe_layers_in(first, n)
+    counts = ((n - n_moe, dense, 0.0), (n_moe, moe, routed))
+    params = sum(c * p for c, p, _ in counts)
+    units = tuple(moe if model.is_moe_layer(i) else dense for i in range(first, first + n))
+    if embed_first:
+        params += model.embedding_params / t
+        units = (model.embedding_params / t, *units)
+    if head_last:
+        params += _head_params(model, t)
+        units = (*units, _head_params(model, t))
+    return params, sum(c * e for c, _, e in counts), units
+
+
 def _decoder_stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n: int, embed_first: bool,
                         head_last: bool) -> StageWork:
     """Sum the `n` blocks from layer `first` by kind, and add the embedding and head where the stage holds them."""
@@ -466,14 +516,11 @@ def _decoder_stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n:
     n_moe = model.moe_layers_in(first, n)
     counts = ((n - n_moe, kinds[False]), (n_moe, kinds.get(True, kinds[False])))
     gemm = sum(c * (k.flops - terms.core) for c, k in counts)  # the tp group's FLOPs outside the attention cores
-    params = sum(c * k.params for c, k in counts)  # per GPU: over tp, the routed experts over ep
+    params, experts, _ = _held(model, t, layout.ep, first, n, embed_first, head_last)
     head = 0.0
-    if embed_first:
-        params += model.embedding_params / t
     if head_last:
         head = model.logit_flops(b) / terms.rate
         gemm += model.logit_flops(b)
-        params += _head_params(model, t)
     blocks_tp_fwd = sum(c * k.tp_fwd for c, k in counts)
     a2a_f = sum(c * k.a2a for c, k in counts)
     fwd = sum(c * (k.block + terms.fixed) for c, k in counts) + head
@@ -490,7 +537,7 @@ def _decoder_stage_work(terms: _Terms, kinds: dict[bool, _Block], first: int, n:
                      gemm / terms.rate + n * terms.fixed + split,
                      recompute=sum(c * k.again for c, k in counts),
                      params=params, units=units,
-                     experts=sum(c * k.experts for c, k in counts),
+                     experts=experts,
                      summed=sum(c * k.summed for c, k in counts),
                      tp_fwd=_stage_tp_forward(terms, blocks_tp_fwd, embed_first, head_last),
                      tp_bwd=sum(c * k.tp_bwd for c, k in counts),
@@ -647,18 +694,43 @@ def price_stages(cluster: ClusterSpec, layout: Layout, works: Sequence[StageWork
     """The cost function of every model kind: `StageCosts` of the program stages whose units sum to `works`, one
     pipeline hop taking `message` seconds, each stage in `replicas` copies in the pipeline."""
     once: dict[int, _StageRow] = {}  # a stage whose work is another's (`_stage_costs`: alike stages) is priced once
-    rows = [once.setdefault(id(work), _stage_row(cluster, layout, work, replicas)) if id(work) not in once
-            else once[id(work)]._replace(waits=dict(once[id(work)].waits)) for work in works]
-    columns = dict(zip(_StageRow._fields, map(tuple, zip(*rows)))) if rows else \
-        {name: () for name in _StageRow._fields}
+    for work in works:
+        if id(work) not in once:
+            once[id(work)] = _stage_row(cluster, layout, work, replicas)
+    rows = [once[id(work)] for work in works]
+    if not rows:
+        return StageCosts(message=message, **{name: () for name in _StageRow._fields})
+    columns = dict(zip(_StageRow._fields, map(tuple, zip(*rows))))
+    columns["waits"] = _unshared(columns["waits"])
     return StageCosts(message=message, **columns)
 
 
+def _unshared(dicts: Sequence[dict[str, float]]) -> tuple[dict[str, float], ...]:
+    """`dicts`, each one a stage's own: a stage priced as an earlier one (`price_stages`) gets a copy."""
+    seen: set[int] = set()
+    out = []
+    for d in dicts:
+        out.append(dict(d) if id(d) in seen else d)
+        seen.add(id(d))
+    return tuple(out)
+
+
 @lru_cache(maxsize=8192)
-def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int, replicas: int,
+def _stage_costs(model: ModelSpec, cluster: ClusterSpec, values: tuple, stages: int, replicas: int,
                  layers: tuple[int, ...]) -> StageCosts:
-    """`stage_costs` on a layout stripped of what the costs do not depend on, so the cache hits across schedules.
-    Each kind of block is priced once, then every stage sums its own."""
+    """`stage_costs` of a layout of these `_COST_FIELDS` `values`, so the cache hits across schedules.  The stages'
+    work does not depend on ZeRO (`_stage_works`): only its pricing does."""
+    layout = Layout(**dict(zip(_COST_FIELDS, values)), schedule="", microbatches=0, params=(), split="even")
+    works, message = _stage_works(model, cluster, replace(layout, zero=0, grads="bf16", zero_reshard="auto"), stages,
+                                  layers)
+    return price_stages(cluster, layout, works, message, replicas)
+
+
+@lru_cache(maxsize=4096)  # the ZeRO stages and gradient dtypes of a layout share it
+def _stage_works(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages: int,
+                 layers: tuple[int, ...]) -> tuple[tuple[StageWork, ...], float]:
+    """Each stage's `StageWork` (alike stages one object) and the pipeline hop's seconds.  Each kind of block is
+    priced once, then every stage sums its own."""
     terms = _layout_terms(model, cluster, layout)
     kinds = {False: _block_kind(terms, False)}
     if model.moe:
@@ -668,9 +740,10 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, layout: Layout, stages:
     keys = [(tuple(model.is_moe_layer(i) for i in range(first, first + n)), st == 0, st == stages - 1)
             for st, (first, n) in enumerate(zip(firsts, layers))]
     once: dict[tuple, StageWork] = {}
-    works = [once[key] if key in once else once.setdefault(key, _decoder_stage_work(terms, kinds, first, n, *key[1:]))
-             for key, first, n in zip(keys, firsts, layers)]
-    return price_stages(cluster, layout, works, _pipeline_message(terms), replicas)
+    for key, first, n in zip(keys, firsts, layers):
+        if key not in once:
+            once[key] = _decoder_stage_work(terms, kinds, first, n, *key[1:])
+    return tuple(once[key] for key in keys), _pipeline_message(terms)
 
 
 # ------------------------------------------------------------------ encoder-decoders: units at tp = 1

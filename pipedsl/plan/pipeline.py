@@ -39,6 +39,7 @@ def _schedule(name: str):
     return load(name)
 
 
+@lru_cache(maxsize=256)  # asked for every candidate; a schedule's kind is fixed once loaded (`_schedule`)
 def is_searched(schedule: str) -> bool:
     """Whether the schedule's order is searched from costs (`order auto`): its program comes with a layout's costs."""
     return _schedule(schedule).searched
@@ -157,6 +158,7 @@ class Skeleton:
     peaks: tuple[float, ...]  # `peak_live` of the compiled program (its compute order is the plan's)
     ops: tuple[tuple[Op, ...], ...]  # each rank's compute order
     _at: dict[float, tuple[float, ...]] = field(default_factory=dict, compare=False, repr=False)  # peaks_at's
+    _ranks: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)  # stage_ranks'
 
     def peaks_at(self, wmem: float) -> tuple[float, ...]:
         """`peaks` with a pending W counted at `wmem` of an activation (once per share: the search asks often)."""
@@ -204,7 +206,16 @@ def simulation_sizes(M: int, P: int, factor: int = M_CAP_FACTOR) -> tuple[int, .
 
 
 def stage_ranks(program: Program | Skeleton) -> dict[int, list[int]]:
-    """Rank -> the program stages placed on it (copies on one rank share one module)."""
+    """Rank -> the program stages placed on it (copies on one rank share one module).  A (cached) skeleton's are
+    worked out once, as the search asks for them for every candidate: its callers only read them."""
+    if not isinstance(program, Skeleton):
+        return _stage_ranks(program)
+    if not program._ranks:
+        program._ranks.update(_stage_ranks(program))
+    return program._ranks
+
+
+def _stage_ranks(program: Program | Skeleton) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {r: [] for r in range(program.num_ranks)}
     for (_, s), r in sorted(program.placement.items()):
         if s not in out[r]:
@@ -232,11 +243,13 @@ def iteration_time(timeline: Timeline, program: Program, costs: StageCosts) -> f
 
 
 def _run_exact(schedule: str, P: int, M: int, params: tuple, costs: StageCosts,
-               sharing: tuple[float, float, float, float] | None) -> tuple[float, float, list[int], float]:
+               sharing: tuple[float, float, float, float] | None) -> tuple[float, float, Sequence[float], float]:
     cost = costs.simulator_cost()
     program = compiled(schedule, P, M, params, cost)
     timeline = simulate(program, cost) if sharing is None else _shared_timeline(program, cost, costs, *sharing)
-    return iteration_time(timeline, program, costs), timeline.makespan, peak_live(program), max(timeline.busy)
+    # a built-in order's peaks are its program's whatever the costs: read once (`compiled_peaks`)
+    peaks = peak_live(program) if is_searched(schedule) else compiled_peaks(schedule, P, M, params)
+    return iteration_time(timeline, program, costs), timeline.makespan, peaks, max(timeline.busy)
 
 
 def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: float, efficiency: float,

@@ -32,11 +32,13 @@ from pipedsl.plan.config import Layout, LayoutError, resharded_to_fit
 from pipedsl.plan.cost import (
     EncDecStages,
     StageCosts,
+    StageHoldings,
     encdec_stage_costs,
     piece_flops,
     piece_params,
     split_bounds,
     stage_costs,
+    stage_holdings,
     stage_layers,
     tp_degree_3d,
     unit_pair,
@@ -255,11 +257,11 @@ def _quick_bound(model: ModelSpec, cluster: ClusterSpec, layout: Layout, split: 
         layers = _layers(model, layout, program.num_stages)
         return placement_bound(program, stage_costs(model, cluster, layout, program.num_stages,
                                                      program.num_replicas, layers), layout.microbatches)
-    layers, costs, _, _ = _costed(model, cluster, layout, program, program.peaks_at(w_share(model, layout)),
-                                  "at least ")
+    layers, _, _ = _costed(model, cluster, layout, program, program.peaks_at(w_share(model, layout)), "at least ")
     if layers != stage_layers(model, layout, program.num_stages):  # fitted to the small size's peaks: the full
         return 0.0  # size's may take other layers, whose bound this one is not
-    return placement_bound(program, costs, layout.microbatches)
+    return placement_bound(program, stage_costs(model, cluster, layout, program.num_stages, program.num_replicas,
+                                                layers), layout.microbatches)
 
 
 def _fits_at_small_size(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> bool:
@@ -268,9 +270,8 @@ def _fits_at_small_size(model: ModelSpec, cluster: ClusterSpec, layout: Layout) 
     program = layout_skeleton(layout)
     S = program.num_stages
     layers = _layers(model, layout, S)
-    costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
-    memory = _memory(model, layout, costs, stage_ranks(program), program.peaks_at(w_share(model, layout)), layers,
-                     program.split_backward)[0]
+    memory = _memory(model, layout, stage_holdings(model, layout, S, layers), stage_ranks(program),
+                     program.peaks_at(w_share(model, layout)), layers, program.split_backward)[0]
     return memory.total <= cluster.memory - cluster.reserved_memory
 
 
@@ -292,8 +293,9 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, layout: Layout, split: str 
             peaks = program_peaks(layout.schedule, P, M, layout.params, wmem=w_share(model, layout))
         except PipeDSLError as err:
             raise LayoutError(f"schedule: {err.message}") from None
-    layers, costs, memory, per_rank = _costed(model, cluster, layout, program, peaks,
-                                              may_fit=lambda: not _fits_at_small_size(model, cluster, layout))
+    layers, memory, per_rank = _costed(model, cluster, layout, program, peaks,
+                                       may_fit=lambda: not _fits_at_small_size(model, cluster, layout))
+    costs = stage_costs(model, cluster, layout, program.num_stages, program.num_replicas, layers)
     on_rank = stage_ranks(program)
     return _Prepared(layout, costs, memory, per_rank, placement_bound(program, costs, M), on_rank,
                      layers=tuple(layers))
@@ -311,21 +313,27 @@ def _program(layout: Layout) -> Program | Skeleton:
         raise LayoutError(f"schedule: {err.message}") from None
 
 
-def _memory(model: ModelSpec, layout: Layout, costs: StageCosts, on_rank: dict[int, list[int]], peaks: Sequence[float],
-            layers: Sequence[int], split: bool) -> tuple[MemoryReport, tuple[MemoryReport, ...]]:
+def _memory(model: ModelSpec, layout: Layout, costs: StageHoldings | StageCosts, on_rank: dict[int, list[int]],
+            peaks: Sequence[float], layers: Sequence[int],
+            split: bool) -> tuple[MemoryReport, tuple[MemoryReport, ...]]:
     """The fullest rank (and every rank's, by pipeline rank): `_rank_memory` of the stages on it, their
-    activations counted at its largest stage's layers (`layers`: each stage's); `split`: the program has W ops."""
+    activations counted at its largest stage's layers (`layers`: each stage's); `split`: the program has W ops.
+    `costs`: the stages' parameter columns (`stage_holdings`, or the same columns of their `StageCosts`)."""
     stages, terms = len(layers), _activation_terms(model, layout)
+    # the largest units matter only where ZeRO-3 gathers them one by one (`_rank_memory`)
+    by_unit = layout.zero >= 3 and not _whole_stage_gathered(layout, split)
     worst: MemoryReport | None = None
+    most = 0.0
     per_rank: dict[int, MemoryReport] = {}
     for r, st in on_rank.items():
         experts = sum(costs.expert_params[s] for s in st) if costs.expert_params else 0.0
-        units = None if _whole_stage_gathered(layout, split) else max(costs.unit_pairs[s] for s in st)
+        units = max(costs.unit_pairs[s] for s in st) if by_unit else None
         report = _rank_memory(model, layout, sum(costs.stage_params[s] for s in st), experts, peaks[r],
                               max(layers[s] for s in st), stages - 1 in st, terms, units)
         per_rank[r] = report
-        if worst is None or report.total > worst.total:
-            worst = report
+        total = report.total
+        if worst is None or total > most:
+            worst, most = report, total
     assert worst is not None
     return worst, tuple(per_rank[r] for r in sorted(per_rank))
 
@@ -408,11 +416,32 @@ def _fitted_layers(model: ModelSpec, cluster: ClusterSpec, layout: Layout, on_ra
     if not _fittable(model, layout, on_rank):
         return None
     rank_of = {st[0]: r for r, st in on_rank.items()}
-    # the fields a rank's memory does not depend on set alike, so that layouts of the same memory share the answer
-    alike = replace(layout, schedule="", microbatches=0, params=())
-    fitted = _fitted(model, alike, cluster.memory - cluster.reserved_memory,
-                     tuple(peaks[rank_of[s]] for s in range(stages)), _whole_stage_gathered(layout, split))
+    params, experts = piece_params(model, layout)
+    # keyed on the numbers a rank's bytes are made of, so that layouts of the same memory share the answer
+    fitted = _fitted(model, params, experts, _linear_bytes(model, layout, params, _whole_stage_gathered(layout, split)),
+                     cluster.memory - cluster.reserved_memory, tuple(peaks[rank_of[s]] for s in range(stages)))
     return None if fitted is None else list(fitted)
+
+
+class _LinearBytes(NamedTuple):
+    """A rank's bytes are linear in its parameters, its routed experts and its layers: each priced once."""
+
+    base: float  # what a rank holds with none of them: the recomputed working set
+    per_param: float
+    per_expert: float
+    per_layer: float  # a layer's stored activation, per live microbatch
+    logits: float  # the last stage's fp32 logits
+
+
+def _linear_bytes(model: ModelSpec, layout: Layout, params: Sequence[float], whole: bool) -> _LinearBytes:
+    """`_LinearBytes` of `layout`, its pieces holding `params` each; `whole`: ZeRO-3 holds a stage gathered whole
+    (`_whole_stage_gathered`), else its largest two units, here the model's."""
+    units = None if whole else unit_pair(params)
+    base = _rank_memory(model, layout, 0.0, 0.0, 0.0, 0, False, None, units).total
+    per_param = _rank_memory(model, layout, 1.0, 0.0, 0.0, 0, False, None, units).total - base
+    per_expert = _rank_memory(model, layout, 1.0, 1.0, 0.0, 0, False, None, units).total - base - per_param
+    per_layer, _, logits = _activation_terms(model, layout)
+    return _LinearBytes(base, per_param, per_expert, per_layer, logits)
 
 
 def _fittable(model: ModelSpec, layout: Layout, on_rank: dict[int, list[int]]) -> bool:
@@ -422,19 +451,13 @@ def _fittable(model: ModelSpec, layout: Layout, on_rank: dict[int, list[int]]) -
 
 
 @lru_cache(maxsize=4096)
-def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float, ...],
-            whole: bool) -> tuple[int, ...] | None:
-    """`_fitted_layers` for stage s's rank holding `peaks[s]` activations at most, in `usable` bytes; `whole`:
-    ZeRO-3 holds a stage gathered whole (`_whole_stage_gathered`), else its largest two units, here the model's."""
-    params, experts = piece_params(model, layout)
+def _fitted(model: ModelSpec, params: tuple[float, ...], experts: tuple[float, ...], linear: _LinearBytes,
+            usable: float, peaks: tuple[float, ...]) -> tuple[int, ...] | None:
+    """`_fitted_layers` for stage s's rank holding `peaks[s]` activations at most, in `usable` bytes; the pieces
+    [embedding, layers…, head] hold `params` each per GPU, `experts` of them routed experts (`piece_params`)."""
     p_sum, e_sum = list(accumulate(params, initial=0.0)), list(accumulate(experts, initial=0.0))
     pieces = model.layers + 2
-    units = None if whole else unit_pair(params)
-    # a rank's bytes are linear in its parameters and its layers: price one of each once
-    base = _rank_memory(model, layout, 0.0, 0.0, 0.0, 0, False, None, units).total  # the recomputed working set
-    per_param = _rank_memory(model, layout, 1.0, 0.0, 0.0, 0, False, None, units).total - base
-    per_expert = _rank_memory(model, layout, 1.0, 1.0, 0.0, 0, False, None, units).total - base - per_param
-    per_layer, _, logits = _activation_terms(model, layout)
+    base, per_param, per_expert, per_layer, logits = linear
 
     def fits(s: int, a: int, b: int) -> bool:  # stage s holds pieces a..b-1 of [embedding, layers…, head]
         layers = min(b, pieces - 1) - max(a, 1)
@@ -451,27 +474,31 @@ def _fitted(model: ModelSpec, layout: Layout, usable: float, peaks: tuple[float,
 
 def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, peaks: Sequence[float],
             qualifier: str = "", may_fit: Callable[[], bool] = lambda: True
-            ) -> tuple[list[int], StageCosts, MemoryReport, tuple[MemoryReport, ...]]:
-    """The layers of each stage, their costs, the fullest rank's memory and every rank's: the layout's split,
-    or where its balanced split leaves a rank out of memory and `may_fit()`, the balanced split that fits
-    (`_fitted_layers`); a `LayoutError` when the memory does not hold it.  A searched schedule's peaks are its
-    program's as searched under the costs of the split (`pipeline.compiled`), not `peaks`; it is not fitted."""
+            ) -> tuple[list[int], MemoryReport, tuple[MemoryReport, ...]]:
+    """The layers of each stage, the fullest rank's memory and every rank's: the layout's split, or where its
+    balanced split leaves a rank out of memory and `may_fit()`, the balanced split that fits (`_fitted_layers`);
+    a `LayoutError` when the memory does not hold it.  A searched schedule's peaks are its program's as searched
+    under the costs of the split (`pipeline.compiled`), not `peaks`; it is not fitted.  Only a searched schedule's
+    times are priced here: the memory needs the stages' parameters alone (`stage_holdings`)."""
     S = program.num_stages
     on_rank = stage_ranks(program)
     searched = is_searched(layout.schedule)
 
-    def priced(layers: list[int] | None) -> tuple[list[int], StageCosts, Sequence[float], MemoryReport,
+    def priced(layers: list[int] | None) -> tuple[list[int], Sequence[float], MemoryReport,
                                                   tuple[MemoryReport, ...]]:
         layers = layers if layers is not None else _layers(model, layout, S)
+        if not searched:
+            held = stage_holdings(model, layout, S, layers)
+            return (layers, peaks, *_memory(model, layout, held, on_rank, peaks, layers, program.split_backward))
         costs = stage_costs(model, cluster, layout, S, program.num_replicas, layers)
         try:
             live = program_peaks(layout.schedule, layout.pp, layout.microbatches, layout.params,
-                                 replace(costs.simulator_cost(), wmem=w_share(model, layout))) if searched else peaks
+                                 replace(costs.simulator_cost(), wmem=w_share(model, layout)))
         except PipeDSLError as err:
             raise LayoutError(f"schedule: {err.message}") from None
-        return (layers, costs, live, *_memory(model, layout, costs, on_rank, live, layers, program.split_backward))
+        return (layers, live, *_memory(model, layout, costs, on_rank, live, layers, program.split_backward))
 
-    layers, costs, live, memory, per_rank = priced(None)
+    layers, live, memory, per_rank = priced(None)
     note = ""
     if memory.total > cluster.memory - cluster.reserved_memory and not searched and may_fit():
         fitted = _fitted_layers(model, cluster, layout, on_rank, live, S, program.split_backward)
@@ -481,9 +508,9 @@ def _costed(model: ModelSpec, cluster: ClusterSpec, layout: Layout, program, pea
             raise LayoutError(f"duplicate: the balanced split of {model.layers} layers that fits the memory is the "
                               f"even one")
         elif fitted is not None:
-            layers, costs, live, memory, per_rank = priced(fitted)
+            layers, live, memory, per_rank = priced(fitted)
     _check_memory(cluster, memory, qualifier, note)
-    return layers, costs, memory, per_rank
+    return layers, memory, per_rank
 
 
 def _finish(model: PlannedModel, cluster: ClusterSpec, prep: _Prepared) -> Estimate:
