@@ -18,8 +18,9 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/pipedsl train --schedule hanayo -P 4 -M 8 --steps 20 -o out/demo
 
+# the whole suite: two parts side by side, one pytest session each (tests/parts.py)
 test: setup
-	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q --durations=40
+	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python tests/parts.py --durations=25
 
 # the everyday tier: the tests not marked slow (about 4 minutes here; `make test` runs all, about 15)
 test-quick: setup

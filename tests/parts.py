@@ -26,10 +26,6 @@ from pathlib import Path
 PARTS = {"part 1 (everyday tier, trainer, planner, reliability)": "1/2",
          "part 2 (multi-process: models, parallel, runtime, language)": "2/2"}
 ROOT = Path(__file__).resolve().parents[1]
-# Part 2 runs at a lower CPU priority, its ranks and workers too: under equal priorities a single-process test of
-# part 1 got a ninth of the machine beside part 2's eight busy ranks (a 3 s test took 102 s); so it gets the core
-# part 1 leaves idle, and part 1 runs almost as fast as alone.
-NICE = {"2/2": 10}
 NO_TESTS = 5  # pytest's status when a selection leaves a part nothing to run: fine for one part, not for both
 
 
@@ -41,8 +37,7 @@ def _start(part: str, args: list[str], folder: Path) -> subprocess.Popen:
     try:
         return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "--part", part, "-p", "no:cacheprovider",
                                  "--basetemp", str(folder / f"{name}-tmp"), *args], cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=(lambda: os.nice(NICE[part])) if NICE.get(part) else None)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         out.close()  # the child holds its own copy
 

@@ -32,11 +32,16 @@ class WorkerError(PipeRuntimeError):
     """A function run by the pool failed (or timed out) on some rank."""
 
 
-def _worker(index: int, jobs: mp.Queue, results: mp.Queue) -> None:
+def _worker(index: int, jobs: mp.Queue, results: mp.Queue, owner: int) -> None:
     import torch
     import torch.distributed as dist
 
     from pipedsl.runtime.launch.errors import forget_failures
+    from pipedsl.runtime.launch.lifecycle import follow_launcher
+
+    # a worker exits when the pool's owner is gone, as a rank does when its launcher is: a killed test session left
+    # its eight workers (and, through them, its fork server) waiting on the job queue for good
+    follow_launcher(owner, index)
     torch.set_num_threads(1)
     freeze_imports()  # torch's objects out of every collection (see `_release_groups`)
     while True:
@@ -117,7 +122,7 @@ class LocalPool:
         ctx = rank_context()  # forked from a server that imported torch once: restarting the pool is cheap
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.size)]
-        self._procs = [ctx.Process(target=_worker, args=(i, self._jobs[i], self._results), daemon=True)
+        self._procs = [ctx.Process(target=_worker, args=(i, self._jobs[i], self._results, os.getpid()), daemon=True)
                        for i in range(self.size)]
         for p in self._procs:
             p.start()

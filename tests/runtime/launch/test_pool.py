@@ -29,3 +29,39 @@ def test_a_reused_world_starts_with_no_failure_recorded(pool2) -> None:
     read as the cause of a later run's (a rank named "gone or stuck" where its own peer had said why)."""
     assert pool2.run(fail_and_read, True) == [(0, "rank 0's own failure")] * 2
     assert pool2.run(fail_and_read, False) == [None, None]
+
+
+OWNER = """
+import os, signal, sys
+from pipedsl.runtime.launch.pool import LocalPool
+if __name__ == "__main__":
+    pool = LocalPool(2, timeout=60)
+    print(*pool.run(os.getpid, 2), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the workers are on their own
+"""
+
+
+def test_the_workers_of_a_killed_pool_owner_exit_by_themselves(tmp_path) -> None:
+    """A test session killed with its pool open left the eight workers waiting on their job queues, and their fork
+    server alive through them, for good; they now follow their owner as a rank follows its launcher."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    pids = [int(p) for p in proc.stdout.split()]
+    assert proc.returncode == -9 and len(pids) == 2, (proc.stdout, proc.stderr[-2000:])
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if alive(pid)], "pool workers outlived their owner"
