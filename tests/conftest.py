@@ -84,8 +84,9 @@ def pytest_collection_modifyitems(config, items) -> None:
         if POOL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("quick") is None:
             item.add_marker(pytest.mark.slow)
     if part := config.getoption("--part"):
-        config.hook.pytest_deselected(items=[i for i in items if part_of(i) != part])
-        items[:] = [i for i in items if part_of(i) == part]
+        mine = {id(i) for i in items if part_of(i) == part}
+        config.hook.pytest_deselected(items=[i for i in items if id(i) not in mine])
+        items[:] = [i for i in items if id(i) in mine]
     # the benchmarks' smoke tests last: their commands start as the session starts and run beside the rest
     items[:] = [i for i in items if not _smoke(i)] + [i for i in items if _smoke(i)]
 

@@ -29,14 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 NO_TESTS = 5  # pytest's status when a selection leaves a part nothing to run: fine for one part, not for both
 
 
+def _log(folder: Path, part: str) -> Path:
+    return folder / f"part-{part[0]}.log"
+
+
 def _start(part: str, args: list[str], folder: Path) -> subprocess.Popen:
     """One part's session: its own temporary-files root, no shared cache file (two sessions would overwrite each
     other's record of failures)."""
-    name = "part-" + part[0]
-    out = (folder / f"{name}.log").open("w")
+    out = _log(folder, part).open("w")
     try:
         return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "--part", part, "-p", "no:cacheprovider",
-                                 "--basetemp", str(folder / f"{name}-tmp"), *args], cwd=ROOT,
+                                 "--basetemp", str(folder / f"part-{part[0]}-tmp"), *args], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         out.close()  # the child holds its own copy
@@ -73,9 +76,8 @@ def main(args: list[str]) -> int:
         for name, proc in procs.items():
             if name not in codes and proc.poll() is not None:
                 codes[name] = proc.returncode
-                log = logs / f"part-{PARTS[name][0]}.log"
                 print(f"==== {name}: exit status {proc.returncode} after {time.monotonic() - started:.0f} s ====")
-                print(log.read_text(errors="replace"), flush=True)
+                print(_log(logs, PARTS[name]).read_text(errors="replace"), flush=True)
         time.sleep(0.5)
     print(f"==== both parts done in {time.monotonic() - started:.0f} s: "
           + ", ".join(f"{name} {code}" for name, code in codes.items()) + " ====")

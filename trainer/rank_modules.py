@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-EVERY_RANK = ("pipedsl.plan", "pipedsl.runtime.pipeline", "pipedsl.runtime.optim", "pipedsl.trainer.data",
-              "pipedsl.trainer.metrics", "pipedsl.output", "numpy.ma")
+# (the pipeline itself is preloaded for every server's ranks: runtime/preload.py)
+EVERY_RANK = ("pipedsl.plan", "pipedsl.runtime.optim", "pipedsl.trainer.data", "pipedsl.trainer.metrics",
+              "pipedsl.output", "numpy.ma")
 HF_RANK = ("pipedsl.trainer.hf_setup", "pipedsl.models.hf.io", "pipedsl.models.hf.stages", "pipedsl.models.hf.jetmoe",
            "pipedsl.models.split")
 
