@@ -18,7 +18,7 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/pipedsl train --schedule hanayo -P 4 -M 8 --steps 20 -o out/demo
 
-# the whole suite: two parts side by side, one pytest session each (tests/parts.py)
+# the whole suite: three parts side by side, one pytest session each (tests/parts.py)
 test: setup
 	PIPEDSL_REQUIRE_EXTRAS=1 $(BIN)/python tests/parts.py --durations=25
 

@@ -11,7 +11,8 @@ backward needs again, so no bytes are reported then.
 A stage offers its units with `units()` — (index in the whole model's unit list, module): models/split.py's
 `SequentialStage`, the HF causal stages.  Forward pre- and post-hooks time each unit's training forwards (not a
 recomputed one, not evaluation): on the CPU by the clock, on a GPU by a pair of CUDA events on the current stream,
-read when the times are asked for (after the profile steps).  Never a device-wide wait inside a step: under NCCL a
+read when the times are asked for (after the profile steps); on the CPU with one intra-op thread, by the thread's
+CPU time, which other processes' load does not stretch.  Never a device-wide wait inside a step: under NCCL a
 synchronize waits for every stream, a point-to-point send whose receive the peer has not reached included, and
 the pipeline would hang.  `close()` removes the hooks.
 """
@@ -121,9 +122,11 @@ def _bytes(args: Any, counted: set[int]) -> int:
 
 
 def _mark(module: nn.Module) -> float | torch.cuda.Event:
-    """Now: the clock for a module on the CPU; for one on a GPU, a timing event recorded on the current stream."""
+    """Now: for a module on the CPU, this thread's CPU time when it is torch's only intra-op thread (a unit preempted
+    by another process on a busy machine is not a costly unit; with more threads their work is not this thread's, so
+    the clock); for one on a GPU, a timing event recorded on the current stream."""
     if not _on_gpu(module):
-        return time.perf_counter()
+        return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event

@@ -61,20 +61,26 @@ torch.set_num_threads(1)
 POOL_FIXTURES = {"pool", "pool2", "pool4", "pools", "run_once"}  # the multi-process tests' way to their ranks
 
 
-# `make test` runs the suite as two sessions side by side (tests/parts.py), split by one rule: the second takes the
-# slow tests of these folders (multi-process equalities: most of their time is ranks), the first everything else
-# (the everyday tier, and the slow tests of the trainer, the planner and reliability: mostly one process each).
-SECOND_PART = ("models", "parallel", "runtime", "pipedsl", "benchmarks")
+# `make test` runs the suite as three sessions side by side (tests/parts.py), split by one rule.  The linux scheduler
+# shares the CPU by thread: beside the multi-process part's ranks, one single-process chain of tests gets a small share
+# and ends last, so the rest of the suite is two chains, not one.
+RANKS_PART = ("models", "parallel", "runtime", "pipedsl", "benchmarks")  # their slow tests: part 3, mostly ranks
+COMMANDS_PART = ("trainer", "reliability", "visualize", "")  # part 2: whole commands, signals, plots ("": tests/*.py)
+PARTS = ("1/3", "2/3", "3/3")
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--part", choices=("1/2", "2/2"), default=None,
-                     help="run one of the two parts `make test` runs side by side (tests/parts.py)")
+    parser.addoption("--part", choices=PARTS, default=None,
+                     help="run one of the three parts `make test` runs side by side (tests/parts.py)")
 
 
 def part_of(item) -> str:
+    """3/3: the slow tests of RANKS_PART's folders (multi-process equalities); 2/3: COMMANDS_PART's folders; 1/3: the
+    rest (the everyday tier of the language, models, runtime and planner, and the planner's slow tests)."""
     folder = item.nodeid.split("/")[1] if item.nodeid.count("/") > 1 else ""
-    return "2/2" if item.get_closest_marker("slow") is not None and folder in SECOND_PART else "1/2"
+    if item.get_closest_marker("slow") is not None and folder in RANKS_PART:
+        return "3/3"
+    return "2/3" if folder in COMMANDS_PART else "1/3"
 
 
 def pytest_collection_modifyitems(config, items) -> None:

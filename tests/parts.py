@@ -1,16 +1,17 @@
-"""`make test`: the whole suite as two parts run side by side, one pytest session each.
+"""`make test`: the whole suite as three parts run side by side, one pytest session each.
 
-Most single-process tests keep one core busy; the multi-process tests' ranks wait on each other part of the time.
-One session left a core idle for much of the run; two, each taking what the other leaves, use both.  The split is
-one rule (tests/conftest.py, `part_of`): part 2 is the slow tests of the folders whose time is ranks (models,
-parallel, runtime, the language's, the benchmarks'), part 1 everything else — the everyday tier of `make
-test-quick` and the trainer's, planner's and reliability tests, mostly one process each (docs/testing.md).
+Linux shares the CPU by thread: beside the multi-process tests' ranks (a pool of eight), one chain of single-process
+tests gets a small share and ends last, while two parts left a core idle at the end (801 s for two parts, 684 s for
+three, the same machine within the hour; docs/testing.md).  The split is one rule (tests/conftest.py, `part_of`):
+part 3 is the slow tests of the folders whose time is ranks (models, parallel, runtime, the language's, the
+benchmarks'), part 2 the whole commands (the trainer's, reliability's, the plots' and the top-level tests), part 1
+the rest — the everyday tier of the language, models and runtime, and the planner.
 
-    python tests/parts.py [pytest options…]     # both parts, each given the options; exit status 0 if both pass
+    python tests/parts.py [pytest options…]     # every part, each given the options; exit status 0 if all pass
 
-Each session writes to its own log, printed whole when it ends (the quicker one first), so the two never
-interleave.  Ctrl-C or SIGTERM stops both sessions and everything they started (each runs in its own process
-group); the exit status is then 128 + the signal.
+Each session writes to its own log, printed whole when it ends (the quickest first), so they never interleave.
+Ctrl-C or SIGTERM stops every session and everything they started (each runs in its own process group); the exit
+status is then 128 + the signal.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = {"part 1 (everyday tier, trainer, planner, reliability)": "1/2",
-         "part 2 (multi-process: models, parallel, runtime, language)": "2/2"}
+PARTS = {"part 1 (everyday tier: language, models, runtime; planner)": "1/3",
+         "part 2 (commands: trainer, reliability, plots)": "2/3",
+         "part 3 (multi-process: models, parallel, runtime, language)": "3/3"}
 ROOT = Path(__file__).resolve().parents[1]
-NO_TESTS = 5  # pytest's status when a selection leaves a part nothing to run: fine for one part, not for both
+NO_TESTS = 5  # pytest's status when a selection leaves a part nothing to run: fine for one part, not for all
 
 
 def _log(folder: Path, part: str) -> Path:
@@ -66,7 +68,7 @@ def main(args: list[str]) -> int:
 
     def stop(signum: int, _frame: object) -> None:
         _stop_all(procs)
-        print(f"==== stopped by {signal.Signals(signum).name}: both parts' processes ended; logs in {logs} ====")
+        print(f"==== stopped by {signal.Signals(signum).name}: every part's processes ended; logs in {logs} ====")
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGINT, stop)
@@ -79,7 +81,7 @@ def main(args: list[str]) -> int:
                 print(f"==== {name}: exit status {proc.returncode} after {time.monotonic() - started:.0f} s ====")
                 print(_log(logs, PARTS[name]).read_text(errors="replace"), flush=True)
         time.sleep(0.5)
-    print(f"==== both parts done in {time.monotonic() - started:.0f} s: "
+    print(f"==== all parts done in {time.monotonic() - started:.0f} s: "
           + ", ".join(f"{name} {code}" for name, code in codes.items()) + " ====")
     failed = [code for code in codes.values() if code not in (0, NO_TESTS)]
     return failed[0] if failed else (NO_TESTS if set(codes.values()) == {NO_TESTS} else 0)

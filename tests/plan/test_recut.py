@@ -4,6 +4,7 @@ units (runtime/unit_clock.py): checked against hand-computed splits and a simula
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -141,6 +142,30 @@ def test_unit_clock_times_training_forwards_only() -> None:
     clock.close()
     stages[0](x)
     assert len(clock.seconds[0]) == 2  # the hooks are gone
+
+
+class _Preempted(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)  # the thread off the CPU, as a busy machine's scheduler leaves a rank
+        return x
+
+
+def test_unit_clock_on_the_cpu_counts_a_units_work_not_the_time_it_was_preempted() -> None:
+    """With one intra-op thread a unit's time is its thread's CPU time: a unit that sleeps 50 ms costs next to
+    nothing (under load the clock made a cheap unit look dear and `--schedule auto` kept a lopsided cut); with two
+    threads the clock (50 ms or more)."""
+    stages = split_sequential(nn.Sequential(nn.Linear(4, 4), _Preempted()), 1)
+    x = torch.randn(2, 4, requires_grad=True)
+    threads = torch.get_num_threads()
+    try:
+        for n, (low, high) in ((1, (0.0, 0.01)), (2, (0.05, math.inf))):
+            torch.set_num_threads(n)
+            clock = UnitClock({0: stages[0]})
+            stages[0](x).sum().backward()
+            assert low <= clock.medians()[1] < high, (n, clock.medians())
+            clock.close()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _reports_with_bytes(unit_f: list[float], unit_b: list[float], bounds: list[int], P: int, M: int,
