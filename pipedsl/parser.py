@@ -37,12 +37,19 @@ def parse(text: str, file: str = "<string>") -> n.ScheduleDecl:
     Lark's LALR parser keeps its own stack (no recursion); its depth is watched token by token
     and the size limit bounds its time.  The tree builder and every later pass recurse, so the
     tree's depth (a chain a + b + … too) is measured without recursion before anything walks it.
+    The tree is immutable, so the last few sources' trees are kept: a built-in loaded in a loop (a pipeline a run, a
+    planner's layouts) is parsed once (1–10 ms a built-in).
     """
     if not isinstance(text, str):
         raise PipeSyntaxError(f"a schedule source is text, got {type(text).__name__}", Span(file, 1, 1))
     if len(text) > MAX_SOURCE_BYTES:
         raise PipeSyntaxError(f"the source is {len(text):,} characters, over the limit of {MAX_SOURCE_BYTES:,} "
                               f"(MAX_SOURCE_BYTES)", Span(file, 1, 1))
+    return _parsed(text, file)
+
+
+@functools.lru_cache(maxsize=32)  # errors are raised, not kept
+def _parsed(text: str, file: str) -> n.ScheduleDecl:
     try:
         tree = _parse_bounded(text, file)
         decl = _Builder(file).transform(tree)

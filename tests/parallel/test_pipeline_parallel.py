@@ -125,9 +125,12 @@ def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, t
     torch.manual_seed(0)
     model = GPT(GPT_CFG)
     out = {}
+    references: dict[int, tuple[list[float], torch.Tensor]] = {}  # by global batch: the same batches, the same run
     for schedule, M, batch, zero, reduce in runs:
         batches = _batches(steps, batch)
-        ref_losses, ref_params = _dense_reference(model, batches)
+        if batch not in references:
+            references[batch] = _dense_reference(model, batches)
+        ref_losses, ref_params = references[batch]
         zero_mode = {"zero_reshard": "unit"} if reduce == "reshard=unit" else {"zero_reduce": reduce}
         cfg = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode, zero=zero, **zero_mode)
         res = _train(mesh, model, schedule, M, cfg, batches, tp_layers)
