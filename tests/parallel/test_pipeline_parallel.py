@@ -128,12 +128,14 @@ def grid_job(dp: int, pp: int, tp: int, tp_mode: str, runs: tuple, steps: int, t
     references: dict[int, tuple[list[float], torch.Tensor]] = {}  # by global batch: the same batches, the same run
     for schedule, M, batch, zero, reduce in runs:
         batches = _batches(steps, batch)
-        if batch not in references:
-            references[batch] = _dense_reference(model, batches)
-        ref_losses, ref_params = references[batch]
         zero_mode = {"zero_reshard": "unit"} if reduce == "reshard=unit" else {"zero_reduce": reduce}
         cfg = ParallelConfig(dp=dp, pp=pp, tp=tp, tp_mode=tp_mode, zero=zero, **zero_mode)
         res = _train(mesh, model, schedule, M, cfg, batches, tp_layers)
+        if dist.get_rank() != 0:  # rank 0 compares (res gathers every rank's parameters) and reports
+            continue
+        if batch not in references:
+            references[batch] = _dense_reference(model, batches)
+        ref_losses, ref_params = references[batch]
         problems = _compare(res, ref_losses, ref_params)
         if res["rows"] and res["rows"] != [batch // (dp * M)]:
             problems.append(f"stage 0 ran microbatches of {res['rows']} samples, not batch/(dp*M) = {batch // (dp * M)}")
