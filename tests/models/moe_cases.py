@@ -132,6 +132,7 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
     weights after SGD steps (each step's change is lr × the gradient) or, with `adamw`, AdamW steps.  `tie`: the
     word embeddings tied to the head (the family's default when None)."""
     import hf_cases
+    from reference_once import on_rank_zero
 
     from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
@@ -150,22 +151,31 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss_fn, parallel=mesh)
     kind, lr = (torch.optim.AdamW, 1e-2) if adamw else (torch.optim.SGD, hf_cases.LR)
     opt = pipe.optimizer(kind, lr=lr)
-    ref_opt = kind(ref.parameters(), lr=lr)
     x, mask, labels = hf_cases.batch(M * dp, True)
-    problems: list[str] = []
-    for step in range(steps):
+    got = []
+    for _ in range(steps):
         loss = pipe.step((x, mask), shift_labels(labels))
-        norm = pipe.grad_norm().item()
+        got.append((loss, pipe.grad_norm().item()))
         opt.step()
         opt.zero_grad()
-        want = 0.0
-        for xm, mm, lm in zip(x.chunk(M * dp), mask.chunk(M * dp), labels.chunk(M * dp)):
-            out = ref(xm, attention_mask=mm, labels=lm, use_cache=False)
-            (out.loss / (M * dp)).backward()
-            want += out.loss.item() / (M * dp)
-        want_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None]).item()
-        ref_opt.step()
-        ref_opt.zero_grad()
+
+    def one_process() -> list[tuple[float, float]]:
+        """The whole model accumulating the same dp·M microbatches: each step's loss and gradient norm."""
+        ref_opt, wants = kind(ref.parameters(), lr=lr), []
+        for _ in range(steps):
+            want = 0.0
+            for xm, mm, lm in zip(x.chunk(M * dp), mask.chunk(M * dp), labels.chunk(M * dp)):
+                out = ref(xm, attention_mask=mm, labels=lm, use_cache=False)
+                (out.loss / (M * dp)).backward()
+                want += out.loss.item() / (M * dp)
+            wants.append((want, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()
+                                                                if p.grad is not None]).item()))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        return wants
+
+    problems: list[str] = []
+    for step, ((loss, norm), (want, want_norm)) in enumerate(zip(got, on_rank_zero(one_process, ref), strict=True)):
         if abs(loss - want) > LOSS_RTOL * abs(want):
             problems.append(f"rank {rank} step {step}: loss {loss!r} != one process {want!r}")
         if abs(norm - want_norm) > 1e-4 * want_norm:
@@ -284,6 +294,7 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
     each rank's tp slices and expert rows put back in the dense layout by index (tests/dense_index.py), every
     element held by some rank, copies equal.  The problems found."""
     from dense_index import gather_dense, index_model
+    from reference_once import on_rank_zero
 
     from pipedsl.models.gpt.parallelize import tp_gpt_loss
     from pipedsl.parallel.expert import shard_experts
@@ -300,21 +311,30 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
                             device=device)
     ref.to(pipe.device)
     opt = pipe.optimizer(torch.optim.SGD, lr=LR)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
-    problems: list[str] = []
-    for step in range(steps):
-        x, y = synthetic_batch(MB * M * dp, 8, 32, gen)
-        loss = pipe.step(x, y)
+    batches = [synthetic_batch(MB * M * dp, 8, 32, gen) for _ in range(steps)]
+    got = []
+    for x, y in batches:
+        got.append(pipe.step(x, y))
         opt.step()
         opt.zero_grad()
-        want = 0.0
-        for xm, ym in zip(x.to(pipe.device).chunk(M * dp), y.to(pipe.device).chunk(M * dp)):
-            part = gpt_loss(ref(xm), ym) / (M * dp)
-            part.backward()
-            want += part.item()
-        ref_opt.step()
-        ref_opt.zero_grad()
+
+    def one_process() -> list[float]:
+        """The whole model accumulating the same dp·M microbatches: each step's loss."""
+        ref_opt, wants = torch.optim.SGD(ref.parameters(), lr=LR), []
+        for x, y in batches:
+            want = 0.0
+            for xm, ym in zip(x.to(pipe.device).chunk(M * dp), y.to(pipe.device).chunk(M * dp)):
+                part = gpt_loss(ref(xm), ym) / (M * dp)
+                part.backward()
+                want += part.item()
+            wants.append(want)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        return wants
+
+    problems: list[str] = []
+    for step, (loss, want) in enumerate(zip(got, on_rank_zero(one_process, ref), strict=True)):
         if abs(loss - want) > LOSS_RTOL * abs(want):
             problems.append(f"rank {dist.get_rank()} step {step}: loss {loss!r} != one process {want!r}")
     index, n = index_model(model)
