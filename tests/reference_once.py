@@ -18,10 +18,11 @@ T = TypeVar("T")
 
 def on_rank_zero(train: Callable[[], T], model: nn.Module) -> T:
     """`train()` (which trains `model`, the reference copy) on rank 0 of the default group; every rank gets its
-    result back, and `model` holds the trained weights and buffers on every rank."""
+    result back, and `model` holds the trained weights and buffers on every rank.  What is sent travels on the CPU
+    (benchmarks/gpu_check.py runs these cases on a GPU): `train()` returns host values."""
     box: list[object] = [None]
     if dist.get_rank() == 0:
-        box = [(train(), {k: v.detach() for k, v in model.state_dict().items()})]
+        box = [(train(), {k: v.detach().cpu() for k, v in model.state_dict().items()})]
     dist.broadcast_object_list(box, src=0)
     result, state = box[0]  # type: ignore[misc]
     if dist.get_rank() != 0:

@@ -116,6 +116,21 @@ def test_a_split_backward_measured_on_a_loaded_machine_gives_a_cluster_the_plann
     assert cal.split_backward == MAX_SPLIT_BACKWARD and cal.cluster().split_backward == MAX_SPLIT_BACKWARD
 
 
+def test_a_link_whose_larger_message_is_no_slower_is_credited_with_what_that_message_shows():
+    """On a loaded machine the 4 KiB ping-pong waited as long as the 4 MiB one (4.4 ms each, 1 µs apart) and the fit
+    said 4·10^15 bytes/s, every message free to the planner: the link gets the larger message's bytes over its time."""
+    from pipedsl.trainer.calibrate import SIZES, summarize
+
+    small = SmallGPT()
+    machine = _machine_measurements(small, 3e-3, 3 * small.spec().layer_flops(1) / 30e9, 1.2e-3, 5e-3, 150e-6, 2e9,
+                                    (1e-3, 4e8), (6e-4, 3e8), (2e-3, 1e-4), (3e-3, 2e-4))
+    for rank in machine:
+        rank[f"msg{SIZES[0]}"], rank[f"msg{SIZES[1]}"] = 4.4446e-3, 4.4456e-3
+    cal = summarize([machine], small, 2)
+    assert math.isclose(cal.bandwidth, SIZES[1] / 4.4456e-3) and 1e8 < cal.bandwidth < 1e10
+    assert math.isclose(cal.latency, 4.4446e-3 - SIZES[0] / cal.bandwidth)
+
+
 def test_flat_collective_times_fit_as_ring_steps_only():
     """Noise that makes the larger collective no slower gives no bandwidth term: all of it is per step."""
     from pipedsl.trainer.calibrate import MAX_BANDWIDTH, _fit_collective
