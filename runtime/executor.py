@@ -232,6 +232,21 @@ class Executor:
             held.popleft()
         self._post(ins, slot)
 
+    def _arrived(self, recv: Any) -> bool:
+        """Whether a gated pass's receive is complete.  A peer gone while others' openings are unchecked may have
+        stopped on their shapes (it found a rank whose shapes differ and ended before sending what this rank waits
+        for; under load that rank's opening can reach this one later than the closed connection): the openings are
+        then waited for, and a disagreement they show is raised instead of the lost connection."""
+        try:
+            return recv.ready()
+        except Exception as lost:
+            try:
+                self.channels.settle()
+            except RankFailure as failure:
+                if not failure.peer_failure:  # every rank's shapes, named: why the peer stopped
+                    raise failure from lost
+            raise
+
     def _take(self, op: Op, slot: Slot) -> list[torch.Tensor]:
         """The tensors of a received message (`op`: RECV_F or RECV_B) for `slot`, waiting for them now."""
         recv = self.posted[op].pop(slot)
@@ -242,7 +257,7 @@ class Executor:
         # them as they arrive (a rank whose shapes differ may stop before it sends what this rank waits for)
         if self._post_limit < len(self.stream):
             self.channels.settle(recv.peer)
-            while not recv.ready() and not self.channels.settle_arrived():
+            while not self._arrived(recv) and not self.channels.settle_arrived():
                 time.sleep(_POLL_S)
         else:
             self.channels.settle()

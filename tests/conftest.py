@@ -65,7 +65,7 @@ POOL_FIXTURES = {"pool", "pool2", "pool4", "pools", "run_once"}  # the multi-pro
 # shares the CPU by thread: beside the multi-process part's ranks, one single-process chain of tests gets a small share
 # and ends last, so the rest of the suite is two chains, not one.
 RANKS_PART = ("models", "parallel", "runtime", "pipedsl", "benchmarks")  # their slow tests: part 3, mostly ranks
-COMMANDS_PART = ("trainer", "reliability", "visualize", "")  # part 2: whole commands, signals, plots ("": tests/*.py)
+COMMANDS_PART = ("trainer", "reliability")  # part 2: whole `pipedsl train` commands, signals, faults, checkpoints
 PARTS = ("1/3", "2/3", "3/3")
 
 
@@ -76,7 +76,7 @@ def pytest_addoption(parser) -> None:
 
 def part_of(item) -> str:
     """3/3: the slow tests of RANKS_PART's folders (multi-process equalities); 2/3: COMMANDS_PART's folders; 1/3: the
-    rest (the everyday tier of the language, models, runtime and planner, and the planner's slow tests)."""
+    rest (the everyday tier of the language, models and runtime, the planner's, the plots' and tests/*.py)."""
     folder = item.nodeid.split("/")[1] if item.nodeid.count("/") > 1 else ""
     if item.get_closest_marker("slow") is not None and folder in RANKS_PART:
         return "3/3"

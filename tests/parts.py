@@ -4,8 +4,8 @@ Linux shares the CPU by thread: beside the multi-process tests' ranks (a pool of
 tests gets a small share and ends last, while two parts left a core idle at the end (801 s for two parts, 684 s for
 three, the same machine within the hour; docs/testing.md).  The split is one rule (tests/conftest.py, `part_of`):
 part 3 is the slow tests of the folders whose time is ranks (models, parallel, runtime, the language's, the
-benchmarks'), part 2 the whole commands (the trainer's, reliability's, the plots' and the top-level tests), part 1
-the rest — the everyday tier of the language, models and runtime, and the planner.
+benchmarks'), part 2 the trainer's and reliability's tests (whole commands, signals, faults), part 1 the rest — the
+everyday tier of the language, models and runtime, the planner's, the plots' and the top-level tests.
 
     python tests/parts.py [pytest options…]     # every part, each given the options; exit status 0 if all pass
 
@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = {"part 1 (everyday tier: language, models, runtime; planner)": "1/3",
-         "part 2 (commands: trainer, reliability, plots)": "2/3",
+PARTS = {"part 1 (everyday tier: language, models, runtime; planner, plots)": "1/3",
+         "part 2 (commands: trainer, reliability)": "2/3",
          "part 3 (multi-process: models, parallel, runtime, language)": "3/3"}
 ROOT = Path(__file__).resolve().parents[1]
 NO_TESTS = 5  # pytest's status when a selection leaves a part nothing to run: fine for one part, not for all

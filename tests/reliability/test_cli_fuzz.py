@@ -12,9 +12,11 @@ The program *files* themselves are fuzzed in tests/pipedsl/test_program_fuzz.py.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -31,6 +33,7 @@ from pipedsl.runtime.launch import launcher
 
 CASE_LIMIT = 30  # seconds per generated command line
 WORK = Path(tempfile.mkdtemp(prefix="pipedsl-cli-fuzz-"))  # cwd of every case: -o files land here
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # (a session left one behind in /tmp each time)
 PROGRAM = pipedsl.load("1f1b").compile(P=2, M=2)
 FILES = {
     "good.json": PROGRAM.to_json(), "good.csv": PROGRAM.to_csv(), "good.txt": PROGRAM.to_text(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from dense_index import gather_dense, index_model
 from torch import nn
 
 import pipedsl
-from pipedsl.runtime.p2p import OPENING_TAG
+from pipedsl.runtime.p2p import OPENING_BYTES, OPENING_TAG
 
 VOCAB, WIDTH, HEADS = 48, 24, 2
 IGNORE = -100
@@ -220,8 +221,11 @@ def disagreeing_shapes(rank: int, how: str) -> str:
     `nccl`: the NCCL code path, whose openings are host tensors over a gloo group of their own (reading a device
     tensor waits for the GPU); `post`: known shapes in a post-validated step
     (runtime/post_validate.py), whose forward work checks a peer's opening before it first waits for that peer, and
-    the others' as they arrive while it waits (`post4`: four ranks, rank 0 alone differs)."""
-    P = 4 if how == "post4" else 2  # post4: rank 0 alone differs, and rank 3's forward work waits for rank 2 only
+    the others' as they arrive while it waits (`post4`: four ranks, rank 0 alone differs; `post4-late`: rank 0's
+    openings to ranks 2 and 3 a second late, after rank 1 found the difference and stopped — ranks 2 and 3 see a
+    closed connection first, as a loaded machine made one do)."""
+    four = how in ("post4", "post4-late")
+    P = 4 if four else 2  # post4: rank 0 alone differs, and rank 3's forward work waits for rank 2 only
     program = pipedsl.load("1f1b").compile(P=P, M=2)
     os.environ["PIPEDSL_P2P"] = how if how in ("dist", "nccl") else "auto"
     try:
@@ -230,13 +234,22 @@ def disagreeing_shapes(rank: int, how: str) -> str:
         os.environ.pop("PIPEDSL_P2P")
     assert pipe.channels.kind == ("dist" if how in ("dist", "nccl") else "socket")
     run = pipe.evaluate if how == "evaluate" else pipe.step
-    if how in ("post", "post4"):  # a post-validated step's forward work checks the openings of the peers it waits for
+    if how == "post" or four:  # a post-validated step's forward work checks the openings of the peers it waits for
         from pipedsl.runtime.post_validate import TrainingSteps
 
         run = TrainingSteps(pipe, pipe.optimizer(torch.optim.SGD, lr=0.01), post_validate=True).step
     run(*padded_batch(0, 4, 6))
-    if how in ("known", "post", "post4"):
+    if how in ("known", "post") or four:
         run(*padded_batch(0, 4, 5))
+    if how == "post4-late" and rank == 0:
+        send = pipe.channels.transport.send
+
+        def late(peer: int, tensors: list[torch.Tensor]) -> None:
+            if peer == 2 and tensors[0].dtype == torch.uint8 and tensors[0].numel() == OPENING_BYTES:
+                time.sleep(1.0)
+            send(peer, tensors)
+
+        pipe.channels.transport.send = late
     opened: list[tuple[str, bool]] = []  # each opening message sent: its tensor's device, over the messages' group?
     isend = dist.isend
 
