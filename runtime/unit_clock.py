@@ -10,9 +10,9 @@ backward needs again, so no bytes are reported then.
 
 A stage offers its units with `units()` — (index in the whole model's unit list, module): models/split.py's
 `SequentialStage`, the HF causal stages.  Forward pre- and post-hooks time each unit's training forwards (not a
-recomputed one, not evaluation): on the CPU by the clock, on a GPU by a pair of CUDA events on the current stream,
-read when the times are asked for (after the profile steps); on the CPU with one intra-op thread, by the thread's
-CPU time, which other processes' load does not stretch.  Never a device-wide wait inside a step: under NCCL a
+recomputed one, not evaluation): on the CPU by the clock (with one intra-op thread by the thread's CPU time, which
+other processes' load does not stretch), on a GPU by a pair of CUDA events on the current stream, read when the
+times are asked for (after the profile steps).  Never a device-wide wait inside a step: under NCCL a
 synchronize waits for every stream, a point-to-point send whose receive the peer has not reached included, and
 the pipeline would hang.  `close()` removes the hooks.
 """
