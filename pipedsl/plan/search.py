@@ -322,19 +322,13 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageHoldings | StageCosts,
     stages, terms = len(layers), _activation_terms(model, layout)
     # the largest units matter only where ZeRO-3 gathers them one by one (`_rank_memory`)
     by_unit = layout.zero >= 3 and not _whole_stage_gathered(layout, split)
-    worst: MemoryReport | None = None
-    most = 0.0
     per_rank: dict[int, MemoryReport] = {}
     for r, st in on_rank.items():
         experts = sum(costs.expert_params[s] for s in st) if costs.expert_params else 0.0
         units = max(costs.unit_pairs[s] for s in st) if by_unit else None
-        report = _rank_memory(model, layout, sum(costs.stage_params[s] for s in st), experts, peaks[r],
-                              max(layers[s] for s in st), stages - 1 in st, terms, units)
-        per_rank[r] = report
-        total = report.total
-        if worst is None or total > most:
-            worst, most = report, total
-    assert worst is not None
+        per_rank[r] = _rank_memory(model, layout, sum(costs.stage_params[s] for s in st), experts, peaks[r],
+                                   max(layers[s] for s in st), stages - 1 in st, terms, units)
+    worst = max(per_rank.values(), key=lambda report: report.total)  # the first of equal ones, as before
     return worst, tuple(per_rank[r] for r in sorted(per_rank))
 
 

@@ -45,17 +45,21 @@ def train(tmp_path, name: str, *extra: str, fault: str | None = None) -> tuple[s
     return proc, time.monotonic() - t0
 
 
+def train_rows(out: Path) -> list[dict]:
+    """The training rows of a run's metrics.jsonl (flushed line by line: a killed run keeps each one); `time` is
+    `time.time()` when the step ended."""
+    rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return [r for r in rows if r["kind"] == "train"]
+
+
 def steps_logged(tmp_path, name: str) -> list[int]:
-    """The training steps the run's metrics.jsonl holds (flushed line by line: a killed run keeps each one)."""
-    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    return [r["step"] for r in train_rows(tmp_path / name)]
 
 
 def after_last_step(tmp_path, name: str) -> float:
     """Seconds from the run's last logged training step to now (just after it ended): a fault's time bound, which
-    a loaded machine's slow start and steps do not eat into (`time` in metrics.jsonl is `time.time()`)."""
-    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return time.time() - max(r["time"] for r in rows if r["kind"] == "train")
+    a loaded machine's slow start and steps do not eat into."""
+    return time.time() - train_rows(tmp_path / name)[-1]["time"]
 
 
 def losses(tmp_path, name: str) -> dict[int, float]:
@@ -203,7 +207,7 @@ def test_a_stuck_rank_is_named_and_killed_in_bounded_time(stuck_run) -> None:
     assert err[0] == f"runtime error: rank 1 failed: stuck: still running {timeout + 15} s after another rank " \
                      f"stopped; killed", proc.stderr
     assert err[1].startswith("  note: rank 0: ") and "rank 1" in err[1][len("  note: rank 0: "):], proc.stderr
-    rows = [json.loads(line) for line in (stuck_run.out / "metrics.jsonl").read_text().splitlines()]
-    [step_2] = [r["time"] for r in rows if r["kind"] == "train" and r["step"] == 2]
-    since = stuck_run.ended - step_2
+    *_, step_2 = train_rows(stuck_run.out)  # the rank stops as step 3 starts
+    assert step_2["step"] == 2, step_2
+    since = stuck_run.ended - step_2["time"]
     assert timeout + 15 <= elapsed and timeout + 15 - 5 <= since < timeout + 15 + 60, (elapsed, since)
