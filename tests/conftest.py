@@ -105,8 +105,8 @@ def _smoke(item) -> bool:
 
 
 def pytest_collection_finish(session) -> None:
-    """The selected benchmark smoke tests' commands start now, two at a time at a lower CPU priority, on the core
-    that most of the suite's tests leave idle (tests/benchmarks/test_smoke.py); their tests, last, check them."""
+    """The selected benchmark smoke tests' commands start now at a lower CPU priority, on the core that most of the
+    suite's tests leave idle (tests/benchmarks/test_smoke.py); their tests, last, check them."""
     smoke = [item for item in session.items if _smoke(item)]
     if smoke and not session.config.option.collectonly:
         smoke[0].module.start_in_background({item.originalname for item in session.items},

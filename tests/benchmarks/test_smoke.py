@@ -9,8 +9,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,11 @@ TINY = ["--F", "0.0005", "--B", "0.001", "--reps", "1", "--warmup", "0"]
 # tests/runtime/test_pipeline.py's grid (docs/testing.md); here the check's code runs, not every schedule again.
 GPU_CHECK_SCHEDULES = ["1f1b", "chimera", "dualpipev", "gpipe", "interleaved", "zb-v"]
 # The slow tests' commands (script, its arguments), by test.  They are independent, and most of the suite keeps one
-# core of two busy: tests/conftest.py starts them (two at a time, `start_in_background`) as soon as the session has
-# collected, at a lower CPU priority, and runs this module last, each test checking its own (suite time).  No test
-# asserts a time.
-RUNS = {  # the longest first (the runs' seconds alone on 2 cores: 37, 21, 13, 12 ... 4)
+# core of two busy: tests/conftest.py starts them (`start_in_background`) as soon as the session has collected, at a
+# lower CPU priority, and runs this module last, each test checking its own (suite time).  All but ALONE run in this
+# order in one interpreter (smoke_runner.py: this module took 184 CPU-seconds with a process a script, 112 so).  No
+# test asserts a time.
+RUNS = {
     "test_gpu_check_dry_run_on_gloo": ("gpu_check", ["--device", "cpu", "--tiny", "--schedules", *GPU_CHECK_SCHEDULES]),
     "test_op_cpu_against_another_tree": ("op_cpu", ["--quick", "--M", "4", "--against", "HEAD"]),
     "test_startup": ("startup", ["--quick"]),
@@ -56,48 +58,89 @@ RUNS = {  # the longest first (the runs' seconds alone on 2 cores: 37, 21, 13, 1
 QUICK_NAMES = ["compile_200k", "op_cpu_P2", "shape_change_P2", "vs_torch_gpt_1f1b_P2", "zero1_step_P2"]
 
 
+ALONE = ("startup",)  # it measures a fresh interpreter's first launch: its own process, not the runner's
+RUNNER = Path(__file__).resolve().parent / "smoke_runner.py"
 NICE = 10  # the background runs' CPU priority: below the suite's own tests, whose time bounds stay theirs
+LIMIT_S = 420  # a background process still running this long after this module's tests began is killed
 _BACKGROUND: dict[str, tuple[Path, Future]] = {}  # test name -> (its directory, its run), once started
 _PROCS: list[subprocess.Popen] = []
-_STATE: dict = {"pool": None, "since": None, "stopped": False}  # since: when this module's first test began
+_STATE: dict = {"watchers": [], "since": None, "stopped": False}  # since: when this module's first test began
 
 
-def _start(tmp: Path, script: str, args: list[str]) -> subprocess.CompletedProcess:
-    """The command, at a lower CPU priority; its time limit counts from when it started or from when this module's
-    tests began, whichever is later (before that it runs on what the rest of the suite leaves idle)."""
+def _job(tmp: Path, script: str, args: list[str]) -> dict:
+    """What smoke_runner.py runs: the script, its arguments, its environment and its files."""
     if script == "bench_quick":  # against a baseline no run can meet
         (tmp / "baseline.json").write_text(json.dumps({"figures": dict.fromkeys(QUICK_NAMES, 1e-9)}))
-    env = None if script == "gpu_check" else {**os.environ, "PIPEDSL_RESULTS_MD": str(tmp / "RESULTS.md")}
-    argv = [sys.executable, str(BENCH / f"{script}.py"), *(a.format(tmp=tmp) for a in args),
-            "--json", str(tmp / f"{script}.json")]
-    limit, started = 300 if script == "gpu_check" else 240, time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = dict(os.environ) if script == "gpu_check" else {**os.environ, "PIPEDSL_RESULTS_MD": str(tmp / "RESULTS.md")}
+    return {"script": str(BENCH / f"{script}.py"),
+            "argv": [*(a.format(tmp=tmp) for a in args), "--json", str(tmp / f"{script}.json")],
+            "env": env, "out": str(tmp / "stdout"), "err": str(tmp / "stderr"), "status": str(tmp / "status")}
+
+
+def _popen(argv: list[str], env: dict | None = None, out: str = os.devnull, err: str = os.devnull) -> subprocess.Popen:
+    """Started at a lower CPU priority before it imports anything, so that its ranks inherit it."""
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=env)
     _PROCS.append(proc)
-    if _STATE["since"] is None:  # before it imports anything, so its ranks inherit it
-        with contextlib.suppress(OSError):  # (exited already)
-            os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)
-    while True:
-        try:
-            out, err = proc.communicate(timeout=2)
-            return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-        except subprocess.TimeoutExpired:
-            since = _STATE["since"]
-            if _STATE["stopped"] or (since is not None and time.monotonic() - max(since, started) > limit):
-                proc.kill()
-                out, err = proc.communicate()
-                return subprocess.CompletedProcess(argv, proc.returncode, out, err + f"\n(killed after {limit} s)")
+    with contextlib.suppress(OSError):  # (exited already)
+        os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)
+    return proc
+
+
+def _completed(job: dict, status: int, note: str = "") -> subprocess.CompletedProcess:
+    out, err = (Path(job[k]).read_text(errors="replace") if Path(job[k]).exists() else "" for k in ("out", "err"))
+    return subprocess.CompletedProcess([job["script"], *job["argv"]], status, out, err + note)
+
+
+def _watch(proc: subprocess.Popen, jobs: list[tuple[dict, Future]], alone: bool) -> None:
+    """Each job's result once its status file is there (the runner's) or its process ended (`alone`); the jobs a
+    runner had not finished when it ended, or was killed at LIMIT_S, fail with a note saying so."""
+    pending = list(jobs)
+    while pending:
+        ended = proc.poll() is not None
+        for job, future in list(pending):
+            done = Path(job["status"])
+            if done.exists() or (ended and alone):
+                status = int(done.read_text()) if done.exists() else proc.returncode
+                future.set_result(_completed(job, status))
+                pending.remove((job, future))
+        if ended:
+            for job, future in pending:
+                future.set_result(_completed(job, proc.returncode or 1, f"\n(the smoke runner ended with status "
+                                                                         f"{proc.returncode} before this script did)"))
+            return
+        since = _STATE["since"]
+        if _STATE["stopped"] or (since is not None and time.monotonic() - since > LIMIT_S):
+            proc.kill()
+            proc.wait()
+            for job, future in pending:
+                future.set_result(_completed(job, proc.returncode, f"\n(killed after {LIMIT_S} s)"))
+            return
+        time.sleep(0.5)
 
 
 def start_in_background(selected: set[str], mktemp) -> None:
-    """Start the selected slow tests' commands, two at a time (tests/conftest.py, once the session has collected,
-    and runs this module's tests last): most of the suite leaves a core idle, and these use it."""
-    if _STATE["pool"] is not None:
+    """Start the selected slow tests' commands (tests/conftest.py, once the session has collected, and runs this
+    module's tests last): most of the suite leaves a core idle, and these use it."""
+    if _STATE["watchers"]:
         return
-    _STATE["pool"] = ThreadPoolExecutor(2)
+    together: list[tuple[dict, Future]] = []
     for test, (script, args) in RUNS.items():
         if test in selected:
             tmp = mktemp(script)
-            _BACKGROUND[test] = (tmp, _STATE["pool"].submit(_start, tmp, script, args))
+            job, future = _job(tmp, script, args), Future()
+            _BACKGROUND[test] = (tmp, future)
+            if script in ALONE:
+                proc = _popen([sys.executable, job["script"], *job["argv"]], job["env"], job["out"], job["err"])
+                _STATE["watchers"].append((proc, [(job, future)], True))
+            else:
+                together.append((job, future))
+    if together:
+        jobs = mktemp("smoke_runner") / "jobs.json"
+        jobs.write_text(json.dumps([job for job, _ in together]))
+        _STATE["watchers"].append((_popen([sys.executable, str(RUNNER), str(jobs)]), together, False))
+    for watched in _STATE["watchers"]:
+        threading.Thread(target=_watch, args=watched, daemon=True).start()
 
 
 def _renice_to_normal() -> None:
@@ -119,10 +162,8 @@ def _renice_to_normal() -> None:
 
 
 def stop_background() -> None:
-    """At the session's end (or an early stop): what still runs is killed, what has not started never does."""
+    """At the session's end (or an early stop): what still runs is killed."""
     _STATE["stopped"] = True
-    if _STATE["pool"] is not None:
-        _STATE["pool"].shutdown(wait=False, cancel_futures=True)
     for proc in _PROCS:
         if proc.poll() is None:
             proc.kill()
@@ -134,8 +175,7 @@ def runs(request, tmp_path_factory):
     _STATE["since"] = time.monotonic()
     _renice_to_normal()
     start_in_background({item.originalname for item in request.session.items}, tmp_path_factory.mktemp)
-    yield _BACKGROUND
-    _STATE["pool"].shutdown(wait=True)
+    return _BACKGROUND
 
 
 def run(runs, request, script: str) -> dict:
@@ -388,3 +428,27 @@ def test_post_validate(runs, request):
     for r in got["rows"]:
         assert r["synchronous_s"] > 0 and r["post-validated_s"] > 0 and r["predicted_post_validated_s"] > 0
         assert r["predicted_post_validated_s"] <= r["predicted_synchronous_s"] + 1e-12  # steps overlap, or not
+
+
+def test_the_smoke_runner_gives_each_script_its_status_output_and_environment(tmp_path):
+    """smoke_runner.py runs each job as `python SCRIPT ARGV…` would: the exit status of sys.exit, of an exception (1,
+    its traceback in the job's stderr) and of a clean end (0); output, even a child process's, in the job's files;
+    exactly the job's environment, not the one before it."""
+    scripts = {"exits": "import os, subprocess, sys\nprint('out', sys.argv[1:], os.environ.get('A'), os.environ.get('B'))"
+                        "\nsubprocess.run([sys.executable, '-c', 'import sys; print(\"child\", file=sys.stderr)'])"
+                        "\nif __name__ == '__main__':\n    sys.exit(3)\n",
+               "raises": "import os\nprint(os.environ.get('A'), os.environ.get('B'))\nraise ValueError('broken')\n",
+               "ends": "print('fine')\n"}
+    jobs = []
+    for (name, text), env in zip(scripts.items(), [{"A": "1"}, {"B": "2"}, {}]):
+        (tmp_path / f"{name}.py").write_text(text)
+        jobs.append({"script": str(tmp_path / f"{name}.py"), "argv": ["--x", name],
+                     "env": {**{k: v for k, v in os.environ.items() if k not in ("A", "B")}, **env},
+                     **{k: str(tmp_path / f"{name}.{k}") for k in ("out", "err", "status")}})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "jobs.json")], check=True, timeout=120)
+    read = {(name, k): (tmp_path / f"{name}.{k}").read_text() for name in scripts for k in ("out", "err", "status")}
+    assert [read[name, "status"] for name in scripts] == ["3", "1", "0"]
+    assert read["exits", "out"] == "out ['--x', 'exits'] 1 None\n" and read["exits", "err"] == "child\n"
+    assert read["raises", "out"] == "None 2\n" and read["raises", "err"].rstrip().endswith("ValueError: broken")
+    assert read["ends", "out"] == "fine\n" and read["ends", "err"] == ""
