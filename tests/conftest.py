@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -64,6 +65,7 @@ POOL_FIXTURES = {"pool", "pool2", "pool4", "pools", "run_once"}  # the multi-pro
 # `make test` runs the suite as three sessions side by side (tests/parts.py), split by one rule.  The linux scheduler
 # shares the CPU by thread: beside the multi-process part's ranks, one single-process chain of tests gets a small share
 # and ends last, so the rest of the suite is two chains, not one.
+TESTS = Path(__file__).resolve().parent
 RANKS_PART = ("models", "parallel", "runtime", "pipedsl", "benchmarks")  # their slow tests: part 3, mostly ranks
 COMMANDS_PART = ("trainer", "reliability")  # part 2: whole `pipedsl train` commands, signals, faults, checkpoints
 PARTS = ("1/3", "2/3", "3/3")
@@ -81,6 +83,18 @@ def part_of(item) -> str:
     if item.get_closest_marker("slow") is not None and folder in RANKS_PART:
         return "3/3"
     return "2/3" if folder in COMMANDS_PART else "1/3"
+
+
+def pytest_ignore_collect(collection_path, config) -> bool | None:
+    """With --part, a folder none of whose tests `part_of` gives that part is not collected (its modules are not
+    imported: seconds of CPU a session)."""
+    part = config.getoption("--part")
+    if part is None or collection_path == TESTS or not collection_path.is_relative_to(TESTS):
+        return None
+    relative = collection_path.relative_to(TESTS).parts
+    folder = relative[0] if len(relative) > 1 or collection_path.is_dir() else ""  # "": a file directly in tests/
+    wanted = {"1/3": folder not in COMMANDS_PART, "2/3": folder in COMMANDS_PART, "3/3": folder in RANKS_PART}[part]
+    return None if wanted else True
 
 
 def pytest_collection_modifyitems(config, items) -> None:
