@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from pipedsl.ir import COMPUTE, RECVS, SENDS, Instr, Op, Program
-from pipedsl.runtime.device_clock import DeviceStamps
+from pipedsl.runtime.device_clock import DeviceStamps, ThreadStamps
 from pipedsl.runtime.keys import Copy, ShapeKey, Slot
 from pipedsl.runtime.launch.errors import RankFailure, failure_at
 from pipedsl.runtime.p2p import Channels, Recv, TensorMeta, describe
@@ -74,10 +74,11 @@ class Executor:
                  reducer: GradReducer, in_meta: dict[ShapeKey, tuple[TensorMeta, ...]],
                  out_meta: dict[ShapeKey, tuple[TensorMeta, ...]], lookahead: int = 16,
                  strict_pair_order: bool = False, check_finite: bool = True, kinds: list[int] | None = None,
-                 count: Callable[[Any], int] | None = None, device_stamps: DeviceStamps | None = None) -> None:
+                 count: Callable[[Any], int] | None = None,
+                 device_stamps: DeviceStamps | ThreadStamps | None = None) -> None:
         """`count(target)`: a forward-only program (`Program.forward_only()`, evaluation) runs each stage
         without autograd and sums the last stage's losses and `count(target)` per microbatch instead.
-        `device_stamps`: compute ops timed by device events too (a GPU's: runtime/device_clock.py)."""
+        `device_stamps`: compute ops timed by device events or the thread's CPU time too (runtime/device_clock.py)."""
         self.program = program
         self.rank = rank
         self.stream = program.ranks[rank]

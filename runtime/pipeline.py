@@ -79,7 +79,7 @@ from pipedsl.parallel.config import ParallelConfig
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.runtime import clip
 from pipedsl.runtime.assembly import StageSpec, assemble
-from pipedsl.runtime.device_clock import DeviceStamps
+from pipedsl.runtime.device_clock import ThreadStamps, compute_stamps
 from pipedsl.runtime.discovery import Discovery
 from pipedsl.runtime.executor import Executor, StepRedoneError, loss_ranks
 from pipedsl.runtime.launch.errors import RankFailure, explain_peer_failure, record_failure
@@ -529,10 +529,13 @@ class Pipeline:
         """How many of the last steps `timeline(steps=)` can draw: 2 after two at the same input shapes, else 1."""
         return 2 if self._executor is not None and self._executor.previous is not None else 1
 
-    def timeline(self, steps: int = 1) -> Timeline | None:
+    def timeline(self, steps: int = 1, cpu_work: bool = False) -> Timeline | None:
         """The last step's measured timeline, on the group's first rank (collective: call on all ranks).  `steps=2`:
         the last two, as `pipedsl.steps.consecutive(program, 2)` (where post-validated steps overlap:
-        runtime/post_validate.py); they must have run at the same input shapes."""
+        runtime/post_validate.py); they must have run at the same input shapes.  On a GPU each compute op is
+        where the device ran it.  `cpu_work`: on the CPU with one intra-op thread, each compute op ends the CPU
+        time it took after its start (runtime/device_clock.py's `ThreadStamps`: what a loaded machine's other
+        processes do not stretch, as `pipedsl train --schedule auto` profiles; a stage that sleeps reads as none)."""
         ex = self._executor
         if ex is None:
             raise PipeRuntimeError("no step has run yet")
@@ -542,7 +545,9 @@ class Pipeline:
             raise PipeRuntimeError("timeline(steps=2) needs the last two steps at the same input shapes")
         meta = {"wait_s": ex.wait_time, "peak_activations": self.counter.peak,
                 "recv_buffers": self.channels.pool.allocated}
-        stamps = ex.device_stamps  # a GPU's compute ops: when the device ran them (runtime/device_clock.py)
+        stamps = ex.device_stamps
+        if isinstance(stamps, ThreadStamps) and not cpu_work:
+            stamps = None
         starts, ends = stamps.times(ex.starts, ex.ends) if stamps is not None else (ex.starts, ex.ends)
         program = self.program
         if steps == 2:
@@ -551,7 +556,7 @@ class Pipeline:
             starts, ends = before[0] + starts, before[1] + ends
             program = consecutive(program, 2)
         if stamps is not None:
-            meta["compute_clock"] = "device events"
+            meta["compute_clock"] = stamps.clock
         return self.tracer.gather(program, self.rank, starts, ends, meta)
 
     # ------------------------------------------------------------ shapes
@@ -607,7 +612,7 @@ class Pipeline:
         if not forward_only:
             return kind(self.program, self.rank, self._copies, self.channels, self.reducer, in_meta, out_meta,
                         self.lookahead, self.strict_pair_order, self.check_finite, kinds,
-                        device_stamps=DeviceStamps.for_device(len(self.program.ranks[self.rank]), self.device))
+                        device_stamps=compute_stamps([i.op for i in self.program.ranks[self.rank]], self.device))
         if self.loss_reduction == "token":
             def count(target: Any) -> int:
                 t = target[0] if isinstance(target, (tuple, list)) else target

@@ -366,7 +366,9 @@ def _switch(rank: int, pipe: Any, opt: Any, source: Any, cfg: TrainConfig, paral
 
     from pipedsl.plan.recut import ROOM_UNBOUNDED, CutChoice, choose_cut
 
-    timeline = pipe.timeline()  # collective; the first rank of the pipeline holds it
+    # collective; the first rank of the pipeline holds it.  On the CPU the ops' own work: a loaded machine's other
+    # processes stretch the wall clock of one stage's ops more than another's (runtime/device_clock.py)
+    timeline = pipe.timeline(cpu_work=True)
     counter = pipe.counter
     mine = (None if clock is None else clock.report(), pipe.rank, _budget(pipe, cfg),
             float(counter.largest_bytes),  # one stage activation's bytes, measured

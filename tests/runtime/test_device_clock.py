@@ -1,4 +1,5 @@
-"""Compute ops timed by device events (runtime/device_clock.py), checked on CPU with events of a fake device whose
+"""Compute ops timed by device events or, on the CPU with one thread, by the thread's CPU time (runtime/device_clock.py);
+the device events checked on CPU with events of a fake device whose
 queue runs behind the host: the times put on the host's clock are when the device ran each op, not when the host
 queued it; instructions without events keep their host stamps, none before the compute op before them ends; a pipeline step records one start and one end per
 compute op (the start again once its inputs are waited for)."""
@@ -67,8 +68,44 @@ def test_recorded_ops_are_timed_when_the_device_ran_them() -> None:
     assert stamps.times(host_starts, host_ends, now=lambda: dev.host)[0] == pytest.approx(starts)
 
 
-def test_no_device_stamps_on_the_cpu() -> None:
-    assert DeviceStamps.for_device(4, torch.device("cpu")) is None
+def test_the_cpu_with_one_thread_times_compute_ops_by_the_threads_cpu_time() -> None:
+    """ThreadStamps: an F that ran 20 ms of wall but slept (as a preempted thread waits) ends its CPU time after
+    its start, far less; an op that worked as long as its wall keeps about its host end; a message and an
+    overlapped pair (two threads) keep their host stamps; the step before is kept, and a cancel makes it current
+    again.  CUDA gets device events; several intra-op threads, none."""
+    import time
+
+    from pipedsl.ir import Op
+    from pipedsl.runtime.device_clock import ThreadStamps, compute_stamps
+
+    ops = [Op.F, Op.SEND_F, Op.B, Op.OVERLAP]
+    stamps = ThreadStamps(ops)
+    stamps.begin()
+    host_starts, host_ends = [0.0] * 4, [0.0] * 4
+    for i, work in enumerate([lambda: time.sleep(0.02), lambda: time.sleep(0.01),
+                              lambda: sum(range(300_000)), lambda: time.sleep(0.01)]):
+        host_starts[i] = time.perf_counter()
+        stamps.start(i)
+        work()
+        stamps.end(i)
+        host_ends[i] = time.perf_counter()
+    starts, ends = stamps.times(host_starts, host_ends)
+    assert starts == host_starts and ends[1] == host_ends[1] and ends[3] == host_ends[3]
+    assert host_ends[0] - host_starts[0] >= 0.02 and ends[0] - starts[0] < 0.005  # slept: next to no CPU time
+    assert 0.5 * (host_ends[2] - host_starts[2]) <= ends[2] - starts[2] <= host_ends[2] - host_starts[2]
+    stamps.begin()  # the next step: nothing timed yet; the step before's kept
+    assert stamps.times(host_starts, host_ends) == (host_starts, host_ends)
+    assert stamps.times(host_starts, host_ends, previous=True)[1] == ends
+    stamps.cancel()
+    assert stamps.times(host_starts, host_ends)[1] == ends
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert isinstance(compute_stamps(ops, torch.device("cpu")), ThreadStamps)
+        torch.set_num_threads(2)
+        assert compute_stamps(ops, torch.device("cpu")) is None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_step_records_each_compute_op(pool2) -> None:
@@ -96,3 +133,42 @@ def _stamped_step(rank: int) -> tuple[list[int], list[int], list[str]]:
     out = ([e.records for e in stamps.starts], [e.records for e in stamps.ends], [ins.op.value for ins in ex.stream])
     pipe.close()
     return out
+
+
+def test_a_pipelines_timeline_counts_a_compute_ops_cpu_work_when_asked(pool2) -> None:
+    """On the CPU with one thread: a stage that sleeps 20 ms a forward (a stand-in for a preempted rank's wait)
+    shows each F ≥ 20 ms by the host's clock, as `timeline()` draws it, and under 10 ms of its own CPU work in
+    `timeline(cpu_work=True)` (what `pipedsl train --schedule auto` profiles); the B ops' and the messages' starts
+    are the same in both."""
+    host, work, clocks = pool2.run(_sleeping_stages)[0]
+    assert clocks == (None, "thread CPU time")
+    forwards = [(h, w) for h, w in zip(host, work) if h[0] == "F"]
+    assert forwards and all(h[2] - h[1] >= 0.02 and w[2] - w[1] < 0.01 for h, w in forwards), forwards
+    assert [e[:2] for e in host] == [e[:2] for e in work]
+
+
+def _sleeping_stages(rank: int) -> tuple[list, list, tuple]:
+    import time
+
+    from torch import nn
+
+    class Sleepy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    pipe = pipedsl.Pipeline([Sleepy(), Sleepy()], "1f1b", microbatches=2, loss_fn=lambda out, y: (out - y).pow(2).mean())
+    x = torch.randn(4, 4)
+    pipe.step(x, x)
+    pipe.step(x, x)
+    host, work = pipe.timeline(), pipe.timeline(cpu_work=True)
+    pipe.close()
+    if host is None:
+        return [], [], ()
+    flat = [[(e.instr.op.value, e.start, e.end) for events in tl.ranks for e in events] for tl in (host, work)]
+    return flat[0], flat[1], (host.meta["per_rank"][0].get("compute_clock"), work.meta["per_rank"][0].get("compute_clock"))
