@@ -77,13 +77,15 @@ def _job(tmp: Path, script: str, args: list[str]) -> dict:
             "env": env, "out": str(tmp / "stdout"), "err": str(tmp / "stderr"), "status": str(tmp / "status")}
 
 
-def _popen(argv: list[str], env: dict | None = None, out: str = os.devnull, err: str = os.devnull) -> subprocess.Popen:
-    """Started at a lower CPU priority before it imports anything, so that its ranks inherit it."""
+def _popen(argv: list[str], out: str, err: str, env: dict | None = None) -> subprocess.Popen:
+    """Started at a lower CPU priority while the rest of the suite runs (before it imports anything, so that its
+    ranks inherit it)."""
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=env)
     _PROCS.append(proc)
-    with contextlib.suppress(OSError):  # (exited already)
-        os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)
+    if _STATE["since"] is None:
+        with contextlib.suppress(OSError):  # (exited already)
+            os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)
     return proc
 
 
@@ -105,9 +107,12 @@ def _watch(proc: subprocess.Popen, jobs: list[tuple[dict, Future]], alone: bool)
                 future.set_result(_completed(job, status))
                 pending.remove((job, future))
         if ended:
+            runner = Path(proc.args[-1]).with_name("runner.err")  # what the runner said outside its jobs
+            said = runner.read_text(errors="replace")[-2000:] if runner.exists() else ""
             for job, future in pending:
                 future.set_result(_completed(job, proc.returncode or 1, f"\n(the smoke runner ended with status "
-                                                                         f"{proc.returncode} before this script did)"))
+                                                                         f"{proc.returncode} before this script did)\n"
+                                                                         f"{said}"))
             return
         since = _STATE["since"]
         if _STATE["stopped"] or (since is not None and time.monotonic() - since > LIMIT_S):
@@ -131,14 +136,16 @@ def start_in_background(selected: set[str], mktemp) -> None:
             job, future = _job(tmp, script, args), Future()
             _BACKGROUND[test] = (tmp, future)
             if script in ALONE:
-                proc = _popen([sys.executable, job["script"], *job["argv"]], job["env"], job["out"], job["err"])
+                proc = _popen([sys.executable, job["script"], *job["argv"]], job["out"], job["err"], job["env"])
                 _STATE["watchers"].append((proc, [(job, future)], True))
             else:
                 together.append((job, future))
     if together:
         jobs = mktemp("smoke_runner") / "jobs.json"
         jobs.write_text(json.dumps([job for job, _ in together]))
-        _STATE["watchers"].append((_popen([sys.executable, str(RUNNER), str(jobs)]), together, False))
+        runner = _popen([sys.executable, str(RUNNER), str(jobs)], str(jobs.with_name("runner.out")),
+                        str(jobs.with_name("runner.err")))
+        _STATE["watchers"].append((runner, together, False))
     for watched in _STATE["watchers"]:
         threading.Thread(target=_watch, args=watched, daemon=True).start()
 
