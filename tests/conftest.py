@@ -76,13 +76,17 @@ def pytest_addoption(parser) -> None:
                      help="run one of the three parts `make test` runs side by side (tests/parts.py)")
 
 
+def _parts_of_folder(folder: str) -> tuple[str, ...]:
+    """The parts a folder's tests can be in ("": a file directly in tests/): COMMANDS_PART's all in 2/3; RANKS_PART's
+    slow ones in 3/3, the rest in 1/3; any other folder's in 1/3."""
+    return ("2/3",) if folder in COMMANDS_PART else ("1/3", "3/3") if folder in RANKS_PART else ("1/3",)
+
+
 def part_of(item) -> str:
     """3/3: the slow tests of RANKS_PART's folders (multi-process equalities); 2/3: COMMANDS_PART's folders; 1/3: the
     rest (the everyday tier of the language, models and runtime, the planner's, the plots' and tests/*.py)."""
-    folder = item.nodeid.split("/")[1] if item.nodeid.count("/") > 1 else ""
-    if item.get_closest_marker("slow") is not None and folder in RANKS_PART:
-        return "3/3"
-    return "2/3" if folder in COMMANDS_PART else "1/3"
+    parts = _parts_of_folder(item.nodeid.split("/")[1] if item.nodeid.count("/") > 1 else "")
+    return parts[-1] if item.get_closest_marker("slow") is not None else parts[0]
 
 
 def pytest_ignore_collect(collection_path, config) -> bool | None:
@@ -93,8 +97,7 @@ def pytest_ignore_collect(collection_path, config) -> bool | None:
         return None
     relative = collection_path.relative_to(TESTS).parts
     folder = relative[0] if len(relative) > 1 or collection_path.is_dir() else ""  # "": a file directly in tests/
-    wanted = {"1/3": folder not in COMMANDS_PART, "2/3": folder in COMMANDS_PART, "3/3": folder in RANKS_PART}[part]
-    return None if wanted else True
+    return None if part in _parts_of_folder(folder) else True
 
 
 def pytest_collection_modifyitems(config, items) -> None:
