@@ -58,6 +58,7 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import pipedsl
     from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, randomize_, synthetic_batch
     from pipedsl.models.gpt.moe import Experts
+    from pipedsl.models.gpt.parallelize import parallelize_gpt
     from pipedsl.parallel import ParallelConfig, ParallelMesh, comm
     from pipedsl.runtime.overlap import PairOverlap
 
@@ -91,7 +92,7 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             for block in model.blocks:
                 block.attn = _Slow(block.attn, cfg["attn_ms"] / 1e3, 2 * cfg["attn_ms"] / 1e3)
                 block.mlp.experts.__class__ = SlowExperts
-            pipe = pipedsl.Pipeline(model.stages(program.num_stages, by="blocks"), program=program,
+            pipe = pipedsl.Pipeline(parallelize_gpt(model, program.num_stages, mesh, by="blocks"), program=program,
                                     loss_fn=gpt_loss, parallel=mesh, overlap=overlap)
             gen = torch.Generator().manual_seed(1)
             batches = [synthetic_batch(2 * cfg["M"] * 2, 16, 64, gen) for _ in range(4)]

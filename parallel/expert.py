@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from collections.abc import Iterable
 from fractions import Fraction
 
 import torch
@@ -46,6 +47,7 @@ from torch.distributed import ProcessGroup
 
 from pipedsl.parallel.comm import all_to_all_rows, exchange_rows, group_rank, group_size
 from pipedsl.parallel.config import ParallelConfigError
+from pipedsl.parallel.mesh import ParallelMesh
 
 SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -265,6 +267,14 @@ def shard_experts(module: nn.Module, group: ProcessGroup, edp_group: ProcessGrou
                 setattr(parent, name, ExpertParallel(child, group, edp_group, dp))
                 found += 1
     return found
+
+
+def shard_experts_over(modules: Iterable[nn.Module], mesh: ParallelMesh) -> int:
+    """Every experts module inside `modules` replaced by this rank's share over `mesh`'s ep group, in place; how
+    many (none when ep = 1).  What a model source's parallelize.py applies, and what any module with experts
+    needs before a `Pipeline` on a mesh with ep > 1 — the pipeline runs the stages as they come."""
+    c = mesh.config
+    return sum(shard_experts(m, mesh.ep_group, mesh.edp_group, c.dp) for m in modules) if c.ep > 1 else 0
 
 
 def fixed_size(module: nn.Module) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from pipedsl.ir import Program
 from pipedsl.library import load
 from pipedsl.nccl_model import edges
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
-from pipedsl.parallel.expert import ExpertParallel, shard_experts, why_no_experts
+from pipedsl.parallel.expert import ExpertParallel, shard_experts_over, why_no_experts
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.runtime import clip, finalize
 from pipedsl.runtime.data_parallel import Flat, Replicated, strategy_for
@@ -84,9 +85,8 @@ def assemble(stages: StageSpec, schedule: str | Schedule | None, microbatches: i
     device = _device(options.device, group)
     held = sorted({s for (c, s), r in program.placement.items() if r == rank})
     modules = {s: _module(stages, s, program, rank).to(device) for s in held}
-    if mesh is not None and mesh.config.ep > 1:  # this rank's share of each experts module
-        for m in modules.values():
-            shard_experts(m, mesh.ep_group, mesh.edp_group, mesh.config.dp)
+    if mesh is not None and mesh.config.ep > 1:
+        _shard_left_experts(modules, mesh)
         _check_expert_peers(modules, mesh, program)
     counter = ActivationCounter(count_bytes=options.activation_bytes)
     loss = LossPolicy(options.loss.reduction, program.num_microbatches, options.loss.ignore_index)
@@ -193,6 +193,18 @@ def _module(stages: StageSpec, s: int, program: Program, rank: int) -> nn.Module
     if not isinstance(module, nn.Module):
         raise PipeRuntimeError(f"rank {rank}: stage {s} is a {type(module).__name__}, not an nn.Module")
     return module
+
+
+def _shard_left_experts(modules: dict[int, nn.Module], mesh: ParallelMesh) -> None:
+    """Experts modules the caller left whole under ep > 1, sharded here as before, with a pointer to where that
+    belongs now: the model source's parallelize.py (`parallelize_gpt`, `parallelize_hf`) or, for any module,
+    `shard_experts_over(stages, mesh)` (docs/parallelism.md)."""
+    left = shard_experts_over(modules.values(), mesh)
+    if left:
+        warnings.warn(f"Pipeline sharded {left} experts module(s) over ep={mesh.config.ep} itself; shard them "
+                      f"before: pipedsl.models.gpt.parallelize.parallelize_gpt, pipedsl.models.hf.parallelize."
+                      f"parallelize_hf, or pipedsl.parallel.expert.shard_experts_over(stages, mesh) for any module",
+                      DeprecationWarning, stacklevel=4)
 
 
 def _check_expert_peers(modules: dict[int, nn.Module], mesh: ParallelMesh, program: Program) -> None:

@@ -56,14 +56,18 @@ class GPTSource:
         self.model = GPT(self.gcfg)  # the same weights on every rank; each keeps only its stages (or slices)
         self.token = cfg.loss_reduction == "token"
         split = split_keywords(cfg.model.split)
-        if cfg.parallel.tp > 1:  # Megatron's 1-D slices of the same dense model (models/gpt/parallelize.py)
-            from pipedsl.models.gpt.parallelize import tp_gpt_loss, tp_gpt_stages
+        if mesh is not None:  # Megatron's 1-D slices, experts over ep: the model's own plan (models/gpt/parallelize.py)
+            from pipedsl.models.gpt.parallelize import parallelize_gpt
 
-            self.stages = tp_gpt_stages(self.model, program.num_stages, mesh,
-                                        sequence_parallel=cfg.parallel.sequence_parallel, **split)
-            self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
+            self.stages = parallelize_gpt(self.model, program.num_stages, mesh,
+                                          sequence_parallel=cfg.parallel.sequence_parallel, **split)
         else:
             self.stages = self.model.stages(program.num_stages, **split)
+        if cfg.parallel.tp > 1:
+            from pipedsl.models.gpt.parallelize import tp_gpt_loss
+
+            self.loss_fn = tp_gpt_loss(mesh, "sum", -100) if self.token else tp_gpt_loss(mesh)
+        else:
             self.loss_fn = _token_loss_sum if self.token else gpt_loss
         self.recompute_filter = _is_attention
         self.gen = torch.Generator().manual_seed(cfg.model.seed + 1)
@@ -132,8 +136,8 @@ class HFSource:
             self.stages = hf_io.model_stages(model, program.num_stages, hfc.split, check=False)  # checked there
         self.token = cfg.loss_reduction == "token"
         self.loss_fn = functools.partial(hf.causal_lm_loss, reduction="sum") if self.token else hf.causal_lm_loss
-        if cfg.parallel.tp > 1:
-            self._tensor_parallel(mesh, held)
+        if cfg.parallel.tp > 1 or cfg.parallel.ep > 1:
+            self._parallelize(mesh, held)
         self.recompute_filter = _is_attention
         c = model.config
         self.num_experts = hf_setup.num_experts(c) if hfc.experts_seen else 0  # routed experts pipedsl can count
@@ -159,17 +163,18 @@ class HFSource:
         self.meta = hfc.export.to_dict()  # every checkpoint carries it (plain values) for `pipedsl export`
         self.loader: Any = None
 
-    def _tensor_parallel(self, mesh: Any, held: set[int]) -> None:
-        """This rank's stages sliced in place over the mesh's tp dimension by the model's own plan
-        (models/hf/parallelize.py), with the vocabulary-parallel loss.  Only the held stages: the ranks of one tp
-        group hold the same ones, and slicing is collective among them."""
-        from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
+    def _parallelize(self, mesh: Any, held: set[int]) -> None:
+        """This rank's stages parallelized in place by the model's own plan (models/hf/parallelize.py: tp slices,
+        experts over ep), with the vocabulary-parallel loss under tp.  Only the held stages: the ranks of one tp
+        group hold the same ones, and slicing is collective among them; the stage list keeps the others whole."""
+        from pipedsl.models.hf.parallelize import parallelize_hf, tp_hf_loss
 
         build = self.stages
         local = {s: build[s] if isinstance(build, list) else build(s) for s in sorted(held)}
-        tp_hf_stages(list(local.values()), mesh, sequence_parallel=self.cfg.parallel.sequence_parallel)
-        self.stages = local.__getitem__
-        self.loss_fn = tp_hf_loss(mesh, "sum" if self.token else "mean")
+        parallelize_hf(list(local.values()), mesh, sequence_parallel=self.cfg.parallel.sequence_parallel)
+        if mesh.config.tp > 1:  # only the held stages are sliced: the pipeline gets those (ties: `self.ties`)
+            self.stages = local.__getitem__
+            self.loss_fn = tp_hf_loss(mesh, "sum" if self.token else "mean")
 
     def bind(self, pipe: pipedsl.Pipeline) -> None:
         from pipedsl.trainer import data

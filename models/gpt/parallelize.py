@@ -1,4 +1,8 @@
-"""How the small GPT (`pipedsl.models.gpt.model.GPT`) is parallelized: its tensor-parallel pipeline stages.
+"""How the small GPT (`pipedsl.models.gpt.model.GPT`) is parallelized: its stages for one rank of a mesh.
+
+`parallelize_gpt(model, num_stages, mesh)` is everything layout-specific, in the order it applies: the tensor-parallel
+slices below when tp > 1 (else the dense stages), then each MoE layer's experts sharded over the mesh's ep group
+(parallel/expert.py) when ep > 1.  A `Pipeline` runs the stages it returns as they are.
 
 `tp_gpt_stages(model, num_stages, mesh, sequence_parallel=False)` slices a dense `GPT` — built on every rank from the
 same seed — into the layers of `pipedsl.parallel` and the GPT's own (models/gpt/tp.py), and cuts them into pipeline
@@ -52,6 +56,7 @@ from pipedsl.models.gpt.moe import MoE
 from pipedsl.models.gpt.tp import Embedding1D, Embedding3DStage, Head1D, Head3D, ParallelMoEBlock
 from pipedsl.models.split import split_gpt
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
+from pipedsl.parallel.expert import shard_experts_over
 from pipedsl.parallel.mesh import Cube3D, ParallelMesh
 from pipedsl.parallel.tp1d import (
     ColumnParallelLinear,
@@ -64,6 +69,20 @@ from pipedsl.parallel.tp1d import (
 from pipedsl.parallel.tp3d import Block3D, Classifier3D, Embedding3D, LayerNorm3D, loss_value
 
 Units = tuple[nn.Module, list[nn.Module], nn.Module]  # (embedding, blocks, head), as `split_gpt` cuts them
+
+
+def parallelize_gpt(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str = "count",
+                    sequence_parallel: bool = False, points: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """The dense `GPT` as `num_stages` stages for this rank of `mesh`: tensor-parallel slices (`tp_gpt_stages`) when
+    tp > 1, each experts module this rank's share over ep when ep > 1.  Every rank builds `model` from one seed."""
+    if mesh.config.tp > 1:
+        stages = tp_gpt_stages(model, num_stages, mesh, by=by, sequence_parallel=sequence_parallel, points=points)
+    else:
+        if sequence_parallel:
+            raise ParallelConfigError("sequence parallelism needs tensor parallelism (tp > 1)")
+        stages = model.stages(num_stages, by=by, points=points)
+    shard_experts_over(stages, mesh)
+    return stages
 
 
 def tp_gpt_stages(model: nn.Module, num_stages: int, mesh: ParallelMesh, by: str = "count",

@@ -1,9 +1,14 @@
-"""How a Hugging Face decoder's stages are tensor (and sequence) parallel: torchtitan's plan for Llama.
+"""How a Hugging Face decoder's stages are parallelized: torchtitan's tensor (and sequence) parallel plan for
+Llama, then the MoE layers' experts sharded over ep.
 
-    mesh = ParallelMesh(ParallelConfig(pp=2, tp=2))
+    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, tp=2, ep=2))
     stages = causal_lm_stages(model, program.num_stages)            # same seeded dense model on every rank
-    tp_hf_stages(stages, mesh, sequence_parallel=True)              # in place, over mesh's tp dimension
-    pipe = Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh)
+    parallelize_hf(stages, mesh, sequence_parallel=True)            # in place: tp over mesh's tp dimension, experts
+    pipe = Pipeline(stages, program=program, loss_fn=tp_hf_loss(mesh), parallel=mesh)   # over its ep groups
+
+`parallelize_hf` is everything layout-specific: `tp_hf_stages` when tp > 1, `shard_experts_over` (parallel/expert.py)
+when ep > 1 — each MoE layer's experts module (the model's own, or its view: models/hf/jetmoe.py) cut to this rank's
+share.  Encoder-decoders take neither (the trainer refuses --tp and --ep for them, trainer/hf_setup.py).
 
 `tp_hf_stages` applies the plan with torch's `parallelize_module` on the stages' own modules (so parameter
 names and ties stay those of the HF model):
@@ -66,6 +71,7 @@ from torch.distributed.tensor.parallel import (
 
 from pipedsl.parallel.comm import copy_to_group
 from pipedsl.parallel.config import ParallelConfig, ParallelConfigError
+from pipedsl.parallel.expert import shard_experts_over
 from pipedsl.parallel.mesh import ParallelMesh
 from pipedsl.parallel.moe_tp import TokenShare, split_tokens
 from pipedsl.parallel.replicated import mark_replicated, sum_grads_later
@@ -81,6 +87,19 @@ MOE_NAMES = ("mlp", "block_sparse_moe")  # where a layer keeps its MoE block (Gr
 # (replicated, their inputs and gradients the same on each), the up-projections to the heads column-parallel
 MLA_REPLICATED = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
 MLA = {"q_proj", "q_b_proj", "kv_b_proj", "o_proj", *MLA_REPLICATED}
+
+
+def parallelize_hf(stages: Sequence[nn.Module], mesh: ParallelMesh, *,
+                   sequence_parallel: bool = False) -> list[nn.Module]:
+    """This rank's `causal_lm_stages` parallelized in place for `mesh`: tensor-parallel when tp > 1, each experts
+    module this rank's share over ep when ep > 1; returns them.  Collective over the tp group (slicing)."""
+    stages = list(stages)
+    if mesh.config.tp > 1:
+        tp_hf_stages(stages, mesh, sequence_parallel=sequence_parallel)
+    elif sequence_parallel:
+        raise ParallelConfigError("sequence parallelism needs tensor parallelism (tp > 1)")
+    shard_experts_over(stages, mesh)
+    return stages
 
 
 def tp_hf_stages(stages: Sequence[nn.Module], mesh: ParallelMesh, *,

@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor
 import pipedsl
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, randomize_, synthetic_batch
 from pipedsl.models.gpt.moe import MoE
+from pipedsl.models.gpt.parallelize import parallelize_gpt
 from pipedsl.parallel import ParallelConfig, ParallelMesh
-from pipedsl.parallel.expert import ExpertParallel, expert_shards
+from pipedsl.parallel.expert import ExpertParallel, expert_shards, shard_experts_over
 from pipedsl.runtime.expert_load import ExpertLoad
 
 LR = 0.05
@@ -52,6 +53,8 @@ def train_equal(rank: int, schedule: str, M: int, dp: int = 1, ep: int = 1, zero
     whole = {id(p): n for n, p in model.named_parameters()}
     names = {s: {n: whole[id(p)] for n, p in m.named_parameters()} for s, m in enumerate(stages)}
     mesh = _mesh(dp, pp, ep, zero) if dp > 1 else None
+    if mesh is not None:
+        shard_experts_over(stages, mesh)  # any module's experts over ep (the GPT's own plan: test_gpt_moe.py)
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=gpt_loss, parallel=mesh, recompute=recompute,
                             device=device)
     ref.to(pipe.device)
@@ -134,7 +137,7 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
     import hf_cases
     from reference_once import on_rank_zero
 
-    from pipedsl.models.hf.parallelize import tp_hf_loss, tp_hf_stages
+    from pipedsl.models.hf.parallelize import parallelize_hf, tp_hf_loss
     from pipedsl.models.hf.stages import causal_lm_loss, causal_lm_stages, shift_labels
 
     pp = dist.get_world_size() // (dp * tp)
@@ -145,9 +148,9 @@ def hf_train_equal(rank: int, family: str, schedule: str, M: int, dp: int = 1, e
     whole = {id(p): n for n, p in model.named_parameters()}
     names = {s: {n: whole[id(p)] for n, p in m.named_parameters()} for s, m in enumerate(stages)}
     mesh = ParallelMesh(ParallelConfig(dp=dp, pp=pp, tp=tp, ep=ep, zero=zero)) if dp * tp > 1 else None
-    loss_fn = causal_lm_loss
-    if tp > 1:
-        stages, loss_fn = tp_hf_stages(stages, mesh, sequence_parallel=sp), tp_hf_loss(mesh)
+    if mesh is not None:  # tp slices and experts over ep: the family's own plan
+        stages = parallelize_hf(stages, mesh, sequence_parallel=sp)
+    loss_fn = tp_hf_loss(mesh) if tp > 1 else causal_lm_loss
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=loss_fn, parallel=mesh)
     kind, lr = (torch.optim.AdamW, 1e-2) if adamw else (torch.optim.SGD, hf_cases.LR)
     opt = pipe.optimizer(kind, lr=lr)
@@ -203,7 +206,8 @@ def overlap_identical(rank: int, schedule: str, M: int, recompute: str | None = 
                         capacity_factor=capacity)
         model = randomize_(GPT(cfg), torch.Generator().manual_seed(0))
         torch.manual_seed(11)  # dropout's stream: the same for both runs
-        pipe = pipedsl.Pipeline(model.stages(program.num_stages, by="blocks"), program=program, loss_fn=gpt_loss,
+        stages = parallelize_gpt(model, program.num_stages, mesh, by="blocks")
+        pipe = pipedsl.Pipeline(stages, program=program, loss_fn=gpt_loss,
                                 parallel=mesh, recompute=recompute,  # a block a stage: both halves of a pair exchange
                                 recompute_filter=lambda m: isinstance(m, MoE),  # its exchanges
                                 overlap=overlap, device=device)
@@ -241,17 +245,47 @@ def mismatched_peers(rank: int) -> dict[str, str]:
     for case, schedule, layers in (("program", "gpipe" if other else "1f1b", 3),
                                    ("stages", "1f1b", 4 if other else 3)):
         try:
-            pipedsl.Pipeline(tiny_moe(layers).stages(2), schedule, microbatches=2, loss_fn=gpt_loss, parallel=mesh)
+            pipedsl.Pipeline(parallelize_gpt(tiny_moe(layers), 2, mesh), schedule, microbatches=2, loss_fn=gpt_loss,
+                             parallel=mesh)
             out[case] = "no error"
         except PipeRuntimeError as err:
             out[case] = err.message
     dense = randomize_(GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=3, n_head=2, n_embd=16)),
                        torch.Generator().manual_seed(0))
     try:
-        pipedsl.Pipeline(dense.stages(2), "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh)
+        pipedsl.Pipeline(parallelize_gpt(dense, 2, mesh), "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh)
         out["dense"] = "no error"
     except PipeRuntimeError as err:
         out["dense"] = err.message
+    return out
+
+
+def sharded_by_the_pipeline(rank: int) -> dict[str, Any]:
+    """The MoE GPT at dp2 × pp2 × ep2 with its experts sharded by its plan (`parallelize_gpt`) and left whole for the
+    `Pipeline` (the older call): for each, the warnings building the pipeline gave (category, message, the file
+    they point at), the expert shards it holds, and two SGD steps' losses."""
+    import warnings
+
+    mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, ep=2))
+    out: dict[str, Any] = {}
+    for case in ("plan", "pipeline"):
+        model = tiny_moe(3)
+        stages = parallelize_gpt(model, 2, mesh) if case == "plan" else model.stages(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh)
+        opt = pipe.optimizer(torch.optim.SGD, lr=LR)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(2):
+            losses.append(pipe.step(*synthetic_batch(8, 8, 32, gen)))
+            opt.step()
+            opt.zero_grad()
+        out[case] = {"warnings": [(w.category.__name__, str(w.message), w.filename) for w in caught],
+                     "shards": sum(isinstance(m, ExpertParallel) for st in pipe.local_stages().values()
+                                   for m in st.modules()),
+                     "losses": losses}
+        pipe.close()
     return out
 
 
@@ -264,8 +298,8 @@ def bf16_main(rank: int) -> dict[str, Any]:
     for name, precision, ep, zero in (("fp32", None, 1, 1), ("z1", MixedPrecision("bf16", params="bf16"), 2, 1),
                                       ("z3", MixedPrecision("bf16", params="bf16"), 2, 3)):
         mesh = ParallelMesh(ParallelConfig(dp=2, pp=2, ep=ep, zero=zero))
-        pipe = pipedsl.Pipeline(tiny_moe(3).stages(2), "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh,
-                                precision=precision)
+        pipe = pipedsl.Pipeline(parallelize_gpt(tiny_moe(3), 2, mesh), "1f1b", microbatches=2, loss_fn=gpt_loss,
+                                parallel=mesh, precision=precision)
         opt = pipe.optimizer(torch.optim.AdamW, lr=1e-2)
         gen = torch.Generator().manual_seed(1)
         losses = []
@@ -297,7 +331,6 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
     from reference_once import on_rank_zero
 
     from pipedsl.models.gpt.parallelize import tp_gpt_loss
-    from pipedsl.parallel.expert import shard_experts
 
     pp = dist.get_world_size() // (dp * tp)
     on_cuda = device is not None and torch.device(device).type == "cuda"
@@ -306,7 +339,7 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
     S = program.num_stages
     model = tiny_moe(max(S - 1, 2))
     ref = copy.deepcopy(model)
-    stages = copy.deepcopy(model).tp_stages(S, mesh, sequence_parallel=sp)
+    stages = parallelize_gpt(copy.deepcopy(model), S, mesh, sequence_parallel=sp)
     pipe = pipedsl.Pipeline(stages, program=program, loss_fn=tp_gpt_loss(mesh), parallel=mesh.with_zero(zero),
                             device=device)
     ref.to(pipe.device)
@@ -338,10 +371,7 @@ def tp_train_equal(dp: int, tp: int, ep: int, sp: bool, schedule: str, zero: int
         if abs(loss - want) > LOSS_RTOL * abs(want):
             problems.append(f"rank {dist.get_rank()} step {step}: loss {loss!r} != one process {want!r}")
     index, n = index_model(model)
-    index_stages = index.tp_stages(S, mesh, sequence_parallel=sp)
-    if ep > 1:  # the same expert rows as the pipeline's shards
-        for s in pipe.local_stages():
-            shard_experts(index_stages[s], mesh.ep_group, mesh.edp_group, dp)
+    index_stages = parallelize_gpt(index, S, mesh, sequence_parallel=sp)  # the same slices and expert rows
     got = gather_dense({s: {k: v.cpu() for k, v in named.items()} for s, named in opt.stage_parameters().items()},
                        index_stages, n)
     want_params = torch.cat([p.detach().cpu().reshape(-1) for p in ref.parameters()]).double()

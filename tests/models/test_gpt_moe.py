@@ -212,6 +212,23 @@ def test_ep_peers_that_would_exchange_at_different_points_are_refused(pool4) -> 
 
 
 @pytest.mark.slow
+def test_a_pipeline_given_whole_experts_shards_them_as_the_plan_does_and_says_where_that_belongs(pool4) -> None:
+    """Experts sharded by the GPT's plan (`parallelize_gpt`) before the `Pipeline`, and left whole for the
+    `Pipeline` (the older call, kept): the same shards and bit-identical losses over two steps; the older call
+    warns once per rank with a DeprecationWarning that names the plan and points at the caller's line, the plan
+    warns nothing."""
+    for r in pool4.run(cases.sharded_by_the_pipeline):
+        plan, pipeline = r["plan"], r["pipeline"]
+        held = plan["shards"]  # this rank's stage's MoE layers (three over two stages)
+        assert plan["losses"] == pipeline["losses"] and held == pipeline["shards"] and held > 0, r
+        assert not [w for w in plan["warnings"] if w[0] == "DeprecationWarning"], plan["warnings"]
+        (_, message, where), = [w for w in pipeline["warnings"] if w[0] == "DeprecationWarning"]
+        assert f"Pipeline sharded {held} experts module(s) over ep=2 itself" in message, message
+        assert "parallelize_gpt" in message, message
+        assert where.endswith("moe_cases.py"), where
+
+
+@pytest.mark.slow
 def test_expert_shards_with_bf16_parameters_over_fp32_main_parameters(pool4) -> None:
     """bf16 parameters with fp32 main parameters (Megatron's distributed optimizer) and the experts over ep=2, under
     ZeRO-1 and ZeRO-3: the shards are ZeRO units of their own, bf16 with fp32 main copies, and three AdamW steps

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import pipedsl
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, randomize_, synthetic_batch
+from pipedsl.models.gpt.parallelize import parallelize_gpt
 from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.runtime import checkpoint
 
@@ -37,7 +38,7 @@ def _model(seed: int) -> GPT:
 def _run(mesh: ParallelMesh, zero: int, *, seed: int = 0, directory: str | None = None, resume: str | None = None,
          optimizer_state: bool = True) -> dict:
     """Train to STEPS (saving after step K), or resume and train; {"losses": {step: loss}}."""
-    pipe = pipedsl.Pipeline(_model(seed).stages(PP), "1f1b", microbatches=M, loss_fn=gpt_loss,
+    pipe = pipedsl.Pipeline(parallelize_gpt(_model(seed), PP, mesh), "1f1b", microbatches=M, loss_fn=gpt_loss,
                             parallel=mesh.with_zero(zero))
     opt = pipe.optimizer(torch.optim.Adam, lr=1e-2)
     return cases.resumable_run(pipe, opt, lambda gen: synthetic_batch(BATCH, CFG.block_size, CFG.vocab_size, gen),

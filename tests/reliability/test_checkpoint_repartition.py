@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import pipedsl
 from pipedsl.models.gpt.model import GPT, GPTConfig, gpt_loss, randomize_, synthetic_batch
+from pipedsl.models.gpt.parallelize import parallelize_gpt
 from pipedsl.parallel import ParallelConfig, ParallelMesh
 from pipedsl.runtime import checkpoint
 
@@ -42,8 +43,8 @@ def _run(cfg: GPTConfig, pp: int, points: list[int] | None, *, mesh: ParallelMes
         pipe = pipedsl.Pipeline(model.stages(pp, points=points), schedule, microbatches=microbatches, loss_fn=gpt_loss)
         opt = torch.optim.Adam([p for m in pipe.local_stages().values() for p in m.parameters()], lr=1e-2)
     else:
-        pipe = pipedsl.Pipeline(model.stages(pp, points=points), schedule, microbatches=microbatches, loss_fn=gpt_loss,
-                                parallel=mesh.with_zero(zero))
+        pipe = pipedsl.Pipeline(parallelize_gpt(model, pp, mesh, points=points), schedule, microbatches=microbatches,
+                                loss_fn=gpt_loss, parallel=mesh.with_zero(zero))
         opt = pipe.optimizer(torch.optim.Adam, lr=1e-2)
     return cases.resumable_run(pipe, opt, lambda gen: synthetic_batch(BATCH, cfg.block_size, cfg.vocab_size, gen),
                                STEPS, save_at=K, directory=directory, resume=resume, optimizer_state=optimizer_state)
