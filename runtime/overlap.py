@@ -4,10 +4,10 @@ An overlapped pair `F(m, s) & B(m', s')` runs the forward of one microbatch and 
 another.  With expert parallelism each MoE layer exchanges tokens (parallel/expert.py): the
 forward dispatches and combines, the backward sends the gradients back the same two ways.  Run
 one after the other, every exchange is time the rank waits.  Here the two halves run as two
-coroutines, each on a thread of its own, *exactly one running at any time*: where a half waits
-for an exchange (`parallel.comm`'s exchange waiter), it hands over to the other, whose compute
-fills the wait; when it gets the turn back, its exchange has arrived or is waited for.  Either
-half ending hands over for good.
+coroutines, each on a thread of its own (the same two for every pair: `_Carrier`), *exactly one
+running at any time*: where a half waits for an exchange (`parallel.comm`'s exchange waiter), it
+hands over to the other, whose compute fills the wait; when it gets the turn back, its exchange
+has arrived or is waited for.  Either half ending hands over for good.
 
 Why coroutines and not pieces: an MoE layer's backward runs inside autograd's engine, which
 cannot be stopped between nodes, and an exchange is in the middle of every layer, forward and
@@ -39,20 +39,59 @@ from pipedsl.parallel import comm
 from pipedsl.runtime.recompute import RngState, rng_state, set_rng_state
 
 
-class _Half:
-    """One coroutine: its thread, its turn (a semaphore), its random-number state, its outcome."""
+class _Carrier:
+    """A thread that lives across pairs and runs one half at a time.  Not a thread per half: torch keeps DTensor's
+    sharding-propagation cache per thread (`LocalLRUCache`), so a fresh thread propagated every op of a
+    tensor-parallel half anew, each step (~40 % of such a rank's CPU time)."""
 
-    def __init__(self, name: str, fn: Callable[[], Any], pair: PairOverlap) -> None:
-        self.name, self.fn, self.pair = name, fn, pair
+    def __init__(self, name: str) -> None:
+        self._job: Callable[[], None] | None = None
+        self._given = threading.Semaphore(0)
+        self.idle = threading.Event()  # set between jobs: the last one has returned, the thread touches nothing
+        self.idle.set()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def start(self, job: Callable[[], None]) -> None:
+        self.idle.clear()
+        self._job = job
+        self._given.release()
+
+    def _loop(self) -> None:
+        while True:
+            self._given.acquire()
+            job, self._job = self._job, None
+            try:
+                job()  # a half's `_main`, which keeps its own error
+            finally:
+                self.idle.set()
+
+
+_callers = threading.local()  # each calling thread's two carriers (a forked child's are gone: made again)
+
+
+def _carriers() -> tuple[_Carrier, _Carrier]:
+    """The calling thread's forward and backward carriers, made on its first pair."""
+    pair = getattr(_callers, "carriers", None)
+    if pair is None or not all(c.thread.is_alive() for c in pair):
+        pair = _callers.carriers = (_Carrier("pipedsl-pair-forward"), _Carrier("pipedsl-pair-backward"))
+    return pair
+
+
+class _Half:
+    """One coroutine: its carrier thread, its turn (a semaphore), its random-number state, its outcome."""
+
+    def __init__(self, name: str, fn: Callable[[], Any], pair: PairOverlap, carrier: _Carrier) -> None:
+        self.name, self.fn, self.pair, self.carrier = name, fn, pair, carrier
         self.turn = threading.Semaphore(0)
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
         self.rng: RngState | None = None
-        self.thread = threading.Thread(target=self._main, name=f"pipedsl-pair-{name}", daemon=True)
+        self.thread = carrier.thread
 
     def _main(self) -> None:
-        if self.pair.device is not None:  # a new thread starts on GPU 0: its kernels and RNG are the rank's GPU's
+        if self.pair.device is not None:  # a thread starts on GPU 0: its kernels and RNG are the caller's GPU's
             torch.cuda.set_device(self.pair.device)
         self.turn.acquire()
         self.pair.enter(self)
@@ -83,16 +122,17 @@ class PairOverlap:
         with fixed-size exchanges the backward, whose first exchange comes at once, starts (`fixed_size`)."""
         self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() \
             else None
-        f, b = _Half("forward", forward, self), _Half("backward", backward, self)
+        forward_carrier, backward_carrier = _carriers()
+        f, b = _Half("forward", forward, self, forward_carrier), _Half("backward", backward, self, backward_carrier)
         self.halves = [f, b]
         f.rng = b.rng = rng_state()  # both start from here (the backward draws nothing but recomputation's own)
         for half in self.halves:
-            half.thread.start()
+            half.carrier.start(half._main)
         with comm.exchange_waiter(self.wait):
             (f if first == "forward" else b).turn.release()
             self.finished.wait()
         for half in self.halves:
-            half.thread.join()
+            half.carrier.idle.wait()
         set_rng_state(f.rng)  # as after F then B: the forward's draws taken
         for half in self.halves:
             if half.error is not None:

@@ -143,3 +143,31 @@ def test_a_backward_run_on_autograds_device_thread_hands_over_too():
     pair.run(forward, backward, first="backward")
     assert order.index("forward starts") < order.index("backward exchange done"), order  # handed over meanwhile
     assert overlap.PairOverlap.handovers - before >= 1
+
+
+def test_every_pair_runs_its_halves_on_the_same_two_threads():
+    """Each pair's halves run on two threads kept for the calling thread, not fresh ones: torch caches DTensor's
+    sharding propagation per thread, so fresh threads propagated every op of a tensor-parallel half anew each step.
+    A half that raises leaves them usable; another calling thread gets its own two."""
+    import threading
+
+    import pytest
+
+    from pipedsl.runtime import overlap
+
+    def where() -> threading.Thread:
+        return threading.current_thread()
+
+    def fails() -> None:
+        raise ValueError("a half failed")
+
+    first = overlap.PairOverlap().run(where, where)
+    assert first[0] is not first[1] and threading.current_thread() not in first
+    with pytest.raises(ValueError, match="a half failed"):
+        overlap.PairOverlap().run(where, fails)
+    assert overlap.PairOverlap().run(where, where) == first
+    elsewhere: list = []
+    caller = threading.Thread(target=lambda: elsewhere.append(overlap.PairOverlap().run(where, where)))
+    caller.start()
+    caller.join()
+    assert not set(elsewhere[0]) & set(first), "another calling thread shares this one's carriers"
