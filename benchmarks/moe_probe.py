@@ -362,8 +362,10 @@ def _shrink_scalar(name: str, value: Any, experts: int) -> Any:
         return 8
     if name in ("index_topk",):
         return 4
-    if name == "vocab_size":
+    if name.startswith("vocab_size"):  # Gemma 4's per-layer input table too (262,144 rows by default)
         return 128
+    if name == "hidden_size_per_layer_input":
+        return 8
     return value
 
 
