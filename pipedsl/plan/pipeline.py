@@ -227,29 +227,67 @@ def iteration_time(timeline: Timeline, program: Program, costs: StageCosts) -> f
     """Makespan with the data-parallel reduction as the runtime overlaps it: each stage's
     collective starts at its REDUCE_GRAD (after the previous one on that rank) and runs behind
     the rest of the cooldown; the optimizer step waits for all of them, then ZeRO 1-2 gather."""
-    on_rank = stage_ranks(program)
-    finish = 0.0
-    for r, events in enumerate(timeline.ranks):
-        comm_free = 0.0
-        last = timeline.start
-        for e in events:
-            if e.instr.op is Op.REDUCE_GRAD:
-                comm_free = max(comm_free, e.end) + costs.reduce[e.instr.stage]
-            last = max(last, e.end)
-        stages = on_rank[r]
-        tail = costs.once_a_step(stages)
-        finish = max(finish, max(last, comm_free) + tail)
-    return finish - timeline.start
+    return _Replay.of(timeline).iteration(stage_ranks(program), costs)
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """What the iteration time reads of a simulated timeline: per rank, each REDUCE_GRAD's end and stage in order
+    and its latest end; kept instead of the timeline, so that layouts whose simulations agree share one."""
+
+    start: float
+    makespan: float
+    busy: float  # the busiest rank's compute seconds
+    reduces: tuple[tuple[tuple[float, int], ...], ...]
+    last: tuple[float, ...]
+
+    @staticmethod
+    def of(timeline: Timeline) -> _Replay:
+        start = timeline.start
+        reduces = tuple(tuple((e.end, e.instr.stage) for e in events if e.instr.op is Op.REDUCE_GRAD)
+                        for events in timeline.ranks)
+        last = tuple(max((e.end for e in events), default=start) for events in timeline.ranks)
+        return _Replay(start, timeline.makespan, max(timeline.busy, default=0.0), reduces, last)
+
+    def iteration(self, on_rank: dict[int, list[int]], costs: StageCosts) -> float:
+        """`iteration_time` under `costs`' reductions and steps, in its order of sums."""
+        finish = 0.0
+        for r, (reduces, last) in enumerate(zip(self.reduces, self.last)):
+            comm_free = 0.0
+            for end, stage in reduces:
+                comm_free = max(comm_free, end) + costs.reduce[stage]
+            finish = max(finish, max(max(last, self.start), comm_free) + costs.once_a_step(on_rank[r]))
+        return finish - self.start
+
+
+REPLAY_CACHE = 2048  # simulations kept (`_replayed`): ZeRO stages and gradient dtypes often simulate alike
+_replays: dict[tuple, _Replay] = {}
+
+
+def _replayed(schedule: str, P: int, M: int, params: tuple, program: Program, cost: Cost, costs: StageCosts,
+              sharing: tuple[float, float, float, float] | None) -> _Replay:
+    """The simulation of `program` (the schedule's at P, M, `params`) under `cost` (`costs.simulator_cost()`), once
+    per everything it depends on: the program, its cost, and where ranks share cores, the sharing and the stages'
+    blocking waits."""
+    waits = tuple(tuple(sorted(w.items())) for w in costs.waits) if sharing is not None else ()
+    key = (schedule, P, M, params, _cost_key(cost), sharing, waits)
+    found = _replays.get(key)
+    if found is None:
+        timeline = simulate(program, cost) if sharing is None else _shared_timeline(program, cost, costs, *sharing)
+        if len(_replays) >= REPLAY_CACHE:
+            del _replays[next(iter(_replays))]  # the oldest
+        found = _replays[key] = _Replay.of(timeline)
+    return found
 
 
 def _run_exact(schedule: str, P: int, M: int, params: tuple, costs: StageCosts,
                sharing: tuple[float, float, float, float] | None) -> tuple[float, float, Sequence[float], float]:
     cost = costs.simulator_cost()
     program = compiled(schedule, P, M, params, cost)
-    timeline = simulate(program, cost) if sharing is None else _shared_timeline(program, cost, costs, *sharing)
+    replay = _replayed(schedule, P, M, params, program, cost, costs, sharing)
     # a built-in order's peaks are its program's whatever the costs: read once (`compiled_peaks`)
     peaks = peak_live(program) if is_searched(schedule) else compiled_peaks(schedule, P, M, params)
-    return iteration_time(timeline, program, costs), timeline.makespan, peaks, max(timeline.busy)
+    return replay.iteration(stage_ranks(program), costs), replay.makespan, peaks, replay.busy
 
 
 def _shared_timeline(program: Program, cost: Cost, costs: StageCosts, cores: float, efficiency: float,

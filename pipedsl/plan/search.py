@@ -319,17 +319,26 @@ def _memory(model: ModelSpec, layout: Layout, costs: StageHoldings | StageCosts,
     """The fullest rank (and every rank's, by pipeline rank): `_rank_memory` of the stages on it, their
     activations counted at its largest stage's layers (`layers`: each stage's); `split`: the program has W ops.
     `costs`: the stages' parameter columns (`stage_holdings`, or the same columns of their `StageCosts`)."""
-    stages, terms = len(layers), _activation_terms(model, layout)
+    terms = _activation_terms(model, layout)
     # the largest units matter only where ZeRO-3 gathers them one by one (`_rank_memory`)
     by_unit = layout.zero >= 3 and not _whole_stage_gathered(layout, split)
-    per_rank: dict[int, MemoryReport] = {}
-    for r, st in on_rank.items():
-        experts = sum(costs.expert_params[s] for s in st) if costs.expert_params else 0.0
-        units = max(costs.unit_pairs[s] for s in st) if by_unit else None
-        per_rank[r] = _rank_memory(model, layout, sum(costs.stage_params[s] for s in st), experts, peaks[r],
-                                   max(layers[s] for s in st), stages - 1 in st, terms, units)
-    worst = max(per_rank.values(), key=lambda report: report.total)  # the first of equal ones, as before
-    return worst, tuple(per_rank[r] for r in sorted(per_rank))
+    held = _rank_holdings(costs.stage_params, costs.expert_params, costs.unit_pairs if by_unit else None,
+                          tuple(map(tuple, on_rank.values())), tuple(layers))
+    per_rank = tuple(_rank_memory(model, layout, params, experts, peaks[r], most, last, terms, units)
+                     for r, (params, experts, units, most, last) in zip(on_rank, held))
+    worst = max(per_rank, key=lambda report: report.total)  # the first of equal ones, as before
+    return worst, per_rank
+
+
+@lru_cache(maxsize=4096)  # a few hundred splits and placements recur across tens of thousands of candidates
+def _rank_holdings(stage_params: tuple[float, ...], expert_params: tuple[float, ...],
+                   unit_pairs: tuple[float, ...] | None, placement: tuple[tuple[int, ...], ...],
+                   layers: tuple[int, ...]) -> tuple[tuple[float, float, float | None, int, bool], ...]:
+    """Per rank (holding `placement[r]`'s stages, in rank order): its parameters, its routed experts, its largest
+    stage's unit pair (None: not asked), its largest stage's layers and whether it holds the last stage."""
+    return tuple((sum(stage_params[s] for s in st), sum(expert_params[s] for s in st) if expert_params else 0.0,
+                  max(unit_pairs[s] for s in st) if unit_pairs is not None else None,
+                  max(layers[s] for s in st), len(layers) - 1 in st) for st in placement)
 
 
 def _whole_stage_gathered(layout: Layout, split: bool) -> bool:
