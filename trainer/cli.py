@@ -223,13 +223,17 @@ def _check_paths(cfg: TrainConfig) -> None:
 
 def _start_fork_server(cfg: TrainConfig) -> None:
     """The ranks' fork server imports torch, the trainer and (for --model) transformers' model code while this
-    process checks the data and the model and compiles: the two overlap (runtime/launch/fork_server.py)."""
+    process checks the data and the model and compiles: the two overlap (runtime/launch/fork_server.py).  The
+    ranks' rendezvous store starts now too."""
     from pipedsl.runtime.launch.fork_server import TORCHRUN_ENV, start
 
     if all(k in os.environ for k in TORCHRUN_ENV):  # torchrun started this process: it starts no rank
         return
     start(["pipedsl.trainer.train", *(["transformers.modeling_utils"] if cfg.model.is_hf else []),
            "pipedsl.trainer.rank_modules"])  # last: what the ranks import on first use (trainer/rank_modules.py)
+    from pipedsl.runtime.launch import world_store
+
+    world_store.warm(cfg.run.timeout)  # the ranks' store, old enough when they connect (world_store.py)
 
 
 def _execute(program: Any, cfg: TrainConfig, started: float) -> int:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from pipedsl.errors import PipeDSLError, PipeRuntimeError
 from pipedsl.perf import freeze_imports
+from pipedsl.runtime.launch import world_store
 from pipedsl.runtime.launch.capacity import check_local_ranks, usable_cores
 from pipedsl.runtime.launch.errors import RankFailure, failure_order, is_consequence, record_failure
 from pipedsl.runtime.launch.fork_server import TORCHRUN_ENV, rank_context
@@ -79,13 +80,13 @@ def default_backend(nprocs: int) -> str:
 
 
 def init_process_group(rank: int, world_size: int, backend: str | None = None, timeout: float = 300.0,
-                       local_rank: int | None = None, store_port: int | None = None) -> None:
-    """Initialise the default group: from MASTER_ADDR/MASTER_PORT (env://), or on the launcher's store."""
+                       local_rank: int | None = None, world: tuple[int, str] | None = None) -> None:
+    """Initialise the default group: from MASTER_ADDR/MASTER_PORT (env://), or in the launcher's `world`
+    (its store's port and the world's prefix: world_store.py)."""
     backend = backend or default_backend(world_size)
     kwargs: dict[str, Any] = {"init_method": "env://"}
-    if store_port is not None:
-        kwargs = {"store": dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                                         timeout=datetime.timedelta(seconds=timeout))}
+    if world is not None:
+        kwargs = {"store": world_store.joined(*world, timeout)}
     if backend == "nccl":
         if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
             raise PipeDSLError("CUDA was initialised in the fork server this rank was forked from (a preloaded "
@@ -133,18 +134,18 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     for name, value in (("timeout", timeout), ("join_timeout", join_timeout), ("stop_grace", stop_grace)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_SECONDS):
             raise PipeDSLError(f"launch: {name} must be a number of seconds in (0, {MAX_SECONDS:g}], got {value!r}")
+    world_store.warm(timeout)  # before the fork server starts (seconds, the first time): the master ages meanwhile
     ctx = rank_context()
     outbox = tempfile.mkdtemp(prefix="pipedsl-launch-")  # one result or error file per rank
     try:
         with StopSignals() as signals:
             # The rendezvous store lives here, in the launcher: it outlives any rank, so the ranks can
             # always read which one failed first (see errors.py).
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout))
+            port, prefix, store = world_store.new_world(timeout)
             threads = threads or max(1, usable_cores() // nprocs)
             with signals_held():  # signals recorded, not lost
                 env = dict(os.environ)
-                procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, store.port, backend, timeout, threads,
+                procs = [ctx.Process(target=_child, args=(fn, rank, nprocs, (port, prefix), backend, timeout, threads,
                                                           outbox, os.getpid(), env, args), name=f"{_RANK_NAME}{rank}")
                          for rank in range(nprocs)]
                 for p in procs:
@@ -186,8 +187,8 @@ def _message(err: BaseException) -> str:
     return "\n".join([exception_line(err), *(f"  {line}" for line in trace_of(err).lines())])
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str | None, timeout: float,
-           threads: int, outbox: str, launcher_pid: int, env: dict[str, str], args: tuple) -> None:
+def _child(fn: Callable[..., Any], rank: int, world: int, store_at: tuple[int, str], backend: str | None,
+           timeout: float, threads: int, outbox: str, launcher_pid: int, env: dict[str, str], args: tuple) -> None:
     os.environ.clear()  # a forked rank has the fork server's environment: the launcher's, as spawn gives
     os.environ.update(env)
     follow_launcher(launcher_pid, rank)
@@ -195,12 +196,12 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
     # threads was: the launcher can only say which signal it was
     faulthandler.enable(file=sys.stderr, all_threads=True)
     freeze_imports()  # what the fork server imported (torch: ~170,000 objects) is never garbage: no collection walks it
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_at[0]), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     code = 0
     try:
-        init_process_group(rank, world, backend, timeout, store_port=port)
+        init_process_group(rank, world, backend, timeout, world=store_at)
         value = fn(rank, *args)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, then a hard exit
         if launcher_gone():  # (and its store): nobody to tell

@@ -36,6 +36,7 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue, owner: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipedsl.runtime.launch import world_store
     from pipedsl.runtime.launch.errors import forget_failures
     from pipedsl.runtime.launch.lifecycle import follow_launcher
 
@@ -48,17 +49,17 @@ def _worker(index: int, jobs: mp.Queue, results: mp.Queue, owner: int) -> None:
         job = jobs.get()
         if job is None:
             return
-        fn, world, port, args, path, timeout_s = pickle.loads(job)
+        fn, world, world_at, args, path, timeout_s = pickle.loads(job)
         for p in path:
             if p not in sys.path:
                 sys.path.append(p)
         try:
-            if port is not None:  # a new world (else: the previous run's, the same ranks)
+            if world_at is not None:  # a new world (else: the previous run's, the same ranks)
                 if dist.is_initialized():
                     dist.destroy_process_group()
-                timeout = datetime.timedelta(seconds=timeout_s)
-                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the parent's
-                dist.init_process_group("gloo", store=store, rank=index, world_size=world, timeout=timeout)
+                store = world_store.joined(*world_at, timeout_s)  # on the parent's master, this worker's one client
+                dist.init_process_group("gloo", store=store, rank=index, world_size=world,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
             else:  # the world's store outlives each run: this one starts with no failure recorded by an earlier one
                 if index == 0:
                     forget_failures(dist.distributed_c10d._get_default_store())
@@ -114,7 +115,7 @@ class LocalPool:
         self._jobs: list[mp.Queue] = []
         self._results: mp.Queue | None = None
         self._world: tuple[int, float] | None = None  # (size, timeout) of the workers' world: a run alike reuses it
-        self._store: Any = None  # that world's rendezvous store (a torch TCPStore), held here while it lives
+        self._store: Any = None  # that world's rendezvous store (world_store.py), held here while it lives
 
     def _start(self) -> None:
         from pipedsl.runtime.launch.fork_server import rank_context
@@ -135,18 +136,17 @@ class LocalPool:
         if not 1 <= world <= self.size:
             raise WorkerError(f"a world of {world} ranks does not fit a pool of {self.size} workers")
         timeout = timeout or self.timeout
-        port = None
+        world_at = None
         if not (same_world and self._procs and (world, timeout) == self._world):
-            # the world's rendezvous store, bound here on a port the system picks and held until the next world:
-            # no port is chosen free and bound later, which another process could take in between
-            import torch.distributed as dist
+            # the world's rendezvous store: a namespace on this process's master (world_store.py), bound on a port
+            # the system picked and held: no port is chosen free and bound later, which another process could take
+            from pipedsl.runtime.launch import world_store
 
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=timeout))
-            port = self._store.port
+            port, prefix, self._store = world_store.new_world(timeout)
+            world_at = (port, prefix)
         path = [p for p in sys.path if p]
         try:  # once, here: a queue pickles in a thread of its own, and a failure there would only be a timeout
-            job = bytes(ForkingPickler.dumps((fn, world, port, args, path, timeout)))
+            job = bytes(ForkingPickler.dumps((fn, world, world_at, args, path, timeout)))
         except Exception as err:  # noqa: BLE001 - pickle raises many kinds
             raise WorkerError(f"{getattr(fn, '__name__', fn)} cannot be sent to the workers: {err}") from None
         if not self._procs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -62,3 +63,14 @@ def fail_and_read(rank: int, fail: bool) -> tuple[int, str] | None:
         record_failure(0, "rank 0's own failure")
     dist.barrier()
     return first_failure(wait=0.0)
+
+
+def store_port_and_failures(rank: int, fail: bool) -> tuple[str, object]:
+    """The launch's store port (MASTER_PORT) and the first failure recorded in this launch's world (errors.py); rank 1
+    fails instead when `fail`."""
+    from pipedsl.runtime.launch.errors import first_failure
+
+    if fail and rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    torch.distributed.barrier()
+    return os.environ["MASTER_PORT"], first_failure(wait=0.0)
