@@ -9,6 +9,11 @@ everyday tier of the language, models and runtime, the planner's, the plots' and
 
     python tests/parts.py [pytest options…]     # every part, each given the options; exit status 0 if all pass
 
+Part 2 is one chain of whole commands, each a process that imports torch and starts its own ranks, while parts 1 and
+3 run many processes at once: shared by thread, the chain got a tenth of the machine and ended last, alone, with a
+core idle (a run's last 40 s).  So parts 1 and 3 run at a lower priority (`NICE`): the chain takes the CPU it needs,
+the others fill the rest, and the three end together.
+
 Each session writes to its own log, printed whole when it ends (the quickest first), so they never interleave.
 Ctrl-C or SIGTERM stops every session and everything they started (each runs in its own process group); the exit
 status is then 128 + the signal.
@@ -27,6 +32,7 @@ from pathlib import Path
 PARTS = {"part 1 (everyday tier: language, models, runtime; planner, plots)": "1/3",
          "part 2 (commands: trainer, reliability)": "2/3",
          "part 3 (multi-process: models, parallel, runtime, language)": "3/3"}
+NICE = {"1/3": 4, "2/3": 0, "3/3": 4}  # each part's niceness (the module docstring)
 ROOT = Path(__file__).resolve().parents[1]
 NO_TESTS = 5  # pytest's status when a selection leaves a part nothing to run: fine for one part, not for all
 
@@ -42,7 +48,8 @@ def _start(part: str, args: list[str], folder: Path) -> subprocess.Popen:
     try:
         return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "--part", part, "-p", "no:cacheprovider",
                                  "--basetemp", str(folder / f"part-{part[0]}-tmp"), *args], cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: os.nice(NICE[part]))  # no thread here: preexec_fn is safe
     finally:
         out.close()  # the child holds its own copy
 
