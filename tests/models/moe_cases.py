@@ -260,6 +260,17 @@ def mismatched_peers(rank: int) -> dict[str, str]:
     return out
 
 
+def _synthetic_steps(pipe: pipedsl.Pipeline, opt: Any, steps: int) -> list[float]:
+    """`steps` optimizer steps of `pipe` on batches of 8 synthetic samples (seed 1): each step's loss."""
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        losses.append(pipe.step(*synthetic_batch(8, 8, 32, gen)))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def sharded_by_the_pipeline(rank: int) -> dict[str, Any]:
     """The MoE GPT at dp2 × pp2 × ep2 with its experts sharded by its plan (`parallelize_gpt`) and left whole for the
     `Pipeline` (the older call): for each, the warnings building the pipeline gave (category, message, the file
@@ -274,13 +285,7 @@ def sharded_by_the_pipeline(rank: int) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pipe = pipedsl.Pipeline(stages, "1f1b", microbatches=2, loss_fn=gpt_loss, parallel=mesh)
-        opt = pipe.optimizer(torch.optim.SGD, lr=LR)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(2):
-            losses.append(pipe.step(*synthetic_batch(8, 8, 32, gen)))
-            opt.step()
-            opt.zero_grad()
+        losses = _synthetic_steps(pipe, pipe.optimizer(torch.optim.SGD, lr=LR), 2)
         out[case] = {"warnings": [(w.category.__name__, str(w.message), w.filename) for w in caught],
                      "shards": sum(isinstance(m, ExpertParallel) for st in pipe.local_stages().values()
                                    for m in st.modules()),
@@ -301,12 +306,7 @@ def bf16_main(rank: int) -> dict[str, Any]:
         pipe = pipedsl.Pipeline(parallelize_gpt(tiny_moe(3), 2, mesh), "1f1b", microbatches=2, loss_fn=gpt_loss,
                                 parallel=mesh, precision=precision)
         opt = pipe.optimizer(torch.optim.AdamW, lr=1e-2)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            losses.append(pipe.step(*synthetic_batch(8, 8, 32, gen)))
-            opt.step()
-            opt.zero_grad()
+        losses = _synthetic_steps(pipe, opt, 3)
         shards = [m for s in pipe.local_stages().values() for m in s.modules() if isinstance(m, ExpertParallel)]
         out[name] = {"losses": losses, "dtypes": sorted({str(u.dtype) + "/" + str(u.main.dtype)
                                                          for z in opt.zero.values() for u in z.units
