@@ -77,7 +77,7 @@ class Discovery(Executor):
         if not self._queue[peer] and peer not in self._unresolved:
             meta = self._meta(ins.op, slot)
             if meta is not None:
-                self.posted[ins.op][slot] = self.channels.post_recv(peer, meta, self._label(ins))
+                self.posted[ins.op][slot] = self._post_recv(ins, meta)
                 return
             if ins.op is Op.RECV_F and not self.strict:
                 self._unresolved[peer] = (slot, self._post_shapes(ins))
@@ -87,7 +87,7 @@ class Discovery(Executor):
 
     def _post_shapes(self, ins: Instr) -> Recv:
         """The shape message that comes before the first activation of its kind from `ins`'s peer, posted."""
-        return self.channels.post_recv(ins.peer, _SHAPES, self._label(ins, SHAPES_OF))
+        return self._post_recv(ins, _SHAPES, self._label(ins, SHAPES_OF))
 
     def _recv(self, ins: Instr) -> None:
         slot = Slot(ins.mb, ins.stage, ins.replica)
@@ -117,7 +117,7 @@ class Discovery(Executor):
                 return
             meta = self._meta(ins.op, slot)
             if meta is not None:
-                self.posted[ins.op][slot] = self.channels.post_recv(peer, meta, self._label(ins))
+                self.posted[ins.op][slot] = self._post_recv(ins, meta)
             elif ins.op is Op.RECV_F:  # the first activation of its kind from this peer: its shapes come first
                 self._unresolved[peer] = (slot, self._post_shapes(ins))
             else:  # a gradient whose forward has not run yet: posted by the backward that takes it
@@ -147,8 +147,8 @@ class Discovery(Executor):
         metas = decode_meta(vector.cpu())
         self.channels.pool.give(vector)
         self.in_meta[ShapeKey(self.kinds[slot.microbatch], slot.replica, slot.stage)] = metas
-        self.posted[Op.RECV_F][slot] = self.channels.post_recv(
-            peer, metas, self._label(Instr(Op.RECV_F, slot.microbatch, slot.stage, peer, slot.replica)))
+        self.posted[Op.RECV_F][slot] = self._post_recv(Instr(Op.RECV_F, slot.microbatch, slot.stage, peer,
+                                                             slot.replica), metas)
         self._queued.discard((Op.RECV_F, slot))
 
     def _take(self, op: Op, slot: Slot) -> list[torch.Tensor]:

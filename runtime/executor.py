@@ -218,7 +218,18 @@ class Executor:
     def _post(self, ins: Instr, slot: Slot) -> None:
         shapes = ShapeKey(self.kinds[slot.microbatch], slot.replica, slot.stage)
         meta = self.in_meta[shapes] if ins.op is Op.RECV_F else self.grad_meta[shapes]
-        self.posted[ins.op][slot] = self.channels.post_recv(ins.peer, meta, self._label(ins))
+        self.posted[ins.op][slot] = self._post_recv(ins, meta)
+
+    def _post_recv(self, ins: Instr, metas: list, label: str | None = None) -> Any:
+        """`ins`'s receive of tensors `metas`, posted.  A peer that stopped and closed its connections makes gloo
+        refuse the post itself: a peer's failure, named as a wait for it is (the pipeline then reports the reason
+        the peer recorded), not gloo's "Connection closed by peer"."""
+        try:
+            return self.channels.post_recv(ins.peer, metas, self._label(ins) if label is None else label)
+        except Exception as err:  # noqa: BLE001
+            raise RankFailure(f"rank {self.rank} instruction {self.index} ({self.stream[self.index]}): posting the "
+                              f"receive of {ins} from rank {ins.peer} failed: {err}", self.rank, self.index,
+                              self.stream[self.index], peer=ins.peer, peer_failure=True) from err
 
     def _label(self, ins: Instr, what: str = "") -> str | None:
         """A message's instruction in words, where the channels name their operations (else None: no cost)."""

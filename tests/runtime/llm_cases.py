@@ -223,8 +223,12 @@ def disagreeing_shapes(rank: int, how: str) -> str:
     (runtime/post_validate.py), whose forward work checks a peer's opening before it first waits for that peer, and
     the others' as they arrive while it waits (`post4`: four ranks, rank 0 alone differs; `post4-late`: rank 0's
     openings to ranks 2 and 3 a second late, after rank 1 found the difference and stopped — ranks 2 and 3 see a
-    closed connection first, as a loaded machine made one do)."""
+    closed connection first, as a loaded machine made one do; `dist-late`: over torch.distributed, rank 0's first
+    receive of the step posted a second late, when rank 1 has stopped: gloo refuses the post itself, as a loaded
+    machine made it do)."""
     four = how in ("post4", "post4-late")
+    late_post = how == "dist-late"  # rank 0's first receive posted a second late: rank 1 stopped and closed by then
+    how = "dist" if late_post else how
     P = 4 if four else 2  # post4: rank 0 alone differs, and rank 3's forward work waits for rank 2 only
     program = pipedsl.load("1f1b").compile(P=P, M=2)
     os.environ["PIPEDSL_P2P"] = how if how in ("dist", "nccl") else "auto"
@@ -250,6 +254,15 @@ def disagreeing_shapes(rank: int, how: str) -> str:
             send(peer, tensors)
 
         pipe.channels.transport.send = late
+    if late_post and rank == 0:
+        post = pipe.channels.post_recv
+
+        def late_recv(*args: Any, **kwargs: Any) -> Any:
+            pipe.channels.post_recv = post
+            time.sleep(1.0)
+            return post(*args, **kwargs)
+
+        pipe.channels.post_recv = late_recv
     opened: list[tuple[str, bool]] = []  # each opening message sent: its tensor's device, over the messages' group?
     isend = dist.isend
 

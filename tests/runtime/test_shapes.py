@@ -28,7 +28,8 @@ def test_batch_and_length_change(schedule: str, pool2) -> None:
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("how", ["new", "known", "evaluate", "dist", "nccl", "post", "post4", "post4-late"])
+@pytest.mark.parametrize("how", ["new", "known", "evaluate", "dist", "dist-late", "nccl", "post", "post4",
+                                 "post4-late"])
 def test_ranks_disagreeing_on_shapes_stop_with_the_reason(how: str, pools) -> None:
     messages = pools[4 if how.startswith("post4") else 2].run(cases.disagreeing_shapes, how)
     assert any("passed inputs of different shapes" in m and "[2, 6]" in m and "[2, 5]" in m for m in messages), messages
