@@ -87,7 +87,7 @@ class Discovery(Executor):
 
     def _post_shapes(self, ins: Instr) -> Recv:
         """The shape message that comes before the first activation of its kind from `ins`'s peer, posted."""
-        return self._post_recv(ins, _SHAPES, self._label(ins, SHAPES_OF))
+        return self._post_recv(ins, _SHAPES, SHAPES_OF)
 
     def _recv(self, ins: Instr) -> None:
         slot = Slot(ins.mb, ins.stage, ins.replica)

@@ -220,12 +220,12 @@ class Executor:
         meta = self.in_meta[shapes] if ins.op is Op.RECV_F else self.grad_meta[shapes]
         self.posted[ins.op][slot] = self._post_recv(ins, meta)
 
-    def _post_recv(self, ins: Instr, metas: list, label: str | None = None) -> Any:
+    def _post_recv(self, ins: Instr, metas: list, what: str = "") -> Any:
         """`ins`'s receive of tensors `metas`, posted.  A peer that stopped and closed its connections makes gloo
         refuse the post itself: a peer's failure, named as a wait for it is (the pipeline then reports the reason
         the peer recorded), not gloo's "Connection closed by peer"."""
         try:
-            return self.channels.post_recv(ins.peer, metas, self._label(ins) if label is None else label)
+            return self.channels.post_recv(ins.peer, metas, self._label(ins, what))
         except Exception as err:  # noqa: BLE001
             raise RankFailure(f"rank {self.rank} instruction {self.index} ({self.stream[self.index]}): posting the "
                               f"receive of {ins} from rank {ins.peer} failed: {err}", self.rank, self.index,

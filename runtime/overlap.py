@@ -88,7 +88,6 @@ class _Half:
         self.result: Any = None
         self.error: BaseException | None = None
         self.rng: RngState | None = None
-        self.thread = carrier.thread
 
     def _main(self) -> None:
         if self.pair.device is not None:  # a thread starts on GPU 0: its kernels and RNG are the caller's GPU's
@@ -164,7 +163,8 @@ class PairOverlap:
         # autograd runs a GPU tensor's backward on its device thread while the backward half waits in backward():
         # that thread stands for the backward half (it used to wait here without handing over, and the overlap
         # shrank to the forward's first exchange)
-        if half is None or (here is not half.thread and (half.name != "backward" or here is self.halves[0].thread)):
+        if half is None or (here is not half.carrier.thread
+                            and (half.name != "backward" or here is self.halves[0].carrier.thread)):
             comm.default_exchange_wait(work, ready_at)
             return
         if not self._other(half).done:

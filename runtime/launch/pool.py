@@ -115,7 +115,6 @@ class LocalPool:
         self._jobs: list[mp.Queue] = []
         self._results: mp.Queue | None = None
         self._world: tuple[int, float] | None = None  # (size, timeout) of the workers' world: a run alike reuses it
-        self._store: Any = None  # that world's rendezvous store (world_store.py), held here while it lives
 
     def _start(self) -> None:
         from pipedsl.runtime.launch.fork_server import rank_context
@@ -138,11 +137,11 @@ class LocalPool:
         timeout = timeout or self.timeout
         world_at = None
         if not (same_world and self._procs and (world, timeout) == self._world):
-            # the world's rendezvous store: a namespace on this process's master (world_store.py), bound on a port
-            # the system picked and held: no port is chosen free and bound later, which another process could take
+            # the world's rendezvous store: a namespace on this process's master (world_store.py), which holds its
+            # port for the process's life: no port is chosen free and bound later, which another process could take
             from pipedsl.runtime.launch import world_store
 
-            port, prefix, self._store = world_store.new_world(timeout)
+            port, prefix, _ = world_store.new_world(timeout)
             world_at = (port, prefix)
         path = [p for p in sys.path if p]
         try:  # once, here: a queue pickles in a thread of its own, and a failure there would only be a timeout
